@@ -1,0 +1,3 @@
+//! MiniMax Serve gateway: the CUDA-free brain in front of the rank-workers.
+
+pub mod text;

@@ -1,0 +1,1 @@
+//! Text pipeline: tokenizer, chat template, reasoning and tool-call parsing.

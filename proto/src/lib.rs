@@ -1,0 +1,1 @@
+//! gRPC contract between gateway and ranks (filled in by the distributed-core work).

@@ -1,0 +1,1 @@
+//! Model configuration and tensor naming for the MiniMax-M2 family.
