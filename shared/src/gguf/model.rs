@@ -120,6 +120,12 @@ fn split_key(file: &GgufFile, key: &str) -> Result<Option<u64>, GgufError> {
     }
 }
 
+impl std::fmt::Debug for GgufModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GgufModel").field("shards", &self.shards).finish()
+    }
+}
+
 impl GgufModel {
     /// Opens a single file, the first shard of a split model, or a directory holding either.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, GgufError> {

@@ -52,7 +52,7 @@ mod tests {
     #[test]
     fn e8m0_half_is_two_to_the_e_minus_128() {
         for e in 0..=254u8 {
-            assert_eq!(e8m0_to_f32_half(e), 2f32.powi(e as i32 - 128), "e = {e}");
+            assert_eq!(e8m0_to_f32_half(e), 2f64.powi(e as i32 - 128) as f32, "e = {e}");
         }
         assert_eq!(e8m0_to_f32_half(127), 0.5);
     }
