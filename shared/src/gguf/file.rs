@@ -209,6 +209,11 @@ impl GgufFile {
         self.bytes.as_slice().len() as u64
     }
 
+    /// The whole file's bytes (for zero-copy views that outlive a `TensorView` borrow).
+    pub fn bytes(&self) -> &[u8] {
+        self.bytes.as_slice()
+    }
+
     /// The raw bytes of a tensor of this file (bounds were checked at parse time).
     pub fn tensor_bytes(&self, info: &TensorInfo) -> &[u8] {
         let start = (self.data_offset + info.offset) as usize;

@@ -20,7 +20,9 @@
 use super::f16_at;
 
 /// The IQ4_NL / IQ4_XS codebook (`kvalues_iq4nl` in ggml-common.h).
-pub const KVALUES_IQ4NL: [i8; 16] = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113];
+pub const KVALUES_IQ4NL: [i8; 16] = [
+    -127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113,
+];
 
 /// The codebook as f32, so the inner loops are a table load and a multiply.
 const KV: [f32; 16] = {

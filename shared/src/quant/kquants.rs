@@ -43,17 +43,21 @@ pub(crate) fn dequant_q2_k(b: &[u8; 84], y: &mut [f32; 256]) {
     let qs = &b[16..80];
     let d = f16_at(b, 80);
     let dmin = f16_at(b, 82);
+    let mut dl = [0.0f32; 16];
+    let mut ml = [0.0f32; 16];
+    for s in 0..16 {
+        dl[s] = d * (scales[s] & 0xF) as f32;
+        ml[s] = dmin * (scales[s] >> 4) as f32;
+    }
     for g in 0..2 {
+        let q = &qs[32 * g..32 * g + 32];
         for k in 0..4 {
             let base = 128 * g + 32 * k;
-            for half in 0..2 {
-                let s = scales[(base + 16 * half) / 16];
-                let dl = d * (s & 0xF) as f32;
-                let ml = dmin * (s >> 4) as f32;
-                for l in 16 * half..16 * half + 16 {
-                    let q = (qs[32 * g + l] >> (2 * k)) & 3;
-                    y[base + l] = dl * q as f32 - ml;
-                }
+            let (s0, s1) = (base / 16, base / 16 + 1);
+            let (lo, hi) = y[base..base + 32].split_at_mut(16);
+            for l in 0..16 {
+                lo[l] = dl[s0] * ((q[l] >> (2 * k)) & 3) as f32 - ml[s0];
+                hi[l] = dl[s1] * ((q[l + 16] >> (2 * k)) & 3) as f32 - ml[s1];
             }
         }
     }
@@ -75,11 +79,16 @@ pub(crate) fn dequant_q3_k(b: &[u8; 110], y: &mut [f32; 256]) {
         for k in 0..4 {
             let base = 128 * g + 32 * k;
             let bit = 4 * g + k;
-            for l in 0..32 {
-                let low = ((qs[32 * g + l] >> (2 * k)) & 3) as i32;
-                let high = ((hmask[l] >> bit) & 1) as i32;
-                let q = low - ((high ^ 1) << 2);
-                y[base + l] = dl[(base + l) / 16] * q as f32;
+            let q = &qs[32 * g..32 * g + 32];
+            let (d0, d1) = (dl[base / 16], dl[base / 16 + 1]);
+            let (lo, hi) = y[base..base + 32].split_at_mut(16);
+            for l in 0..16 {
+                // The high bit is 1 for "no offset": q = low - 4 * (1 - high).
+                let q0 = ((q[l] >> (2 * k)) & 3) as i32 - (((!hmask[l] >> bit) & 1) << 2) as i32;
+                let q1 = ((q[l + 16] >> (2 * k)) & 3) as i32
+                    - (((!hmask[l + 16] >> bit) & 1) << 2) as i32;
+                lo[l] = d0 * q0 as f32;
+                hi[l] = d1 * q1 as f32;
             }
         }
     }
@@ -151,11 +160,14 @@ pub(crate) fn dequant_q6_k(b: &[u8; 210], y: &mut [f32; 256]) {
             let lrow = &ql[64 * g + 32 * (k % 2)..64 * g + 32 * (k % 2) + 32];
             let hrow = &qh[32 * g..32 * g + 32];
             let lshift = 4 * (k / 2);
-            for l in 0..32 {
-                let low = (lrow[l] >> lshift) & 0xF;
-                let high = (hrow[l] >> (2 * k)) & 3;
-                let q = (low | high << 4) as i32 - 32;
-                y[base + l] = dl[(base + l) / 16] * q as f32;
+            for (h, yh) in y[base..base + 32].chunks_exact_mut(16).enumerate() {
+                let dh = dl[base / 16 + h];
+                for (l, yl) in yh.iter_mut().enumerate() {
+                    let l = 16 * h + l;
+                    let low = (lrow[l] >> lshift) & 0xF;
+                    let high = (hrow[l] >> (2 * k)) & 3;
+                    *yl = dh * ((low | high << 4) as i32 - 32) as f32;
+                }
             }
         }
     }

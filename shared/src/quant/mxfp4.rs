@@ -32,7 +32,11 @@ const KV: [f32; 16] = {
 /// Half the e8m0 scale `e`, i.e. 2^(e - 128), exactly as `ggml_e8m0_to_fp32_half`.
 #[inline(always)]
 pub fn e8m0_to_f32_half(e: u8) -> f32 {
-    let bits = if e < 2 { 0x0020_0000u32 << e } else { ((e as u32) - 1) << 23 };
+    let bits = if e < 2 {
+        0x0020_0000u32 << e
+    } else {
+        ((e as u32) - 1) << 23
+    };
     f32::from_bits(bits)
 }
 
@@ -52,7 +56,11 @@ mod tests {
     #[test]
     fn e8m0_half_is_two_to_the_e_minus_128() {
         for e in 0..=254u8 {
-            assert_eq!(e8m0_to_f32_half(e), 2f64.powi(e as i32 - 128) as f32, "e = {e}");
+            assert_eq!(
+                e8m0_to_f32_half(e),
+                2f64.powi(e as i32 - 128) as f32,
+                "e = {e}"
+            );
         }
         assert_eq!(e8m0_to_f32_half(127), 0.5);
     }
