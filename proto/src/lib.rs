@@ -1,1 +1,13 @@
-//! gRPC contract between gateway and ranks (filled in by the distributed-core work).
+//! The gateway-to-rank gRPC contract. One versioned service (`minimax.rank.v1.Rank`) with a few
+//! batch-shaped RPCs; see `minimax/rank/v1/rank.proto` for the semantics of every field.
+
+/// Version 1 of the rank service.
+pub mod v1 {
+    tonic::include_proto!("minimax.rank.v1");
+
+    /// Encoded file descriptor set, for gRPC server reflection (grpcurl).
+    pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/rank_descriptor.bin"));
+
+    /// The protocol version ranks report in `DescribeResponse.protocol_version`.
+    pub const PROTOCOL_VERSION: u32 = 1;
+}

@@ -2,5 +2,7 @@
 
 pub mod comm;
 pub mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 pub mod inspect;
 pub mod partition;

@@ -2,5 +2,7 @@
 //!
 //! See `docs/TEXT_PIPELINE.md` for the flow and where a new model family plugs in.
 
+pub mod detok;
 pub mod format;
 pub mod tokenizer;
+pub mod template;

@@ -1,0 +1,418 @@
+//! One GPU: its context and stream, the compiled kernel modules, and typed launch wrappers
+//! for every kernel. Wrappers take raw device addresses (`u64`) plus strides so callers can
+//! address sub-ranges of buffers freely; they check what the kernels assume (sizes, alignment)
+//! and return errors instead of launching something that would read out of bounds.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
+use minimax_shared::model::GatingFunc;
+use minimax_shared::quant::GgmlType;
+
+use super::error::CudaError;
+use super::nvrtc::{self, Origin};
+
+/// Element type of the KV cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum KvDtype {
+    /// IEEE half: 11 significant bits, the default (K and V are O(1)-scaled here).
+    #[default]
+    F16,
+    /// bfloat16: f32's range with 8 significant bits.
+    BF16,
+}
+
+impl KvDtype {
+    fn suffix(self) -> &'static str {
+        match self {
+            KvDtype::F16 => "f16",
+            KvDtype::BF16 => "bf16",
+        }
+    }
+}
+
+/// A kernel argument (passed by value).
+#[derive(Clone, Copy, Debug)]
+pub enum Arg {
+    /// A device address.
+    P(u64),
+    I(i32),
+    L(i64),
+    U(u32),
+    F(f32),
+}
+
+/// A quantized weight matrix in device memory: `rows` rows of `cols` elements of `ty`, or,
+/// for a 3-D expert tensor, `n_experts` such matrices `expert_stride` bytes apart.
+#[derive(Clone, Copy, Debug)]
+pub struct DevMat {
+    pub ptr: u64,
+    pub ty: GgmlType,
+    pub rows: usize,
+    pub cols: usize,
+    pub row_bytes: usize,
+    pub n_experts: usize,
+    pub expert_stride: usize,
+}
+
+impl DevMat {
+    /// Bytes of the whole tensor.
+    pub fn n_bytes(&self) -> usize {
+        self.n_experts.max(1) * self.rows * self.row_bytes
+    }
+}
+
+/// Timing of the start-up kernel build.
+#[derive(Clone, Debug)]
+pub struct BuildReport {
+    pub arch: u32,
+    pub nvrtc: (i32, i32),
+    pub seconds: f64,
+    pub cached: usize,
+    pub compiled: usize,
+}
+
+/// A CUDA device with the project's kernels loaded.
+pub struct Gpu {
+    pub ctx: Arc<CudaContext>,
+    pub stream: Arc<CudaStream>,
+    pub name: String,
+    /// Compute capability as major * 10 + minor (90 on H100/H200, 120 on RTX Blackwell).
+    pub arch: u32,
+    pub build: BuildReport,
+    modules: Vec<(&'static str, Arc<CudaModule>)>,
+    funcs: Mutex<HashMap<String, CudaFunction>>,
+}
+
+/// Checks that the CUDA driver library can be loaded (instead of a panic in the bindings).
+pub fn ensure_driver() -> Result<(), CudaError> {
+    if unsafe { cudarc::driver::sys::is_culib_present() } {
+        Ok(())
+    } else {
+        Err(CudaError::LibraryMissing { lib: "libcuda", hint: "no NVIDIA driver found (is this a GPU machine? is libcuda.so.1 on the loader path?)" })
+    }
+}
+
+fn ceil_div(a: usize, b: usize) -> u32 {
+    a.div_ceil(b) as u32
+}
+
+const MV_WARPS: usize = 4;
+
+impl Gpu {
+    /// Opens device `ordinal`, compiles (or loads from cache) every kernel module for its
+    /// architecture, and loads them.
+    pub fn new(ordinal: usize) -> Result<Self, CudaError> {
+        ensure_driver()?;
+        nvrtc::ensure_nvrtc()?;
+        let ctx = CudaContext::new(ordinal)?;
+        // Graph capture fails with cudarc's per-buffer event tracking; one stream, no events.
+        unsafe { ctx.disable_event_tracking() };
+        let (maj, min) = ctx.compute_capability()?;
+        let arch = (maj * 10 + min) as u32;
+        let name = ctx.name()?;
+        let t0 = Instant::now();
+        let built = nvrtc::build_all(arch)?;
+        let nv = nvrtc::version()?;
+        let mut modules = Vec::new();
+        let (mut cached, mut compiled) = (0, 0);
+        for (m, bin, origin) in built {
+            match origin {
+                Origin::Cache => cached += 1,
+                Origin::Compiled => compiled += 1,
+            }
+            modules.push((m, ctx.load_module(cudarc::nvrtc::Ptx::from_binary(bin))?));
+        }
+        let build = BuildReport { arch, nvrtc: nv, seconds: t0.elapsed().as_secs_f64(), cached, compiled };
+        tracing::info!(device = %name, arch, ?nv, secs = build.seconds, cached, compiled, "CUDA kernels ready");
+        let stream = ctx.default_stream();
+        Ok(Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()) })
+    }
+
+    /// The kernel `name`, looked up once in the loaded modules.
+    pub fn func(&self, name: &str) -> Result<CudaFunction, CudaError> {
+        let mut f = self.funcs.lock().unwrap();
+        if let Some(k) = f.get(name) {
+            return Ok(k.clone());
+        }
+        for (_, m) in &self.modules {
+            if let Ok(k) = m.load_function(name) {
+                f.insert(name.to_string(), k.clone());
+                return Ok(k);
+            }
+        }
+        Err(CudaError::MissingKernel(name.to_string()))
+    }
+
+    /// Launches kernel `name` on the stream.
+    pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<(), CudaError> {
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        let f = self.func(name)?;
+        let mut b = self.stream.launch_builder(&f);
+        for a in args {
+            match a {
+                Arg::P(v) => b.arg(v),
+                Arg::I(v) => b.arg(v),
+                Arg::L(v) => b.arg(v),
+                Arg::U(v) => b.arg(v),
+                Arg::F(v) => b.arg(v),
+            };
+        }
+        let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
+        unsafe { b.launch(cfg) }?;
+        Ok(())
+    }
+
+    /// Waits for the stream and surfaces any asynchronous error.
+    pub fn sync(&self) -> Result<(), CudaError> {
+        self.stream.synchronize()?;
+        Ok(())
+    }
+
+    /// Device address of a buffer.
+    pub fn ptr<T>(&self, s: &CudaSlice<T>) -> u64 {
+        s.device_ptr(&self.stream).0
+    }
+
+    /// Copies host data into a new device buffer.
+    pub fn upload<T: DeviceRepr>(&self, data: &[T]) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.stream.clone_htod(data)?)
+    }
+
+    /// A zeroed device buffer of `n` elements (at least one, so it has an address).
+    pub fn zeros<T: DeviceRepr + ValidAsZeroBits>(&self, n: usize) -> Result<CudaSlice<T>, CudaError> {
+        Ok(self.stream.alloc_zeros::<T>(n.max(1))?)
+    }
+
+    /// Copies a device buffer back to the host.
+    pub fn download<T: DeviceRepr>(&self, s: &CudaSlice<T>) -> Result<Vec<T>, CudaError> {
+        Ok(self.stream.clone_dtoh(s)?)
+    }
+
+    /// Fills `n` 32-bit words at `p` with `bits` (tests poison outputs with NaN).
+    pub fn fill_u32(&self, p: u64, n: usize, bits: u32) -> Result<(), CudaError> {
+        self.launch("fill_u32", (ceil_div(n, 256), 1, 1), 256, 0, &[Arg::P(p), Arg::L(n as i64), Arg::U(bits)])
+    }
+
+    fn check_type(&self, ty: GgmlType, what: &str) -> Result<String, CudaError> {
+        if !ty.is_supported() {
+            return Err(CudaError::Unsupported { ty, what: what.to_string() });
+        }
+        Ok(ty.name().to_ascii_lowercase())
+    }
+
+    fn check_x(&self, ty: GgmlType, x: u64, xs: usize) -> Result<(), CudaError> {
+        let float = matches!(ty, GgmlType::F32 | GgmlType::F16 | GgmlType::BF16);
+        if !float && (x % 16 != 0 || xs % 4 != 0) {
+            return Err(CudaError::Shape(format!("matvec input must be 16-byte aligned with a stride multiple of 4 (x {x:#x}, stride {xs})")));
+        }
+        Ok(())
+    }
+
+    /// `y[v] = W x[v]` (or `+=` with `accumulate`) for `nvec` f32 vectors `xs` apart, outputs
+    /// `ys` apart (strides in elements).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec(&self, w: &DevMat, x: u64, xs: usize, y: u64, ys: usize, nvec: usize, accumulate: bool) -> Result<(), CudaError> {
+        let tn = self.check_type(w.ty, "matvec")?;
+        self.check_x(w.ty, x, xs)?;
+        let nt = if nvec == 1 { 1 } else { 8 };
+        let grid = (ceil_div(w.rows, MV_WARPS), ceil_div(nvec, nt), 1);
+        self.launch(
+            &format!("mv_{tn}_{nt}"),
+            grid,
+            (32 * MV_WARPS) as u32,
+            0,
+            &[
+                Arg::P(w.ptr),
+                Arg::L(w.row_bytes as i64),
+                Arg::I(w.rows as i32),
+                Arg::I(w.cols as i32),
+                Arg::P(x),
+                Arg::L(xs as i64),
+                Arg::P(y),
+                Arg::L(ys as i64),
+                Arg::I(nvec as i32),
+                Arg::I(accumulate as i32),
+            ],
+        )
+    }
+
+    /// For each pair `p < npairs`: `y[p] = W[ids[p]] x[p / x_div]` with `W` an expert tensor.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_experts(&self, w: &DevMat, ids: u64, x: u64, xs: usize, x_div: usize, y: u64, ys: usize, npairs: usize) -> Result<(), CudaError> {
+        let tn = self.check_type(w.ty, "expert matvec")?;
+        self.check_x(w.ty, x, xs)?;
+        if npairs > 65535 {
+            return Err(CudaError::Shape(format!("{npairs} expert pairs in one launch (max 65535)")));
+        }
+        self.launch(
+            &format!("mve_{tn}"),
+            (ceil_div(w.rows, MV_WARPS), npairs as u32, 1),
+            (32 * MV_WARPS) as u32,
+            0,
+            &[
+                Arg::P(w.ptr),
+                Arg::L(w.row_bytes as i64),
+                Arg::L(w.expert_stride as i64),
+                Arg::I(w.rows as i32),
+                Arg::I(w.cols as i32),
+                Arg::P(ids),
+                Arg::P(x),
+                Arg::L(xs as i64),
+                Arg::I(x_div as i32),
+                Arg::P(y),
+                Arg::L(ys as i64),
+            ],
+        )
+    }
+
+    /// Dequantizes rows `ids[0..n]` (i32) of `w` into f32 rows `os` apart (embedding lookup).
+    pub fn dequant_rows(&self, w: &DevMat, ids: u64, n: usize, out: u64, os: usize) -> Result<(), CudaError> {
+        let tn = self.check_type(w.ty, "dequant")?;
+        self.launch(
+            &format!("dq_{tn}"),
+            (n as u32, 1, 1),
+            256,
+            0,
+            &[Arg::P(w.ptr), Arg::L(w.row_bytes as i64), Arg::P(ids), Arg::I(w.cols as i32), Arg::P(out), Arg::L(os as i64)],
+        )
+    }
+
+    /// RMSNorm of `nrows` rows of width `n` (in place when `x == y`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rms_norm(&self, x: u64, xs: usize, w: u64, y: u64, ys: usize, nrows: usize, n: usize, eps: f32) -> Result<(), CudaError> {
+        self.launch(
+            "rms_norm",
+            (nrows as u32, 1, 1),
+            256,
+            0,
+            &[Arg::P(x), Arg::L(xs as i64), Arg::P(w), Arg::P(y), Arg::L(ys as i64), Arg::I(n as i32), Arg::F(eps)],
+        )
+    }
+
+    /// Partial NeoX RoPE in place on `nrows` rows of `heads` heads of width `hd`; row t is
+    /// at position `pos[t]` (i32 device array).
+    #[allow(clippy::too_many_arguments)]
+    pub fn rope(&self, x: u64, xs: usize, nrows: usize, heads: usize, hd: usize, rot: usize, pos: u64, theta: f32) -> Result<(), CudaError> {
+        if rot > hd || rot % 2 != 0 {
+            return Err(CudaError::Shape(format!("rotary dims {rot} of head dim {hd}")));
+        }
+        self.launch(
+            "rope_neox",
+            (nrows as u32, 1, 1),
+            128,
+            0,
+            &[Arg::P(x), Arg::L(xs as i64), Arg::I(heads as i32), Arg::I(hd as i32), Arg::I(rot as i32), Arg::P(pos), Arg::F(theta)],
+        )
+    }
+
+    /// `dst[i] = src[idx[i]]` for `nrows` rows of `n` floats.
+    #[allow(clippy::too_many_arguments)]
+    pub fn gather_rows(&self, src: u64, ss: usize, idx: u64, dst: u64, ds: usize, n: usize, nrows: usize) -> Result<(), CudaError> {
+        self.launch("gather_rows", (nrows as u32, 1, 1), 256, 0, &[Arg::P(src), Arg::L(ss as i64), Arg::P(idx), Arg::P(dst), Arg::L(ds as i64), Arg::I(n as i32)])
+    }
+
+    /// Stores `nt` tokens' K (`kw` wide) and V (`vw` wide) rows at cache slots `slots[t]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kv_store(&self, dt: KvDtype, k: u64, v: u64, kw: usize, vw: usize, slots: u64, kc: u64, vc: u64, nt: usize) -> Result<(), CudaError> {
+        self.launch(
+            &format!("kv_store_{}", dt.suffix()),
+            (nt as u32, 1, 1),
+            256,
+            0,
+            &[Arg::P(k), Arg::P(v), Arg::I(kw as i32), Arg::I(vw as i32), Arg::P(slots), Arg::P(kc), Arg::P(vc)],
+        )
+    }
+
+    /// Causal paged GQA attention for `nt` query rows; see kernels/attention.cu.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attention(&self, dt: KvDtype, a: &AttnArgs) -> Result<(), CudaError> {
+        if a.hd > 256 || a.vd > 256 || a.kv_heads == 0 || a.heads % a.kv_heads != 0 {
+            return Err(CudaError::Shape(format!("attention: head dims {}/{} (max 256), heads {}/{}", a.hd, a.vd, a.heads, a.kv_heads)));
+        }
+        self.launch(
+            &format!("attn_{}", dt.suffix()),
+            (a.heads as u32, a.nt as u32, 1),
+            128,
+            0,
+            &[
+                Arg::P(a.q),
+                Arg::L(a.qs as i64),
+                Arg::P(a.kc),
+                Arg::P(a.vc),
+                Arg::P(a.pos),
+                Arg::P(a.seq),
+                Arg::P(a.pt_off),
+                Arg::P(a.page_tables),
+                Arg::I(a.page_size as i32),
+                Arg::I(a.heads as i32),
+                Arg::I(a.kv_heads as i32),
+                Arg::I(a.hd as i32),
+                Arg::I(a.vd as i32),
+                Arg::F(a.scale),
+                Arg::P(a.out),
+                Arg::L(a.os as i64),
+            ],
+        )
+    }
+
+    /// Router: per token, top-`k` experts of `e` (ids i32, weights f32, `k` per token).
+    #[allow(clippy::too_many_arguments)]
+    pub fn route(&self, logits: u64, bias: u64, e: usize, k: usize, gating: GatingFunc, ids: u64, w: u64, nt: usize) -> Result<(), CudaError> {
+        if k > e || e * 8 > 48 * 1024 {
+            return Err(CudaError::Shape(format!("router: top-{k} of {e} experts")));
+        }
+        let g = match gating {
+            GatingFunc::Sigmoid => 2,
+            GatingFunc::Softmax => 1,
+        };
+        self.launch(
+            "moe_route",
+            (nt as u32, 1, 1),
+            32,
+            (e * 8) as u32,
+            &[Arg::P(logits), Arg::P(bias), Arg::I(e as i32), Arg::I(k as i32), Arg::I(g), Arg::P(ids), Arg::P(w)],
+        )
+    }
+
+    /// `out = silu(g) * u` over `n` elements.
+    pub fn silu_mul(&self, g: u64, u: u64, out: u64, n: usize) -> Result<(), CudaError> {
+        self.launch("silu_mul", (ceil_div(n, 256), 1, 1), 256, 0, &[Arg::P(g), Arg::P(u), Arg::P(out), Arg::L(n as i64)])
+    }
+
+    /// `hidden[t] += sum_j w[t,j] d[t*k+j]` for `nt` tokens of width `h`.
+    pub fn moe_combine(&self, hidden: u64, d: u64, w: u64, k: usize, h: usize, nt: usize) -> Result<(), CudaError> {
+        self.launch("moe_combine", (nt as u32, 1, 1), 256, 0, &[Arg::P(hidden), Arg::P(d), Arg::P(w), Arg::I(k as i32), Arg::I(h as i32)])
+    }
+}
+
+/// Arguments of [`Gpu::attention`] (device addresses and sizes).
+#[derive(Clone, Copy, Debug)]
+pub struct AttnArgs {
+    /// Queries, `nt` rows `qs` apart, `heads * hd` wide (normed and rotated).
+    pub q: u64,
+    pub qs: usize,
+    /// This layer's K and V cache (`[slot][kv_head][hd or vd]`, 16-bit elements).
+    pub kc: u64,
+    pub vc: u64,
+    /// Per token (i32): position and sequence index.
+    pub pos: u64,
+    pub seq: u64,
+    /// Per sequence (i32): offset of its page table in `page_tables` (u32).
+    pub pt_off: u64,
+    pub page_tables: u64,
+    pub page_size: usize,
+    pub heads: usize,
+    pub kv_heads: usize,
+    pub hd: usize,
+    pub vd: usize,
+    pub scale: f32,
+    /// Output rows (`heads * vd` wide), `os` apart.
+    pub out: u64,
+    pub os: usize,
+    pub nt: usize,
+}

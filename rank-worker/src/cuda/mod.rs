@@ -1,0 +1,14 @@
+//! The CUDA backend: kernels in `kernels/` compiled at start-up with NVRTC for the card's
+//! architecture (cached on disk), thin typed launch wrappers, and [`CudaModel`], the same
+//! batch-shaped forward as the CPU reference. Built on cudarc with dynamic loading, so this
+//! compiles and links on machines without CUDA; using it there gives
+//! [`CudaError::LibraryMissing`].
+
+pub mod error;
+pub mod gpu;
+pub mod model;
+pub mod nvrtc;
+
+pub use error::CudaError;
+pub use gpu::{Arg, AttnArgs, DevMat, Gpu, KvDtype};
+pub use model::{CudaModel, CudaOptions, LoadStats};
