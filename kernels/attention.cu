@@ -1,4 +1,4 @@
-// Paged attention over an f16/bf16 KV cache: one kernel for prefill chunks and decode.
+// Paged attention over an f16/bf16 (or f32) KV cache: one kernel for prefill chunks and decode.
 //
 // Cache layout per layer: [slot][kv_head][dim], slot = page * page_size + offset, K and V
 // in separate arrays. Token t of the flat batch sits at position pos[t] of sequence seq[t];
@@ -12,7 +12,10 @@
 // Stores the new tokens' K and V (f32, [nt][kv_heads * dim]) at slots[t]. grid (nt), block 256.
 template <int KV>
 __device__ __forceinline__ void kv_store_impl(const float* k, const float* v, int kw, int vw, const int* slots,
-                                              u16* kc, u16* vc) {
+                                              void* kc_, void* vc_) {
+    typedef typename KvT<KV>::T KT;
+    KT* kc = (KT*)kc_;
+    KT* vc = (KT*)vc_;
     int t = blockIdx.x;
     i64 s = slots[t];
     for (int i = threadIdx.x; i < kw; i += blockDim.x) kc[s * kw + i] = kv_store<KV>(k[(i64)t * kw + i]);
@@ -23,10 +26,13 @@ __device__ __forceinline__ void kv_store_impl(const float* k, const float* v, in
 // grid (heads, nt), block 32 * ATT_WARPS. Each warp runs an online softmax over every
 // ATT_WARPS-th position; the warps' partial results are merged at the end.
 template <int KV>
-__device__ __forceinline__ void attn_impl(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,
+__device__ __forceinline__ void attn_impl(const float* q, i64 qs, const void* kc_, const void* vc_, const int* pos,
                                           const int* seq, const int* pt_off, const u32* page_tables, int page_size,
                                           int heads, int kv_heads, int hd, int vd, float scale, float* out,
                                           i64 os) {
+    typedef typename KvT<KV>::T KT;
+    const KT* kc = (const KT*)kc_;
+    const KT* vc = (const KT*)vc_;
     __shared__ float sm_m[ATT_WARPS], sm_l[ATT_WARPS];
     __shared__ float sm_acc[ATT_WARPS][ATT_MAXD * WARP];
     int h = blockIdx.x, t = blockIdx.y;
@@ -45,7 +51,7 @@ __device__ __forceinline__ void attn_impl(const float* q, i64 qs, const u16* kc,
     float m = NEG_INF, l = 0.f;
     for (int p = warp; p < n_ctx; p += ATT_WARPS) {
         i64 slot = (i64)pt[p / page_size] * page_size + p % page_size;
-        const u16* kp = kc + (slot * kv_heads + kvh) * hd;
+        const KT* kp = kc + (slot * kv_heads + kvh) * hd;
         float s = 0.f;
 #pragma unroll
         for (int j = 0; j < ATT_MAXD; j++) {
@@ -57,7 +63,7 @@ __device__ __forceinline__ void attn_impl(const float* q, i64 qs, const u16* kc,
         float corr = __expf(m - m_new);
         float e = __expf(s - m_new);
         l = l * corr + e;
-        const u16* vp = vc + (slot * kv_heads + kvh) * vd;
+        const KT* vp = vc + (slot * kv_heads + kvh) * vd;
 #pragma unroll
         for (int j = 0; j < ATT_MAXD; j++) {
             int i = lane + j * WARP;
@@ -92,11 +98,11 @@ __device__ __forceinline__ void attn_impl(const float* q, i64 qs, const u16* kc,
 
 #define ATT_INST(name, KV)                                                                                      \
     extern "C" __global__ void kv_store_##name(const float* k, const float* v, int kw, int vw, const int* slots, \
-                                               u16* kc, u16* vc) {                                              \
+                                               void* kc, void* vc) {                                            \
         kv_store_impl<KV>(k, v, kw, vw, slots, kc, vc);                                                         \
     }                                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * ATT_WARPS)                                                \
-        attn_##name(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos, const int* seq,       \
+        attn_##name(const float* q, i64 qs, const void* kc, const void* vc, const int* pos, const int* seq,     \
                     const int* pt_off, const u32* page_tables, int page_size, int heads, int kv_heads, int hd,  \
                     int vd, float scale, float* out, i64 os) {                                                  \
         attn_impl<KV>(q, qs, kc, vc, pos, seq, pt_off, page_tables, page_size, heads, kv_heads, hd, vd, scale, \
@@ -105,3 +111,4 @@ __device__ __forceinline__ void attn_impl(const float* q, i64 qs, const u16* kc,
 
 ATT_INST(f16, KV_F16)
 ATT_INST(bf16, KV_BF16)
+ATT_INST(f32, KV_F32)

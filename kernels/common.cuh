@@ -77,12 +77,18 @@ __device__ __forceinline__ double warp_sum_d(double v) {
     return v;
 }
 
-// KV cache element types (template argument of the attention kernels).
+// KV cache element types (template argument of the attention kernels): 16-bit f16/bf16, or
+// f32 (exact, for checks against f32 references).
 #define KV_F16 0
 #define KV_BF16 1
-template <int KV> __device__ __forceinline__ float kv_load(const u16* p) {
-    return KV == KV_F16 ? f16_to_f32(*p) : bf16_to_f32(*p);
-}
-template <int KV> __device__ __forceinline__ u16 kv_store(float f) {
-    return KV == KV_F16 ? f32_to_f16(f) : f32_to_bf16(f);
-}
+#define KV_F32 2
+template <int KV> struct KvT { typedef u16 T; };
+template <> struct KvT<KV_F32> { typedef float T; };
+template <int KV> __device__ __forceinline__ float kv_load(const typename KvT<KV>::T* p);
+template <> __device__ __forceinline__ float kv_load<KV_F16>(const u16* p) { return f16_to_f32(*p); }
+template <> __device__ __forceinline__ float kv_load<KV_BF16>(const u16* p) { return bf16_to_f32(*p); }
+template <> __device__ __forceinline__ float kv_load<KV_F32>(const float* p) { return *p; }
+template <int KV> __device__ __forceinline__ typename KvT<KV>::T kv_store(float f);
+template <> __device__ __forceinline__ u16 kv_store<KV_F16>(float f) { return f32_to_f16(f); }
+template <> __device__ __forceinline__ u16 kv_store<KV_BF16>(float f) { return f32_to_bf16(f); }
+template <> __device__ __forceinline__ float kv_store<KV_F32>(float f) { return f; }

@@ -22,6 +22,9 @@ pub enum KvDtype {
     F16,
     /// bfloat16: f32's range with 8 significant bits.
     BF16,
+    /// f32: exact; twice the memory. For checks against f32 references (rounding K/V to 16
+    /// bits can flip MoE routing near-ties, which no tolerance on logits absorbs).
+    F32,
 }
 
 impl KvDtype {
@@ -29,6 +32,15 @@ impl KvDtype {
         match self {
             KvDtype::F16 => "f16",
             KvDtype::BF16 => "bf16",
+            KvDtype::F32 => "f32",
+        }
+    }
+
+    /// Bytes per cached element.
+    pub fn bytes(self) -> usize {
+        match self {
+            KvDtype::F16 | KvDtype::BF16 => 2,
+            KvDtype::F32 => 4,
         }
     }
 }
@@ -396,7 +408,7 @@ pub struct AttnArgs {
     /// Queries, `nt` rows `qs` apart, `heads * hd` wide (normed and rotated).
     pub q: u64,
     pub qs: usize,
-    /// This layer's K and V cache (`[slot][kv_head][hd or vd]`, 16-bit elements).
+    /// This layer's K and V cache (`[slot][kv_head][hd or vd]`, elements of the KV dtype).
     pub kc: u64,
     pub vc: u64,
     /// Per token (i32): position and sequence index.

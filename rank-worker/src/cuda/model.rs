@@ -1,7 +1,7 @@
 //! `CudaModel`: the whole MiniMax-M2 forward on one GPU, behind the same batch contract as
 //! the CPU reference (`forward(&ForwardBatch) -> ForwardOutput`, same validation). Weights
 //! are copied from the memory-mapped GGUF to device memory in their quantized form;
-//! activations are f32; the paged KV cache is f16 (or bf16).
+//! activations are f32; the paged KV cache is f16 (or bf16, or f32 for exact checks).
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -68,8 +68,8 @@ pub struct CudaModel {
     out_norm: u64,
     head: DevMat,
     layers: Vec<Layer>,
-    kc: Vec<CudaSlice<u16>>,
-    vc: Vec<CudaSlice<u16>>,
+    kc: Vec<CudaSlice<u8>>,
+    vc: Vec<CudaSlice<u8>>,
     stats: LoadStats,
 }
 
@@ -195,8 +195,9 @@ impl CudaModel {
         let mut kc = Vec::new();
         let mut vc = Vec::new();
         for _ in 0..cfg.n_layers {
-            kc.push(gpu.zeros::<u16>(slots * cfg.n_kv_heads * cfg.head_dim)?);
-            vc.push(gpu.zeros::<u16>(slots * cfg.n_kv_heads * cfg.v_head_dim)?);
+            let eb = opts.kv_dtype.bytes();
+            kc.push(gpu.zeros::<u8>(slots * cfg.n_kv_heads * cfg.head_dim * eb)?);
+            vc.push(gpu.zeros::<u8>(slots * cfg.n_kv_heads * cfg.v_head_dim * eb)?);
         }
         Ok(Self {
             gpu,

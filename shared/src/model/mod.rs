@@ -2,5 +2,6 @@
 
 pub mod config;
 pub mod names;
+pub mod synthetic;
 
 pub use config::{ConfigError, GatingFunc, ModelConfig};

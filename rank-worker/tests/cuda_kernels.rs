@@ -1,0 +1,503 @@
+//! Every CUDA kernel against its CPU twin on random inputs: outputs are poisoned with NaN
+//! before each launch (an unwritten element fails), NaN never passes, and sizes are chosen
+//! not to be multiples of the kernels' tiles. Needs a GPU: run with `--ignored`
+//! (tools/gpu/run_tests.sh does).
+#![cfg(feature = "cuda")]
+
+use minimax_rank::cuda::{AttnArgs, DevMat, Gpu, KvDtype};
+use minimax_shared::model::GatingFunc;
+use minimax_shared::quant::{self, GgmlType};
+
+const NAN: u32 = 0x7fc0_0000;
+
+/// xorshift64*: deterministic, dependency-free randomness.
+struct Rng(u64);
+impl Rng {
+    fn u64(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn f(&mut self) -> f32 {
+        (self.u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
+    }
+    fn below(&mut self, n: usize) -> usize {
+        (self.u64() % n as u64) as usize
+    }
+    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
+        (0..n).map(|_| self.f() * scale).collect()
+    }
+}
+
+fn gpu() -> Gpu {
+    Gpu::new(0).expect("CUDA device 0 with NVRTC")
+}
+
+const TYPES: [GgmlType; 16] = [
+    GgmlType::F32,
+    GgmlType::F16,
+    GgmlType::BF16,
+    GgmlType::Q4_0,
+    GgmlType::Q4_1,
+    GgmlType::Q5_0,
+    GgmlType::Q5_1,
+    GgmlType::Q8_0,
+    GgmlType::Q2_K,
+    GgmlType::Q3_K,
+    GgmlType::Q4_K,
+    GgmlType::Q5_K,
+    GgmlType::Q6_K,
+    GgmlType::IQ4_NL,
+    GgmlType::IQ4_XS,
+    GgmlType::MXFP4,
+];
+
+/// Byte offsets of the fp16 scale fields in one block of `ty`.
+fn f16_fields(ty: GgmlType) -> &'static [usize] {
+    match ty {
+        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
+        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
+        GgmlType::Q2_K => &[80, 82],
+        GgmlType::Q3_K => &[108],
+        GgmlType::Q6_K => &[208],
+        _ => &[],
+    }
+}
+
+/// `rows` random valid rows of `cols` elements of `ty` (finite scales, random quants).
+fn random_rows(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
+    let rb = quant::row_bytes(ty, cols).unwrap();
+    let mut b = vec![0u8; rows * rb];
+    match ty {
+        GgmlType::F32 => {
+            for c in b.chunks_exact_mut(4) {
+                c.copy_from_slice(&rng.f().to_le_bytes());
+            }
+        }
+        GgmlType::F16 => {
+            for c in b.chunks_exact_mut(2) {
+                c.copy_from_slice(&half::f16::from_f32(rng.f()).to_bits().to_le_bytes());
+            }
+        }
+        GgmlType::BF16 => {
+            for c in b.chunks_exact_mut(2) {
+                c.copy_from_slice(&half::bf16::from_f32(rng.f()).to_bits().to_le_bytes());
+            }
+        }
+        _ => {
+            for x in b.iter_mut() {
+                *x = rng.u64() as u8;
+            }
+            let bb = ty.block_bytes();
+            for blk in b.chunks_exact_mut(bb) {
+                for &o in f16_fields(ty) {
+                    let d = half::f16::from_f32(rng.f() * 0.05);
+                    blk[o..o + 2].copy_from_slice(&d.to_bits().to_le_bytes());
+                }
+                if ty == GgmlType::MXFP4 {
+                    blk[0] = 118 + rng.below(12) as u8;
+                }
+            }
+        }
+    }
+    b
+}
+
+fn cols_for(ty: GgmlType) -> usize {
+    match ty.block_elems() {
+        1 => 1000,
+        32 => 32 * 37,
+        _ => 256 * 3,
+    }
+}
+
+fn upload_mat(g: &Gpu, ty: GgmlType, bytes: &[u8], rows: usize, cols: usize, n_experts: usize) -> (cudarc::driver::CudaSlice<u8>, DevMat) {
+    let buf = g.upload(bytes).unwrap();
+    let rb = quant::row_bytes(ty, cols).unwrap();
+    let m = DevMat { ptr: g.ptr(&buf), ty, rows, cols, row_bytes: rb, n_experts, expert_stride: rows * rb };
+    (buf, m)
+}
+
+fn poisoned(g: &Gpu, n: usize) -> cudarc::driver::CudaSlice<f32> {
+    let b = g.zeros::<f32>(n).unwrap();
+    g.fill_u32(g.ptr(&b), n, NAN).unwrap();
+    b
+}
+
+/// |got - want| <= tol[i] for every element, and nothing is NaN.
+fn check(what: &str, got: &[f32], want: &[f32], tol: impl Fn(usize) -> f32) -> f32 {
+    assert_eq!(got.len(), want.len(), "{what}: length");
+    let mut worst = 0f32;
+    for i in 0..got.len() {
+        let d = (got[i] - want[i]).abs();
+        assert!(got[i].is_finite() && d <= tol(i), "{what}[{i}]: got {} want {} (tol {})", got[i], want[i], tol(i));
+        worst = worst.max(d);
+    }
+    worst
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn dequant_rows_is_bit_exact_for_every_type() {
+    let g = gpu();
+    let mut rng = Rng(0x1234_5678_9abc_def1);
+    for ty in TYPES {
+        let (rows, cols) = (37, cols_for(ty));
+        let bytes = random_rows(&mut rng, ty, rows, cols);
+        let (_b, m) = upload_mat(&g, ty, &bytes, rows, cols, 0);
+        let ids: Vec<i32> = (0..rows as i32).rev().collect();
+        let idb = g.upload(&ids).unwrap();
+        let out = poisoned(&g, rows * cols);
+        g.dequant_rows(&m, g.ptr(&idb), rows, g.ptr(&out), cols).unwrap();
+        let got = g.download(&out).unwrap();
+        g.sync().unwrap();
+        let rb = m.row_bytes;
+        for (i, &r) in ids.iter().enumerate() {
+            let r = r as usize;
+            let want = quant::dequantize_to_vec(ty, &bytes[r * rb..(r + 1) * rb], cols).unwrap();
+            for j in 0..cols {
+                let gv = got[i * cols + j];
+                assert!(gv.to_bits() == want[j].to_bits(), "{ty} row {r} col {j}: gpu {gv} cpu {}", want[j]);
+            }
+        }
+        eprintln!("dequant {ty:<7} {rows}x{cols}: bit-exact");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn matvec_matches_cpu_for_every_type_and_batch() {
+    let g = gpu();
+    let mut rng = Rng(0xfeed_beef_0bad_cafe);
+    for ty in TYPES {
+        let (rows, cols) = (37, cols_for(ty));
+        let bytes = random_rows(&mut rng, ty, rows, cols);
+        let (_b, m) = upload_mat(&g, ty, &bytes, rows, cols, 0);
+        let deq = quant::dequantize_to_vec(ty, &bytes, rows * cols).unwrap();
+        for nvec in [1usize, 3, 8, 13] {
+            for acc in [false, true] {
+                let xs = cols + 4; // a row stride that is not the width
+                let x = rng.vec(nvec * xs, 1.0);
+                let ys = rows + 3;
+                let y0 = rng.vec(nvec * ys, 1.0);
+                let xb = g.upload(&x).unwrap();
+                let yb = if acc { g.upload(&y0).unwrap() } else { poisoned(&g, nvec * ys) };
+                g.matvec(&m, g.ptr(&xb), xs, g.ptr(&yb), ys, nvec, acc).unwrap();
+                let got = g.download(&yb).unwrap();
+                let mut want = vec![0f32; nvec * ys];
+                let mut scale = vec![0f32; nvec * ys];
+                for v in 0..nvec {
+                    let xv = &x[v * xs..v * xs + cols];
+                    let mut yv = vec![0f32; rows];
+                    quant::matvec(ty, &bytes, rows, cols, xv, &mut yv).unwrap();
+                    for r in 0..rows {
+                        let i = v * ys + r;
+                        want[i] = if acc { y0[i] + yv[r] } else { yv[r] };
+                        scale[i] = deq[r * cols..(r + 1) * cols].iter().zip(xv).map(|(a, b)| (a * b).abs()).sum::<f32>() + y0[i].abs();
+                    }
+                    // Padding between rows is untouched: poisoned stays NaN, accumulated stays y0.
+                    for r in rows..ys {
+                        let i = v * ys + r;
+                        if acc {
+                            assert_eq!(got[i], y0[i], "{ty}: wrote past the rows");
+                        } else {
+                            assert!(got[i].is_nan(), "{ty}: wrote past the rows");
+                        }
+                        want[i] = got[i];
+                    }
+                }
+                let gw: Vec<f32> = (0..nvec).flat_map(|v| got[v * ys..v * ys + rows].to_vec()).collect();
+                let ww: Vec<f32> = (0..nvec).flat_map(|v| want[v * ys..v * ys + rows].to_vec()).collect();
+                let sw: Vec<f32> = (0..nvec).flat_map(|v| scale[v * ys..v * ys + rows].to_vec()).collect();
+                let worst = check(&format!("matvec {ty} nvec {nvec} acc {acc}"), &gw, &ww, |i| 2e-6 * sw[i] + 1e-30);
+                if nvec == 13 && acc {
+                    eprintln!("matvec  {ty:<7} {rows}x{cols} nvec<=13: max |diff| {worst:.2e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn expert_matvec_matches_cpu_for_every_type() {
+    let g = gpu();
+    let mut rng = Rng(0x0dd_ba11_5eed);
+    for ty in TYPES {
+        let (n_exp, rows, cols, k, nt) = (5usize, 21usize, cols_for(ty), 3usize, 7usize);
+        let bytes = random_rows(&mut rng, ty, n_exp * rows, cols);
+        let (_b, m) = upload_mat(&g, ty, &bytes, rows, cols, n_exp);
+        let ids: Vec<i32> = (0..nt * k).map(|_| rng.below(n_exp) as i32).collect();
+        let x = rng.vec(nt * cols, 1.0);
+        let (idb, xb) = (g.upload(&ids).unwrap(), g.upload(&x).unwrap());
+        let yb = poisoned(&g, nt * k * rows);
+        g.matvec_experts(&m, g.ptr(&idb), g.ptr(&xb), cols, k, g.ptr(&yb), rows, nt * k).unwrap();
+        let got = g.download(&yb).unwrap();
+        let mut want = vec![0f32; nt * k * rows];
+        let eb = rows * m.row_bytes;
+        for p in 0..nt * k {
+            let e = ids[p] as usize;
+            let t = p / k;
+            quant::matvec(ty, &bytes[e * eb..(e + 1) * eb], rows, cols, &x[t * cols..(t + 1) * cols], &mut want[p * rows..(p + 1) * rows]).unwrap();
+        }
+        let worst = check(&format!("expert matvec {ty}"), &got, &want, |i| 1e-4 * (1.0 + want[i].abs()));
+        eprintln!("experts {ty:<7} {n_exp}x{rows}x{cols}, {} pairs: max |diff| {worst:.2e}", nt * k);
+    }
+}
+
+fn rms_norm_ref(x: &[f32], w: &[f32], eps: f32) -> Vec<f32> {
+    let ss: f64 = x.iter().map(|&v| v as f64 * v as f64).sum();
+    let inv = 1.0 / ((ss / x.len() as f64) as f32 + eps).sqrt();
+    x.iter().zip(w).map(|(&v, &wi)| v * inv * wi).collect()
+}
+
+fn rope_ref(x: &mut [f32], hd: usize, rot: usize, pos: usize, theta: f32) {
+    let half = rot / 2;
+    for head in x.chunks_exact_mut(hd) {
+        for i in 0..half {
+            let inv = 1.0 / (theta as f64).powf(2.0 * i as f64 / rot as f64);
+            let a = pos as f64 * inv;
+            let (c, s) = (a.cos() as f32, a.sin() as f32);
+            let (p, q) = (head[i], head[i + half]);
+            head[i] = p * c - q * s;
+            head[i + half] = q * c + p * s;
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn rms_norm_and_partial_rope_match_cpu() {
+    let g = gpu();
+    let mut rng = Rng(42);
+    // Full-width q norm (6 heads of 32 = 192 wide) and a 3072-wide hidden norm.
+    for (n, nrows) in [(192usize, 5usize), (3072, 3), (1000, 2)] {
+        let x = rng.vec(nrows * n, 3.0);
+        let w = rng.vec(n, 1.0);
+        let (xb, wb) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+        let yb = poisoned(&g, nrows * n);
+        g.rms_norm(g.ptr(&xb), n, g.ptr(&wb), g.ptr(&yb), n, nrows, n, 1e-5).unwrap();
+        let got = g.download(&yb).unwrap();
+        let want: Vec<f32> = x.chunks(n).flat_map(|r| rms_norm_ref(r, &w, 1e-5)).collect();
+        let worst = check(&format!("rms_norm {n}"), &got, &want, |i| 2e-6 * (1.0 + want[i].abs()));
+        eprintln!("rms_norm width {n}: max |diff| {worst:.2e}");
+    }
+    for (heads, hd, rot, theta) in [(6usize, 32usize, 24usize, 12345.0f32), (4, 64, 32, 50000.0), (48, 128, 64, 5e6)] {
+        let nrows = 5;
+        let w = heads * hd;
+        let x = rng.vec(nrows * w, 2.0);
+        let pos: Vec<i32> = vec![0, 1, 17, 300, 40_000];
+        let (xb, pb) = (g.upload(&x).unwrap(), g.upload(&pos).unwrap());
+        g.rope(g.ptr(&xb), w, nrows, heads, hd, rot, g.ptr(&pb), theta).unwrap();
+        let got = g.download(&xb).unwrap();
+        let mut want = x.clone();
+        for r in 0..nrows {
+            rope_ref(&mut want[r * w..(r + 1) * w], hd, rot, pos[r] as usize, theta);
+        }
+        let worst = check(&format!("rope {heads}x{hd}/{rot}"), &got, &want, |i| 1e-5 * (1.0 + want[i].abs()));
+        eprintln!("rope {heads}x{hd} rot {rot}: max |diff| {worst:.2e}");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn router_matches_cpu() {
+    let g = gpu();
+    let mut rng = Rng(7);
+    for (e, k, nt) in [(20usize, 3usize, 9usize), (256, 8, 5), (16, 4, 33)] {
+        let logits = rng.vec(nt * e, 4.0);
+        let bias = rng.vec(e, 0.5);
+        let (lb, bb) = (g.upload(&logits).unwrap(), g.upload(&bias).unwrap());
+        let ids = g.zeros::<i32>(nt * k).unwrap();
+        g.fill_u32(g.ptr(&ids), nt * k, u32::MAX).unwrap();
+        let wb = poisoned(&g, nt * k);
+        g.route(g.ptr(&lb), g.ptr(&bb), e, k, GatingFunc::Sigmoid, g.ptr(&ids), g.ptr(&wb), nt).unwrap();
+        let (gi, gw) = (g.download(&ids).unwrap(), g.download(&wb).unwrap());
+        for t in 0..nt {
+            let want = minimax_rank::cpu::route(&logits[t * e..(t + 1) * e], &bias, k, GatingFunc::Sigmoid);
+            for j in 0..k {
+                assert_eq!(gi[t * k + j] as usize, want[j].0, "token {t} slot {j}");
+                let d = (gw[t * k + j] - want[j].1).abs();
+                assert!(gw[t * k + j].is_finite() && d < 1e-6, "token {t} weight {j}: {} vs {}", gw[t * k + j], want[j].1);
+            }
+        }
+        eprintln!("router top-{k} of {e}, {nt} tokens: same experts, weights within 1e-6");
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn silu_mul_and_moe_combine_match_cpu() {
+    let g = gpu();
+    let mut rng = Rng(99);
+    let n = 3 * 1537;
+    let (a, b) = (rng.vec(n, 6.0), rng.vec(n, 2.0));
+    let (ab, bb) = (g.upload(&a).unwrap(), g.upload(&b).unwrap());
+    let ob = poisoned(&g, n);
+    g.silu_mul(g.ptr(&ab), g.ptr(&bb), g.ptr(&ob), n).unwrap();
+    let got = g.download(&ob).unwrap();
+    let want: Vec<f32> = a.iter().zip(&b).map(|(&x, &u)| x / (1.0 + (-x).exp()) * u).collect();
+    check("silu_mul", &got, &want, |i| 1e-6 * (1.0 + want[i].abs()));
+    let (nt, k, h) = (5usize, 3usize, 777usize);
+    let hidden = rng.vec(nt * h, 1.0);
+    let d = rng.vec(nt * k * h, 1.0);
+    let w = rng.vec(nt * k, 1.0);
+    let (hb, db, wb) = (g.upload(&hidden).unwrap(), g.upload(&d).unwrap(), g.upload(&w).unwrap());
+    g.moe_combine(g.ptr(&hb), g.ptr(&db), g.ptr(&wb), k, h, nt).unwrap();
+    let got = g.download(&hb).unwrap();
+    let mut want = hidden.clone();
+    for t in 0..nt {
+        for i in 0..h {
+            let mut o = 0f32;
+            for j in 0..k {
+                o += w[t * k + j] * d[(t * k + j) * h + i];
+            }
+            want[t * h + i] += o;
+        }
+    }
+    check("moe_combine", &got, &want, |i| 1e-5 * (1.0 + want[i].abs()));
+    eprintln!("silu_mul {n}, moe_combine {nt}x{k}x{h}: ok");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn paged_attention_matches_cpu_for_prefill_and_decode() {
+    let g = gpu();
+    let mut rng = Rng(2024);
+    for dt in [KvDtype::F16, KvDtype::BF16, KvDtype::F32] {
+        for (heads, kv_heads, hd, ps) in [(6usize, 2usize, 32usize, 16usize), (4, 2, 64, 16), (48, 8, 128, 7)] {
+            let n_pages = 64usize;
+            let (kw, vw) = (kv_heads * hd, kv_heads * hd);
+            // Sequences: (cached, new): a decode over a long prefix, a prefill chunk over a
+            // prefix, a fresh prefill, a single-token sequence.
+            let shape = [(300usize, 1usize), (37, 21), (0, 45), (0, 1)];
+            let mut free: Vec<u32> = (0..n_pages as u32).map(|i| (i * 37 + 11) % n_pages as u32).collect();
+            let mut tables = Vec::new();
+            for &(c, n) in &shape {
+                let t: Vec<u32> = (0..(c + n).div_ceil(ps)).map(|_| free.pop().unwrap()).collect();
+                tables.push(t);
+            }
+            // Reference cache contents (rounded like the device cache) for every position.
+            let round = |x: f32| match dt {
+                KvDtype::F16 => half::f16::from_f32(x).to_f32(),
+                KvDtype::BF16 => half::bf16::from_f32(x).to_f32(),
+                KvDtype::F32 => x,
+            };
+            let kc = g.zeros::<u8>(n_pages * ps * kw * dt.bytes()).unwrap();
+            let vc = g.zeros::<u8>(n_pages * ps * vw * dt.bytes()).unwrap();
+            let mut kall: Vec<Vec<f32>> = Vec::new();
+            let mut vall: Vec<Vec<f32>> = Vec::new();
+            // Store every position's K/V through kv_store (the cached prefix in one call, the
+            // new tokens in another), as the model does across steps.
+            let (mut pos, mut seqi, mut slots_new) = (Vec::new(), Vec::new(), Vec::new());
+            let mut slots_old = Vec::new();
+            let (mut k_old, mut v_old, mut k_new, mut v_new) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            for (s, &(c, n)) in shape.iter().enumerate() {
+                let kk = rng.vec((c + n) * kw, 2.0);
+                let vv = rng.vec((c + n) * vw, 2.0);
+                for p in 0..c + n {
+                    let slot = (tables[s][p / ps] as usize * ps + p % ps) as i32;
+                    if p < c {
+                        slots_old.push(slot);
+                        k_old.extend_from_slice(&kk[p * kw..(p + 1) * kw]);
+                        v_old.extend_from_slice(&vv[p * vw..(p + 1) * vw]);
+                    } else {
+                        slots_new.push(slot);
+                        k_new.extend_from_slice(&kk[p * kw..(p + 1) * kw]);
+                        v_new.extend_from_slice(&vv[p * vw..(p + 1) * vw]);
+                        pos.push(p as i32);
+                        seqi.push(s as i32);
+                    }
+                }
+                kall.push(kk.into_iter().map(round).collect());
+                vall.push(vv.into_iter().map(round).collect());
+            }
+            for (sl, kk, vv) in [(&slots_old, &k_old, &v_old), (&slots_new, &k_new, &v_new)] {
+                let (sb, kb, vb) = (g.upload(sl).unwrap(), g.upload(kk).unwrap(), g.upload(vv).unwrap());
+                g.kv_store(dt, g.ptr(&kb), g.ptr(&vb), kw, vw, g.ptr(&sb), g.ptr(&kc), g.ptr(&vc), sl.len()).unwrap();
+                g.sync().unwrap();
+            }
+            let nt = pos.len();
+            let qw = heads * hd;
+            let q = rng.vec(nt * qw, 2.0);
+            let mut pt_off = Vec::new();
+            let mut pts = Vec::new();
+            for t in &tables {
+                pt_off.push(pts.len() as i32);
+                pts.extend_from_slice(t);
+            }
+            let (qb, pb, sb, ob, tb) = (g.upload(&q).unwrap(), g.upload(&pos).unwrap(), g.upload(&seqi).unwrap(), g.upload(&pt_off).unwrap(), g.upload(&pts).unwrap());
+            let out = poisoned(&g, nt * qw);
+            let scale = 1.0 / (hd as f32).sqrt();
+            g.attention(
+                dt,
+                &AttnArgs {
+                    q: g.ptr(&qb),
+                    qs: qw,
+                    kc: g.ptr(&kc),
+                    vc: g.ptr(&vc),
+                    pos: g.ptr(&pb),
+                    seq: g.ptr(&sb),
+                    pt_off: g.ptr(&ob),
+                    page_tables: g.ptr(&tb),
+                    page_size: ps,
+                    heads,
+                    kv_heads,
+                    hd,
+                    vd: hd,
+                    scale,
+                    out: g.ptr(&out),
+                    os: qw,
+                    nt,
+                },
+            )
+            .unwrap();
+            let got = g.download(&out).unwrap();
+            // f64 reference over the rounded cache.
+            let mut want = vec![0f32; nt * qw];
+            let group = heads / kv_heads;
+            for t in 0..nt {
+                let (s, p) = (seqi[t] as usize, pos[t] as usize);
+                for h in 0..heads {
+                    let kvh = h / group;
+                    let qh = &q[t * qw + h * hd..t * qw + (h + 1) * hd];
+                    let sc: Vec<f64> = (0..=p)
+                        .map(|j| qh.iter().zip(&kall[s][j * kw + kvh * hd..]).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() * scale as f64)
+                        .collect();
+                    let m = sc.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                    let den: f64 = sc.iter().map(|x| (x - m).exp()).sum();
+                    for i in 0..hd {
+                        let o: f64 = (0..=p).map(|j| (sc[j] - m).exp() / den * vall[s][j * vw + kvh * hd + i] as f64).sum();
+                        want[t * qw + h * hd + i] = o as f32;
+                    }
+                }
+            }
+            let worst = check(&format!("attention {dt:?} {heads}/{kv_heads}x{hd} page {ps}"), &got, &want, |_| 2e-4);
+            eprintln!("attention {dt:?} {heads}/{kv_heads} heads x{hd}, page {ps}, {nt} queries: max |diff| {worst:.2e}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kernel_build_is_cached_and_reports_the_arch() {
+    // A fresh cache directory, so the first start compiles everything (cold start time).
+    let dir = std::env::temp_dir().join(format!("minimax-kcache-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let old = std::env::var_os("MINIMAX_KERNEL_CACHE");
+    unsafe { std::env::set_var("MINIMAX_KERNEL_CACHE", &dir) };
+    let g1 = gpu();
+    assert_eq!(g1.build.cached, 0, "fresh cache");
+    let g2 = gpu();
+    eprintln!(
+        "{}: sm_{}, NVRTC {}.{}; first build {:.2} s ({} compiled, {} cached), second {:.2} s ({} cached)",
+        g1.name, g1.arch, g1.build.nvrtc.0, g1.build.nvrtc.1, g1.build.seconds, g1.build.compiled, g1.build.cached, g2.build.seconds, g2.build.cached
+    );
+    match old {
+        Some(o) => unsafe { std::env::set_var("MINIMAX_KERNEL_CACHE", o) },
+        None => unsafe { std::env::remove_var("MINIMAX_KERNEL_CACHE") },
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    assert_eq!(g2.build.compiled, 0, "second start must hit the cache");
+}

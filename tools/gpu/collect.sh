@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Copies the newest prebuilt CUDA test binaries into .devbin/ (git-ignored), stripped, so the
+# device tool can carry them to a GPU machine. Build first (see run_tests.sh).
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+mkdir -p .devbin
+rm -f .devbin/cuda_*
+for t in cuda_kernels cuda_model cuda_nvrtc; do
+  f=$(ls -t target/release/deps/$t-* 2>/dev/null | grep -v '\.d$' | head -1 || true)
+  [ -n "$f" ] || { echo "no build of $t (cargo test --release --no-run --test $t)" >&2; continue; }
+  cp "$f" ".devbin/$t"
+  strip ".devbin/$t"
+done
+ls -la .devbin
