@@ -1,4 +1,10 @@
 //! MiniMax Serve gateway: the CUDA-free brain in front of the rank-workers.
 
+pub mod api;
+pub mod cli;
 pub mod engine;
+pub mod kv;
+pub mod ranks;
+pub mod sample;
+pub mod sched;
 pub mod text;

@@ -80,6 +80,18 @@ impl Partition {
     }
 }
 
+/// Bytes of each layer's tensors (`blk.{l}.*`), for balancing pipeline stages by memory.
+pub fn layer_bytes(model: &minimax_shared::gguf::GgufModel, n_layers: usize) -> Vec<u64> {
+    let mut out = vec![0u64; n_layers];
+    for t in model.tensors() {
+        let layer = t.name.strip_prefix("blk.").and_then(|r| r.split('.').next()).and_then(|l| l.parse::<usize>().ok());
+        if let Some(l) = layer.filter(|&l| l < n_layers) {
+            out[l] += t.n_bytes;
+        }
+    }
+    out
+}
+
 /// Splits `n` layers into `stages` contiguous non-empty ranges with costs as even as possible.
 fn balanced_bounds(n: usize, stages: usize, weights: Option<&[u64]>) -> Vec<usize> {
     let w: Vec<u64> = match weights {

@@ -501,3 +501,149 @@ fn kernel_build_is_cached_and_reports_the_arch() {
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(g2.build.compiled, 0, "second start must hit the cache");
 }
+
+/// Host twin of the fast path's q8 activation quantization: per 32 values d = max|x| / 127,
+/// q = round-half-even(x / d).
+fn q8_host(x: &[f32]) -> (Vec<i8>, Vec<f32>) {
+    let mut q = vec![0i8; x.len()];
+    let mut d = vec![0f32; x.len() / 32];
+    for (b, c) in x.chunks_exact(32).enumerate() {
+        let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let dd = amax / 127.0;
+        d[b] = dd;
+        for (i, v) in c.iter().enumerate() {
+            q[b * 32 + i] = if amax == 0.0 { 0 } else { (v / dd).round_ties_even() as i8 };
+        }
+    }
+    (q, d)
+}
+
+/// Dequantized q8 activations.
+fn q8_deq(q: &[i8], d: &[f32]) -> Vec<f32> {
+    q.iter().enumerate().map(|(i, &v)| v as f32 * d[i / 32]).collect()
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_q8_products_and_fused_moe_match_cpu() {
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0001);
+    // q8 quantization: bit-exact against the host twin.
+    let (n, nr) = (1024usize, 3usize);
+    let x = rng.vec(n * nr, 3.0);
+    let xb = g.upload(&x).unwrap();
+    let qb = g.zeros::<i8>(n * nr).unwrap();
+    let db = poisoned(&g, n * nr / 32);
+    g.norm_q8(g.ptr(&xb), n, 0, n, 1e-6, 0, 0, g.ptr(&qb), g.ptr(&db), nr).unwrap();
+    let (hq, hd) = q8_host(&x);
+    assert_eq!(g.download(&qb).unwrap(), hq, "q8 quantization");
+    assert_eq!(g.download(&db).unwrap(), hd, "q8 scales");
+    eprintln!("q8 quantize {nr}x{n}: bit-exact");
+    // Dense products (three segments, 1..13 vectors, accumulate) for Q8_0 and IQ4_XS.
+    for ty in [GgmlType::Q8_0, GgmlType::IQ4_XS] {
+        let cols = if ty == GgmlType::Q8_0 { 256 * 5 } else { 512 * 3 };
+        let rows = [37usize, 8, 21];
+        let mats: Vec<Vec<u8>> = rows.iter().map(|&r| random_rows(&mut rng, ty, r, cols)).collect();
+        let up: Vec<_> = mats.iter().zip(rows).map(|(b, r)| upload_mat(&g, ty, b, r, cols, 0)).collect();
+        for nv in [1usize, 3, 8, 13] {
+            let x = rng.vec(nv * cols, 2.0);
+            let (hq, hd) = q8_host(&x);
+            let xdq = q8_deq(&hq, &hd);
+            let (qb, db) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
+            for acc in [false, true] {
+                let ys: Vec<usize> = rows.iter().map(|r| r + 2).collect();
+                let y0: Vec<Vec<f32>> = ys.iter().map(|s| rng.vec(nv * s, 1.0)).collect();
+                let yb: Vec<_> = (0..3).map(|i| if acc { g.upload(&y0[i]).unwrap() } else { poisoned(&g, nv * ys[i]) }).collect();
+                let segs: Vec<_> = (0..3).map(|i| (&up[i].1, g.ptr(&yb[i]), ys[i])).collect();
+                g.matvec_q8(&segs, g.ptr(&qb), g.ptr(&db), cols, nv, acc).unwrap();
+                let mut worst = 0f32;
+                for i in 0..3 {
+                    let got = g.download(&yb[i]).unwrap();
+                    let deq = quant::dequantize_to_vec(ty, &mats[i], rows[i] * cols).unwrap();
+                    for v in 0..nv {
+                        for r in 0..rows[i] {
+                            let w = &deq[r * cols..(r + 1) * cols];
+                            let xv = &xdq[v * cols..(v + 1) * cols];
+                            let want: f64 = w.iter().zip(xv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() + if acc { y0[i][v * ys[i] + r] as f64 } else { 0.0 };
+                            let scale: f64 = w.iter().zip(xv).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>() + 1e-6;
+                            let gv = got[v * ys[i] + r];
+                            let d = (gv as f64 - want).abs();
+                            assert!(gv.is_finite() && d <= 1e-5 * scale + 1e-6, "mvq {ty} seg {i} nv {nv} acc {acc} [{v},{r}]: got {gv} want {want}");
+                            worst = worst.max((d / scale) as f32);
+                        }
+                        for r in rows[i]..ys[i] {
+                            let gv = got[v * ys[i] + r];
+                            assert!(if acc { gv == y0[i][v * ys[i] + r] } else { gv.is_nan() }, "mvq {ty}: wrote past the rows");
+                        }
+                    }
+                }
+                if nv == 13 && acc {
+                    eprintln!("mvq     {ty:<7} 3 segs x {cols} nv<=13: max |diff| / sum|w x| {worst:.2e}");
+                }
+            }
+        }
+        // Fused MoE: gate/up/SiLU -> q8, then down + weighted combine into the residual.
+        let (e, k, nt, ff, h) = (6usize, 3usize, 2usize, 64usize, cols);
+        let down_cols = if ty == GgmlType::Q8_0 { 256 } else { 512 };
+        let ff = ff.max(down_cols);
+        let gate = random_rows(&mut rng, ty, e * ff, h);
+        let upw = random_rows(&mut rng, ty, e * ff, h);
+        let hrows = 40usize;
+        let down = random_rows(&mut rng, ty, e * hrows, ff);
+        let (_g1, gm) = upload_mat(&g, ty, &gate, ff, h, e);
+        let (_g2, um) = upload_mat(&g, ty, &upw, ff, h, e);
+        let (_g3, dm) = upload_mat(&g, ty, &down, hrows, ff, e);
+        let ids: Vec<i32> = vec![4, 0, 5, 2, 4, 1];
+        let wts: Vec<f32> = vec![0.5, 0.3, 0.2, 0.6, 0.25, 0.15];
+        let x = rng.vec(nt * h, 2.0);
+        let (hq, hd) = q8_host(&x);
+        let xdq = q8_deq(&hq, &hd);
+        let (qb, db, ib, wb) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap(), g.upload(&ids).unwrap(), g.upload(&wts).unwrap());
+        let aq = g.zeros::<i8>(nt * k * ff).unwrap();
+        let ad = poisoned(&g, nt * k * ff / 32);
+        g.moe_gate_up_q8(&gm, &um, g.ptr(&ib), k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), nt * k).unwrap();
+        let (gaq, gad) = (g.download(&aq).unwrap(), g.download(&ad).unwrap());
+        let gdeq = quant::dequantize_to_vec(ty, &gate, e * ff * h).unwrap();
+        let udeq = quant::dequantize_to_vec(ty, &upw, e * ff * h).unwrap();
+        let mut worst = 0f32;
+        for p in 0..nt * k {
+            let (ex, t) = (ids[p] as usize, p / k);
+            let xv = &xdq[t * h..(t + 1) * h];
+            for r in 0..ff {
+                let row = |m: &[f32]| m[(ex * ff + r) * h..(ex * ff + r + 1) * h].iter().zip(xv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>();
+                let (gg, uu) = (row(&gdeq), row(&udeq));
+                let want = (gg / (1.0 + (-gg).exp()) * uu) as f32;
+                let got = gaq[p * ff + r] as f32 * gad[p * ff / 32 + r / 32];
+                // One q8 step of the 32-value group is the resolution.
+                let tol = gad[p * ff / 32 + r / 32] * 0.51 + 1e-4 * want.abs() + 1e-6;
+                assert!(got.is_finite() && (got - want).abs() <= tol, "gate_up {ty} pair {p} row {r}: got {got} want {want} tol {tol}");
+                worst = worst.max((got - want).abs());
+            }
+        }
+        let hid0 = rng.vec(nt * (hrows + 1), 1.0);
+        let hb = g.upload(&hid0).unwrap();
+        g.moe_down_q8(&dm, g.ptr(&ib), g.ptr(&wb), k, g.ptr(&aq), g.ptr(&ad), g.ptr(&hb), hrows + 1, nt).unwrap();
+        let got = g.download(&hb).unwrap();
+        let ddeq = quant::dequantize_to_vec(ty, &down, e * hrows * ff).unwrap();
+        let mut worst_d = 0f64;
+        for t in 0..nt {
+            for r in 0..hrows {
+                let mut want = hid0[t * (hrows + 1) + r] as f64;
+                let mut scale = want.abs();
+                for j in 0..k {
+                    let p = t * k + j;
+                    let ex = ids[p] as usize;
+                    let w = &ddeq[(ex * hrows + r) * ff..(ex * hrows + r + 1) * ff];
+                    let s: f64 = (0..ff).map(|i| w[i] as f64 * gaq[p * ff + i] as f64 * gad[p * ff / 32 + i / 32] as f64).sum();
+                    scale += (0..ff).map(|i| (w[i] as f64 * gaq[p * ff + i] as f64 * gad[p * ff / 32 + i / 32] as f64).abs()).sum::<f64>() * wts[p] as f64;
+                    want += wts[p] as f64 * s;
+                }
+                let gv = got[t * (hrows + 1) + r] as f64;
+                assert!(gv.is_finite() && (gv - want).abs() <= 1e-5 * scale + 1e-6, "down {ty} t {t} r {r}: got {gv} want {want}");
+                worst_d = worst_d.max((gv - want).abs() / scale);
+            }
+            assert_eq!(got[t * (hrows + 1) + hrows], hid0[t * (hrows + 1) + hrows], "down wrote past the rows");
+        }
+        eprintln!("moe     {ty:<7} gate/up max |diff| {worst:.2e} (q8 output), down+combine max rel {worst_d:.2e}");
+    }
+}

@@ -24,7 +24,7 @@ const TOL: f32 = 2e-2;
 
 fn gpu_model(path: &std::path::Path, n_pages: usize, kv_dtype: KvDtype) -> CudaModel {
     let m = Arc::new(GgufModel::open(path).unwrap());
-    CudaModel::load(m, KvSpec { page_size: PAGE, n_pages }, CudaOptions { device: 0, kv_dtype }).unwrap()
+    CudaModel::load(m, KvSpec { page_size: PAGE, n_pages }, CudaOptions { device: 0, kv_dtype, ..Default::default() }).unwrap()
 }
 
 fn cpu_model(path: &std::path::Path, n_pages: usize) -> CpuModel {

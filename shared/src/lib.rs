@@ -5,3 +5,4 @@ pub mod forward;
 pub mod gguf;
 pub mod model;
 pub mod quant;
+pub mod sampling;

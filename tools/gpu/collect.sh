@@ -12,3 +12,8 @@ for t in cuda_kernels cuda_model cuda_nvrtc; do
   strip ".devbin/$t"
 done
 ls -la .devbin
+# The benchmark binary (cargo build --release --bin minimax-bench).
+if [ -x target/release/minimax-bench ]; then
+  cp target/release/minimax-bench .devbin/ && strip .devbin/minimax-bench
+fi
+ls -la .devbin

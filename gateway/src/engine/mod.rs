@@ -1,5 +1,393 @@
 //! The engine: scheduler, KV pages and prefix cache, sampling and the ranks behind them.
+//!
+//! # API for the HTTP layer
+//!
+//! ```ignore
+//! // Start: supervises the ranks (spawned or attached) and runs the batching loop.
+//! let engine = Engine::start(EngineConfig { sched, world });   // cheap-clone handle
+//! engine.wait_ready(Duration::from_secs(600)).await?;          // optional
+//!
+//! // Generate: errors known at once come back here (QueueFull → 429, NotReady → 503,
+//! // PromptTooLong / InvalidRequest → 400); later ones arrive as GenEvent::Failed.
+//! let mut stream: GenStream = engine.generate(request)?;
+//! while let Some(ev) = stream.recv().await { ... }  // also a futures Stream<Item = GenEvent>
+//! // Events: zero or more Token, then exactly one Finished or Failed, then the stream ends.
+//! // Dropping the stream cancels the sequence and frees its pages (within one step).
+//!
+//! let scored: ScoreResult = engine.score(request_id, tokens).await?;  // /v1/perplexity
+//! engine.health() -> Vec<RankHealth>;   engine.ready() -> bool;
+//! engine.metrics() -> MetricsSnapshot;  engine.model_info() -> Option<ModelSummary>;
+//! engine.shutdown().await;
+//! ```
+//!
+//! Semantics the HTTP layer can rely on:
+//! - A sampled stop token (`stop_token_ids`) ends the generation with `FinishReason::Stop`;
+//!   it is NOT sent as a `Token` event but counts in `usage.completion_tokens`.
+//! - `max_tokens` and the context length end it with `Length`; prompt + output never exceed
+//!   the context (a prompt must leave room for one token, else `PromptTooLong`).
+//!   `max_tokens == 0` finishes at once with `Length` and no tokens.
+//! - `usage.cached_tokens` are the prompt tokens served from the prefix cache (full pages).
+//! - Same `seed`, same tokens, whatever else runs in the same steps.
+//! - `score` never reads nor fills the prefix cache and never marks cached pages as recently
+//!   used; it returns `tokens.len() - 1` logprobs (the first token is unscored).
+//! - When a rank dies every running and queued request fails with `RankFailure`; new
+//!   requests get `NotReady` until the supervisor has the world back.
+//!
+//! For tests, [`Engine::with_world`] runs the same loop against any [`RankWorld`], e.g. the
+//! in-process [`crate::ranks::fake::FakeWorld`].
 
+pub mod metrics;
 pub mod types;
 
+use std::pin::Pin;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use tokio::sync::{mpsc, oneshot, watch};
+
+pub use metrics::MetricsSnapshot;
 pub use types::*;
+
+use crate::ranks::supervisor::{Supervisor, WorldConfig};
+use crate::ranks::{ModelSummary, RankWorld, WorldInfo, WorldState};
+use crate::sched::{SchedConfig, Scheduler, Seq};
+use metrics::Metrics;
+
+/// Everything the engine needs to start.
+#[derive(Clone, Debug)]
+pub struct EngineConfig {
+    pub sched: SchedConfig,
+    pub world: WorldConfig,
+}
+
+enum Cmd {
+    Submit(Seq),
+}
+
+struct Inner {
+    world: Arc<dyn RankWorld>,
+    cmd_tx: mpsc::UnboundedSender<Cmd>,
+    state: watch::Receiver<WorldState>,
+    metrics: Arc<Metrics>,
+    sched: SchedConfig,
+    /// Requests submitted and not yet admitted nor finished (for the queue limit).
+    queued: Arc<AtomicUsize>,
+    /// The last world generation the engine saw break (its `Ready` state may linger until the
+    /// supervisor notices); it is not served again.
+    dead_generation: Arc<AtomicU64>,
+    last_model: std::sync::Mutex<Option<ModelSummary>>,
+}
+
+/// The engine handle; clones share one engine.
+#[derive(Clone)]
+pub struct Engine {
+    inner: Arc<Inner>,
+}
+
+/// The events of one generation. Dropping it cancels the generation.
+pub struct GenStream {
+    rx: mpsc::UnboundedReceiver<GenEvent>,
+}
+
+impl GenStream {
+    /// The next event; `None` after `Finished` / `Failed`.
+    pub async fn recv(&mut self) -> Option<GenEvent> {
+        self.rx.recv().await
+    }
+
+    /// Collects the whole generation (tests, non-streamed requests).
+    pub async fn collect_all(mut self) -> Vec<GenEvent> {
+        let mut out = Vec::new();
+        while let Some(e) = self.rx.recv().await {
+            let end = !matches!(e, GenEvent::Token { .. });
+            out.push(e);
+            if end {
+                break;
+            }
+        }
+        out
+    }
+}
+
+impl futures_util::Stream for GenStream {
+    type Item = GenEvent;
+    fn poll_next(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<GenEvent>> {
+        self.rx.poll_recv(cx)
+    }
+}
+
+impl Engine {
+    /// Starts the supervisor (spawning or attaching ranks) and the batching loop. Must be
+    /// called inside a tokio runtime.
+    pub fn start(cfg: EngineConfig) -> Engine {
+        let world: Arc<dyn RankWorld> = Arc::new(Supervisor::start(cfg.world));
+        Self::with_world(world, cfg.sched)
+    }
+
+    /// Runs the engine against any rank world (tests: an in-process fake).
+    pub fn with_world(world: Arc<dyn RankWorld>, sched: SchedConfig) -> Engine {
+        let (cmd_tx, cmd_rx) = mpsc::unbounded_channel();
+        let metrics = Arc::new(Metrics::default());
+        let queued = Arc::new(AtomicUsize::new(0));
+        let state = world.subscribe();
+        let dead_generation = Arc::new(AtomicU64::new(0));
+        tokio::spawn(run(world.clone(), sched.clone(), cmd_rx, metrics.clone(), queued.clone(), dead_generation.clone()));
+        Engine { inner: Arc::new(Inner { world, cmd_tx, state, metrics, sched, queued, dead_generation, last_model: Default::default() }) }
+    }
+
+    fn ready_info(&self) -> Result<WorldInfo, EngineError> {
+        let st = self.inner.state.borrow();
+        let dead = self.inner.dead_generation.load(Ordering::SeqCst);
+        st.ready().filter(|i| i.generation > dead).cloned().ok_or_else(|| EngineError::NotReady(describe(&st, dead)))
+    }
+
+    fn reserve_queue_slot(&self) -> Result<(), EngineError> {
+        let q = &self.inner.queued;
+        let n = q.fetch_add(1, Ordering::SeqCst);
+        if n >= self.inner.sched.max_queue {
+            q.fetch_sub(1, Ordering::SeqCst);
+            self.inner.metrics.rejected_queue_full.fetch_add(1, Ordering::Relaxed);
+            return Err(EngineError::QueueFull(n));
+        }
+        Ok(())
+    }
+
+    /// Queues a generation; see the module docs for the event protocol.
+    pub fn generate(&self, req: GenerationRequest) -> Result<GenStream, EngineError> {
+        let info = self.ready_info()?;
+        crate::sched::validate(req.prompt.len(), info.model.context_length as usize, (info.page_size * info.n_pages) as usize, false)?;
+        if let Some(&t) = req.prompt.iter().find(|&&t| info.model.vocab_size > 0 && t >= info.model.vocab_size) {
+            return Err(EngineError::InvalidRequest(format!("token id {t} is outside the vocabulary ({})", info.model.vocab_size)));
+        }
+        if req.sampling.top_logprobs > 20 {
+            return Err(EngineError::InvalidRequest("top_logprobs must be at most 20".into()));
+        }
+        self.reserve_queue_slot()?;
+        let (tx, rx) = mpsc::unbounded_channel();
+        self.inner.cmd_tx.send(Cmd::Submit(Seq::generation(req, tx))).map_err(|_| EngineError::NotReady("the engine has stopped".into()))?;
+        Ok(GenStream { rx })
+    }
+
+    /// Teacher-forced scoring: ln p(token[i] | token[..i]) for i >= 1.
+    pub async fn score(&self, request_id: String, tokens: Vec<u32>) -> Result<ScoreResult, EngineError> {
+        let info = self.ready_info()?;
+        crate::sched::validate(tokens.len(), info.model.context_length as usize, (info.page_size * info.n_pages) as usize, true)?;
+        if tokens.len() == 1 {
+            return Ok(ScoreResult { logprobs: vec![], cached_tokens: 0 });
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| info.model.vocab_size > 0 && t >= info.model.vocab_size) {
+            return Err(EngineError::InvalidRequest(format!("token id {t} is outside the vocabulary ({})", info.model.vocab_size)));
+        }
+        self.reserve_queue_slot()?;
+        let (tx, rx) = oneshot::channel();
+        self.inner.cmd_tx.send(Cmd::Submit(Seq::score(request_id, tokens, tx))).map_err(|_| EngineError::NotReady("the engine has stopped".into()))?;
+        rx.await.unwrap_or_else(|_| Err(EngineError::Internal("the engine dropped a score request".into())))
+    }
+
+    /// Each rank's state (for `/health`).
+    pub fn health(&self) -> Vec<RankHealth> {
+        self.inner.world.health()
+    }
+
+    /// Whether the world is up and serving.
+    pub fn ready(&self) -> bool {
+        self.ready_info().is_ok()
+    }
+
+    /// The world's state in words (for 503 bodies and logs).
+    pub fn state(&self) -> WorldState {
+        self.inner.state.borrow().clone()
+    }
+
+    /// Waits until the world is ready, or fails with `NotReady` after `timeout` / when the
+    /// supervisor gave up.
+    pub async fn wait_ready(&self, timeout: Duration) -> Result<WorldInfo, EngineError> {
+        let mut rx = self.inner.world.subscribe();
+        let fut = async {
+            loop {
+                {
+                    let st = rx.borrow_and_update();
+                    let dead = self.inner.dead_generation.load(Ordering::SeqCst);
+                    match &*st {
+                        WorldState::Ready(i) if i.generation > dead => return Ok(i.clone()),
+                        WorldState::Failed(r) => return Err(EngineError::NotReady(format!("ranks failed: {r}"))),
+                        _ => {}
+                    }
+                }
+                if rx.changed().await.is_err() {
+                    return Err(EngineError::NotReady("the supervisor stopped".into()));
+                }
+            }
+        };
+        tokio::time::timeout(timeout, fut).await.unwrap_or_else(|_| Err(EngineError::NotReady(format!("ranks not ready after {timeout:?}: {}", describe(&self.inner.state.borrow(), self.inner.dead_generation.load(Ordering::SeqCst))))))
+    }
+
+    /// The model the ranks serve (None until the first world is up).
+    pub fn model_info(&self) -> Option<ModelSummary> {
+        // The model does not change across restarts: report the last one seen.
+        let mut rx = self.inner.world.subscribe();
+        let st = rx.borrow_and_update();
+        st.ready().map(|i| i.model.clone()).or_else(|| self.inner.last_model.lock().unwrap().clone()).inspect(|m| *self.inner.last_model.lock().unwrap() = Some(m.clone()))
+    }
+
+    /// The live world's layout (page size, pages, head rank...).
+    pub fn world_info(&self) -> Option<WorldInfo> {
+        self.ready_info().ok()
+    }
+
+    pub fn metrics(&self) -> MetricsSnapshot {
+        let mut s = MetricsSnapshot::from(&self.inner.metrics);
+        s.rank_restarts = self.inner.world.restarts();
+        let h = self.inner.world.health();
+        s.world_size = h.len() as u64;
+        s.ranks_ready = h.iter().filter(|r| r.state == "ready").count() as u64;
+        s
+    }
+
+    /// Stops the ranks this engine started (attached ranks keep running).
+    pub async fn shutdown(&self) {
+        self.inner.world.shutdown().await;
+    }
+}
+
+/// The batching loop: waits for a ready world, then plans steps, sends them to every rank and
+/// applies the answers, until the world breaks (then fails everything and waits again).
+async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::UnboundedReceiver<Cmd>, metrics: Arc<Metrics>, queued: Arc<AtomicUsize>, dead: Arc<AtomicU64>) {
+    let mut state = world.subscribe();
+    let mut sched: Option<Scheduler> = None;
+    let mut dead_generation = 0u64;
+    // Submitted while the loop was still waiting for a world that is, in fact, ready.
+    let mut early: Vec<Seq> = Vec::new();
+    // Admission bookkeeping for the queue limit: `queued` counts submitted sequences that are
+    // not yet running/finished; the loop recomputes it from the scheduler after every change.
+    let sync_queue = |sched: &Scheduler, pending: usize| queued.store(sched.waiting() + pending, Ordering::SeqCst);
+    'outer: loop {
+        // Wait for a ready world newer than the one that broke.
+        let info = loop {
+            let ready = state.borrow_and_update().ready().filter(|i| i.generation > dead_generation).cloned();
+            if let Some(i) = ready {
+                break i;
+            }
+            tokio::select! {
+                ch = state.changed() => if ch.is_err() { break 'outer; },
+                cmd = cmd_rx.recv() => match cmd {
+                    None => break 'outer,
+                    Some(Cmd::Submit(seq)) => {
+                        // (select! may see the command before the state change it raced with.)
+                        let st = state.borrow().clone();
+                        if st.ready().is_some_and(|i| i.generation > dead_generation) {
+                            early.push(seq);
+                        } else {
+                            queued.fetch_sub(1, Ordering::SeqCst);
+                            reject(seq, EngineError::NotReady(describe(&st, dead_generation)), &metrics);
+                        }
+                    }
+                },
+            }
+        };
+        let generation = info.generation;
+        let head = info.head_rank as usize;
+        let context = info.model.context_length as usize;
+        let s = sched.get_or_insert_with(|| Scheduler::new(cfg.clone(), info.page_size as usize, info.n_pages as usize, context, metrics.clone()));
+        s.reset_world(info.page_size as usize, info.n_pages as usize, context);
+        tracing::info!(generation, pages = info.n_pages, page_size = info.page_size, context, "engine serving");
+        for seq in early.drain(..) {
+            submit(s, seq);
+        }
+        loop {
+            // New requests.
+            while let Ok(Cmd::Submit(seq)) = cmd_rx.try_recv() {
+                submit(s, seq);
+            }
+            // A world change (restart, shutdown) ends this generation.
+            if state.has_changed().unwrap_or(true) {
+                let st = state.borrow_and_update().clone();
+                if !matches!(&st, WorldState::Ready(i) if i.generation == generation) {
+                    dead_generation = generation;
+                    dead.store(generation, Ordering::SeqCst);
+                    s.fail_all(EngineError::RankFailure(st.describe()));
+                    sync_queue(s, 0);
+                    continue 'outer;
+                }
+            }
+            s.reap_cancelled();
+            release(&world, generation, s.take_releases());
+            let plan = s.plan();
+            sync_queue(s, 0);
+            release(&world, generation, s.take_releases());
+            let Some(plan) = plan else {
+                // Idle: wait for work or a world change. Waiting requests whose client left are
+                // reaped on the next pass.
+                tokio::select! {
+                    cmd = cmd_rx.recv() => match cmd {
+                        None => break 'outer,
+                        Some(Cmd::Submit(seq)) => submit(s, seq),
+                    },
+                    _ = state.changed() => {}
+                    _ = tokio::time::sleep(Duration::from_millis(100)), if !s.is_idle() => {}
+                }
+                continue;
+            };
+            metrics.steps.fetch_add(1, Ordering::Relaxed);
+            match world.step(generation, plan.request.clone()).await {
+                Ok(responses) => {
+                    s.complete(plan, &responses, head);
+                    sync_queue(s, 0);
+                    release(&world, generation, s.take_releases());
+                }
+                Err(e) => {
+                    let why = e.to_string();
+                    tracing::error!(generation, error = %why, "step failed; failing in-flight requests");
+                    dead_generation = generation;
+                    dead.store(generation, Ordering::SeqCst);
+                    world.report_broken(generation, why.clone());
+                    s.fail_all(EngineError::RankFailure(format!("{why}; the ranks are being restarted, retry shortly")));
+                    sync_queue(s, 0);
+                    continue 'outer;
+                }
+            }
+        }
+    }
+    // The engine stopped: fail whatever is left.
+    if let Some(s) = sched.as_mut() {
+        s.fail_all(EngineError::NotReady("the engine stopped".into()));
+    }
+    while let Ok(Cmd::Submit(seq)) = cmd_rx.try_recv() {
+        reject(seq, EngineError::NotReady("the engine stopped".into()), &metrics);
+    }
+}
+
+/// The world's state in words, knowing that generation `dead` broke.
+fn describe(st: &WorldState, dead: u64) -> String {
+    match st {
+        WorldState::Ready(i) if i.generation <= dead => "the ranks are restarting after a failure".into(),
+        other => other.describe(),
+    }
+}
+
+fn submit(s: &mut Scheduler, seq: Seq) {
+    if seq.max_tokens_is_zero() {
+        s.finish_empty(seq);
+    } else {
+        s.submit(seq);
+    }
+}
+
+fn reject(seq: Seq, err: EngineError, metrics: &Metrics) {
+    metrics.failed.fetch_add(1, Ordering::Relaxed);
+    seq.fail(err);
+}
+
+fn release(world: &Arc<dyn RankWorld>, generation: u64, ids: Vec<u64>) {
+    if ids.is_empty() {
+        return;
+    }
+    let world = world.clone();
+    tokio::spawn(async move {
+        if let Err(e) = world.release(generation, ids).await {
+            tracing::debug!(error = %e, "release failed (the world is probably restarting)");
+        }
+    });
+}

@@ -31,7 +31,9 @@ impl IncrementalDecoder {
                 }
                 Err(e) => {
                     let valid = start + e.valid_up_to();
-                    out.push_str(std::str::from_utf8(&self.pending[start..valid]).expect("validated prefix"));
+                    out.push_str(
+                        std::str::from_utf8(&self.pending[start..valid]).expect("validated prefix"),
+                    );
                     match e.error_len() {
                         // Invalid for good: one replacement character per maximal bad run.
                         Some(n) => {
@@ -86,7 +88,7 @@ mod tests {
     fn invalid_bytes_become_replacement_like_lossy() {
         let mut d = IncrementalDecoder::new();
         let mut all = String::new();
-        for chunk in [&[0xffu8][..], &[b'x', 0xe2, 0x82], &[b'y'], &[0xf0, 0x9f]] {
+        for chunk in [&[0xffu8][..], &[b'x', 0xe2, 0x82], b"y", &[0xf0, 0x9f]] {
             all.push_str(&d.push(chunk));
         }
         all.push_str(&d.finish());

@@ -47,7 +47,10 @@ impl ModelFormat {
     pub fn minimax_m2() -> Self {
         ModelFormat {
             name: "minimax-m2",
-            reasoning: ReasoningTags { open: "<think>", close: "</think>" },
+            reasoning: ReasoningTags {
+                open: "<think>",
+                close: "</think>",
+            },
             tool_calls: ToolCallTags {
                 block_open: "<minimax:tool_call>",
                 block_close: "</minimax:tool_call>",

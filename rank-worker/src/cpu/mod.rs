@@ -89,6 +89,12 @@ fn even_range(n: usize, rank: usize, world: usize) -> std::ops::Range<usize> {
 impl CpuModel {
     /// Loads this rank's share of `model` (weights stay in the memory map where possible).
     pub fn load(model: Arc<GgufModel>, part: Partition, kv: KvSpec) -> Result<Self, CpuError> {
+        Self::load_with_progress(model, part, kv, &mut |_| {})
+    }
+
+    /// [`CpuModel::load`], calling `progress` with the fraction of layers loaded (0..=1) so a
+    /// serving rank can report load progress.
+    pub fn load_with_progress(model: Arc<GgufModel>, part: Partition, kv: KvSpec, progress: &mut dyn FnMut(f32)) -> Result<Self, CpuError> {
         let cfg = ModelConfig::from_gguf(&model)?;
         if part.layers.end > cfg.n_layers {
             return Err(CpuError::Shape(format!("layers {:?} of a {}-layer model", part.layers, cfg.n_layers)));
@@ -114,6 +120,7 @@ impl CpuModel {
                 ffn_norm: vector(&model, &names::block(l, names::FFN_NORM), None)?,
                 moe: Moe::load(&ctx, l)?,
             });
+            progress(layers.len() as f32 / part.layers.len().max(1) as f32);
         }
         let kv_heads = part.tp_range(cfg.n_kv_heads).len();
         let kv = PagedKv::new(layers.len(), kv.page_size, kv.n_pages, kv_heads, cfg.head_dim, cfg.v_head_dim);

@@ -7,7 +7,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
-use cudarc::driver::{CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
+use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
 use minimax_shared::model::GatingFunc;
 use minimax_shared::quant::GgmlType;
 
@@ -96,6 +96,9 @@ pub struct Gpu {
     pub build: BuildReport,
     modules: Vec<(&'static str, Arc<CudaModule>)>,
     funcs: Mutex<HashMap<String, CudaFunction>>,
+    /// When set, every launch is bracketed by timing events (kernel name, start, end): the
+    /// benchmark's per-kernel split. Never set while a graph is being captured.
+    prof: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
 }
 
 /// Checks that the CUDA driver library can be loaded (instead of a panic in the bindings).
@@ -139,8 +142,10 @@ impl Gpu {
         }
         let build = BuildReport { arch, nvrtc: nv, seconds: t0.elapsed().as_secs_f64(), cached, compiled };
         tracing::info!(device = %name, arch, ?nv, secs = build.seconds, cached, compiled, "CUDA kernels ready");
-        let stream = ctx.default_stream();
-        Ok(Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()) })
+        // A created stream (not the legacy default stream, which cannot be captured into a
+        // CUDA graph).
+        let stream = ctx.new_stream()?;
+        Ok(Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), prof: Mutex::new(None) })
     }
 
     /// The kernel `name`, looked up once in the loaded modules.
@@ -175,8 +180,34 @@ impl Gpu {
             };
         }
         let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
-        unsafe { b.launch(cfg) }?;
+        let mut prof = self.prof.lock().unwrap();
+        if let Some(events) = prof.as_mut() {
+            let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+            let start = self.stream.record_event(flags)?;
+            unsafe { b.launch(cfg) }?;
+            let end = self.stream.record_event(flags)?;
+            events.push((name.to_string(), start, end));
+        } else {
+            unsafe { b.launch(cfg) }?;
+        }
         Ok(())
+    }
+
+    /// Starts timing every launch (see [`Gpu::profile_end`]).
+    pub fn profile_begin(&self) {
+        *self.prof.lock().unwrap() = Some(Vec::new());
+    }
+
+    /// Stops timing and returns (kernel name, milliseconds) per launch since
+    /// [`Gpu::profile_begin`], in launch order.
+    pub fn profile_end(&self) -> Result<Vec<(String, f32)>, CudaError> {
+        let events = self.prof.lock().unwrap().take().unwrap_or_default();
+        self.sync()?;
+        let mut out = Vec::with_capacity(events.len());
+        for (n, a, b) in events {
+            out.push((n, a.elapsed_ms(&b)?));
+        }
+        Ok(out)
     }
 
     /// Waits for the stream and surfaces any asynchronous error.

@@ -5,6 +5,7 @@
 //! [`CudaError::LibraryMissing`].
 
 pub mod error;
+pub mod fast;
 pub mod gpu;
 pub mod model;
 pub mod nvrtc;

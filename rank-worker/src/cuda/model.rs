@@ -13,15 +13,29 @@ use minimax_shared::model::{ModelConfig, names};
 use minimax_shared::quant::{self, GgmlType};
 
 use super::error::CudaError;
-use super::gpu::{AttnArgs, DevMat, Gpu, KvDtype};
+use super::fast::{FastLayer, FastWs, MAX_FAST_TOKENS, fast_plan, nsplit_for};
+use super::gpu::{Arg, AttnArgs, DevMat, Gpu, KvDtype};
+use minimax_shared::model::synthetic::SyntheticSpec;
 use crate::cpu::KvSpec;
 
 /// Options for [`CudaModel::load`].
-#[derive(Clone, Copy, Debug, Default)]
+#[derive(Clone, Copy, Debug)]
 pub struct CudaOptions {
     /// CUDA device ordinal.
     pub device: usize,
     pub kv_dtype: KvDtype,
+    /// Steps of up to [`MAX_FAST_TOKENS`] tokens take the fast path (q8 activations, fused
+    /// MoE, split-K attention) when the model's shapes and types allow it. Off = always the
+    /// exact path (f32 activations, bit-exact dequantization).
+    pub fast_decode: bool,
+    /// Replay fast-path steps from CUDA graphs (one per step size).
+    pub graphs: bool,
+}
+
+impl Default for CudaOptions {
+    fn default() -> Self {
+        Self { device: 0, kv_dtype: KvDtype::default(), fast_decode: true, graphs: true }
+    }
 }
 
 struct Layer {
@@ -71,6 +85,10 @@ pub struct CudaModel {
     kc: Vec<CudaSlice<u8>>,
     vc: Vec<CudaSlice<u8>>,
     stats: LoadStats,
+    opts: CudaOptions,
+    /// Why the fast path does not apply (None = it does).
+    fast_off: Option<String>,
+    fast: Option<FastWs>,
 }
 
 /// Copies tensors to the device, keeping the buffers and logging progress.
@@ -191,6 +209,23 @@ impl CudaModel {
             stats.seconds,
             stats.gb_per_s()
         );
+        Self::finish(gpu, cfg, kv, opts, bufs, embd, out_norm, head, layers, stats)
+    }
+
+    /// Allocates the KV cache and decides on the fast path.
+    #[allow(clippy::too_many_arguments)]
+    fn finish(
+        gpu: Gpu,
+        cfg: ModelConfig,
+        kv: KvSpec,
+        opts: CudaOptions,
+        bufs: Vec<CudaSlice<u8>>,
+        embd: DevMat,
+        out_norm: u64,
+        head: DevMat,
+        layers: Vec<Layer>,
+        stats: LoadStats,
+    ) -> Result<Self, CudaError> {
         let slots = kv.page_size * kv.n_pages;
         let mut kc = Vec::new();
         let mut vc = Vec::new();
@@ -199,7 +234,7 @@ impl CudaModel {
             kc.push(gpu.zeros::<u8>(slots * cfg.n_kv_heads * cfg.head_dim * eb)?);
             vc.push(gpu.zeros::<u8>(slots * cfg.n_kv_heads * cfg.v_head_dim * eb)?);
         }
-        Ok(Self {
+        let mut m = Self {
             gpu,
             cfg,
             kv_dtype: opts.kv_dtype,
@@ -213,7 +248,327 @@ impl CudaModel {
             kc,
             vc,
             stats,
-        })
+            opts,
+            fast_off: None,
+            fast: None,
+        };
+        let fl = m.fast_layers();
+        m.fast_off = if !opts.fast_decode { Some("disabled by options".into()) } else { fast_plan(&m.cfg, m.kv_dtype, &fl, &m.head).err() };
+        match &m.fast_off {
+            None => {
+                m.fast = Some(FastWs::new(&m.gpu, &m.cfg, (2 * kv.n_pages).max(4096))?);
+                tracing::info!("CUDA fast decode path on (steps of up to {MAX_FAST_TOKENS} tokens, graphs {})", opts.graphs);
+            }
+            Some(why) => tracing::info!("CUDA fast decode path off: {why}"),
+        }
+        Ok(m)
+    }
+
+    fn fast_layers(&self) -> Vec<FastLayer> {
+        self.layers
+            .iter()
+            .enumerate()
+            .map(|(i, l)| FastLayer {
+                attn_norm: l.attn_norm,
+                wq: l.wq,
+                wk: l.wk,
+                wv: l.wv,
+                wo: l.wo,
+                q_norm: l.q_norm,
+                k_norm: l.k_norm,
+                ffn_norm: l.ffn_norm,
+                router: l.router,
+                bias: l.bias,
+                gate: l.gate,
+                up: l.up,
+                down: l.down,
+                kc: self.gpu.ptr(&self.kc[i]),
+                vc: self.gpu.ptr(&self.vc[i]),
+            })
+            .collect()
+    }
+
+    /// A model with MiniMax-M2.7's dimensions and `spec`'s quant mix whose weights are
+    /// allocated in their quantized form and filled on the device with random valid blocks
+    /// (benchmarks only; routing on random weights is roughly uniform). Norm weights are
+    /// uniform in [0.9, 1.1], the router's f32 weights in [-0.05, 0.05], its bias in [0, 0.01].
+    pub fn synthetic(spec: &SyntheticSpec, kv: KvSpec, opts: CudaOptions, seed: u64) -> Result<Self, CudaError> {
+        let cfg = spec.config();
+        let gpu = Gpu::new(opts.device)?;
+        let t0 = Instant::now();
+        let mut bufs = Vec::new();
+        let mut mats: std::collections::HashMap<String, DevMat> = std::collections::HashMap::new();
+        let mut stats = LoadStats::default();
+        for (i, t) in spec.tensors().into_iter().enumerate() {
+            let n_bytes = t.n_bytes() as usize;
+            let buf = unsafe { gpu.stream.alloc::<u8>(n_bytes.max(1)) }?;
+            let p = gpu.ptr(&buf);
+            let n_elems: usize = t.dims.iter().product::<u64>() as usize;
+            let (lo, hi) = if t.name.ends_with("_norm.weight") {
+                (0.9, 1.1)
+            } else if t.name.ends_with(names::EXP_PROBS_B) {
+                (0.0, 0.01)
+            } else {
+                (-0.05, 0.05)
+            };
+            gpu.fill_synthetic(p, t.ty, n_elems, seed.wrapping_add((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)), lo, hi)?;
+            let cols = t.dims[0] as usize;
+            let row_bytes = quant::row_bytes(t.ty, cols)?;
+            let rows = t.dims.get(1).copied().unwrap_or(1) as usize;
+            let n_experts = t.dims.get(2).copied().unwrap_or(0) as usize;
+            mats.insert(t.name.clone(), DevMat { ptr: p, ty: t.ty, rows, cols, row_bytes, n_experts, expert_stride: rows * row_bytes });
+            stats.tensors += 1;
+            stats.bytes += n_bytes;
+            bufs.push(buf);
+        }
+        gpu.sync()?;
+        stats.seconds = t0.elapsed().as_secs_f64();
+        tracing::info!("synthetic weights on {}: {} tensors, {:.3} GB filled in {:.2} s", gpu.name, stats.tensors, stats.bytes as f64 / 1e9, stats.seconds);
+        let get = |n: &str| mats.get(n).copied().ok_or_else(|| CudaError::MissingTensor(n.to_string()));
+        let embd = get(names::TOKEN_EMBD)?;
+        let out_norm = get(names::OUTPUT_NORM)?.ptr;
+        let head = if cfg.tied_embeddings { embd } else { get(names::OUTPUT)? };
+        let mut layers = Vec::with_capacity(cfg.n_layers);
+        for l in 0..cfg.n_layers {
+            let n = |s: &str| names::block(l, s);
+            layers.push(Layer {
+                attn_norm: get(&n(names::ATTN_NORM))?.ptr,
+                wq: get(&n(names::ATTN_Q))?,
+                wk: get(&n(names::ATTN_K))?,
+                wv: get(&n(names::ATTN_V))?,
+                wo: get(&n(names::ATTN_OUTPUT))?,
+                q_norm: get(&n(names::ATTN_Q_NORM))?.ptr,
+                k_norm: get(&n(names::ATTN_K_NORM))?.ptr,
+                ffn_norm: get(&n(names::FFN_NORM))?.ptr,
+                router: get(&n(names::FFN_GATE_INP))?,
+                bias: get(&n(names::EXP_PROBS_B))?.ptr,
+                gate: get(&n(names::FFN_GATE_EXPS))?,
+                up: get(&n(names::FFN_UP_EXPS))?,
+                down: get(&n(names::FFN_DOWN_EXPS))?,
+            });
+        }
+        Self::finish(gpu, cfg, kv, opts, bufs, embd, out_norm, head, layers, stats)
+    }
+
+    /// Why the fast decode path is off for this model (None when it is on).
+    pub fn fast_path_off(&self) -> Option<&str> {
+        self.fast_off.as_deref()
+    }
+
+    /// Turns fast-path decoding (and its graphs) on or off at run time (for A/B checks).
+    pub fn set_fast(&mut self, fast: bool, graphs: bool) {
+        self.opts.fast_decode = fast;
+        self.opts.graphs = graphs;
+    }
+
+    /// Fills every layer's K and V cache with random values in [-1, 1) (benchmarks: decode at
+    /// long context without running the prefill first).
+    pub fn fill_kv_random(&mut self, seed: u64) -> Result<(), CudaError> {
+        let ty = if self.kv_dtype == KvDtype::BF16 { quant::GgmlType::BF16 } else { quant::GgmlType::F16 };
+        if self.kv_dtype == KvDtype::F32 {
+            return Err(CudaError::Shape("fill_kv_random: f32 cache".into()));
+        }
+        for i in 0..self.kc.len() {
+            let (k, v) = (self.gpu.ptr(&self.kc[i]), self.gpu.ptr(&self.vc[i]));
+            self.gpu.fill_synthetic(k, ty, self.kc[i].len() / 2, seed ^ (2 * i as u64 + 1), -1.0, 1.0)?;
+            self.gpu.fill_synthetic(v, ty, self.vc[i].len() / 2, seed ^ (2 * i as u64 + 2), -1.0, 1.0)?;
+        }
+        self.gpu.sync()
+    }
+
+    /// Bytes of all weights on the device.
+    pub fn weight_bytes(&self) -> usize {
+        self.stats.bytes
+    }
+
+    /// Bytes of weights one decode token reads: every dense matrix, the router, k experts'
+    /// gate/up/down rows per layer, the output head (embedding rows are negligible).
+    pub fn decode_weight_bytes(&self) -> usize {
+        let k = self.cfg.n_experts_used;
+        let per: usize = self
+            .layers
+            .iter()
+            .map(|l| l.wq.n_bytes() + l.wk.n_bytes() + l.wv.n_bytes() + l.wo.n_bytes() + l.router.n_bytes() + k * (l.gate.expert_stride + l.up.expert_stride + l.down.expert_stride))
+            .sum();
+        per + self.head.n_bytes()
+    }
+
+    /// Copies logits rows of the last fast step: none here; see forward.
+    fn fast_eligible(&self, nt: usize) -> bool {
+        self.fast.is_some() && self.opts.fast_decode && nt >= 1 && nt <= MAX_FAST_TOKENS
+    }
+
+    /// Enqueues one fast step of `nt` tokens whose metadata is already in the workspace.
+    fn enqueue_fast(&self, nt: usize) -> Result<(), CudaError> {
+        let c = &self.cfg;
+        let g = &self.gpu;
+        let ws = self.fast.as_ref().unwrap();
+        let p = |s: &CudaSlice<f32>| g.ptr(s);
+        let t = MAX_FAST_TOKENS as u64;
+        let meta = g.ptr(&ws.meta);
+        let (m_tok, m_pos, m_seq, m_slot, m_ptoff, m_pts) = (meta, meta + 4 * t, meta + 8 * t, meta + 12 * t, meta + 16 * t, meta + 20 * t);
+        let h = c.hidden;
+        let (qw, kw, vw, ow) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.v_head_dim, c.n_heads * c.v_head_dim);
+        let (k, e) = (c.n_experts_used, c.n_experts);
+        let (hid, nrm, xq, xd) = (p(&ws.hidden), p(&ws.normed), g.ptr(&ws.xq), p(&ws.xd));
+        let (aq, ad, ids, wts) = (g.ptr(&ws.aq), p(&ws.ad), g.ptr(&ws.ids), p(&ws.wts));
+        let kvs = if self.kv_dtype == KvDtype::BF16 { "bf16" } else { "f16" };
+        let nsplit = nsplit_for(nt);
+        let scale = 1.0 / (c.head_dim as f32).sqrt();
+        g.dequant_rows(&self.embd, m_tok, nt, hid, h)?;
+        for (li, l) in self.layers.iter().enumerate() {
+            g.norm_q8(hid, h, l.attn_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
+            g.matvec_q8(&[(&l.wq, p(&ws.q), qw), (&l.wk, p(&ws.k), kw), (&l.wv, p(&ws.v), vw)], xq, xd, h, nt, false)?;
+            let (kc, vc) = (g.ptr(&self.kc[li]), g.ptr(&self.vc[li]));
+            g.launch(
+                &format!("qk_norm_rope_store_{kvs}"),
+                (nt as u32, 2, 1),
+                256,
+                0,
+                &[
+                    Arg::P(p(&ws.q)),
+                    Arg::L(qw as i64),
+                    Arg::P(p(&ws.k)),
+                    Arg::P(p(&ws.v)),
+                    Arg::L(kw as i64),
+                    Arg::P(l.q_norm),
+                    Arg::P(l.k_norm),
+                    Arg::I(qw as i32),
+                    Arg::I(kw as i32),
+                    Arg::I(vw as i32),
+                    Arg::I(c.head_dim as i32),
+                    Arg::I(c.rotary_dim as i32),
+                    Arg::P(m_pos),
+                    Arg::F(c.rope_theta),
+                    Arg::F(c.rms_eps),
+                    Arg::P(m_slot),
+                    Arg::P(kc),
+                    Arg::P(vc),
+                ],
+            )?;
+            g.launch(
+                &format!("attn_dec6_{kvs}"),
+                (c.n_kv_heads as u32, nsplit as u32, nt as u32),
+                128,
+                0,
+                &[
+                    Arg::P(p(&ws.q)),
+                    Arg::L(qw as i64),
+                    Arg::P(kc),
+                    Arg::P(vc),
+                    Arg::P(m_pos),
+                    Arg::P(m_seq),
+                    Arg::P(m_ptoff),
+                    Arg::P(m_pts),
+                    Arg::I(self.page_size as i32),
+                    Arg::I(c.n_kv_heads as i32),
+                    Arg::I(nsplit as i32),
+                    Arg::F(scale),
+                    Arg::P(p(&ws.part)),
+                ],
+            )?;
+            g.launch(
+                "attn_merge6",
+                (c.n_heads as u32, nt as u32, 1),
+                128,
+                0,
+                &[Arg::P(p(&ws.part)), Arg::I(c.n_kv_heads as i32), Arg::I(nsplit as i32), Arg::P(p(&ws.att)), Arg::L(ow as i64), Arg::P(xq), Arg::P(xd), Arg::P(m_pos)],
+            )?;
+            g.matvec_q8(&[(&l.wo, hid, h)], xq, xd, ow, nt, true)?;
+            g.norm_q8(hid, h, l.ffn_norm, h, c.rms_eps, nrm, h, xq, xd, nt)?;
+            g.matvec(&l.router, nrm, h, p(&ws.rl), e, nt, false)?;
+            g.route(p(&ws.rl), l.bias, e, k, c.gating, ids, wts, nt)?;
+            g.moe_gate_up_q8(&l.gate, &l.up, ids, k, xq, xd, aq, ad, nt * k)?;
+            g.moe_down_q8(&l.down, ids, wts, k, aq, ad, hid, h, nt)?;
+        }
+        g.norm_q8(hid, h, self.out_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
+        g.matvec_q8(&[(&self.head, p(&ws.logits), c.vocab_size)], xq, xd, h, nt, false)?;
+        Ok(())
+    }
+
+    /// The fast path of [`CudaModel::forward`]: one metadata upload, then the step's graph.
+    fn forward_fast(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput, CudaError> {
+        let nt = batch.n_tokens();
+        let ps = self.page_size;
+        let t = MAX_FAST_TOKENS;
+        let mut meta = vec![0i32; 5 * t];
+        let mut pts: Vec<i32> = Vec::new();
+        let mut rows = Vec::new();
+        let mut out_idx = Vec::new();
+        let mut ti = 0;
+        for (si, s) in batch.seqs.iter().enumerate() {
+            meta[4 * t + si] = pts.len() as i32;
+            let needed = (s.cached_len + s.tokens.len()).div_ceil(ps);
+            pts.extend(s.page_table[..needed].iter().map(|&x| x as i32));
+            let n = s.tokens.len();
+            let wanted = match s.logits {
+                LogitsWanted::None => 0..0,
+                LogitsWanted::Last => n - 1..n,
+                LogitsWanted::All => 0..n,
+            };
+            for i in wanted {
+                rows.push(LogitsRow { seq: si, position: s.cached_len + i });
+                out_idx.push(ti + i);
+            }
+            for (i, &tok) in s.tokens.iter().enumerate() {
+                let pp = s.cached_len + i;
+                meta[ti] = tok as i32;
+                meta[t + ti] = pp as i32;
+                meta[2 * t + ti] = si as i32;
+                meta[3 * t + ti] = (s.page_table[pp / ps] as usize * ps + pp % ps) as i32;
+                ti += 1;
+            }
+        }
+        if pts.len() > self.fast.as_ref().unwrap().pts_cap {
+            let cap = pts.len().next_power_of_two();
+            let ws = self.fast.as_mut().unwrap();
+            ws.graphs.clear();
+            ws.meta = self.gpu.zeros(5 * t + cap)?;
+            ws.pts_cap = cap;
+        }
+        meta.extend_from_slice(&pts);
+        {
+            let ws = self.fast.as_mut().unwrap();
+            let mut dst = ws.meta.slice_mut(0..meta.len());
+            self.gpu.stream.memcpy_htod(&meta, &mut dst)?;
+        }
+        let have_graph = self.fast.as_ref().unwrap().graphs.contains_key(&nt);
+        if self.opts.graphs && have_graph {
+            self.fast.as_ref().unwrap().graphs[&nt].0.launch()?;
+        } else {
+            self.enqueue_fast(nt)?;
+            if self.opts.graphs {
+                self.gpu.sync()?;
+                use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
+                self.gpu.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
+                let r = self.enqueue_fast(nt);
+                let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0))?;
+                r?;
+                if let Some(gr) = graph {
+                    self.fast.as_mut().unwrap().graphs.insert(nt, super::fast::Graph(gr));
+                }
+            }
+        }
+        let v = self.cfg.vocab_size;
+        let mut logits = vec![0f32; rows.len() * v];
+        let ws = self.fast.as_ref().unwrap();
+        for (r, &i) in out_idx.iter().enumerate() {
+            let src = ws.logits.slice(i * v..(i + 1) * v);
+            self.gpu.stream.memcpy_dtoh(&src, &mut logits[r * v..(r + 1) * v])?;
+        }
+        self.gpu.sync()?;
+        Ok(ForwardOutput { rows, logits, vocab_size: v })
+    }
+
+    /// Runs one fast step of `nt` tokens from whatever metadata is in the workspace, without
+    /// reading logits back (benchmark: kernel time of a step; graphs as configured).
+    pub fn replay_fast_step(&mut self, nt: usize) -> Result<(), CudaError> {
+        let ws = self.fast.as_ref().ok_or_else(|| CudaError::Shape("fast path off".into()))?;
+        match ws.graphs.get(&nt) {
+            Some(gr) if self.opts.graphs => gr.0.launch()?,
+            _ => self.enqueue_fast(nt)?,
+        }
+        Ok(())
     }
 
     /// The model's hyper-parameters.
@@ -241,6 +596,9 @@ impl CudaModel {
     /// returns the logits the batch asks for.
     pub fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput, CudaError> {
         self.validate(batch)?;
+        if self.fast_eligible(batch.n_tokens()) {
+            return self.forward_fast(batch);
+        }
         let c = &self.cfg;
         let g = &self.gpu;
         let nt = batch.n_tokens();

@@ -18,6 +18,7 @@ pub const MODULES: &[(&str, &str)] = &[
     ("norm_rope", include_str!("../../../kernels/norm_rope.cu")),
     ("attention", include_str!("../../../kernels/attention.cu")),
     ("moe", include_str!("../../../kernels/moe.cu")),
+    ("fast", include_str!("../../../kernels/fast.cu")),
 ];
 
 /// Whether libnvrtc can be loaded; checked before any NVRTC call so a missing library is an

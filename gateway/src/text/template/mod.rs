@@ -15,7 +15,7 @@ use minijinja::{Environment, Error, ErrorKind};
 use serde_json::{Map, Value as Json};
 
 pub use pyfloat::python_float_repr;
-pub use pyjson::{dumps, DumpsOptions};
+pub use pyjson::{DumpsOptions, dumps};
 pub use pystr::python_str;
 
 /// Name under which the single template is stored in the environment.
@@ -61,7 +61,9 @@ pub struct ChatTemplate {
 
 impl std::fmt::Debug for ChatTemplate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("ChatTemplate").field("source_len", &self.source.len()).finish()
+        f.debug_struct("ChatTemplate")
+            .field("source_len", &self.source.len())
+            .finish()
     }
 }
 
@@ -85,12 +87,16 @@ impl ChatTemplate {
         env.set_auto_escape_callback(|_| minijinja::AutoEscape::None);
         env.set_unknown_method_callback(minijinja_contrib::pycompat::unknown_method_callback);
         env.set_formatter(|out, _state, value| {
-            out.write_str(&python_str(value)).map_err(|e| Error::new(ErrorKind::WriteFailure, e.to_string()))
+            out.write_str(&python_str(value))
+                .map_err(|e| Error::new(ErrorKind::WriteFailure, e.to_string()))
         });
         env.add_filter("tojson", tojson);
         env.add_function("raise_exception", raise_exception);
-        env.add_function("strftime_now", move |format: String| strftime_now(&clock, &format));
-        env.add_template_owned(TEMPLATE_NAME, source.clone()).map_err(|e| TemplateError::Syntax(describe(&e)))?;
+        env.add_function("strftime_now", move |format: String| {
+            strftime_now(&clock, &format)
+        });
+        env.add_template_owned(TEMPLATE_NAME, source.clone())
+            .map_err(|e| TemplateError::Syntax(describe(&e)))?;
         Ok(ChatTemplate { env, source })
     }
 
@@ -107,21 +113,30 @@ impl ChatTemplate {
             ctx.insert(k.clone(), v.clone());
         }
         ctx.insert("messages".into(), Json::Array(input.messages.clone()));
-        ctx.insert("tools".into(), input.tools.clone().map(Json::Array).unwrap_or(Json::Null));
+        ctx.insert(
+            "tools".into(),
+            input.tools.clone().map(Json::Array).unwrap_or(Json::Null),
+        );
         ctx.insert("documents".into(), Json::Null);
-        ctx.insert("add_generation_prompt".into(), Json::Bool(input.add_generation_prompt));
-        let tmpl = self.env.get_template(TEMPLATE_NAME).map_err(|e| TemplateError::Syntax(describe(&e)))?;
-        tmpl.render(Value::from(minijinja::value::Serde(&ctx))).map_err(|e| {
-            match raised_message(&e) {
+        ctx.insert(
+            "add_generation_prompt".into(),
+            Json::Bool(input.add_generation_prompt),
+        );
+        let tmpl = self
+            .env
+            .get_template(TEMPLATE_NAME)
+            .map_err(|e| TemplateError::Syntax(describe(&e)))?;
+        tmpl.render(Value::from(minijinja::value::Serde(&ctx)))
+            .map_err(|e| match raised_message(&e) {
                 Some(msg) => TemplateError::Raised(msg),
                 None => TemplateError::Render(describe(&e)),
-            }
-        })
+            })
     }
 }
 
 /// Variable names the pipeline sets itself; `chat_template_kwargs` may not override them.
-pub const RESERVED_VARIABLES: &[&str] = &["messages", "tools", "documents", "add_generation_prompt"];
+pub const RESERVED_VARIABLES: &[&str] =
+    &["messages", "tools", "documents", "add_generation_prompt"];
 
 fn tojson(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Error> {
     // Python signature: tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False)
@@ -140,8 +155,12 @@ fn tojson(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Erro
             minijinja::value::ValueKind::None => None,
             minijinja::value::ValueKind::String => Some(v.as_str().unwrap_or_default().to_string()),
             _ => {
-                let n = i64::try_from(v.clone())
-                    .map_err(|_| Error::new(ErrorKind::InvalidOperation, "tojson: indent must be an integer or string"))?;
+                let n = i64::try_from(v.clone()).map_err(|_| {
+                    Error::new(
+                        ErrorKind::InvalidOperation,
+                        "tojson: indent must be an integer or string",
+                    )
+                })?;
                 Some(" ".repeat(n.max(0) as usize))
             }
         };
@@ -153,9 +172,18 @@ fn tojson(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Erro
             .try_iter()?
             .map(|p| p.as_str().map(str::to_string))
             .collect::<Option<_>>()
-            .ok_or_else(|| Error::new(ErrorKind::InvalidOperation, "tojson: separators must be two strings"))?;
-        let [item, key] = <[String; 2]>::try_from(parts)
-            .map_err(|_| Error::new(ErrorKind::InvalidOperation, "tojson: separators must be two strings"))?;
+            .ok_or_else(|| {
+                Error::new(
+                    ErrorKind::InvalidOperation,
+                    "tojson: separators must be two strings",
+                )
+            })?;
+        let [item, key] = <[String; 2]>::try_from(parts).map_err(|_| {
+            Error::new(
+                ErrorKind::InvalidOperation,
+                "tojson: separators must be two strings",
+            )
+        })?;
         opts.separators = Some((item, key));
     }
     if let Some(v) = arg(3, "sort_keys")? {
@@ -163,21 +191,32 @@ fn tojson(value: Value, args: Rest<Value>, kwargs: Kwargs) -> Result<Value, Erro
     }
     kwargs.assert_all_used()?;
     if value.is_undefined() {
-        return Err(Error::new(ErrorKind::UndefinedError, "tojson of an undefined value"));
+        return Err(Error::new(
+            ErrorKind::UndefinedError,
+            "tojson of an undefined value",
+        ));
     }
-    let json = serde_json::to_value(&value).map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))?;
+    let json = serde_json::to_value(&value)
+        .map_err(|e| Error::new(ErrorKind::BadSerialization, e.to_string()))?;
     Ok(Value::from(dumps(&json, &opts)))
 }
 
 fn raise_exception(message: String) -> Result<Value, Error> {
-    Err(Error::new(ErrorKind::InvalidOperation, format!("{RAISED_TAG}{message}")))
+    Err(Error::new(
+        ErrorKind::InvalidOperation,
+        format!("{RAISED_TAG}{message}"),
+    ))
 }
 
 fn strftime_now(clock: &Clock, format: &str) -> Result<Value, Error> {
     use std::fmt::Write;
     let mut out = String::new();
-    write!(out, "{}", clock().format(format))
-        .map_err(|_| Error::new(ErrorKind::InvalidOperation, format!("strftime_now: bad format {format:?}")))?;
+    write!(out, "{}", clock().format(format)).map_err(|_| {
+        Error::new(
+            ErrorKind::InvalidOperation,
+            format!("strftime_now: bad format {format:?}"),
+        )
+    })?;
     Ok(Value::from(out))
 }
 
@@ -207,4 +246,3 @@ fn describe(err: &Error) -> String {
     }
     s
 }
-

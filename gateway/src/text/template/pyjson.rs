@@ -26,7 +26,11 @@ pub fn dumps(value: &Value, opts: &DumpsOptions) -> String {
         None => (", ".to_string(), ": ".to_string()),
     };
     let mut out = String::new();
-    let w = Writer { opts, item_sep: &item_sep, key_sep: &key_sep };
+    let w = Writer {
+        opts,
+        item_sep: &item_sep,
+        key_sep: &key_sep,
+    };
     w.value(value, 0, &mut out);
     out
 }
@@ -146,11 +150,24 @@ mod tests {
     #[test]
     fn options_follow_python() {
         let v = json!({"b": [1, 2], "a": "é😀"});
-        let o = DumpsOptions { ensure_ascii: true, sort_keys: true, ..Default::default() };
+        let o = DumpsOptions {
+            ensure_ascii: true,
+            sort_keys: true,
+            ..Default::default()
+        };
         assert_eq!(dumps(&v, &o), r#"{"a": "\u00e9\ud83d\ude00", "b": [1, 2]}"#);
-        let o = DumpsOptions { indent: Some("  ".into()), ..Default::default() };
-        assert_eq!(dumps(&v, &o), "{\n  \"b\": [\n    1,\n    2\n  ],\n  \"a\": \"é😀\"\n}");
-        let o = DumpsOptions { separators: Some((",".into(), ":".into())), ..Default::default() };
+        let o = DumpsOptions {
+            indent: Some("  ".into()),
+            ..Default::default()
+        };
+        assert_eq!(
+            dumps(&v, &o),
+            "{\n  \"b\": [\n    1,\n    2\n  ],\n  \"a\": \"é😀\"\n}"
+        );
+        let o = DumpsOptions {
+            separators: Some((",".into(), ":".into())),
+            ..Default::default()
+        };
         assert_eq!(dumps(&v, &o), r#"{"b":[1,2],"a":"é😀"}"#);
     }
 }

@@ -39,7 +39,9 @@ fn python_repr(value: &Value) -> String {
             format!("[{}]", items.join(", "))
         }
         ValueKind::Map => {
-            let Ok(keys) = value.try_iter() else { return value.to_string() };
+            let Ok(keys) = value.try_iter() else {
+                return value.to_string();
+            };
             let items: Vec<String> = keys
                 .map(|k| {
                     let v = value.get_item(&k).unwrap_or(Value::UNDEFINED);
@@ -55,7 +57,11 @@ fn python_repr(value: &Value) -> String {
 
 /// Python's string repr: single quotes unless the text has `'` and no `"`.
 fn quote(s: &str) -> String {
-    let q = if s.contains('\'') && !s.contains('"') { '"' } else { '\'' };
+    let q = if s.contains('\'') && !s.contains('"') {
+        '"'
+    } else {
+        '\''
+    };
     let mut out = String::with_capacity(s.len() + 2);
     out.push(q);
     for c in s.chars() {
@@ -68,7 +74,9 @@ fn quote(s: &str) -> String {
                 out.push('\\');
                 out.push(c);
             }
-            c if (c as u32) < 0x20 || c as u32 == 0x7f => out.push_str(&format!("\\x{:02x}", c as u32)),
+            c if (c as u32) < 0x20 || c as u32 == 0x7f => {
+                out.push_str(&format!("\\x{:02x}", c as u32))
+            }
             c => out.push(c),
         }
     }
@@ -82,8 +90,13 @@ mod tests {
 
     #[test]
     fn prints_like_python() {
-        let v = Value::from(minijinja::value::Serde(serde_json::json!({"a": [1, 2.0, true, null, "it's"], "b": "x\n"})));
-        assert_eq!(python_str(&v), r#"{'a': [1, 2.0, True, None, "it's"], 'b': 'x\n'}"#);
+        let v = Value::from(minijinja::value::Serde(
+            serde_json::json!({"a": [1, 2.0, true, null, "it's"], "b": "x\n"}),
+        ));
+        assert_eq!(
+            python_str(&v),
+            r#"{'a': [1, 2.0, True, None, "it's"], 'b': 'x\n'}"#
+        );
         assert_eq!(python_str(&Value::from(())), "None");
         assert_eq!(python_str(&Value::UNDEFINED), "");
         assert_eq!(python_str(&Value::from(0.5)), "0.5");

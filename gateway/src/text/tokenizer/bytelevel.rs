@@ -28,7 +28,10 @@ impl ByteLevelMap {
             };
             to_char[b as usize] = char::from_u32(c).expect("all mapped code points are valid");
         }
-        ByteLevelMap { to_char, from_shifted }
+        ByteLevelMap {
+            to_char,
+            from_shifted,
+        }
     }
 
     /// The character standing for `b`.

@@ -4,8 +4,8 @@ use std::path::Path;
 
 use minimax_shared::gguf::{GgufModel, MetaValue, Metadata};
 
-use super::spec::{SpecError, TokenType, TokenizerSpec};
 use super::Tokenizer;
+use super::spec::{SpecError, TokenType, TokenizerSpec};
 use crate::text::format::ModelFormat;
 
 const KEY_MODEL: &str = "tokenizer.ggml.model";
@@ -23,7 +23,10 @@ impl TokenizerSpec {
     /// Collects the vocabulary from GGUF metadata; `format` adds the family's end-of-turn texts
     /// to the end-of-generation set.
     pub fn from_gguf_metadata(meta: &Metadata, format: &ModelFormat) -> Result<Self, SpecError> {
-        let model = meta.get(KEY_MODEL).map(|v| str_of(KEY_MODEL, v)).transpose()?;
+        let model = meta
+            .get(KEY_MODEL)
+            .map(|v| str_of(KEY_MODEL, v))
+            .transpose()?;
         match model {
             Some("gpt2") => {}
             Some(other) => return Err(SpecError::UnsupportedModel(other.to_string())),
@@ -36,7 +39,11 @@ impl TokenizerSpec {
             Some(v) => {
                 let arr = v.as_array().ok_or_else(|| bad(KEY_TYPES, "not an array"))?;
                 arr.iter()
-                    .map(|x| x.as_i64().ok_or_else(|| bad(KEY_TYPES, "non-integer entry")).and_then(TokenType::from_code))
+                    .map(|x| {
+                        x.as_i64()
+                            .ok_or_else(|| bad(KEY_TYPES, "non-integer entry"))
+                            .and_then(TokenType::from_code)
+                    })
                     .collect::<Result<_, _>>()?
             }
         };
@@ -47,14 +54,19 @@ impl TokenizerSpec {
             .ok_or(SpecError::MissingKey(KEY_PRE))?;
         let id = |key: &'static str| -> Result<Option<u32>, SpecError> {
             meta.get(key)
-                .map(|v| v.as_u64().and_then(|x| u32::try_from(x).ok()).ok_or_else(|| bad(key, "not a token id")))
+                .map(|v| {
+                    v.as_u64()
+                        .and_then(|x| u32::try_from(x).ok())
+                        .ok_or_else(|| bad(key, "not a token id"))
+                })
                 .transpose()
         };
         let add_bos = match meta.get(KEY_ADD_BOS) {
             None => false,
             Some(v) => v.as_bool().ok_or_else(|| bad(KEY_ADD_BOS, "not a bool"))?,
         };
-        let mut extra_eog_ids: Vec<u32> = [id(KEY_EOT)?, id(KEY_EOM)?].into_iter().flatten().collect();
+        let mut extra_eog_ids: Vec<u32> =
+            [id(KEY_EOT)?, id(KEY_EOM)?].into_iter().flatten().collect();
         for text in format.end_of_generation {
             if let Some(pos) = tokens.iter().position(|t| t == text) {
                 extra_eog_ids.push(pos as u32);
@@ -87,7 +99,10 @@ impl Tokenizer {
 }
 
 fn bad(key: &'static str, why: &str) -> SpecError {
-    SpecError::BadKey { key, why: why.to_string() }
+    SpecError::BadKey {
+        key,
+        why: why.to_string(),
+    }
 }
 
 fn str_of<'a>(key: &'static str, v: &'a MetaValue) -> Result<&'a str, SpecError> {
@@ -95,7 +110,9 @@ fn str_of<'a>(key: &'static str, v: &'a MetaValue) -> Result<&'a str, SpecError>
 }
 
 fn string_array(meta: &Metadata, key: &'static str) -> Result<Option<Vec<String>>, SpecError> {
-    let Some(v) = meta.get(key) else { return Ok(None) };
+    let Some(v) = meta.get(key) else {
+        return Ok(None);
+    };
     let arr = v.as_array().ok_or_else(|| bad(key, "not an array"))?;
     arr.iter()
         .map(|x| str_of(key, x).map(str::to_string))

@@ -12,12 +12,12 @@ mod specials;
 
 use std::collections::{BTreeSet, HashSet};
 
+use tokenizers::SplitDelimiterBehavior;
 use tokenizers::models::bpe::BPE;
+use tokenizers::pre_tokenizers::PreTokenizerWrapper;
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::pre_tokenizers::sequence::Sequence;
 use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
-use tokenizers::pre_tokenizers::PreTokenizerWrapper;
-use tokenizers::SplitDelimiterBehavior;
 
 pub use bytelevel::ByteLevelMap;
 pub use pretok::PreTokenizer;
@@ -59,7 +59,11 @@ impl Tokenizer {
         let token_types = if spec.token_types.is_empty() {
             vec![TokenType::Normal; n]
         } else if spec.token_types.len() != n {
-            return Err(SpecError::LengthMismatch { what: "token types", got: spec.token_types.len(), tokens: n });
+            return Err(SpecError::LengthMismatch {
+                what: "token types",
+                got: spec.token_types.len(),
+                tokens: n,
+            });
         } else {
             spec.token_types.clone()
         };
@@ -79,7 +83,11 @@ impl Tokenizer {
         for (index, m) in spec.merges.iter().enumerate() {
             let mut parts = m.split(' ');
             let (Some(a), Some(b), None) = (parts.next(), parts.next(), parts.next()) else {
-                return Err(SpecError::BadMerge { index, merge: m.clone(), why: "expected exactly two parts" });
+                return Err(SpecError::BadMerge {
+                    index,
+                    merge: m.clone(),
+                    why: "expected exactly two parts",
+                });
             };
             merge_results.insert(format!("{a}{b}"));
             merges.push((a.to_string(), b.to_string()));
@@ -97,8 +105,12 @@ impl Tokenizer {
             .ignore_merges(pre.ignore_merges)
             .build()
             .map_err(|e| SpecError::Build(e.to_string()))?;
-        let split = Split::new(SplitPattern::Regex(pre.pattern.to_string()), SplitDelimiterBehavior::Isolated, false)
-            .map_err(|e| SpecError::Build(format!("pre-tokenizer regex: {e}")))?;
+        let split = Split::new(
+            SplitPattern::Regex(pre.pattern.to_string()),
+            SplitDelimiterBehavior::Isolated,
+            false,
+        )
+        .map_err(|e| SpecError::Build(format!("pre-tokenizer regex: {e}")))?;
         let pre_tok = Sequence::new(vec![
             PreTokenizerWrapper::Split(split),
             PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, false)),
@@ -112,8 +124,14 @@ impl Tokenizer {
             .iter()
             .zip(&token_types)
             .map(|(tok, ty)| {
-                let bytes = if ty.is_special() { None } else { map.token_bytes(tok) };
-                bytes.unwrap_or_else(|| tok.as_bytes().to_vec()).into_boxed_slice()
+                let bytes = if ty.is_special() {
+                    None
+                } else {
+                    map.token_bytes(tok)
+                };
+                bytes
+                    .unwrap_or_else(|| tok.as_bytes().to_vec())
+                    .into_boxed_slice()
             })
             .collect();
         let specials = SpecialTokens::new(
@@ -149,7 +167,10 @@ impl Tokenizer {
         if text.is_empty() {
             return Ok(Vec::new());
         }
-        let enc = self.bpe.encode(text, false).map_err(|e| EncodeError(e.to_string()))?;
+        let enc = self
+            .bpe
+            .encode(text, false)
+            .map_err(|e| EncodeError(e.to_string()))?;
         Ok(enc.get_ids().to_vec())
     }
 
@@ -176,12 +197,18 @@ impl Tokenizer {
 
     /// The bytes one token stands for (empty for an out-of-range id).
     pub fn token_bytes(&self, id: u32) -> &[u8] {
-        self.token_bytes.get(id as usize).map(|b| &b[..]).unwrap_or(&[])
+        self.token_bytes
+            .get(id as usize)
+            .map(|b| &b[..])
+            .unwrap_or(&[])
     }
 
     /// The GGUF type of a token (`Unused` for an out-of-range id).
     pub fn token_type(&self, id: u32) -> TokenType {
-        self.token_types.get(id as usize).copied().unwrap_or(TokenType::Unused)
+        self.token_types
+            .get(id as usize)
+            .copied()
+            .unwrap_or(TokenType::Unused)
     }
 
     /// The special-token matcher.
@@ -201,7 +228,9 @@ impl Tokenizer {
 
     /// Text of a token, for template variables like `bos_token`.
     pub fn token_text(&self, id: u32) -> Option<String> {
-        self.token_bytes.get(id as usize).map(|b| String::from_utf8_lossy(b).into_owned())
+        self.token_bytes
+            .get(id as usize)
+            .map(|b| String::from_utf8_lossy(b).into_owned())
     }
 
     /// Whether prompts get a BOS prepended when they do not start with one.
@@ -231,5 +260,9 @@ impl Tokenizer {
 }
 
 fn check_id(what: &'static str, id: u32, size: usize) -> Result<(), SpecError> {
-    if (id as usize) < size { Ok(()) } else { Err(SpecError::IdOutOfRange { what, id, size }) }
+    if (id as usize) < size {
+        Ok(())
+    } else {
+        Err(SpecError::IdOutOfRange { what, id, size })
+    }
 }

@@ -26,16 +26,28 @@ pub struct PreTokenizer {
 
 /// Every pre-tokenizer this server knows.
 const KNOWN: &[PreTokenizer] = &[
-    PreTokenizer { name: "minimax-m2", pattern: O200K_PATTERN, ignore_merges: false },
-    PreTokenizer { name: "gpt-4o", pattern: O200K_PATTERN, ignore_merges: false },
+    PreTokenizer {
+        name: "minimax-m2",
+        pattern: O200K_PATTERN,
+        ignore_merges: false,
+    },
+    PreTokenizer {
+        name: "gpt-4o",
+        pattern: O200K_PATTERN,
+        ignore_merges: false,
+    },
 ];
 
 impl PreTokenizer {
     /// Looks a name up; an unknown name is an error because guessing silently corrupts ids.
     pub fn by_name(name: &str) -> Result<Self, SpecError> {
-        KNOWN.iter().copied().find(|p| p.name == name).ok_or_else(|| SpecError::UnknownPreTokenizer {
-            name: name.to_string(),
-            known: KNOWN.iter().map(|p| p.name).collect::<Vec<_>>().join(", "),
-        })
+        KNOWN
+            .iter()
+            .copied()
+            .find(|p| p.name == name)
+            .ok_or_else(|| SpecError::UnknownPreTokenizer {
+                name: name.to_string(),
+                known: KNOWN.iter().map(|p| p.name).collect::<Vec<_>>().join(", "),
+            })
     }
 }

@@ -38,7 +38,11 @@ impl SpecialTokens {
                     .expect("special-token automaton fits in memory"),
             )
         };
-        SpecialTokens { matcher, ids, texts }
+        SpecialTokens {
+            matcher,
+            ids,
+            texts,
+        }
     }
 
     /// All special texts, for the sanitizer.
@@ -48,7 +52,10 @@ impl SpecialTokens {
 
     /// The id of an exact special text.
     pub fn id_of(&self, text: &str) -> Option<u32> {
-        self.texts.iter().position(|t| t == text).map(|i| self.ids[i])
+        self.texts
+            .iter()
+            .position(|t| t == text)
+            .map(|i| self.ids[i])
     }
 
     /// Splits trusted text into ordinary runs and special tokens.
@@ -77,10 +84,20 @@ mod tests {
 
     #[test]
     fn splits_leftmost_longest() {
-        let s = SpecialTokens::new(vec![("<a>".into(), 7), ("<a><b>".into(), 8), ("[e~[".into(), 9)]);
+        let s = SpecialTokens::new(vec![
+            ("<a>".into(), 7),
+            ("<a><b>".into(), 8),
+            ("[e~[".into(), 9),
+        ]);
         assert_eq!(
             s.split("x<a><b>y<a>[e~["),
-            vec![Piece::Text("x"), Piece::Special(8), Piece::Text("y"), Piece::Special(7), Piece::Special(9)]
+            vec![
+                Piece::Text("x"),
+                Piece::Special(8),
+                Piece::Text("y"),
+                Piece::Special(7),
+                Piece::Special(9)
+            ]
         );
         assert_eq!(s.split(""), vec![]);
         assert_eq!(s.id_of("[e~["), Some(9));

@@ -1,0 +1,308 @@
+use std::sync::Arc;
+
+use tokio::sync::{mpsc, oneshot};
+
+use super::*;
+use crate::engine::{GenEvent, GenerationRequest, SamplingParams};
+use crate::ranks::RankWorld;
+use crate::ranks::fake::{FakeConfig, FakeWorld};
+
+fn world(page_size: u32, n_pages: u32, context: u32) -> FakeWorld {
+    FakeWorld::new(FakeConfig { page_size, n_pages, context, ..Default::default() })
+}
+
+fn sched(w: &FakeWorld, cfg: SchedConfig) -> Scheduler {
+    let info = w.subscribe().borrow().ready().cloned().unwrap();
+    Scheduler::new(cfg, info.page_size as usize, info.n_pages as usize, info.model.context_length as usize, Arc::new(Metrics::default()))
+}
+
+fn greedy() -> SamplingParams {
+    SamplingParams { temperature: 0.0, seed: Some(0), ..Default::default() }
+}
+
+fn req(id: &str, prompt: Vec<u32>, max_tokens: u32, sampling: SamplingParams) -> GenerationRequest {
+    GenerationRequest { request_id: id.into(), prompt, max_tokens, sampling, stop_token_ids: vec![] }
+}
+
+/// Submits a generation and returns its event receiver.
+fn submit(s: &mut Scheduler, r: GenerationRequest) -> mpsc::UnboundedReceiver<GenEvent> {
+    let (tx, rx) = mpsc::unbounded_channel();
+    s.submit(Seq::generation(r, tx));
+    rx
+}
+
+/// Runs steps until the scheduler is idle; returns the plans' (seqs, tokens) shapes.
+async fn drive(s: &mut Scheduler, w: &FakeWorld) -> Vec<Vec<(usize, LogitsMode)>> {
+    let mut shapes = Vec::new();
+    for _ in 0..10_000 {
+        s.reap_cancelled();
+        let rel = s.take_releases();
+        if !rel.is_empty() {
+            w.release(1, rel).await.unwrap();
+        }
+        let Some(plan) = s.plan() else { break };
+        shapes.push(plan.request.seqs.iter().map(|q| (q.tokens.len(), LogitsMode::try_from(q.logits).unwrap())).collect());
+        let resp = w.step(1, plan.request.clone()).await.unwrap();
+        s.complete(plan, &resp, 0);
+        let rel = s.take_releases();
+        if !rel.is_empty() {
+            w.release(1, rel).await.unwrap();
+        }
+        s.kv().check_invariants();
+    }
+    assert!(s.is_idle(), "scheduler did not drain");
+    shapes
+}
+
+/// Output tokens, finish reason and usage of a finished generation.
+fn outcome(rx: &mut mpsc::UnboundedReceiver<GenEvent>) -> (Vec<u32>, Option<FinishReason>, Usage, Option<EngineError>) {
+    let mut toks = vec![];
+    let mut reason = None;
+    let mut usage = Usage::default();
+    let mut err = None;
+    while let Ok(e) = rx.try_recv() {
+        match e {
+            GenEvent::Token { id, .. } => toks.push(id),
+            GenEvent::Finished { reason: r, usage: u, .. } => {
+                reason = Some(r);
+                usage = u;
+            }
+            GenEvent::Failed(e) => err = Some(e),
+        }
+    }
+    (toks, reason, usage, err)
+}
+
+/// The fake model's greedy continuation, computed directly (no cache, no batching).
+fn reference_greedy(w: &FakeWorld, prompt: &[u32], n: usize) -> Vec<u32> {
+    let mut toks = prompt.to_vec();
+    let mut out = vec![];
+    for _ in 0..n {
+        let l = w.logits(&toks);
+        let best = (0..l.len()).max_by(|&a, &b| l[a].total_cmp(&l[b]).then(b.cmp(&a))).unwrap() as u32;
+        out.push(best);
+        toks.push(best);
+    }
+    out
+}
+
+#[tokio::test]
+async fn scripted_prefix_reuse_counts_and_identical_outputs() {
+    let w = world(4, 64, 256);
+    let mut s = sched(&w, SchedConfig::default());
+    let a: Vec<u32> = (1..11).collect(); // 10 tokens
+    let script: Vec<(Vec<u32>, u32)> = vec![
+        (a.clone(), 0),                                              // cold
+        ([&a[..8], &[20, 21, 22]].concat(), 8),                      // shared 2 full pages
+        ([&a[..6], &[30, 31, 32, 33, 34]].concat(), 4),              // diverges mid-page 2
+        (a.clone(), 8),                                              // exact repeat
+        (a[..8].to_vec(), 4),                                        // page-aligned repeat
+        ((50..60).collect(), 0),                                     // unrelated
+    ];
+    for (i, (prompt, cached)) in script.iter().enumerate() {
+        let mut rx = submit(&mut s, req(&format!("r{i}"), prompt.clone(), 5, greedy()));
+        drive(&mut s, &w).await;
+        let (toks, reason, usage, err) = outcome(&mut rx);
+        assert_eq!(err, None);
+        assert_eq!(reason, Some(FinishReason::Length));
+        assert_eq!(usage.cached_tokens, *cached, "request {i}");
+        assert_eq!(usage.prompt_tokens as usize, prompt.len());
+        assert_eq!(toks, reference_greedy(&w, prompt, 5), "request {i}: output differs from the uncached reference");
+    }
+    // Follow-up turn: previous prompt + its generated tokens + new user tokens reuses the
+    // pages holding prompt AND generated tokens: 10 + 5 - 1 = 14 written → 3 full pages.
+    let first = reference_greedy(&w, &a, 5);
+    let turn2 = [&a[..], &first[..], &[70, 71]].concat();
+    let mut rx = submit(&mut s, req("turn2", turn2.clone(), 3, greedy()));
+    drive(&mut s, &w).await;
+    let (toks, _, usage, _) = outcome(&mut rx);
+    assert_eq!(usage.cached_tokens, 12);
+    assert_eq!(toks, reference_greedy(&w, &turn2, 3));
+    assert_eq!(s.kv().stats().evictions, 0);
+}
+
+#[tokio::test]
+async fn chunked_prefill_interleaves_with_decode_under_budget() {
+    let w = world(4, 64, 256);
+    let mut s = sched(&w, SchedConfig { prefill_chunk: 8, max_step_tokens: 10, ..Default::default() });
+    let mut a = submit(&mut s, req("a", vec![1, 2, 3], 6, greedy()));
+    // One step: a's prefill (3 tokens, logits Last) → a is decoding.
+    let p = s.plan().unwrap();
+    assert_eq!(p.request.seqs.len(), 1);
+    let r = w.step(1, p.request.clone()).await.unwrap();
+    s.complete(p, &r, 0);
+    let mut b = submit(&mut s, req("b", (10..30).collect(), 2, greedy()));
+    let shapes = drive(&mut s, &w).await;
+    // Next step: a's decode token first, then b's chunk limited by the budget (10 - 1 = 9 → 8).
+    assert_eq!(shapes[0], vec![(1, LogitsMode::Last), (8, LogitsMode::None)]);
+    assert_eq!(shapes[1], vec![(1, LogitsMode::Last), (8, LogitsMode::None)]);
+    assert_eq!(shapes[2], vec![(1, LogitsMode::Last), (4, LogitsMode::Last)]);
+    assert!(shapes.iter().all(|st| st.iter().map(|x| x.0).sum::<usize>() <= 10));
+    let (ta, ..) = outcome(&mut a);
+    let (tb, ..) = outcome(&mut b);
+    assert_eq!(ta, reference_greedy(&w, &[1, 2, 3], 6));
+    assert_eq!(tb, reference_greedy(&w, &(10..30).collect::<Vec<_>>(), 2));
+}
+
+#[tokio::test]
+async fn output_is_clipped_at_the_context_length() {
+    let w = world(4, 64, 16);
+    let mut s = sched(&w, SchedConfig::default());
+    let mut rx = submit(&mut s, req("a", (1..13).collect(), 100, greedy()));
+    drive(&mut s, &w).await;
+    let (toks, reason, usage, _) = outcome(&mut rx);
+    assert_eq!(toks.len(), 4);
+    assert_eq!(reason, Some(FinishReason::Length));
+    assert_eq!(usage.completion_tokens, 4);
+}
+
+#[tokio::test]
+async fn stop_token_ends_without_being_emitted() {
+    let w = world(4, 64, 256);
+    let prompt = vec![5, 6, 7];
+    let expect = reference_greedy(&w, &prompt, 3);
+    let mut s = sched(&w, SchedConfig::default());
+    let mut r = req("a", prompt, 10, greedy());
+    r.stop_token_ids = vec![expect[2]];
+    let mut rx = submit(&mut s, r);
+    drive(&mut s, &w).await;
+    let (toks, reason, usage, _) = outcome(&mut rx);
+    assert_eq!(toks, expect[..2].to_vec());
+    assert_eq!(reason, Some(FinishReason::Stop));
+    assert_eq!(usage.completion_tokens, 3);
+}
+
+#[tokio::test]
+async fn cancellation_frees_pages_and_releases_on_ranks() {
+    let w = world(4, 64, 256);
+    let mut s = sched(&w, SchedConfig::default());
+    let rx = submit(&mut s, req("a", (1..20).collect(), 50, greedy()));
+    let p = s.plan().unwrap();
+    let r = w.step(1, p.request.clone()).await.unwrap();
+    s.complete(p, &r, 0);
+    assert_eq!(s.running(), 1);
+    assert!(s.kv().used_pages() > 0);
+    drop(rx);
+    assert_eq!(s.reap_cancelled(), 1);
+    assert_eq!(s.kv().used_pages(), 0);
+    let rel = s.take_releases();
+    assert_eq!(rel.len(), 1);
+    w.release(1, rel).await.unwrap();
+    assert_eq!(w.live_sequences(), 0);
+    // Its 4 full prompt pages stay reusable.
+    assert_eq!(s.kv().cached_pages(), 4);
+}
+
+#[tokio::test]
+async fn cache_length_disagreement_drops_only_that_sequence() {
+    let w = world(4, 64, 256);
+    w.set_wrong_len_token(1, 77);
+    let mut s = sched(&w, SchedConfig::default());
+    let mut good = submit(&mut s, req("good", vec![1, 2, 3, 4, 5], 4, greedy()));
+    let mut bad = submit(&mut s, req("bad", vec![1, 77, 3], 4, greedy()));
+    drive(&mut s, &w).await;
+    let (tg, rg, _, eg) = outcome(&mut good);
+    let (tb, rb, _, eb) = outcome(&mut bad);
+    assert_eq!(eg, None);
+    assert_eq!(rg, Some(FinishReason::Length));
+    assert_eq!(tg, reference_greedy(&w, &[1, 2, 3, 4, 5], 4));
+    assert!(tb.is_empty());
+    assert_eq!(rb, None);
+    match eb {
+        Some(EngineError::CacheMismatch(m)) => assert!(m.contains("rank 1 reports cache length 4 (expected 3)"), "{m}"),
+        other => panic!("expected CacheMismatch, got {other:?}"),
+    }
+    assert_eq!(w.live_sequences(), 0);
+    assert_eq!(s.kv().used_pages(), 0);
+}
+
+#[tokio::test]
+async fn memory_pressure_preempts_and_outputs_stay_exact() {
+    // 12 pages of 4 tokens = 48 slots; three sequences that each grow to 22 tokens.
+    let w = world(4, 12, 256);
+    let mut s = sched(&w, SchedConfig::default());
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| (0..10).map(|t| t + 10 * i + 1).collect()).collect();
+    let mut rxs: Vec<_> = prompts.iter().enumerate().map(|(i, p)| submit(&mut s, req(&format!("p{i}"), p.clone(), 12, greedy()))).collect();
+    drive(&mut s, &w).await;
+    for (i, rx) in rxs.iter_mut().enumerate() {
+        let (toks, reason, _, err) = outcome(rx);
+        assert_eq!(err, None, "seq {i}");
+        assert_eq!(reason, Some(FinishReason::Length));
+        assert_eq!(toks, reference_greedy(&w, &prompts[i], 12), "seq {i}");
+    }
+    assert_eq!(s.kv().used_pages(), 0);
+}
+
+#[tokio::test]
+async fn lone_sequence_that_outgrows_memory_ends_with_length() {
+    let w = world(4, 4, 256); // 16 slots
+    let mut s = sched(&w, SchedConfig::default());
+    let mut rx = submit(&mut s, req("a", (1..11).collect(), 100, greedy()));
+    drive(&mut s, &w).await;
+    let (toks, reason, ..) = outcome(&mut rx);
+    assert_eq!(reason, Some(FinishReason::Length));
+    assert_eq!(toks.len(), 7); // 10 + 7 = 17 tokens, 16 of them in the cache
+}
+
+#[tokio::test]
+async fn seeded_sampling_is_independent_of_batching() {
+    let w = world(4, 64, 256);
+    let sampling = SamplingParams { temperature: 1.0, top_k: 0, top_p: 1.0, seed: Some(1234), ..Default::default() };
+    let prompt = vec![3, 1, 4, 1, 5, 9, 2, 6];
+    let mut alone = sched(&w, SchedConfig::default());
+    let mut rx = submit(&mut alone, req("alone", prompt.clone(), 20, sampling.clone()));
+    drive(&mut alone, &w).await;
+    let (solo, ..) = outcome(&mut rx);
+    let mut batched = sched(&w, SchedConfig { prefill_chunk: 3, ..Default::default() });
+    let mut others: Vec<_> = (0..4).map(|i| submit(&mut batched, req("o", vec![i + 40; 7], 9, SamplingParams { seed: Some(i as u64), ..Default::default() }))).collect();
+    let mut rx = submit(&mut batched, req("batched", prompt.clone(), 20, sampling.clone()));
+    drive(&mut batched, &w).await;
+    let (with_others, ..) = outcome(&mut rx);
+    assert_eq!(solo, with_others);
+    assert_eq!(solo.len(), 20);
+    for o in others.iter_mut() {
+        assert_eq!(outcome(o).1, Some(FinishReason::Length));
+    }
+    // A different seed: a different continuation.
+    let mut other = sched(&w, SchedConfig::default());
+    let mut rx = submit(&mut other, req("x", prompt, 20, SamplingParams { seed: Some(99), ..sampling }));
+    drive(&mut other, &w).await;
+    assert_ne!(outcome(&mut rx).0, solo);
+}
+
+#[tokio::test]
+async fn scoring_matches_the_model_and_leaves_the_prefix_cache_alone() {
+    let w = world(4, 16, 256);
+    let mut s = sched(&w, SchedConfig { prefill_chunk: 5, ..Default::default() });
+    // Fill the cache with a generation's pages.
+    let mut rx = submit(&mut s, req("g", (1..14).collect(), 1, greedy()));
+    drive(&mut s, &w).await;
+    outcome(&mut rx);
+    let cached_before = s.kv().cached_pages();
+    let lookups_before = s.kv().stats();
+    // Score the same tokens (would hit the cache if scoring used it) plus a tail.
+    let tokens: Vec<u32> = (1..20).collect();
+    let (tx, mut orx) = oneshot::channel();
+    s.submit(Seq::score("s".into(), tokens.clone(), tx));
+    drive(&mut s, &w).await;
+    let res = orx.try_recv().unwrap().unwrap();
+    assert_eq!(res.logprobs.len(), tokens.len() - 1);
+    assert_eq!(res.cached_tokens, 0);
+    for i in 1..tokens.len() {
+        let l = w.logits(&tokens[..i]);
+        let lse = minimax_shared::sampling::logsumexp(&l);
+        assert!((res.logprobs[i - 1] - (l[tokens[i] as usize] - lse)).abs() < 1e-4);
+    }
+    assert_eq!(s.kv().cached_pages(), cached_before);
+    assert_eq!(s.kv().stats(), lookups_before);
+    assert_eq!(s.kv().used_pages(), 0);
+}
+
+#[test]
+fn validation_limits() {
+    assert!(matches!(validate(0, 16, 64, false), Err(EngineError::InvalidRequest(_))));
+    assert_eq!(validate(16, 16, 64, false), Err(EngineError::PromptTooLong { prompt: 16, context: 16 }));
+    assert_eq!(validate(15, 16, 64, false), Ok(()));
+    assert_eq!(validate(16, 16, 64, true), Ok(()));
+    assert_eq!(validate(40, 100, 32, false), Err(EngineError::PromptTooLong { prompt: 40, context: 32 }));
+}

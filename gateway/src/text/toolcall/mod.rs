@@ -1,0 +1,9 @@
+//! Tool calls in model output: streaming XML parsing, schema typing and call ids.
+
+mod ids;
+mod parser;
+mod typing;
+
+pub use ids::CallIds;
+pub use parser::{ParsedCall, ToolCallParser, ToolEvent};
+pub use typing::type_value;

@@ -1,0 +1,228 @@
+//! The engine against REAL rank processes (`minimax-rank serve`, CPU backend, the m2-small
+//! fixture): prefix reuse gives identical outputs, kill -9 of a rank fails the request with
+//! RankFailure and the supervisor brings the world back, a rank with the wrong-cache-length
+//! test fault gets its sequence dropped with CacheMismatch while the others continue.
+//!
+//! The rank binary: `$MINIMAX_RANK_BINARY`, else `target/debug/minimax-rank` (built with
+//! `cargo build -p minimax-rank` when missing). Every wait is bounded.
+
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::Duration;
+
+use minimax_gateway::engine::{Engine, EngineConfig, EngineError, FinishReason, GenEvent, GenerationRequest, SamplingParams, Usage};
+use minimax_gateway::ranks::supervisor::{SpawnConfig, WorldConfig, WorldMode};
+use minimax_gateway::sched::SchedConfig;
+
+const PAGE: u32 = 16;
+
+fn root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
+}
+
+fn rank_binary() -> PathBuf {
+    if let Some(p) = std::env::var_os("MINIMAX_RANK_BINARY") {
+        return PathBuf::from(p);
+    }
+    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"));
+    let bin = target.join("debug/minimax-rank");
+    static BUILD: std::sync::Once = std::sync::Once::new();
+    BUILD.call_once(|| {
+        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+        let st = std::process::Command::new(cargo).args(["build", "-q", "-p", "minimax-rank", "--bin", "minimax-rank"]).current_dir(root()).status().expect("running cargo build -p minimax-rank");
+        if !st.success() {
+            eprintln!("warning: cargo build -p minimax-rank failed; using the existing binary if any");
+        }
+    });
+    assert!(bin.is_file(), "{} not found", bin.display());
+    bin
+}
+
+static RUN: AtomicU32 = AtomicU32::new(0);
+
+fn run_dir() -> PathBuf {
+    let d = std::env::temp_dir().join(format!("mmx-eng-{}-{}", std::process::id(), RUN.fetch_add(1, Ordering::SeqCst)));
+    let _ = std::fs::remove_dir_all(&d);
+    d
+}
+
+fn config(world: usize, parallelism: &str, rank_args: Vec<(u32, Vec<String>)>) -> (EngineConfig, PathBuf) {
+    let dir = run_dir();
+    let spawn = SpawnConfig {
+        rank_binary: rank_binary(),
+        model: root().join("fixtures/m2-small/q8_0.gguf"),
+        devices: vec!["cpu".into(); world],
+        parallelism: parallelism.into(),
+        page_size: PAGE,
+        kv_pages: Some(64),
+        run_dir: dir.clone(),
+        extra_args: vec![],
+        rank_args,
+        env: vec![("RUST_LOG".into(), "warn".into())],
+    };
+    let mut w = WorldConfig::new(WorldMode::Spawn(spawn));
+    w.load_timeout = Duration::from_secs(60);
+    w.collective_timeout = Duration::from_secs(30);
+    w.step_timeout = Duration::from_secs(30);
+    w.health_interval = Duration::from_millis(200);
+    w.restart_backoff_initial = Duration::from_millis(200);
+    w.max_restart_attempts = 5;
+    (EngineConfig { sched: SchedConfig { prefill_chunk: 24, ..Default::default() }, world: w }, dir)
+}
+
+async fn start(world: usize, parallelism: &str, rank_args: Vec<(u32, Vec<String>)>) -> (Engine, PathBuf) {
+    let (cfg, dir) = config(world, parallelism, rank_args);
+    let engine = Engine::start(cfg);
+    engine.wait_ready(Duration::from_secs(90)).await.expect("ranks ready");
+    (engine, dir)
+}
+
+fn prompt(n: usize, salt: u32) -> Vec<u32> {
+    (0..n as u32).map(|i| (i * 37 + salt * 101 + 11) % 997 + 1).collect()
+}
+
+fn greedy_req(id: &str, prompt: Vec<u32>, max_tokens: u32) -> GenerationRequest {
+    GenerationRequest { request_id: id.into(), prompt, max_tokens, sampling: SamplingParams { temperature: 0.0, ..Default::default() }, stop_token_ids: vec![] }
+}
+
+struct Outcome {
+    tokens: Vec<u32>,
+    finish: Result<(FinishReason, Usage), EngineError>,
+}
+
+async fn run(engine: &Engine, req: GenerationRequest) -> Outcome {
+    let stream = engine.generate(req).expect("accepted");
+    let events = tokio::time::timeout(Duration::from_secs(120), stream.collect_all()).await.expect("generation finished in time");
+    let mut tokens = vec![];
+    let mut finish = Err(EngineError::Internal("no terminal event".into()));
+    for e in events {
+        match e {
+            GenEvent::Token { id, .. } => tokens.push(id),
+            GenEvent::Finished { reason, usage, .. } => finish = Ok((reason, usage)),
+            GenEvent::Failed(e) => finish = Err(e),
+        }
+    }
+    Outcome { tokens, finish }
+}
+
+async fn stop(engine: Engine, dir: PathBuf) {
+    tokio::time::timeout(Duration::from_secs(30), engine.shutdown()).await.expect("shutdown in time");
+    let _ = std::fs::remove_dir_all(dir);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_reuse_gives_identical_outputs() {
+    let (engine, dir) = start(2, "tensor", vec![]).await;
+    let p = prompt(40, 1); // 2 full pages + 8 tokens
+    let cold = run(&engine, greedy_req("cold", p.clone(), 8)).await;
+    let (reason, usage) = cold.finish.clone().unwrap();
+    assert_eq!(reason, FinishReason::Length);
+    assert_eq!(usage.cached_tokens, 0);
+    assert_eq!(cold.tokens.len(), 8);
+
+    let warm = run(&engine, greedy_req("warm", p.clone(), 8)).await;
+    assert_eq!(warm.finish.as_ref().unwrap().1.cached_tokens, 32);
+    assert_eq!(warm.tokens, cold.tokens, "prefix reuse changed the output");
+
+    // A follow-up turn: prompt + output + new tokens reuses 40 + 7 = 47 cached → 2 full pages.
+    let turn2: Vec<u32> = [&p[..], &cold.tokens[..], &prompt(20, 2)[..]].concat();
+    let t2 = run(&engine, greedy_req("turn2", turn2.clone(), 6)).await;
+    assert_eq!(t2.finish.as_ref().unwrap().1.cached_tokens, 32);
+    let m = engine.metrics();
+    assert!(m.prefix_hit_tokens >= 64, "{m:?}");
+    stop(engine, dir).await;
+
+    // The same follow-up on a cold world gives the same tokens.
+    let (engine, dir) = start(2, "tensor", vec![]).await;
+    let t2_cold = run(&engine, greedy_req("turn2-cold", turn2, 6)).await;
+    assert_eq!(t2_cold.finish.as_ref().unwrap().1.cached_tokens, 0);
+    assert_eq!(t2_cold.tokens, t2.tokens);
+    stop(engine, dir).await;
+}
+
+/// PIDs of the rank processes serving sockets under `dir`.
+fn rank_pids(dir: &std::path::Path) -> Vec<(u32, i32)> {
+    let mut out = vec![];
+    let needle = dir.to_string_lossy().to_string();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
+        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
+        let args: Vec<String> = cmd.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).to_string()).collect();
+        if args.iter().any(|a| a.contains(&needle)) && args.iter().any(|a| a == "serve") {
+            if let Some(i) = args.iter().position(|a| a == "--rank") {
+                out.push((args[i + 1].parse().unwrap(), pid));
+            }
+        }
+    }
+    out.sort();
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_9_of_a_rank_fails_the_request_and_the_world_comes_back() {
+    let (engine, dir) = start(2, "pipeline", vec![]).await;
+    let before = rank_pids(&dir);
+    assert_eq!(before.len(), 2, "{before:?}");
+    let mut stream = engine.generate(greedy_req("victim", prompt(30, 3), 4000)).unwrap();
+    // Wait for generation to be under way, then kill rank 1.
+    let first = tokio::time::timeout(Duration::from_secs(60), stream.recv()).await.unwrap().unwrap();
+    assert!(matches!(first, GenEvent::Token { .. }), "{first:?}");
+    unsafe {
+        libc::kill(before[1].1, libc::SIGKILL);
+    }
+    let ended = tokio::time::timeout(Duration::from_secs(30), async {
+        loop {
+            match stream.recv().await {
+                Some(GenEvent::Token { .. }) => continue,
+                other => return other,
+            }
+        }
+    })
+    .await
+    .expect("the request ended in time");
+    match ended {
+        Some(GenEvent::Failed(EngineError::RankFailure(msg))) => assert!(msg.contains("rank"), "{msg}"),
+        other => panic!("expected RankFailure, got {other:?}"),
+    }
+    // New requests are refused while restarting, never hang.
+    match engine.generate(greedy_req("too-early", prompt(5, 1), 2)) {
+        Err(EngineError::NotReady(_)) => {}
+        Ok(s) => assert!(matches!(s.collect_all().await.last(), Some(GenEvent::Finished { .. })), "accepted only when ready"),
+        Err(e) => panic!("{e:?}"),
+    }
+    engine.wait_ready(Duration::from_secs(90)).await.expect("the world came back");
+    let after = rank_pids(&dir);
+    assert_eq!(after.len(), 2);
+    assert!(after.iter().all(|(_, p)| !before.iter().any(|(_, q)| q == p)), "every rank was restarted: {before:?} → {after:?}");
+    let ok = run(&engine, greedy_req("after", prompt(20, 4), 5)).await;
+    assert_eq!(ok.finish.unwrap().0, FinishReason::Length);
+    assert_eq!(ok.tokens.len(), 5);
+    let m = engine.metrics();
+    assert_eq!(m.rank_restarts, 1);
+    assert!(engine.health().iter().all(|h| h.state == "ready"));
+    stop(engine, dir).await;
+    assert!(rank_pids(&std::env::temp_dir().join("none")).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_cache_length_drops_that_sequence_only() {
+    // Rank 1 records a wrong length for the first sequence of its 4th step.
+    let fault = vec![(1u32, vec!["--test-fault".to_string(), "wrong-cache-len-after-steps:3".to_string()])];
+    let (engine, dir) = start(2, "tensor", fault).await;
+    let a = engine.generate(greedy_req("a", prompt(10, 5), 12)).unwrap();
+    let b = engine.generate(greedy_req("b", prompt(12, 6), 12)).unwrap();
+    let (ea, eb) = tokio::time::timeout(Duration::from_secs(120), async { tokio::join!(a.collect_all(), b.collect_all()) }).await.unwrap();
+    let fin = |ev: &Vec<GenEvent>| ev.last().cloned().unwrap();
+    let (fa, fb) = (fin(&ea), fin(&eb));
+    let (failed, other) = if matches!(fa, GenEvent::Failed(_)) { (fa, fb) } else { (fb, fa) };
+    match failed {
+        GenEvent::Failed(EngineError::CacheMismatch(msg)) => assert!(msg.contains("rank 1"), "{msg}"),
+        e => panic!("expected one CacheMismatch, got {e:?} and {other:?}"),
+    }
+    assert!(matches!(other, GenEvent::Finished { reason: FinishReason::Length, usage: Usage { completion_tokens: 12, .. }, .. }), "{other:?}");
+    assert_eq!(engine.metrics().cache_mismatches, 1);
+    // The world is intact: the next request runs.
+    let ok = run(&engine, greedy_req("c", prompt(9, 7), 3)).await;
+    assert_eq!(ok.tokens.len(), 3);
+    stop(engine, dir).await;
+}

@@ -1,0 +1,635 @@
+// The fast decode path (small batches, up to a few dozen tokens per step) and the synthetic
+// weight fill.
+//
+// Activations for the weight products are quantized to "q8": per 32 elements one f32 scale
+// d = max|x| / 127 and int8 q = round(x / d) (ties to even), kept in two arrays (q: [row][n]
+// int8, d: [row][n / 32] f32). No fp16 anywhere in scales or sums: MiniMax-M2.7's expert
+// inputs overflow fp16 block sums. Products are integer dp4a dot products per 32 (Q8_0: per 8)
+// elements, scaled by the weight and activation scales and accumulated in f32.
+//
+// Weight rows are staged warp-wide through shared memory with coalesced 16-byte loads:
+// Q8_0 (34-byte blocks) and IQ4_XS (136-byte blocks) are not 16-byte aligned per block, but
+// 8 Q8_0 blocks or 2 IQ4_XS blocks make 272 bytes = 17 x 16 bytes (a "chunk"). Rows must be
+// whole chunks (Q8_0: cols % 256 == 0, IQ4_XS: cols % 512 == 0); the host checks.
+
+#define CH 272
+#define CH16 17
+
+// ---------------------------------------------------------------- synthetic fill --------
+__device__ __forceinline__ u64 splitmix64(u64& s) {
+    s += 0x9E3779B97F4A7C15ull;
+    u64 z = s;
+    z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+    z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+    return z ^ (z >> 31);
+}
+__device__ __forceinline__ float splitmix_f(u64& s) { return (float)(splitmix64(s) >> 40) * (1.0f / 16777216.0f); }
+
+// Random valid quant blocks: random bits everywhere, then the fp16 scale fields at byte offsets
+// off0/off1 (-1 = none) set uniform in [lo, hi) (off1 gets the same range, negated if neg1).
+// One thread per block; bb must be even. grid (ceil(nblocks / 256)), block 256.
+extern "C" __global__ void fill_quant(u8* p, i64 nblocks, int bb, u64 seed, int off0, int off1, int neg1, float lo,
+                                      float hi, int e8m0) {
+    i64 b = blockIdx.x * (i64)blockDim.x + threadIdx.x;
+    if (b >= nblocks) return;
+    u64 s = seed ^ ((u64)b * 0xD1B54A32D192ED03ull);
+    u16* q = (u16*)(p + b * bb);
+    u64 r = 0;
+    for (int i = 0; i < bb / 2; i++) {
+        if ((i & 3) == 0) r = splitmix64(s);
+        q[i] = (u16)(r >> (16 * (i & 3)));
+    }
+    if (off0 >= 0) q[off0 / 2] = f32_to_f16(lo + (hi - lo) * splitmix_f(s));
+    if (off1 >= 0) {
+        float v = lo + (hi - lo) * splitmix_f(s);
+        q[off1 / 2] = f32_to_f16(neg1 ? -v : v);
+    }
+    if (e8m0) p[b * bb] = 118 + (u8)(splitmix64(s) % 5);
+}
+
+// n f32 values uniform in [lo, hi). grid (ceil(n / 256)), block 256.
+extern "C" __global__ void fill_f32(float* p, i64 n, u64 seed, float lo, float hi) {
+    i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    u64 s = seed ^ ((u64)i * 0xD1B54A32D192ED03ull);
+    p[i] = lo + (hi - lo) * splitmix_f(s);
+}
+
+// n 16-bit values (f16 or bf16 bit patterns, chosen by bf16) uniform in [lo, hi).
+extern "C" __global__ void fill_h16(u16* p, i64 n, u64 seed, float lo, float hi, int bf16) {
+    i64 i = blockIdx.x * (i64)blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    u64 s = seed ^ ((u64)i * 0xD1B54A32D192ED03ull);
+    float v = lo + (hi - lo) * splitmix_f(s);
+    p[i] = bf16 ? f32_to_bf16(v) : f32_to_f16(v);
+}
+
+// ------------------------------------------------------------- q8 activations -----------
+// Quantizes one 32-element group held one value per lane; returns q, writes d from lane 0.
+__device__ __forceinline__ int q8_lane(float v, float* d_out) {
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    int q = amax == 0.0f ? 0 : __float2int_rn(v / d);
+    if ((threadIdx.x & 31) == 0) *d_out = d;
+    return q;
+}
+
+// Row r: optional RMSNorm (w != null; f32 sum of squares), optional f32 copy of the result
+// (y != null), and q8 quantization into q/d. n % 32 == 0. grid (nrows), block 256.
+extern "C" __global__ void norm_q8(const float* x, i64 xs, const float* w, int n, float eps, float* y, i64 ys,
+                                   i8* q, float* d) {
+    __shared__ float part[32];
+    const float* xr = x + blockIdx.x * xs;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    float inv = 1.0f;
+    if (w) {
+        float ss = 0.f;
+        for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+        ss = warp_sum(ss);
+        if (lane == 0) part[warp] = ss;
+        __syncthreads();
+        float t = lane < nw ? part[lane] : 0.f;
+        t = warp_sum(t);
+        inv = 1.0f / sqrtf(t / (float)n + eps);
+    }
+    i8* qr = q + (i64)blockIdx.x * n;
+    float* dr = d + (i64)blockIdx.x * (n / 32);
+    for (int c = warp; c < n / 32; c += nw) {
+        int i = c * 32 + lane;
+        float v = w ? xr[i] * inv * w[i] : xr[i];
+        if (y) y[blockIdx.x * ys + i] = v;
+        qr[i] = (i8)q8_lane(v, dr + c);
+    }
+}
+
+// ----------------------------------------------------------- weight staging -------------
+__device__ __forceinline__ int4 ld_stream(const int4* p) {
+    int4 v;
+    asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p));
+    return v;
+}
+
+// Copies nrows row slices of n16 x 16 bytes (row j starts at rowptr(j), 16-byte aligned) into
+// this warp's shared buffer, back to back. All loads are issued before the first store.
+template <int MAXL, typename F>
+__device__ __forceinline__ void stage(u8* sm, int n16, int nrows, F rowptr, int lane) {
+    int total = n16 * nrows;
+    int4 v[MAXL];
+#pragma unroll
+    for (int i = 0; i < MAXL; i++) {
+        int idx = lane + 32 * i;
+        if (idx < total) {
+            int j = idx / n16;
+            v[i] = ld_stream((const int4*)rowptr(j) + (idx - j * n16));
+        }
+    }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < MAXL; i++) {
+        int idx = lane + 32 * i;
+        if (idx < total) ((int4*)sm)[idx] = v[i];
+    }
+    __syncwarp();
+}
+
+// IQ4_NL/XS codebook as packed int8: {-127,-104,-83,-65 | -49,-35,-22,-10 | 1,13,25,38 | 53,69,89,113}
+#define IQ4_T0 0xBFAD9881u
+#define IQ4_T1 0xF6EADDCFu
+#define IQ4_T2 0x26190D01u
+#define IQ4_T3 0x71594535u
+
+// The 8 nibbles of w through the codebook: lo = values of the low nibbles of bytes 0..3, hi =
+// values of their high nibbles (as 4 packed int8 each).
+__device__ __forceinline__ void iq4_lookup(u32 w, u32& lo, u32& hi) {
+    u32 r[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        u32 s = w >> (16 * i);
+        u32 a = __byte_perm(IQ4_T0, IQ4_T1, s & 0x7777u);
+        u32 b = __byte_perm(IQ4_T2, IQ4_T3, s & 0x7777u);
+        r[i] = __byte_perm(a, b, 0x3210u | ((s & 0x8888u) >> 1));
+    }
+    lo = __byte_perm(r[0], r[1], 0x6420u);
+    hi = __byte_perm(r[0], r[1], 0x7531u);
+}
+
+template <int T> struct FastT;
+template <> struct FastT<T_Q8_0> { static const int UPC = 32; };   // units per chunk (8 values each)
+template <> struct FastT<T_IQ4_XS> { static const int UPC = 16; }; // (32 values each)
+
+// acc[t] += unit u of a staged chunk (global chunk index gch) . x[t], for t < nv.
+template <int T, int NT>
+__device__ __forceinline__ void unit_dot(const u8* chunk, int u, int gch, const i8* xq, i64 xqs, const float* xd,
+                                         i64 xds, int nv, float* acc) {
+    if (T == T_Q8_0) {
+        const u8* blk = chunk + (u >> 2) * 34;
+        int qq = u & 3;
+        int kb = gch * 8 + (u >> 2);
+        float dw = f16_to_f32(*(const u16*)blk);
+        const u16* qs = (const u16*)(blk + 2 + 8 * qq);
+        int w0 = (int)((u32)qs[0] | ((u32)qs[1] << 16));
+        int w1 = (int)((u32)qs[2] | ((u32)qs[3] << 16));
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < nv) {
+                int2 xv = *(const int2*)(xq + t * xqs + kb * 32 + qq * 8);
+                int s = __dp4a(w0, xv.x, 0);
+                s = __dp4a(w1, xv.y, s);
+                acc[t] += dw * xd[t * xds + kb] * (float)s;
+            }
+        }
+    } else {
+        int b = u >> 3, sb = u & 7;
+        const u8* blk = chunk + b * 136;
+        int kb = gch * 2 + b;
+        float d = f16_to_f32(*(const u16*)blk);
+        u32 sh = *(const u16*)(blk + 2);
+        int ls = ((blk[4 + (sb >> 1)] >> (4 * (sb & 1))) & 15) | (((sh >> (2 * sb)) & 3) << 4);
+        float dl = d * (float)(ls - 32);
+        const uint2* qp = (const uint2*)(blk + 8 + 16 * sb);
+        uint2 qa = qp[0], qb = qp[1];
+        u32 lo[4], hi[4];
+        iq4_lookup(qa.x, lo[0], hi[0]);
+        iq4_lookup(qa.y, lo[1], hi[1]);
+        iq4_lookup(qb.x, lo[2], hi[2]);
+        iq4_lookup(qb.y, lo[3], hi[3]);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < nv) {
+                const int4* xp = (const int4*)(xq + t * xqs + kb * 256 + sb * 32);
+                int4 xa = xp[0], xb = xp[1];
+                int s = __dp4a((int)lo[0], xa.x, 0);
+                s = __dp4a((int)lo[1], xa.y, s);
+                s = __dp4a((int)lo[2], xa.z, s);
+                s = __dp4a((int)lo[3], xa.w, s);
+                s = __dp4a((int)hi[0], xb.x, s);
+                s = __dp4a((int)hi[1], xb.y, s);
+                s = __dp4a((int)hi[2], xb.z, s);
+                s = __dp4a((int)hi[3], xb.w, s);
+                acc[t] += dl * xd[t * xds + kb * 8 + sb] * (float)s;
+            }
+        }
+    }
+}
+
+// This lane's share of staged chunks [0, nch) (global chunk gch0 + i) dotted with x.
+template <int T, int NT>
+__device__ __forceinline__ void dot_staged(const u8* sm, int nch, int gch0, const i8* xq, i64 xqs, const float* xd,
+                                           i64 xds, int nv, float* acc, int lane) {
+    const int UPC = FastT<T>::UPC;
+    int units = nch * UPC;
+    for (int u = lane; u < units; u += 32) {
+        int ch = u / UPC;
+        unit_dot<T, NT>(sm + ch * CH, u - ch * UPC, gch0 + ch, xq, xqs, xd, xds, nv, acc);
+    }
+}
+
+// ------------------------------------------------------------ dense products ------------
+#define MVQ_WARPS 8
+#define MVQ_PH 8  // chunks staged per phase (2176 bytes per warp)
+
+// Up to three matrices sharing one input (q, k, v): row r of the launch is row r of segment 0,
+// then segment 1, then 2. y[t][row] (+)= W row . x[t]. grid (ceil(total_rows / MVQ_WARPS),
+// ceil(nv / NT)), block 32 * MVQ_WARPS. x has ncol = 32 * 8 * nchunks (Q8_0) or 512 * nchunks
+// (IQ4_XS) elements per row.
+template <int T, int NT>
+__device__ __forceinline__ void mvq_dense(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1,
+                                          int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2, float* y2,
+                                          i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol, int nv,
+                                          int accumulate) {
+    __shared__ __align__(16) u8 sm_all[MVQ_WARPS][MVQ_PH * CH];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r = blockIdx.x * MVQ_WARPS + warp;
+    int v0 = blockIdx.y * NT;
+    const u8* W;
+    i64 rb, ys;
+    float* y;
+    if (r < rows0) {
+        W = W0, rb = rb0, y = y0, ys = ys0;
+    } else if (r < rows0 + rows1) {
+        r -= rows0;
+        W = W1, rb = rb1, y = y1, ys = ys1;
+    } else if (r < rows0 + rows1 + rows2) {
+        r -= rows0 + rows1;
+        W = W2, rb = rb2, y = y2, ys = ys2;
+    } else {
+        return;
+    }
+    int nv_here = min(NT, nv - v0);
+    const u8* row = W + r * rb;
+    u8* sm = sm_all[warp];
+    const i8* xqv = xq + (i64)v0 * ncol;
+    const float* xdv = xd + (i64)v0 * (ncol / 32);
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    for (int c0 = 0; c0 < nchunks; c0 += MVQ_PH) {
+        int nch = min(MVQ_PH, nchunks - c0);
+        stage<(MVQ_PH * CH16 + 31) / 32>(sm, nch * CH16, 1, [&](int) { return row + (i64)c0 * CH; }, lane);
+        dot_staged<T, NT>(sm, nch, c0, xqv, ncol, xdv, ncol / 32, nv_here, acc, lane);
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float s = warp_sum(acc[t]);
+        if (lane == 0 && t < nv_here) {
+            float* yp = y + (i64)(v0 + t) * ys + r;
+            *yp = accumulate ? *yp + s : s;
+        }
+    }
+}
+
+// ------------------------------------------------------------- MoE (decode) -------------
+#define GU_ROWS 4   // rows per warp; a block of 8 warps makes one 32-row q8 group of the output
+#define GU_PH 6     // chunks per matrix per phase
+
+// Pair p = blockIdx.y (token p / k, expert ids[p]): act[p][r] = silu(gate_r . x) * (up_r . x)
+// for the block's 32 rows, quantized to q8 (aq [p][ff], ad [p][ff / 32]). grid (ff / 32,
+// npairs), block 256.
+template <int T>
+__device__ __forceinline__ void moe_gate_up(const u8* G, const u8* U, i64 rb, i64 es, int nchunks, const int* ids,
+                                            int k, const i8* xq, const float* xd, int ncol, i8* aq, float* ad,
+                                            int ff) {
+    __shared__ __align__(16) u8 sm_all[8][2 * GU_PH * CH];
+    __shared__ float act[32];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int p = blockIdx.y;
+    int t = p / k;
+    i64 eoff = (i64)ids[p] * es;
+    const i8* xqt = xq + (i64)t * ncol;
+    const float* xdt = xd + (i64)t * (ncol / 32);
+    u8* sm = sm_all[warp];
+    for (int i = 0; i < GU_ROWS; i++) {
+        int r = blockIdx.x * 32 + warp * GU_ROWS + i;
+        const u8* gr = G + eoff + r * rb;
+        const u8* ur = U + eoff + r * rb;
+        float ag[1] = {0.f}, au[1] = {0.f};
+        for (int c0 = 0; c0 < nchunks; c0 += GU_PH) {
+            int nch = min(GU_PH, nchunks - c0);
+            stage<(2 * GU_PH * CH16 + 31) / 32>(
+                sm, nch * CH16, 2, [&](int j) { return (j ? ur : gr) + (i64)c0 * CH; }, lane);
+            dot_staged<T, 1>(sm, nch, c0, xqt, 0, xdt, 0, 1, ag, lane);
+            dot_staged<T, 1>(sm + nch * CH, nch, c0, xqt, 0, xdt, 0, 1, au, lane);
+        }
+        float g = warp_sum(ag[0]), u = warp_sum(au[0]);
+        if (lane == 0) act[warp * GU_ROWS + i] = g / (1.0f + expf(-g)) * u;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        float v = act[lane];
+        int q = q8_lane(v, ad + (i64)p * (ff / 32) + blockIdx.x);
+        aq[(i64)p * ff + blockIdx.x * 32 + lane] = (i8)q;
+    }
+}
+
+#define DN_MAXCH 12  // staged chunks per phase (experts x chunks per row)
+
+// hidden[t][r] += sum_j w[t*k + j] * (down[ids[t*k + j]] row r . act[t*k + j]): the down
+// products of a token's k experts and their weighted combine, without atomics (deterministic).
+// grid (ceil(rows / 8), nt), block 256 (a warp per row). nchunks (per row) <= DN_MAXCH.
+template <int T>
+__device__ __forceinline__ void moe_down(const u8* W, i64 rb, i64 es, int rows, int nchunks, const int* ids,
+                                         const float* wts, int k, const i8* aq, const float* ad, int ff,
+                                         float* hidden, i64 hs) {
+    __shared__ __align__(16) u8 sm_all[8][DN_MAXCH * CH];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r = blockIdx.x * 8 + warp;
+    if (r >= rows) return;
+    int t = blockIdx.y;
+    u8* sm = sm_all[warp];
+    int eg = DN_MAXCH / nchunks;
+    float total = 0.f;
+    for (int j0 = 0; j0 < k; j0 += eg) {
+        int ne = min(eg, k - j0);
+        stage<(DN_MAXCH * CH16 + 31) / 32>(
+            sm, nchunks * CH16, ne, [&](int j) { return W + (i64)ids[t * k + j0 + j] * es + r * rb; }, lane);
+        for (int j = 0; j < ne; j++) {
+            int p = t * k + j0 + j;
+            float a[1] = {0.f};
+            dot_staged<T, 1>(sm + j * nchunks * CH, nchunks, 0, aq + (i64)p * ff, 0, ad + (i64)p * (ff / 32), 0, 1, a,
+                             lane);
+            total += wts[p] * a[0];
+        }
+    }
+    total = warp_sum(total);
+    if (lane == 0) hidden[(i64)t * hs + r] += total;
+}
+
+#define FAST_INST(name, T)                                                                                       \
+    extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mvq_##name##_1(                                 \
+        const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, \
+        const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,  \
+        int nv, int acc) {                                                                                       \
+        mvq_dense<T, 1>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq, xd,  \
+                        ncol, nv, acc);                                                                          \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mvq_##name##_4(                                 \
+        const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, \
+        const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,  \
+        int nv, int acc) {                                                                                       \
+        mvq_dense<T, 4>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq, xd,  \
+                        ncol, nv, acc);                                                                          \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mvq_##name##_8(                                 \
+        const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, \
+        const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,  \
+        int nv, int acc) {                                                                                       \
+        mvq_dense<T, 8>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq, xd,  \
+                        ncol, nv, acc);                                                                          \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) moe_gate_up_##name(                                        \
+        const u8* G, const u8* U, i64 rb, i64 es, int nchunks, const int* ids, int k, const i8* xq, const float* xd, \
+        int ncol, i8* aq, float* ad, int ff) {                                                                   \
+        moe_gate_up<T>(G, U, rb, es, nchunks, ids, k, xq, xd, ncol, aq, ad, ff);                                 \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(256) moe_down_##name(                                           \
+        const u8* W, i64 rb, i64 es, int rows, int nchunks, const int* ids, const float* wts, int k, const i8* aq,  \
+        const float* ad, int ff, float* hidden, i64 hs) {                                                        \
+        moe_down<T>(W, rb, es, rows, nchunks, ids, wts, k, aq, ad, ff, hidden, hs);                              \
+    }
+
+FAST_INST(q8_0, T_Q8_0)
+FAST_INST(iq4_xs, T_IQ4_XS)
+
+// ------------------------------------------- q/k norm, RoPE and KV store (fused) ---------
+// Token t = blockIdx.x. blockIdx.y == 0: the query row (full-width RMSNorm over qw, then
+// partial NeoX RoPE per head); 1: the key row likewise over kw, then K and V are stored at
+// cache slot slots[t]. In place on q and k. block 256.
+template <int KV>
+__device__ __forceinline__ void qk_norm_rope_store_impl(float* q, i64 qs, float* k, const float* v, i64 kvs,
+                                                        const float* qn, const float* kn, int qw, int kw, int vw,
+                                                        int hd, int rot, const int* pos, float theta, float eps,
+                                                        const int* slots, void* kc_, void* vc_) {
+    typedef typename KvT<KV>::T KT;
+    __shared__ float part[32];
+    int t = blockIdx.x;
+    bool is_k = blockIdx.y == 1;
+    float* x = is_k ? k + t * kvs : q + t * qs;
+    const float* w = is_k ? kn : qn;
+    int n = is_k ? kw : qw;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    float ss = 0.f;
+    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+    ss = warp_sum(ss);
+    if (lane == 0) part[warp] = ss;
+    __syncthreads();
+    float tot = lane < nw ? part[lane] : 0.f;
+    tot = warp_sum(tot);
+    float inv = 1.0f / sqrtf(tot / (float)n + eps);
+    for (int i = threadIdx.x; i < n; i += blockDim.x) x[i] = x[i] * inv * w[i];
+    __syncthreads();
+    // The angle depends on the pair index only (not the head): one f64 sincos per pair index,
+    // shared through shared memory, instead of one per (head, pair).
+    __shared__ float cs[128], sn[128];
+    int half = rot / 2, heads = n / hd;
+    double p = (double)pos[t];
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
+        double inv_freq = 1.0 / pow((double)theta, 2.0 * (double)i / (double)rot);
+        double a = p * inv_freq;
+        cs[i] = (float)cos(a);
+        sn[i] = (float)sin(a);
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x) {
+        int h = idx / half, i = idx % half;
+        float c = cs[i], s = sn[i];
+        float* u = x + h * hd;
+        float x0 = u[i], x1 = u[i + half];
+        u[i] = x0 * c - x1 * s;
+        u[i + half] = x1 * c + x0 * s;
+    }
+    if (!is_k) return;
+    __syncthreads();
+    KT* kc = (KT*)kc_;
+    KT* vc = (KT*)vc_;
+    i64 s = slots[t];
+    for (int i = threadIdx.x; i < kw; i += blockDim.x) kc[s * kw + i] = kv_store<KV>(x[i]);
+    for (int i = threadIdx.x; i < vw; i += blockDim.x) vc[s * vw + i] = kv_store<KV>(v[t * kvs + i]);
+}
+
+// ------------------------------------------------ split-K decode attention ---------------
+// Head dim 128 (K and V), GQA group G query heads per KV head. Block (kv head, split, token):
+// positions [split * chunk, ...) of the token's causal range, chunk = ceil(n_ctx / nsplit)
+// rounded up to 16. Each warp takes two positions per step (16 lanes x 8 dims each), online
+// softmax per query head; the block's unnormalised partial (m, l, o) goes to part, merged by
+// attn_merge. part layout per (t, kvh, split): m[G], l[G], o[G][128].
+#define AD_WARPS 4
+#define AD_HD 128
+
+__device__ __forceinline__ void h16x8(int4 raw, float* f, int bf) {
+    const u16* h = (const u16*)&raw;
+#pragma unroll
+    for (int i = 0; i < 8; i++) f[i] = bf ? bf16_to_f32(h[i]) : f16_to_f32(h[i]);
+}
+
+template <int G>
+__device__ __forceinline__ void attn_dec_impl(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,
+                                              const int* seq, const int* pt_off, const u32* pts, int page_size,
+                                              int kv_heads, int nsplit, float scale, float* part, int bf) {
+    __shared__ float sm_m[AD_WARPS][G], sm_l[AD_WARPS][G];
+    __shared__ float sm_o[AD_WARPS][G][AD_HD];
+    int kvh = blockIdx.x, sp = blockIdx.y, t = blockIdx.z;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int half = lane >> 4, d0 = (lane & 15) * 8;
+    int n_ctx = pos[t] + 1;
+    int chunk = (n_ctx + nsplit - 1) / nsplit;
+    chunk = (chunk + 15) & ~15;
+    int start = sp * chunk, end = min(n_ctx, start + chunk);
+    const u32* pt = pts + pt_off[seq[t]];
+    float qv[G][8], acc[G][8], m[G], l[G];
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        const float* qh = q + t * qs + (kvh * G + g) * AD_HD + d0;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            qv[g][i] = qh[i] * scale;
+            acc[g][i] = 0.f;
+        }
+        m[g] = NEG_INF;
+        l[g] = 0.f;
+    }
+    for (int pp = start + 2 * warp; pp < end; pp += 2 * AD_WARPS) {
+        int p = pp + half;
+        bool valid = p < end;
+        float s[G];
+        int4 vraw = make_int4(0, 0, 0, 0);
+        if (valid) {
+            i64 slot = (i64)pt[p / page_size] * page_size + p % page_size;
+            i64 off = (slot * kv_heads + kvh) * AD_HD + d0;
+            int4 kraw = *(const int4*)(kc + off);
+            vraw = *(const int4*)(vc + off);
+            float kf[8];
+            h16x8(kraw, kf, bf);
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                float a = 0.f;
+#pragma unroll
+                for (int i = 0; i < 8; i++) a += qv[g][i] * kf[i];
+                s[g] = a;
+            }
+        } else {
+#pragma unroll
+            for (int g = 0; g < G; g++) s[g] = 0.f;
+        }
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+#pragma unroll
+            for (int o = 8; o > 0; o >>= 1) s[g] += __shfl_xor_sync(0xffffffffu, s[g], o);
+        }
+        if (valid) {
+            float vf[8];
+            h16x8(vraw, vf, bf);
+#pragma unroll
+            for (int g = 0; g < G; g++) {
+                float mn = fmaxf(m[g], s[g]);
+                float corr = __expf(m[g] - mn);
+                float e = __expf(s[g] - mn);
+                l[g] = l[g] * corr + e;
+#pragma unroll
+                for (int i = 0; i < 8; i++) acc[g][i] = acc[g][i] * corr + e * vf[i];
+                m[g] = mn;
+            }
+        }
+    }
+    // Merge the two half-warps (same dims, different positions).
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        float mo = __shfl_xor_sync(0xffffffffu, m[g], 16);
+        float lo = __shfl_xor_sync(0xffffffffu, l[g], 16);
+        float M = fmaxf(m[g], mo);
+        float f = l[g] > 0.f ? __expf(m[g] - M) : 0.f;
+        float fo = lo > 0.f ? __expf(mo - M) : 0.f;
+        l[g] = l[g] * f + lo * fo;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            float ao = __shfl_xor_sync(0xffffffffu, acc[g][i], 16);
+            acc[g][i] = acc[g][i] * f + ao * fo;
+        }
+        m[g] = M;
+        if (lane == 0) {
+            sm_m[warp][g] = M;
+            sm_l[warp][g] = l[g];
+        }
+        if (half == 0) {
+#pragma unroll
+            for (int i = 0; i < 8; i++) sm_o[warp][g][d0 + i] = acc[g][i];
+        }
+    }
+    __syncthreads();
+    float* out = part + (((i64)t * kv_heads + kvh) * nsplit + sp) * (G * (AD_HD + 2));
+    for (int idx = threadIdx.x; idx < G * AD_HD; idx += blockDim.x) {
+        int g = idx / AD_HD, d = idx % AD_HD;
+        float M = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < AD_WARPS; w++) M = fmaxf(M, sm_m[w][g]);
+        float L = 0.f, o = 0.f;
+#pragma unroll
+        for (int w = 0; w < AD_WARPS; w++) {
+            float f = sm_l[w][g] > 0.f ? __expf(sm_m[w][g] - M) : 0.f;
+            L += sm_l[w][g] * f;
+            o += sm_o[w][g][d] * f;
+        }
+        out[2 * G + g * AD_HD + d] = o;
+        if (d == 0) {
+            out[g] = M;
+            out[G + g] = L;
+        }
+    }
+}
+
+// out[t][h * 128 + d] = merged attention of query head h (f32), plus its q8 quantization
+// (aq [t][heads * 128], ad [t][heads * 4]). grid (heads, nt), block 128.
+template <int G>
+__device__ __forceinline__ void attn_merge_impl(const float* part, int kv_heads, int nsplit, float* out, i64 os,
+                                                i8* aq, float* ad, const int* pos) {
+    int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
+    // Splits past the token's context are empty (same chunking as attn_dec_impl).
+    int n_ctx = pos[t] + 1;
+    int chunk = (n_ctx + nsplit - 1) / nsplit;
+    chunk = (chunk + 15) & ~15;
+    int active = min(nsplit, (n_ctx + chunk - 1) / chunk);
+    int kvh = h / G, g = h % G;
+    int heads = kv_heads * G;
+    const float* base = part + ((i64)t * kv_heads + kvh) * nsplit * (G * (AD_HD + 2));
+    float M = NEG_INF;
+    for (int s = 0; s < active; s++) {
+        const float* ps = base + s * (G * (AD_HD + 2));
+        if (ps[G + g] > 0.f) M = fmaxf(M, ps[g]);
+    }
+    float L = 0.f, o = 0.f;
+    for (int s = 0; s < active; s++) {
+        const float* ps = base + s * (G * (AD_HD + 2));
+        float l = ps[G + g];
+        if (l > 0.f) {
+            float f = __expf(ps[g] - M);
+            L += l * f;
+            o += ps[2 * G + g * AD_HD + d] * f;
+        }
+    }
+    float v = o / L;
+    out[t * os + h * AD_HD + d] = v;
+    int qv = q8_lane(v, ad + (i64)t * (heads * AD_HD / 32) + h * 4 + (d >> 5));
+    aq[(i64)t * heads * AD_HD + h * AD_HD + d] = (i8)qv;
+}
+
+#define ATTD_INST(name, KV, BF)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_store_##name(                                 \
+        float* q, i64 qs, float* k, const float* v, i64 kvs, const float* qn, const float* kn, int qw, int kw,   \
+        int vw, int hd, int rot, const int* pos, float theta, float eps, const int* slots, void* kc, void* vc) { \
+        qk_norm_rope_store_impl<KV>(q, qs, k, v, kvs, qn, kn, qw, kw, vw, hd, rot, pos, theta, eps, slots, kc,  \
+                                    vc);                                                                         \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6_##name(                                \
+        const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos, const int* seq, const int* pt_off, \
+        const u32* pts, int page_size, int kv_heads, int nsplit, float scale, float* part) {                     \
+        attn_dec_impl<6>(q, qs, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, scale, part, BF);    \
+    }
+
+ATTD_INST(f16, KV_F16, 0)
+ATTD_INST(bf16, KV_BF16, 1)
+
+extern "C" __global__ void __launch_bounds__(128)
+    attn_merge6(const float* part, int kv_heads, int nsplit, float* out, i64 os, i8* aq, float* ad, const int* pos) {
+    attn_merge_impl<6>(part, kv_heads, nsplit, out, os, aq, ad, pos);
+}

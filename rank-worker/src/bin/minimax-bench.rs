@@ -1,0 +1,300 @@
+//! Benchmark of the rank forward on one GPU with synthetic MiniMax-M2.7 weights (no GGUF):
+//! correctness of the fast decode path against the exact path at real dimensions, then decode
+//! and prefill speed, batch scaling, long-context decode, a per-kernel split of one decode step
+//! and the bandwidth bound. Results: docs/BENCHMARKS.md.
+//!
+//! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--decode-steps N]
+
+use std::time::Instant;
+
+use minimax_rank::cpu::KvSpec;
+use minimax_rank::cuda::{CudaModel, CudaOptions};
+use minimax_shared::forward::{ForwardBatch, ForwardOutput, LogitsWanted, SeqStep};
+use minimax_shared::model::synthetic::SyntheticSpec;
+
+const PAGE: usize = 16;
+
+fn arg(name: &str) -> Option<String> {
+    let a: Vec<String> = std::env::args().collect();
+    a.iter().position(|x| x == name).and_then(|i| a.get(i + 1).cloned())
+}
+fn flag(name: &str) -> bool {
+    std::env::args().any(|x| x == name)
+}
+
+/// Hands out KV pages.
+struct Pages(u32);
+impl Pages {
+    fn take(&mut self, n: usize) -> Vec<u32> {
+        let v = (self.0..self.0 + n as u32).collect();
+        self.0 += n as u32;
+        v
+    }
+}
+
+fn step(seq: u64, pt: &[u32], cached: usize, tokens: Vec<u32>, logits: LogitsWanted) -> SeqStep {
+    SeqStep { seq_id: seq, page_table: pt.to_vec(), cached_len: cached, tokens, logits }
+}
+
+fn argmax(r: &[f32]) -> u32 {
+    let mut b = 0;
+    for (i, &x) in r.iter().enumerate() {
+        if x > r[b] {
+            b = i;
+        }
+    }
+    b as u32
+}
+
+fn finite(o: &ForwardOutput) -> bool {
+    o.logits.iter().all(|x| x.is_finite())
+}
+
+fn ms(t: Instant) -> f64 {
+    t.elapsed().as_secs_f64() * 1e3
+}
+
+/// Device-to-device copy bandwidth (bytes read + written per second), 4 GiB buffers.
+fn copy_bandwidth(m: &CudaModel) -> anyhow::Result<f64> {
+    let g = m.gpu();
+    let n = 1usize << 32;
+    let a = g.zeros::<u8>(n)?;
+    let mut b = g.zeros::<u8>(n)?;
+    g.stream.memcpy_dtod(&a, &mut b)?;
+    g.sync()?;
+    let reps = 5;
+    let t = Instant::now();
+    for _ in 0..reps {
+        g.stream.memcpy_dtod(&a, &mut b)?;
+    }
+    g.sync()?;
+    Ok(2.0 * n as f64 * reps as f64 / t.elapsed().as_secs_f64())
+}
+
+fn check_fast_vs_exact(spec_s: &str, layers: usize) -> anyhow::Result<()> {
+    let spec = SyntheticSpec::parse(&format!("{spec_s}:{layers}"))?;
+    let kv = KvSpec { page_size: PAGE, n_pages: 64 };
+    let mut m = CudaModel::synthetic(&spec, kv, CudaOptions::default(), 7)?;
+    if let Some(why) = m.fast_path_off() {
+        println!("fast path off for {spec_s}: {why}");
+        return Ok(());
+    }
+    let prompt: Vec<u32> = vec![1, 17, 4242, 99_999, 200_000];
+    let mut outs = Vec::new();
+    for (fast, graphs, base) in [(false, false, 0u32), (true, false, 8), (true, true, 16)] {
+        m.set_fast(fast, graphs);
+        let pt: Vec<u32> = (base..base + 8).collect();
+        let mut o = vec![m.forward(&ForwardBatch { seqs: vec![step(0, &pt, 0, prompt.clone(), LogitsWanted::All)] })?];
+        let mut tok = argmax(o[0].row(4));
+        for i in 0..6 {
+            let r = m.forward(&ForwardBatch { seqs: vec![step(0, &pt, 5 + i, vec![tok], LogitsWanted::Last)] })?;
+            tok = argmax(r.row(0));
+            o.push(r);
+        }
+        outs.push(o);
+    }
+    let scale = outs[0].iter().flat_map(|o| o.logits.iter()).fold(0f32, |a, x| a.max(x.abs()));
+    for (name, i) in [("fast", 1), ("fast+graphs", 2)] {
+        let mut md = 0f32;
+        let mut same = 0;
+        for (a, b) in outs[0].iter().zip(&outs[i]) {
+            for (x, y) in a.logits.iter().zip(&b.logits) {
+                md = md.max((x - y).abs());
+            }
+            same += (argmax(a.row(a.rows.len() - 1)) == argmax(b.row(b.rows.len() - 1))) as usize;
+        }
+        let fin = outs[i].iter().all(finite);
+        println!(
+            "check {spec_s}:{layers} {name} vs exact: max |diff| {md:.4} (max |logit| {scale:.3}, rel {:.2e}), argmax same {same}/7, finite {fin}",
+            md / scale.max(1e-9)
+        );
+    }
+    println!("check exact path finite: {}", outs[0].iter().all(finite));
+    Ok(())
+}
+
+fn main() -> anyhow::Result<()> {
+    tracing_subscriber::fmt().with_max_level(tracing::Level::INFO).init();
+    let spec_s = arg("--synthetic").unwrap_or_else(|| "m2.7:iq4xs".into());
+    let check_layers: usize = arg("--check-layers").and_then(|s| s.parse().ok()).unwrap_or(2);
+    let dsteps: usize = arg("--decode-steps").and_then(|s| s.parse().ok()).unwrap_or(100);
+    let base = spec_s.split(':').take(2).collect::<Vec<_>>().join(":");
+    if check_layers > 0 {
+        check_fast_vs_exact(&base, check_layers)?;
+    }
+    let spec = SyntheticSpec::parse(&spec_s)?;
+    let long_ctx = 32768usize;
+    let n_pages = long_ctx / PAGE + 64 + 32 * 8 + 8 + 2 * 8192 / PAGE + 16;
+    let kv = KvSpec { page_size: PAGE, n_pages };
+    let t = Instant::now();
+    let mut m = CudaModel::synthetic(&spec, kv, CudaOptions::default(), 42)?;
+    let c = m.config().clone();
+    let fill_s = t.elapsed().as_secs_f64();
+    println!("model {spec_s}: {:.2} GiB of weights, {} layers, created+filled in {fill_s:.2} s; fast path: {}", m.weight_bytes() as f64 / (1u64 << 30) as f64, c.n_layers, m.fast_path_off().unwrap_or("on"));
+    let bw = copy_bandwidth(&m)?;
+    println!("device copy bandwidth {:.0} GB/s (read + write)", bw / 1e9);
+    let mut pages = Pages(0);
+    let mut table: Vec<(String, String)> = Vec::new();
+
+    // Decode, batch 1: 5-token prompt then `dsteps` greedy steps through forward().
+    let pt = pages.take((5 + dsteps + 1).div_ceil(PAGE));
+    let prompt = vec![1u32, 17, 4242, 99_999, 200_000];
+    let t = Instant::now();
+    let o = m.forward(&ForwardBatch { seqs: vec![step(1, &pt, 0, prompt, LogitsWanted::Last)] })?;
+    let p5 = ms(t);
+    anyhow::ensure!(finite(&o), "non-finite prompt logits");
+    let mut tok = argmax(o.row(0));
+    // Two warm-up steps (the first one also captures the graph).
+    for i in 0..2 {
+        tok = argmax(m.forward(&ForwardBatch { seqs: vec![step(1, &pt, 5 + i, vec![tok], LogitsWanted::Last)] })?.row(0));
+    }
+    let t = Instant::now();
+    let mut all_finite = true;
+    for i in 2..dsteps {
+        let r = m.forward(&ForwardBatch { seqs: vec![step(1, &pt, 5 + i, vec![tok], LogitsWanted::Last)] })?;
+        all_finite &= finite(&r);
+        tok = argmax(r.row(0));
+    }
+    let dec_ms = ms(t) / (dsteps - 2) as f64;
+    println!("decode b1: prompt(5) {p5:.1} ms, {:.2} ms/token incl. logits download = {:.1} tok/s, finite {all_finite}", dec_ms, 1e3 / dec_ms);
+    table.push(("decode tok/s, batch 1, 5-token prompt + 100 steps (forward incl. logits D2H)".into(), format!("{:.1}", 1e3 / dec_ms)));
+    // Kernel time per step: replay the step graph.
+    let reps = 50;
+    m.replay_fast_step(1)?;
+    m.gpu().sync()?;
+    let t = Instant::now();
+    for _ in 0..reps {
+        m.replay_fast_step(1)?;
+    }
+    m.gpu().sync()?;
+    let step_ms = ms(t) / reps as f64;
+    println!("decode b1 graph replay: {step_ms:.3} ms/step = {:.1} tok/s", 1e3 / step_ms);
+    table.push(("decode tok/s, batch 1, graph replay only (kernel time)".into(), format!("{:.1}", 1e3 / step_ms)));
+
+    // Per-kernel split of one decode step (no graph, events around every launch).
+    m.set_fast(true, false);
+    m.gpu().profile_begin();
+    m.replay_fast_step(1)?;
+    let prof = m.gpu().profile_end()?;
+    m.set_fast(true, true);
+    let mut fam: Vec<(String, f32, usize)> = Vec::new();
+    for (n, t) in &prof {
+        let key = n.trim_end_matches("_f16").trim_end_matches("_bf16").to_string();
+        match fam.iter_mut().find(|f| f.0 == key) {
+            Some(f) => {
+                f.1 += t;
+                f.2 += 1
+            }
+            None => fam.push((key, *t, 1)),
+        }
+    }
+    fam.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap());
+    let tot: f32 = fam.iter().map(|f| f.1).sum();
+    println!("\nper-kernel split of one batch-1 decode step (events around each launch, no graph): total {tot:.3} ms, {} launches", prof.len());
+    println!("{:<28} {:>8} {:>7} {:>9}", "kernel", "ms", "share", "launches");
+    for (n, t, k) in &fam {
+        println!("{:<28} {:>8.3} {:>6.1}% {:>9}", n, t, 100.0 * t / tot, k);
+    }
+    println!();
+
+    // Bandwidth bound at short context.
+    let wb = m.decode_weight_bytes() as f64;
+    let kv_tok = |ctx: usize| (ctx * c.n_layers * c.n_kv_heads * (c.head_dim + c.v_head_dim) * 2) as f64;
+    let bound = |ctx: usize| bw / (wb + kv_tok(ctx));
+    println!("bytes per decoded token: weights {:.3} GB + KV(105) {:.4} GB; bound {:.0} tok/s; ours {:.1}% (graph replay)", wb / 1e9, kv_tok(105) / 1e9, bound(105), 100.0 * (1e3 / step_ms) / bound(105));
+    table.push(("bandwidth bound tok/s (ctx ~100) / our fraction".into(), format!("{:.0} / {:.0}%", bound(105), 100.0 * (1e3 / step_ms) / bound(105))));
+
+    // Aggregate decode at batch 4, 16, 32: each sequence gets a 5-token prompt, then 20 steps.
+    for b in [4usize, 16, 32] {
+        let steps: usize = 20;
+        let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take((5 + steps + 3).div_ceil(PAGE))).collect();
+        let mut toks = vec![0u32; b];
+        for (i, p) in pts.iter().enumerate() {
+            let o = m.forward(&ForwardBatch { seqs: vec![step(100 + i as u64, p, 0, vec![1, 2 + i as u32, 3, 4, 5], LogitsWanted::Last)] })?;
+            toks[i] = argmax(o.row(0));
+        }
+        let mut fin = true;
+        let mut run = |m: &mut CudaModel, toks: &mut Vec<u32>, s: usize| -> anyhow::Result<()> {
+            let seqs = (0..b).map(|i| step(100 + i as u64, &pts[i], 5 + s, vec![toks[i]], LogitsWanted::Last)).collect();
+            let o = m.forward(&ForwardBatch { seqs })?;
+            fin &= finite(&o);
+            for (i, t) in toks.iter_mut().enumerate() {
+                *t = argmax(o.row(i));
+            }
+            Ok(())
+        };
+        run(&mut m, &mut toks, 0)?;
+        run(&mut m, &mut toks, 1)?;
+        let t = Instant::now();
+        for s in 2..steps {
+            run(&mut m, &mut toks, s)?;
+        }
+        let per = ms(t) / (steps - 2) as f64;
+        let t = Instant::now();
+        for _ in 0..10 {
+            m.replay_fast_step(b)?;
+        }
+        m.gpu().sync()?;
+        let rep = ms(t) / 10.0;
+        println!("decode batch {b}: {per:.2} ms/step = {:.0} tok/s aggregate ({:.0} tok/s graph replay), finite {fin}", b as f64 * 1e3 / per, b as f64 * 1e3 / rep);
+        table.push((format!("aggregate decode tok/s, batch {b} (forward / graph replay)"), format!("{:.0} / {:.0}", b as f64 * 1e3 / per, b as f64 * 1e3 / rep)));
+    }
+
+    // Decode at 32k context: K/V of 32768 cached positions filled randomly (no prefill).
+    {
+        m.fill_kv_random(5)?;
+        let steps = 12;
+        let pt = pages.take((long_ctx + steps + 2).div_ceil(PAGE));
+        let mut tok = 7u32;
+        for i in 0..2 {
+            tok = argmax(m.forward(&ForwardBatch { seqs: vec![step(9, &pt, long_ctx + i, vec![tok], LogitsWanted::Last)] })?.row(0));
+        }
+        let t = Instant::now();
+        let mut fin = true;
+        for i in 2..steps {
+            let o = m.forward(&ForwardBatch { seqs: vec![step(9, &pt, long_ctx + i, vec![tok], LogitsWanted::Last)] })?;
+            fin &= finite(&o);
+            tok = argmax(o.row(0));
+        }
+        let per = ms(t) / (steps - 2) as f64;
+        println!("decode at 32k context, batch 1: {per:.2} ms/token = {:.1} tok/s (bound {:.0}), finite {fin}", 1e3 / per, bound(long_ctx));
+        table.push(("decode tok/s at 32k context, batch 1 / bound".into(), format!("{:.1} / {:.0}", 1e3 / per, bound(long_ctx))));
+    }
+
+    // Prefill (exact path: steps over 32 tokens): 512, 513, then 8192 if it looks affordable.
+    let mut t512 = 0.0;
+    let prefill_sizes: &[usize] = if flag("--no-prefill") { &[] } else { &[512, 513] };
+    for &n in prefill_sizes {
+        let pt = pages.take(n.div_ceil(PAGE));
+        let toks: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % 200_000).collect();
+        let t = Instant::now();
+        let o = m.forward(&ForwardBatch { seqs: vec![step(20 + n as u64, &pt, 0, toks, LogitsWanted::Last)] })?;
+        let e = ms(t);
+        if n == 512 {
+            t512 = e;
+        }
+        println!("prefill {n}: {e:.1} ms = {:.0} tok/s, finite {}", n as f64 * 1e3 / e, finite(&o));
+        table.push((format!("prefill ms at {n} tokens (tok/s)"), format!("{e:.1} ({:.0})", n as f64 * 1e3 / e)));
+    }
+    if !flag("--no-8k") && t512 > 0.0 && t512 * 16.0 < 40_000.0 {
+        let n = 8192;
+        let pt = pages.take(n / PAGE);
+        let t = Instant::now();
+        let mut last = None;
+        for c0 in (0..n).step_by(4096) {
+            let toks: Vec<u32> = (c0 as u32..c0 as u32 + 4096).map(|i| (i * 7919) % 200_000).collect();
+            last = Some(m.forward(&ForwardBatch { seqs: vec![step(30, &pt, c0, toks, LogitsWanted::Last)] })?);
+        }
+        let e = ms(t);
+        println!("prefill {n} (2 chunks of 4096): {e:.1} ms = {:.0} tok/s, finite {}", n as f64 * 1e3 / e, finite(last.as_ref().unwrap()));
+        table.push((format!("prefill ms at {n} tokens (tok/s)"), format!("{e:.1} ({:.0})", n as f64 * 1e3 / e)));
+    } else {
+        table.push(("prefill ms at 8192 tokens".into(), format!("skipped (512 took {t512:.0} ms)")));
+    }
+
+    println!("\n== {} on {} ==", spec_s, m.gpu().name);
+    for (k, v) in &table {
+        println!("| {k} | {v} |");
+    }
+    Ok(())
+}

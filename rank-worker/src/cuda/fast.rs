@@ -1,0 +1,301 @@
+//! The fast decode path (kernels/fast.cu): q8 activations with dp4a weight products for Q8_0
+//! and IQ4_XS, the fused MoE (gate/up/SiLU → q8, down + weighted combine into the residual),
+//! fused q/k norm + RoPE + KV store, split-K decode attention; preallocated workspaces (no
+//! allocation on the hot path), one metadata upload per step, and each step size replayed from
+//! a CUDA graph. Also the synthetic-weight fill. Batches of up to [`MAX_FAST_TOKENS`] tokens
+//! take this path when the model's shapes and types allow it (see [`fast_plan`]); everything
+//! else takes the exact path in `model.rs`.
+
+use std::collections::HashMap;
+
+use cudarc::driver::{CudaGraph, CudaSlice};
+use minimax_shared::model::ModelConfig;
+use minimax_shared::quant::GgmlType;
+
+use super::error::CudaError;
+use super::gpu::{Arg, DevMat, Gpu, KvDtype};
+
+/// Largest step (tokens) the fast path takes; larger batches (prefill) use the exact path.
+pub const MAX_FAST_TOKENS: usize = 32;
+const CH: usize = 272;
+const GQA: usize = 6;
+
+fn ceil_div(a: usize, b: usize) -> u32 {
+    a.div_ceil(b) as u32
+}
+
+/// Whether `w` can be a fast-path product: Q8_0 or IQ4_XS, rows of whole 272-byte chunks.
+fn fast_mat(w: &DevMat) -> bool {
+    matches!(w.ty, GgmlType::Q8_0 | GgmlType::IQ4_XS) && w.row_bytes % CH == 0 && w.ptr % 16 == 0 && (w.n_experts == 0 || w.expert_stride % 16 == 0)
+}
+
+fn tn(ty: GgmlType) -> &'static str {
+    match ty {
+        GgmlType::Q8_0 => "q8_0",
+        _ => "iq4_xs",
+    }
+}
+
+/// Split count of decode attention for a step of `nt` tokens (fixed per graph).
+pub fn nsplit_for(nt: usize) -> usize {
+    (512 / nt.max(1)).clamp(16, 128)
+}
+
+impl Gpu {
+    /// Random valid quant blocks (see `shared::model::synthetic::fill_random_blocks`), or
+    /// uniform f32 in [lo, hi) for F32; f16/bf16 uniform for those.
+    pub fn fill_synthetic(&self, p: u64, ty: GgmlType, n_elems: usize, seed: u64, lo: f32, hi: f32) -> Result<(), CudaError> {
+        let g = |n: usize| (ceil_div(n, 256), 1, 1);
+        match ty {
+            GgmlType::F32 => self.launch("fill_f32", g(n_elems), 256, 0, &[Arg::P(p), Arg::L(n_elems as i64), Arg::L(seed as i64), Arg::F(lo), Arg::F(hi)]),
+            GgmlType::F16 | GgmlType::BF16 => self.launch(
+                "fill_h16",
+                g(n_elems),
+                256,
+                0,
+                &[Arg::P(p), Arg::L(n_elems as i64), Arg::L(seed as i64), Arg::F(lo), Arg::F(hi), Arg::I((ty == GgmlType::BF16) as i32)],
+            ),
+            _ => {
+                let bb = ty.block_bytes();
+                if bb % 2 != 0 {
+                    return Err(CudaError::Unsupported { ty, what: "synthetic fill (odd block size)".into() });
+                }
+                let nb = n_elems / ty.block_elems();
+                // (first f16 field, second, negate second, range): as fill_random_blocks.
+                let (o0, o1, neg, lo, hi) = match ty {
+                    GgmlType::Q8_0 => (0, -1, 0, 1e-4, 4e-4),
+                    GgmlType::Q4_0 | GgmlType::Q5_0 => (0, -1, 0, 1e-3, 3e-3),
+                    GgmlType::IQ4_NL => (0, -1, 0, 1e-4, 3e-4),
+                    GgmlType::IQ4_XS => (0, -1, 0, 4e-6, 1.2e-5),
+                    GgmlType::Q4_1 | GgmlType::Q5_1 => (0, 2, 1, 2e-3, 6e-3),
+                    GgmlType::Q2_K => (80, 82, 0, 1e-3, 3e-3),
+                    GgmlType::Q3_K => (108, -1, 0, 1e-4, 4e-4),
+                    GgmlType::Q4_K | GgmlType::Q5_K => (0, 2, 0, 2e-5, 8e-5),
+                    GgmlType::Q6_K => (208, -1, 0, 2e-5, 6e-5),
+                    _ => return Err(CudaError::Unsupported { ty, what: "synthetic fill".into() }),
+                };
+                self.launch(
+                    "fill_quant",
+                    g(nb),
+                    256,
+                    0,
+                    &[Arg::P(p), Arg::L(nb as i64), Arg::I(bb as i32), Arg::L(seed as i64), Arg::I(o0), Arg::I(o1), Arg::I(neg), Arg::F(lo), Arg::F(hi), Arg::I(0)],
+                )
+            }
+        }
+    }
+
+    /// Optional RMSNorm (`w != 0`), optional f32 copy (`y != 0`), q8 quantization of `nrows`
+    /// rows of width `n` (multiple of 32) into `q` ([row][n] int8) and `d` ([row][n/32] f32).
+    #[allow(clippy::too_many_arguments)]
+    pub fn norm_q8(&self, x: u64, xs: usize, w: u64, n: usize, eps: f32, y: u64, ys: usize, q: u64, d: u64, nrows: usize) -> Result<(), CudaError> {
+        if n % 32 != 0 {
+            return Err(CudaError::Shape(format!("norm_q8: width {n} is not a multiple of 32")));
+        }
+        self.launch(
+            "norm_q8",
+            (nrows as u32, 1, 1),
+            256,
+            0,
+            &[Arg::P(x), Arg::L(xs as i64), Arg::P(w), Arg::I(n as i32), Arg::F(eps), Arg::P(y), Arg::L(ys as i64), Arg::P(q), Arg::P(d)],
+        )
+    }
+
+    /// `y_s[v] (+)= W_s x_q[v]` for up to three matrices `segs` = (W, y, y stride) sharing one
+    /// q8 input of `ncol` columns, `nv` vectors.
+    pub fn matvec_q8(&self, segs: &[(&DevMat, u64, usize)], xq: u64, xd: u64, ncol: usize, nv: usize, accumulate: bool) -> Result<(), CudaError> {
+        let w0 = segs[0].0;
+        let ty = w0.ty;
+        for (w, _, _) in segs {
+            if !fast_mat(w) || w.ty != ty || w.cols != ncol {
+                return Err(CudaError::Shape(format!("matvec_q8: {:?} {}x{} (input {ncol})", w.ty, w.rows, w.cols)));
+            }
+        }
+        let nchunks = w0.row_bytes / CH;
+        let nt = if nv == 1 {
+            1
+        } else if nv <= 4 {
+            4
+        } else {
+            8
+        };
+        let mut args = Vec::with_capacity(21);
+        let mut rows = 0;
+        for i in 0..3 {
+            match segs.get(i) {
+                Some((w, y, ys)) => {
+                    rows += w.rows;
+                    args.extend([Arg::P(w.ptr), Arg::L(w.row_bytes as i64), Arg::I(w.rows as i32), Arg::P(*y), Arg::L(*ys as i64)]);
+                }
+                None => args.extend([Arg::P(0), Arg::L(0), Arg::I(0), Arg::P(0), Arg::L(0)]),
+            }
+        }
+        args.extend([Arg::I(nchunks as i32), Arg::P(xq), Arg::P(xd), Arg::I(ncol as i32), Arg::I(nv as i32), Arg::I(accumulate as i32)]);
+        self.launch(&format!("mvq_{}_{nt}", tn(ty)), (ceil_div(rows, 8), ceil_div(nv, nt), 1), 256, 0, &args)
+    }
+
+    /// Fused expert gate/up: for each of `npairs` (token p / k, expert ids[p]) pairs, the
+    /// `silu(gate x) * (up x)` activations quantized to q8 (`aq` [p][ff], `ad` [p][ff/32]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gate_up_q8(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, xq: u64, xd: u64, aq: u64, ad: u64, npairs: usize) -> Result<(), CudaError> {
+        if !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 {
+            return Err(CudaError::Shape("moe_gate_up_q8: expert tensors".into()));
+        }
+        self.launch(
+            &format!("moe_gate_up_{}", tn(gate.ty)),
+            ((gate.rows / 32) as u32, npairs as u32, 1),
+            256,
+            0,
+            &[
+                Arg::P(gate.ptr),
+                Arg::P(up.ptr),
+                Arg::L(gate.row_bytes as i64),
+                Arg::L(gate.expert_stride as i64),
+                Arg::I((gate.row_bytes / CH) as i32),
+                Arg::P(ids),
+                Arg::I(k as i32),
+                Arg::P(xq),
+                Arg::P(xd),
+                Arg::I(gate.cols as i32),
+                Arg::P(aq),
+                Arg::P(ad),
+                Arg::I(gate.rows as i32),
+            ],
+        )
+    }
+
+    /// Fused expert down + weighted combine: `hidden[t] += sum_j w[t,j] down[ids[t,j]] act[t,j]`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down_q8(&self, down: &DevMat, ids: u64, wts: u64, k: usize, aq: u64, ad: u64, hidden: u64, hs: usize, nt: usize) -> Result<(), CudaError> {
+        if !fast_mat(down) || down.row_bytes / CH > 12 {
+            return Err(CudaError::Shape("moe_down_q8: expert tensor".into()));
+        }
+        self.launch(
+            &format!("moe_down_{}", tn(down.ty)),
+            (ceil_div(down.rows, 8), nt as u32, 1),
+            256,
+            0,
+            &[
+                Arg::P(down.ptr),
+                Arg::L(down.row_bytes as i64),
+                Arg::L(down.expert_stride as i64),
+                Arg::I(down.rows as i32),
+                Arg::I((down.row_bytes / CH) as i32),
+                Arg::P(ids),
+                Arg::P(wts),
+                Arg::I(k as i32),
+                Arg::P(aq),
+                Arg::P(ad),
+                Arg::I(down.cols as i32),
+                Arg::P(hidden),
+                Arg::L(hs as i64),
+            ],
+        )
+    }
+}
+
+/// Per-layer pointers the fast step needs, and the model-level ones.
+#[allow(dead_code)]
+pub(crate) struct FastLayer {
+    pub attn_norm: u64,
+    pub wq: DevMat,
+    pub wk: DevMat,
+    pub wv: DevMat,
+    pub wo: DevMat,
+    pub q_norm: u64,
+    pub k_norm: u64,
+    pub ffn_norm: u64,
+    pub router: DevMat,
+    pub bias: u64,
+    pub gate: DevMat,
+    pub up: DevMat,
+    pub down: DevMat,
+    pub kc: u64,
+    pub vc: u64,
+}
+
+/// Whether the fast path applies to this model (shapes and types), with the reason if not.
+pub(crate) fn fast_plan(cfg: &ModelConfig, kv: KvDtype, layers: &[FastLayer], head: &DevMat) -> Result<(), String> {
+    if kv == KvDtype::F32 {
+        return Err("f32 KV cache".into());
+    }
+    if cfg.head_dim != 128 || cfg.v_head_dim != 128 || cfg.n_kv_heads == 0 || cfg.n_heads != GQA * cfg.n_kv_heads {
+        return Err(format!("attention shape {}x{} heads {}/{} (fast path: 128-dim heads, GQA 6)", cfg.head_dim, cfg.v_head_dim, cfg.n_heads, cfg.n_kv_heads));
+    }
+    if cfg.hidden % 32 != 0 || cfg.expert_ff % 32 != 0 || cfg.rotary_dim > cfg.head_dim || cfg.rotary_dim > 256 {
+        return Err("hidden/expert width".into());
+    }
+    if !fast_mat(head) {
+        return Err(format!("output {:?}", head.ty));
+    }
+    for (i, l) in layers.iter().enumerate() {
+        let dense = [&l.wq, &l.wk, &l.wv, &l.wo];
+        if dense.iter().any(|w| !fast_mat(w)) || l.wq.ty != l.wk.ty || l.wq.ty != l.wv.ty {
+            return Err(format!("layer {i}: attention types {:?}/{:?}/{:?}/{:?} or shapes", l.wq.ty, l.wk.ty, l.wv.ty, l.wo.ty));
+        }
+        if !fast_mat(&l.gate) || !fast_mat(&l.up) || !fast_mat(&l.down) || l.gate.ty != l.up.ty || l.down.row_bytes / CH > 12 {
+            return Err(format!("layer {i}: expert types {:?}/{:?}/{:?} or shapes", l.gate.ty, l.up.ty, l.down.ty));
+        }
+    }
+    Ok(())
+}
+
+/// Preallocated buffers of the fast path, sized for [`MAX_FAST_TOKENS`] tokens, and the
+/// captured graphs (one per step size).
+pub(crate) struct FastWs {
+    pub hidden: CudaSlice<f32>,
+    pub normed: CudaSlice<f32>,
+    pub xq: CudaSlice<i8>,
+    pub xd: CudaSlice<f32>,
+    pub q: CudaSlice<f32>,
+    pub k: CudaSlice<f32>,
+    pub v: CudaSlice<f32>,
+    pub att: CudaSlice<f32>,
+    pub rl: CudaSlice<f32>,
+    pub ids: CudaSlice<i32>,
+    pub wts: CudaSlice<f32>,
+    pub aq: CudaSlice<i8>,
+    pub ad: CudaSlice<f32>,
+    pub part: CudaSlice<f32>,
+    pub logits: CudaSlice<f32>,
+    /// [tokens | pos | seq | slots | pt_off] (MAX_FAST_TOKENS each) then page tables.
+    pub meta: CudaSlice<i32>,
+    pub pts_cap: usize,
+    pub graphs: HashMap<usize, Graph>,
+}
+
+/// A captured step. CUDA graph objects are not internally synchronized; the model owning them
+/// is used by one thread at a time (`&mut self` for capture and replay), so moving it between
+/// threads is sound.
+pub(crate) struct Graph(pub CudaGraph);
+unsafe impl Send for Graph {}
+unsafe impl Sync for Graph {}
+
+impl FastWs {
+    pub fn new(g: &Gpu, c: &ModelConfig, pts_cap: usize) -> Result<Self, CudaError> {
+        let t = MAX_FAST_TOKENS;
+        let (qw, kw, vw, ow) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.v_head_dim, c.n_heads * c.v_head_dim);
+        let xw = c.hidden.max(ow);
+        let max_split_tokens = (1..=t).map(|n| n * nsplit_for(n)).max().unwrap();
+        Ok(Self {
+            hidden: g.zeros(t * c.hidden)?,
+            normed: g.zeros(t * c.hidden)?,
+            xq: g.zeros(t * xw)?,
+            xd: g.zeros(t * xw / 32)?,
+            q: g.zeros(t * qw)?,
+            k: g.zeros(t * kw)?,
+            v: g.zeros(t * vw)?,
+            att: g.zeros(t * ow)?,
+            rl: g.zeros(t * c.n_experts)?,
+            ids: g.zeros(t * c.n_experts_used)?,
+            wts: g.zeros(t * c.n_experts_used)?,
+            aq: g.zeros(t * c.n_experts_used * c.expert_ff)?,
+            ad: g.zeros(t * c.n_experts_used * c.expert_ff / 32)?,
+            part: g.zeros(max_split_tokens * c.n_kv_heads * GQA * (128 + 2))?,
+            logits: g.zeros(t * c.vocab_size)?,
+            meta: g.zeros(5 * t + pts_cap)?,
+            pts_cap,
+            graphs: HashMap::new(),
+        })
+    }
+}

@@ -1,0 +1,569 @@
+//! `minimax-rank serve`: the rank's gRPC server (`minimax.rank.v1.Rank`, `grpc.health.v1`,
+//! server reflection) and its lifecycle: LOADING (weights load in the background) → LOADED
+//! (`sd_notify READY=1`) → READY after a collective JOIN (health SERVING) → back to LOADED if
+//! the world breaks (a peer died: re-JOIN needed) or FAILED if loading failed.
+//! See `docs/RANK.md`.
+
+mod authority;
+mod huffman_table;
+mod step;
+
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use minimax_proto::v1 as pb;
+use minimax_proto::v1::rank_server::{Rank, RankServer};
+use minimax_shared::gguf::{GgufModel, MetaValue};
+use minimax_shared::model::ModelConfig;
+use tokio::sync::watch;
+use tonic::{Request, Response, Status};
+use tonic_health::ServingStatus;
+use tonic_health::server::HealthReporter;
+
+use crate::backend::{Backend, Device, Parallelism};
+use crate::comm::{CommError, Collective};
+use crate::cpu::KvSpec;
+use crate::partition::{self, Partition};
+use crate::state::{SeqTable, TestFault};
+use crate::transport::TestTransport;
+
+pub use step::sampling_spec;
+
+/// Everything `serve` needs, from the command line.
+#[derive(Clone, Debug)]
+pub struct ServeConfig {
+    pub rank: usize,
+    pub world_size: usize,
+    /// `unix:///path.sock` or `host:port`.
+    pub listen: String,
+    pub model: PathBuf,
+    pub device: Device,
+    pub parallelism: Parallelism,
+    pub kv: KvSpec,
+    /// Bound on every transport receive/send during steps (a silent peer is an error).
+    pub collective_timeout: Duration,
+    /// Test-only fault hook (hidden flag).
+    pub test_fault: Option<TestFault>,
+    /// Test-only scripted replay file (hidden flag + MINIMAX_ALLOW_TEST_HOOKS=1).
+    pub test_replay: Option<PathBuf>,
+}
+
+/// Why a serve run could not start or ended badly.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    #[error("invalid configuration: {0}")]
+    Config(String),
+    #[error("listen on {addr}: {source}")]
+    Listen { addr: String, source: std::io::Error },
+    #[error("gRPC server: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// Why a step failed as a whole (per-sequence problems are reported in the response).
+#[derive(Debug, thiserror::Error)]
+pub enum StepError {
+    #[error("invalid step: {0}")]
+    Invalid(String),
+    #[error("ranks disagree on the step: {0}")]
+    Diverged(String),
+    #[error("{0}; the world is broken, re-JOIN required")]
+    Comm(CommError),
+    #[error("backend: {0}")]
+    Backend(String),
+}
+
+impl From<StepError> for Status {
+    fn from(e: StepError) -> Status {
+        match &e {
+            StepError::Invalid(_) => Status::invalid_argument(e.to_string()),
+            StepError::Diverged(_) => Status::failed_precondition(e.to_string()),
+            StepError::Comm(_) => Status::unavailable(e.to_string()),
+            StepError::Backend(_) => Status::internal(e.to_string()),
+        }
+    }
+}
+
+/// A joined world: the transport (absent for world size 1).
+pub(crate) struct World {
+    transport: Arc<TestTransport>,
+}
+
+impl World {
+    fn world_size(&self) -> usize {
+        self.transport.world()
+    }
+}
+
+/// The loaded model plus everything a step mutates; locked for the duration of a step.
+pub(crate) struct Engine {
+    rank: u32,
+    backend: Backend,
+    part: Partition,
+    parallelism: Parallelism,
+    kv: KvSpec,
+    head: bool,
+    seqs: SeqTable,
+    world: Option<World>,
+    /// Test-only scripted replay (head rank).
+    replay: Option<crate::replay::Replay>,
+}
+
+/// What Describe reports; cheap to read while a step runs.
+#[derive(Clone, Debug, Default)]
+struct Status_ {
+    state: i32,
+    progress: f32,
+    error: String,
+    model: Option<pb::ModelInfo>,
+    layers: (u32, u32),
+    head: bool,
+    weight_bytes: u64,
+}
+
+struct Shared {
+    cfg: ServeConfig,
+    status: Mutex<Status_>,
+    engine: Mutex<Option<Engine>>,
+    /// The current world's transport, watched for a dead peer without taking the engine lock.
+    transport: Mutex<Option<Arc<TestTransport>>>,
+    health: HealthReporter,
+    shutdown: watch::Sender<bool>,
+    /// Rank 0's last CREATEd world id.
+    created_id: Mutex<Option<Vec<u8>>>,
+}
+
+impl Shared {
+    fn set_state(&self, state: pb::RankState, error: Option<String>) {
+        let mut s = self.status.lock().unwrap();
+        s.state = state as i32;
+        if let Some(e) = error {
+            s.error = e;
+        }
+    }
+
+    fn state(&self) -> pb::RankState {
+        pb::RankState::try_from(self.status.lock().unwrap().state).unwrap_or(pb::RankState::Unspecified)
+    }
+
+    async fn set_health(&self, serving: bool) {
+        let st = if serving { ServingStatus::Serving } else { ServingStatus::NotServing };
+        self.health.set_service_status("", st).await;
+        self.health.set_service_status("minimax.rank.v1.Rank", st).await;
+    }
+
+    /// The world broke (a peer died or a collective failed): forget it and every sequence.
+    fn world_broken(&self, engine: Option<&mut Engine>, why: &str) {
+        if let Some(t) = self.transport.lock().unwrap().take() {
+            t.abort();
+        }
+        if let Some(e) = engine {
+            e.world = None;
+            e.seqs.clear();
+        }
+        if self.state() == pb::RankState::Ready {
+            tracing::error!("world broken: {why}");
+            self.set_state(pb::RankState::Loaded, Some(format!("world broken: {why}; re-JOIN required")));
+        }
+    }
+}
+
+/// The `minimax.rank.v1.Rank` service.
+#[derive(Clone)]
+struct RankService {
+    shared: Arc<Shared>,
+}
+
+fn random_id() -> Vec<u8> {
+    use std::io::Read;
+    let mut b = vec![0u8; 16];
+    if std::fs::File::open("/dev/urandom").and_then(|mut f| f.read_exact(&mut b)).is_err() {
+        let t = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default().as_nanos();
+        b = [t.to_le_bytes(), (std::process::id() as u128).to_le_bytes()].concat();
+    }
+    b
+}
+
+#[tonic::async_trait]
+impl Rank for RankService {
+    async fn describe(&self, _: Request<pb::DescribeRequest>) -> Result<Response<pb::DescribeResponse>, Status> {
+        let cfg = &self.shared.cfg;
+        let s = self.shared.status.lock().unwrap().clone();
+        Ok(Response::new(pb::DescribeResponse {
+            protocol_version: pb::PROTOCOL_VERSION,
+            rank: cfg.rank as u32,
+            world_size: cfg.world_size as u32,
+            state: s.state,
+            load_progress: s.progress,
+            error: s.error,
+            device: cfg.device.to_string(),
+            parallelism: cfg.parallelism.as_str().into(),
+            first_layer: s.layers.0,
+            end_layer: s.layers.1,
+            head: s.head,
+            model: s.model,
+            page_size: cfg.kv.page_size as u32,
+            n_pages: cfg.kv.n_pages as u32,
+            weight_bytes: s.weight_bytes,
+            pid: std::process::id(),
+        }))
+    }
+
+    async fn collective(&self, req: Request<pb::CollectiveRequest>) -> Result<Response<pb::CollectiveResponse>, Status> {
+        let req = req.into_inner();
+        let cfg = &self.shared.cfg;
+        match pb::collective_request::Phase::try_from(req.phase) {
+            Ok(pb::collective_request::Phase::Create) => {
+                if cfg.rank != 0 {
+                    return Err(Status::failed_precondition(format!("CREATE goes to rank 0; this is rank {}", cfg.rank)));
+                }
+                let id = random_id();
+                *self.shared.created_id.lock().unwrap() = Some(id.clone());
+                Ok(Response::new(pb::CollectiveResponse { unique_id: id, self_test_sum: 0.0 }))
+            }
+            Ok(pb::collective_request::Phase::Join) => {
+                let shared = self.shared.clone();
+                let resp = tokio::task::spawn_blocking(move || join(&shared, req)).await.map_err(|e| Status::internal(e.to_string()))??;
+                self.shared.set_health(true).await;
+                Ok(Response::new(resp))
+            }
+            _ => Err(Status::invalid_argument("phase must be CREATE or JOIN")),
+        }
+    }
+
+    async fn step(&self, req: Request<pb::StepRequest>) -> Result<Response<pb::StepResponse>, Status> {
+        if self.shared.state() != pb::RankState::Ready {
+            let s = self.shared.status.lock().unwrap().clone();
+            return Err(Status::failed_precondition(format!(
+                "rank {} is not READY (state {:?}{}{})",
+                self.shared.cfg.rank,
+                pb::RankState::try_from(s.state).unwrap_or(pb::RankState::Unspecified),
+                if s.error.is_empty() { "" } else { ": " },
+                s.error
+            )));
+        }
+        let shared = self.shared.clone();
+        let req = req.into_inner();
+        let res = tokio::task::spawn_blocking(move || {
+            let mut guard = shared.engine.lock().unwrap();
+            let engine = guard.as_mut().ok_or_else(|| Status::failed_precondition("no model loaded"))?;
+            if engine.world.is_none() && shared.cfg.world_size > 1 {
+                return Err(Status::failed_precondition("not joined to a world (re-JOIN required)"));
+            }
+            match engine.step(&req) {
+                Ok(r) => Ok(r),
+                Err(StepError::Comm(e)) => {
+                    shared.world_broken(Some(engine), &e.to_string());
+                    Err(StepError::Comm(e).into())
+                }
+                Err(e) => Err(e.into()),
+            }
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?;
+        if res.is_err() && self.shared.state() != pb::RankState::Ready {
+            self.shared.set_health(false).await;
+        }
+        res.map(Response::new)
+    }
+
+    async fn release(&self, req: Request<pb::ReleaseRequest>) -> Result<Response<pb::ReleaseResponse>, Status> {
+        let req = req.into_inner();
+        let shared = self.shared.clone();
+        tokio::task::spawn_blocking(move || {
+            if let Some(e) = shared.engine.lock().unwrap().as_mut() {
+                for &id in &req.seq_ids {
+                    if req.truncate { e.seqs.truncate(id, req.keep_len) } else { e.seqs.forget(id) }
+                }
+                if let Some(r) = e.replay.as_mut().filter(|_| !req.truncate) {
+                    r.release(&req.seq_ids);
+                }
+            }
+        })
+        .await
+        .map_err(|e| Status::internal(e.to_string()))?;
+        Ok(Response::new(pb::ReleaseResponse {}))
+    }
+
+    async fn shutdown(&self, _: Request<pb::ShutdownRequest>) -> Result<Response<pb::ShutdownResponse>, Status> {
+        tracing::info!("shutdown requested over gRPC");
+        if let Some(t) = self.shared.transport.lock().unwrap().take() {
+            t.abort();
+        }
+        let _ = self.shared.shutdown.send(true);
+        Ok(Response::new(pb::ShutdownResponse {}))
+    }
+}
+
+/// JOIN: (re)builds the world and runs the self-test all-reduce.
+fn join(shared: &Shared, req: pb::CollectiveRequest) -> Result<pb::CollectiveResponse, Status> {
+    let cfg = &shared.cfg;
+    match shared.state() {
+        pb::RankState::Loaded | pb::RankState::Ready => {}
+        s => return Err(Status::failed_precondition(format!("cannot JOIN in state {s:?}"))),
+    }
+    let mut guard = shared.engine.lock().unwrap();
+    let engine = guard.as_mut().ok_or_else(|| Status::failed_precondition("no model loaded"))?;
+    // Leave any previous world first: its peers must see us go.
+    shared.world_broken(Some(engine), "re-JOIN");
+    shared.set_state(pb::RankState::Loaded, None);
+    let timeout = Duration::from_millis(if req.timeout_ms == 0 { 30_000 } else { req.timeout_ms as u64 });
+    let sum = if cfg.world_size == 1 {
+        1.0
+    } else {
+        if req.peer_addrs.len() != cfg.world_size {
+            return Err(Status::invalid_argument(format!(
+                "JOIN needs {} peer_addrs (one per rank), got {}",
+                cfg.world_size,
+                req.peer_addrs.len()
+            )));
+        }
+        if req.unique_id.is_empty() {
+            return Err(Status::invalid_argument("JOIN needs the unique_id from CREATE"));
+        }
+        let t = TestTransport::join(cfg.rank, &req.unique_id, &req.peer_addrs, timeout, cfg.collective_timeout)
+            .map_err(|e| Status::unavailable(e.to_string()))?;
+        let mut buf = [cfg.rank as f32 + 1.0];
+        t.all_reduce_sum(&mut buf).map_err(|e| Status::unavailable(format!("self-test: {e}")))?;
+        let t = Arc::new(t);
+        *shared.transport.lock().unwrap() = Some(t.clone());
+        engine.world = Some(World { transport: t });
+        buf[0]
+    };
+    let want = (cfg.world_size * (cfg.world_size + 1) / 2) as f32;
+    if sum != want {
+        shared.world_broken(Some(engine), "self-test failed");
+        return Err(Status::internal(format!("self-test all-reduce gave {sum}, expected {want}")));
+    }
+    tracing::info!(rank = cfg.rank, world = cfg.world_size, "joined the world; self-test sum {sum}");
+    shared.set_state(pb::RankState::Ready, Some(String::new()));
+    Ok(pb::CollectiveResponse { unique_id: req.unique_id, self_test_sum: sum })
+}
+
+fn meta_str(m: &GgufModel, k: &str) -> String {
+    m.meta(k).and_then(MetaValue::as_str).unwrap_or("").to_string()
+}
+
+/// Loads this rank's shard (blocking), updating the shared status as it goes.
+fn load(shared: &Shared) -> Result<Engine, String> {
+    let cfg = &shared.cfg;
+    let model = Arc::new(GgufModel::open(&cfg.model).map_err(|e| format!("open {}: {e}", cfg.model.display()))?);
+    let mc = ModelConfig::from_gguf(&model).map_err(|e| e.to_string())?;
+    let part = match cfg.parallelism {
+        _ if cfg.world_size == 1 => Partition::whole(&mc),
+        Parallelism::Tensor => Partition::tensor(&mc, cfg.rank, cfg.world_size).map_err(|e| e.to_string())?,
+        Parallelism::Pipeline => {
+            let bytes = partition::layer_bytes(&model, mc.n_layers);
+            Partition::pipeline(&mc, cfg.rank, cfg.world_size, Some(&bytes)).map_err(|e| e.to_string())?
+        }
+    };
+    let head = match cfg.parallelism {
+        Parallelism::Pipeline => part.last_stage,
+        Parallelism::Tensor => cfg.rank == 0,
+    };
+    {
+        let mut s = shared.status.lock().unwrap();
+        s.model = Some(pb::ModelInfo {
+            name: meta_str(&model, "general.name"),
+            architecture: meta_str(&model, "general.architecture"),
+            n_layers: mc.n_layers as u32,
+            vocab_size: mc.vocab_size as u32,
+            context_length: mc.context_length as u32,
+            hidden: mc.hidden as u32,
+        });
+        s.layers = (part.layers.start as u32, part.layers.end as u32);
+        s.head = head;
+    }
+    tracing::info!(rank = cfg.rank, layers = ?part.layers, tp = part.tp_rank, "loading shard");
+    let replay = match &cfg.test_replay {
+        Some(p) if head => Some(crate::replay::Replay::load(p, model.metadata(), cfg.kv.page_size).map_err(|e| e.to_string())?),
+        Some(_) => {
+            crate::replay::Replay::load(std::path::Path::new("/dev/null"), model.metadata(), cfg.kv.page_size)
+                .err()
+                .filter(|e| matches!(e, crate::replay::ReplayError::NotAllowed))
+                .map_or(Ok(()), |e| Err(e.to_string()))?;
+            None
+        }
+        None => None,
+    };
+    let backend = Backend::load(model, part.clone(), cfg.kv, cfg.device, &mut |p| {
+        shared.status.lock().unwrap().progress = p;
+    })
+    .map_err(|e| e.to_string())?;
+    shared.status.lock().unwrap().weight_bytes = backend.weight_bytes();
+    Ok(Engine {
+        rank: cfg.rank as u32,
+        backend,
+        part,
+        parallelism: cfg.parallelism,
+        kv: cfg.kv,
+        head,
+        seqs: SeqTable::new(cfg.test_fault.clone()),
+        world: None,
+        replay,
+    })
+}
+
+fn notify(states: &[sd_notify::NotifyState]) {
+    if let Err(e) = sd_notify::notify(states) {
+        tracing::warn!("sd_notify: {e}");
+    }
+}
+
+/// Binds a Unix socket: creates the parent directory, removes a stale socket (refusing if a
+/// live server answers on it) and makes the socket mode 0600.
+fn bind_unix(path: &Path) -> Result<tokio::net::UnixListener, ServeError> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    let err = |source| ServeError::Listen { addr: path.display().to_string(), source };
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir).map_err(err)?;
+    }
+    if let Ok(meta) = std::fs::symlink_metadata(path) {
+        if !meta.file_type().is_socket() {
+            return Err(err(std::io::Error::other("exists and is not a socket")));
+        }
+        if std::os::unix::net::UnixStream::connect(path).is_ok() {
+            return Err(err(std::io::Error::new(std::io::ErrorKind::AddrInUse, "another server is listening on it")));
+        }
+        tracing::info!("removing stale socket {}", path.display());
+        std::fs::remove_file(path).map_err(err)?;
+    }
+    // Created 0600 from the start (umask), then made sure of it.
+    // SAFETY: umask only swaps the process file-mode mask; no memory is involved.
+    let old = unsafe { libc::umask(0o177) };
+    let l = tokio::net::UnixListener::bind(path);
+    unsafe { libc::umask(old) };
+    let l = l.map_err(err)?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).map_err(err)?;
+    Ok(l)
+}
+
+/// Serves until Shutdown, SIGTERM or SIGINT.
+pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
+    if cfg.rank >= cfg.world_size {
+        return Err(ServeError::Config(format!("rank {} outside world size {}", cfg.rank, cfg.world_size)));
+    }
+    if cfg.kv.page_size == 0 || cfg.kv.n_pages == 0 {
+        return Err(ServeError::Config("--page-size and --kv-pages must be > 0".into()));
+    }
+    if let Some(p) = &cfg.test_replay {
+        let msg = format!("!!! TEST REPLAY HOOK ENABLED ({}): scripted answers replace sampling. Never use in production. !!!", p.display());
+        tracing::warn!("{msg}");
+        eprintln!("{msg}");
+    }
+    if let Some(f) = &cfg.test_fault {
+        let msg = format!("!!! TEST FAULT HOOK ENABLED ({f:?}): this rank will mis-track KV cache lengths. Never use in production. !!!");
+        tracing::warn!("{msg}");
+        eprintln!("{msg}");
+    }
+    let (health, health_svc) = tonic_health::server::health_reporter();
+    let (shutdown_tx, mut shutdown_rx) = watch::channel(false);
+    let shared = Arc::new(Shared {
+        cfg: cfg.clone(),
+        status: Mutex::new(Status_ { state: pb::RankState::Loading as i32, ..Default::default() }),
+        engine: Mutex::new(None),
+        transport: Mutex::new(None),
+        health,
+        shutdown: shutdown_tx,
+        created_id: Mutex::new(None),
+    });
+    shared.set_health(false).await;
+
+    // Background load, with systemd start-timeout extensions while it runs.
+    {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            let loader = {
+                let shared = shared.clone();
+                tokio::task::spawn_blocking(move || load(&shared))
+            };
+            let ticker = tokio::spawn(async {
+                loop {
+                    notify(&[sd_notify::NotifyState::ExtendTimeoutUsec(60_000_000), sd_notify::NotifyState::Status("loading weights")]);
+                    tokio::time::sleep(Duration::from_secs(20)).await;
+                }
+            });
+            let res = loader.await.unwrap_or_else(|e| Err(format!("loader panicked: {e}")));
+            ticker.abort();
+            match res {
+                Ok(engine) => {
+                    *shared.engine.lock().unwrap() = Some(engine);
+                    shared.status.lock().unwrap().progress = 1.0;
+                    shared.set_state(pb::RankState::Loaded, None);
+                    tracing::info!(rank = shared.cfg.rank, "weights loaded; waiting for the collective JOIN");
+                    notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status("loaded, waiting for JOIN")]);
+                }
+                Err(e) => {
+                    tracing::error!("loading failed: {e}");
+                    shared.set_state(pb::RankState::Failed, Some(format!("loading failed: {e}")));
+                    let status = format!("FAILED: {e}");
+                    notify(&[sd_notify::NotifyState::Ready, sd_notify::NotifyState::Status(&status)]);
+                }
+            }
+        });
+    }
+    // Dead-peer watcher: Describe and health reflect a broken world without waiting for a step.
+    {
+        let shared = shared.clone();
+        tokio::spawn(async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let broken = shared.transport.lock().unwrap().as_ref().and_then(|t| t.broken());
+                if let Some(why) = broken {
+                    if let Ok(mut e) = shared.engine.try_lock() {
+                        shared.world_broken(e.as_mut(), &why);
+                    } else {
+                        // A step holds the engine; it will fail and clean up. Report now.
+                        shared.world_broken(None, &why);
+                    }
+                    shared.set_health(false).await;
+                }
+            }
+        });
+    }
+
+    let reflection_v1 = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1()
+        .map_err(|e| ServeError::Config(format!("reflection: {e}")))?;
+    let reflection_v1alpha = tonic_reflection::server::Builder::configure()
+        .register_encoded_file_descriptor_set(pb::FILE_DESCRIPTOR_SET)
+        .register_encoded_file_descriptor_set(tonic_health::pb::FILE_DESCRIPTOR_SET)
+        .build_v1alpha()
+        .map_err(|e| ServeError::Config(format!("reflection: {e}")))?;
+    let router = tonic::transport::Server::builder()
+        .add_service(RankServer::new(RankService { shared: shared.clone() }).max_decoding_message_size(256 << 20).max_encoding_message_size(256 << 20))
+        .add_service(health_svc)
+        .add_service(reflection_v1)
+        .add_service(reflection_v1alpha);
+
+    let stop = async move {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
+        tokio::select! {
+            _ = shutdown_rx.wait_for(|v| *v) => {}
+            _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT"),
+            _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => tracing::info!("SIGTERM"),
+        }
+        notify(&[sd_notify::NotifyState::Stopping]);
+    };
+    let res = if let Some(path) = cfg.listen.strip_prefix("unix://") {
+        let path = PathBuf::from(path);
+        let l = bind_unix(&path)?;
+        tracing::info!(rank = cfg.rank, "serving on unix://{}", path.display());
+        // Old Go clients (grpcurl 1.8.6) send the socket path as :authority; see `authority`.
+        let incoming = tokio_stream::StreamExt::map(tokio_stream::wrappers::UnixListenerStream::new(l), |c| c.map(authority::AuthorityFix::new));
+        let r = router.serve_with_incoming_shutdown(incoming, stop).await;
+        let _ = std::fs::remove_file(&path);
+        r
+    } else {
+        let l = tokio::net::TcpListener::bind(&cfg.listen).await.map_err(|source| ServeError::Listen { addr: cfg.listen.clone(), source })?;
+        tracing::info!(rank = cfg.rank, "serving on {}", l.local_addr().map(|a| a.to_string()).unwrap_or_default());
+        router.serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(l), stop).await
+    };
+    if let Some(t) = shared.transport.lock().unwrap().take() {
+        t.abort();
+    }
+    res?;
+    Ok(())
+}

@@ -1,0 +1,186 @@
+//! Executing one `Step` on this rank: the handshake check, the cross-rank agreement on which
+//! sequences run, the forward pass and (on the head rank) the row reductions for sampling.
+
+use std::time::Instant;
+
+use minimax_proto::v1 as pb;
+use minimax_shared::forward::{ForwardBatch, LogitsWanted, SeqStep};
+use minimax_shared::sampling::{self, SamplingSpec};
+
+use super::{Engine, StepError};
+use crate::state::{Agreement, StepRecord, Verdict, agree};
+
+/// The gateway's sampling message as the reduction's spec. Proto3 defaults are mapped to "off":
+/// an unset message or `temperature = 0` is greedy, `top_p` outside (0, 1) and
+/// `repetition_penalty = 0` are off.
+pub fn sampling_spec(s: Option<&pb::SamplingSpec>) -> SamplingSpec {
+    let Some(s) = s else {
+        return SamplingSpec { temperature: 0.0, ..Default::default() };
+    };
+    SamplingSpec {
+        temperature: s.temperature,
+        top_k: s.top_k,
+        top_p: if s.top_p > 0.0 && s.top_p < 1.0 { s.top_p } else { 1.0 },
+        min_p: s.min_p,
+        presence_penalty: s.presence_penalty,
+        frequency_penalty: s.frequency_penalty,
+        repetition_penalty: if s.repetition_penalty == 0.0 { 1.0 } else { s.repetition_penalty },
+        logit_bias: s.logit_bias.iter().map(|b| (b.token, b.bias)).collect(),
+        history: s.history.iter().map(|h| (h.token, h.count)).collect(),
+        top_logprobs: s.top_logprobs,
+    }
+}
+
+fn logits_wanted(mode: i32) -> LogitsWanted {
+    match pb::LogitsMode::try_from(mode) {
+        Ok(pb::LogitsMode::Last) => LogitsWanted::Last,
+        Ok(pb::LogitsMode::All) => LogitsWanted::All,
+        _ => LogitsWanted::None,
+    }
+}
+
+impl Engine {
+    /// Runs one step (blocking; the caller holds the engine).
+    pub fn step(&mut self, req: &pb::StepRequest) -> Result<pb::StepResponse, StepError> {
+        let t0 = Instant::now();
+        let (page_size, n_pages) = (self.kv.page_size as u32, self.kv.n_pages as u32);
+        // 1. Local verdicts.
+        let mut verdicts = Vec::with_capacity(req.seqs.len());
+        for s in &req.seqs {
+            let mut v = self.seqs.check(s.seq_id, s.expected_cache_len, s.adopt_prefix);
+            if v == Verdict::Ok {
+                let one = ForwardBatch { seqs: vec![to_seq_step(s)] };
+                if let Err(e) = self.backend.validate(&one) {
+                    v = Verdict::Invalid(e);
+                }
+            }
+            verdicts.push(v);
+        }
+        let mut ids = std::collections::HashSet::new();
+        if let Some(dup) = req.seqs.iter().find(|s| !ids.insert(s.seq_id)) {
+            return Err(StepError::Invalid(format!("sequence {} appears twice in step {}", dup.seq_id, req.step_id)));
+        }
+        // 2. Agreement: every rank shares its verdicts; all derive the same decision.
+        let own_lens: Vec<u32> = req.seqs.iter().map(|s| self.seqs.len(s.seq_id)).collect();
+        let rec_in: Vec<(u64, &Verdict, u32)> = req.seqs.iter().zip(&verdicts).zip(&own_lens).map(|((s, v), &l)| (s.seq_id, v, l)).collect();
+        let mine = StepRecord::new(req.step_id, page_size, n_pages, &rec_in);
+        let records = match &self.world {
+            Some(w) if w.world_size() > 1 => {
+                let all = w.transport.all_gather(&mine.encode()).map_err(StepError::Comm)?;
+                all.iter()
+                    .enumerate()
+                    .map(|(r, b)| StepRecord::decode(b).ok_or_else(|| StepError::Diverged(format!("rank {r} sent a corrupt step record"))))
+                    .collect::<Result<Vec<_>, _>>()?
+            }
+            _ => vec![mine],
+        };
+        let expected: Vec<u32> = req.seqs.iter().map(|s| s.expected_cache_len).collect();
+        let local_invalid: Vec<Option<String>> =
+            verdicts.iter().map(|v| if let Verdict::Invalid(e) = v { Some(e.clone()) } else { None }).collect();
+        let decision = match agree(&records, &expected, &local_invalid) {
+            Agreement::Diverged(why) => return Err(StepError::Diverged(why)),
+            Agreement::Seqs(d) => d,
+        };
+        // 3. Drop what was not agreed; mismatched sequences are forgotten on every rank.
+        let mut results: Vec<pb::SeqResult> = Vec::with_capacity(req.seqs.len());
+        let mut batch = ForwardBatch::default();
+        let mut batch_src = Vec::new();
+        for (i, (s, d)) in req.seqs.iter().zip(&decision).enumerate() {
+            let mut r = pb::SeqResult { seq_id: s.seq_id, cache_len: own_lens[i], ..Default::default() };
+            match d {
+                Some(dropped) => {
+                    r.error = dropped.message.clone();
+                    if dropped.length_mismatch {
+                        tracing::warn!(seq_id = s.seq_id, rank = self.rank, "{}", dropped.message);
+                        self.seqs.forget(s.seq_id);
+                    }
+                }
+                None => {
+                    batch.seqs.push(to_seq_step(s));
+                    batch_src.push(i);
+                }
+            }
+            results.push(r);
+        }
+        // Deterministic on every rank (same batch, same cache geometry): all fail together.
+        if !batch.seqs.is_empty()
+            && let Err(e) = self.backend.validate(&batch)
+        {
+            return Err(StepError::Invalid(e));
+        }
+        // 4. Compute.
+        let out = if batch.seqs.is_empty() {
+            None
+        } else {
+            let world = self.world.as_ref().map(|w| &*w.transport);
+            self.backend.step(&batch, &self.part, self.parallelism, world).map_err(|e| {
+                if e.is_comm() { StepError::Comm(crate::comm::CommError { op: "step", detail: e.to_string() }) } else { StepError::Backend(e.to_string()) }
+            })?
+        };
+        for (bi, &i) in batch_src.iter().enumerate() {
+            let s = &req.seqs[i];
+            self.seqs.advance(s.seq_id, s.expected_cache_len, s.tokens.len() as u32, bi == 0);
+            results[i].cache_len = self.seqs.len(s.seq_id);
+        }
+        if !batch.seqs.is_empty() {
+            self.seqs.step_done();
+        }
+        if let Some(r) = self.replay.as_mut() {
+            for &i in &batch_src {
+                let s = &req.seqs[i];
+                r.observe(s.seq_id, &s.page_table, s.expected_cache_len, &s.tokens);
+            }
+        }
+        // 5. Row reductions, head rank only.
+        if self.head
+            && let Some(out) = out
+        {
+            let mut row_in_seq = vec![0usize; batch.seqs.len()];
+            for (ri, row) in out.rows.iter().enumerate() {
+                let i = batch_src[row.seq];
+                let s = &req.seqs[i];
+                let k = row_in_seq[row.seq];
+                row_in_seq[row.seq] += 1;
+                let spec = sampling_spec(s.sampling.as_ref());
+                let target = s.score_targets.get(k).copied();
+                let red = sampling::reduce_row(out.row(ri), &spec, target)
+                    .map_err(|e| StepError::Invalid(format!("sequence {}: sampling: {e}", s.seq_id)))?;
+                results[i].rows.push(pb::RowOutput {
+                    position: row.position as u32,
+                    candidate_ids: red.candidate_ids,
+                    candidate_logits: red.candidate_logits,
+                    candidate_raw_logits: red.candidate_raw_logits,
+                    raw_logsumexp: red.raw_logsumexp,
+                    top_ids: red.top_ids,
+                    top_logprobs: red.top_logprobs,
+                    target_logprob: red.target_logprob.unwrap_or(0.0),
+                });
+                // TEST ONLY (--test-replay): one candidate, the scripted token.
+                if s.logits == pb::LogitsMode::Last as i32
+                    && let Some(f) = self.replay.as_mut().and_then(|r| r.forced(s.seq_id, &s.page_table, row.position as u32))
+                {
+                    let ro = results[i].rows.last_mut().expect("just pushed");
+                    ro.candidate_ids = vec![f.token];
+                    ro.candidate_logits = vec![0.0];
+                    ro.candidate_raw_logits = vec![0.0];
+                    ro.raw_logsumexp = 0.0;
+                    ro.top_ids = vec![f.token];
+                    ro.top_logprobs = vec![0.0];
+                    ro.top_ids.truncate(spec.top_logprobs as usize);
+                    ro.top_logprobs.truncate(spec.top_logprobs as usize);
+                }
+            }
+        }
+        Ok(pb::StepResponse { rank: self.rank, step_id: req.step_id, seqs: results, compute_ms: t0.elapsed().as_secs_f32() * 1e3 })
+    }
+}
+
+fn to_seq_step(s: &pb::SeqStep) -> SeqStep {
+    SeqStep {
+        seq_id: s.seq_id,
+        page_table: s.page_table.clone(),
+        cached_len: s.expected_cache_len as usize,
+        tokens: s.tokens.clone(),
+        logits: logits_wanted(s.logits),
+    }
+}
