@@ -5,9 +5,16 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 export CARGO_TERM_COLOR=${CARGO_TERM_COLOR:-never}
-jobs=${CARGO_BUILD_JOBS:-2}
+export CARGO_BUILD_JOBS=${CARGO_BUILD_JOBS:-2}
+
+echo "== installing grpcurl (rank health/reflection test) =="
+MINIMAX_GRPCURL="$(tools/grpcurl/install.sh)"
+export MINIMAX_GRPCURL
 
 echo "== cargo test (workspace) =="
-cargo test --workspace -j"$jobs" 2>&1
+cargo test --workspace 2>&1
+
+echo "== NVRTC: every CUDA kernel compiles for sm_90 and sm_120 =="
+tools/nvrtc_check/run.sh
 
 echo "== all suites passed =="
