@@ -12,6 +12,18 @@
 // 8 Q8_0 blocks or 2 IQ4_XS blocks make 272 bytes = 17 x 16 bytes (a "chunk"). Rows must be
 // whole chunks (Q8_0: cols % 256 == 0, IQ4_XS: cols % 512 == 0); the host checks.
 
+// Programmatic dependent launch (the host's Gpu::launch_pdl): every kernel launched that way
+// starts with pdl_enter(): wait until the previous kernel on the stream has completed and its
+// writes are visible (griddepcontrol.wait; a no-op when launched without PDL), then allow the
+// next kernel to be scheduled (its blocks wait in their own pdl_enter), which hides launch
+// latency and ramp-up behind this kernel's tail. Nothing may touch memory before it.
+__device__ __forceinline__ void pdl_enter() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 #define CH 272
 #define CH16 17
 
@@ -75,16 +87,29 @@ __device__ __forceinline__ int q8_lane(float v, float* d_out) {
 }
 
 // Row r: optional RMSNorm (w != null; f32 sum of squares), optional f32 copy of the result
-// (y != null), and q8 quantization into q/d. n % 32 == 0. grid (nrows), block 256.
-extern "C" __global__ void norm_q8(const float* x, i64 xs, const float* w, int n, float eps, float* y, i64 ys,
-                                   i8* q, float* d) {
+// (y != null), and q8 quantization into q/d. n % 32 == 0, n <= NQ_MAXV * blockDim.x. Each
+// thread holds its values in registers (all loads issued at once; value i of thread x is
+// element x + i * blockDim.x, so a warp's values at step i are one whole q8 group).
+// grid (nrows), block 1024.
+#define NQ_MAXV 12
+extern "C" __global__ void __launch_bounds__(1024) norm_q8(const float* x, i64 xs, const float* w, int n, float eps,
+                                                           float* y, i64 ys, i8* q, float* d) {
+    pdl_enter();
     __shared__ float part[32];
     const float* xr = x + blockIdx.x * xs;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    float xv[NQ_MAXV], wv[NQ_MAXV];
+#pragma unroll
+    for (int i = 0; i < NQ_MAXV; i++) {
+        int idx = threadIdx.x + i * blockDim.x;
+        xv[i] = idx < n ? xr[idx] : 0.f;
+        wv[i] = (w && idx < n) ? w[idx] : 1.f;
+    }
     float inv = 1.0f;
     if (w) {
         float ss = 0.f;
-        for (int i = threadIdx.x; i < n; i += blockDim.x) ss += xr[i] * xr[i];
+#pragma unroll
+        for (int i = 0; i < NQ_MAXV; i++) ss += xv[i] * xv[i];
         ss = warp_sum(ss);
         if (lane == 0) part[warp] = ss;
         __syncthreads();
@@ -94,12 +119,49 @@ extern "C" __global__ void norm_q8(const float* x, i64 xs, const float* w, int n
     }
     i8* qr = q + (i64)blockIdx.x * n;
     float* dr = d + (i64)blockIdx.x * (n / 32);
-    for (int c = warp; c < n / 32; c += nw) {
-        int i = c * 32 + lane;
-        float v = w ? xr[i] * inv * w[i] : xr[i];
-        if (y) y[blockIdx.x * ys + i] = v;
-        qr[i] = (i8)q8_lane(v, dr + c);
+#pragma unroll
+    for (int i = 0; i < NQ_MAXV; i++) {
+        int idx = threadIdx.x + i * blockDim.x;
+        if (idx < n) {  // warp-uniform: n % 32 == 0
+            float v = w ? xv[i] * inv * wv[i] : xv[i];
+            if (y) y[blockIdx.x * ys + idx] = v;
+            qr[idx] = (i8)q8_lane(v, dr + (idx >> 5));
+        }
     }
+}
+
+// Router logits in f32: y[t][r] = W row r . x[t] (W f32 [rows][n], n % 4 == 0, 16-byte
+// aligned rows). A warp per (row, token), 12 float4 loads per lane in flight per round.
+// grid (ceil(rows / 4), nt), block 128.
+#define RT_UNR 12
+extern "C" __global__ void __launch_bounds__(128) router_f32(const float* W, int rows, int n, const float* x, i64 xs,
+                                                             float* y, i64 ys) {
+    pdl_enter();
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r = blockIdx.x * 4 + warp, t = blockIdx.y;
+    if (r >= rows) return;
+    const float4* wr = (const float4*)(W + (i64)r * n);
+    const float4* xt = (const float4*)(x + (i64)t * xs);
+    int n4 = n >> 2;
+    float acc = 0.f;
+    for (int base = 0; base < n4; base += 32 * RT_UNR) {
+        float4 wv[RT_UNR], xv[RT_UNR];
+#pragma unroll
+        for (int i = 0; i < RT_UNR; i++) {
+            int idx = base + lane + 32 * i;
+            if (idx < n4) {
+                wv[i] = __ldg(wr + idx);
+                xv[i] = xt[idx];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < RT_UNR; i++) {
+            int idx = base + lane + 32 * i;
+            if (idx < n4) acc += wv[i].x * xv[i].x + wv[i].y * xv[i].y + wv[i].z * xv[i].z + wv[i].w * xv[i].w;
+        }
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) y[(i64)t * ys + r] = acc;
 }
 
 // ----------------------------------------------------------- weight staging -------------
@@ -125,6 +187,33 @@ __device__ __forceinline__ void stage(u8* sm, int n16, int nrows, F rowptr, int 
             v[i] = ld_stream((const int4*)rowptr(j) + (idx - j * n16));
         }
     }
+    __syncwarp();
+#pragma unroll
+    for (int i = 0; i < MAXL; i++) {
+        int idx = lane + 32 * i;
+        if (idx < total) ((int4*)sm)[idx] = v[i];
+    }
+    __syncwarp();
+}
+
+// Split staging for software pipelining: stage_ld issues a phase's loads into registers
+// (nothing waits on them until stage_st), so the next phase's loads are in flight while this
+// phase's staged data is being dotted. stage_st first syncs the warp (every lane is done
+// reading the previous phase from shared memory), stores, and syncs again.
+template <int MAXL, typename F>
+__device__ __forceinline__ void stage_ld(int4 (&v)[MAXL], int n16, int nrows, F rowptr, int lane) {
+    int total = n16 * nrows;
+#pragma unroll
+    for (int i = 0; i < MAXL; i++) {
+        int idx = lane + 32 * i;
+        if (idx < total) {
+            int j = idx / n16;
+            v[i] = ld_stream((const int4*)rowptr(j) + (idx - j * n16));
+        }
+    }
+}
+template <int MAXL>
+__device__ __forceinline__ void stage_st(u8* sm, const int4 (&v)[MAXL], int total, int lane) {
     __syncwarp();
 #pragma unroll
     for (int i = 0; i < MAXL; i++) {
@@ -265,9 +354,15 @@ __device__ __forceinline__ void mvq_dense(const u8* W0, i64 rb0, int rows0, floa
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    const int L = (MVQ_PH * CH16 + 31) / 32;
+    int4 v[L];
+    stage_ld<L>(v, min(MVQ_PH, nchunks) * CH16, 1, [&](int) { return row; }, lane);
     for (int c0 = 0; c0 < nchunks; c0 += MVQ_PH) {
         int nch = min(MVQ_PH, nchunks - c0);
-        stage<(MVQ_PH * CH16 + 31) / 32>(sm, nch * CH16, 1, [&](int) { return row + (i64)c0 * CH; }, lane);
+        stage_st<L>(sm, v, nch * CH16, lane);
+        int c1 = c0 + MVQ_PH;
+        if (c1 < nchunks)
+            stage_ld<L>(v, min(MVQ_PH, nchunks - c1) * CH16, 1, [&](int) { return row + (i64)c1 * CH; }, lane);
         dot_staged<T, NT>(sm, nch, c0, xqv, ncol, xdv, ncol / 32, nv_here, acc, lane);
     }
 #pragma unroll
@@ -300,20 +395,33 @@ __device__ __forceinline__ void moe_gate_up(const u8* G, const u8* U, i64 rb, i6
     const i8* xqt = xq + (i64)t * ncol;
     const float* xdt = xd + (i64)t * (ncol / 32);
     u8* sm = sm_all[warp];
-    for (int i = 0; i < GU_ROWS; i++) {
-        int r = blockIdx.x * 32 + warp * GU_ROWS + i;
-        const u8* gr = G + eoff + r * rb;
-        const u8* ur = U + eoff + r * rb;
-        float ag[1] = {0.f}, au[1] = {0.f};
-        for (int c0 = 0; c0 < nchunks; c0 += GU_PH) {
-            int nch = min(GU_PH, nchunks - c0);
-            stage<(2 * GU_PH * CH16 + 31) / 32>(
-                sm, nch * CH16, 2, [&](int j) { return (j ? ur : gr) + (i64)c0 * CH; }, lane);
-            dot_staged<T, 1>(sm, nch, c0, xqt, 0, xdt, 0, 1, ag, lane);
-            dot_staged<T, 1>(sm + nch * CH, nch, c0, xqt, 0, xdt, 0, 1, au, lane);
+    // Steps (row i, phase ph) in order; the next step's loads are issued before this step's
+    // dot products (software pipelining through registers).
+    const int L = (2 * GU_PH * CH16 + 31) / 32;
+    int nph = (nchunks + GU_PH - 1) / GU_PH;
+    int nsteps = GU_ROWS * nph;
+    int4 v[L];
+    auto ld = [&](int s) {
+        int i = s / nph, c0 = (s - i * nph) * GU_PH;
+        int nch = min(GU_PH, nchunks - c0);
+        i64 ro = eoff + (i64)(blockIdx.x * 32 + warp * GU_ROWS + i) * rb + (i64)c0 * CH;
+        stage_ld<L>(v, nch * CH16, 2, [&](int j) { return (j ? U : G) + ro; }, lane);
+    };
+    ld(0);
+    float ag[1] = {0.f}, au[1] = {0.f};
+    for (int s = 0; s < nsteps; s++) {
+        int i = s / nph, c0 = (s - i * nph) * GU_PH;
+        int nch = min(GU_PH, nchunks - c0);
+        stage_st<L>(sm, v, 2 * nch * CH16, lane);
+        if (s + 1 < nsteps) ld(s + 1);
+        dot_staged<T, 1>(sm, nch, c0, xqt, 0, xdt, 0, 1, ag, lane);
+        dot_staged<T, 1>(sm + nch * CH, nch, c0, xqt, 0, xdt, 0, 1, au, lane);
+        if (c0 + nch == nchunks) {
+            float g = warp_sum(ag[0]), u = warp_sum(au[0]);
+            if (lane == 0) act[warp * GU_ROWS + i] = g / (1.0f + expf(-g)) * u;
+            ag[0] = 0.f;
+            au[0] = 0.f;
         }
-        float g = warp_sum(ag[0]), u = warp_sum(au[0]);
-        if (lane == 0) act[warp * GU_ROWS + i] = g / (1.0f + expf(-g)) * u;
     }
     __syncthreads();
     if (warp == 0) {
@@ -340,10 +448,16 @@ __device__ __forceinline__ void moe_down(const u8* W, i64 rb, i64 es, int rows, 
     u8* sm = sm_all[warp];
     int eg = DN_MAXCH / nchunks;
     float total = 0.f;
+    const int L = (DN_MAXCH * CH16 + 31) / 32;
+    int4 v[L];
+    stage_ld<L>(v, nchunks * CH16, min(eg, k), [&](int j) { return W + (i64)ids[t * k + j] * es + r * rb; }, lane);
     for (int j0 = 0; j0 < k; j0 += eg) {
         int ne = min(eg, k - j0);
-        stage<(DN_MAXCH * CH16 + 31) / 32>(
-            sm, nchunks * CH16, ne, [&](int j) { return W + (i64)ids[t * k + j0 + j] * es + r * rb; }, lane);
+        stage_st<L>(sm, v, nchunks * CH16 * ne, lane);
+        int j1 = j0 + eg;
+        if (j1 < k)
+            stage_ld<L>(v, nchunks * CH16, min(eg, k - j1),
+                        [&](int j) { return W + (i64)ids[t * k + j1 + j] * es + r * rb; }, lane);
         for (int j = 0; j < ne; j++) {
             int p = t * k + j0 + j;
             float a[1] = {0.f};
@@ -361,6 +475,7 @@ __device__ __forceinline__ void moe_down(const u8* W, i64 rb, i64 es, int rows, 
         const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, \
         const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,  \
         int nv, int acc) {                                                                                       \
+        pdl_enter();                                                                                     \
         mvq_dense<T, 1>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq, xd,  \
                         ncol, nv, acc);                                                                          \
     }                                                                                                            \
@@ -368,6 +483,7 @@ __device__ __forceinline__ void moe_down(const u8* W, i64 rb, i64 es, int rows, 
         const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, \
         const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,  \
         int nv, int acc) {                                                                                       \
+        pdl_enter();                                                                                     \
         mvq_dense<T, 4>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq, xd,  \
                         ncol, nv, acc);                                                                          \
     }                                                                                                            \
@@ -375,17 +491,20 @@ __device__ __forceinline__ void moe_down(const u8* W, i64 rb, i64 es, int rows, 
         const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, \
         const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,  \
         int nv, int acc) {                                                                                       \
+        pdl_enter();                                                                                     \
         mvq_dense<T, 8>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq, xd,  \
                         ncol, nv, acc);                                                                          \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256) moe_gate_up_##name(                                        \
         const u8* G, const u8* U, i64 rb, i64 es, int nchunks, const int* ids, int k, const i8* xq, const float* xd, \
         int ncol, i8* aq, float* ad, int ff) {                                                                   \
+        pdl_enter();                                                                                     \
         moe_gate_up<T>(G, U, rb, es, nchunks, ids, k, xq, xd, ncol, aq, ad, ff);                                 \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256) moe_down_##name(                                           \
         const u8* W, i64 rb, i64 es, int rows, int nchunks, const int* ids, const float* wts, int k, const i8* aq,  \
         const float* ad, int ff, float* hidden, i64 hs) {                                                        \
+        pdl_enter();                                                                                     \
         moe_down<T>(W, rb, es, rows, nchunks, ids, wts, k, aq, ad, ff, hidden, hs);                              \
     }
 
@@ -396,6 +515,7 @@ FAST_INST(iq4_xs, T_IQ4_XS)
 // Token t = blockIdx.x. blockIdx.y == 0: the query row (full-width RMSNorm over qw, then
 // partial NeoX RoPE per head); 1: the key row likewise over kw, then K and V are stored at
 // cache slot slots[t]. In place on q and k. block 256.
+#define QK_MAXV 8   // values per thread (block 1024: widths up to 8192)
 template <int KV>
 __device__ __forceinline__ void qk_norm_rope_store_impl(float* q, i64 qs, float* k, const float* v, i64 kvs,
                                                         const float* qn, const float* kn, int qw, int kw, int vw,
@@ -403,49 +523,65 @@ __device__ __forceinline__ void qk_norm_rope_store_impl(float* q, i64 qs, float*
                                                         const int* slots, void* kc_, void* vc_) {
     typedef typename KvT<KV>::T KT;
     __shared__ float part[32];
+    __shared__ float cs[128], sn[128];
+    __shared__ float xs[QK_MAXV * 1024];
     int t = blockIdx.x;
     bool is_k = blockIdx.y == 1;
     float* x = is_k ? k + t * kvs : q + t * qs;
     const float* w = is_k ? kn : qn;
     int n = is_k ? kw : qw;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
+    // All loads first (registers), then the RoPE angles while they are in flight: the angle
+    // depends on the pair index only (one f64 sincos per pair index, as the CPU twin).
+    float xv[QK_MAXV], wv[QK_MAXV];
+#pragma unroll
+    for (int i = 0; i < QK_MAXV; i++) {
+        int idx = threadIdx.x + i * blockDim.x;
+        xv[i] = idx < n ? x[idx] : 0.f;
+        wv[i] = idx < n ? w[idx] : 0.f;
+    }
+    int half = rot / 2;
+    if (threadIdx.x < half) {
+        double p = (double)pos[t];
+        double inv_freq = 1.0 / pow((double)theta, 2.0 * (double)threadIdx.x / (double)rot);
+        double a = p * inv_freq;
+        cs[threadIdx.x] = (float)cos(a);
+        sn[threadIdx.x] = (float)sin(a);
+    }
     float ss = 0.f;
-    for (int i = threadIdx.x; i < n; i += blockDim.x) ss += x[i] * x[i];
+#pragma unroll
+    for (int i = 0; i < QK_MAXV; i++) ss += xv[i] * xv[i];
     ss = warp_sum(ss);
     if (lane == 0) part[warp] = ss;
     __syncthreads();
     float tot = lane < nw ? part[lane] : 0.f;
     tot = warp_sum(tot);
     float inv = 1.0f / sqrtf(tot / (float)n + eps);
-    for (int i = threadIdx.x; i < n; i += blockDim.x) x[i] = x[i] * inv * w[i];
-    __syncthreads();
-    // The angle depends on the pair index only (not the head): one f64 sincos per pair index,
-    // shared through shared memory, instead of one per (head, pair).
-    __shared__ float cs[128], sn[128];
-    int half = rot / 2, heads = n / hd;
-    double p = (double)pos[t];
-    for (int i = threadIdx.x; i < half; i += blockDim.x) {
-        double inv_freq = 1.0 / pow((double)theta, 2.0 * (double)i / (double)rot);
-        double a = p * inv_freq;
-        cs[i] = (float)cos(a);
-        sn[i] = (float)sin(a);
+#pragma unroll
+    for (int i = 0; i < QK_MAXV; i++) {
+        int idx = threadIdx.x + i * blockDim.x;
+        if (idx < n) xs[idx] = xv[i] * inv * wv[i];
     }
     __syncthreads();
-    for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x) {
-        int h = idx / half, i = idx % half;
-        float c = cs[i], s = sn[i];
-        float* u = x + h * hd;
-        float x0 = u[i], x1 = u[i + half];
-        u[i] = x0 * c - x1 * s;
-        u[i + half] = x1 * c + x0 * s;
-    }
-    if (!is_k) return;
-    __syncthreads();
+    // Partial NeoX RoPE per head on dims [0, rot): (x0, x1) = (u[i], u[i + half]) ->
+    // (x0 c - x1 s, x1 c + x0 s); dims >= rot unchanged. K (and V) also go to the cache.
     KT* kc = (KT*)kc_;
     KT* vc = (KT*)vc_;
-    i64 s = slots[t];
-    for (int i = threadIdx.x; i < kw; i += blockDim.x) kc[s * kw + i] = kv_store<KV>(x[i]);
-    for (int i = threadIdx.x; i < vw; i += blockDim.x) vc[s * vw + i] = kv_store<KV>(v[t * kvs + i]);
+    i64 sl = is_k ? (i64)slots[t] : 0;
+#pragma unroll
+    for (int i = 0; i < QK_MAXV; i++) {
+        int idx = threadIdx.x + i * blockDim.x;
+        if (idx < n) {
+            int dd = idx % hd;
+            float o = xs[idx];
+            if (dd < half) o = o * cs[dd] - xs[idx + half] * sn[dd];
+            else if (dd < rot) o = o * cs[dd - half] + xs[idx - half] * sn[dd - half];
+            x[idx] = o;
+            if (is_k) kc[sl * kw + idx] = kv_store<KV>(o);
+        }
+    }
+    if (is_k)
+        for (int i = threadIdx.x; i < vw; i += blockDim.x) vc[sl * vw + i] = kv_store<KV>(v[t * kvs + i]);
 }
 
 // ------------------------------------------------ split-K decode attention ---------------
@@ -614,15 +750,17 @@ __device__ __forceinline__ void attn_merge_impl(const float* part, int kv_heads,
 }
 
 #define ATTD_INST(name, KV, BF)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(256) qk_norm_rope_store_##name(                                 \
+    extern "C" __global__ void __launch_bounds__(1024) qk_norm_rope_store_##name(                                 \
         float* q, i64 qs, float* k, const float* v, i64 kvs, const float* qn, const float* kn, int qw, int kw,   \
         int vw, int hd, int rot, const int* pos, float theta, float eps, const int* slots, void* kc, void* vc) { \
+        pdl_enter();                                                                                     \
         qk_norm_rope_store_impl<KV>(q, qs, k, v, kvs, qn, kn, qw, kw, vw, hd, rot, pos, theta, eps, slots, kc,  \
                                     vc);                                                                         \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6_##name(                                \
         const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos, const int* seq, const int* pt_off, \
         const u32* pts, int page_size, int kv_heads, int nsplit, float scale, float* part) {                     \
+        pdl_enter();                                                                                     \
         attn_dec_impl<6>(q, qs, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, scale, part, BF);    \
     }
 
@@ -631,5 +769,6 @@ ATTD_INST(bf16, KV_BF16, 1)
 
 extern "C" __global__ void __launch_bounds__(128)
     attn_merge6(const float* part, int kv_heads, int nsplit, float* out, i64 os, i8* aq, float* ad, const int* pos) {
+    pdl_enter();
     attn_merge_impl<6>(part, kv_heads, nsplit, out, os, aq, ad, pos);
 }

@@ -17,4 +17,7 @@ cargo test --workspace 2>&1
 echo "== NVRTC: every CUDA kernel compiles for sm_90 and sm_120 =="
 tools/nvrtc_check/run.sh
 
+echo "== e2e: gateway + CPU ranks with the OpenAI SDK and raw HTTP =="
+tests/e2e/run.sh
+
 echo "== all suites passed =="

@@ -191,7 +191,7 @@ impl EngineArgs {
         world.load_timeout = secs(self.load_timeout, "load-timeout")?;
         world.restart_backoff_max = secs(self.restart_backoff_max, "restart-backoff-max")?;
         world.max_restart_attempts = self.max_restart_attempts;
-        let sched = SchedConfig { prefill_chunk: self.prefill_chunk, max_step_tokens: self.max_step_tokens.max(self.prefill_chunk.min(self.max_step_tokens)), max_running: self.max_running, max_queue: self.max_queue };
+        let sched = SchedConfig { prefill_chunk: self.prefill_chunk, max_step_tokens: self.max_step_tokens, max_running: self.max_running, max_queue: self.max_queue };
         Ok(EngineConfig { sched, world })
     }
 }

@@ -42,8 +42,7 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         return dry_run(&cli.engine, cfg).await;
     }
     let engine = Engine::start(cfg);
-    // The HTTP layer serves here (api::serve(engine, cli.api)); until then the engine runs
-    // until interrupted.
+    // Log when the ranks are up (the HTTP layer answers 503 until then).
     let waiter = engine.clone();
     tokio::spawn(async move {
         match waiter.wait_ready(Duration::from_secs(24 * 3600)).await {
@@ -63,7 +62,9 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
 }
 
 /// Parse shards, build the tokenizer, start the ranks, run the collective self-test, exit.
-async fn dry_run(args: &EngineArgs, cfg: minimax_gateway::engine::EngineConfig) -> anyhow::Result<()> {
+async fn dry_run(args: &EngineArgs, mut cfg: minimax_gateway::engine::EngineConfig) -> anyhow::Result<()> {
+    // One attempt: a dry run reports the first failure instead of retrying.
+    cfg.world.max_restart_attempts = 1;
     use minimax_gateway::ranks::supervisor::WorldMode;
     if let WorldMode::Spawn(s) = &cfg.world.mode {
         let model = minimax_shared::gguf::GgufModel::open(&s.model).map_err(|e| anyhow::anyhow!("{}: {e}", s.model.display()))?;

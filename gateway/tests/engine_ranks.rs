@@ -148,10 +148,11 @@ fn rank_pids(dir: &std::path::Path) -> Vec<(u32, i32)> {
         let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
         let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
         let args: Vec<String> = cmd.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).to_string()).collect();
-        if args.iter().any(|a| a.contains(&needle)) && args.iter().any(|a| a == "serve") {
-            if let Some(i) = args.iter().position(|a| a == "--rank") {
-                out.push((args[i + 1].parse().unwrap(), pid));
-            }
+        if args.iter().any(|a| a.contains(&needle))
+            && args.iter().any(|a| a == "serve")
+            && let Some(i) = args.iter().position(|a| a == "--rank")
+        {
+            out.push((args[i + 1].parse().unwrap(), pid));
         }
     }
     out.sort();

@@ -4,7 +4,7 @@
 //! (tools/gpu/run_tests.sh does).
 #![cfg(feature = "cuda")]
 
-use minimax_rank::cuda::{AttnArgs, DevMat, Gpu, KvDtype};
+use minimax_rank::cuda::{Arg, AttnArgs, DevMat, Gpu, KvDtype};
 use minimax_shared::model::GatingFunc;
 use minimax_shared::quant::{self, GgmlType};
 
@@ -541,7 +541,8 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
     eprintln!("q8 quantize {nr}x{n}: bit-exact");
     // Dense products (three segments, 1..13 vectors, accumulate) for Q8_0 and IQ4_XS.
     for ty in [GgmlType::Q8_0, GgmlType::IQ4_XS] {
-        let cols = if ty == GgmlType::Q8_0 { 256 * 5 } else { 512 * 3 };
+        // More chunks than one staging phase (Q8_0: 8, gate/up: 6), last phase partial.
+        let cols = if ty == GgmlType::Q8_0 { 256 * 13 } else { 512 * 9 };
         let rows = [37usize, 8, 21];
         let mats: Vec<Vec<u8>> = rows.iter().map(|&r| random_rows(&mut rng, ty, r, cols)).collect();
         let up: Vec<_> = mats.iter().zip(rows).map(|(b, r)| upload_mat(&g, ty, b, r, cols, 0)).collect();
@@ -585,7 +586,8 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
         // Fused MoE: gate/up/SiLU -> q8, then down + weighted combine into the residual.
         let (e, k, nt, ff, h) = (6usize, 3usize, 2usize, 64usize, cols);
         let down_cols = if ty == GgmlType::Q8_0 { 256 } else { 512 };
-        let ff = ff.max(down_cols);
+        // 5 chunks per down row: two staging phases of the down kernel (2 + 1 experts).
+        let ff = ff.max(5 * down_cols);
         let gate = random_rows(&mut rng, ty, e * ff, h);
         let upw = random_rows(&mut rng, ty, e * ff, h);
         let hrows = 40usize;
@@ -645,5 +647,125 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
             assert_eq!(got[t * (hrows + 1) + hrows], hid0[t * (hrows + 1) + hrows], "down wrote past the rows");
         }
         eprintln!("moe     {ty:<7} gate/up max |diff| {worst:.2e} (q8 output), down+combine max rel {worst_d:.2e}");
+    }
+}
+
+/// The fast path's register-resident kernels: RMSNorm + q8 (`norm_q8` with a weight and an f32
+/// copy), the F32 router product (`router_f32`), and the fused q/k norm + partial RoPE + KV
+/// store (`qk_norm_rope_store_bf16`), each against its CPU twin.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_norm_router_and_qk_rope_match_cpu() {
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0002);
+    // norm_q8 with RMSNorm weights: the f32 copy within f32 rounding of the host norm; the q8
+    // output is the host quantization of the GPU's own f32 copy (bit-exact).
+    for (n, nr) in [(3072usize, 3usize), (96, 2), (12288, 1)] {
+        let x = rng.vec(n * nr, 3.0);
+        let w = rng.vec(n, 1.0);
+        let (xb, wb) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
+        let yb = poisoned(&g, n * nr);
+        let qb = g.zeros::<i8>(n * nr).unwrap();
+        let db = poisoned(&g, n * nr / 32);
+        g.norm_q8(g.ptr(&xb), n, g.ptr(&wb), n, 1e-6, g.ptr(&yb), n, g.ptr(&qb), g.ptr(&db), nr).unwrap();
+        let got = g.download(&yb).unwrap();
+        let want: Vec<f32> = x.chunks(n).flat_map(|r| rms_norm_ref(r, &w, 1e-6)).collect();
+        let worst = check(&format!("norm_q8 {n}"), &got, &want, |i| 2e-6 * (1.0 + want[i].abs()));
+        let (hq, hd) = q8_host(&got);
+        assert_eq!(g.download(&qb).unwrap(), hq, "norm_q8 {n}: q8 of the normed values");
+        assert_eq!(g.download(&db).unwrap(), hd, "norm_q8 {n}: q8 scales");
+        eprintln!("norm_q8 width {n} x {nr}: norm max |diff| {worst:.2e}, q8 bit-exact");
+    }
+    // router_f32: rows not a multiple of the block's 4 warps, widths with a partial round.
+    for (rows, cols, nt) in [(256usize, 3072usize, 1usize), (37, 1000, 3), (5, 12, 2)] {
+        let wm = rng.vec(rows * cols, 0.05);
+        let x = rng.vec(nt * (cols + 4), 2.0);
+        let bytes: Vec<u8> = wm.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let (_wb, dm) = upload_mat(&g, GgmlType::F32, &bytes, rows, cols, 0);
+        let xb = g.upload(&x).unwrap();
+        let ys = rows + 3;
+        let yb = poisoned(&g, nt * ys);
+        g.router_f32(&dm, g.ptr(&xb), cols + 4, g.ptr(&yb), ys, nt).unwrap();
+        let got = g.download(&yb).unwrap();
+        for t in 0..nt {
+            for r in 0..rows {
+                let (mut want, mut scale) = (0f64, 0f64);
+                for c in 0..cols {
+                    let p = wm[r * cols + c] as f64 * x[t * (cols + 4) + c] as f64;
+                    want += p;
+                    scale += p.abs();
+                }
+                let gv = got[t * ys + r] as f64;
+                assert!(gv.is_finite() && (gv - want).abs() <= 1e-6 * scale + 1e-7, "router_f32 {rows}x{cols} t {t} r {r}: {gv} vs {want}");
+            }
+            for r in rows..ys {
+                assert!(got[t * ys + r].is_nan(), "router_f32 wrote past the rows");
+            }
+        }
+        eprintln!("router_f32 {rows}x{cols}, {nt} tokens: within 1e-6 of sum |w x|");
+    }
+    // qk_norm_rope_store (bf16 cache): q and k full-width norm, partial RoPE per head, K and V
+    // stored at their slots.
+    for (qh, kh, hd, rot, theta) in [(48usize, 8usize, 128usize, 64usize, 5e6f32), (6, 1, 128, 128, 10000.0)] {
+        let nt = 3;
+        let (qw, kw) = (qh * hd, kh * hd);
+        let vw = kw;
+        let q = rng.vec(nt * qw, 2.0);
+        let k = rng.vec(nt * kw, 2.0);
+        let v = rng.vec(nt * kw, 2.0);
+        let (qn, kn) = (rng.vec(qw, 1.0), rng.vec(kw, 1.0));
+        let pos: Vec<i32> = vec![0, 17, 40_000];
+        let slots: Vec<i32> = vec![5, 0, 2];
+        let (qb, kb, vb) = (g.upload(&q).unwrap(), g.upload(&k).unwrap(), g.upload(&v).unwrap());
+        let (qnb, knb, pb, sb) = (g.upload(&qn).unwrap(), g.upload(&kn).unwrap(), g.upload(&pos).unwrap(), g.upload(&slots).unwrap());
+        let nslots = 6;
+        let kc = g.zeros::<u16>(nslots * kw).unwrap();
+        let vc = g.zeros::<u16>(nslots * vw).unwrap();
+        g.launch(
+            "qk_norm_rope_store_bf16",
+            (nt as u32, 2, 1),
+            1024,
+            0,
+            &[
+                Arg::P(g.ptr(&qb)),
+                Arg::L(qw as i64),
+                Arg::P(g.ptr(&kb)),
+                Arg::P(g.ptr(&vb)),
+                Arg::L(kw as i64),
+                Arg::P(g.ptr(&qnb)),
+                Arg::P(g.ptr(&knb)),
+                Arg::I(qw as i32),
+                Arg::I(kw as i32),
+                Arg::I(vw as i32),
+                Arg::I(hd as i32),
+                Arg::I(rot as i32),
+                Arg::P(g.ptr(&pb)),
+                Arg::F(theta),
+                Arg::F(1e-6),
+                Arg::P(g.ptr(&sb)),
+                Arg::P(g.ptr(&kc)),
+                Arg::P(g.ptr(&vc)),
+            ],
+        )
+        .unwrap();
+        let (gq, gk, gkc, gvc) = (g.download(&qb).unwrap(), g.download(&kb).unwrap(), g.download(&kc).unwrap(), g.download(&vc).unwrap());
+        let bf = |b: u16| f32::from_bits((b as u32) << 16);
+        let mut worst = 0f32;
+        for t in 0..nt {
+            let mut wq = rms_norm_ref(&q[t * qw..(t + 1) * qw], &qn, 1e-6);
+            rope_ref(&mut wq, hd, rot, pos[t] as usize, theta);
+            let mut wk = rms_norm_ref(&k[t * kw..(t + 1) * kw], &kn, 1e-6);
+            rope_ref(&mut wk, hd, rot, pos[t] as usize, theta);
+            worst = worst.max(check("qk q", &gq[t * qw..(t + 1) * qw], &wq, |i| 1e-5 * (1.0 + wq[i].abs())));
+            worst = worst.max(check("qk k", &gk[t * kw..(t + 1) * kw], &wk, |i| 1e-5 * (1.0 + wk[i].abs())));
+            let s = slots[t] as usize;
+            for i in 0..kw {
+                let (a, b) = (bf(gkc[s * kw + i]), gk[t * kw + i]);
+                assert!((a - b).abs() <= b.abs() / 128.0 + 1e-6, "k cache t {t} [{i}]: {a} vs {b}");
+                let (a, b) = (bf(gvc[s * vw + i]), v[t * kw + i]);
+                assert!((a - b).abs() <= b.abs() / 128.0 + 1e-6, "v cache t {t} [{i}]: {a} vs {b}");
+            }
+        }
+        eprintln!("qk_norm_rope_store {qh}/{kh} heads x {hd}, rot {rot}: max |diff| {worst:.2e}, cache within bf16");
     }
 }

@@ -21,6 +21,31 @@ def request(server, method, path, body=None, headers=None, raw=None):
     return out
 
 
+def raw_post(server, path, data):
+    """POST over a plain socket; the server may answer (413) and close before the body is sent."""
+    sock = socket.create_connection((server.host, server.port), timeout=30)
+    head = (
+        f"POST {path} HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {server.api_key}\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    )
+    try:
+        sock.sendall(head.encode() + data)
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    resp = b""
+    try:
+        while True:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            resp += chunk
+    except ConnectionResetError:
+        pass
+    sock.close()
+    head, _, body = resp.partition(b"\r\n\r\n")
+    return int(head.split(b" ")[1]), body.decode()
+
+
 def post(server, path, body):
     s, _, b = request(server, "POST", path, body)
     return s, json.loads(b)
@@ -179,8 +204,8 @@ def test_bad_requests_get_4xx_and_server_keeps_serving(server):
     assert s == 400 and r["error"]["param"] == "max_tokens"
     s, r = post(server, "/v1/completions", {"prompt": "x", "echo": True})
     assert s == 400 and r["error"]["param"] == "echo"
-    huge = json.dumps(chat("y" * (server.body_limit + 10)))
-    s, _, b = request(server, "POST", "/v1/chat/completions", raw=huge)
+    huge = json.dumps(chat("y" * (server.body_limit + 10))).encode()
+    s, b = raw_post(server, "/v1/chat/completions", huge)
     assert s == 413 and json.loads(b)["error"]["code"] == "request_too_large"
     s, _, b = request(server, "GET", "/v1/unknown")
     assert s == 404 and "error" in json.loads(b)

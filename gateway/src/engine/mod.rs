@@ -302,7 +302,7 @@ async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::Unbo
                 submit(s, seq);
             }
             // A world change (restart, shutdown) ends this generation.
-            if state.has_changed().unwrap_or(true) {
+            {
                 let st = state.borrow_and_update().clone();
                 if !matches!(&st, WorldState::Ready(i) if i.generation == generation) {
                     dead_generation = generation;
@@ -391,3 +391,6 @@ fn release(world: &Arc<dyn RankWorld>, generation: u64, ids: Vec<u64>) {
         }
     });
 }
+
+#[cfg(test)]
+mod tests;

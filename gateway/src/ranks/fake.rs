@@ -136,7 +136,7 @@ impl FakeWorld {
         let ps = self.cfg.page_size as usize;
         let mut st = self.st.lock().unwrap();
         if st.generation != generation || self.state_tx.borrow().ready().is_none() {
-            return Err(WorldError::Broken("fake world restarting".into()));
+            return Err(WorldError::Broken(self.state_tx.borrow().describe()));
         }
         st.steps += 1;
         let fault = *self.wrong_len_token.lock().unwrap();
@@ -189,7 +189,7 @@ impl FakeWorld {
                     });
                 }
             }
-            for r in 0..w {
+            for (r, resp) in out.iter_mut().enumerate() {
                 let mut len = if err.is_empty() { need as u32 } else { have };
                 if let Some((fr, ft)) = fault
                     && fr as usize == r
@@ -200,7 +200,7 @@ impl FakeWorld {
                 if err.is_empty() {
                     st.lens[r].insert(s.seq_id, len);
                 }
-                out[r].seqs.push(SeqResult { seq_id: s.seq_id, cache_len: len, error: err.clone(), rows: if r == 0 { rows.clone() } else { vec![] } });
+                resp.seqs.push(SeqResult { seq_id: s.seq_id, cache_len: len, error: err.clone(), rows: if r == 0 { rows.clone() } else { vec![] } });
             }
         }
         Ok(out)

@@ -328,6 +328,7 @@ async fn supervise(inner: Arc<Inner>, mut broken_rx: mpsc::UnboundedReceiver<(u6
                     inner.state.send_replace(WorldState::Failed("shut down".into()));
                     teardown(&inner, up.children, &up.clients, true).await;
                     set_all_health(&inner, "stopped", "the gateway is shutting down");
+                    remove_run_dir(&inner.cfg);
                     return;
                 }
                 tracing::error!(generation, %reason, "rank world broken; restarting every rank");
@@ -356,6 +357,7 @@ async fn supervise(inner: Arc<Inner>, mut broken_rx: mpsc::UnboundedReceiver<(u6
             tracing::error!("{msg}");
             set_all_health(&inner, "failed", &msg);
             inner.state.send_replace(WorldState::Failed(msg));
+            remove_run_dir(&inner.cfg);
             return;
         }
         inner.state.send_replace(WorldState::Restarting { reason: reason.clone(), attempt: failed_attempts + 1 });
@@ -366,6 +368,23 @@ async fn supervise(inner: Arc<Inner>, mut broken_rx: mpsc::UnboundedReceiver<(u6
         backoff = (backoff * 2).min(inner.cfg.restart_backoff_max);
     }
     inner.state.send_replace(WorldState::Failed("shut down".into()));
+    remove_run_dir(&inner.cfg);
+}
+
+/// Removes the sockets (and the directory, when empty) of spawned ranks.
+fn remove_run_dir(cfg: &WorldConfig) {
+    if let WorldMode::Spawn(s) = &cfg.mode {
+        let _ = prepare_run_dir_cleanup(&s.run_dir);
+    }
+}
+
+fn prepare_run_dir_cleanup(dir: &std::path::Path) -> std::io::Result<()> {
+    for e in std::fs::read_dir(dir)?.flatten() {
+        if e.path().extension().is_some_and(|x| x == "sock") {
+            let _ = std::fs::remove_file(e.path());
+        }
+    }
+    std::fs::remove_dir(dir)
 }
 
 fn last_reason_or(inner: &Inner) -> String {
@@ -385,8 +404,8 @@ async fn bring_up(inner: &Arc<Inner>) -> Result<Up, BringUpError> {
                 return Err((e, children, vec![]));
             }
             let addrs: Vec<RankAddr> = (0..n).map(|r| RankAddr::Unix(s.run_dir.join(format!("rank-{r}.sock")))).collect();
-            for r in 0..n {
-                match spawn_rank(s, r as u32, n as u32, &addrs[r]) {
+            for (r, addr) in addrs.iter().enumerate() {
+                match spawn_rank(s, r as u32, n as u32, addr) {
                     Ok(c) => children.push(c),
                     Err(e) => return Err((e, children, vec![])),
                 }
@@ -395,8 +414,8 @@ async fn bring_up(inner: &Arc<Inner>) -> Result<Up, BringUpError> {
         }
         WorldMode::Attach { addrs } => addrs.clone(),
     };
-    for r in 0..n {
-        set_health(inner, r, "loading", 0.0, format!("connecting to {}", addrs[r]));
+    for (r, addr) in addrs.iter().enumerate() {
+        set_health(inner, r, "loading", 0.0, format!("connecting to {addr}"));
     }
     let deadline = Instant::now() + cfg.load_timeout;
 
@@ -476,8 +495,8 @@ async fn bring_up(inner: &Arc<Inner>) -> Result<Up, BringUpError> {
         Ok(i) => i,
         Err(e) => return Err((e, children, clients)),
     };
-    for r in 0..n {
-        set_health(inner, r, "ready", 1.0, format!("{} {}", finals[r].device, layer_range(&finals[r])));
+    for (r, d) in finals.iter().enumerate() {
+        set_health(inner, r, "ready", 1.0, format!("{} {}", d.device, layer_range(d)));
     }
     Ok(Up { children, clients, info })
 }

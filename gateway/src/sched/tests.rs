@@ -231,6 +231,7 @@ async fn memory_pressure_preempts_and_outputs_stay_exact() {
         assert_eq!(toks, reference_greedy(&w, &prompts[i], 12), "seq {i}");
     }
     assert_eq!(s.kv().used_pages(), 0);
+    assert!(s.metrics.preemptions.load(std::sync::atomic::Ordering::Relaxed) > 0, "the scenario must preempt");
 }
 
 #[tokio::test]

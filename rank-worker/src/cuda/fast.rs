@@ -29,6 +29,16 @@ fn fast_mat(w: &DevMat) -> bool {
     matches!(w.ty, GgmlType::Q8_0 | GgmlType::IQ4_XS) && w.row_bytes % CH == 0 && w.ptr % 16 == 0 && (w.n_experts == 0 || w.expert_stride % 16 == 0)
 }
 
+/// Whether `w` can go through `router_f32`: F32, whole float4 rows, 16-byte aligned.
+pub(crate) fn fast_router(w: &DevMat) -> bool {
+    w.ty == GgmlType::F32 && w.cols % 4 == 0 && w.row_bytes == 4 * w.cols && w.ptr % 16 == 0
+}
+
+/// Values per thread of `norm_q8` (block 1024), as in kernels/fast.cu.
+const NQ_MAXV: usize = 12;
+/// Widest q or k row of `qk_norm_rope_store` (8 values per thread, block 1024).
+pub const QK_MAX_WIDTH: usize = 8192;
+
 fn tn(ty: GgmlType) -> &'static str {
     match ty {
         GgmlType::Q8_0 => "q8_0",
@@ -89,15 +99,31 @@ impl Gpu {
     /// rows of width `n` (multiple of 32) into `q` ([row][n] int8) and `d` ([row][n/32] f32).
     #[allow(clippy::too_many_arguments)]
     pub fn norm_q8(&self, x: u64, xs: usize, w: u64, n: usize, eps: f32, y: u64, ys: usize, q: u64, d: u64, nrows: usize) -> Result<(), CudaError> {
-        if n % 32 != 0 {
-            return Err(CudaError::Shape(format!("norm_q8: width {n} is not a multiple of 32")));
+        if n % 32 != 0 || n > NQ_MAXV * 1024 {
+            return Err(CudaError::Shape(format!("norm_q8: width {n} is not a multiple of 32 or above {}", NQ_MAXV * 1024)));
         }
-        self.launch(
+        self.launch_pdl(
             "norm_q8",
             (nrows as u32, 1, 1),
-            256,
+            1024,
             0,
             &[Arg::P(x), Arg::L(xs as i64), Arg::P(w), Arg::I(n as i32), Arg::F(eps), Arg::P(y), Arg::L(ys as i64), Arg::P(q), Arg::P(d)],
+        )
+    }
+
+    /// Router logits `y[t] = W x[t]` for an F32 matrix (rows of `cols % 4 == 0` floats,
+    /// 16-byte aligned), `nt` tokens, `x` of stride `xs`, `y` of stride `ys` (floats).
+    #[allow(clippy::too_many_arguments)]
+    pub fn router_f32(&self, w: &DevMat, x: u64, xs: usize, y: u64, ys: usize, nt: usize) -> Result<(), CudaError> {
+        if !fast_router(w) || xs % 4 != 0 || x % 16 != 0 {
+            return Err(CudaError::Shape(format!("router_f32: {:?} {}x{}", w.ty, w.rows, w.cols)));
+        }
+        self.launch_pdl(
+            "router_f32",
+            (ceil_div(w.rows, 4), nt as u32, 1),
+            128,
+            0,
+            &[Arg::P(w.ptr), Arg::I(w.rows as i32), Arg::I(w.cols as i32), Arg::P(x), Arg::L(xs as i64), Arg::P(y), Arg::L(ys as i64)],
         )
     }
 
@@ -131,7 +157,7 @@ impl Gpu {
             }
         }
         args.extend([Arg::I(nchunks as i32), Arg::P(xq), Arg::P(xd), Arg::I(ncol as i32), Arg::I(nv as i32), Arg::I(accumulate as i32)]);
-        self.launch(&format!("mvq_{}_{nt}", tn(ty)), (ceil_div(rows, 8), ceil_div(nv, nt), 1), 256, 0, &args)
+        self.launch_pdl(&format!("mvq_{}_{nt}", tn(ty)), (ceil_div(rows, 8), ceil_div(nv, nt), 1), 256, 0, &args)
     }
 
     /// Fused expert gate/up: for each of `npairs` (token p / k, expert ids[p]) pairs, the
@@ -141,7 +167,7 @@ impl Gpu {
         if !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 {
             return Err(CudaError::Shape("moe_gate_up_q8: expert tensors".into()));
         }
-        self.launch(
+        self.launch_pdl(
             &format!("moe_gate_up_{}", tn(gate.ty)),
             ((gate.rows / 32) as u32, npairs as u32, 1),
             256,
@@ -170,7 +196,7 @@ impl Gpu {
         if !fast_mat(down) || down.row_bytes / CH > 12 {
             return Err(CudaError::Shape("moe_down_q8: expert tensor".into()));
         }
-        self.launch(
+        self.launch_pdl(
             &format!("moe_down_{}", tn(down.ty)),
             (ceil_div(down.rows, 8), nt as u32, 1),
             256,
@@ -224,6 +250,9 @@ pub(crate) fn fast_plan(cfg: &ModelConfig, kv: KvDtype, layers: &[FastLayer], he
     }
     if cfg.hidden % 32 != 0 || cfg.expert_ff % 32 != 0 || cfg.rotary_dim > cfg.head_dim || cfg.rotary_dim > 256 {
         return Err("hidden/expert width".into());
+    }
+    if cfg.n_heads * cfg.head_dim > QK_MAX_WIDTH || cfg.n_kv_heads * cfg.head_dim > QK_MAX_WIDTH || cfg.hidden > NQ_MAXV * 1024 {
+        return Err("q/k or hidden width above the fast kernels' limits".into());
     }
     if !fast_mat(head) {
         return Err(format!("output {:?}", head.ty));

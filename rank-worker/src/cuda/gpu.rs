@@ -99,6 +99,8 @@ pub struct Gpu {
     /// When set, every launch is bracketed by timing events (kernel name, start, end): the
     /// benchmark's per-kernel split. Never set while a graph is being captured.
     prof: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
+    /// Programmatic dependent launch for the fast path's kernels (see [`Gpu::launch_pdl`]).
+    pub pdl: bool,
 }
 
 /// Checks that the CUDA driver library can be loaded (instead of a panic in the bindings).
@@ -145,7 +147,8 @@ impl Gpu {
         // A created stream (not the legacy default stream, which cannot be captured into a
         // CUDA graph).
         let stream = ctx.new_stream()?;
-        Ok(Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), prof: Mutex::new(None) })
+        let pdl = arch >= 90 && std::env::var("MINIMAX_PDL").map(|v| v != "0").unwrap_or(true);
+        Ok(Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), prof: Mutex::new(None), pdl })
     }
 
     /// The kernel `name`, looked up once in the loaded modules.
@@ -190,6 +193,52 @@ impl Gpu {
         } else {
             unsafe { b.launch(cfg) }?;
         }
+        Ok(())
+    }
+
+    /// Launches kernel `name` with programmatic dependent launch (PDL, Hopper and newer): the
+    /// kernel may start while the previous one on the stream drains, and must begin with
+    /// `pdl_wait()` (griddepcontrol.wait) before touching memory. Only the fast path's kernels
+    /// in kernels/fast.cu do; every other kernel goes through [`Gpu::launch`]. Off (plain
+    /// launch) before sm_90 or with `MINIMAX_PDL=0`.
+    pub fn launch_pdl(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<(), CudaError> {
+        if !self.pdl || self.prof.lock().unwrap().is_some() {
+            return self.launch(name, grid, block, smem, args);
+        }
+        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
+            return Ok(());
+        }
+        use cudarc::driver::sys;
+        let f = self.func(name)?;
+        self.ctx.bind_to_thread()?;
+        let mut vals: Vec<u64> = args
+            .iter()
+            .map(|a| match *a {
+                Arg::P(v) => v,
+                Arg::I(v) => v as u32 as u64,
+                Arg::L(v) => v as u64,
+                Arg::U(v) => v as u64,
+                Arg::F(v) => v.to_bits() as u64,
+            })
+            .collect();
+        let mut params: Vec<*mut std::ffi::c_void> = vals.iter_mut().map(|v| v as *mut u64 as *mut std::ffi::c_void).collect();
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
+        let cfg = sys::CUlaunchConfig {
+            gridDimX: grid.0,
+            gridDimY: grid.1,
+            gridDimZ: grid.2,
+            blockDimX: block,
+            blockDimY: 1,
+            blockDimZ: 1,
+            sharedMemBytes: smem,
+            hStream: self.stream.cu_stream(),
+            attrs: &mut attr,
+            numAttrs: 1,
+        };
+        let r = unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) };
+        r.result()?;
         Ok(())
     }
 

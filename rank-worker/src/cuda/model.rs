@@ -13,7 +13,7 @@ use minimax_shared::model::{ModelConfig, names};
 use minimax_shared::quant::{self, GgmlType};
 
 use super::error::CudaError;
-use super::fast::{FastLayer, FastWs, MAX_FAST_TOKENS, fast_plan, nsplit_for};
+use super::fast::{FastLayer, FastWs, MAX_FAST_TOKENS, fast_plan, fast_router, nsplit_for};
 use super::gpu::{Arg, AttnArgs, DevMat, Gpu, KvDtype};
 use minimax_shared::model::synthetic::SyntheticSpec;
 use crate::cpu::KvSpec;
@@ -420,10 +420,10 @@ impl CudaModel {
             g.norm_q8(hid, h, l.attn_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
             g.matvec_q8(&[(&l.wq, p(&ws.q), qw), (&l.wk, p(&ws.k), kw), (&l.wv, p(&ws.v), vw)], xq, xd, h, nt, false)?;
             let (kc, vc) = (g.ptr(&self.kc[li]), g.ptr(&self.vc[li]));
-            g.launch(
+            g.launch_pdl(
                 &format!("qk_norm_rope_store_{kvs}"),
                 (nt as u32, 2, 1),
-                256,
+                1024,
                 0,
                 &[
                     Arg::P(p(&ws.q)),
@@ -446,7 +446,7 @@ impl CudaModel {
                     Arg::P(vc),
                 ],
             )?;
-            g.launch(
+            g.launch_pdl(
                 &format!("attn_dec6_{kvs}"),
                 (c.n_kv_heads as u32, nsplit as u32, nt as u32),
                 128,
@@ -467,7 +467,7 @@ impl CudaModel {
                     Arg::P(p(&ws.part)),
                 ],
             )?;
-            g.launch(
+            g.launch_pdl(
                 "attn_merge6",
                 (c.n_heads as u32, nt as u32, 1),
                 128,
@@ -476,7 +476,11 @@ impl CudaModel {
             )?;
             g.matvec_q8(&[(&l.wo, hid, h)], xq, xd, ow, nt, true)?;
             g.norm_q8(hid, h, l.ffn_norm, h, c.rms_eps, nrm, h, xq, xd, nt)?;
-            g.matvec(&l.router, nrm, h, p(&ws.rl), e, nt, false)?;
+            if fast_router(&l.router) {
+                g.router_f32(&l.router, nrm, h, p(&ws.rl), e, nt)?;
+            } else {
+                g.matvec(&l.router, nrm, h, p(&ws.rl), e, nt, false)?;
+            }
             g.route(p(&ws.rl), l.bias, e, k, c.gating, ids, wts, nt)?;
             g.moe_gate_up_q8(&l.gate, &l.up, ids, k, xq, xd, aq, ad, nt * k)?;
             g.moe_down_q8(&l.down, ids, wts, k, aq, ad, hid, h, nt)?;
