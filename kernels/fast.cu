@@ -376,17 +376,17 @@ __device__ __forceinline__ void mvq_dense(const u8* W0, i64 rb0, int rows0, floa
 }
 
 // ------------------------------------------------------------- MoE (decode) -------------
-#define GU_ROWS 4   // rows per warp; a block of 8 warps makes one 32-row q8 group of the output
-#define GU_PH 6     // chunks per matrix per phase
 
 // Pair p = blockIdx.y (token p / k, expert ids[p]): act[p][r] = silu(gate_r . x) * (up_r . x)
 // for the block's 32 rows, quantized to q8 (aq [p][ff], ad [p][ff / 32]). grid (ff / 32,
-// npairs), block 256.
-template <int T>
+// npairs), block 32 * 32 / ROWS.
+// ROWS rows per warp, PH chunks per matrix per phase; the block has 32 / ROWS warps (32 rows).
+// Variants (host: MINIMAX_GU=4|2|1): (4, 6) 8 warps, (2, 3) 16 warps, (1, 2) 32 warps.
+template <int T, int GU_ROWS, int GU_PH>
 __device__ __forceinline__ void moe_gate_up(const u8* G, const u8* U, i64 rb, i64 es, int nchunks, const int* ids,
                                             int k, const i8* xq, const float* xd, int ncol, i8* aq, float* ad,
                                             int ff) {
-    __shared__ __align__(16) u8 sm_all[8][2 * GU_PH * CH];
+    __shared__ __align__(16) u8 sm_all[32 / GU_ROWS][2 * GU_PH * CH];
     __shared__ float act[32];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int p = blockIdx.y;
@@ -499,7 +499,19 @@ __device__ __forceinline__ void moe_down(const u8* W, i64 rb, i64 es, int rows, 
         const u8* G, const u8* U, i64 rb, i64 es, int nchunks, const int* ids, int k, const i8* xq, const float* xd, \
         int ncol, i8* aq, float* ad, int ff) {                                                                   \
         pdl_enter();                                                                                     \
-        moe_gate_up<T>(G, U, rb, es, nchunks, ids, k, xq, xd, ncol, aq, ad, ff);                                 \
+        moe_gate_up<T, 4, 6>(G, U, rb, es, nchunks, ids, k, xq, xd, ncol, aq, ad, ff);                                 \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(512) moe_gate_up2_##name(                                        \
+        const u8* G, const u8* U, i64 rb, i64 es, int nchunks, const int* ids, int k, const i8* xq, const float* xd, \
+        int ncol, i8* aq, float* ad, int ff) {                                                                   \
+        pdl_enter();                                                                                     \
+        moe_gate_up<T, 2, 3>(G, U, rb, es, nchunks, ids, k, xq, xd, ncol, aq, ad, ff);                                 \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(1024) moe_gate_up1_##name(                                        \
+        const u8* G, const u8* U, i64 rb, i64 es, int nchunks, const int* ids, int k, const i8* xq, const float* xd, \
+        int ncol, i8* aq, float* ad, int ff) {                                                                   \
+        pdl_enter();                                                                                     \
+        moe_gate_up<T, 1, 2>(G, U, rb, es, nchunks, ids, k, xq, xd, ncol, aq, ad, ff);                                 \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(256) moe_down_##name(                                           \
         const u8* W, i64 rb, i64 es, int rows, int nchunks, const int* ids, const float* wts, int k, const i8* aq,  \

@@ -168,9 +168,9 @@ impl Gpu {
             return Err(CudaError::Shape("moe_gate_up_q8: expert tensors".into()));
         }
         self.launch_pdl(
-            &format!("moe_gate_up_{}", tn(gate.ty)),
+            &format!("moe_gate_up{}_{}", match self.gu_rows { 1 => "1", 2 => "2", _ => "" }, tn(gate.ty)),
             ((gate.rows / 32) as u32, npairs as u32, 1),
-            256,
+            (32 * 32 / self.gu_rows) as u32,
             0,
             &[
                 Arg::P(gate.ptr),

@@ -101,6 +101,8 @@ pub struct Gpu {
     prof: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
     /// Programmatic dependent launch for the fast path's kernels (see [`Gpu::launch_pdl`]).
     pub pdl: bool,
+    /// Rows per warp of the fused expert gate/up kernel (4, 2 or 1; `MINIMAX_GU`).
+    pub gu_rows: usize,
 }
 
 /// Checks that the CUDA driver library can be loaded (instead of a panic in the bindings).
@@ -147,8 +149,13 @@ impl Gpu {
         // A created stream (not the legacy default stream, which cannot be captured into a
         // CUDA graph).
         let stream = ctx.new_stream()?;
+        let gu_rows = match std::env::var("MINIMAX_GU").as_deref() {
+            Ok("1") => 1,
+            Ok("2") => 2,
+            _ => 4,
+        };
         let pdl = arch >= 90 && std::env::var("MINIMAX_PDL").map(|v| v != "0").unwrap_or(true);
-        Ok(Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), prof: Mutex::new(None), pdl })
+        Ok(Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), prof: Mutex::new(None), pdl, gu_rows })
     }
 
     /// The kernel `name`, looked up once in the loaded modules.
