@@ -230,6 +230,28 @@ async fn stop_strings_split_across_tokens_are_not_returned() {
 }
 
 #[tokio::test]
+async fn stop_string_endings_still_report_cached_prompt_tokens() {
+    let toks = char_tokens(pipeline().tokenizer(), "alpha STOP beta");
+    let h = Harness::new(ApiArgs::default(), move |_, _| Script { cached: 64, ..script(toks.clone()) });
+    for stream in [false, true] {
+        let mut body = json!({"prompt": "x", "stop": "STOP", "stream": stream});
+        if stream {
+            body["stream_options"] = json!({"include_usage": true});
+        }
+        let (s, b) = h.post("/v1/completions", &body.to_string()).await;
+        assert_eq!(s, StatusCode::OK);
+        let usage = if stream {
+            let events: Vec<Json> =
+                sse_events(&b).iter().filter(|e| *e != "[DONE]").map(|e| serde_json::from_str(e).unwrap()).collect();
+            events.into_iter().rev().find(|e| !e["usage"].is_null()).expect("usage chunk")["usage"].clone()
+        } else {
+            serde_json::from_str::<Json>(&b).unwrap()["usage"].clone()
+        };
+        assert_eq!(usage["prompt_tokens_details"]["cached_tokens"], 64, "stream={stream}: {usage}");
+    }
+}
+
+#[tokio::test]
 async fn length_finish_and_max_tokens() {
     let h = Harness::saying("abcdefghij");
     let (_, v) = h.post_json("/v1/completions", json!({"prompt": "x", "max_tokens": 4})).await;

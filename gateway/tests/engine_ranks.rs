@@ -97,6 +97,7 @@ async fn run(engine: &Engine, req: GenerationRequest) -> Outcome {
     let mut finish = Err(EngineError::Internal("no terminal event".into()));
     for e in events {
         match e {
+            GenEvent::Started { .. } => {}
             GenEvent::Token { id, .. } => tokens.push(id),
             GenEvent::Finished { reason, usage, .. } => finish = Ok((reason, usage)),
             GenEvent::Failed(e) => finish = Err(e),
@@ -166,6 +167,8 @@ async fn kill_9_of_a_rank_fails_the_request_and_the_world_comes_back() {
     assert_eq!(before.len(), 2, "{before:?}");
     let mut stream = engine.generate(greedy_req("victim", prompt(30, 3), 4000)).unwrap();
     // Wait for generation to be under way, then kill rank 1.
+    let started = tokio::time::timeout(Duration::from_secs(60), stream.recv()).await.unwrap().unwrap();
+    assert!(matches!(started, GenEvent::Started { .. }), "{started:?}");
     let first = tokio::time::timeout(Duration::from_secs(60), stream.recv()).await.unwrap().unwrap();
     assert!(matches!(first, GenEvent::Token { .. }), "{first:?}");
     unsafe {

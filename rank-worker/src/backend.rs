@@ -99,15 +99,26 @@ impl Backend {
             Device::Cpu => Ok(Backend::Cpu(CpuModel::load_with_progress(model, part, kv, progress)?)),
             #[cfg(feature = "cuda")]
             Device::Cuda(k) => {
-                if part != Partition::whole(&ModelConfig::from_gguf(&model).map_err(CpuError::from)?) {
-                    return Err(BackendError::Unavailable(
-                        "the CUDA backend runs the whole model on one GPU only in this build (world size 1); \
-                         multi-GPU worlds need NCCL"
-                            .into(),
-                    ));
+                let cfg = ModelConfig::from_gguf(&model).map_err(CpuError::from)?;
+                if part.layers != (0..cfg.n_layers) || !part.first_stage || !part.last_stage {
+                    return Err(BackendError::Unavailable(format!(
+                        "CUDA pipeline worlds are not implemented yet (this rank would hold layers {:?}); \
+                         use --parallelism tensor for several GPUs",
+                        part.layers
+                    )));
                 }
-                let opts = crate::cuda::CudaOptions { device: k, ..Default::default() };
-                let m = crate::cuda::CudaModel::load(model, kv, opts)?;
+                // Tensor parallelism: this rank's slice of every layer; the NCCL communicator
+                // is built at JOIN (`CudaModel::join_nccl`).
+                let mut opts = crate::cuda::CudaOptions { device: k, ..Default::default() };
+                // KV cache precision (tests compare worlds on an f32 cache).
+                match std::env::var("MINIMAX_CUDA_KV_DTYPE").as_deref() {
+                    Ok("f32") => opts.kv_dtype = crate::cuda::KvDtype::F32,
+                    Ok("f16") => opts.kv_dtype = crate::cuda::KvDtype::F16,
+                    Ok("bf16") => opts.kv_dtype = crate::cuda::KvDtype::BF16,
+                    Ok(other) => return Err(BackendError::Unavailable(format!("MINIMAX_CUDA_KV_DTYPE={other}: expected f32, f16 or bf16"))),
+                    Err(_) => {}
+                }
+                let m = crate::cuda::CudaModel::load_part(model, part, kv, opts)?;
                 progress(1.0);
                 Ok(Backend::Cuda(Box::new(m)))
             }

@@ -31,6 +31,18 @@ pub struct SeqStep {
     pub logits: LogitsWanted,
 }
 
+impl SeqStep {
+    /// Indices, among this step's new tokens, whose logits are wanted.
+    pub fn wanted(&self) -> std::ops::Range<usize> {
+        let n = self.tokens.len();
+        match self.logits {
+            LogitsWanted::None => 0..0,
+            LogitsWanted::Last => n.saturating_sub(1)..n,
+            LogitsWanted::All => 0..n,
+        }
+    }
+}
+
 /// A step: sequences in order; their new tokens form one flat batch.
 #[derive(Clone, Debug, PartialEq, Default)]
 pub struct ForwardBatch {
@@ -80,6 +92,19 @@ pub enum BatchError {
 }
 
 impl ForwardBatch {
+    /// Every wanted logits row, in output order, with the index of its token in the flat batch.
+    pub fn logits_rows(&self) -> Vec<(LogitsRow, usize)> {
+        let mut out = Vec::new();
+        let mut offset = 0;
+        for (si, s) in self.seqs.iter().enumerate() {
+            for i in s.wanted() {
+                out.push((LogitsRow { seq: si, position: s.cached_len + i }, offset + i));
+            }
+            offset += s.tokens.len();
+        }
+        out
+    }
+
     /// Total new tokens in the batch.
     pub fn n_tokens(&self) -> usize {
         self.seqs.iter().map(|s| s.tokens.len()).sum()

@@ -22,6 +22,21 @@ build_root=${BUILD_ROOT:-/work/main}
 if [ ! -e "$build_root/fixtures" ]; then
   mkdir -p "$(dirname "$build_root")" && ln -sfn "$PWD" "$build_root" || echo "warning: cannot link $build_root" >&2
 fi
+# Multi-GPU tests spawn rank processes from the same directory.
+if [ -x "$bin_dir/minimax-rank" ]; then
+  export MINIMAX_RANK_BIN="$(cd "$bin_dir" && pwd)/minimax-rank"
+fi
+# NCCL: cudarc loads libnccl.so; the image has NCCL as a Python wheel (libnccl.so.2 only), so
+# link it under the name cudarc looks for. NVLink multicast stays off.
+export NCCL_NVLS_ENABLE=0
+if ! ldconfig -p 2>/dev/null | grep -q 'libnccl\.so '; then
+  nccl_so=$(python3 -c 'import nvidia.nccl as m, os; print(os.path.join(list(m.__path__)[0], "lib", "libnccl.so.2"))' 2>/dev/null || true)
+  [ -e "$nccl_so" ] || nccl_so=$(ls /usr/lib/x86_64-linux-gnu/libnccl.so.2 /usr/local/lib/python3*/dist-packages/nvidia/nccl/lib/libnccl.so.2 /usr/local/lib/python3*/site-packages/nvidia/nccl/lib/libnccl.so.2 2>/dev/null | head -1 || true)
+  if [ -n "$nccl_so" ] && [ -e "$nccl_so" ]; then
+    mkdir -p /tmp/minimax-nccl && ln -sfn "$nccl_so" /tmp/minimax-nccl/libnccl.so
+    export LD_LIBRARY_PATH="/tmp/minimax-nccl${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  fi
+fi
 export MINIMAX_KERNEL_CACHE=${MINIMAX_KERNEL_CACHE:-/tmp/minimax-kernel-cache}
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi unavailable"
 

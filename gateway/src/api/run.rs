@@ -85,6 +85,8 @@ struct Choice {
     parser: Option<Box<OutputParser>>,
     pending_lp: Vec<LogprobEntry>,
     tokens: u32,
+    /// Prompt tokens served from the prefix cache (from the engine's `Started`).
+    cached_tokens: u32,
     last_token_at: Option<Instant>,
     done: bool,
 }
@@ -178,6 +180,7 @@ impl Run {
                 },
                 pending_lp: Vec::new(),
                 tokens: 0,
+                cached_tokens: 0,
                 last_token_at: None,
                 done: false,
             });
@@ -224,6 +227,9 @@ impl Run {
         let mut deltas = Vec::new();
         let mut end = None;
         match ev {
+            GenEvent::Started { cached_tokens } => {
+                self.choices[slot].cached_tokens = cached_tokens;
+            }
             GenEvent::Token { id, logprob } => {
                 let bytes = self.token_text_bytes(id).to_vec();
                 let metrics = self.state.metrics.clone();
@@ -250,7 +256,7 @@ impl Run {
                 if out.stopped {
                     // Stop string: cancel the sequence; the engine's usage is not coming.
                     c.stream = None;
-                    let usage = Usage { prompt_tokens: c.prompt_tokens, cached_tokens: 0, completion_tokens: c.tokens };
+                    let usage = Usage { prompt_tokens: c.prompt_tokens, cached_tokens: c.cached_tokens, completion_tokens: c.tokens };
                     end = Some(self.finish_choice(slot, StopCause::StopSequence, usage, &mut deltas));
                 }
             }
@@ -358,7 +364,19 @@ impl Stream for Run {
             let slot = (this.next_poll + k) % n;
             let Some(s) = this.choices[slot].stream.as_mut() else { continue };
             live = true;
-            match s.as_mut().poll_next(cx) {
+            // `Started` carries bookkeeping only: absorb it here so that the first update a
+            // caller sees is a token or the end (a refusal before any token stays a status).
+            let mut cached = None;
+            let polled = loop {
+                match s.as_mut().poll_next(cx) {
+                    Poll::Ready(Some(GenEvent::Started { cached_tokens })) => cached = Some(cached_tokens),
+                    other => break other,
+                }
+            };
+            if let Some(c) = cached {
+                this.choices[slot].cached_tokens = c;
+            }
+            match polled {
                 Poll::Ready(Some(ev)) => {
                     this.next_poll = slot + 1;
                     return Poll::Ready(Some(this.on_event(slot, ev)));

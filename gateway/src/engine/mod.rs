@@ -101,7 +101,7 @@ impl GenStream {
     pub async fn collect_all(mut self) -> Vec<GenEvent> {
         let mut out = Vec::new();
         while let Some(e) = self.rx.recv().await {
-            let end = !matches!(e, GenEvent::Token { .. });
+            let end = matches!(e, GenEvent::Finished { .. } | GenEvent::Failed(_));
             out.push(e);
             if end {
                 break;

@@ -26,7 +26,8 @@ async fn generates_and_reports_usage_and_metrics() {
     assert!(e.ready());
     assert_eq!(e.model_info().unwrap().context_length, 256);
     let ev = finish(e.generate(greedy("a", (1..10).collect(), 5)).unwrap()).await;
-    assert_eq!(ev.len(), 6);
+    assert_eq!(ev.len(), 7);
+    assert_eq!(ev[0], GenEvent::Started { cached_tokens: 0 });
     match ev.last().unwrap() {
         GenEvent::Finished { reason, usage, .. } => {
             assert_eq!(*reason, FinishReason::Length);
@@ -36,7 +37,8 @@ async fn generates_and_reports_usage_and_metrics() {
         other => panic!("{other:?}"),
     }
     let again = finish(e.generate(greedy("b", (1..10).collect(), 5)).unwrap()).await;
-    assert_eq!(again[..5], ev[..5]);
+    assert_eq!(again[0], GenEvent::Started { cached_tokens: 8 }, "reported before any token");
+    assert_eq!(again[1..6], ev[1..6]);
     assert!(matches!(again.last(), Some(GenEvent::Finished { usage: Usage { cached_tokens: 8, .. }, .. })));
     let m = e.metrics();
     assert_eq!(m.generated_tokens, 10);
@@ -81,6 +83,7 @@ async fn queue_limit_answers_queue_full() {
 async fn dropping_the_stream_cancels_and_frees_pages() {
     let (e, w) = engine(FakeConfig { step_delay: Duration::from_millis(5), ..Default::default() }, SchedConfig::default());
     let mut s = e.generate(greedy("a", (1..30).collect(), 200)).unwrap();
+    assert!(matches!(s.recv().await, Some(GenEvent::Started { .. })));
     assert!(matches!(s.recv().await, Some(GenEvent::Token { .. })));
     drop(s);
     let deadline = tokio::time::Instant::now() + Duration::from_secs(5);
@@ -98,6 +101,7 @@ async fn dropping_the_stream_cancels_and_frees_pages() {
 async fn world_crash_fails_in_flight_then_serves_again() {
     let (e, w) = engine(FakeConfig { step_delay: Duration::from_millis(5), restart_delay: Duration::from_millis(100), ..Default::default() }, SchedConfig::default());
     let mut s = e.generate(greedy("victim", (1..30).collect(), 500)).unwrap();
+    assert!(matches!(s.recv().await, Some(GenEvent::Started { .. })));
     assert!(matches!(s.recv().await, Some(GenEvent::Token { .. })));
     w.crash("rank 1 (pid 42) was killed by signal 9 (SIGKILL)");
     let end = tokio::time::timeout(Duration::from_secs(5), async {

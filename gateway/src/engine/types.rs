@@ -95,10 +95,13 @@ pub struct Timings {
     pub decode_ms: f64,
 }
 
-/// What a generation stream yields, in order: zero or more `Token`s, then exactly one
-/// `Finished` or `Failed`.
+/// What a generation stream yields, in order: one `Started` when the request is admitted
+/// (unless it fails first), zero or more `Token`s, then exactly one `Finished` or `Failed`.
 #[derive(Clone, Debug, PartialEq)]
 pub enum GenEvent {
+    /// Admitted into the running batch; `cached_tokens` prompt tokens come from the prefix
+    /// cache. Sent first so a caller that stops early (a stop string) can still report them.
+    Started { cached_tokens: u32 },
     Token { id: u32, logprob: Option<TokenLogprob> },
     Finished { reason: FinishReason, usage: Usage, timings: Timings },
     Failed(EngineError),

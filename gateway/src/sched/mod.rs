@@ -372,6 +372,9 @@ impl Scheduler {
                 s.cached_tokens = s.kv_len;
                 s.admitted_once = true;
                 s.t_admitted = Some(Instant::now());
+                if let Output::Gen(tx) = &s.out {
+                    let _ = tx.send(GenEvent::Started { cached_tokens: s.cached_tokens as u32 });
+                }
             }
             self.admit_counter += 1;
             s.admitted_order = self.admit_counter;

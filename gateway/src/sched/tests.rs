@@ -62,6 +62,7 @@ fn outcome(rx: &mut mpsc::UnboundedReceiver<GenEvent>) -> (Vec<u32>, Option<Fini
     let mut err = None;
     while let Ok(e) = rx.try_recv() {
         match e {
+            GenEvent::Started { .. } => {}
             GenEvent::Token { id, .. } => toks.push(id),
             GenEvent::Finished { reason: r, usage: u, .. } => {
                 reason = Some(r);

@@ -76,15 +76,14 @@ impl Backend for Fake {
         let prompt_tokens = req.prompt.len() as u32;
         let lp = req.sampling.logprobs;
         let top = req.sampling.top_logprobs as usize;
-        let events: Vec<GenEvent> = tokens
-            .iter()
-            .map(|&id| GenEvent::Token {
+        let events: Vec<GenEvent> = std::iter::once(GenEvent::Started { cached_tokens: s.cached })
+            .chain(tokens.iter().map(|&id| GenEvent::Token {
                 id,
                 logprob: lp.then(|| TokenLogprob {
                     logprob: -0.5,
                     top: (0..top as u32).map(|k| (id.wrapping_add(k) % 1000, -0.5 - k as f32)).collect(),
                 }),
-            })
+            }))
             .chain(std::iter::once(match s.fail.clone() {
                 Some(e) => GenEvent::Failed(e),
                 None => GenEvent::Finished {
@@ -101,7 +100,7 @@ impl Backend for Fake {
                 tokio::time::sleep(delay).await;
             }
             let ev = it.next()?;
-            if !matches!(ev, GenEvent::Token { .. }) {
+            if matches!(ev, GenEvent::Finished { .. } | GenEvent::Failed(_)) {
                 g.finished = true;
             }
             Some((ev, (it, g)))

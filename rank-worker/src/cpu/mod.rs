@@ -12,7 +12,7 @@ mod norm_rope;
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use minimax_shared::forward::{ForwardBatch, ForwardOutput, LogitsRow, LogitsWanted};
+use minimax_shared::forward::{ForwardBatch, ForwardOutput, LogitsRow};
 use minimax_shared::gguf::GgufModel;
 use minimax_shared::model::{ModelConfig, names};
 
@@ -210,22 +210,7 @@ impl CpuModel {
     pub fn logits(&self, batch: &ForwardBatch, hidden: &[f32], comm: &dyn Collective) -> Result<ForwardOutput, CpuError> {
         let (norm, m, vocab) = self.head.as_ref().ok_or_else(|| CpuError::Shape("this rank has no lm_head".into()))?;
         let (h, v) = (self.cfg.hidden, self.cfg.vocab_size);
-        let mut rows = Vec::new();
-        let mut token_idx = Vec::new();
-        let mut offset = 0;
-        for (si, s) in batch.seqs.iter().enumerate() {
-            let n = s.tokens.len();
-            let wanted = match s.logits {
-                LogitsWanted::None => 0..0,
-                LogitsWanted::Last => n - 1..n,
-                LogitsWanted::All => 0..n,
-            };
-            for i in wanted {
-                rows.push(LogitsRow { seq: si, position: s.cached_len + i });
-                token_idx.push(offset + i);
-            }
-            offset += n;
-        }
+        let (rows, token_idx): (Vec<LogitsRow>, Vec<usize>) = batch.logits_rows().into_iter().unzip();
         let mut logits = vec![0f32; rows.len() * v];
         let mut normed = vec![0f32; h];
         for (r, &t) in token_idx.iter().enumerate() {

@@ -8,8 +8,10 @@ pub mod error;
 pub mod fast;
 pub mod gpu;
 pub mod model;
+pub mod nccl;
 pub mod nvrtc;
 
 pub use error::CudaError;
 pub use gpu::{Arg, AttnArgs, DevMat, Gpu, KvDtype};
 pub use model::{CudaModel, CudaOptions, LoadStats};
+pub use nccl::{NCCL_ID_BYTES, NcclComm};

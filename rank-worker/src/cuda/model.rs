@@ -17,6 +17,8 @@ use super::fast::{FastLayer, FastWs, MAX_FAST_TOKENS, fast_plan, fast_router, ns
 use super::gpu::{Arg, AttnArgs, DevMat, Gpu, KvDtype};
 use minimax_shared::model::synthetic::SyntheticSpec;
 use crate::cpu::KvSpec;
+use crate::partition::Partition;
+use super::nccl::NcclComm;
 
 /// Options for [`CudaModel::load`].
 #[derive(Clone, Copy, Debug)]
@@ -52,6 +54,10 @@ struct Layer {
     gate: DevMat,
     up: DevMat,
     down: DevMat,
+    /// Host copies of this rank's q/k norm weights (tensor parallelism: the full-width norm
+    /// is applied on the host after the cross-rank sum of squares; empty otherwise).
+    q_norm_h: Vec<f32>,
+    k_norm_h: Vec<f32>,
 }
 
 /// Totals of a weight upload.
@@ -89,6 +95,14 @@ pub struct CudaModel {
     /// Why the fast path does not apply (None = it does).
     fast_off: Option<String>,
     fast: Option<FastWs>,
+    /// This rank's share (whole model, or a tensor-parallel slice of every layer).
+    part: Partition,
+    /// Local head, KV-head and expert-intermediate counts (the whole model's when tp = 1).
+    heads: usize,
+    kv_heads: usize,
+    ff: usize,
+    /// The tensor-parallel communicator (set at JOIN; None for a world of one).
+    comm: Option<NcclComm>,
 }
 
 /// Copies tensors to the device, keeping the buffers and logging progress.
@@ -143,6 +157,59 @@ impl Uploader<'_> {
         Ok(DevMat { ptr, ty: info.ty, rows, cols, row_bytes, n_experts, expert_stride: rows * row_bytes })
     }
 
+    /// Rows `rows` (per expert, for a 3-D tensor) and columns `cols` of a matrix, copied to
+    /// the device. Column slices keep the quantized blocks when block-aligned and fall back
+    /// to f32 otherwise (as the CPU backend does).
+    fn mat_slice(&mut self, name: &str, rows: Option<std::ops::Range<usize>>, cols: Option<std::ops::Range<usize>>) -> Result<DevMat, CudaError> {
+        let t = self.model.tensor(name).ok_or_else(|| CudaError::MissingTensor(name.to_string()))?;
+        let info = t.info;
+        if !info.ty.is_supported() {
+            return Err(CudaError::Unsupported { ty: info.ty, what: name.to_string() });
+        }
+        let ncols = info.row_len();
+        let rb = quant::row_bytes(info.ty, ncols)?;
+        let (nrows, n_experts) = match info.dims.len() {
+            2 => (info.dims[1] as usize, 0),
+            3 => (info.dims[1] as usize, info.dims[2] as usize),
+            _ => return Err(CudaError::Shape(format!("{name}: {} dims", info.dims.len()))),
+        };
+        let r = rows.unwrap_or(0..nrows);
+        let c = cols.unwrap_or(0..ncols);
+        if r == (0..nrows) && c == (0..ncols) {
+            return self.mat(name);
+        }
+        if r.end > nrows || c.end > ncols || r.start > r.end || c.start > c.end {
+            return Err(CudaError::Shape(format!("{name}: rows {r:?} cols {c:?} of {nrows}x{ncols}")));
+        }
+        let (be, bb) = (info.ty.block_elems(), info.ty.block_bytes());
+        let aligned = c.start % be == 0 && c.len() % be == 0;
+        let (ty, nrb) = if aligned { (info.ty, quant::row_bytes(info.ty, c.len())?) } else { (GgmlType::F32, 4 * c.len()) };
+        let mut out = Vec::with_capacity(n_experts.max(1) * r.len() * nrb);
+        for e in 0..n_experts.max(1) {
+            for row in r.clone() {
+                let base = (e * nrows + row) * rb;
+                let src = &t.data[base..base + rb];
+                if aligned {
+                    out.extend_from_slice(&src[c.start / be * bb..c.end / be * bb]);
+                } else {
+                    let v = quant::dequantize_to_vec(info.ty, src, ncols)?;
+                    out.extend(v[c.clone()].iter().flat_map(|x| x.to_le_bytes()));
+                }
+            }
+        }
+        let ptr = self.put(&out)?;
+        Ok(DevMat { ptr, ty, rows: r.len(), cols: c.len(), row_bytes: nrb, n_experts, expert_stride: r.len() * nrb })
+    }
+
+    /// Elements `range` of a 1-D tensor as f32, on the device and on the host.
+    fn vec_f32_range(&mut self, name: &str, range: std::ops::Range<usize>) -> Result<(u64, Vec<f32>), CudaError> {
+        let t = self.model.tensor(name).ok_or_else(|| CudaError::MissingTensor(name.to_string()))?;
+        let v = quant::dequantize_to_vec(t.info.ty, t.data, t.info.n_elems() as usize)?;
+        let v = v.get(range.clone()).ok_or_else(|| CudaError::Shape(format!("{name}: {range:?} of {}", v.len())))?.to_vec();
+        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+        Ok((self.put(&bytes)?, v))
+    }
+
     /// A 1-D tensor, converted to f32 on the host.
     fn vec_f32(&mut self, name: &str) -> Result<u64, CudaError> {
         let t = self.model.tensor(name).ok_or_else(|| CudaError::MissingTensor(name.to_string()))?;
@@ -167,6 +234,23 @@ impl CudaModel {
     /// Loads the whole model onto one GPU and allocates a zeroed KV cache.
     pub fn load(model: Arc<GgufModel>, kv: KvSpec, opts: CudaOptions) -> Result<Self, CudaError> {
         let cfg = ModelConfig::from_gguf(&model)?;
+        Self::load_part(model, Partition::whole(&cfg), kv, opts)
+    }
+
+    /// Loads this rank's share of the model: the whole model, or a tensor-parallel slice of
+    /// every layer (`Partition::tensor`: q/k/v rows of this rank's heads, o-proj columns,
+    /// expert gate/up rows and down columns of its intermediate slice, the same slicing as
+    /// the CPU backend). Embedding, router, norms and lm_head are replicated. Pipeline
+    /// partitions are not supported yet.
+    pub fn load_part(model: Arc<GgufModel>, part: Partition, kv: KvSpec, opts: CudaOptions) -> Result<Self, CudaError> {
+        let cfg = ModelConfig::from_gguf(&model)?;
+        if part.layers != (0..cfg.n_layers) || !part.first_stage || !part.last_stage {
+            return Err(CudaError::Shape(format!(
+                "CUDA pipeline partitions (layers {:?}) are not implemented yet; use tensor parallelism",
+                part.layers
+            )));
+        }
+        let tp = part.tp_world > 1;
         let gpu = Gpu::new(opts.device)?;
         let mut names_needed = vec![names::TOKEN_EMBD.to_string(), names::OUTPUT_NORM.to_string()];
         if !cfg.tied_embeddings {
@@ -178,22 +262,32 @@ impl CudaModel {
         let out_norm = up.vec_f32(names::OUTPUT_NORM)?;
         let head = if cfg.tied_embeddings { embd } else { up.mat(names::OUTPUT)? };
         let mut layers = Vec::with_capacity(cfg.n_layers);
+        let heads = part.tp_range(cfg.n_heads);
+        let kvh = part.tp_range(cfg.n_kv_heads);
+        let f = part.tp_range(cfg.expert_ff);
+        let (hd, vd) = (cfg.head_dim, cfg.v_head_dim);
+        let q_rows = heads.start * hd..heads.end * hd;
+        let k_rows = kvh.start * hd..kvh.end * hd;
         for l in 0..cfg.n_layers {
             let n = |s: &str| names::block(l, s);
+            let (q_norm, q_norm_h) = up.vec_f32_range(&n(names::ATTN_Q_NORM), q_rows.clone())?;
+            let (k_norm, k_norm_h) = up.vec_f32_range(&n(names::ATTN_K_NORM), k_rows.clone())?;
             layers.push(Layer {
                 attn_norm: up.vec_f32(&n(names::ATTN_NORM))?,
-                wq: up.mat(&n(names::ATTN_Q))?,
-                wk: up.mat(&n(names::ATTN_K))?,
-                wv: up.mat(&n(names::ATTN_V))?,
-                wo: up.mat(&n(names::ATTN_OUTPUT))?,
-                q_norm: up.vec_f32(&n(names::ATTN_Q_NORM))?,
-                k_norm: up.vec_f32(&n(names::ATTN_K_NORM))?,
+                wq: up.mat_slice(&n(names::ATTN_Q), Some(q_rows.clone()), None)?,
+                wk: up.mat_slice(&n(names::ATTN_K), Some(k_rows.clone()), None)?,
+                wv: up.mat_slice(&n(names::ATTN_V), Some(kvh.start * vd..kvh.end * vd), None)?,
+                wo: up.mat_slice(&n(names::ATTN_OUTPUT), None, Some(heads.start * vd..heads.end * vd))?,
+                q_norm,
+                k_norm,
                 ffn_norm: up.vec_f32(&n(names::FFN_NORM))?,
                 router: up.mat(&n(names::FFN_GATE_INP))?,
                 bias: up.vec_f32(&n(names::EXP_PROBS_B))?,
-                gate: up.mat(&n(names::FFN_GATE_EXPS))?,
-                up: up.mat(&n(names::FFN_UP_EXPS))?,
-                down: up.mat(&n(names::FFN_DOWN_EXPS))?,
+                gate: up.mat_slice(&n(names::FFN_GATE_EXPS), Some(f.clone()), None)?,
+                up: up.mat_slice(&n(names::FFN_UP_EXPS), Some(f.clone()), None)?,
+                down: up.mat_slice(&n(names::FFN_DOWN_EXPS), None, Some(f.clone()))?,
+                q_norm_h: if tp { q_norm_h } else { Vec::new() },
+                k_norm_h: if tp { k_norm_h } else { Vec::new() },
             });
         }
         gpu.sync()?;
@@ -209,7 +303,7 @@ impl CudaModel {
             stats.seconds,
             stats.gb_per_s()
         );
-        Self::finish(gpu, cfg, kv, opts, bufs, embd, out_norm, head, layers, stats)
+        Self::finish(gpu, cfg, part, kv, opts, bufs, embd, out_norm, head, layers, stats)
     }
 
     /// Allocates the KV cache and decides on the fast path.
@@ -217,6 +311,7 @@ impl CudaModel {
     fn finish(
         gpu: Gpu,
         cfg: ModelConfig,
+        part: Partition,
         kv: KvSpec,
         opts: CudaOptions,
         bufs: Vec<CudaSlice<u8>>,
@@ -229,10 +324,11 @@ impl CudaModel {
         let slots = kv.page_size * kv.n_pages;
         let mut kc = Vec::new();
         let mut vc = Vec::new();
+        let (heads, kv_heads, ff) = (part.tp_range(cfg.n_heads).len(), part.tp_range(cfg.n_kv_heads).len(), part.tp_range(cfg.expert_ff).len());
         for _ in 0..cfg.n_layers {
             let eb = opts.kv_dtype.bytes();
-            kc.push(gpu.zeros::<u8>(slots * cfg.n_kv_heads * cfg.head_dim * eb)?);
-            vc.push(gpu.zeros::<u8>(slots * cfg.n_kv_heads * cfg.v_head_dim * eb)?);
+            kc.push(gpu.zeros::<u8>(slots * kv_heads * cfg.head_dim * eb)?);
+            vc.push(gpu.zeros::<u8>(slots * kv_heads * cfg.v_head_dim * eb)?);
         }
         let mut m = Self {
             gpu,
@@ -251,9 +347,20 @@ impl CudaModel {
             opts,
             fast_off: None,
             fast: None,
+            part,
+            heads,
+            kv_heads,
+            ff,
+            comm: None,
         };
         let fl = m.fast_layers();
-        m.fast_off = if !opts.fast_decode { Some("disabled by options".into()) } else { fast_plan(&m.cfg, m.kv_dtype, &fl, &m.head).err() };
+        m.fast_off = if !opts.fast_decode {
+            Some("disabled by options".into())
+        } else if m.part.tp_world > 1 {
+            Some(format!("tensor parallel world of {} (the fast path is single-GPU for now; exact path)", m.part.tp_world))
+        } else {
+            fast_plan(&m.cfg, m.kv_dtype, &fl, &m.head).err()
+        };
         match &m.fast_off {
             None => {
                 m.fast = Some(FastWs::new(&m.gpu, &m.cfg, (2 * kv.n_pages).max(4096))?);
@@ -345,9 +452,12 @@ impl CudaModel {
                 gate: get(&n(names::FFN_GATE_EXPS))?,
                 up: get(&n(names::FFN_UP_EXPS))?,
                 down: get(&n(names::FFN_DOWN_EXPS))?,
+                q_norm_h: Vec::new(),
+                k_norm_h: Vec::new(),
             });
         }
-        Self::finish(gpu, cfg, kv, opts, bufs, embd, out_norm, head, layers, stats)
+        let part = Partition::whole(&cfg);
+        Self::finish(gpu, cfg, part, kv, opts, bufs, embd, out_norm, head, layers, stats)
     }
 
     /// Why the fast decode path is off for this model (None when it is on).
@@ -596,10 +706,77 @@ impl CudaModel {
         Ok(())
     }
 
+    /// This rank's share of the model.
+    pub fn partition(&self) -> &Partition {
+        &self.part
+    }
+
+    /// Builds this rank's NCCL communicator from rank 0's unique id (JOIN); replaces any
+    /// previous one. A world of one needs none.
+    pub fn join_nccl(&mut self, rank: usize, world: usize, id: &[u8]) -> Result<(), CudaError> {
+        if world != self.part.tp_world || rank != self.part.tp_rank {
+            return Err(CudaError::Shape(format!(
+                "JOIN as rank {rank} of {world}, but the weights loaded are rank {} of {}",
+                self.part.tp_rank, self.part.tp_world
+            )));
+        }
+        self.comm = None;
+        self.comm = Some(NcclComm::join(&self.gpu.ctx, &self.gpu.stream, rank, world, id)?);
+        Ok(())
+    }
+
+    /// Forgets the communicator (the world broke; a re-JOIN builds a new one).
+    pub fn leave_nccl(&mut self) {
+        self.comm = None;
+    }
+
+    fn reduce(&self, buf: &mut CudaSlice<f32>) -> Result<(), CudaError> {
+        match &self.comm {
+            Some(c) => c.all_reduce_sum(buf),
+            None => Err(CudaError::Shape("tensor-parallel rank has no NCCL communicator (JOIN first)".into())),
+        }
+    }
+
+    /// Full-width q/k RMSNorm of this rank's slice: local sums of squares (f64 on the host),
+    /// summed across ranks with NCCL, then scaled (the CPU backend's arithmetic).
+    fn tp_qk_norm(&self, l: &Layer, q: &mut CudaSlice<f32>, k: &mut CudaSlice<f32>, nt: usize) -> Result<(), CudaError> {
+        let c = &self.cfg;
+        let g = &self.gpu;
+        let (qw, kw) = (self.heads * c.head_dim, self.kv_heads * c.head_dim);
+        let mut qh = g.download(q)?;
+        let mut kh = g.download(k)?;
+        let sum_sq = |x: &[f32]| x.iter().map(|&v| v as f64 * v as f64).sum::<f64>();
+        let mut ss = vec![0f32; 2 * nt];
+        for t in 0..nt {
+            ss[2 * t] = sum_sq(&qh[t * qw..(t + 1) * qw]) as f32;
+            ss[2 * t + 1] = sum_sq(&kh[t * kw..(t + 1) * kw]) as f32;
+        }
+        let mut ssd = g.upload(&ss)?;
+        self.reduce(&mut ssd)?;
+        let ss = g.download(&ssd)?;
+        let scale = |x: &mut [f32], w: &[f32], s: f32, n: usize| {
+            let inv = 1.0 / ((s as f64 / n as f64) as f32 + c.rms_eps).sqrt();
+            for (v, &wi) in x.iter_mut().zip(w) {
+                *v = *v * inv * wi;
+            }
+        };
+        for t in 0..nt {
+            scale(&mut qh[t * qw..(t + 1) * qw], &l.q_norm_h, ss[2 * t], c.n_heads * c.head_dim);
+            scale(&mut kh[t * kw..(t + 1) * kw], &l.k_norm_h, ss[2 * t + 1], c.n_kv_heads * c.head_dim);
+        }
+        g.stream.memcpy_htod(&qh, q)?;
+        g.stream.memcpy_htod(&kh, k)?;
+        Ok(())
+    }
+
     /// Embeds the batch's tokens, runs every layer (writing their K/V into the cache) and
     /// returns the logits the batch asks for.
     pub fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput, CudaError> {
         self.validate(batch)?;
+        let tp = self.part.tp_world > 1;
+        if tp && self.comm.is_none() {
+            return Err(CudaError::Shape("tensor-parallel rank has no NCCL communicator (JOIN first)".into()));
+        }
         if self.fast_eligible(batch.n_tokens()) {
             return self.forward_fast(batch);
         }
@@ -642,13 +819,17 @@ impl CudaModel {
             pts: g.upload(&pts)?,
             out_idx: g.upload(if out_idx.is_empty() { &[0] } else { &out_idx })?,
         };
-        let (qw, kw, vw) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.v_head_dim);
-        let ow = c.n_heads * c.v_head_dim;
-        let (k, ff, e) = (c.n_experts_used, c.expert_ff, c.n_experts);
+        let (qw, kw, vw) = (self.heads * c.head_dim, self.kv_heads * c.head_dim, self.kv_heads * c.v_head_dim);
+        let ow = self.heads * c.v_head_dim;
+        let (k, ff, e) = (c.n_experts_used, self.ff, c.n_experts);
         let hidden = g.zeros::<f32>(nt * h)?;
         let normed = g.zeros::<f32>(nt * h)?;
-        let q = g.zeros::<f32>(nt * qw)?;
-        let kb = g.zeros::<f32>(nt * kw)?;
+        let mut q = g.zeros::<f32>(nt * qw)?;
+        let mut kb = g.zeros::<f32>(nt * kw)?;
+        // Tensor parallelism: partial projections are reduced here, then added into hidden
+        // with moe_combine (weights of one).
+        let mut partial = g.zeros::<f32>(if tp { nt * h } else { 1 })?;
+        let ones = g.upload(&vec![1f32; nt])?;
         let vb = g.zeros::<f32>(nt * vw)?;
         let att = g.zeros::<f32>(nt * ow)?;
         let rl = g.zeros::<f32>(nt * e)?;
@@ -667,10 +848,14 @@ impl CudaModel {
             g.matvec(&l.wq, nrm, h, p(&q), qw, nt, false)?;
             g.matvec(&l.wk, nrm, h, p(&kb), kw, nt, false)?;
             g.matvec(&l.wv, nrm, h, p(&vb), vw, nt, false)?;
-            g.rms_norm(p(&q), qw, l.q_norm, p(&q), qw, nt, qw, c.rms_eps)?;
-            g.rms_norm(p(&kb), kw, l.k_norm, p(&kb), kw, nt, kw, c.rms_eps)?;
-            g.rope(p(&q), qw, nt, c.n_heads, c.head_dim, c.rotary_dim, g.ptr(&st.pos), c.rope_theta)?;
-            g.rope(p(&kb), kw, nt, c.n_kv_heads, c.head_dim, c.rotary_dim, g.ptr(&st.pos), c.rope_theta)?;
+            if tp {
+                self.tp_qk_norm(l, &mut q, &mut kb, nt)?;
+            } else {
+                g.rms_norm(p(&q), qw, l.q_norm, p(&q), qw, nt, qw, c.rms_eps)?;
+                g.rms_norm(p(&kb), kw, l.k_norm, p(&kb), kw, nt, kw, c.rms_eps)?;
+            }
+            g.rope(p(&q), qw, nt, self.heads, c.head_dim, c.rotary_dim, g.ptr(&st.pos), c.rope_theta)?;
+            g.rope(p(&kb), kw, nt, self.kv_heads, c.head_dim, c.rotary_dim, g.ptr(&st.pos), c.rope_theta)?;
             let (kc, vc) = (g.ptr(&self.kc[li]), g.ptr(&self.vc[li]));
             g.kv_store(self.kv_dtype, p(&kb), p(&vb), kw, vw, g.ptr(&st.slots), kc, vc, nt)?;
             g.attention(
@@ -685,8 +870,8 @@ impl CudaModel {
                     pt_off: g.ptr(&st.pt_off),
                     page_tables: g.ptr(&st.pts),
                     page_size: ps,
-                    heads: c.n_heads,
-                    kv_heads: c.n_kv_heads,
+                    heads: self.heads,
+                    kv_heads: self.kv_heads,
                     hd: c.head_dim,
                     vd: c.v_head_dim,
                     scale,
@@ -695,7 +880,13 @@ impl CudaModel {
                     nt,
                 },
             )?;
-            g.matvec(&l.wo, p(&att), ow, hid, h, nt, true)?;
+            if tp {
+                g.matvec(&l.wo, p(&att), ow, p(&partial), h, nt, false)?;
+                self.reduce(&mut partial)?;
+                g.moe_combine(hid, p(&partial), p(&ones), 1, h, nt)?;
+            } else {
+                g.matvec(&l.wo, p(&att), ow, hid, h, nt, true)?;
+            }
 
             g.rms_norm(hid, h, l.ffn_norm, nrm, h, nt, h, c.rms_eps)?;
             g.matvec(&l.router, nrm, h, p(&rl), e, nt, false)?;
@@ -705,7 +896,14 @@ impl CudaModel {
             g.matvec_experts(&l.up, idp, nrm, h, k, p(&ub), ff, nt * k)?;
             g.silu_mul(p(&gb), p(&ub), p(&gb), nt * k * ff)?;
             g.matvec_experts(&l.down, idp, p(&gb), ff, 1, p(&db), h, nt * k)?;
-            g.moe_combine(hid, p(&db), p(&wts), k, h, nt)?;
+            if tp {
+                g.stream.memset_zeros(&mut partial)?;
+                g.moe_combine(p(&partial), p(&db), p(&wts), k, h, nt)?;
+                self.reduce(&mut partial)?;
+                g.moe_combine(hid, p(&partial), p(&ones), 1, h, nt)?;
+            } else {
+                g.moe_combine(hid, p(&db), p(&wts), k, h, nt)?;
+            }
         }
 
         let v = c.vocab_size;

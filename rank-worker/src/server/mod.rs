@@ -217,7 +217,17 @@ impl Rank for RankService {
                 if cfg.rank != 0 {
                     return Err(Status::failed_precondition(format!("CREATE goes to rank 0; this is rank {}", cfg.rank)));
                 }
-                let id = random_id();
+                #[allow(unused_mut)]
+                let mut id = random_id();
+                // CUDA worlds: the NCCL unique id rides at the end of the world id.
+                #[cfg(feature = "cuda")]
+                if cfg.world_size > 1 && matches!(cfg.device, crate::backend::Device::Cuda(_)) {
+                    let nccl = tokio::task::spawn_blocking(crate::cuda::nccl::unique_id)
+                        .await
+                        .map_err(|e| Status::internal(e.to_string()))?
+                        .map_err(|e| Status::unavailable(format!("NCCL unique id: {e}")))?;
+                    id.extend_from_slice(&nccl);
+                }
                 *self.shared.created_id.lock().unwrap() = Some(id.clone());
                 Ok(Response::new(pb::CollectiveResponse { unique_id: id, self_test_sum: 0.0 }))
             }
@@ -325,6 +335,16 @@ fn join(shared: &Shared, req: pb::CollectiveRequest) -> Result<pb::CollectiveRes
             .map_err(|e| Status::unavailable(e.to_string()))?;
         let mut buf = [cfg.rank as f32 + 1.0];
         t.all_reduce_sum(&mut buf).map_err(|e| Status::unavailable(format!("self-test: {e}")))?;
+        #[cfg(feature = "cuda")]
+        if let Backend::Cuda(m) = &mut engine.backend {
+            let id = &req.unique_id;
+            let n = crate::cuda::NCCL_ID_BYTES;
+            if id.len() < n {
+                return Err(Status::invalid_argument("CUDA worlds need the NCCL unique id from CREATE in unique_id"));
+            }
+            m.join_nccl(cfg.rank, cfg.world_size, &id[id.len() - n..]).map_err(|e| Status::unavailable(format!("NCCL join: {e}")))?;
+            tracing::info!(rank = cfg.rank, world = cfg.world_size, "NCCL communicator ready");
+        }
         let t = Arc::new(t);
         *shared.transport.lock().unwrap() = Some(t.clone());
         engine.world = Some(World { transport: t });
