@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use cudarc::driver::CudaSlice;
-use minimax_shared::forward::{ForwardBatch, ForwardOutput, LogitsRow, LogitsWanted};
+use minimax_shared::forward::{ForwardBatch, ForwardOutput, LogitsRow};
 use minimax_shared::gguf::GgufModel;
 use minimax_shared::model::{ModelConfig, names};
 use minimax_shared::quant::{self, GgmlType};
@@ -614,13 +614,7 @@ impl CudaModel {
             meta[4 * t + si] = pts.len() as i32;
             let needed = (s.cached_len + s.tokens.len()).div_ceil(ps);
             pts.extend(s.page_table[..needed].iter().map(|&x| x as i32));
-            let n = s.tokens.len();
-            let wanted = match s.logits {
-                LogitsWanted::None => 0..0,
-                LogitsWanted::Last => n - 1..n,
-                LogitsWanted::All => 0..n,
-            };
-            for i in wanted {
+            for i in s.wanted() {
                 rows.push(LogitsRow { seq: si, position: s.cached_len + i });
                 out_idx.push(ti + i);
             }
@@ -792,13 +786,7 @@ impl CudaModel {
             pt_off.push(pts.len() as i32);
             let needed = (s.cached_len + s.tokens.len()).div_ceil(ps);
             pts.extend_from_slice(&s.page_table[..needed]);
-            let n = s.tokens.len();
-            let wanted = match s.logits {
-                LogitsWanted::None => 0..0,
-                LogitsWanted::Last => n - 1..n,
-                LogitsWanted::All => 0..n,
-            };
-            for i in wanted {
+            for i in s.wanted() {
                 rows.push(LogitsRow { seq: si, position: s.cached_len + i });
                 out_idx.push((tokens.len() + i) as i32);
             }
