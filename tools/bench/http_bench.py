@@ -1,0 +1,165 @@
+#!/usr/bin/env python3
+"""What users get: drives a running minimax-gateway over HTTP and prints a table.
+
+Measures, through /v1/completions with streaming (SSE) and `ignore_eos` so every request
+decodes exactly the asked number of tokens:
+  - batch-1 decode tok/s for a 5-token prompt and a 100-token decode (the headline figure),
+  - TTFT (time to first token) for prompts of 512, 513, 8192 and 32768 tokens (those that fit
+    the served context), which is prefill time plus one decode step, as users see it,
+  - aggregate decode tok/s and p50/p99 inter-token latency at 1, 4, 16 and 32 concurrent streams.
+Prompts are token-id arrays (random ids, fixed seed) so the prompt length is exact; each
+prompt differs from the others in its first token, so the prefix cache does not shorten them.
+
+Standard library only, so it runs on any machine with Python 3. Example:
+  tools/bench/http_bench.py --url http://127.0.0.1:8000 --streams 1,4,16,32
+"""
+
+import argparse
+import http.client
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+import urllib.parse
+
+
+def stream_completion(url, api_key, prompt, max_tokens, timeout):
+    """Runs one streamed completion; returns (t_start, [arrival time of each token chunk])."""
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
+    body = json.dumps({
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+    })
+    headers = {"Content-Type": "application/json"}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    t0 = time.perf_counter()
+    conn.request("POST", "/v1/completions", body=body, headers=headers)
+    resp = conn.getresponse()
+    if resp.status != 200:
+        raise RuntimeError(f"HTTP {resp.status}: {resp.read()[:300]!r}")
+    arrivals = []
+    for raw in resp:
+        line = raw.decode("utf-8", "replace").strip()
+        if not line.startswith("data: "):
+            continue
+        data = line[6:]
+        if data == "[DONE]":
+            break
+        ev = json.loads(data)
+        if "error" in ev:
+            raise RuntimeError(f"stream error: {ev['error']}")
+        for ch in ev.get("choices", []):
+            if ch.get("text") or ch.get("finish_reason") is None:
+                arrivals.append(time.perf_counter())
+    conn.close()
+    return t0, arrivals
+
+
+def model_info(url, api_key):
+    u = urllib.parse.urlparse(url)
+    conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=30)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    conn.request("GET", "/v1/models", headers=headers)
+    resp = conn.getresponse()
+    models = json.loads(resp.read())["data"]
+    conn.close()
+    return models[0]
+
+
+def prompt_ids(rng, n, vocab, salt):
+    ids = [rng.randrange(1, vocab) for _ in range(n)]
+    ids[0] = 1 + (salt % (vocab - 1))
+    return ids
+
+
+def pct(xs, p):
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    k = min(len(xs) - 1, max(0, int(round(p / 100 * (len(xs) - 1)))))
+    return xs[k]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:8000")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--vocab", type=int, default=None, help="token ids are drawn below this (default: 1000 for the demo model, else 150000)")
+    ap.add_argument("--decode-tokens", type=int, default=100)
+    ap.add_argument("--prefill", default="512,513,8192,32768")
+    ap.add_argument("--streams", default="1,4,16,32")
+    ap.add_argument("--stream-tokens", type=int, default=64, help="tokens each concurrent stream decodes")
+    ap.add_argument("--timeout", type=float, default=600)
+    a = ap.parse_args()
+
+    info = model_info(a.url, a.api_key)
+    ctx = int(info.get("context_length") or info.get("max_model_len") or 4096)
+    vocab = a.vocab or (1000 if ctx <= 4096 else 150000)
+    rng = random.Random(1234)
+    salt = [0]
+
+    def next_prompt(n):
+        salt[0] += 1
+        return prompt_ids(rng, n, vocab, salt[0])
+
+    rows = []
+    # Warm-up (kernel compilation, graph capture).
+    stream_completion(a.url, a.api_key, next_prompt(5), 8, a.timeout)
+
+    t0, arr = stream_completion(a.url, a.api_key, next_prompt(5), a.decode_tokens, a.timeout)
+    if len(arr) >= 2:
+        rate = (len(arr) - 1) / (arr[-1] - arr[0])
+        rows.append((f"decode tok/s, batch 1, 5-token prompt, {a.decode_tokens} tokens", f"{rate:.1f}"))
+        rows.append(("TTFT, 5-token prompt (ms)", f"{(arr[0] - t0) * 1000:.1f}"))
+
+    for n in [int(x) for x in a.prefill.split(",") if x]:
+        if n + 2 > ctx:
+            rows.append((f"TTFT, {n}-token prompt", f"skipped (context {ctx})"))
+            continue
+        t0, arr = stream_completion(a.url, a.api_key, next_prompt(n), 2, a.timeout)
+        ttft = arr[0] - t0
+        rows.append((f"TTFT, {n}-token prompt (ms) / prefill tok/s", f"{ttft * 1000:.1f} / {n / ttft:.0f}"))
+
+    for s in [int(x) for x in a.streams.split(",") if x]:
+        results = [None] * s
+        errors = []
+
+        def worker(i, prompt):
+            try:
+                results[i] = stream_completion(a.url, a.api_key, prompt, a.stream_tokens, a.timeout)
+            except Exception as e:  # reported below; a failed stream fails the benchmark
+                errors.append(e)
+
+        prompts = [next_prompt(5) for _ in range(s)]
+        threads = [threading.Thread(target=worker, args=(i, prompts[i])) for i in range(s)]
+        start = time.perf_counter()
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            print(f"error at {s} streams: {errors[0]}", file=sys.stderr)
+            sys.exit(1)
+        end = max(r[1][-1] for r in results)
+        tokens = sum(len(r[1]) for r in results)
+        itl = [b - a_ for r in results for a_, b in zip(r[1], r[1][1:])]
+        rows.append((f"{s} streams: aggregate tok/s, ITL p50 / p99 (ms)",
+                     f"{tokens / (end - start):.1f}, {pct(itl, 50) * 1000:.1f} / {pct(itl, 99) * 1000:.1f}"))
+
+    w = max(len(r[0]) for r in rows)
+    print(f"model {info['id']}, context {ctx}, {a.url}")
+    print(f"| {'metric'.ljust(w)} | value |")
+    print(f"| {'-' * w} | ----- |")
+    for k, v in rows:
+        print(f"| {k.ljust(w)} | {v} |")
+
+
+if __name__ == "__main__":
+    main()
