@@ -431,6 +431,142 @@ __device__ __forceinline__ void moe_gate_up(const u8* G, const u8* U, i64 rb, i6
     }
 }
 
+// Register-direct IQ4_XS gate/up (the host's default for IQ4_XS experts: reg2; MINIMAX_GU_REG=
+// 4|2|4n|2n picks the shape, =0 the staged moe_gate_up above): no shared-memory staging. Lane
+// `lane` owns units (32-value sub-blocks) u = u0 + lane + 32 i,
+// i < GR_XU, the same columns for every row, so its activation slice (2 x int4 + scale per
+// unit) is loaded once and kept in registers across the warp's GU_ROWS rows. Per unit it reads
+// the block header (d, scales_h, scales_l: one 8-byte load, the same address for the 8 lanes of
+// a block) and its 16 code bytes (two 8-byte loads) straight from global memory; the next row's
+// loads are issued before this row's dp4a (PF = 1; the "n" variants: no prefetch, fewer
+// registers, reg4n capped at 2 blocks per SM). Same grid as moe_gate_up: (ff / 32, npairs), block
+// 32 * 32 / GU_ROWS.
+#define GR_XU 3
+__device__ __forceinline__ uint2 ldg_u2(const u8* p) { return __ldg((const uint2*)p); }
+__device__ __forceinline__ float iq4_unit_reg(uint2 h, uint2 qa, uint2 qb, int sb, int4 xa, int4 xb) {
+    float d = f16_to_f32((u16)(h.x & 0xffffu));
+    int ls = ((h.y >> (4 * sb)) & 15) | (((h.x >> (16 + 2 * sb)) & 3) << 4);
+    u32 lo[4], hi[4];
+    iq4_lookup(qa.x, lo[0], hi[0]);
+    iq4_lookup(qa.y, lo[1], hi[1]);
+    iq4_lookup(qb.x, lo[2], hi[2]);
+    iq4_lookup(qb.y, lo[3], hi[3]);
+    int s = __dp4a((int)lo[0], xa.x, 0);
+    s = __dp4a((int)lo[1], xa.y, s);
+    s = __dp4a((int)lo[2], xa.z, s);
+    s = __dp4a((int)lo[3], xa.w, s);
+    s = __dp4a((int)hi[0], xb.x, s);
+    s = __dp4a((int)hi[1], xb.y, s);
+    s = __dp4a((int)hi[2], xb.z, s);
+    s = __dp4a((int)hi[3], xb.w, s);
+    return d * (float)(ls - 32) * (float)s;
+}
+struct GrRow {
+    uint2 gh[GR_XU], ga[GR_XU], gb[GR_XU], uh[GR_XU], ua[GR_XU], ub[GR_XU];
+};
+__device__ __forceinline__ void gr_load(GrRow& w, const u8* g, const u8* u, int ub0, int lane, int nu) {
+#pragma unroll
+    for (int i = 0; i < GR_XU; i++) {
+        int un = ub0 + lane + 32 * i;
+        if (un < nu) {
+            int off = (un >> 3) * 136, qo = off + 8 + 16 * (un & 7);
+            w.gh[i] = ldg_u2(g + off);
+            w.ga[i] = ldg_u2(g + qo);
+            w.gb[i] = ldg_u2(g + qo + 8);
+            w.uh[i] = ldg_u2(u + off);
+            w.ua[i] = ldg_u2(u + qo);
+            w.ub[i] = ldg_u2(u + qo + 8);
+        }
+    }
+}
+template <int GU_ROWS, int PF>
+__device__ __forceinline__ void moe_gate_up_reg_iq4(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k,
+                                                    const i8* xq, const float* xd, int ncol, i8* aq, float* ad,
+                                                    int ff) {
+    __shared__ float act[32];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int p = blockIdx.y;
+    int t = p / k;
+    i64 eoff = (i64)ids[p] * es;
+    const i8* xqt = xq + (i64)t * ncol;
+    const float* xdt = xd + (i64)t * (ncol / 32);
+    int nu = ncol >> 5;
+    int row0 = blockIdx.x * 32 + warp * GU_ROWS;
+    float ag[GU_ROWS], au[GU_ROWS];
+#pragma unroll
+    for (int r = 0; r < GU_ROWS; r++) ag[r] = au[r] = 0.f;
+    for (int ub0 = 0; ub0 < nu; ub0 += 32 * GR_XU) {
+        int4 xa[GR_XU], xb[GR_XU];
+        float xs[GR_XU];
+        GrRow cur, nxt;
+        gr_load(cur, G + eoff + (i64)row0 * rb, U + eoff + (i64)row0 * rb, ub0, lane, nu);
+#pragma unroll
+        for (int i = 0; i < GR_XU; i++) {
+            int un = ub0 + lane + 32 * i;
+            xs[i] = 0.f;
+            if (un < nu) {
+                const int4* xp = (const int4*)(xqt + un * 32);
+                xa[i] = xp[0];
+                xb[i] = xp[1];
+                xs[i] = xdt[un];
+            }
+        }
+#pragma unroll
+        for (int r = 0; r < GU_ROWS; r++) {
+            if (!PF && r > 0)
+                gr_load(cur, G + eoff + (i64)(row0 + r) * rb, U + eoff + (i64)(row0 + r) * rb, ub0, lane, nu);
+            if (PF && r + 1 < GU_ROWS)
+                gr_load(nxt, G + eoff + (i64)(row0 + r + 1) * rb, U + eoff + (i64)(row0 + r + 1) * rb, ub0, lane,
+                        nu);
+#pragma unroll
+            for (int i = 0; i < GR_XU; i++) {
+                int un = ub0 + lane + 32 * i;
+                if (un < nu) {
+                    int sb = un & 7;
+                    ag[r] += xs[i] * iq4_unit_reg(cur.gh[i], cur.ga[i], cur.gb[i], sb, xa[i], xb[i]);
+                    au[r] += xs[i] * iq4_unit_reg(cur.uh[i], cur.ua[i], cur.ub[i], sb, xa[i], xb[i]);
+                }
+            }
+            if (PF && r + 1 < GU_ROWS) cur = nxt;
+        }
+    }
+#pragma unroll
+    for (int r = 0; r < GU_ROWS; r++) {
+        float g = warp_sum(ag[r]), u = warp_sum(au[r]);
+        if (lane == 0) act[warp * GU_ROWS + r] = g / (1.0f + expf(-g)) * u;
+    }
+    __syncthreads();
+    if (warp == 0) {
+        float v = act[lane];
+        int q = q8_lane(v, ad + (i64)p * (ff / 32) + blockIdx.x);
+        aq[(i64)p * ff + blockIdx.x * 32 + lane] = (i8)q;
+    }
+}
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_reg4_iq4_xs(
+    const u8* G, const u8* U, i64 rb, i64 es, int nchunks, const int* ids, int k, const i8* xq, const float* xd,
+    int ncol, i8* aq, float* ad, int ff) {
+    pdl_enter();
+    moe_gate_up_reg_iq4<4, 1>(G, U, rb, es, ids, k, xq, xd, ncol, aq, ad, ff);
+}
+extern "C" __global__ void __launch_bounds__(512) moe_gate_up_reg2_iq4_xs(
+    const u8* G, const u8* U, i64 rb, i64 es, int nchunks, const int* ids, int k, const i8* xq, const float* xd,
+    int ncol, i8* aq, float* ad, int ff) {
+    pdl_enter();
+    moe_gate_up_reg_iq4<2, 1>(G, U, rb, es, ids, k, xq, xd, ncol, aq, ad, ff);
+}
+extern "C" __global__ void __launch_bounds__(256, 2) moe_gate_up_reg4n_iq4_xs(
+    const u8* G, const u8* U, i64 rb, i64 es, int nchunks, const int* ids, int k, const i8* xq, const float* xd,
+    int ncol, i8* aq, float* ad, int ff) {
+    pdl_enter();
+    moe_gate_up_reg_iq4<4, 0>(G, U, rb, es, ids, k, xq, xd, ncol, aq, ad, ff);
+}
+extern "C" __global__ void __launch_bounds__(512) moe_gate_up_reg2n_iq4_xs(
+    const u8* G, const u8* U, i64 rb, i64 es, int nchunks, const int* ids, int k, const i8* xq, const float* xd,
+    int ncol, i8* aq, float* ad, int ff) {
+    pdl_enter();
+    moe_gate_up_reg_iq4<2, 0>(G, U, rb, es, ids, k, xq, xd, ncol, aq, ad, ff);
+}
+
 #define DN_MAXCH 12  // staged chunks per phase (experts x chunks per row)
 
 // hidden[t][r] += sum_j w[t*k + j] * (down[ids[t*k + j]] row r . act[t*k + j]): the down

@@ -39,6 +39,21 @@ const NQ_MAXV: usize = 12;
 /// Widest q or k row of `qk_norm_rope_store` (8 values per thread, block 1024).
 pub const QK_MAX_WIDTH: usize = 8192;
 
+/// IQ4_XS expert gate/up kernel: the register-direct `moe_gate_up_reg*` (default: 2 rows per
+/// warp, 16 warps; `MINIMAX_GU_REG` = 4 / 4n / 2n picks another shape, "n" = without the next
+/// row's prefetch) or, with `MINIMAX_GU_REG=0`, the shared-memory staged `moe_gate_up*`
+/// (`MINIMAX_GU` rows per warp). Returns (rows per warp, kernel suffix); (0, "") = staged.
+fn gu_reg() -> (usize, &'static str) {
+    static V: std::sync::OnceLock<(usize, &'static str)> = std::sync::OnceLock::new();
+    *V.get_or_init(|| match std::env::var("MINIMAX_GU_REG").as_deref() {
+        Ok("0") => (0, ""),
+        Ok("4") => (4, "4"),
+        Ok("4n") => (4, "4n"),
+        Ok("2n") => (2, "2n"),
+        _ => (2, "2"),
+    })
+}
+
 fn tn(ty: GgmlType) -> &'static str {
     match ty {
         GgmlType::Q8_0 => "q8_0",
@@ -167,10 +182,17 @@ impl Gpu {
         if !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 {
             return Err(CudaError::Shape("moe_gate_up_q8: expert tensors".into()));
         }
+        // IQ4_XS: the register-direct kernel unless MINIMAX_GU_REG=0 (see gu_reg).
+        let (reg, suf) = if gate.ty == GgmlType::IQ4_XS { gu_reg() } else { (0, "") };
+        let (name, threads) = if reg > 0 {
+            (format!("moe_gate_up_reg{suf}_iq4_xs"), 32 * 32 / reg)
+        } else {
+            (format!("moe_gate_up{}_{}", match self.gu_rows { 1 => "1", 2 => "2", _ => "" }, tn(gate.ty)), 32 * 32 / self.gu_rows)
+        };
         self.launch_pdl(
-            &format!("moe_gate_up{}_{}", match self.gu_rows { 1 => "1", 2 => "2", _ => "" }, tn(gate.ty)),
+            &name,
             ((gate.rows / 32) as u32, npairs as u32, 1),
-            (32 * 32 / self.gu_rows) as u32,
+            threads as u32,
             0,
             &[
                 Arg::P(gate.ptr),
