@@ -105,20 +105,7 @@ async fn chat(st: AppState, headers: HeaderMap, body: Body) -> Result<Response, 
             kind: ChoiceKind::Chat(Box::new(st.text.output_parser(&prepared))),
         })
         .collect();
-    let log = RequestLog {
-        id: id.clone(),
-        endpoint: "chat",
-        started,
-        prompt_tokens: prepared.prompt_ids.len() as u32,
-        cached_tokens: 0,
-        completion_tokens: 0,
-        prefill_ms: 0.0,
-        decode_ms: 0.0,
-        ttft_ms: None,
-        finish: Vec::new(),
-        error: None,
-        metrics: None,
-    };
+    let log = RequestLog::new(id.clone(), "chat", started, prepared.prompt_ids.len() as u32);
     let mut run = Run::start(&st, log, jobs)?;
     let timeout = st.args.timeout();
     let deadline = timeout.map(|t| started + t);

@@ -90,20 +90,7 @@ async fn completions(st: AppState, headers: HeaderMap, body: Body) -> Result<Res
         }
     }
     let total = jobs.len();
-    let log = RequestLog {
-        id: id.clone(),
-        endpoint: "completions",
-        started,
-        prompt_tokens: prompt_ids.iter().map(|p| p.len() as u32).sum(),
-        cached_tokens: 0,
-        completion_tokens: 0,
-        prefill_ms: 0.0,
-        decode_ms: 0.0,
-        ttft_ms: None,
-        finish: Vec::new(),
-        error: None,
-        metrics: None,
-    };
+    let log = RequestLog::new(id.clone(), "completions", started, prompt_ids.iter().map(|p| p.len() as u32).sum());
     let mut run = Run::start(&st, log, jobs)?;
     let timeout = st.args.timeout();
     let deadline = timeout.map(|t| started + t);

@@ -107,6 +107,26 @@ pub struct RequestLog {
     pub metrics: Option<Arc<super::metrics::Metrics>>,
 }
 
+impl RequestLog {
+    /// The log of a request that has not produced anything yet.
+    pub fn new(id: String, endpoint: &'static str, started: Instant, prompt_tokens: u32) -> Self {
+        Self {
+            id,
+            endpoint,
+            started,
+            prompt_tokens,
+            cached_tokens: 0,
+            completion_tokens: 0,
+            prefill_ms: 0.0,
+            decode_ms: 0.0,
+            ttft_ms: None,
+            finish: Vec::new(),
+            error: None,
+            metrics: None,
+        }
+    }
+}
+
 impl Drop for RequestLog {
     fn drop(&mut self) {
         let finish = if self.finish.is_empty() {
