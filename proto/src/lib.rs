@@ -10,4 +10,7 @@ pub mod v1 {
 
     /// The protocol version ranks report in `DescribeResponse.protocol_version`.
     pub const PROTOCOL_VERSION: u32 = 1;
+
+    mod convert;
+    pub use convert::{row_output, sampling_spec};
 }

@@ -15,8 +15,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use minimax_proto::v1::{LogitsMode, RowOutput, SeqResult, StepRequest, StepResponse};
-use minimax_shared::sampling::{SamplingSpec as RefSpec, reduce_row};
+use minimax_proto::v1::{LogitsMode, SeqResult, StepRequest, StepResponse};
+use minimax_shared::sampling::reduce_row;
 use tokio::sync::watch;
 
 use super::{BoxFuture, ModelSummary, RankWorld, WorldError, WorldInfo, WorldState};
@@ -174,19 +174,10 @@ impl FakeWorld {
                     let pos = s.expected_cache_len as usize + i;
                     let prefix: Vec<u32> = (0..=pos).map(|p| st.slots[s.page_table[p / ps] as usize * ps + p % ps].unwrap_or(u32::MAX)).collect();
                     let raw = self.logits(&prefix);
-                    let spec = s.sampling.as_ref().map(to_ref_spec).unwrap_or_default();
+                    let spec = minimax_proto::v1::sampling_spec(s.sampling.as_ref());
                     let target = (mode == LogitsMode::All).then(|| s.score_targets[i]);
                     let red = reduce_row(&raw, &spec, target).map_err(|e| WorldError::Broken(format!("fake reduce: {e}")))?;
-                    rows.push(RowOutput {
-                        position: pos as u32,
-                        candidate_ids: red.candidate_ids,
-                        candidate_logits: red.candidate_logits,
-                        candidate_raw_logits: red.candidate_raw_logits,
-                        raw_logsumexp: red.raw_logsumexp,
-                        top_ids: red.top_ids,
-                        top_logprobs: red.top_logprobs,
-                        target_logprob: red.target_logprob.unwrap_or(0.0),
-                    });
+                    rows.push(minimax_proto::v1::row_output(pos as u32, red));
                 }
             }
             for (r, resp) in out.iter_mut().enumerate() {
@@ -204,21 +195,6 @@ impl FakeWorld {
             }
         }
         Ok(out)
-    }
-}
-
-fn to_ref_spec(s: &minimax_proto::v1::SamplingSpec) -> RefSpec {
-    RefSpec {
-        temperature: s.temperature,
-        top_k: s.top_k,
-        top_p: s.top_p,
-        min_p: s.min_p,
-        presence_penalty: s.presence_penalty,
-        frequency_penalty: s.frequency_penalty,
-        repetition_penalty: s.repetition_penalty,
-        logit_bias: s.logit_bias.iter().map(|b| (b.token, b.bias)).collect(),
-        history: s.history.iter().map(|c| (c.token, c.count)).collect(),
-        top_logprobs: s.top_logprobs,
     }
 }
 

@@ -28,7 +28,6 @@ use crate::partition::{self, Partition};
 use crate::state::{SeqTable, TestFault};
 use crate::transport::TestTransport;
 
-pub use step::sampling_spec;
 
 /// Everything `serve` needs, from the command line.
 #[derive(Clone, Debug)]

@@ -5,31 +5,10 @@ use std::time::Instant;
 
 use minimax_proto::v1 as pb;
 use minimax_shared::forward::{ForwardBatch, LogitsWanted, SeqStep};
-use minimax_shared::sampling::{self, SamplingSpec};
+use minimax_shared::sampling;
 
 use super::{Engine, StepError};
 use crate::state::{Agreement, StepRecord, Verdict, agree};
-
-/// The gateway's sampling message as the reduction's spec. Proto3 defaults are mapped to "off":
-/// an unset message or `temperature = 0` is greedy, `top_p` outside (0, 1) and
-/// `repetition_penalty = 0` are off.
-pub fn sampling_spec(s: Option<&pb::SamplingSpec>) -> SamplingSpec {
-    let Some(s) = s else {
-        return SamplingSpec { temperature: 0.0, ..Default::default() };
-    };
-    SamplingSpec {
-        temperature: s.temperature,
-        top_k: s.top_k,
-        top_p: if s.top_p > 0.0 && s.top_p < 1.0 { s.top_p } else { 1.0 },
-        min_p: s.min_p,
-        presence_penalty: s.presence_penalty,
-        frequency_penalty: s.frequency_penalty,
-        repetition_penalty: if s.repetition_penalty == 0.0 { 1.0 } else { s.repetition_penalty },
-        logit_bias: s.logit_bias.iter().map(|b| (b.token, b.bias)).collect(),
-        history: s.history.iter().map(|h| (h.token, h.count)).collect(),
-        top_logprobs: s.top_logprobs,
-    }
-}
 
 fn logits_wanted(mode: i32) -> LogitsWanted {
     match pb::LogitsMode::try_from(mode) {
@@ -141,20 +120,11 @@ impl Engine {
                 let s = &req.seqs[i];
                 let k = row_in_seq[row.seq];
                 row_in_seq[row.seq] += 1;
-                let spec = sampling_spec(s.sampling.as_ref());
+                let spec = pb::sampling_spec(s.sampling.as_ref());
                 let target = s.score_targets.get(k).copied();
                 let red = sampling::reduce_row(out.row(ri), &spec, target)
                     .map_err(|e| StepError::Invalid(format!("sequence {}: sampling: {e}", s.seq_id)))?;
-                results[i].rows.push(pb::RowOutput {
-                    position: row.position as u32,
-                    candidate_ids: red.candidate_ids,
-                    candidate_logits: red.candidate_logits,
-                    candidate_raw_logits: red.candidate_raw_logits,
-                    raw_logsumexp: red.raw_logsumexp,
-                    top_ids: red.top_ids,
-                    top_logprobs: red.top_logprobs,
-                    target_logprob: red.target_logprob.unwrap_or(0.0),
-                });
+                results[i].rows.push(pb::row_output(row.position as u32, red));
                 // TEST ONLY (--test-replay): one candidate, the scripted token.
                 if s.logits == pb::LogitsMode::Last as i32
                     && let Some(f) = self.replay.as_mut().and_then(|r| r.forced(s.seq_id, &s.page_table, row.position as u32))
