@@ -112,3 +112,293 @@ __device__ __forceinline__ void attn_impl(const float* q, i64 qs, const void* kc
 ATT_INST(f16, KV_F16)
 ATT_INST(bf16, KV_BF16)
 ATT_INST(f32, KV_F32)
+
+// ---------------------------------------------------------------------------------------------
+// Flash-style prefill attention (FlashAttention-2 scheme) over the same paged cache, 16-bit KV.
+//
+// Work split: a block takes one sequence s, one KV head, and a tile of FA_BM query rows, where
+// the rows of a sequence are its (token, head-in-group) pairs flattened token-major: row r is
+// token seq_start[s] + r / group, query head kvh * group + r % group. All heads of a GQA group
+// thus share every K/V tile a block loads. Each of the FA_WARPS warps owns 16 rows (one m16
+// tile). The block walks the K/V tiles of FA_BN positions up to its causal limit (the largest
+// position among its rows, + 1); positions at or past that limit are never read (zero-filled in
+// shared memory), so nothing past a sequence's length is touched.
+//
+// Per tile: S = Q K^T and O += P V on tensor cores (mma.sync m16n8k16, f16 or bf16 inputs as the
+// cache, f32 accumulation); Q is rounded once to the cache's 16-bit type and held in registers as
+// A fragments, K comes in with ldmatrix, V with ldmatrix.trans, P is rounded from the S
+// accumulators straight into A fragments. Softmax is online in f32 in the log2 domain
+// (scale * log2(e) folded into the scores). K(t+1) is fetched with cp.async while P V(t) runs and
+// V(t) while Q K(t)^T runs (one K and one V buffer).
+//
+// grid (n_tiles, kv_heads, n_seqs), block 32 * FA_WARPS; tiles are taken heaviest-first
+// (blockIdx.x 0 is the last tile, whose rows see the most keys).
+
+#define FA_WARPS 4
+#define FA_BM (16 * FA_WARPS)
+#define FA_BN 64
+
+__device__ __forceinline__ u32 fa_smem(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+// 16-byte async copy global -> shared; bytes 0 zero-fills the destination without reading.
+__device__ __forceinline__ void fa_cp16(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void fa_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void fa_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void fa_ldsm(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a)
+                 : "memory");
+}
+__device__ __forceinline__ void fa_ldsm_t(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a)
+                 : "memory");
+}
+__device__ __forceinline__ float fa_exp2(float x) {
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+}
+// Two floats rounded to the cache's 16-bit type, packed (lo in the low half).
+template <int KV> __device__ __forceinline__ u32 fa_pack(float lo, float hi);
+template <> __device__ __forceinline__ u32 fa_pack<KV_F16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+template <> __device__ __forceinline__ u32 fa_pack<KV_BF16>(float lo, float hi) {
+    u32 r;
+    asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(hi), "f"(lo));
+    return r;
+}
+// c += A B for one m16n8k16 tile (A row-major 16x16, B "col" 16x8, f32 accumulators).
+template <int KV> __device__ __forceinline__ void fa_mma(float* c, const u32* a, u32 b0, u32 b1);
+template <> __device__ __forceinline__ void fa_mma<KV_F16>(float* c, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+template <> __device__ __forceinline__ void fa_mma<KV_BF16>(float* c, const u32* a, u32 b0, u32 b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Starts the async copy of FA_BN cached rows (positions k0..) of one KV head into `dst` (rows
+// LD halves apart); rows at positions >= kv_len are zero-filled and not read.
+template <int D, int LD>
+__device__ __forceinline__ void fa_load_tile(u16* dst, const u16* src, int k0, int kv_len, const u32* pt,
+                                             int page_size, int kv_heads, int kvh) {
+    constexpr int CPR = D / 8;             // 16-byte chunks per row
+    constexpr int RPP = 32 * FA_WARPS / CPR;  // rows per pass of the block
+    const int ch = threadIdx.x % CPR;
+#pragma unroll
+    for (int r = threadIdx.x / CPR; r < FA_BN; r += RPP) {
+        const int p = k0 + r;
+        const u16* g = src;
+        int bytes = 0;
+        if (p < kv_len) {
+            i64 slot = (i64)pt[p / page_size] * page_size + p % page_size;
+            g = src + (slot * kv_heads + kvh) * D + ch * 8;
+            bytes = 16;
+        }
+        fa_cp16(fa_smem(dst + r * LD + ch * 8), g, bytes);
+    }
+}
+
+template <int KV, int D>
+__device__ __forceinline__ void flash_impl(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,
+                                           const int* seq_start, const int* pt_off, const u32* page_tables,
+                                           int page_size, int kv_heads, int group, float sl2, float* out, i64 os,
+                                           int n_tiles) {
+    constexpr int LD = D + 8;  // padded row: 8 ldmatrix rows hit 8 distinct 16-byte bank groups
+    constexpr int KC = D / 16;
+    constexpr int ND = D / 8;
+    constexpr int NB = FA_BN / 8;
+    __shared__ __align__(16) u16 sk[FA_BN * LD];
+    __shared__ __align__(16) u16 sv[FA_BN * LD];
+    __shared__ int s_lim[FA_WARPS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int tile = n_tiles - 1 - (int)blockIdx.x;
+    const int kvh = blockIdx.y, s = blockIdx.z;
+    const int t0 = seq_start[s];
+    const int nrows = (seq_start[s + 1] - t0) * group;
+    const int r0 = tile * FA_BM;
+    if (r0 >= nrows) return;  // uniform over the block
+    const u32* pt = page_tables + pt_off[s];
+
+    // This thread's two rows (g and g + 8 of its warp's m16 tile): position (-1: no row), offsets.
+    int qp[2];
+    i64 qo[2], oo[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        int r = r0 + warp * 16 + g + 8 * i;
+        qp[i] = -1;
+        qo[i] = 0;
+        oo[i] = 0;
+        if (r < nrows) {
+            int tk = t0 + r / group, h = kvh * group + r % group;
+            qp[i] = pos[tk];
+            qo[i] = (i64)tk * qs + (i64)h * D;
+            oo[i] = (i64)tk * os + (i64)h * D;
+        }
+    }
+    int wl = max(qp[0], qp[1]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) wl = max(wl, __shfl_xor_sync(0xffffffffu, wl, o));
+    if (lane == 0) s_lim[warp] = wl + 1;
+    __syncthreads();
+    int kv_len = 0;
+#pragma unroll
+    for (int w = 0; w < FA_WARPS; w++) kv_len = max(kv_len, s_lim[w]);
+
+    // Q as A fragments (rounded to the cache type once).
+    u32 qf[KC][4];
+#pragma unroll
+    for (int kk = 0; kk < KC; kk++) {
+#pragma unroll
+        for (int j = 0; j < 4; j++) {
+            int i = j & 1, col = kk * 16 + 2 * c + (j >> 1) * 8;
+            float2 v;
+            v.x = 0.f;
+            v.y = 0.f;
+            if (qp[i] >= 0) v = *(const float2*)(q + qo[i] + col);
+            qf[kk][j] = fa_pack<KV>(v.x, v.y);
+        }
+    }
+    float o[ND][4];
+#pragma unroll
+    for (int n = 0; n < ND; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
+
+    // ldmatrix row addresses (per lane) within a tile.
+    const u32 sk0 = fa_smem(sk), sv0 = fa_smem(sv);
+    // K (non-transposed x4): matrices (keys n..n+7 | n+8..n+15) x (dims d..d+7 | d+8..d+15).
+    const u32 k_lane = sk0 + (((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8) * 2;
+    // V (transposed x4): matrices (keys j..j+7 | j+8..j+15) x (dims n..n+7 | n+8..n+15).
+    const u32 v_lane = sv0 + ((lane & 15) * LD + (lane >> 4) * 8) * 2;
+
+    const int n_kt = (kv_len + FA_BN - 1) / FA_BN;
+    fa_load_tile<D, LD>(sk, kc, 0, kv_len, pt, page_size, kv_heads, kvh);
+    fa_commit();
+    for (int kt = 0; kt < n_kt; kt++) {
+        const int k0 = kt * FA_BN;
+        fa_wait<0>();
+        __syncthreads();  // K(kt) landed for everyone; every warp is done with V(kt-1)
+        fa_load_tile<D, LD>(sv, vc, k0, kv_len, pt, page_size, kv_heads, kvh);
+        fa_commit();
+        const bool active = k0 <= wl;  // some row of this warp sees a key of this tile
+        float sc[NB][4];
+        if (active) {
+#pragma unroll
+            for (int n = 0; n < NB; n++) sc[n][0] = sc[n][1] = sc[n][2] = sc[n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < KC; kk++) {
+#pragma unroll
+                for (int n2 = 0; n2 < NB / 2; n2++) {
+                    u32 b0, b1, b2, b3;
+                    fa_ldsm(k_lane + (n2 * 16 * LD + kk * 16) * 2, b0, b1, b2, b3);
+                    fa_mma<KV>(sc[2 * n2], qf[kk], b0, b1);
+                    fa_mma<KV>(sc[2 * n2 + 1], qf[kk], b2, b3);
+                }
+            }
+            // Scale, causal mask, online softmax (rows g and g + 8; a row's 4 threads are a quad).
+#pragma unroll
+            for (int i = 0; i < 2; i++) {
+                float mx = NEG_INF;
+#pragma unroll
+                for (int n = 0; n < NB; n++) {
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        int key = k0 + n * 8 + 2 * c + e;
+                        float v = key <= qp[i] ? sc[n][2 * i + e] * sl2 : NEG_INF;
+                        sc[n][2 * i + e] = v;
+                        mx = fmaxf(mx, v);
+                    }
+                }
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                float mn = fmaxf(m[i], mx);
+                float base = mn == NEG_INF ? 0.f : mn;
+                float corr = fa_exp2(m[i] - base);
+                m[i] = mn;
+                float sum = 0.f;
+#pragma unroll
+                for (int n = 0; n < NB; n++) {
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        float p = fa_exp2(sc[n][2 * i + e] - base);
+                        sc[n][2 * i + e] = p;
+                        sum += p;
+                    }
+                }
+                l[i] = l[i] * corr + sum;
+#pragma unroll
+                for (int n = 0; n < ND; n++) {
+                    o[n][2 * i] *= corr;
+                    o[n][2 * i + 1] *= corr;
+                }
+            }
+        }
+        __syncthreads();  // every warp is done reading K(kt)
+        if (kt + 1 < n_kt) fa_load_tile<D, LD>(sk, kc, k0 + FA_BN, kv_len, pt, page_size, kv_heads, kvh);
+        fa_commit();
+        fa_wait<1>();
+        __syncthreads();  // V(kt) landed for everyone
+        if (active) {
+#pragma unroll
+            for (int j = 0; j < FA_BN / 16; j++) {
+                u32 a[4];
+                a[0] = fa_pack<KV>(sc[2 * j][0], sc[2 * j][1]);
+                a[1] = fa_pack<KV>(sc[2 * j][2], sc[2 * j][3]);
+                a[2] = fa_pack<KV>(sc[2 * j + 1][0], sc[2 * j + 1][1]);
+                a[3] = fa_pack<KV>(sc[2 * j + 1][2], sc[2 * j + 1][3]);
+#pragma unroll
+                for (int n2 = 0; n2 < ND / 2; n2++) {
+                    u32 b0, b1, b2, b3;
+                    fa_ldsm_t(v_lane + (j * 16 * LD + n2 * 16) * 2, b0, b1, b2, b3);
+                    fa_mma<KV>(o[2 * n2], a, b0, b1);
+                    fa_mma<KV>(o[2 * n2 + 1], a, b2, b3);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        float li = l[i];
+        li += __shfl_xor_sync(0xffffffffu, li, 1);
+        li += __shfl_xor_sync(0xffffffffu, li, 2);
+        if (qp[i] < 0) continue;
+        float inv = 1.f / li;
+#pragma unroll
+        for (int n = 0; n < ND; n++) {
+            float2 v;
+            v.x = o[n][2 * i] * inv;
+            v.y = o[n][2 * i + 1] * inv;
+            *(float2*)(out + oo[i] + n * 8 + 2 * c) = v;
+        }
+    }
+}
+
+#define FA_INST(name, KV, D)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(32 * FA_WARPS)                                                 \
+        flash_##name##_##D(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,                \
+                           const int* seq_start, const int* pt_off, const u32* page_tables, int page_size,      \
+                           int kv_heads, int group, float sl2, float* out, i64 os, int n_tiles) {               \
+        flash_impl<KV, D>(q, qs, kc, vc, pos, seq_start, pt_off, page_tables, page_size, kv_heads, group, sl2, \
+                          out, os, n_tiles);                                                                    \
+    }
+
+FA_INST(f16, KV_F16, 32)
+FA_INST(f16, KV_F16, 64)
+FA_INST(f16, KV_F16, 128)
+FA_INST(bf16, KV_BF16, 32)
+FA_INST(bf16, KV_BF16, 64)
+FA_INST(bf16, KV_BF16, 128)

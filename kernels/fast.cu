@@ -164,6 +164,85 @@ extern "C" __global__ void __launch_bounds__(128) router_f32(const float* W, int
     if (lane == 0) y[(i64)t * ys + r] = acc;
 }
 
+// Router top-k of the fast path: the same function as moe.cu's moe_route, bit for bit (same
+// score formulas and summation order), but launched with PDL and with the scores in registers
+// (lane holds experts lane + 32 i). Sigmoid (gating 2) or softmax (1) scores, top-k on
+// score + bias, ties to the lower expert index, weights = chosen unbiased scores renormalised.
+// grid (nt), block 32; E <= 32 * RK_MAXE, k <= 32.
+#define RK_MAXE 8
+extern "C" __global__ void __launch_bounds__(32) moe_route_fast(const float* logits, const float* bias, int E, int k,
+                                                                int gating, int* ids, float* w) {
+    pdl_enter();
+    int t = blockIdx.x, lane = threadIdx.x;
+    const float* lg = logits + (i64)t * E;
+    float sc[RK_MAXE], ch[RK_MAXE];
+#pragma unroll
+    for (int i = 0; i < RK_MAXE; i++) {
+        int e = lane + 32 * i;
+        sc[i] = e < E ? lg[e] : 0.f;
+        ch[i] = e < E ? bias[e] : 0.f;
+    }
+    if (gating == 2) {
+#pragma unroll
+        for (int i = 0; i < RK_MAXE; i++) sc[i] = 1.0f / (1.0f + expf(-sc[i]));
+    } else {
+        float mx = NEG_INF;
+#pragma unroll
+        for (int i = 0; i < RK_MAXE; i++)
+            if (lane + 32 * i < E) mx = fmaxf(mx, sc[i]);
+        mx = warp_max(mx);
+        float s = 0.f;
+#pragma unroll
+        for (int i = 0; i < RK_MAXE; i++) {
+            sc[i] = expf(sc[i] - mx);
+            if (lane + 32 * i < E) s += sc[i];
+        }
+        s = warp_sum(s);
+#pragma unroll
+        for (int i = 0; i < RK_MAXE; i++) sc[i] = sc[i] / s;
+    }
+#pragma unroll
+    for (int i = 0; i < RK_MAXE; i++) ch[i] = lane + 32 * i < E ? sc[i] + ch[i] : NEG_INF;
+    float total = 0.f, my_s = 0.f;
+    int my_id = 0;
+    for (int j = 0; j < k; j++) {
+        float best = NEG_INF, bs = 0.f;
+        int bi = 0x7fffffff;
+#pragma unroll
+        for (int i = 0; i < RK_MAXE; i++) {
+            int e = lane + 32 * i;
+            if (e < E && (ch[i] > best || (ch[i] == best && e < bi))) {
+                best = ch[i];
+                bi = e;
+                bs = sc[i];
+            }
+        }
+#pragma unroll
+        for (int o = 16; o > 0; o >>= 1) {
+            float ob = __shfl_xor_sync(0xffffffffu, best, o);
+            int oi = __shfl_xor_sync(0xffffffffu, bi, o);
+            float os = __shfl_xor_sync(0xffffffffu, bs, o);
+            if (ob > best || (ob == best && oi < bi)) {
+                best = ob;
+                bi = oi;
+                bs = os;
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < RK_MAXE; i++)
+            if (lane + 32 * i == bi) ch[i] = NEG_INF;
+        total += bs;
+        if (lane == j) {
+            my_id = bi;
+            my_s = bs;
+        }
+    }
+    if (lane < k) {
+        ids[t * k + lane] = my_id;
+        w[t * k + lane] = my_s / total;
+    }
+}
+
 // ----------------------------------------------------------- weight staging -------------
 __device__ __forceinline__ int4 ld_stream(const int4* p) {
     int4 v;
@@ -374,6 +453,126 @@ __device__ __forceinline__ void mvq_dense(const u8* W0, i64 rb0, int rows0, floa
         }
     }
 }
+
+// Q8_0 dense product with the whole row slice in flight (the host's default for Q8_0:
+// MINIMAX_MVQ=1; =0 the staged mvq_* above). A warp copies up to MAXCH chunks of its row to
+// shared memory with cp.async (16 bytes each, L1 bypassed, no registers held, so every load of
+// the slice is in flight at once), waits once, then each lane dots a pair of blocks (68 bytes =
+// 17 aligned words; consecutive lanes read consecutive pairs, a word stride of 17, so the 32
+// lanes hit 32 different banks). Block 0 of a pair starts 2 bytes into a word: its quants are
+// realigned with one prmt per 4 values. Same arguments and grid as mvq_dense (WARPS rows per
+// block); rows longer than MAXCH chunks take several phases.
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    u32 s;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+template <int NT, int WARPS, int MAXCH>
+__device__ __forceinline__ void mvqs_q8(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1,
+                                        int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2, float* y2,
+                                        i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol, int nv,
+                                        int accumulate) {
+    __shared__ __align__(16) u8 sm_all[WARPS][MAXCH * CH];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r = blockIdx.x * WARPS + warp;
+    int v0 = blockIdx.y * NT;
+    const u8* W;
+    i64 rb, ys;
+    float* y;
+    if (r < rows0) {
+        W = W0, rb = rb0, y = y0, ys = ys0;
+    } else if (r < rows0 + rows1) {
+        r -= rows0;
+        W = W1, rb = rb1, y = y1, ys = ys1;
+    } else if (r < rows0 + rows1 + rows2) {
+        r -= rows0 + rows1;
+        W = W2, rb = rb2, y = y2, ys = ys2;
+    } else {
+        return;
+    }
+    int nv_here = min(NT, nv - v0);
+    const u8* row = W + r * rb;
+    u8* sm = sm_all[warp];
+    const i8* xqv = xq + (i64)v0 * ncol;
+    const float* xdv = xd + (i64)v0 * (ncol / 32);
+    float acc[NT];
+#pragma unroll
+    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    for (int c0 = 0; c0 < nchunks; c0 += MAXCH) {
+        int nch = min(MAXCH, nchunks - c0);
+        int n16 = nch * CH16;
+        __syncwarp();  // every lane is done reading the previous phase
+        const int4* src = (const int4*)(row + (i64)c0 * CH);
+        for (int i = lane; i < n16; i += 32) cp_async16(sm + 16 * i, src + i);
+        cp_async_wait_all();
+        __syncwarp();
+        for (int pp = lane; pp < nch * 4; pp += 32) {
+            const u32* wp = (const u32*)(sm + pp * 68);
+            u32 w[17];
+#pragma unroll
+            for (int i = 0; i < 17; i++) w[i] = wp[i];
+            int kb = c0 * 8 + 2 * pp;  // the pair's first block, in q8 groups of the row
+            float d0 = f16_to_f32((u16)(w[0] & 0xffffu)), d1 = f16_to_f32((u16)(w[8] >> 16));
+            int q0[8];
+#pragma unroll
+            for (int j = 0; j < 8; j++) q0[j] = (int)__byte_perm(w[j], w[j + 1], 0x5432);
+#pragma unroll
+            for (int t = 0; t < NT; t++) {
+                if (t < nv_here) {
+                    const int4* xp = (const int4*)(xqv + (i64)t * ncol + kb * 32);
+                    int4 a = xp[0], b = xp[1], c = xp[2], d = xp[3];
+                    float2 s = *(const float2*)(xdv + (i64)t * (ncol / 32) + kb);
+                    int s0 = __dp4a(q0[0], a.x, 0);
+                    s0 = __dp4a(q0[1], a.y, s0);
+                    s0 = __dp4a(q0[2], a.z, s0);
+                    s0 = __dp4a(q0[3], a.w, s0);
+                    s0 = __dp4a(q0[4], b.x, s0);
+                    s0 = __dp4a(q0[5], b.y, s0);
+                    s0 = __dp4a(q0[6], b.z, s0);
+                    s0 = __dp4a(q0[7], b.w, s0);
+                    int s1 = __dp4a((int)w[9], c.x, 0);
+                    s1 = __dp4a((int)w[10], c.y, s1);
+                    s1 = __dp4a((int)w[11], c.z, s1);
+                    s1 = __dp4a((int)w[12], c.w, s1);
+                    s1 = __dp4a((int)w[13], d.x, s1);
+                    s1 = __dp4a((int)w[14], d.y, s1);
+                    s1 = __dp4a((int)w[15], d.z, s1);
+                    s1 = __dp4a((int)w[16], d.w, s1);
+                    acc[t] += d0 * s.x * (float)s0 + d1 * s.y * (float)s1;
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float s = warp_sum(acc[t]);
+        if (lane == 0 && t < nv_here) {
+            float* yp = y + (i64)(v0 + t) * ys + r;
+            *yp = accumulate ? *yp + s : s;
+        }
+    }
+}
+
+// Instances: NT vectors per block; "s" = 8 warps x 12-chunk phases (rows of <= 12 chunks:
+// q/k/v, lm_head at hidden 3072), "l" = 4 warps x 24-chunk phases (the o-projection's 6144
+// columns in one phase); 26 KB of shared memory each.
+#define MVQS_INST(nt, sfx, warps, maxch)                                                                         \
+    extern "C" __global__ void __launch_bounds__(32 * warps) mvqs_q8_0_##nt##sfx(                                \
+        const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, \
+        const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,  \
+        int nv, int acc) {                                                                                       \
+        pdl_enter();                                                                                             \
+        mvqs_q8<nt, warps, maxch>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, \
+                                  xq, xd, ncol, nv, acc);                                                        \
+    }
+MVQS_INST(1, s, 8, 12)
+MVQS_INST(4, s, 8, 12)
+MVQS_INST(8, s, 8, 12)
+MVQS_INST(1, l, 4, 24)
+MVQS_INST(4, l, 4, 24)
+MVQS_INST(8, l, 4, 24)
 
 // ------------------------------------------------------------- MoE (decode) -------------
 
@@ -606,6 +805,90 @@ __device__ __forceinline__ void moe_down(const u8* W, i64 rb, i64 es, int rows, 
     if (lane == 0) hidden[(i64)t * hs + r] += total;
 }
 
+// Register-direct IQ4_XS down + weighted combine (the host's default for IQ4_XS experts:
+// MINIMAX_DN=4 (SPLIT 4, 3 units per lane and round), =2 (SPLIT 2, 6 units), =0 the staged
+// moe_down above). Same result as moe_down: hidden[t][r] += sum_j w[t*k+j] * (down[ids[t*k+j]]
+// row r . act[t*k+j]). The k expert rows of output row r are one list of k * ff / 32 units
+// (32-value sub-blocks); SPLIT warps share a row, warp part s taking units s * 32 + lane +
+// 32 * SPLIT * i. A round issues every weight load (block header + 16 code bytes as three 8-byte
+// loads) and every activation load (2 x int4 + scale) of its DU units before the first dp4a.
+// The SPLIT partial sums are added in a fixed order (deterministic, no atomics).
+// grid (ceil(rows / (8 / SPLIT)), nt), block 256; k <= 32.
+template <int SPLIT, int DU>
+__device__ __forceinline__ void moe_down_reg_iq4(const u8* W, i64 rb, i64 es, int rows, const int* ids,
+                                                 const float* wts, int k, const i8* aq, const float* ad, int ff,
+                                                 float* hidden, i64 hs) {
+    __shared__ int s_e[32];
+    __shared__ float s_w[32];
+    __shared__ float part[8];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int s = warp % SPLIT;
+    int r = blockIdx.x * (8 / SPLIT) + warp / SPLIT;
+    int t = blockIdx.y;
+    if (threadIdx.x < k) {
+        s_e[threadIdx.x] = ids[t * k + threadIdx.x];
+        s_w[threadIdx.x] = wts[t * k + threadIdx.x];
+    }
+    __syncthreads();
+    bool valid = r < rows;
+    int upe = ff >> 5, nu = k * upe;
+    const u8* wrow = W + (i64)r * rb;
+    float total = 0.f;
+    for (int u0 = s * 32; u0 < nu; u0 += 32 * SPLIT * DU) {
+        uint2 h[DU], qa[DU], qb[DU];
+        int4 xa[DU], xb[DU];
+        float xs[DU];
+        int sbs[DU];
+#pragma unroll
+        for (int i = 0; i < DU; i++) {
+            int un = u0 + lane + 32 * SPLIT * i;
+            xs[i] = 0.f;
+            sbs[i] = 0;
+            if (valid && un < nu) {
+                int j = un / upe, uu = un - j * upe;
+                const u8* b = wrow + (i64)s_e[j] * es + (uu >> 3) * 136;
+                sbs[i] = uu & 7;
+                h[i] = ldg_u2(b);
+                qa[i] = ldg_u2(b + 8 + 16 * (uu & 7));
+                qb[i] = ldg_u2(b + 16 + 16 * (uu & 7));
+                i64 p = (i64)t * k + j;
+                const int4* xp = (const int4*)(aq + p * ff + uu * 32);
+                xa[i] = xp[0];
+                xb[i] = xp[1];
+                xs[i] = ad[p * upe + uu] * s_w[j];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < DU; i++) {
+            int un = u0 + lane + 32 * SPLIT * i;
+            if (valid && un < nu) total += xs[i] * iq4_unit_reg(h[i], qa[i], qb[i], sbs[i], xa[i], xb[i]);
+        }
+    }
+    total = warp_sum(total);
+    if (lane == 0) part[warp] = total;
+    __syncthreads();
+    if (valid && s == 0 && lane == 0) {
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < SPLIT; i++) sum += part[warp + i];
+        hidden[(i64)t * hs + r] += sum;
+    }
+}
+extern "C" __global__ void __launch_bounds__(256) moe_down_reg4_iq4_xs(const u8* W, i64 rb, i64 es, int rows,
+                                                                       int nchunks, const int* ids, const float* wts,
+                                                                       int k, const i8* aq, const float* ad, int ff,
+                                                                       float* hidden, i64 hs) {
+    pdl_enter();
+    moe_down_reg_iq4<4, 3>(W, rb, es, rows, ids, wts, k, aq, ad, ff, hidden, hs);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_down_reg2_iq4_xs(const u8* W, i64 rb, i64 es, int rows,
+                                                                       int nchunks, const int* ids, const float* wts,
+                                                                       int k, const i8* aq, const float* ad, int ff,
+                                                                       float* hidden, i64 hs) {
+    pdl_enter();
+    moe_down_reg_iq4<2, 6>(W, rb, es, rows, ids, wts, k, aq, ad, ff, hidden, hs);
+}
+
 #define FAST_INST(name, T)                                                                                       \
     extern "C" __global__ void __launch_bounds__(32 * MVQ_WARPS) mvq_##name##_1(                                 \
         const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, \
@@ -668,7 +951,8 @@ template <int KV>
 __device__ __forceinline__ void qk_norm_rope_store_impl(float* q, i64 qs, float* k, const float* v, i64 kvs,
                                                         const float* qn, const float* kn, int qw, int kw, int vw,
                                                         int hd, int rot, const int* pos, float theta, float eps,
-                                                        const int* slots, void* kc_, void* vc_) {
+                                                        const int* slots, void* kc_, void* vc_,
+                                                        const float* ssx = nullptr, int q_full = 0, int k_full = 0) {
     typedef typename KvT<KV>::T KT;
     __shared__ float part[32];
     __shared__ float cs[128], sn[128];
@@ -704,7 +988,14 @@ __device__ __forceinline__ void qk_norm_rope_store_impl(float* q, i64 qs, float*
     __syncthreads();
     float tot = lane < nw ? part[lane] : 0.f;
     tot = warp_sum(tot);
-    float inv = 1.0f / sqrtf(tot / (float)n + eps);
+    // Tensor parallelism (ssx != null): the world's sum of squares of the whole row (all
+    // heads), from tp_qk_sumsq + all-reduce, over the whole row's width.
+    float nn = (float)n;
+    if (ssx) {
+        tot = ssx[2 * t + (is_k ? 1 : 0)];
+        nn = (float)(is_k ? k_full : q_full);
+    }
+    float inv = 1.0f / sqrtf(tot / nn + eps);
 #pragma unroll
     for (int i = 0; i < QK_MAXV; i++) {
         int idx = threadIdx.x + i * blockDim.x;
@@ -904,6 +1195,14 @@ __device__ __forceinline__ void attn_merge_impl(const float* part, int kv_heads,
         pdl_enter();                                                                                     \
         qk_norm_rope_store_impl<KV>(q, qs, k, v, kvs, qn, kn, qw, kw, vw, hd, rot, pos, theta, eps, slots, kc,  \
                                     vc);                                                                         \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(1024) qk_norm_rope_store_tp_##name(                              \
+        float* q, i64 qs, float* k, const float* v, i64 kvs, const float* qn, const float* kn, int qw, int kw,   \
+        int vw, int hd, int rot, const int* pos, float theta, float eps, const int* slots, void* kc, void* vc,   \
+        const float* ssx, int q_full, int k_full) {                                                              \
+        pdl_enter();                                                                                             \
+        qk_norm_rope_store_impl<KV>(q, qs, k, v, kvs, qn, kn, qw, kw, vw, hd, rot, pos, theta, eps, slots, kc,  \
+                                    vc, ssx, q_full, k_full);                                                    \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6_##name(                                \
         const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos, const int* seq, const int* pt_off, \

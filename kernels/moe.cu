@@ -76,3 +76,72 @@ extern "C" __global__ void moe_combine(float* hidden, const float* d, const floa
         hidden[(i64)t * H + i] += o;
     }
 }
+
+// Token→expert grouping for the grouped expert GEMM (mmg_* in quant_matmul.cu), one per MoE
+// layer: count pairs per expert, scan the counts into list offsets and GEMM tiles of up to bm
+// pairs (experts without pairs get none), then list the pairs expert by expert. The order of
+// pairs inside an expert depends on atomics, but every output row is computed on its own, so
+// results do not.
+
+// counts[ids[p]] += 1 for p < npairs (counts zeroed before). grid ceil(npairs / 256), block 256.
+extern "C" __global__ void moe_group_count(const int* ids, int npairs, int E, int* counts) {
+    int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p < npairs) {
+        int e = ids[p];
+        if (e >= 0 && e < E) atomicAdd(&counts[e], 1);
+    }
+}
+
+// In place: counts[e] becomes the offset of expert e's pairs in the list; tiles gets one
+// (expert, start, count) triple per tile, *ntiles their number. One block of 1024 threads.
+extern "C" __global__ void moe_group_scan(int* counts, int E, int bm, int* tiles, int* ntiles) {
+    __shared__ int sc[1024], st[1024];
+    __shared__ int carry_c, carry_t;
+    int i = threadIdx.x;
+    if (i == 0) {
+        carry_c = 0;
+        carry_t = 0;
+    }
+    __syncthreads();
+    for (int base = 0; base < E; base += 1024) {
+        int e = base + i;
+        int c = e < E ? counts[e] : 0;
+        int nt = (c + bm - 1) / bm;
+        sc[i] = c;
+        st[i] = nt;
+        __syncthreads();
+        for (int o = 1; o < 1024; o <<= 1) {
+            int a = i >= o ? sc[i - o] : 0;
+            int b = i >= o ? st[i - o] : 0;
+            __syncthreads();
+            sc[i] += a;
+            st[i] += b;
+            __syncthreads();
+        }
+        int off = carry_c + sc[i] - c, toff = carry_t + st[i] - nt;
+        if (e < E) {
+            counts[e] = off;
+            for (int j = 0; j < nt; j++) {
+                tiles[3 * (toff + j)] = e;
+                tiles[3 * (toff + j) + 1] = off + j * bm;
+                tiles[3 * (toff + j) + 2] = min(bm, c - j * bm);
+            }
+        }
+        __syncthreads();
+        if (i == 1023) {
+            carry_c += sc[1023];
+            carry_t += st[1023];
+        }
+        __syncthreads();
+    }
+    if (i == 0) *ntiles = carry_t;
+}
+
+// list[cursor[ids[p]]++] = p. grid ceil(npairs / 256), block 256.
+extern "C" __global__ void moe_group_fill(const int* ids, int npairs, int E, int* cursor, int* list) {
+    int p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p < npairs) {
+        int e = ids[p];
+        if (e >= 0 && e < E) list[atomicAdd(&cursor[e], 1)] = p;
+    }
+}

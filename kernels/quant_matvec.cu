@@ -329,6 +329,9 @@ __device__ __forceinline__ void dq_rows(const u8* W, i64 row_bytes, const int* i
         dq_rows<T>(W, rb, ids, cols, out, os);                                                               \
     }
 
+// quant_matmul.cu is compiled with this file in front of it for dq32 and defines
+// QMV_NO_KERNELS so the matvec kernels are not built twice.
+#ifndef QMV_NO_KERNELS
 MV_INST(f32, T_F32)
 MV_INST(f16, T_F16)
 MV_INST(bf16, T_BF16)
@@ -345,3 +348,4 @@ MV_INST(q6_k, T_Q6_K)
 MV_INST(iq4_nl, T_IQ4_NL)
 MV_INST(iq4_xs, T_IQ4_XS)
 MV_INST(mxfp4, T_MXFP4)
+#endif

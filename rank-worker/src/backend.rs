@@ -6,6 +6,7 @@ use std::sync::Arc;
 use minimax_shared::forward::{ForwardBatch, ForwardOutput};
 use minimax_shared::gguf::GgufModel;
 use minimax_shared::model::ModelConfig;
+use minimax_shared::model::synthetic::SyntheticSpec;
 
 use crate::comm::{CommError, Collective, Solo};
 use crate::cpu::{CpuError, CpuModel, KvSpec};
@@ -79,6 +80,21 @@ impl BackendError {
     }
 }
 
+/// CUDA options for device `k`: defaults, with the KV cache precision from
+/// `MINIMAX_CUDA_KV_DTYPE` (tests compare worlds on an f32 cache).
+#[cfg(feature = "cuda")]
+fn cuda_options(k: usize) -> Result<crate::cuda::CudaOptions, BackendError> {
+    let mut opts = crate::cuda::CudaOptions { device: k, ..Default::default() };
+    match std::env::var("MINIMAX_CUDA_KV_DTYPE").as_deref() {
+        Ok("f32") => opts.kv_dtype = crate::cuda::KvDtype::F32,
+        Ok("f16") => opts.kv_dtype = crate::cuda::KvDtype::F16,
+        Ok("bf16") => opts.kv_dtype = crate::cuda::KvDtype::BF16,
+        Ok(other) => return Err(BackendError::Unavailable(format!("MINIMAX_CUDA_KV_DTYPE={other}: expected f32, f16 or bf16"))),
+        Err(_) => {}
+    }
+    Ok(opts)
+}
+
 /// The model a rank runs.
 pub enum Backend {
     Cpu(CpuModel),
@@ -99,26 +115,39 @@ impl Backend {
             Device::Cpu => Ok(Backend::Cpu(CpuModel::load_with_progress(model, part, kv, progress)?)),
             #[cfg(feature = "cuda")]
             Device::Cuda(k) => {
-                let cfg = ModelConfig::from_gguf(&model).map_err(CpuError::from)?;
-                if part.layers != (0..cfg.n_layers) || !part.first_stage || !part.last_stage {
-                    return Err(BackendError::Unavailable(format!(
-                        "CUDA pipeline worlds are not implemented yet (this rank would hold layers {:?}); \
-                         use --parallelism tensor for several GPUs",
-                        part.layers
-                    )));
-                }
-                // Tensor parallelism: this rank's slice of every layer; the NCCL communicator
-                // is built at JOIN (`CudaModel::join_nccl`).
-                let mut opts = crate::cuda::CudaOptions { device: k, ..Default::default() };
-                // KV cache precision (tests compare worlds on an f32 cache).
-                match std::env::var("MINIMAX_CUDA_KV_DTYPE").as_deref() {
-                    Ok("f32") => opts.kv_dtype = crate::cuda::KvDtype::F32,
-                    Ok("f16") => opts.kv_dtype = crate::cuda::KvDtype::F16,
-                    Ok("bf16") => opts.kv_dtype = crate::cuda::KvDtype::BF16,
-                    Ok(other) => return Err(BackendError::Unavailable(format!("MINIMAX_CUDA_KV_DTYPE={other}: expected f32, f16 or bf16"))),
-                    Err(_) => {}
-                }
-                let m = crate::cuda::CudaModel::load_part(model, part, kv, opts)?;
+                // Tensor parallelism: this rank's slice of every layer; pipeline: its layer
+                // range (+ embedding on the first stage, norm + lm_head on the last). The NCCL
+                // communicator is built at JOIN (`CudaModel::join_nccl`).
+                let m = crate::cuda::CudaModel::load_part(model, part, kv, cuda_options(k)?)?;
+                progress(1.0);
+                Ok(Backend::Cuda(Box::new(m)))
+            }
+            #[cfg(not(feature = "cuda"))]
+            Device::Cuda(_) => Err(BackendError::Unavailable("CUDA backend not available in this build (feature `cuda` off)".into())),
+        }
+    }
+
+    /// BENCHMARK ONLY: a synthetic model with `spec`'s shapes and random weights, whole on
+    /// one device. CUDA fills the weights on the device (`CudaModel::synthetic`); the CPU
+    /// writes them as a temporary GGUF file (removed once mapped) and loads that, so only
+    /// small layer counts fit in memory there.
+    pub fn synthetic(spec: &SyntheticSpec, kv: KvSpec, device: Device, progress: &mut dyn FnMut(f32)) -> Result<Self, BackendError> {
+        const SEED: u64 = 42;
+        match device {
+            Device::Cpu => {
+                let path = std::env::temp_dir().join(format!("minimax-synthetic-{}.gguf", std::process::id()));
+                let io = |e: std::io::Error| BackendError::Unavailable(format!("writing the synthetic model to {}: {e}", path.display()));
+                let mut w = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(&path).map_err(io)?);
+                let written = minimax_shared::model::synthetic_gguf::write_gguf(spec, SEED, &mut w).and_then(|_| w.into_inner().map_err(|e| e.into_error()).map(drop));
+                let model = written.map_err(io).and_then(|()| GgufModel::open(&path).map_err(|e| BackendError::Unavailable(e.to_string())));
+                let _ = std::fs::remove_file(&path);
+                let model = Arc::new(model?);
+                let part = Partition::whole(&spec.config());
+                Ok(Backend::Cpu(CpuModel::load_with_progress(model, part, kv, progress)?))
+            }
+            #[cfg(feature = "cuda")]
+            Device::Cuda(k) => {
+                let m = crate::cuda::CudaModel::synthetic(spec, kv, cuda_options(k)?, SEED)?;
                 progress(1.0);
                 Ok(Backend::Cuda(Box::new(m)))
             }
@@ -165,8 +194,11 @@ impl Backend {
     ) -> Result<Option<ForwardOutput>, BackendError> {
         let m = match self {
             Backend::Cpu(m) => m,
+            // Every CUDA share runs through `forward_stage`: a tensor-parallel rank (or the
+            // whole model) returns logits; a pipeline stage receives/sends its hidden states
+            // over NCCL on the device and only the last stage returns logits.
             #[cfg(feature = "cuda")]
-            Backend::Cuda(m) => return Ok(Some(m.forward(batch)?)),
+            Backend::Cuda(m) => return Ok(m.forward_stage(batch)?),
         };
         let Some(world) = world.filter(|w| w.world() > 1) else {
             return Ok(Some(m.forward(batch, &Solo)?));

@@ -10,6 +10,7 @@ use minimax_rank::cpu::KvSpec;
 use minimax_rank::server::{ServeConfig, serve};
 use minimax_rank::state::TestFault;
 use minimax_shared::gguf::GgufModel;
+use minimax_shared::model::synthetic::SyntheticSpec;
 
 #[derive(Parser)]
 #[command(name = "minimax-rank", version, about = "MiniMax Serve rank-worker", args_conflicts_with_subcommands = true, subcommand_negates_reqs = true)]
@@ -30,6 +31,24 @@ enum Cmd {
     },
     /// Load this rank's shard and serve the rank gRPC API (plus health and reflection).
     Serve(ServeArgs),
+    /// BENCHMARK ONLY: write a synthetic model (MiniMax-M2.7 shapes, random valid weights) as
+    /// a GGUF file, e.g. to measure weight loading on a file of tens of GB.
+    WriteSynthetic {
+        /// `m2.7:MIX[:LAYERS]`, MIX = iq4xs | q4km | q8_0.
+        spec: String,
+        /// The .gguf file to write.
+        out: std::path::PathBuf,
+        #[arg(long, default_value_t = 42)]
+        seed: u64,
+    },
+    /// Compile every CUDA kernel with NVRTC into the kernel cache (`$MINIMAX_KERNEL_CACHE`,
+    /// see docs/CUDA.md) for the given architectures, so ranks start without compiling.
+    /// Needs libnvrtc, no GPU.
+    BuildKernels {
+        /// Compute capabilities, e.g. `90` (H100/H200) or `120` (RTX Blackwell).
+        #[arg(long, value_delimiter = ',', default_value = "90")]
+        arch: Vec<u32>,
+    },
 }
 
 #[derive(Args, Clone, Debug)]
@@ -44,8 +63,16 @@ struct ServeArgs {
     #[arg(long, env = "MINIMAX_LISTEN", required = true)]
     listen: Option<String>,
     /// A .gguf file, the first shard of a split model, or a directory.
-    #[arg(long, env = "MINIMAX_MODEL", required = true)]
+    #[arg(long, env = "MINIMAX_MODEL", required_unless_present = "synthetic")]
     model: Option<std::path::PathBuf>,
+    /// BENCHMARK ONLY: serve a synthetic model with MiniMax-M2.7's shapes and random weights
+    /// instead of `--model`: `m2.7:MIX[:LAYERS]`, MIX = iq4xs | q4km | q8_0. Needs
+    /// `--allow-synthetic`; one rank (world size 1).
+    #[arg(long, conflicts_with = "model")]
+    synthetic: Option<String>,
+    /// Confirms `--synthetic` (its answers are noise).
+    #[arg(long)]
+    allow_synthetic: bool,
     /// `cpu` or `cuda:K`.
     #[arg(long, env = "MINIMAX_DEVICE", default_value = "cpu")]
     device: Device,
@@ -71,15 +98,31 @@ struct ServeArgs {
 }
 
 fn run_serve(a: ServeArgs) -> ExitCode {
-    let (Some(rank), Some(listen), Some(model)) = (a.rank, a.listen, a.model) else {
+    let (Some(rank), Some(listen)) = (a.rank, a.listen) else {
         eprintln!("error: serving needs --rank, --listen and --model");
         return ExitCode::from(2);
+    };
+    let synthetic = match synthetic_spec(a.synthetic.as_deref(), a.allow_synthetic, a.world_size) {
+        Ok(s) => s,
+        Err(e) => {
+            eprintln!("error: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    let model = match (a.model, &synthetic) {
+        (Some(m), None) => m,
+        (None, Some(_)) => std::path::PathBuf::new(),
+        _ => {
+            eprintln!("error: serving needs --model (or --synthetic with --allow-synthetic)");
+            return ExitCode::from(2);
+        }
     };
     let cfg = ServeConfig {
         rank,
         world_size: a.world_size,
         listen,
         model,
+        synthetic,
         device: a.device,
         parallelism: a.parallelism,
         kv: KvSpec { page_size: a.page_size, n_pages: a.kv_pages },
@@ -104,6 +147,51 @@ fn run_serve(a: ServeArgs) -> ExitCode {
     }
 }
 
+/// Parses `--synthetic`; refused without `--allow-synthetic` or in a world of several ranks.
+fn synthetic_spec(spec: Option<&str>, allowed: bool, world_size: usize) -> Result<Option<SyntheticSpec>, String> {
+    let Some(spec) = spec else { return Ok(None) };
+    if !allowed {
+        return Err(format!("--synthetic {spec} serves random weights (benchmarks only); add --allow-synthetic to confirm"));
+    }
+    if world_size != 1 {
+        return Err(format!("--synthetic runs on one rank (--world-size 1), not {world_size}"));
+    }
+    SyntheticSpec::parse(spec).map(Some).map_err(|e| e.to_string())
+}
+
+fn write_synthetic(spec: &str, out: &std::path::Path, seed: u64) -> Result<String, String> {
+    let spec = SyntheticSpec::parse(spec).map_err(|e| e.to_string())?;
+    let t0 = std::time::Instant::now();
+    let io = |e: std::io::Error| format!("{}: {e}", out.display());
+    let mut w = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(out).map_err(io)?);
+    let n = minimax_shared::model::synthetic_gguf::write_gguf(&spec, seed, &mut w).map_err(io)?;
+    let f = w.into_inner().map_err(|e| io(e.into_error()))?;
+    f.sync_all().map_err(io)?;
+    let s = t0.elapsed().as_secs_f64();
+    Ok(format!("wrote {} ({} layers): {:.2} GB in {s:.1} s ({:.2} GB/s, synced)", out.display(), spec.layers, n as f64 / 1e9, n as f64 / 1e9 / s))
+}
+
+#[cfg(feature = "cuda")]
+fn build_kernels(archs: &[u32]) -> Result<String, String> {
+    use minimax_rank::cuda::nvrtc;
+    nvrtc::ensure_nvrtc().map_err(|e| e.to_string())?;
+    let dir = nvrtc::cache_dir().ok_or("no kernel cache directory (set MINIMAX_KERNEL_CACHE)")?;
+    let mut lines = Vec::new();
+    for &arch in archs {
+        let t0 = std::time::Instant::now();
+        let built = nvrtc::build_all(arch).map_err(|e| e.to_string())?;
+        let compiled = built.iter().filter(|b| b.2 == nvrtc::Origin::Compiled).count();
+        lines.push(format!("sm_{arch}: {} modules ({compiled} compiled, the rest cached) in {:.1} s", built.len(), t0.elapsed().as_secs_f64()));
+    }
+    lines.push(format!("cache: {}", dir.display()));
+    Ok(lines.join("\n"))
+}
+
+#[cfg(not(feature = "cuda"))]
+fn build_kernels(_: &[u32]) -> Result<String, String> {
+    Err("this build has no CUDA backend (feature `cuda` off)".into())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     match cli.cmd {
@@ -117,6 +205,8 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
+        Some(Cmd::WriteSynthetic { spec, out, seed }) => report(write_synthetic(&spec, &out, seed)),
+        Some(Cmd::BuildKernels { arch }) => report(build_kernels(&arch)),
         Some(Cmd::Serve(a)) => {
             init_tracing();
             run_serve(a)
@@ -124,6 +214,20 @@ fn main() -> ExitCode {
         None => {
             init_tracing();
             run_serve(cli.serve)
+        }
+    }
+}
+
+/// Prints a subcommand's result (stdout) or error (stderr, exit 1).
+fn report(r: Result<String, String>) -> ExitCode {
+    match r {
+        Ok(msg) => {
+            println!("{msg}");
+            ExitCode::SUCCESS
+        }
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::FAILURE
         }
     }
 }

@@ -3,7 +3,7 @@
 
 use std::ops::Range;
 
-use minimax_shared::model::ModelConfig;
+use minimax_shared::model::{ModelConfig, names};
 
 /// One rank's share of the model.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -17,6 +17,10 @@ pub struct Partition {
     /// This rank's index in its tensor-parallel group and the group's size.
     pub tp_rank: usize,
     pub tp_world: usize,
+    /// This rank's pipeline stage and the number of stages (0 and 1 without pipelining); the
+    /// stage is also its rank in the world's communicator, so activations go to `pp_rank + 1`.
+    pub pp_rank: usize,
+    pub pp_world: usize,
 }
 
 /// A partition that cannot be built for this model.
@@ -30,10 +34,34 @@ pub enum PartitionError {
     BadRank { rank: usize, world: usize },
 }
 
+/// Bytes a pipeline stage holds: its layers' tensors, plus the token embedding on the first
+/// stage and the final norm and lm_head on the last (what the CPU and CUDA backends load).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct StageBytes {
+    /// Bytes of each layer's `blk.{l}.*` tensors.
+    pub layers: Vec<u64>,
+    /// Extra bytes of the first stage (token embedding).
+    pub first: u64,
+    /// Extra bytes of the last stage (output norm and lm_head; the embedding again when tied).
+    pub last: u64,
+}
+
+impl StageBytes {
+    /// Uniform cost per layer and no extras (balances by layer count).
+    pub fn uniform(n_layers: usize) -> Self {
+        Self { layers: vec![1; n_layers], first: 0, last: 0 }
+    }
+
+    /// Bytes of stage `s` of `stages` when it holds `layers`.
+    pub fn stage(&self, layers: Range<usize>, s: usize, stages: usize) -> u64 {
+        self.layers[layers].iter().sum::<u64>() + if s == 0 { self.first } else { 0 } + if s + 1 == stages { self.last } else { 0 }
+    }
+}
+
 impl Partition {
     /// The whole model in one process.
     pub fn whole(cfg: &ModelConfig) -> Self {
-        Self { layers: 0..cfg.n_layers, first_stage: true, last_stage: true, tp_rank: 0, tp_world: 1 }
+        Self { layers: 0..cfg.n_layers, first_stage: true, last_stage: true, tp_rank: 0, tp_world: 1, pp_rank: 0, pp_world: 1 }
     }
 
     /// Tensor parallelism over `world` ranks: every rank runs every layer on a slice of the
@@ -51,25 +79,39 @@ impl Partition {
                 return Err(PartitionError::Indivisible { what, n, world });
             }
         }
-        Ok(Self { layers: 0..cfg.n_layers, first_stage: true, last_stage: true, tp_rank: rank, tp_world: world })
+        Ok(Self { layers: 0..cfg.n_layers, first_stage: true, last_stage: true, tp_rank: rank, tp_world: world, pp_rank: 0, pp_world: 1 })
     }
 
     /// Pipeline parallelism: stage `rank` of `world` runs a contiguous range of layers,
-    /// balanced by count (`weights` may give per-layer costs, e.g. bytes, to balance by).
+    /// balanced by count, or by `weights` (per-layer costs, e.g. bytes) when given.
     pub fn pipeline(cfg: &ModelConfig, rank: usize, world: usize, weights: Option<&[u64]>) -> Result<Self, PartitionError> {
+        let costs = match weights {
+            Some(w) if w.len() == cfg.n_layers => StageBytes { layers: w.to_vec(), first: 0, last: 0 },
+            _ => StageBytes::uniform(cfg.n_layers),
+        };
+        Self::pipeline_by_bytes(cfg, rank, world, &costs)
+    }
+
+    /// Pipeline parallelism balanced by what each stage holds ([`StageBytes`]): the largest
+    /// stage is as small as possible (then the stages as even as possible), so a model that
+    /// mixes quant types across layers still fits devices of equal memory.
+    pub fn pipeline_by_bytes(cfg: &ModelConfig, rank: usize, world: usize, costs: &StageBytes) -> Result<Self, PartitionError> {
         if rank >= world {
             return Err(PartitionError::BadRank { rank, world });
         }
         if world > cfg.n_layers {
             return Err(PartitionError::TooManyStages { stages: world, layers: cfg.n_layers });
         }
-        let bounds = balanced_bounds(cfg.n_layers, world, weights);
+        let costs = if costs.layers.len() == cfg.n_layers { costs.clone() } else { StageBytes::uniform(cfg.n_layers) };
+        let bounds = balanced_bounds(&costs, world);
         Ok(Self {
             layers: bounds[rank]..bounds[rank + 1],
             first_stage: rank == 0,
             last_stage: rank + 1 == world,
             tp_rank: 0,
             tp_world: 1,
+            pp_rank: rank,
+            pp_world: world,
         })
     }
 
@@ -82,37 +124,89 @@ impl Partition {
 
 /// Bytes of each layer's tensors (`blk.{l}.*`), for balancing pipeline stages by memory.
 pub fn layer_bytes(model: &minimax_shared::gguf::GgufModel, n_layers: usize) -> Vec<u64> {
-    let mut out = vec![0u64; n_layers];
-    for t in model.tensors() {
-        let layer = t.name.strip_prefix("blk.").and_then(|r| r.split('.').next()).and_then(|l| l.parse::<usize>().ok());
-        if let Some(l) = layer.filter(|&l| l < n_layers) {
-            out[l] += t.n_bytes;
+    stage_bytes(model.tensors().map(|t| (t.name.as_str(), t.n_bytes)), n_layers, false).layers
+}
+
+/// [`StageBytes`] of a GGUF model.
+pub fn gguf_stage_bytes(model: &minimax_shared::gguf::GgufModel, cfg: &ModelConfig) -> StageBytes {
+    stage_bytes(model.tensors().map(|t| (t.name.as_str(), t.n_bytes)), cfg.n_layers, cfg.tied_embeddings)
+}
+
+/// [`StageBytes`] from `(tensor name, bytes)` pairs (a GGUF file or a synthetic spec).
+pub fn stage_bytes<'a>(tensors: impl IntoIterator<Item = (&'a str, u64)>, n_layers: usize, tied_embeddings: bool) -> StageBytes {
+    let mut out = StageBytes { layers: vec![0; n_layers], first: 0, last: 0 };
+    for (name, bytes) in tensors {
+        let layer = name.strip_prefix("blk.").and_then(|r| r.split('.').next()).and_then(|l| l.parse::<usize>().ok());
+        match layer {
+            Some(l) if l < n_layers => out.layers[l] += bytes,
+            Some(_) => {}
+            None if name == names::TOKEN_EMBD => {
+                out.first += bytes;
+                if tied_embeddings {
+                    out.last += bytes;
+                }
+            }
+            None if name == names::OUTPUT || name == names::OUTPUT_NORM => out.last += bytes,
+            None => {}
         }
     }
     out
 }
 
-/// Splits `n` layers into `stages` contiguous non-empty ranges with costs as even as possible.
-fn balanced_bounds(n: usize, stages: usize, weights: Option<&[u64]>) -> Vec<usize> {
-    let w: Vec<u64> = match weights {
-        Some(w) if w.len() == n => w.to_vec(),
-        _ => vec![1; n],
-    };
-    let total: u64 = w.iter().sum::<u64>().max(1);
-    let mut bounds = vec![0usize];
-    let mut acc = 0u64;
-    let mut l = 0usize;
-    for s in 1..stages {
-        let target = total * s as u64 / stages as u64;
-        // Take layers while the running cost stays at or below the target, leaving at least
-        // one layer for each remaining stage.
-        while l < n - (stages - s) && (acc + w[l] <= target || l < *bounds.last().unwrap() + 1) {
-            acc += w[l];
-            l += 1;
-        }
-        bounds.push(l);
+/// Splits the layers into `stages` contiguous non-empty ranges: the costliest stage is as
+/// cheap as possible; among those splits the sum of squared stage costs is the smallest
+/// (stages as even as possible); remaining ties go to the earliest boundaries.
+fn balanced_bounds(c: &StageBytes, stages: usize) -> Vec<usize> {
+    let n = c.layers.len();
+    assert!(stages >= 1 && stages <= n.max(1), "{stages} stages for {n} layers");
+    let mut prefix = vec![0u64; n + 1];
+    for (i, &w) in c.layers.iter().enumerate() {
+        prefix[i + 1] = prefix[i] + w;
     }
-    bounds.push(n);
+    let cost = |s: usize, a: usize, b: usize| prefix[b] - prefix[a] + if s == 0 { c.first } else { 0 } + if s + 1 == stages { c.last } else { 0 };
+    // 1. The smallest possible maximum: best[s][i] = min over splits of layers i.. into
+    //    stages s.. of the costliest stage.
+    const NONE: u64 = u64::MAX;
+    let mut best = vec![vec![NONE; n + 1]; stages + 1];
+    best[stages][n] = 0;
+    for s in (0..stages).rev() {
+        // Stage s starts at i, leaves at least one layer for each later stage.
+        for i in s..=n - (stages - s) {
+            for j in i + 1..=n - (stages - s - 1) {
+                if best[s + 1][j] != NONE {
+                    best[s][i] = best[s][i].min(cost(s, i, j).max(best[s + 1][j]));
+                }
+            }
+        }
+    }
+    let limit = best[0][0];
+    // 2. Under that maximum, the smallest sum of squares (suffix DP, u128: bytes² overflow u64).
+    const NO: u128 = u128::MAX;
+    let mut sq = vec![vec![NO; n + 1]; stages + 1];
+    sq[stages][n] = 0;
+    for s in (0..stages).rev() {
+        for i in s..=n - (stages - s) {
+            for j in i + 1..=n - (stages - s - 1) {
+                let cs = cost(s, i, j);
+                if cs <= limit && sq[s + 1][j] != NO {
+                    sq[s][i] = sq[s][i].min(cs as u128 * cs as u128 + sq[s + 1][j]);
+                }
+            }
+        }
+    }
+    // 3. Earliest boundaries that achieve both.
+    let mut bounds = vec![0usize];
+    let mut i = 0;
+    for s in 0..stages {
+        let j = (i + 1..=n - (stages - s - 1))
+            .find(|&j| {
+                let cs = cost(s, i, j);
+                cs <= limit && sq[s + 1][j] != NO && cs as u128 * cs as u128 + sq[s + 1][j] == sq[s][i]
+            })
+            .expect("a split achieving the optimum exists");
+        bounds.push(j);
+        i = j;
+    }
     bounds
 }
 
@@ -120,17 +214,94 @@ fn balanced_bounds(n: usize, stages: usize, weights: Option<&[u64]>) -> Vec<usiz
 mod tests {
     use super::*;
 
+    fn costs(w: &[u64]) -> StageBytes {
+        StageBytes { layers: w.to_vec(), first: 0, last: 0 }
+    }
+
+    /// Every split of `c` into `stages` non-empty ranges, brute force: the smallest maximum.
+    fn brute_min_max(c: &StageBytes, stages: usize) -> u64 {
+        fn go(c: &StageBytes, stages: usize, s: usize, start: usize, worst: u64) -> u64 {
+            let n = c.layers.len();
+            if s + 1 == stages {
+                return worst.max(c.stage(start..n, s, stages));
+            }
+            (start + 1..=n - (stages - s - 1)).map(|j| go(c, stages, s + 1, j, worst.max(c.stage(start..j, s, stages)))).min().unwrap()
+        }
+        go(c, stages, 0, 0, 0)
+    }
+
+    fn check(c: &StageBytes, stages: usize) -> Vec<usize> {
+        let b = balanced_bounds(c, stages);
+        assert_eq!(b.len(), stages + 1);
+        assert_eq!((b[0], b[stages]), (0, c.layers.len()));
+        assert!(b.windows(2).all(|w| w[0] < w[1]), "{b:?}");
+        let worst = (0..stages).map(|s| c.stage(b[s]..b[s + 1], s, stages)).max().unwrap();
+        assert_eq!(worst, brute_min_max(c, stages), "{c:?} in {stages}: bounds {b:?}");
+        b
+    }
+
     #[test]
     fn pipeline_bounds_are_contiguous_non_empty_and_balanced() {
-        assert_eq!(balanced_bounds(62, 2, None), vec![0, 31, 62]);
-        assert_eq!(balanced_bounds(4, 3, None), vec![0, 1, 2, 4]);
-        assert_eq!(balanced_bounds(5, 5, None), vec![0, 1, 2, 3, 4, 5]);
+        assert_eq!(balanced_bounds(&StageBytes::uniform(62), 2), vec![0, 31, 62]);
+        assert_eq!(balanced_bounds(&StageBytes::uniform(4), 3), vec![0, 1, 2, 4]);
+        assert_eq!(balanced_bounds(&StageBytes::uniform(5), 5), vec![0, 1, 2, 3, 4, 5]);
         // A heavy first layer pushes the split forward.
-        assert_eq!(balanced_bounds(4, 2, Some(&[10, 1, 1, 1])), vec![0, 1, 4]);
+        assert_eq!(balanced_bounds(&costs(&[10, 1, 1, 1]), 2), vec![0, 1, 4]);
+        // A greedy "fill up to the average" split gives 10 | 16 here; the best is 15 | 11.
+        assert_eq!(balanced_bounds(&costs(&[5, 5, 5, 5, 6]), 2), vec![0, 3, 5]);
+        // The lm_head on the last stage moves layers to the first.
+        assert_eq!(balanced_bounds(&StageBytes { layers: vec![4; 8], first: 1, last: 9 }, 2), vec![0, 5, 8]);
         for stages in 1..=8 {
-            let b = balanced_bounds(8, stages, None);
-            assert_eq!(b.len(), stages + 1);
-            assert!(b.windows(2).all(|w| w[0] < w[1]), "{b:?}");
+            check(&StageBytes::uniform(8), stages);
+        }
+    }
+
+    #[test]
+    fn pipeline_bounds_minimise_the_largest_stage_on_random_costs() {
+        // Random layer sizes (mixed quant types), random embedding/head extras: the split's
+        // largest stage equals the brute-force optimum for every stage count.
+        let mut x = 0x2545_F491_4F6C_DD1Du64;
+        let mut rnd = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        for case in 0..200 {
+            let n = 1 + rnd(10) as usize;
+            let layers: Vec<u64> = (0..n).map(|_| 1 + rnd(1000)).collect();
+            let c = StageBytes { layers, first: if case % 2 == 0 { rnd(500) } else { 0 }, last: rnd(2000) };
+            for stages in 1..=n.min(5) {
+                check(&c, stages);
+            }
+        }
+    }
+
+    #[test]
+    fn pipeline_4_on_mixed_quant_fixtures_is_balanced_by_bytes() {
+        // The kmix fixtures mix Q4_K/Q5_K/Q6_K/IQ4_* per layer: layers differ in bytes. Four
+        // stages must minimise the largest stage's bytes (embedding and lm_head included) and
+        // together hold every byte of the file exactly once (plus the tied head).
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../fixtures");
+        for model in ["m2-small", "m2-odd"] {
+            for variant in ["kmix", "q8_0", "f32"] {
+                let g = minimax_shared::gguf::GgufModel::open(root.join(model).join(format!("{variant}.gguf"))).unwrap();
+                let cfg = ModelConfig::from_gguf(&g).unwrap();
+                let c = gguf_stage_bytes(&g, &cfg);
+                let total: u64 = g.tensors().map(|t| t.n_bytes).sum();
+                let in_stages = c.layers.iter().sum::<u64>() + c.first + c.last - if cfg.tied_embeddings { c.first } else { 0 };
+                assert_eq!(in_stages, total, "{model}/{variant}: every tensor belongs to a stage");
+                for world in 1..=cfg.n_layers.min(4) {
+                    let b = check(&c, world);
+                    let parts: Vec<Partition> = (0..world).map(|r| Partition::pipeline_by_bytes(&cfg, r, world, &c).unwrap()).collect();
+                    for (r, p) in parts.iter().enumerate() {
+                        assert_eq!(p.layers, b[r]..b[r + 1]);
+                        assert_eq!((p.first_stage, p.last_stage, p.pp_rank, p.pp_world), (r == 0, r + 1 == world, r, world));
+                    }
+                    let sum: u64 = parts.iter().enumerate().map(|(r, p)| c.stage(p.layers.clone(), r, world)).sum();
+                    assert_eq!(sum, c.layers.iter().sum::<u64>() + c.first + c.last, "{model}/{variant} x{world}");
+                }
+            }
         }
     }
 }

@@ -4,6 +4,7 @@
 //! (tools/gpu/run_tests.sh does).
 #![cfg(feature = "cuda")]
 
+use minimax_rank::cuda::fast::{DownKind, MvqKind};
 use minimax_rank::cuda::{Arg, AttnArgs, DevMat, Gpu, KvDtype};
 use minimax_shared::model::GatingFunc;
 use minimax_shared::quant::{self, GgmlType};
@@ -450,6 +451,7 @@ fn paged_attention_matches_cpu_for_prefill_and_decode() {
                     out: g.ptr(&out),
                     os: qw,
                     nt,
+                    ..Default::default()
                 },
             )
             .unwrap();
@@ -539,10 +541,10 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
     assert_eq!(g.download(&qb).unwrap(), hq, "q8 quantization");
     assert_eq!(g.download(&db).unwrap(), hd, "q8 scales");
     eprintln!("q8 quantize {nr}x{n}: bit-exact");
-    // Dense products (three segments, 1..13 vectors, accumulate) for Q8_0 and IQ4_XS.
-    for ty in [GgmlType::Q8_0, GgmlType::IQ4_XS] {
-        // More chunks than one staging phase (Q8_0: 8, gate/up: 6), last phase partial.
-        let cols = if ty == GgmlType::Q8_0 { 256 * 13 } else { 512 * 9 };
+    // Dense products (three segments, 1..13 vectors, accumulate) for Q8_0 and IQ4_XS, every
+    // kernel kind: Q8_0 at 13 chunks per row (staged: 2 phases of 8; whole-row: one 24-chunk
+    // phase, or 12 + 1 for WholeShort) and at 25 chunks (whole-row: 24 + 1), IQ4_XS at 9.
+    for (ty, cols) in [(GgmlType::Q8_0, 256 * 13), (GgmlType::Q8_0, 256 * 25), (GgmlType::IQ4_XS, 512 * 9)] {
         let rows = [37usize, 8, 21];
         let mats: Vec<Vec<u8>> = rows.iter().map(|&r| random_rows(&mut rng, ty, r, cols)).collect();
         let up: Vec<_> = mats.iter().zip(rows).map(|(b, r)| upload_mat(&g, ty, b, r, cols, 0)).collect();
@@ -554,9 +556,10 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
             for acc in [false, true] {
                 let ys: Vec<usize> = rows.iter().map(|r| r + 2).collect();
                 let y0: Vec<Vec<f32>> = ys.iter().map(|s| rng.vec(nv * s, 1.0)).collect();
+                for kind in [MvqKind::Staged, MvqKind::Whole, MvqKind::WholeShort] {
                 let yb: Vec<_> = (0..3).map(|i| if acc { g.upload(&y0[i]).unwrap() } else { poisoned(&g, nv * ys[i]) }).collect();
                 let segs: Vec<_> = (0..3).map(|i| (&up[i].1, g.ptr(&yb[i]), ys[i])).collect();
-                g.matvec_q8(&segs, g.ptr(&qb), g.ptr(&db), cols, nv, acc).unwrap();
+                g.matvec_q8_with(kind, &segs, g.ptr(&qb), g.ptr(&db), cols, nv, acc).unwrap();
                 let mut worst = 0f32;
                 for i in 0..3 {
                     let got = g.download(&yb[i]).unwrap();
@@ -569,28 +572,34 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
                             let scale: f64 = w.iter().zip(xv).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>() + 1e-6;
                             let gv = got[v * ys[i] + r];
                             let d = (gv as f64 - want).abs();
-                            assert!(gv.is_finite() && d <= 1e-5 * scale + 1e-6, "mvq {ty} seg {i} nv {nv} acc {acc} [{v},{r}]: got {gv} want {want}");
+                            assert!(gv.is_finite() && d <= 1e-5 * scale + 1e-6, "mvq {ty} {kind:?} cols {cols} seg {i} nv {nv} acc {acc} [{v},{r}]: got {gv} want {want}");
                             worst = worst.max((d / scale) as f32);
                         }
                         for r in rows[i]..ys[i] {
                             let gv = got[v * ys[i] + r];
-                            assert!(if acc { gv == y0[i][v * ys[i] + r] } else { gv.is_nan() }, "mvq {ty}: wrote past the rows");
+                            assert!(if acc { gv == y0[i][v * ys[i] + r] } else { gv.is_nan() }, "mvq {ty} {kind:?}: wrote past the rows");
                         }
                     }
                 }
                 if nv == 13 && acc {
-                    eprintln!("mvq     {ty:<7} 3 segs x {cols} nv<=13: max |diff| / sum|w x| {worst:.2e}");
+                    eprintln!("mvq     {ty:<7} {kind:?} 3 segs x {cols} nv<=13: max |diff| / sum|w x| {worst:.2e}");
+                }
                 }
             }
+        }
+        if cols == 256 * 25 {
+            continue;
         }
         // Fused MoE: gate/up/SiLU -> q8, then down + weighted combine into the residual.
         let (e, k, nt, ff, h) = (6usize, 3usize, 2usize, 64usize, cols);
         let down_cols = if ty == GgmlType::Q8_0 { 256 } else { 512 };
-        // 5 chunks per down row: two staging phases of the down kernel (2 + 1 experts).
-        let ff = ff.max(5 * down_cols);
+        // Down rows of 5 chunks (Q8_0: staged kernel in two phases, 2 + 1 experts) or 9
+        // (IQ4_XS: staged in 3 phases; register-direct: 3 x 144 units = 432 per row, two
+        // rounds of 384 with a partial second one).
+        let ff = ff.max(if ty == GgmlType::Q8_0 { 5 } else { 9 } * down_cols);
         let gate = random_rows(&mut rng, ty, e * ff, h);
         let upw = random_rows(&mut rng, ty, e * ff, h);
-        let hrows = 40usize;
+        let hrows = 43usize; // not a multiple of the 2 / 4 / 8 rows per block
         let down = random_rows(&mut rng, ty, e * hrows, ff);
         let (_g1, gm) = upload_mat(&g, ty, &gate, ff, h, e);
         let (_g2, um) = upload_mat(&g, ty, &upw, ff, h, e);
@@ -623,8 +632,9 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
             }
         }
         let hid0 = rng.vec(nt * (hrows + 1), 1.0);
+        for kind in [DownKind::Staged, DownKind::Reg4, DownKind::Reg2] {
         let hb = g.upload(&hid0).unwrap();
-        g.moe_down_q8(&dm, g.ptr(&ib), g.ptr(&wb), k, g.ptr(&aq), g.ptr(&ad), g.ptr(&hb), hrows + 1, nt).unwrap();
+        g.moe_down_q8_with(kind, &dm, g.ptr(&ib), g.ptr(&wb), k, g.ptr(&aq), g.ptr(&ad), g.ptr(&hb), hrows + 1, nt).unwrap();
         let got = g.download(&hb).unwrap();
         let ddeq = quant::dequantize_to_vec(ty, &down, e * hrows * ff).unwrap();
         let mut worst_d = 0f64;
@@ -641,12 +651,13 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
                     want += wts[p] as f64 * s;
                 }
                 let gv = got[t * (hrows + 1) + r] as f64;
-                assert!(gv.is_finite() && (gv - want).abs() <= 1e-5 * scale + 1e-6, "down {ty} t {t} r {r}: got {gv} want {want}");
+                assert!(gv.is_finite() && (gv - want).abs() <= 1e-5 * scale + 1e-6, "down {ty} {kind:?} t {t} r {r}: got {gv} want {want}");
                 worst_d = worst_d.max((gv - want).abs() / scale);
             }
-            assert_eq!(got[t * (hrows + 1) + hrows], hid0[t * (hrows + 1) + hrows], "down wrote past the rows");
+            assert_eq!(got[t * (hrows + 1) + hrows], hid0[t * (hrows + 1) + hrows], "down {kind:?} wrote past the rows");
         }
-        eprintln!("moe     {ty:<7} gate/up max |diff| {worst:.2e} (q8 output), down+combine max rel {worst_d:.2e}");
+        eprintln!("moe     {ty:<7} gate/up max |diff| {worst:.2e} (q8 output), down+combine ({kind:?}) max rel {worst_d:.2e}");
+        }
     }
 }
 
@@ -704,6 +715,44 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
         }
         eprintln!("router_f32 {rows}x{cols}, {nt} tokens: within 1e-6 of sum |w x|");
     }
+    // moe_route_fast: bit-identical to the exact path's moe_route (tested against the CPU in
+    // router_matches_cpu), both gatings, expert counts not a multiple of 32, ties in the
+    // biased scores (repeated logits and zero bias).
+    for (e, k, nt, gating, ties) in [
+        (256usize, 8usize, 3usize, GatingFunc::Sigmoid, false),
+        (200, 8, 2, GatingFunc::Softmax, false),
+        (37, 5, 4, GatingFunc::Sigmoid, true),
+        (8, 8, 1, GatingFunc::Softmax, false),
+    ] {
+        let mut logits = rng.vec(nt * e, 4.0);
+        let bias = if ties { vec![0f32; e] } else { rng.vec(e, 0.5) };
+        if ties {
+            for t in 0..nt {
+                for i in (1..e).step_by(3) {
+                    logits[t * e + i] = logits[t * e + i - 1];
+                }
+            }
+        }
+        let (lb, bb) = (g.upload(&logits).unwrap(), g.upload(&bias).unwrap());
+        let mut out = Vec::new();
+        for fast in [false, true] {
+            let ids = g.zeros::<i32>(nt * k).unwrap();
+            g.fill_u32(g.ptr(&ids), nt * k, u32::MAX).unwrap();
+            let wb = poisoned(&g, nt * k);
+            if fast {
+                g.route_fast(g.ptr(&lb), g.ptr(&bb), e, k, gating, g.ptr(&ids), g.ptr(&wb), nt).unwrap();
+            } else {
+                g.route(g.ptr(&lb), g.ptr(&bb), e, k, gating, g.ptr(&ids), g.ptr(&wb), nt).unwrap();
+            }
+            out.push((g.download(&ids).unwrap(), g.download(&wb).unwrap()));
+        }
+        assert!(out[0].1.iter().all(|w| w.is_finite()) && out[0].0.iter().all(|&i| i >= 0 && (i as usize) < e), "moe_route {e}");
+        assert_eq!(out[1].0, out[0].0, "moe_route_fast ids, top-{k} of {e}");
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&out[1].1), bits(&out[0].1), "moe_route_fast weights, top-{k} of {e}");
+        eprintln!("moe_route_fast top-{k} of {e} ({gating:?}, ties {ties}), {nt} tokens: bit-identical to moe_route");
+    }
+    assert!(g.route_fast(0, 0, 257, 8, GatingFunc::Sigmoid, 0, 0, 1).is_err(), "more than 256 experts must be refused");
     // qk_norm_rope_store (bf16 cache): q and k full-width norm, partial RoPE per head, K and V
     // stored at their slots.
     for (qh, kh, hd, rot, theta) in [(48usize, 8usize, 128usize, 64usize, 5e6f32), (6, 1, 128, 128, 10000.0)] {

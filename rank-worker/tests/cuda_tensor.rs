@@ -61,23 +61,26 @@ fn log_dir(dir: &Path) -> PathBuf {
 }
 
 fn spawn_world(dir: &Path, model: &Path, world: usize) -> Vec<RankProc> {
-    (0..world)
-        .map(|r| {
-            let listen = format!("unix://{}/rank-{r}.sock", dir.display());
-            let mut cmd = Command::new(rank_bin());
-            cmd.args(["serve", "--rank", &r.to_string(), "--world-size", &world.to_string(), "--listen", &listen])
-                .arg("--model")
-                .arg(model)
-                .args(["--device", &format!("cuda:{r}"), "--parallelism", "tensor"])
-                .args(["--page-size", &PAGE.to_string(), "--kv-pages", &N_PAGES.to_string(), "--collective-timeout-ms", "60000"])
-                .env("RUST_LOG", "info")
-                .env("MINIMAX_CUDA_KV_DTYPE", "f32")
-                .env("NCCL_NVLS_ENABLE", "0")
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(log_dir(dir).join(format!("rank-{r}-{}.log", model.file_stem().unwrap().to_string_lossy()))).unwrap());
-            RankProc { child: cmd.spawn().expect("spawn minimax-rank"), listen }
-        })
-        .collect()
+    (0..world).map(|r| spawn_rank(dir, model, world, r, &[], "")).collect()
+}
+
+/// One rank process; `env` is added to the inherited environment (NCCL_* pass through), `tag`
+/// names its log.
+fn spawn_rank(dir: &Path, model: &Path, world: usize, r: usize, env: &[(&str, &str)], tag: &str) -> RankProc {
+    let listen = format!("unix://{}/rank-{r}.sock", dir.display());
+    let mut cmd = Command::new(rank_bin());
+    cmd.envs(env.iter().copied());
+    cmd.args(["serve", "--rank", &r.to_string(), "--world-size", &world.to_string(), "--listen", &listen])
+        .arg("--model")
+        .arg(model)
+        .args(["--device", &format!("cuda:{r}"), "--parallelism", "tensor"])
+        .args(["--page-size", &PAGE.to_string(), "--kv-pages", &N_PAGES.to_string(), "--collective-timeout-ms", "60000"])
+        .env("RUST_LOG", "info")
+        .env("MINIMAX_CUDA_KV_DTYPE", "f32")
+        .env("NCCL_NVLS_ENABLE", "0")
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(log_dir(dir).join(format!("rank-{r}-{}{tag}.log", model.file_stem().unwrap().to_string_lossy()))).unwrap());
+    RankProc { child: cmd.spawn().expect("spawn minimax-rank"), listen }
 }
 
 async fn connect(listen: &str) -> Client {
@@ -116,13 +119,25 @@ async fn wait_state(c: &mut Client, want: pb::RankState) -> pb::DescribeResponse
 }
 
 async fn start_world(dir: &Path, model: &Path, world: usize) -> (Vec<RankProc>, Vec<Client>, Vec<pb::DescribeResponse>) {
-    let procs = spawn_world(dir, model, world);
+    start_procs(dir, spawn_world(dir, model, world)).await
+}
+
+/// Connects to `procs`, waits until they are LOADED, then CREATE + JOIN (a new world id and
+/// NCCL unique id).
+async fn start_procs(dir: &Path, procs: Vec<RankProc>) -> (Vec<RankProc>, Vec<Client>, Vec<pb::DescribeResponse>) {
     let mut clients = Vec::new();
     for p in &procs {
         let mut c = connect(&p.listen).await;
         wait_state(&mut c, pb::RankState::Loaded).await;
         clients.push(c);
     }
+    let (clients, descs) = join_world(dir, clients).await;
+    (procs, clients, descs)
+}
+
+/// CREATE on rank 0 and JOIN on every rank; returns the clients and READY descriptions.
+async fn join_world(dir: &Path, mut clients: Vec<Client>) -> (Vec<Client>, Vec<pb::DescribeResponse>) {
+    let world = clients.len();
     let id = clients[0]
         .collective(pb::CollectiveRequest { phase: pb::collective_request::Phase::Create as i32, ..Default::default() })
         .await
@@ -152,7 +167,8 @@ async fn start_world(dir: &Path, model: &Path, world: usize) -> (Vec<RankProc>, 
     for c in &mut clients {
         descs.push(wait_state(c, pb::RankState::Ready).await);
     }
-    (procs, clients, descs)
+    eprintln!("world joined (id {:02x?}...)", &id[..4]);
+    (clients, descs)
 }
 
 fn to_pb(s: &SeqStep) -> pb::SeqStep {
@@ -314,4 +330,103 @@ async fn tensor_2_on_two_gpus_matches_one_gpu() {
         drop(clients);
         drop(procs);
     }
+}
+
+/// Greedy decoding of `prompt` for `n` steps from `from` (0 = prefill) on a world, one
+/// sequence; returns the tokens (or the first step's error with the step index).
+async fn world_greedy(clients: &[Client], step_id: &mut u64, seq_id: u64, prompt: &[u32], toks: &mut Vec<u32>, n: usize, vocab: usize) {
+    let pages: Vec<u32> = (0..(prompt.len() + 64).div_ceil(PAGE as usize) as u32).collect();
+    for _ in 0..n {
+        let (cached, tokens) = if toks.is_empty() { (0, prompt.to_vec()) } else { (prompt.len() + toks.len() - 1, vec![*toks.last().unwrap()]) };
+        let batch = ForwardBatch { seqs: vec![SeqStep { seq_id, page_table: pages.clone(), cached_len: cached, tokens, logits: LogitsWanted::Last }] };
+        *step_id += 1;
+        let rows = world_step(clients, *step_id, &batch, vocab).await;
+        toks.push(argmax(&rows[0]).0);
+    }
+}
+
+/// kill -9 of a rank while its peer waits inside an NCCL all-reduce: the survivor's watcher
+/// sees the test transport close, aborts the communicator (`ncclCommAbort`), and the blocked
+/// step returns UNAVAILABLE instead of hanging; the survivor drops to LOADED. A new rank 1 and
+/// a new CREATE (fresh NCCL unique id) + JOIN bring the same survivor process back, and
+/// greedy decoding gives the same tokens as before the failure and as one GPU.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+#[ignore = "needs two CUDA GPUs"]
+async fn rank_death_mid_collective_aborts_nccl_and_the_world_rejoins() {
+    let n_gpus = gpu_count();
+    if n_gpus < 2 {
+        eprintln!("SKIPPED: {n_gpus} GPU(s); tensor parallelism over NCCL needs 2");
+        return;
+    }
+    let v = variants().into_iter().find(|v| v.model == "m2-small" && v.name == "q8_0").expect("fixture");
+    let dir = tempfile::tempdir().unwrap();
+    // Rank 1 kills itself in its 4th computing step, after the agreement: rank 0 is then
+    // certain to be inside the step's first all-reduce, waiting for it.
+    const DIE_AT: usize = 4;
+    let die_at = DIE_AT.to_string();
+    let procs = vec![
+        spawn_rank(dir.path(), &v.gguf, 2, 0, &[], "-death"),
+        spawn_rank(dir.path(), &v.gguf, 2, 1, &[("MINIMAX_TEST_DIE_IN_STEP", &die_at), ("MINIMAX_ALLOW_TEST_HOOKS", "1")], "-death"),
+    ];
+    let (mut procs, mut clients, _) = start_procs(dir.path(), procs).await;
+    let prompt: Vec<u32> = v.sequences[0][..v.sequences[0].len().min(7)].to_vec();
+    let mut step_id = 0u64;
+    let mut before = Vec::new();
+    world_greedy(&clients, &mut step_id, 1, &prompt, &mut before, DIE_AT - 1, v.vocab).await;
+
+    // The fatal step: rank 1 dies; rank 0 must answer (an error) soon, not hang in NCCL.
+    let batch = pb::StepRequest {
+        step_id: step_id + 1,
+        seqs: vec![to_pb(&SeqStep {
+            seq_id: 1,
+            page_table: (0..(prompt.len() + 64).div_ceil(PAGE as usize) as u32).collect(),
+            cached_len: prompt.len() + before.len() - 1,
+            tokens: vec![*before.last().unwrap()],
+            logits: LogitsWanted::Last,
+        })],
+    };
+    let t_kill = Instant::now();
+    let (mut c0, mut c1) = (clients[0].clone(), clients[1].clone());
+    let (b0, b1) = (batch.clone(), batch);
+    let h1 = tokio::spawn(async move { c1.step(b1).await });
+    let r0 = tokio::time::timeout(Duration::from_secs(30), c0.step(b0)).await.expect("rank 0's step hung in NCCL after its peer died");
+    let t_err = t_kill.elapsed().as_secs_f32();
+    let st = r0.expect_err("rank 0's step must fail when its peer dies mid-collective");
+    eprintln!("rank 0 step failed {t_err:.2} s after rank 1 was told to die: {:?} {}", st.code(), st.message());
+    assert_eq!(st.code(), tonic::Code::Unavailable, "{}", st.message());
+    assert!(h1.await.unwrap().is_err(), "rank 1 answered a step it died in");
+    assert!(procs[1].child.wait().is_ok());
+    let d0 = clients[0].describe(pb::DescribeRequest {}).await.unwrap().into_inner();
+    assert_eq!(d0.state, pb::RankState::Loaded as i32, "survivor state: {}", d0.error);
+    assert!(d0.error.contains("world broken"), "{}", d0.error);
+    let log0 = std::fs::read_to_string(log_dir(dir.path()).join("rank-0-q8_0-death.log")).unwrap_or_default();
+    assert!(log0.contains("NCCL communicator aborted"), "the survivor's log does not show the NCCL abort");
+
+    // A new rank 1 joins the same survivor with a fresh NCCL unique id.
+    let t_rejoin = Instant::now();
+    procs[1] = spawn_rank(dir.path(), &v.gguf, 2, 1, &[], "-rejoin");
+    let mut c1 = connect(&procs[1].listen).await;
+    wait_state(&mut c1, pb::RankState::Loaded).await;
+    clients[1] = c1;
+    let (clients, _) = join_world(dir.path(), clients).await;
+    eprintln!("survivor + new rank 1 READY {:.2} s after the failure ({:.2} s re-join incl. rank load)", t_kill.elapsed().as_secs_f32(), t_rejoin.elapsed().as_secs_f32());
+    let mut after = Vec::new();
+    world_greedy(&clients, &mut step_id, 2, &prompt, &mut after, 16, v.vocab).await;
+    assert_eq!(&after[..before.len()], &before[..], "greedy tokens after the re-join differ from before the failure");
+
+    // And one GPU agrees.
+    let gguf = Arc::new(GgufModel::open(&v.gguf).unwrap());
+    let kv = KvSpec { page_size: PAGE as usize, n_pages: N_PAGES as usize };
+    let mut one = CudaModel::load(gguf, kv, CudaOptions { device: 0, kv_dtype: KvDtype::F32, fast_decode: false, graphs: false }).unwrap();
+    let pages: Vec<u32> = (0..(prompt.len() + 64).div_ceil(PAGE as usize) as u32).collect();
+    let mut solo: Vec<u32> = Vec::new();
+    for _ in 0..after.len() {
+        let (cached, tokens) = if solo.is_empty() { (0, prompt.clone()) } else { (prompt.len() + solo.len() - 1, vec![*solo.last().unwrap()]) };
+        let out = one.forward(&ForwardBatch { seqs: vec![SeqStep { seq_id: 9, page_table: pages.clone(), cached_len: cached, tokens, logits: LogitsWanted::Last }] }).unwrap();
+        solo.push(argmax(out.row(0)).0);
+    }
+    assert_eq!(after, solo, "re-joined world vs one GPU greedy tokens");
+    eprintln!("rank death: error after {t_err:.2} s; {} greedy tokens after the re-join equal the pre-failure ones and one GPU's", after.len());
+    drop(clients);
+    drop(procs);
 }

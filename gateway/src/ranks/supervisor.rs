@@ -302,6 +302,8 @@ async fn supervise(inner: Arc<Inner>, mut broken_rx: mpsc::UnboundedReceiver<(u6
     let mut backoff = inner.cfg.restart_backoff_initial;
     let mut failed_attempts = 0u32;
     let mut first = true;
+    // When the serving world last broke (recovery time: broken → ready again).
+    let mut broken_at: Option<Instant> = None;
     loop {
         if *stop.borrow() {
             break;
@@ -320,6 +322,9 @@ async fn supervise(inner: Arc<Inner>, mut broken_rx: mpsc::UnboundedReceiver<(u6
                 up.info.generation = generation;
                 *inner.live.write().unwrap() = Some(Live { generation, clients: up.clients.clone() });
                 tracing::info!(generation, world_size = up.info.world_size, n_pages = up.info.n_pages, page_size = up.info.page_size, "rank world ready");
+                if let Some(t) = broken_at.take() {
+                    tracing::warn!(generation, "rank world recovered {:.2} s after it broke", t.elapsed().as_secs_f64());
+                }
                 inner.state.send_replace(WorldState::Ready(up.info.clone()));
                 let since = Instant::now();
                 let (reason, stopping) = watch_world(&inner, &mut up, generation, &mut broken_rx, &mut stop).await;
@@ -332,10 +337,13 @@ async fn supervise(inner: Arc<Inner>, mut broken_rx: mpsc::UnboundedReceiver<(u6
                     return;
                 }
                 tracing::error!(generation, %reason, "rank world broken; restarting every rank");
+                let t_broken = Instant::now();
+                broken_at = Some(t_broken);
                 inner.restarts.fetch_add(1, Ordering::Relaxed);
                 inner.state.send_replace(WorldState::Restarting { reason: reason.clone(), attempt: 1 });
                 set_all_health(&inner, "restarting", &reason);
                 teardown(&inner, up.children, &up.clients, false).await;
+                tracing::info!(generation, "old world torn down in {:.2} s", t_broken.elapsed().as_secs_f64());
                 if since.elapsed() > Duration::from_secs(60) {
                     backoff = inner.cfg.restart_backoff_initial;
                 }
@@ -656,6 +664,8 @@ fn spawn_rank(s: &SpawnConfig, rank: u32, world: u32, addr: &RankAddr) -> Result
             cmd.args(args);
         }
     }
+    // The gateway's environment is inherited (NCCL_SOCKET_IFNAME, NCCL_P2P_DISABLE,
+    // NCCL_DEBUG, CUDA_VISIBLE_DEVICES, RUST_LOG, ...); `env` adds to it.
     for (k, v) in &s.env {
         cmd.env(k, v);
     }

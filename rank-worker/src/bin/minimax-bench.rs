@@ -3,14 +3,17 @@
 //! and prefill speed, batch scaling, long-context decode, a per-kernel split of one decode step
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
-//! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--decode-steps N]
+//! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--decode-steps N] [--ab]
 
 use std::time::Instant;
 
 use minimax_rank::cpu::KvSpec;
-use minimax_rank::cuda::{CudaModel, CudaOptions};
+use minimax_rank::cuda::{CudaModel, CudaOptions, GemmPrecision, gemm_precision, set_gemm_precision};
 use minimax_shared::forward::{ForwardBatch, ForwardOutput, LogitsWanted, SeqStep};
 use minimax_shared::model::synthetic::SyntheticSpec;
+
+#[path = "bench/world.rs"]
+mod world;
 
 const PAGE: usize = 16;
 
@@ -113,8 +116,74 @@ fn check_fast_vs_exact(spec_s: &str, layers: usize) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Kernel-choice A/B inside one process (`--ab`): for each combination of the Q8_0 dense
+/// kernel, the IQ4_XS down kernel and the PDL router top-k, the batch-1 and batch-32 graph
+/// replay times and the batch-1 event split of the kernels that differ.
+fn ab_runs(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
+    use minimax_rank::cuda::fast::{DownKind, MvqKind, set_kernel_overrides};
+    let combos = [
+        ("run-4 kernels", MvqKind::Staged, DownKind::Staged, false),
+        ("mvqs + down reg4 + route_fast", MvqKind::Whole, DownKind::Reg4, true),
+        ("mvqs + down reg2 + route_fast", MvqKind::Whole, DownKind::Reg2, true),
+        ("mvqs(12 only) + reg4 + route_fast", MvqKind::WholeShort, DownKind::Reg4, true),
+        ("mvq staged + reg4 + route_fast", MvqKind::Staged, DownKind::Reg4, true),
+        ("mvqs + down staged + route_fast", MvqKind::Whole, DownKind::Staged, true),
+        ("mvqs + down reg4, moe_route", MvqKind::Whole, DownKind::Reg4, false),
+    ];
+    let b = 32usize;
+    let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take(2)).collect();
+    for (i, p) in pts.iter().enumerate() {
+        m.forward(&ForwardBatch { seqs: vec![step(700 + i as u64, p, 0, vec![1, 3 + i as u32, 5, 7, 9], LogitsWanted::Last)] })?;
+    }
+    println!("\nA/B of fast-path kernels (same process; graph replay; events for the split):");
+    println!("{:<36} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}", "kernels", "b1 ms", "b1 tok/s", "b32 tok/s", "mvq ms", "down ms", "route ms", "sum ms");
+    for (ci, (name, mvq, dn, rf)) in combos.iter().enumerate() {
+        set_kernel_overrides(Some(*mvq), Some(*dn), Some(*rf));
+        m.clear_graphs();
+        let pos = 5 + ci;
+        let o = m.forward(&ForwardBatch { seqs: vec![step(700, &pts[0], pos, vec![11], LogitsWanted::Last)] })?;
+        anyhow::ensure!(finite(&o), "{name}: non-finite logits");
+        m.replay_fast_step(1)?;
+        m.gpu().sync()?;
+        let t = Instant::now();
+        for _ in 0..50 {
+            m.replay_fast_step(1)?;
+        }
+        m.gpu().sync()?;
+        let b1 = ms(t) / 50.0;
+        m.set_fast(true, false);
+        m.gpu().profile_begin();
+        m.replay_fast_step(1)?;
+        let prof = m.gpu().profile_end()?;
+        m.set_fast(true, true);
+        let fam = |pre: &[&str]| -> f32 { prof.iter().filter(|(n, _)| pre.iter().any(|p| n.starts_with(p))).map(|(_, t)| *t).sum() };
+        let (tm, td, tr) = (fam(&["mvq"]), fam(&["moe_down"]), fam(&["moe_route"]));
+        let tot: f32 = prof.iter().map(|(_, t)| *t).sum();
+        let seqs = (0..b).map(|i| step(700 + i as u64, &pts[i], pos + 1, vec![13], LogitsWanted::Last)).collect();
+        let o = m.forward(&ForwardBatch { seqs })?;
+        anyhow::ensure!(finite(&o), "{name}: non-finite logits at batch {b}");
+        m.replay_fast_step(b)?;
+        m.gpu().sync()?;
+        let t = Instant::now();
+        for _ in 0..10 {
+            m.replay_fast_step(b)?;
+        }
+        m.gpu().sync()?;
+        let b32 = ms(t) / 10.0;
+        println!("{:<36} {:>9.3} {:>9.1} {:>9.0} {:>9.3} {:>9.3} {:>9.3} {:>9.3}", name, b1, 1e3 / b1, b as f64 * 1e3 / b32, tm, td, tr, tot);
+    }
+    set_kernel_overrides(None, None, None);
+    m.clear_graphs();
+    println!();
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_max_level(tracing::Level::INFO).init();
+    if world::requested() {
+        // Several GPUs (--tp N / --pp N): rank-worker/src/bin/bench/world.rs.
+        return world::main_world();
+    }
     let spec_s = arg("--synthetic").unwrap_or_else(|| "m2.7:iq4xs".into());
     let check_layers: usize = arg("--check-layers").and_then(|s| s.parse().ok()).unwrap_or(2);
     let dsteps: usize = arg("--decode-steps").and_then(|s| s.parse().ok()).unwrap_or(100);
@@ -197,6 +266,10 @@ fn main() -> anyhow::Result<()> {
     }
     println!();
 
+    if flag("--ab") {
+        ab_runs(&mut m, &mut pages)?;
+    }
+
     // Bandwidth bound at short context.
     let wb = m.decode_weight_bytes() as f64;
     let kv_tok = |ctx: usize| (ctx * c.n_layers * c.n_kv_heads * (c.head_dim + c.v_head_dim) * 2) as f64;
@@ -262,8 +335,53 @@ fn main() -> anyhow::Result<()> {
     }
 
     // Prefill (exact path: steps over 32 tokens): 512, 513, then 8192 if it looks affordable.
+    // Tensor-core GEMMs in the default precision (MINIMAX_GEMM, bf16x3 unless set); a 40-token
+    // warm-up first loads the prefill kernels, and 512 is also timed with plain bf16.
     let mut t512 = 0.0;
     let prefill_sizes: &[usize] = if flag("--no-prefill") { &[] } else { &[512, 513] };
+    if !prefill_sizes.is_empty() {
+        let prec = gemm_precision();
+        let other = if prec == GemmPrecision::Bf16 { GemmPrecision::Bf16x3 } else { GemmPrecision::Bf16 };
+        for p in [other, prec] {
+            set_gemm_precision(p);
+            let pt = pages.take(40usize.div_ceil(PAGE));
+            m.forward(&ForwardBatch { seqs: vec![step(40, &pt, 0, (0..40).collect(), LogitsWanted::Last)] })?;
+        }
+        m.gpu().sync()?;
+        set_gemm_precision(other);
+        let pt = pages.take(512 / PAGE);
+        let t = Instant::now();
+        let o = m.forward(&ForwardBatch { seqs: vec![step(41, &pt, 0, (0..512u32).map(|i| (i * 7919) % 200_000).collect(), LogitsWanted::Last)] })?;
+        let e = ms(t);
+        println!("prefill 512, GEMM {other:?}: {e:.1} ms = {:.0} tok/s, finite {}", 512e3 / e, finite(&o));
+        table.push((format!("prefill ms at 512 tokens, GEMM {other:?} (tok/s)"), format!("{e:.1} ({:.0})", 512e3 / e)));
+        set_gemm_precision(prec);
+        // Per-phase split of one 512-token prefill (events around every launch).
+        let pt = pages.take(512 / PAGE);
+        m.gpu().profile_begin();
+        m.forward(&ForwardBatch { seqs: vec![step(42, &pt, 0, (0..512u32).map(|i| (i * 104_729) % 200_000).collect(), LogitsWanted::Last)] })?;
+        let prof = m.gpu().profile_end()?;
+        let mut phase = [("dense GEMM (q/k/v/o, router, lm_head)", 0f32, 0usize), ("grouped MoE (grouping, gate/up/down, SiLU, combine, route)", 0.0, 0), ("attention (incl. KV store)", 0.0, 0), ("other (norms, RoPE, embedding, gather)", 0.0, 0)];
+        for (name, t) in &prof {
+            let i = if name.starts_with("mm_") || name.starts_with("mv_") {
+                0
+            } else if name.starts_with("mmg_") || name.starts_with("mve_") || name.starts_with("moe_") || name == "silu_mul" {
+                1
+            } else if name.starts_with("attn") || name.starts_with("kv_store") || name.starts_with("flash") {
+                2
+            } else {
+                3
+            };
+            phase[i].1 += t;
+            phase[i].2 += 1;
+        }
+        let tot: f32 = phase.iter().map(|p| p.1).sum();
+        println!("per-phase split of a 512-token prefill, GEMM {prec:?} (events around each launch): total {tot:.1} ms, {} launches", prof.len());
+        for (n, t, k) in &phase {
+            println!("  {n:<62} {t:>8.2} ms {:>5.1}% {k:>6} launches", 100.0 * t / tot.max(1e-9));
+            table.push((format!("prefill 512 split: {n} ms"), format!("{t:.2}")));
+        }
+    }
     for &n in prefill_sizes {
         let pt = pages.take(n.div_ceil(PAGE));
         let toks: Vec<u32> = (0..n as u32).map(|i| (i * 7919) % 200_000).collect();

@@ -32,6 +32,9 @@ pub enum CudaError {
     Config(#[from] minimax_shared::model::ConfigError),
     #[error(transparent)]
     Quant(#[from] minimax_shared::quant::QuantError),
+    /// Reading weights from a model file failed.
+    #[error("reading weights from {path}: {source}")]
+    Io { path: String, source: std::io::Error },
 }
 
 impl From<cudarc::nvrtc::result::NvrtcError> for CudaError {

@@ -7,6 +7,7 @@
 //! else takes the exact path in `model.rs`.
 
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicU8, Ordering};
 
 use cudarc::driver::{CudaGraph, CudaSlice};
 use minimax_shared::model::ModelConfig;
@@ -53,6 +54,120 @@ fn gu_reg() -> (usize, &'static str) {
         _ => (2, "2"),
     })
 }
+
+/// Q8_0 dense product kernel of [`Gpu::matvec_q8`]: the staged `mvq_*` (software-pipelined
+/// shared-memory phases of 8 chunks) or the whole-row `mvqs_*` (cp.async of up to 12 / 24
+/// chunks at once, conflict-free block-pair reads). IQ4_XS matrices always take `mvq_*`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MvqKind {
+    /// `mvq_*` (run-4 kernel; `MINIMAX_MVQ=0`).
+    Staged,
+    /// `mvqs_*`: 8 warps x 12-chunk phases for rows of up to 12 chunks, else 4 warps x 24
+    /// (the default).
+    Whole,
+    /// `mvqs_*` with 8 warps x 12-chunk phases for every row (`MINIMAX_MVQ=s`).
+    WholeShort,
+}
+
+impl MvqKind {
+    /// The kind in force: [`set_kernel_overrides`] if set, else `MINIMAX_MVQ` (read once).
+    pub fn from_env() -> Self {
+        match MVQ_OVR.load(Ordering::Relaxed) {
+            1 => return MvqKind::Staged,
+            2 => return MvqKind::Whole,
+            3 => return MvqKind::WholeShort,
+            _ => {}
+        }
+        static V: std::sync::OnceLock<MvqKind> = std::sync::OnceLock::new();
+        *V.get_or_init(|| match std::env::var("MINIMAX_MVQ").as_deref() {
+            Ok("0") => MvqKind::Staged,
+            Ok("s") => MvqKind::WholeShort,
+            _ => MvqKind::Whole,
+        })
+    }
+}
+
+static MVQ_OVR: AtomicU8 = AtomicU8::new(0);
+static DN_OVR: AtomicU8 = AtomicU8::new(0);
+static ROUTE_OVR: AtomicU8 = AtomicU8::new(0);
+
+/// Process-wide kernel choices for A/B runs inside one process (the benchmark), overriding
+/// the environment (`None` = back to the environment's choice). Captured graphs keep the
+/// kernels they were captured with: drop them after a change (`CudaModel::clear_graphs`).
+pub fn set_kernel_overrides(mvq: Option<MvqKind>, down: Option<DownKind>, route_fast: Option<bool>) {
+    MVQ_OVR.store(
+        match mvq {
+            None => 0,
+            Some(MvqKind::Staged) => 1,
+            Some(MvqKind::Whole) => 2,
+            Some(MvqKind::WholeShort) => 3,
+        },
+        Ordering::Relaxed,
+    );
+    DN_OVR.store(
+        match down {
+            None => 0,
+            Some(DownKind::Staged) => 1,
+            Some(DownKind::Reg4) => 2,
+            Some(DownKind::Reg2) => 3,
+        },
+        Ordering::Relaxed,
+    );
+    ROUTE_OVR.store(
+        match route_fast {
+            None => 0,
+            Some(false) => 1,
+            Some(true) => 2,
+        },
+        Ordering::Relaxed,
+    );
+}
+
+/// Whether the fast step routes with `moe_route_fast` (PDL) rather than the exact path's
+/// `moe_route`: [`set_kernel_overrides`] if set, else on unless `MINIMAX_ROUTE_FAST=0`.
+pub fn route_fast_on() -> bool {
+    match ROUTE_OVR.load(Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => {
+            static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            *V.get_or_init(|| std::env::var("MINIMAX_ROUTE_FAST").map(|v| v != "0").unwrap_or(true))
+        }
+    }
+}
+
+/// Expert down kernel of [`Gpu::moe_down_q8`]: the staged `moe_down_*` or, for IQ4_XS, the
+/// register-direct `moe_down_reg{4,2}_iq4_xs` (4 or 2 warps per output row).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum DownKind {
+    /// `moe_down_*` (run-4 kernel; `MINIMAX_DN=0`).
+    Staged,
+    /// `moe_down_reg4_iq4_xs` (the default for IQ4_XS).
+    Reg4,
+    /// `moe_down_reg2_iq4_xs` (`MINIMAX_DN=2`).
+    Reg2,
+}
+
+impl DownKind {
+    /// The kind in force: [`set_kernel_overrides`] if set, else `MINIMAX_DN` (read once).
+    pub fn from_env() -> Self {
+        match DN_OVR.load(Ordering::Relaxed) {
+            1 => return DownKind::Staged,
+            2 => return DownKind::Reg4,
+            3 => return DownKind::Reg2,
+            _ => {}
+        }
+        static V: std::sync::OnceLock<DownKind> = std::sync::OnceLock::new();
+        *V.get_or_init(|| match std::env::var("MINIMAX_DN").as_deref() {
+            Ok("0") => DownKind::Staged,
+            Ok("2") => DownKind::Reg2,
+            _ => DownKind::Reg4,
+        })
+    }
+}
+
+/// Largest expert count and top-k of `moe_route_fast` (scores in registers, one warp).
+pub const ROUTE_FAST_MAX_E: usize = 256;
 
 fn tn(ty: GgmlType) -> &'static str {
     match ty {
@@ -145,6 +260,15 @@ impl Gpu {
     /// `y_s[v] (+)= W_s x_q[v]` for up to three matrices `segs` = (W, y, y stride) sharing one
     /// q8 input of `ncol` columns, `nv` vectors.
     pub fn matvec_q8(&self, segs: &[(&DevMat, u64, usize)], xq: u64, xd: u64, ncol: usize, nv: usize, accumulate: bool) -> Result<(), CudaError> {
+        self.matvec_q8_with(MvqKind::from_env(), segs, xq, xd, ncol, nv, accumulate)
+    }
+
+    /// [`Gpu::matvec_q8`] with an explicit kernel choice (tests and A/B runs).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_q8_with(&self, kind: MvqKind, segs: &[(&DevMat, u64, usize)], xq: u64, xd: u64, ncol: usize, nv: usize, accumulate: bool) -> Result<(), CudaError> {
+        if segs.is_empty() || segs.len() > 3 {
+            return Err(CudaError::Shape(format!("matvec_q8: {} matrices (1 to 3)", segs.len())));
+        }
         let w0 = segs[0].0;
         let ty = w0.ty;
         for (w, _, _) in segs {
@@ -172,13 +296,50 @@ impl Gpu {
             }
         }
         args.extend([Arg::I(nchunks as i32), Arg::P(xq), Arg::P(xd), Arg::I(ncol as i32), Arg::I(nv as i32), Arg::I(accumulate as i32)]);
-        self.launch_pdl(&format!("mvq_{}_{nt}", tn(ty)), (ceil_div(rows, 8), ceil_div(nv, nt), 1), 256, 0, &args)
+        let (name, warps) = match kind {
+            _ if ty != GgmlType::Q8_0 => (format!("mvq_{}_{nt}", tn(ty)), 8),
+            MvqKind::Staged => (format!("mvq_q8_0_{nt}"), 8),
+            MvqKind::Whole if nchunks > 12 => (format!("mvqs_q8_0_{nt}l"), 4),
+            MvqKind::Whole | MvqKind::WholeShort => (format!("mvqs_q8_0_{nt}s"), 8),
+        };
+        self.launch_pdl(&name, (ceil_div(rows, warps), ceil_div(nv, nt), 1), 32 * warps as u32, 0, &args)
+    }
+
+    /// Router top-k with PDL (`moe_route_fast`, bit-identical to [`Gpu::route`]): up to
+    /// [`ROUTE_FAST_MAX_E`] experts, top-k of at most 32.
+    #[allow(clippy::too_many_arguments)]
+    pub fn route_fast(&self, logits: u64, bias: u64, e: usize, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, w: u64, nt: usize) -> Result<(), CudaError> {
+        if e > ROUTE_FAST_MAX_E || k > 32 || k > e || k == 0 {
+            return Err(CudaError::Shape(format!("moe_route_fast: top-{k} of {e} experts (at most {ROUTE_FAST_MAX_E} experts, k <= 32)")));
+        }
+        let g = match gating {
+            minimax_shared::model::GatingFunc::Sigmoid => 2,
+            minimax_shared::model::GatingFunc::Softmax => 1,
+        };
+        self.launch_pdl(
+            "moe_route_fast",
+            (nt as u32, 1, 1),
+            32,
+            0,
+            &[Arg::P(logits), Arg::P(bias), Arg::I(e as i32), Arg::I(k as i32), Arg::I(g), Arg::P(ids), Arg::P(w)],
+        )
     }
 
     /// Fused expert gate/up: for each of `npairs` (token p / k, expert ids[p]) pairs, the
     /// `silu(gate x) * (up x)` activations quantized to q8 (`aq` [p][ff], `ad` [p][ff/32]).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up_q8(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, xq: u64, xd: u64, aq: u64, ad: u64, npairs: usize) -> Result<(), CudaError> {
+        self.moe_gate_up_q8_ld(gate, up, ids, k, xq, xd, aq, ad, npairs, gate.rows)
+    }
+
+    /// [`Gpu::moe_gate_up_q8`] with the activations `ld` apart per pair (`ld >= gate.rows`,
+    /// multiple of 32): tensor parallelism pads a rank's expert slice to whole down-kernel
+    /// chunks; the pad columns are never written and stay zero.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gate_up_q8_ld(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, xq: u64, xd: u64, aq: u64, ad: u64, npairs: usize, ld: usize) -> Result<(), CudaError> {
+        if ld < gate.rows || ld % 32 != 0 {
+            return Err(CudaError::Shape(format!("moe_gate_up_q8: activation stride {ld} for {} rows", gate.rows)));
+        }
         if !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 {
             return Err(CudaError::Shape("moe_gate_up_q8: expert tensors".into()));
         }
@@ -207,7 +368,7 @@ impl Gpu {
                 Arg::I(gate.cols as i32),
                 Arg::P(aq),
                 Arg::P(ad),
-                Arg::I(gate.rows as i32),
+                Arg::I(ld as i32),
             ],
         )
     }
@@ -215,12 +376,25 @@ impl Gpu {
     /// Fused expert down + weighted combine: `hidden[t] += sum_j w[t,j] down[ids[t,j]] act[t,j]`.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down_q8(&self, down: &DevMat, ids: u64, wts: u64, k: usize, aq: u64, ad: u64, hidden: u64, hs: usize, nt: usize) -> Result<(), CudaError> {
+        self.moe_down_q8_with(DownKind::from_env(), down, ids, wts, k, aq, ad, hidden, hs, nt)
+    }
+
+    /// [`Gpu::moe_down_q8`] with an explicit kernel choice (tests and A/B runs); the
+    /// register-direct kinds apply to IQ4_XS with k <= 32 (else the staged kernel runs).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down_q8_with(&self, kind: DownKind, down: &DevMat, ids: u64, wts: u64, k: usize, aq: u64, ad: u64, hidden: u64, hs: usize, nt: usize) -> Result<(), CudaError> {
         if !fast_mat(down) || down.row_bytes / CH > 12 {
             return Err(CudaError::Shape("moe_down_q8: expert tensor".into()));
         }
+        let reg = down.ty == GgmlType::IQ4_XS && k <= 32;
+        let (name, rows_per_block) = match kind {
+            DownKind::Reg4 if reg => ("moe_down_reg4_iq4_xs".to_string(), 2),
+            DownKind::Reg2 if reg => ("moe_down_reg2_iq4_xs".to_string(), 4),
+            _ => (format!("moe_down_{}", tn(down.ty)), 8),
+        };
         self.launch_pdl(
-            &format!("moe_down_{}", tn(down.ty)),
-            (ceil_div(down.rows, 8), nt as u32, 1),
+            &name,
+            (ceil_div(down.rows, rows_per_block), nt as u32, 1),
             256,
             0,
             &[
@@ -276,7 +450,8 @@ pub(crate) fn fast_plan(cfg: &ModelConfig, kv: KvDtype, layers: &[FastLayer], he
     if cfg.n_heads * cfg.head_dim > QK_MAX_WIDTH || cfg.n_kv_heads * cfg.head_dim > QK_MAX_WIDTH || cfg.hidden > NQ_MAXV * 1024 {
         return Err("q/k or hidden width above the fast kernels' limits".into());
     }
-    if !fast_mat(head) {
+    // A pipeline stage before the last holds no head (rows 0).
+    if head.rows > 0 && !fast_mat(head) {
         return Err(format!("output {:?}", head.ty));
     }
     for (i, l) in layers.iter().enumerate() {
@@ -308,6 +483,8 @@ pub(crate) struct FastWs {
     pub aq: CudaSlice<i8>,
     pub ad: CudaSlice<f32>,
     pub part: CudaSlice<f32>,
+    /// Tensor parallelism: per-token partial sums of squares of q and k ([t][2]), all-reduced.
+    pub ss: CudaSlice<f32>,
     pub logits: CudaSlice<f32>,
     /// [tokens | pos | seq | slots | pt_off] (MAX_FAST_TOKENS each) then page tables.
     pub meta: CudaSlice<i32>,
@@ -343,6 +520,7 @@ impl FastWs {
             aq: g.zeros(t * c.n_experts_used * c.expert_ff)?,
             ad: g.zeros(t * c.n_experts_used * c.expert_ff / 32)?,
             part: g.zeros(max_split_tokens * c.n_kv_heads * GQA * (128 + 2))?,
+            ss: g.zeros(2 * t)?,
             logits: g.zeros(t * c.vocab_size)?,
             meta: g.zeros(5 * t + pts_cap)?,
             pts_cap,

@@ -28,7 +28,7 @@ pub enum KvDtype {
 }
 
 impl KvDtype {
-    fn suffix(self) -> &'static str {
+    pub(crate) fn suffix(self) -> &'static str {
         match self {
             KvDtype::F16 => "f16",
             KvDtype::BF16 => "bf16",
@@ -315,9 +315,14 @@ impl Gpu {
     /// `y[v] = W x[v]` (or `+=` with `accumulate`) for `nvec` f32 vectors `xs` apart, outputs
     /// `ys` apart (strides in elements).
     #[allow(clippy::too_many_arguments)]
+    /// Above [`super::matmul::GEMM_MIN_TOKENS`] vectors this is the tensor-core GEMM
+    /// ([`Gpu::matmul`]) when its alignment holds.
     pub fn matvec(&self, w: &DevMat, x: u64, xs: usize, y: u64, ys: usize, nvec: usize, accumulate: bool) -> Result<(), CudaError> {
         let tn = self.check_type(w.ty, "matvec")?;
         self.check_x(w.ty, x, xs)?;
+        if nvec > super::matmul::GEMM_MIN_TOKENS && self.gemm_unfit(w, x, xs).is_none() {
+            return self.matmul(w, x, xs, y, ys, nvec, accumulate);
+        }
         let nt = if nvec == 1 { 1 } else { 8 };
         let grid = (ceil_div(w.rows, MV_WARPS), ceil_div(nvec, nt), 1);
         self.launch(
@@ -427,9 +432,18 @@ impl Gpu {
         )
     }
 
-    /// Causal paged GQA attention for `nt` query rows; see kernels/attention.cu.
-    #[allow(clippy::too_many_arguments)]
+    /// Causal paged GQA attention for `nt` query rows: the flash kernel (cuda/flash.rs) when
+    /// `a` gives per-sequence token ranges and some sequence has enough new tokens, else the
+    /// per-token kernel.
     pub fn attention(&self, dt: KvDtype, a: &AttnArgs) -> Result<(), CudaError> {
+        if Gpu::flash_chosen(dt, a) {
+            return self.flash_attention(dt, a);
+        }
+        self.attention_per_token(dt, a)
+    }
+
+    /// Causal paged GQA attention, one block per (query head, token); see kernels/attention.cu.
+    pub fn attention_per_token(&self, dt: KvDtype, a: &AttnArgs) -> Result<(), CudaError> {
         if a.hd > 256 || a.vd > 256 || a.kv_heads == 0 || a.heads % a.kv_heads != 0 {
             return Err(CudaError::Shape(format!("attention: head dims {}/{} (max 256), heads {}/{}", a.hd, a.vd, a.heads, a.kv_heads)));
         }
@@ -490,7 +504,7 @@ impl Gpu {
 }
 
 /// Arguments of [`Gpu::attention`] (device addresses and sizes).
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, Default)]
 pub struct AttnArgs {
     /// Queries, `nt` rows `qs` apart, `heads * hd` wide (normed and rotated).
     pub q: u64,
@@ -514,4 +528,10 @@ pub struct AttnArgs {
     pub out: u64,
     pub os: usize,
     pub nt: usize,
+    /// Per sequence (i32, `n_seqs + 1` entries): index of its first token in the flat batch
+    /// (a sequence's tokens are contiguous), then `nt`. 0 (not given) = per-token kernel only.
+    pub seq_start: u64,
+    pub n_seqs: usize,
+    /// Most new tokens of one sequence in this step (flash grid size and kernel choice).
+    pub max_seq_tokens: usize,
 }

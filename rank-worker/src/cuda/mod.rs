@@ -6,12 +6,18 @@
 
 pub mod error;
 pub mod fast;
+pub mod flash;
 pub mod gpu;
+pub mod matmul;
 pub mod model;
 pub mod nccl;
 pub mod nvrtc;
+pub mod pipeline;
+pub mod upload;
 
 pub use error::CudaError;
 pub use gpu::{Arg, AttnArgs, DevMat, Gpu, KvDtype};
+pub use matmul::{ExpertGroups, GEMM_MIN_TOKENS, GemmPrecision, gemm_precision, set_gemm_precision};
 pub use model::{CudaModel, CudaOptions, LoadStats};
-pub use nccl::{NCCL_ID_BYTES, NcclComm};
+pub use model::sampling;
+pub use nccl::{NCCL_ID_BYTES, NcclAbort, NcclComm};

@@ -4,7 +4,6 @@
 //! activations are f32; the paged KV cache is f16 (or bf16, or f32 for exact checks).
 
 use std::sync::Arc;
-use std::time::Instant;
 
 use cudarc::driver::CudaSlice;
 use minimax_shared::forward::{ForwardBatch, ForwardOutput, LogitsRow};
@@ -19,6 +18,13 @@ use minimax_shared::model::synthetic::SyntheticSpec;
 use crate::cpu::KvSpec;
 use crate::partition::Partition;
 use super::nccl::NcclComm;
+use super::upload::Uploader;
+
+#[path = "synthetic_part.rs"]
+mod synthetic_part;
+// Device sampling reductions: a child module so it can read the fast path's logits buffer.
+#[path = "sampling.rs"]
+pub mod sampling;
 
 /// Options for [`CudaModel::load`].
 #[derive(Clone, Copy, Debug)]
@@ -54,10 +60,6 @@ struct Layer {
     gate: DevMat,
     up: DevMat,
     down: DevMat,
-    /// Host copies of this rank's q/k norm weights (tensor parallelism: the full-width norm
-    /// is applied on the host after the cross-rank sum of squares; empty otherwise).
-    q_norm_h: Vec<f32>,
-    k_norm_h: Vec<f32>,
 }
 
 /// Totals of a weight upload.
@@ -103,120 +105,9 @@ pub struct CudaModel {
     ff: usize,
     /// The tensor-parallel communicator (set at JOIN; None for a world of one).
     comm: Option<NcclComm>,
-}
-
-/// Copies tensors to the device, keeping the buffers and logging progress.
-struct Uploader<'a> {
-    gpu: &'a Gpu,
-    model: &'a GgufModel,
-    bufs: Vec<CudaSlice<u8>>,
-    stats: LoadStats,
-    total: usize,
-    t0: Instant,
-    next_log: usize,
-}
-
-impl Uploader<'_> {
-    fn put(&mut self, bytes: &[u8]) -> Result<u64, CudaError> {
-        let b = self.gpu.upload(bytes)?;
-        let p = self.gpu.ptr(&b);
-        self.bufs.push(b);
-        self.stats.tensors += 1;
-        self.stats.bytes += bytes.len();
-        if self.stats.bytes >= self.next_log {
-            let s = self.t0.elapsed().as_secs_f64().max(1e-9);
-            let rate = self.stats.bytes as f64 / s;
-            let eta = (self.total.saturating_sub(self.stats.bytes)) as f64 / rate.max(1.0);
-            tracing::info!(
-                "weights: {:.2}/{:.2} GB, {:.2} GB/s, ETA {:.0} s",
-                self.stats.bytes as f64 / 1e9,
-                self.total as f64 / 1e9,
-                rate / 1e9,
-                eta
-            );
-            self.next_log = self.stats.bytes + (self.total / 20).max(1 << 30);
-        }
-        Ok(p)
-    }
-
-    /// A 2-D (or 3-D expert) matrix, uploaded in its quantized form.
-    fn mat(&mut self, name: &str) -> Result<DevMat, CudaError> {
-        let t = self.model.tensor(name).ok_or_else(|| CudaError::MissingTensor(name.to_string()))?;
-        let info = t.info;
-        if !info.ty.is_supported() {
-            return Err(CudaError::Unsupported { ty: info.ty, what: name.to_string() });
-        }
-        let cols = info.row_len();
-        let row_bytes = quant::row_bytes(info.ty, cols)?;
-        let (rows, n_experts) = match info.dims.len() {
-            2 => (info.dims[1] as usize, 0),
-            3 => (info.dims[1] as usize, info.dims[2] as usize),
-            _ => return Err(CudaError::Shape(format!("{name}: {} dims", info.dims.len()))),
-        };
-        let ptr = self.put(t.data)?;
-        Ok(DevMat { ptr, ty: info.ty, rows, cols, row_bytes, n_experts, expert_stride: rows * row_bytes })
-    }
-
-    /// Rows `rows` (per expert, for a 3-D tensor) and columns `cols` of a matrix, copied to
-    /// the device. Column slices keep the quantized blocks when block-aligned and fall back
-    /// to f32 otherwise (as the CPU backend does).
-    fn mat_slice(&mut self, name: &str, rows: Option<std::ops::Range<usize>>, cols: Option<std::ops::Range<usize>>) -> Result<DevMat, CudaError> {
-        let t = self.model.tensor(name).ok_or_else(|| CudaError::MissingTensor(name.to_string()))?;
-        let info = t.info;
-        if !info.ty.is_supported() {
-            return Err(CudaError::Unsupported { ty: info.ty, what: name.to_string() });
-        }
-        let ncols = info.row_len();
-        let rb = quant::row_bytes(info.ty, ncols)?;
-        let (nrows, n_experts) = match info.dims.len() {
-            2 => (info.dims[1] as usize, 0),
-            3 => (info.dims[1] as usize, info.dims[2] as usize),
-            _ => return Err(CudaError::Shape(format!("{name}: {} dims", info.dims.len()))),
-        };
-        let r = rows.unwrap_or(0..nrows);
-        let c = cols.unwrap_or(0..ncols);
-        if r == (0..nrows) && c == (0..ncols) {
-            return self.mat(name);
-        }
-        if r.end > nrows || c.end > ncols || r.start > r.end || c.start > c.end {
-            return Err(CudaError::Shape(format!("{name}: rows {r:?} cols {c:?} of {nrows}x{ncols}")));
-        }
-        let (be, bb) = (info.ty.block_elems(), info.ty.block_bytes());
-        let aligned = c.start % be == 0 && c.len() % be == 0;
-        let (ty, nrb) = if aligned { (info.ty, quant::row_bytes(info.ty, c.len())?) } else { (GgmlType::F32, 4 * c.len()) };
-        let mut out = Vec::with_capacity(n_experts.max(1) * r.len() * nrb);
-        for e in 0..n_experts.max(1) {
-            for row in r.clone() {
-                let base = (e * nrows + row) * rb;
-                let src = &t.data[base..base + rb];
-                if aligned {
-                    out.extend_from_slice(&src[c.start / be * bb..c.end / be * bb]);
-                } else {
-                    let v = quant::dequantize_to_vec(info.ty, src, ncols)?;
-                    out.extend(v[c.clone()].iter().flat_map(|x| x.to_le_bytes()));
-                }
-            }
-        }
-        let ptr = self.put(&out)?;
-        Ok(DevMat { ptr, ty, rows: r.len(), cols: c.len(), row_bytes: nrb, n_experts, expert_stride: r.len() * nrb })
-    }
-
-    /// Elements `range` of a 1-D tensor as f32, on the device and on the host.
-    fn vec_f32_range(&mut self, name: &str, range: std::ops::Range<usize>) -> Result<(u64, Vec<f32>), CudaError> {
-        let t = self.model.tensor(name).ok_or_else(|| CudaError::MissingTensor(name.to_string()))?;
-        let v = quant::dequantize_to_vec(t.info.ty, t.data, t.info.n_elems() as usize)?;
-        let v = v.get(range.clone()).ok_or_else(|| CudaError::Shape(format!("{name}: {range:?} of {}", v.len())))?.to_vec();
-        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        Ok((self.put(&bytes)?, v))
-    }
-
-    /// A 1-D tensor, converted to f32 on the host.
-    fn vec_f32(&mut self, name: &str) -> Result<u64, CudaError> {
-        let t = self.model.tensor(name).ok_or_else(|| CudaError::MissingTensor(name.to_string()))?;
-        let v = quant::dequantize_to_vec(t.info.ty, t.data, t.info.n_elems() as usize)?;
-        let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-        self.put(&bytes)
-    }
+    /// Benchmark switch: the fast path's tensor-parallel all-reduces are enqueued (true, the
+    /// only correct setting) or skipped (kernel time alone; wrong results).
+    tp_collectives: bool,
 }
 
 /// Per-step device buffers.
@@ -228,6 +119,8 @@ struct Step {
     pt_off: CudaSlice<i32>,
     pts: CudaSlice<u32>,
     out_idx: CudaSlice<i32>,
+    /// Per sequence: its first token in the flat batch, then nt (flash attention).
+    seq_start: CudaSlice<i32>,
 }
 
 impl CudaModel {
@@ -240,38 +133,34 @@ impl CudaModel {
     /// Loads this rank's share of the model: the whole model, or a tensor-parallel slice of
     /// every layer (`Partition::tensor`: q/k/v rows of this rank's heads, o-proj columns,
     /// expert gate/up rows and down columns of its intermediate slice, the same slicing as
-    /// the CPU backend). Embedding, router, norms and lm_head are replicated. Pipeline
-    /// partitions are not supported yet.
+    /// the CPU backend). Embedding, router, norms and lm_head are replicated. A pipeline
+    /// partition (`Partition::pipeline*`) loads only its contiguous layer range, the token
+    /// embedding on the first stage and the final norm + lm_head on the last.
     pub fn load_part(model: Arc<GgufModel>, part: Partition, kv: KvSpec, opts: CudaOptions) -> Result<Self, CudaError> {
         let cfg = ModelConfig::from_gguf(&model)?;
-        if part.layers != (0..cfg.n_layers) || !part.first_stage || !part.last_stage {
-            return Err(CudaError::Shape(format!(
-                "CUDA pipeline partitions (layers {:?}) are not implemented yet; use tensor parallelism",
-                part.layers
-            )));
-        }
-        let tp = part.tp_world > 1;
+        check_partition(&cfg, &part)?;
         let gpu = Gpu::new(opts.device)?;
-        let mut names_needed = vec![names::TOKEN_EMBD.to_string(), names::OUTPUT_NORM.to_string()];
-        if !cfg.tied_embeddings {
-            names_needed.push(names::OUTPUT.to_string());
-        }
-        let total: usize = model.tensors().map(|t| t.n_bytes as usize).sum();
-        let mut up = Uploader { gpu: &gpu, model: &model, bufs: Vec::new(), stats: LoadStats::default(), total, t0: Instant::now(), next_log: 0 };
-        let embd = up.mat(names::TOKEN_EMBD)?;
-        let out_norm = up.vec_f32(names::OUTPUT_NORM)?;
-        let head = if cfg.tied_embeddings { embd } else { up.mat(names::OUTPUT)? };
-        let mut layers = Vec::with_capacity(cfg.n_layers);
+        // Planned here, copied at `up.finish()` (upload.rs: pinned staging, parallel reads).
+        let mut up = Uploader::new(&gpu, &model);
+        let embd = if part.first_stage { up.mat(names::TOKEN_EMBD)? } else { absent_mat() };
+        let (out_norm, head) = if part.last_stage {
+            let head_name = if cfg.tied_embeddings { names::TOKEN_EMBD } else { names::OUTPUT };
+            let head = if cfg.tied_embeddings && part.first_stage { embd } else { up.mat(head_name)? };
+            (up.vec_f32(names::OUTPUT_NORM)?, head)
+        } else {
+            (0, absent_mat())
+        };
+        let mut layers = Vec::with_capacity(part.layers.len());
         let heads = part.tp_range(cfg.n_heads);
         let kvh = part.tp_range(cfg.n_kv_heads);
         let f = part.tp_range(cfg.expert_ff);
         let (hd, vd) = (cfg.head_dim, cfg.v_head_dim);
         let q_rows = heads.start * hd..heads.end * hd;
         let k_rows = kvh.start * hd..kvh.end * hd;
-        for l in 0..cfg.n_layers {
+        for l in part.layers.clone() {
             let n = |s: &str| names::block(l, s);
-            let (q_norm, q_norm_h) = up.vec_f32_range(&n(names::ATTN_Q_NORM), q_rows.clone())?;
-            let (k_norm, k_norm_h) = up.vec_f32_range(&n(names::ATTN_K_NORM), k_rows.clone())?;
+            let (q_norm, _) = up.vec_f32_range(&n(names::ATTN_Q_NORM), q_rows.clone())?;
+            let (k_norm, _) = up.vec_f32_range(&n(names::ATTN_K_NORM), k_rows.clone())?;
             layers.push(Layer {
                 attn_norm: up.vec_f32(&n(names::ATTN_NORM))?,
                 wq: up.mat_slice(&n(names::ATTN_Q), Some(q_rows.clone()), None)?,
@@ -286,23 +175,9 @@ impl CudaModel {
                 gate: up.mat_slice(&n(names::FFN_GATE_EXPS), Some(f.clone()), None)?,
                 up: up.mat_slice(&n(names::FFN_UP_EXPS), Some(f.clone()), None)?,
                 down: up.mat_slice(&n(names::FFN_DOWN_EXPS), None, Some(f.clone()))?,
-                q_norm_h: if tp { q_norm_h } else { Vec::new() },
-                k_norm_h: if tp { k_norm_h } else { Vec::new() },
             });
         }
-        gpu.sync()?;
-        let mut stats = up.stats;
-        stats.seconds = up.t0.elapsed().as_secs_f64();
-        let bufs = std::mem::take(&mut up.bufs);
-        drop(up);
-        tracing::info!(
-            "weights on {}: {} tensors, {:.3} GB in {:.2} s ({:.2} GB/s)",
-            gpu.name,
-            stats.tensors,
-            stats.bytes as f64 / 1e9,
-            stats.seconds,
-            stats.gb_per_s()
-        );
+        let (bufs, stats) = up.finish()?;
         Self::finish(gpu, cfg, part, kv, opts, bufs, embd, out_norm, head, layers, stats)
     }
 
@@ -325,7 +200,11 @@ impl CudaModel {
         let mut kc = Vec::new();
         let mut vc = Vec::new();
         let (heads, kv_heads, ff) = (part.tp_range(cfg.n_heads).len(), part.tp_range(cfg.n_kv_heads).len(), part.tp_range(cfg.expert_ff).len());
-        for _ in 0..cfg.n_layers {
+        if layers.len() != part.layers.len() {
+            return Err(CudaError::Shape(format!("{} layers loaded for the partition's {:?}", layers.len(), part.layers)));
+        }
+        // One K/V cache per layer this rank runs (a pipeline stage: its range only).
+        for _ in 0..layers.len() {
             let eb = opts.kv_dtype.bytes();
             kc.push(gpu.zeros::<u8>(slots * kv_heads * cfg.head_dim * eb)?);
             vc.push(gpu.zeros::<u8>(slots * kv_heads * cfg.v_head_dim * eb)?);
@@ -352,12 +231,11 @@ impl CudaModel {
             kv_heads,
             ff,
             comm: None,
+            tp_collectives: true,
         };
         let fl = m.fast_layers();
         m.fast_off = if !opts.fast_decode {
             Some("disabled by options".into())
-        } else if m.part.tp_world > 1 {
-            Some(format!("tensor parallel world of {} (the fast path is single-GPU for now; exact path)", m.part.tp_world))
         } else {
             fast_plan(&m.cfg, m.kv_dtype, &fl, &m.head).err()
         };
@@ -400,69 +278,20 @@ impl CudaModel {
     /// (benchmarks only; routing on random weights is roughly uniform). Norm weights are
     /// uniform in [0.9, 1.1], the router's f32 weights in [-0.05, 0.05], its bias in [0, 0.01].
     pub fn synthetic(spec: &SyntheticSpec, kv: KvSpec, opts: CudaOptions, seed: u64) -> Result<Self, CudaError> {
-        let cfg = spec.config();
-        let gpu = Gpu::new(opts.device)?;
-        let t0 = Instant::now();
-        let mut bufs = Vec::new();
-        let mut mats: std::collections::HashMap<String, DevMat> = std::collections::HashMap::new();
-        let mut stats = LoadStats::default();
-        for (i, t) in spec.tensors().into_iter().enumerate() {
-            let n_bytes = t.n_bytes() as usize;
-            let buf = unsafe { gpu.stream.alloc::<u8>(n_bytes.max(1)) }?;
-            let p = gpu.ptr(&buf);
-            let n_elems: usize = t.dims.iter().product::<u64>() as usize;
-            let (lo, hi) = if t.name.ends_with("_norm.weight") {
-                (0.9, 1.1)
-            } else if t.name.ends_with(names::EXP_PROBS_B) {
-                (0.0, 0.01)
-            } else {
-                (-0.05, 0.05)
-            };
-            gpu.fill_synthetic(p, t.ty, n_elems, seed.wrapping_add((i as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15)), lo, hi)?;
-            let cols = t.dims[0] as usize;
-            let row_bytes = quant::row_bytes(t.ty, cols)?;
-            let rows = t.dims.get(1).copied().unwrap_or(1) as usize;
-            let n_experts = t.dims.get(2).copied().unwrap_or(0) as usize;
-            mats.insert(t.name.clone(), DevMat { ptr: p, ty: t.ty, rows, cols, row_bytes, n_experts, expert_stride: rows * row_bytes });
-            stats.tensors += 1;
-            stats.bytes += n_bytes;
-            bufs.push(buf);
-        }
-        gpu.sync()?;
-        stats.seconds = t0.elapsed().as_secs_f64();
-        tracing::info!("synthetic weights on {}: {} tensors, {:.3} GB filled in {:.2} s", gpu.name, stats.tensors, stats.bytes as f64 / 1e9, stats.seconds);
-        let get = |n: &str| mats.get(n).copied().ok_or_else(|| CudaError::MissingTensor(n.to_string()));
-        let embd = get(names::TOKEN_EMBD)?;
-        let out_norm = get(names::OUTPUT_NORM)?.ptr;
-        let head = if cfg.tied_embeddings { embd } else { get(names::OUTPUT)? };
-        let mut layers = Vec::with_capacity(cfg.n_layers);
-        for l in 0..cfg.n_layers {
-            let n = |s: &str| names::block(l, s);
-            layers.push(Layer {
-                attn_norm: get(&n(names::ATTN_NORM))?.ptr,
-                wq: get(&n(names::ATTN_Q))?,
-                wk: get(&n(names::ATTN_K))?,
-                wv: get(&n(names::ATTN_V))?,
-                wo: get(&n(names::ATTN_OUTPUT))?,
-                q_norm: get(&n(names::ATTN_Q_NORM))?.ptr,
-                k_norm: get(&n(names::ATTN_K_NORM))?.ptr,
-                ffn_norm: get(&n(names::FFN_NORM))?.ptr,
-                router: get(&n(names::FFN_GATE_INP))?,
-                bias: get(&n(names::EXP_PROBS_B))?.ptr,
-                gate: get(&n(names::FFN_GATE_EXPS))?,
-                up: get(&n(names::FFN_UP_EXPS))?,
-                down: get(&n(names::FFN_DOWN_EXPS))?,
-                q_norm_h: Vec::new(),
-                k_norm_h: Vec::new(),
-            });
-        }
-        let part = Partition::whole(&cfg);
-        Self::finish(gpu, cfg, part, kv, opts, bufs, embd, out_norm, head, layers, stats)
+        Self::synthetic_part(spec, Partition::whole(&spec.config()), kv, opts, seed)
     }
 
     /// Why the fast decode path is off for this model (None when it is on).
     pub fn fast_path_off(&self) -> Option<&str> {
         self.fast_off.as_deref()
+    }
+
+    /// Drops the captured fast-step graphs (they are captured again on the next step of each
+    /// size): after a kernel choice changed (`fast::set_kernel_overrides`).
+    pub fn clear_graphs(&mut self) {
+        if let Some(ws) = self.fast.as_mut() {
+            ws.graphs.clear();
+        }
     }
 
     /// Turns fast-path decoding (and its graphs) on or off at run time (for A/B checks).
@@ -518,47 +347,69 @@ impl CudaModel {
         let meta = g.ptr(&ws.meta);
         let (m_tok, m_pos, m_seq, m_slot, m_ptoff, m_pts) = (meta, meta + 4 * t, meta + 8 * t, meta + 12 * t, meta + 16 * t, meta + 20 * t);
         let h = c.hidden;
-        let (qw, kw, vw, ow) = (c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim, c.n_kv_heads * c.v_head_dim, c.n_heads * c.v_head_dim);
+        // This rank's widths (tensor parallelism: its heads / KV heads; the whole model's at tp 1).
+        let (qw, kw, vw, ow) = (self.heads * c.head_dim, self.kv_heads * c.head_dim, self.kv_heads * c.v_head_dim, self.heads * c.v_head_dim);
         let (k, e) = (c.n_experts_used, c.n_experts);
         let (hid, nrm, xq, xd) = (p(&ws.hidden), p(&ws.normed), g.ptr(&ws.xq), p(&ws.xd));
+        // Tensor parallelism: every rank holds the same residual `hid`. Rank 0 adds its o-proj
+        // and MoE-down partials into it, the other ranks overwrite it with theirs, and an
+        // in-place all-reduce of `hid` makes it the new residual everywhere (no extra add
+        // kernel). The full-width q/k norm all-reduces per-token partial sums of squares.
+        let tp = self.part.tp_world > 1;
+        let lead = self.part.tp_rank == 0;
+        let comm = if tp { Some(self.comm.as_ref().ok_or_else(|| CudaError::Shape("tensor-parallel rank has no NCCL communicator (JOIN first)".into()))?) } else { None };
+        let all_reduce = |ptr: u64, n: usize| -> Result<(), CudaError> {
+            match comm {
+                Some(cm) if self.tp_collectives => cm.all_reduce_sum_raw(ptr, n),
+                _ => Ok(()),
+            }
+        };
+        let ssp = p(&ws.ss);
         let (aq, ad, ids, wts) = (g.ptr(&ws.aq), p(&ws.ad), g.ptr(&ws.ids), p(&ws.wts));
         let kvs = if self.kv_dtype == KvDtype::BF16 { "bf16" } else { "f16" };
         let nsplit = nsplit_for(nt);
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        g.dequant_rows(&self.embd, m_tok, nt, hid, h)?;
+        // Pipeline stages after the first find their input in `hidden` (received before the
+        // step's graph); stages before the last stop after their layers (sent after it).
+        if self.part.first_stage {
+            g.dequant_rows(&self.embd, m_tok, nt, hid, h)?;
+        }
         for (li, l) in self.layers.iter().enumerate() {
             g.norm_q8(hid, h, l.attn_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
             g.matvec_q8(&[(&l.wq, p(&ws.q), qw), (&l.wk, p(&ws.k), kw), (&l.wv, p(&ws.v), vw)], xq, xd, h, nt, false)?;
             let (kc, vc) = (g.ptr(&self.kc[li]), g.ptr(&self.vc[li]));
-            g.launch_pdl(
-                &format!("qk_norm_rope_store_{kvs}"),
-                (nt as u32, 2, 1),
-                1024,
-                0,
-                &[
-                    Arg::P(p(&ws.q)),
-                    Arg::L(qw as i64),
-                    Arg::P(p(&ws.k)),
-                    Arg::P(p(&ws.v)),
-                    Arg::L(kw as i64),
-                    Arg::P(l.q_norm),
-                    Arg::P(l.k_norm),
-                    Arg::I(qw as i32),
-                    Arg::I(kw as i32),
-                    Arg::I(vw as i32),
-                    Arg::I(c.head_dim as i32),
-                    Arg::I(c.rotary_dim as i32),
-                    Arg::P(m_pos),
-                    Arg::F(c.rope_theta),
-                    Arg::F(c.rms_eps),
-                    Arg::P(m_slot),
-                    Arg::P(kc),
-                    Arg::P(vc),
-                ],
-            )?;
+            if tp {
+                g.launch("tp_qk_sumsq", (nt as u32, 2, 1), 256, 0, &[Arg::P(p(&ws.q)), Arg::L(qw as i64), Arg::P(p(&ws.k)), Arg::L(kw as i64), Arg::I(qw as i32), Arg::I(kw as i32), Arg::P(ssp)])?;
+                all_reduce(ssp, 2 * nt)?;
+            }
+            let mut qk_args = vec![
+                Arg::P(p(&ws.q)),
+                Arg::L(qw as i64),
+                Arg::P(p(&ws.k)),
+                Arg::P(p(&ws.v)),
+                Arg::L(kw as i64),
+                Arg::P(l.q_norm),
+                Arg::P(l.k_norm),
+                Arg::I(qw as i32),
+                Arg::I(kw as i32),
+                Arg::I(vw as i32),
+                Arg::I(c.head_dim as i32),
+                Arg::I(c.rotary_dim as i32),
+                Arg::P(m_pos),
+                Arg::F(c.rope_theta),
+                Arg::F(c.rms_eps),
+                Arg::P(m_slot),
+                Arg::P(kc),
+                Arg::P(vc),
+            ];
+            if tp {
+                qk_args.extend([Arg::P(ssp), Arg::I((c.n_heads * c.head_dim) as i32), Arg::I((c.n_kv_heads * c.head_dim) as i32)]);
+            }
+            let qk_name = if tp { format!("qk_norm_rope_store_tp_{kvs}") } else { format!("qk_norm_rope_store_{kvs}") };
+            g.launch_pdl(&qk_name, (nt as u32, 2, 1), 1024, 0, &qk_args)?;
             g.launch_pdl(
                 &format!("attn_dec6_{kvs}"),
-                (c.n_kv_heads as u32, nsplit as u32, nt as u32),
+                (self.kv_heads as u32, nsplit as u32, nt as u32),
                 128,
                 0,
                 &[
@@ -571,7 +422,7 @@ impl CudaModel {
                     Arg::P(m_ptoff),
                     Arg::P(m_pts),
                     Arg::I(self.page_size as i32),
-                    Arg::I(c.n_kv_heads as i32),
+                    Arg::I(self.kv_heads as i32),
                     Arg::I(nsplit as i32),
                     Arg::F(scale),
                     Arg::P(p(&ws.part)),
@@ -579,29 +430,47 @@ impl CudaModel {
             )?;
             g.launch_pdl(
                 "attn_merge6",
-                (c.n_heads as u32, nt as u32, 1),
+                (self.heads as u32, nt as u32, 1),
                 128,
                 0,
-                &[Arg::P(p(&ws.part)), Arg::I(c.n_kv_heads as i32), Arg::I(nsplit as i32), Arg::P(p(&ws.att)), Arg::L(ow as i64), Arg::P(xq), Arg::P(xd), Arg::P(m_pos)],
+                &[Arg::P(p(&ws.part)), Arg::I(self.kv_heads as i32), Arg::I(nsplit as i32), Arg::P(p(&ws.att)), Arg::L(ow as i64), Arg::P(xq), Arg::P(xd), Arg::P(m_pos)],
             )?;
-            g.matvec_q8(&[(&l.wo, hid, h)], xq, xd, ow, nt, true)?;
+            g.matvec_q8(&[(&l.wo, hid, h)], xq, xd, ow, nt, lead)?;
+            if tp {
+                all_reduce(hid, nt * h)?;
+            }
             g.norm_q8(hid, h, l.ffn_norm, h, c.rms_eps, nrm, h, xq, xd, nt)?;
             if fast_router(&l.router) {
                 g.router_f32(&l.router, nrm, h, p(&ws.rl), e, nt)?;
             } else {
                 g.matvec(&l.router, nrm, h, p(&ws.rl), e, nt, false)?;
             }
-            g.route(p(&ws.rl), l.bias, e, k, c.gating, ids, wts, nt)?;
-            g.moe_gate_up_q8(&l.gate, &l.up, ids, k, xq, xd, aq, ad, nt * k)?;
-            g.moe_down_q8(&l.down, ids, wts, k, aq, ad, hid, h, nt)?;
+            if e <= super::fast::ROUTE_FAST_MAX_E && k <= 32 && super::fast::route_fast_on() {
+                g.route_fast(p(&ws.rl), l.bias, e, k, c.gating, ids, wts, nt)?;
+            } else {
+                g.route(p(&ws.rl), l.bias, e, k, c.gating, ids, wts, nt)?;
+            }
+            // The down kernel reads whole 272-byte chunks: a rank's expert slice may be stored
+            // padded (zero blocks); the activations then go `dn.cols` apart, pad left zero.
+            let dn = DevMat { cols: l.down.row_bytes / l.down.ty.block_bytes() * l.down.ty.block_elems(), ..l.down };
+            g.moe_gate_up_q8_ld(&l.gate, &l.up, ids, k, xq, xd, aq, ad, nt * k, dn.cols)?;
+            if tp && !lead {
+                memset_f32_zero(g, hid, nt * h)?;
+            }
+            g.moe_down_q8(&dn, ids, wts, k, aq, ad, hid, h, nt)?;
+            if tp {
+                all_reduce(hid, nt * h)?;
+            }
         }
-        g.norm_q8(hid, h, self.out_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
-        g.matvec_q8(&[(&self.head, p(&ws.logits), c.vocab_size)], xq, xd, h, nt, false)?;
+        if self.part.last_stage {
+            g.norm_q8(hid, h, self.out_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
+            g.matvec_q8(&[(&self.head, p(&ws.logits), c.vocab_size)], xq, xd, h, nt, false)?;
+        }
         Ok(())
     }
 
     /// The fast path of [`CudaModel::forward`]: one metadata upload, then the step's graph.
-    fn forward_fast(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput, CudaError> {
+    fn forward_fast(&mut self, batch: &ForwardBatch) -> Result<Option<ForwardOutput>, CudaError> {
         let nt = batch.n_tokens();
         let ps = self.page_size;
         let t = MAX_FAST_TOKENS;
@@ -640,6 +509,12 @@ impl CudaModel {
             let mut dst = ws.meta.slice_mut(0..meta.len());
             self.gpu.stream.memcpy_htod(&meta, &mut dst)?;
         }
+        if !self.part.first_stage {
+            let h = self.cfg.hidden;
+            let mut dst = self.fast.as_mut().unwrap().hidden.slice_mut(0..nt * h);
+            let comm = self.comm.as_ref().ok_or_else(|| CudaError::Shape("pipeline stage has no NCCL communicator (JOIN first)".into()))?;
+            comm.recv(&mut dst, self.part.pp_rank - 1)?;
+        }
         let have_graph = self.fast.as_ref().unwrap().graphs.contains_key(&nt);
         if self.opts.graphs && have_graph {
             self.fast.as_ref().unwrap().graphs[&nt].0.launch()?;
@@ -657,6 +532,12 @@ impl CudaModel {
                 }
             }
         }
+        if !self.part.last_stage {
+            let src = self.fast.as_ref().unwrap().hidden.slice(0..nt * self.cfg.hidden);
+            self.stage_send(&src)?;
+            self.gpu.sync()?;
+            return Ok(None);
+        }
         let v = self.cfg.vocab_size;
         let mut logits = vec![0f32; rows.len() * v];
         let ws = self.fast.as_ref().unwrap();
@@ -665,7 +546,7 @@ impl CudaModel {
             self.gpu.stream.memcpy_dtoh(&src, &mut logits[r * v..(r + 1) * v])?;
         }
         self.gpu.sync()?;
-        Ok(ForwardOutput { rows, logits, vocab_size: v })
+        Ok(Some(ForwardOutput { rows, logits, vocab_size: v }))
     }
 
     /// Runs one fast step of `nt` tokens from whatever metadata is in the workspace, without
@@ -708,7 +589,15 @@ impl CudaModel {
     /// Builds this rank's NCCL communicator from rank 0's unique id (JOIN); replaces any
     /// previous one. A world of one needs none.
     pub fn join_nccl(&mut self, rank: usize, world: usize, id: &[u8]) -> Result<(), CudaError> {
-        if world != self.part.tp_world || rank != self.part.tp_rank {
+        if self.part.pp_world > 1 {
+            // Pipeline: the communicator's rank is the stage (activations go stage to stage).
+            if world != self.part.pp_world || rank != self.part.pp_rank {
+                return Err(CudaError::Shape(format!(
+                    "JOIN as rank {rank} of {world}, but the weights loaded are pipeline stage {} of {}",
+                    self.part.pp_rank, self.part.pp_world
+                )));
+            }
+        } else if world != self.part.tp_world || rank != self.part.tp_rank {
             return Err(CudaError::Shape(format!(
                 "JOIN as rank {rank} of {world}, but the weights loaded are rank {} of {}",
                 self.part.tp_rank, self.part.tp_world
@@ -724,6 +613,12 @@ impl CudaModel {
         self.comm = None;
     }
 
+    /// A handle that aborts this rank's communicator from another thread (the server's
+    /// watcher, when a peer died while a collective waits on it); None before JOIN.
+    pub fn nccl_abort_handle(&self) -> Option<super::nccl::NcclAbort> {
+        self.comm.as_ref().map(|c| c.abort_handle())
+    }
+
     fn reduce(&self, buf: &mut CudaSlice<f32>) -> Result<(), CudaError> {
         match &self.comm {
             Some(c) => c.all_reduce_sum(buf),
@@ -731,45 +626,83 @@ impl CudaModel {
         }
     }
 
-    /// Full-width q/k RMSNorm of this rank's slice: local sums of squares (f64 on the host),
-    /// summed across ranks with NCCL, then scaled (the CPU backend's arithmetic).
+    /// Full-width q/k RMSNorm of this rank's slice (exact path): per-token sums of squares of
+    /// the local q and k (f64, rounded to f32 once), summed across ranks with NCCL, then every
+    /// rank scales its slice (`kernels/tp.cu`; the CPU backend's arithmetic, all on the device).
     fn tp_qk_norm(&self, l: &Layer, q: &mut CudaSlice<f32>, k: &mut CudaSlice<f32>, nt: usize) -> Result<(), CudaError> {
         let c = &self.cfg;
         let g = &self.gpu;
         let (qw, kw) = (self.heads * c.head_dim, self.kv_heads * c.head_dim);
-        let mut qh = g.download(q)?;
-        let mut kh = g.download(k)?;
-        let sum_sq = |x: &[f32]| x.iter().map(|&v| v as f64 * v as f64).sum::<f64>();
-        let mut ss = vec![0f32; 2 * nt];
-        for t in 0..nt {
-            ss[2 * t] = sum_sq(&qh[t * qw..(t + 1) * qw]) as f32;
-            ss[2 * t + 1] = sum_sq(&kh[t * kw..(t + 1) * kw]) as f32;
-        }
-        let mut ssd = g.upload(&ss)?;
-        self.reduce(&mut ssd)?;
-        let ss = g.download(&ssd)?;
-        let scale = |x: &mut [f32], w: &[f32], s: f32, n: usize| {
-            let inv = 1.0 / ((s as f64 / n as f64) as f32 + c.rms_eps).sqrt();
-            for (v, &wi) in x.iter_mut().zip(w) {
-                *v = *v * inv * wi;
-            }
-        };
-        for t in 0..nt {
-            scale(&mut qh[t * qw..(t + 1) * qw], &l.q_norm_h, ss[2 * t], c.n_heads * c.head_dim);
-            scale(&mut kh[t * kw..(t + 1) * kw], &l.k_norm_h, ss[2 * t + 1], c.n_kv_heads * c.head_dim);
-        }
-        g.stream.memcpy_htod(&qh, q)?;
-        g.stream.memcpy_htod(&kh, k)?;
+        let mut ss = g.zeros::<f32>(2 * nt)?;
+        let (qp, kp, sp) = (g.ptr(q), g.ptr(k), g.ptr(&ss));
+        g.launch("tp_qk_sumsq", (nt as u32, 2, 1), 256, 0, &[Arg::P(qp), Arg::L(qw as i64), Arg::P(kp), Arg::L(kw as i64), Arg::I(qw as i32), Arg::I(kw as i32), Arg::P(sp)])?;
+        self.reduce(&mut ss)?;
+        g.launch(
+            "tp_qk_scale",
+            (nt as u32, 2, 1),
+            256,
+            0,
+            &[
+                Arg::P(qp),
+                Arg::L(qw as i64),
+                Arg::P(l.q_norm),
+                Arg::P(kp),
+                Arg::L(kw as i64),
+                Arg::P(l.k_norm),
+                Arg::I(qw as i32),
+                Arg::I(kw as i32),
+                Arg::P(sp),
+                Arg::I((c.n_heads * c.head_dim) as i32),
+                Arg::I((c.n_kv_heads * c.head_dim) as i32),
+                Arg::F(c.rms_eps),
+            ],
+        )?;
         Ok(())
     }
 
+    /// Benchmark switch: enqueue (true) or skip (false: kernel time alone, wrong results) the
+    /// fast path's tensor-parallel all-reduces; drops the captured graphs.
+    pub fn set_tp_collectives(&mut self, on: bool) {
+        self.tp_collectives = on;
+        if let Some(ws) = self.fast.as_mut() {
+            ws.graphs.clear();
+        }
+    }
+
+    /// Collectives one fast step enqueues (per step, whatever its size): 3 per layer under
+    /// tensor parallelism (q/k sums of squares, o-proj, MoE down), none otherwise.
+    pub fn tp_collectives_per_step(&self) -> usize {
+        if self.part.tp_world > 1 { 3 * self.layers.len() } else { 0 }
+    }
+
     /// Embeds the batch's tokens, runs every layer (writing their K/V into the cache) and
-    /// returns the logits the batch asks for.
+    /// returns the logits the batch asks for. A pipeline stage before the last has none to
+    /// return: use [`CudaModel::forward_stage`] there.
     pub fn forward(&mut self, batch: &ForwardBatch) -> Result<ForwardOutput, CudaError> {
+        self.forward_stage(batch)?
+            .ok_or_else(|| CudaError::Shape(format!("pipeline stage {} of {} computes no logits (forward_stage)", self.part.pp_rank, self.part.pp_world)))
+    }
+
+    /// This rank's part of one step. The first pipeline stage embeds the tokens, later stages
+    /// receive the previous stage's hidden states (`n_tokens x hidden` f32, NCCL on the
+    /// model's stream, device to device); every stage runs its layer range (writing their
+    /// K/V); the last stage returns the logits asked for, earlier stages send their hidden
+    /// states on and return `None`. Every stage must be given the same batch, concurrently
+    /// (separate processes or one thread per GPU). A whole model or a tensor-parallel rank
+    /// always returns `Some`.
+    pub fn forward_stage(&mut self, batch: &ForwardBatch) -> Result<Option<ForwardOutput>, CudaError> {
         self.validate(batch)?;
         let tp = self.part.tp_world > 1;
         if tp && self.comm.is_none() {
             return Err(CudaError::Shape("tensor-parallel rank has no NCCL communicator (JOIN first)".into()));
+        }
+        let pp = self.part.pp_world > 1;
+        if pp && (tp || self.comm.is_none()) {
+            return Err(CudaError::Shape(if tp {
+                "pipeline and tensor parallelism together are not supported on CUDA".into()
+            } else {
+                format!("pipeline stage {} has no NCCL communicator (JOIN first)", self.part.pp_rank)
+            }));
         }
         if self.fast_eligible(batch.n_tokens()) {
             return self.forward_fast(batch);
@@ -782,7 +715,10 @@ impl CudaModel {
         let (mut tokens, mut pos, mut seq, mut slots) = (Vec::with_capacity(nt), Vec::with_capacity(nt), Vec::with_capacity(nt), Vec::with_capacity(nt));
         let (mut pt_off, mut pts) = (Vec::new(), Vec::new());
         let (mut rows, mut out_idx) = (Vec::new(), Vec::new());
+        let (mut seq_start, mut max_seq_tokens) = (Vec::with_capacity(batch.seqs.len() + 1), 0);
         for (si, s) in batch.seqs.iter().enumerate() {
+            seq_start.push(tokens.len() as i32);
+            max_seq_tokens = max_seq_tokens.max(s.tokens.len());
             pt_off.push(pts.len() as i32);
             let needed = (s.cached_len + s.tokens.len()).div_ceil(ps);
             pts.extend_from_slice(&s.page_table[..needed]);
@@ -806,11 +742,15 @@ impl CudaModel {
             pt_off: g.upload(&pt_off)?,
             pts: g.upload(&pts)?,
             out_idx: g.upload(if out_idx.is_empty() { &[0] } else { &out_idx })?,
+            seq_start: g.upload(&{
+                seq_start.push(nt as i32);
+                seq_start
+            })?,
         };
         let (qw, kw, vw) = (self.heads * c.head_dim, self.kv_heads * c.head_dim, self.kv_heads * c.v_head_dim);
         let ow = self.heads * c.v_head_dim;
         let (k, ff, e) = (c.n_experts_used, self.ff, c.n_experts);
-        let hidden = g.zeros::<f32>(nt * h)?;
+        let mut hidden = g.zeros::<f32>(nt * h)?;
         let normed = g.zeros::<f32>(nt * h)?;
         let mut q = g.zeros::<f32>(nt * qw)?;
         let mut kb = g.zeros::<f32>(nt * kw)?;
@@ -829,7 +769,11 @@ impl CudaModel {
         let p = |s: &CudaSlice<f32>| g.ptr(s);
         let (hid, nrm) = (p(&hidden), p(&normed));
 
-        g.dequant_rows(&self.embd, g.ptr(&st.tokens), nt, hid, h)?;
+        if self.part.first_stage {
+            g.dequant_rows(&self.embd, g.ptr(&st.tokens), nt, hid, h)?;
+        } else {
+            self.stage_recv(&mut hidden)?;
+        }
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         for (li, l) in self.layers.iter().enumerate() {
             g.rms_norm(hid, h, l.attn_norm, nrm, h, nt, h, c.rms_eps)?;
@@ -866,6 +810,9 @@ impl CudaModel {
                     out: p(&att),
                     os: ow,
                     nt,
+                    seq_start: g.ptr(&st.seq_start),
+                    n_seqs: batch.seqs.len(),
+                    max_seq_tokens,
                 },
             )?;
             if tp {
@@ -880,10 +827,8 @@ impl CudaModel {
             g.matvec(&l.router, nrm, h, p(&rl), e, nt, false)?;
             g.route(p(&rl), l.bias, e, k, c.gating, g.ptr(&ids), p(&wts), nt)?;
             let idp = g.ptr(&ids);
-            g.matvec_experts(&l.gate, idp, nrm, h, k, p(&gb), ff, nt * k)?;
-            g.matvec_experts(&l.up, idp, nrm, h, k, p(&ub), ff, nt * k)?;
-            g.silu_mul(p(&gb), p(&ub), p(&gb), nt * k * ff)?;
-            g.matvec_experts(&l.down, idp, p(&gb), ff, 1, p(&db), h, nt * k)?;
+            // Many tokens: grouped expert GEMMs on tensor cores (one grouping for all three).
+            g.moe_experts((&l.gate, &l.up, &l.down), idp, nt * k, k, nrm, h, (p(&gb), p(&ub), ff), (p(&db), h))?;
             if tp {
                 g.stream.memset_zeros(&mut partial)?;
                 g.moe_combine(p(&partial), p(&db), p(&wts), k, h, nt)?;
@@ -894,6 +839,11 @@ impl CudaModel {
             }
         }
 
+        if !self.part.last_stage {
+            self.stage_send(&hidden)?;
+            g.sync()?;
+            return Ok(None);
+        }
         let v = c.vocab_size;
         let nr = rows.len();
         let mut logits = Vec::new();
@@ -907,8 +857,53 @@ impl CudaModel {
             logits.truncate(nr * v);
         }
         g.sync()?;
-        Ok(ForwardOutput { rows, logits, vocab_size: v })
+        Ok(Some(ForwardOutput { rows, logits, vocab_size: v }))
     }
+
+    /// Pipeline: receives the previous stage's hidden states into `buf` (on the stream).
+    fn stage_recv<R: cudarc::driver::DevicePtrMut<f32>>(&self, buf: &mut R) -> Result<(), CudaError> {
+        let comm = self.comm.as_ref().ok_or_else(|| CudaError::Shape("pipeline stage has no NCCL communicator (JOIN first)".into()))?;
+        comm.recv(buf, self.part.pp_rank - 1)
+    }
+
+    /// Pipeline: sends this stage's hidden states to the next stage (on the stream).
+    fn stage_send<S: cudarc::driver::DevicePtr<f32>>(&self, buf: &S) -> Result<(), CudaError> {
+        let comm = self.comm.as_ref().ok_or_else(|| CudaError::Shape("pipeline stage has no NCCL communicator (JOIN first)".into()))?;
+        comm.send(buf, self.part.pp_rank + 1)
+    }
+}
+
+/// Zeroes `n` f32 at device address `p` on the model's stream (capturable memset node).
+fn memset_f32_zero(g: &Gpu, p: u64, n: usize) -> Result<(), CudaError> {
+    g.ctx.bind_to_thread()?;
+    unsafe { cudarc::driver::sys::cuMemsetD32Async(p, 0, n, g.stream.cu_stream()) }.result()?;
+    Ok(())
+}
+
+/// The placeholder for a matrix this rank does not hold (the embedding on a pipeline stage
+/// after the first, lm_head before the last): null pointer, no rows, never launched on.
+pub(crate) fn absent_mat() -> DevMat {
+    DevMat { ptr: 0, ty: GgmlType::F32, rows: 0, cols: 0, row_bytes: 0, n_experts: 0, expert_stride: 0 }
+}
+
+/// Checks that `part` is a share this backend can run: layers inside the model, and either
+/// tensor parallelism (every layer) or pipeline stages (no mix of the two yet).
+pub(crate) fn check_partition(cfg: &ModelConfig, part: &Partition) -> Result<(), CudaError> {
+    let l = &part.layers;
+    if l.start >= l.end || l.end > cfg.n_layers {
+        return Err(CudaError::Shape(format!("layers {l:?} of a {}-layer model", cfg.n_layers)));
+    }
+    let whole_range = *l == (0..cfg.n_layers);
+    if part.first_stage != (part.pp_rank == 0) || part.last_stage != (part.pp_rank + 1 == part.pp_world) || part.pp_rank >= part.pp_world {
+        return Err(CudaError::Shape(format!("inconsistent pipeline stage {} of {} (first {}, last {})", part.pp_rank, part.pp_world, part.first_stage, part.last_stage)));
+    }
+    if part.pp_world == 1 && !whole_range {
+        return Err(CudaError::Shape(format!("layers {l:?} without pipeline stages")));
+    }
+    if part.pp_world > 1 && part.tp_world > 1 {
+        return Err(CudaError::Shape("pipeline and tensor parallelism together are not supported on CUDA".into()));
+    }
+    Ok(())
 }
 
 /// Whether every weight type of `model` has a CUDA kernel (all the CPU reference supports).

@@ -19,6 +19,12 @@ pub const MODULES: &[(&str, &str)] = &[
     ("attention", include_str!("../../../kernels/attention.cu")),
     ("moe", include_str!("../../../kernels/moe.cu")),
     ("fast", include_str!("../../../kernels/fast.cu")),
+    ("sampling", include_str!("../../../kernels/sampling.cu")),
+    // Tensor-core GEMM: quant_matvec.cu in front for its dequantizers (its own kernels left
+    // out), built once per precision (1 or 3 bf16 passes) so the two compile in parallel.
+    ("quant_matmul", concat!("#define QMV_NO_KERNELS\n#define MM_PASSES 1\n", include_str!("../../../kernels/quant_matvec.cu"), include_str!("../../../kernels/quant_matmul.cu"))),
+    ("quant_matmul_x3", concat!("#define QMV_NO_KERNELS\n#define MM_PASSES 3\n", include_str!("../../../kernels/quant_matvec.cu"), include_str!("../../../kernels/quant_matmul.cu"))),
+    ("tp", include_str!("../../../kernels/tp.cu")),
 ];
 
 /// Whether libnvrtc can be loaded; checked before any NVRTC call so a missing library is an

@@ -10,7 +10,7 @@ mod step;
 
 use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use minimax_proto::v1 as pb;
 use minimax_proto::v1::rank_server::{Rank, RankServer};
@@ -37,6 +37,9 @@ pub struct ServeConfig {
     /// `unix:///path.sock` or `host:port`.
     pub listen: String,
     pub model: PathBuf,
+    /// BENCHMARK ONLY (`--synthetic`, `--allow-synthetic`): serve a synthetic model with
+    /// random weights instead of `model`, whole on this one rank.
+    pub synthetic: Option<minimax_shared::model::synthetic::SyntheticSpec>,
     pub device: Device,
     pub parallelism: Parallelism,
     pub kv: KvSpec,
@@ -83,6 +86,25 @@ impl From<StepError> for Status {
     }
 }
 
+/// Aborts the world's NCCL communicator from outside the engine lock (CUDA worlds).
+#[cfg(feature = "cuda")]
+type CommAbort = crate::cuda::NcclAbort;
+
+/// CPU-only builds have no NCCL communicator to abort.
+#[cfg(not(feature = "cuda"))]
+#[derive(Clone)]
+struct CommAbort;
+
+#[cfg(not(feature = "cuda"))]
+impl CommAbort {
+    fn abort(&self, _why: &str) -> bool {
+        false
+    }
+    fn is_aborted(&self) -> bool {
+        false
+    }
+}
+
 /// A joined world: the transport (absent for world size 1).
 pub(crate) struct World {
     transport: Arc<TestTransport>,
@@ -126,6 +148,11 @@ struct Shared {
     engine: Mutex<Option<Engine>>,
     /// The current world's transport, watched for a dead peer without taking the engine lock.
     transport: Mutex<Option<Arc<TestTransport>>>,
+    /// The current world's NCCL communicator, aborted by the watcher when a peer died while
+    /// a step waits inside a collective (the step thread holds the engine lock).
+    comm_abort: Mutex<Option<CommAbort>>,
+    /// When the running step started (the watcher's step deadline for NCCL worlds).
+    step_started: Mutex<Option<Instant>>,
     health: HealthReporter,
     shutdown: watch::Sender<bool>,
     /// Rank 0's last CREATEd world id.
@@ -151,11 +178,24 @@ impl Shared {
         self.health.set_service_status("minimax.rank.v1.Rank", st).await;
     }
 
-    /// The world broke (a peer died or a collective failed): forget it and every sequence.
-    fn world_broken(&self, engine: Option<&mut Engine>, why: &str) {
+    /// Stops the world's communication at once: the transport's sockets close (peers see
+    /// EOF) and the NCCL communicator is aborted, so a collective blocked on a dead peer
+    /// returns. Blocking (an NCCL abort can take a moment): not on the async runtime.
+    fn abort_comms(&self, why: &str) {
         if let Some(t) = self.transport.lock().unwrap().take() {
             t.abort();
         }
+        let comm = self.comm_abort.lock().unwrap().take();
+        if let Some(c) = comm
+            && c.abort(why)
+        {
+            tracing::error!("NCCL communicator aborted: {why}");
+        }
+    }
+
+    /// The world broke (a peer died or a collective failed): forget it and every sequence.
+    fn world_broken(&self, engine: Option<&mut Engine>, why: &str) {
+        self.abort_comms(why);
         if let Some(e) = engine {
             e.world = None;
             e.seqs.clear();
@@ -259,7 +299,20 @@ impl Rank for RankService {
             if engine.world.is_none() && shared.cfg.world_size > 1 {
                 return Err(Status::failed_precondition("not joined to a world (re-JOIN required)"));
             }
-            match engine.step(&req) {
+            // The communicator this step runs on: if the watcher aborts it meanwhile (a peer
+            // died), whatever the step computed is garbage.
+            let comm = shared.comm_abort.lock().unwrap().clone();
+            *shared.step_started.lock().unwrap() = Some(Instant::now());
+            let res = engine.step(&req);
+            *shared.step_started.lock().unwrap() = None;
+            let res = match (res, comm.filter(|c| c.is_aborted())) {
+                (Ok(_) | Err(StepError::Backend(_)), Some(_)) => {
+                    let why = shared.status.lock().unwrap().error.clone();
+                    Err(StepError::Comm(crate::comm::CommError { op: "step", detail: format!("NCCL communicator aborted during the step ({why})") }))
+                }
+                (res, _) => res,
+            };
+            match res {
                 Ok(r) => Ok(r),
                 Err(StepError::Comm(e)) => {
                     shared.world_broken(Some(engine), &e.to_string());
@@ -296,9 +349,9 @@ impl Rank for RankService {
 
     async fn shutdown(&self, _: Request<pb::ShutdownRequest>) -> Result<Response<pb::ShutdownResponse>, Status> {
         tracing::info!("shutdown requested over gRPC");
-        if let Some(t) = self.shared.transport.lock().unwrap().take() {
-            t.abort();
-        }
+        // A step blocked in a collective must return, or the graceful stop waits for it.
+        let shared = self.shared.clone();
+        let _ = tokio::task::spawn_blocking(move || shared.abort_comms("shutdown requested")).await;
         let _ = self.shared.shutdown.send(true);
         Ok(Response::new(pb::ShutdownResponse {}))
     }
@@ -342,7 +395,8 @@ fn join(shared: &Shared, req: pb::CollectiveRequest) -> Result<pb::CollectiveRes
                 return Err(Status::invalid_argument("CUDA worlds need the NCCL unique id from CREATE in unique_id"));
             }
             m.join_nccl(cfg.rank, cfg.world_size, &id[id.len() - n..]).map_err(|e| Status::unavailable(format!("NCCL join: {e}")))?;
-            tracing::info!(rank = cfg.rank, world = cfg.world_size, "NCCL communicator ready");
+            *shared.comm_abort.lock().unwrap() = m.nccl_abort_handle();
+            tracing::info!(rank = cfg.rank, world = cfg.world_size, "NCCL communicator ready (self-test all-reduce passed)");
         }
         let t = Arc::new(t);
         *shared.transport.lock().unwrap() = Some(t.clone());
@@ -366,14 +420,17 @@ fn meta_str(m: &GgufModel, k: &str) -> String {
 /// Loads this rank's shard (blocking), updating the shared status as it goes.
 fn load(shared: &Shared) -> Result<Engine, String> {
     let cfg = &shared.cfg;
+    if let Some(spec) = &cfg.synthetic {
+        return load_synthetic(shared, spec);
+    }
     let model = Arc::new(GgufModel::open(&cfg.model).map_err(|e| format!("open {}: {e}", cfg.model.display()))?);
     let mc = ModelConfig::from_gguf(&model).map_err(|e| e.to_string())?;
     let part = match cfg.parallelism {
         _ if cfg.world_size == 1 => Partition::whole(&mc),
         Parallelism::Tensor => Partition::tensor(&mc, cfg.rank, cfg.world_size).map_err(|e| e.to_string())?,
         Parallelism::Pipeline => {
-            let bytes = partition::layer_bytes(&model, mc.n_layers);
-            Partition::pipeline(&mc, cfg.rank, cfg.world_size, Some(&bytes)).map_err(|e| e.to_string())?
+            let bytes = partition::gguf_stage_bytes(&model, &mc);
+            Partition::pipeline_by_bytes(&mc, cfg.rank, cfg.world_size, &bytes).map_err(|e| e.to_string())?
         }
     };
     let head = match cfg.parallelism {
@@ -420,6 +477,46 @@ fn load(shared: &Shared) -> Result<Engine, String> {
         seqs: SeqTable::new(cfg.test_fault.clone()),
         world: None,
         replay,
+    })
+}
+
+/// [`load`] for a synthetic model: one rank holds it whole; Describe reports its config.
+fn load_synthetic(shared: &Shared, spec: &minimax_shared::model::synthetic::SyntheticSpec) -> Result<Engine, String> {
+    let cfg = &shared.cfg;
+    if cfg.world_size != 1 || cfg.test_replay.is_some() {
+        return Err("a synthetic model runs on a world of one rank, without test hooks".into());
+    }
+    let mc = spec.config();
+    let part = Partition::whole(&mc);
+    {
+        let mut s = shared.status.lock().unwrap();
+        s.model = Some(pb::ModelInfo {
+            name: mc.name.clone().unwrap_or_default(),
+            architecture: mc.arch.clone(),
+            n_layers: mc.n_layers as u32,
+            vocab_size: mc.vocab_size as u32,
+            context_length: mc.context_length as u32,
+            hidden: mc.hidden as u32,
+        });
+        s.layers = (0, mc.n_layers as u32);
+        s.head = true;
+    }
+    tracing::warn!("serving a SYNTHETIC model ({:?}, {} layers): random weights, benchmarks only", spec.mix, spec.layers);
+    let backend = Backend::synthetic(spec, cfg.kv, cfg.device, &mut |p| {
+        shared.status.lock().unwrap().progress = p;
+    })
+    .map_err(|e| e.to_string())?;
+    shared.status.lock().unwrap().weight_bytes = backend.weight_bytes();
+    Ok(Engine {
+        rank: cfg.rank as u32,
+        backend,
+        part,
+        parallelism: cfg.parallelism,
+        kv: cfg.kv,
+        head: true,
+        seqs: SeqTable::new(cfg.test_fault.clone()),
+        world: None,
+        replay: None,
     })
 }
 
@@ -482,6 +579,8 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
         status: Mutex::new(Status_ { state: pb::RankState::Loading as i32, ..Default::default() }),
         engine: Mutex::new(None),
         transport: Mutex::new(None),
+        comm_abort: Mutex::new(None),
+        step_started: Mutex::new(None),
         health,
         shutdown: shutdown_tx,
         created_id: Mutex::new(None),
@@ -521,20 +620,37 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
             }
         });
     }
-    // Dead-peer watcher: Describe and health reflect a broken world without waiting for a step.
+    // Dead-peer watcher: Describe and health reflect a broken world without waiting for a
+    // step, and a step blocked inside an NCCL collective on a dead peer is released by
+    // aborting the communicator. Two signs, both outside NCCL: the test transport's sockets
+    // to a peer closed (a killed process), or a step of an NCCL world ran past the
+    // collective timeout (a peer host that vanished without closing its sockets).
     {
         let shared = shared.clone();
         tokio::spawn(async move {
             loop {
                 tokio::time::sleep(Duration::from_millis(200)).await;
-                let broken = shared.transport.lock().unwrap().as_ref().and_then(|t| t.broken());
+                let mut broken = shared.transport.lock().unwrap().as_ref().and_then(|t| t.broken());
+                let nccl = shared.comm_abort.lock().unwrap().is_some();
+                let started = *shared.step_started.lock().unwrap();
+                if broken.is_none()
+                    && nccl
+                    && let Some(t) = started
+                    && t.elapsed() > shared.cfg.collective_timeout
+                {
+                    broken = Some(format!("a step has run {:.1} s, over the collective timeout ({:?}): a peer is gone", t.elapsed().as_secs_f32(), shared.cfg.collective_timeout));
+                }
                 if let Some(why) = broken {
-                    if let Ok(mut e) = shared.engine.try_lock() {
-                        shared.world_broken(e.as_mut(), &why);
-                    } else {
-                        // A step holds the engine; it will fail and clean up. Report now.
-                        shared.world_broken(None, &why);
-                    }
+                    let sh = shared.clone();
+                    let _ = tokio::task::spawn_blocking(move || {
+                        if let Ok(mut e) = sh.engine.try_lock() {
+                            sh.world_broken(e.as_mut(), &why);
+                        } else {
+                            // A step holds the engine: the aborts make it fail; it cleans up.
+                            sh.world_broken(None, &why);
+                        }
+                    })
+                    .await;
                     shared.set_health(false).await;
                 }
             }
@@ -557,6 +673,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
         .add_service(reflection_v1)
         .add_service(reflection_v1alpha);
 
+    let stop_shared = shared.clone();
     let stop = async move {
         let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()).ok();
         tokio::select! {
@@ -565,6 +682,8 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
             _ = async { match term.as_mut() { Some(t) => { t.recv().await; } None => std::future::pending().await } } => tracing::info!("SIGTERM"),
         }
         notify(&[sd_notify::NotifyState::Stopping]);
+        // The graceful stop waits for running RPCs: release a step blocked in a collective.
+        let _ = tokio::task::spawn_blocking(move || stop_shared.abort_comms("shutting down")).await;
     };
     let res = if let Some(path) = cfg.listen.strip_prefix("unix://") {
         let path = PathBuf::from(path);
@@ -580,9 +699,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
         tracing::info!(rank = cfg.rank, "serving on {}", l.local_addr().map(|a| a.to_string()).unwrap_or_default());
         router.serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(l), stop).await
     };
-    if let Some(t) = shared.transport.lock().unwrap().take() {
-        t.abort();
-    }
+    shared.abort_comms("stopped");
     res?;
     Ok(())
 }

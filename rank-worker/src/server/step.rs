@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use minimax_proto::v1 as pb;
-use minimax_shared::forward::{ForwardBatch, LogitsWanted, SeqStep};
+use minimax_shared::forward::{ForwardBatch, ForwardOutput, LogitsWanted, SeqStep};
 use minimax_shared::sampling;
 
 use super::{Engine, StepError};
@@ -88,6 +88,9 @@ impl Engine {
             return Err(StepError::Invalid(e));
         }
         // 4. Compute.
+        if !batch.seqs.is_empty() {
+            die_if_asked();
+        }
         let out = if batch.seqs.is_empty() {
             None
         } else {
@@ -114,15 +117,26 @@ impl Engine {
         if self.head
             && let Some(out) = out
         {
+            // Every row's spec and target, then one reduction call (on the GPU for CUDA).
             let mut row_in_seq = vec![0usize; batch.seqs.len()];
+            let jobs: Vec<(sampling::SamplingSpec, Option<u32>)> = out
+                .rows
+                .iter()
+                .map(|row| {
+                    let s = &req.seqs[batch_src[row.seq]];
+                    let k = row_in_seq[row.seq];
+                    row_in_seq[row.seq] += 1;
+                    (pb::sampling_spec(s.sampling.as_ref()), s.score_targets.get(k).copied())
+                })
+                .collect();
+            let mut reds = reduce_rows(&self.backend, &batch, &out, &jobs).into_iter();
             for (ri, row) in out.rows.iter().enumerate() {
                 let i = batch_src[row.seq];
                 let s = &req.seqs[i];
-                let k = row_in_seq[row.seq];
-                row_in_seq[row.seq] += 1;
-                let spec = pb::sampling_spec(s.sampling.as_ref());
-                let target = s.score_targets.get(k).copied();
-                let red = sampling::reduce_row(out.row(ri), &spec, target)
+                let spec = &jobs[ri].0;
+                let red = reds
+                    .next()
+                    .expect("one reduction per row")
                     .map_err(|e| StepError::Invalid(format!("sequence {}: sampling: {e}", s.seq_id)))?;
                 results[i].rows.push(pb::row_output(row.position as u32, red));
                 // TEST ONLY (--test-replay): one candidate, the scripted token.
@@ -143,6 +157,57 @@ impl Engine {
         }
         Ok(pb::StepResponse { rank: self.rank, step_id: req.step_id, seqs: results, compute_ms: t0.elapsed().as_secs_f32() * 1e3 })
     }
+}
+
+/// TEST ONLY: `MINIMAX_TEST_DIE_IN_STEP=N` (with `MINIMAX_ALLOW_TEST_HOOKS=1`) makes this rank
+/// SIGKILL itself in its N-th computing step, after the agreement and before the forward,
+/// so its peers are certain to be waiting inside a collective when it dies (the recovery
+/// tests of NCCL worlds).
+fn die_if_asked() {
+    use std::sync::OnceLock;
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static AT: OnceLock<Option<u64>> = OnceLock::new();
+    static SEEN: AtomicU64 = AtomicU64::new(0);
+    let at = AT.get_or_init(|| {
+        let n = std::env::var("MINIMAX_TEST_DIE_IN_STEP").ok()?.parse().ok()?;
+        if std::env::var("MINIMAX_ALLOW_TEST_HOOKS").as_deref() != Ok("1") {
+            tracing::warn!("MINIMAX_TEST_DIE_IN_STEP ignored without MINIMAX_ALLOW_TEST_HOOKS=1");
+            return None;
+        }
+        let msg = format!("!!! TEST HOOK: this rank kills itself in computing step {n}. Never use in production. !!!");
+        tracing::warn!("{msg}");
+        eprintln!("{msg}");
+        Some(n)
+    });
+    if let Some(n) = *at
+        && SEEN.fetch_add(1, Ordering::Relaxed) + 1 == n
+    {
+        eprintln!("TEST HOOK: SIGKILL in step {n}");
+        // SAFETY: plain signal to this process.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+}
+
+/// The sampling reductions of a step's logits rows, in row order: on the GPU for the CUDA
+/// backend (`CudaModel::reduce_rows`, the same results as `reduce_row`), on the host otherwise,
+/// with `MINIMAX_DEVICE_SAMPLING=0`, or if the device reduction fails.
+fn reduce_rows(
+    backend: &crate::backend::Backend,
+    batch: &ForwardBatch,
+    out: &ForwardOutput,
+    jobs: &[(sampling::SamplingSpec, Option<u32>)],
+) -> Vec<Result<sampling::RowReduction, sampling::SamplingError>> {
+    #[cfg(feature = "cuda")]
+    if let crate::backend::Backend::Cuda(m) = backend
+        && std::env::var("MINIMAX_DEVICE_SAMPLING").map(|v| v != "0").unwrap_or(true)
+    {
+        match m.reduce_rows(batch, out, jobs) {
+            Ok((reds, _)) => return reds,
+            Err(e) => tracing::warn!("device sampling failed, reducing on the host: {e}"),
+        }
+    }
+    let _ = (backend, batch);
+    jobs.iter().enumerate().map(|(ri, (spec, target))| sampling::reduce_row(out.row(ri), spec, *target)).collect()
 }
 
 fn to_seq_step(s: &pb::SeqStep) -> SeqStep {

@@ -12,6 +12,14 @@ pub struct TensorData {
     pub data: Vec<u8>,
 }
 
+/// A tensor described without its data (for [`GgufWriter::header_for`]).
+pub struct TensorSpec<'a> {
+    pub name: &'a str,
+    pub dims: &'a [u64],
+    pub ty: GgmlType,
+    pub n_bytes: u64,
+}
+
 /// Collects metadata and tensors, then serialises them as one GGUF file.
 #[derive(Default)]
 pub struct GgufWriter {
@@ -95,11 +103,26 @@ impl GgufWriter {
 
     /// Serialises everything into GGUF v3 bytes.
     pub fn to_bytes(&self) -> Vec<u8> {
+        let specs: Vec<TensorSpec<'_>> = self.tensors.iter().map(|t| TensorSpec { name: &t.name, dims: &t.dims, ty: t.ty, n_bytes: t.data.len() as u64 }).collect();
+        let (mut out, offsets) = self.header_for(&specs);
+        let data_start = out.len() as u64;
+        for (t, off) in self.tensors.iter().zip(offsets) {
+            out.resize((data_start + off) as usize, 0);
+            out.extend_from_slice(&t.data);
+        }
+        out
+    }
+
+    /// The header alone (magic, this writer's metadata, the infos of `tensors`, padding up to
+    /// the data section), so files too large for memory can be streamed: tensor `i`'s data
+    /// starts `offsets[i]` bytes after the header, zero-padded in between. Tensors added with
+    /// [`GgufWriter::tensor`] are ignored here.
+    pub fn header_for(&self, tensors: &[TensorSpec<'_>]) -> (Vec<u8>, Vec<u64>) {
         let align = self.alignment;
         let mut out = Vec::new();
         out.extend_from_slice(b"GGUF");
         out.extend_from_slice(&3u32.to_le_bytes());
-        out.extend_from_slice(&(self.tensors.len() as u64).to_le_bytes());
+        out.extend_from_slice(&(tensors.len() as u64).to_le_bytes());
         out.extend_from_slice(&(self.metadata.len() as u64).to_le_bytes());
         for (k, v) in &self.metadata {
             put_string(&mut out, k);
@@ -107,24 +130,20 @@ impl GgufWriter {
             put_value(&mut out, v);
         }
         let mut offset = 0u64;
-        let mut offsets = Vec::with_capacity(self.tensors.len());
-        for t in &self.tensors {
-            put_string(&mut out, &t.name);
+        let mut offsets = Vec::with_capacity(tensors.len());
+        for t in tensors {
+            put_string(&mut out, t.name);
             out.extend_from_slice(&(t.dims.len() as u32).to_le_bytes());
-            for d in &t.dims {
+            for d in t.dims {
                 out.extend_from_slice(&d.to_le_bytes());
             }
             out.extend_from_slice(&t.ty.id().to_le_bytes());
             out.extend_from_slice(&offset.to_le_bytes());
             offsets.push(offset);
-            offset = (offset + t.data.len() as u64).div_ceil(align) * align;
+            offset = (offset + t.n_bytes).div_ceil(align) * align;
         }
         let data_start = (out.len() as u64).div_ceil(align) * align;
         out.resize(data_start as usize, 0);
-        for (t, off) in self.tensors.iter().zip(offsets) {
-            out.resize((data_start + off) as usize, 0);
-            out.extend_from_slice(&t.data);
-        }
-        out
+        (out, offsets)
     }
 }

@@ -3,5 +3,6 @@
 pub mod config;
 pub mod names;
 pub mod synthetic;
+pub mod synthetic_gguf;
 
 pub use config::{ConfigError, GatingFunc, ModelConfig};

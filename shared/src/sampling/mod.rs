@@ -35,6 +35,8 @@
 
 use std::cmp::Ordering;
 
+pub mod partial;
+
 /// Sampling parameters of one sequence, as the gateway asks the head rank to apply them.
 #[derive(Clone, Debug, PartialEq)]
 pub struct SamplingSpec {

@@ -1,0 +1,495 @@
+// Sampling reductions of logits rows on the device, so a step sends a few KB per row to the
+// host instead of the whole vocabulary. The host finishes with
+// minimax_shared::sampling::partial::finish, which gives exactly reduce_row's RowReduction
+// (or declines, and the host reduces the full row).
+//
+// Per row r (logits + params[r].src_row * stride):
+//   samp_penalty  one block per row: the penalised logit z of every touched token (history with
+//                 repetition / frequency / presence, then logit_bias), into a compact list in
+//                 the host's (sorted) order, and the token's bit in a per-row bitmap.
+//   samp_chunk    grid (NB, rows), one block per SP_CHUNK tokens: raw max and sum of exp
+//                 (f32 exp with max subtraction, f64 accumulation), NaN / overflow flags, the
+//                 count of z > -inf, and the chunk's exact top-T raw keys and top-K candidate
+//                 keys (radix select on unique 64-bit keys).
+//   samp_merge    one block per row: log-sum-exp, exact global top-T and top-K from the chunks'
+//                 keys, sorted (value descending, id ascending), target's raw logit.
+//   samp_total    grid (NB, rows), rows that ask for it: per chunk f64 sum of
+//                 exp((double)(zt - zmax)) (the top_p total; the host adds the chunks in order).
+//
+// Keys: (order-preserving bits of the value) << 32 | (0xffffffff - id): larger key = earlier in
+// candidate order (value descending, ties to the lower id), all keys distinct, 0 = no key. -0.0
+// is keyed as +0.0 (they compare equal on the CPU, so the id decides). Values written out are
+// re-read or recomputed from the row, never decoded from keys.
+//
+// Every f32 operation on z repeats the CPU's (no FMA contraction: __fmul_rn/__fadd_rn/...).
+
+#define SP_THREADS 1024
+#define SP_NPT 8
+#define SP_CHUNK (SP_THREADS * SP_NPT)
+#define SP_MAX_TOP 20
+#define SP_KMAX 1024
+#define SP_PW 16
+#define SP_HDR 48
+#define SP_TW 4
+
+// Row parameter words.
+#define P_KC 0
+#define P_T 1
+#define P_TEMP 2
+#define P_REP 3
+#define P_FREQ 4
+#define P_PRES 5
+#define P_TOFF 6
+#define P_TLEN 7
+#define P_TARGET 8
+#define P_NEED_TOTAL 9
+#define P_OUT_OFF 10
+#define P_SRC_ROW 11
+
+// Header words of a row's output.
+#define H_NAN 0
+#define H_FLAGS 1
+#define H_LSE 2
+#define H_NFIN 3
+#define H_TARGET 4
+#define H_ZMAX 5
+#define H_NCAND 6
+#define H_NTOP 7
+#define H_TOP_IDS 8
+#define H_TOP_RAW 28
+
+// Flags: bit 0 raw +inf, bit 1 a final logit that is not finite although z is.
+#define F_RAW_INF 1u
+#define F_ZT_INF 2u
+
+#define POS_INF __int_as_float(0x7f800000)
+#define SP_DNEG_INF __longlong_as_double(0xfff0000000000000ll)
+
+__device__ __forceinline__ u32 sp_ord(float v) {
+    u32 b = __float_as_uint(v);
+    if ((b << 1) == 0) b = 0;
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ u64 sp_key(float v, u32 id) { return ((u64)sp_ord(v) << 32) | (u64)(0xffffffffu - id); }
+__device__ __forceinline__ u32 sp_key_id(u64 k) { return 0xffffffffu - (u32)k; }
+
+// The penalised logit of token i of a row: the raw value unless the token is touched.
+__device__ __forceinline__ float sp_z(const float* row, int i, const u32* bits, const u32* touch, const float* tz, int tlen) {
+    float x = row[i];
+    if ((bits[i >> 5] >> (i & 31)) & 1u) {
+        int lo = 0, hi = tlen - 1;
+        while (lo < hi) {
+            int mid = (lo + hi) >> 1;
+            if ((int)touch[mid * SP_TW] < i) lo = mid + 1; else hi = mid;
+        }
+        x = tz[lo];
+    }
+    return x;
+}
+
+__device__ __forceinline__ float sp_final(float z, float temp) { return temp > 0.0f ? __fdiv_rn(z, temp) : z; }
+
+// ---- block reductions (blockDim.x == SP_THREADS) ----
+
+__device__ double sp_sum_d(double v, double* red) {
+    v = warp_sum_d(v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    double t = 0.0;
+    for (int w = 0; w < SP_THREADS / 32; w++) t += red[w];
+    return t;
+}
+__device__ float sp_max_f(float v, float* red) {
+    v = warp_max(v);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    float t = NEG_INF;
+    for (int w = 0; w < SP_THREADS / 32; w++) t = fmaxf(t, red[w]);
+    return t;
+}
+__device__ u32 sp_sum_u(u32 v, u32* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    u32 t = 0;
+    for (int w = 0; w < SP_THREADS / 32; w++) t += red[w];
+    return t;
+}
+__device__ u32 sp_min_u(u32 v, u32* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = min(v, __shfl_xor_sync(0xffffffffu, v, o));
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    u32 t = 0xffffffffu;
+    for (int w = 0; w < SP_THREADS / 32; w++) t = min(t, red[w]);
+    return t;
+}
+__device__ u32 sp_or_u(u32 v, u32* red) {
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v |= __shfl_xor_sync(0xffffffffu, v, o);
+    __syncthreads();
+    if ((threadIdx.x & 31) == 0) red[threadIdx.x >> 5] = v;
+    __syncthreads();
+    u32 t = 0;
+    for (int w = 0; w < SP_THREADS / 32; w++) t |= red[w];
+    return t;
+}
+
+// ---- exact radix select of the k largest nonzero keys ----
+
+struct SpSel {
+    u32 hist[256];
+    u32 digit, krem, done, cnt;
+};
+
+// Adds `key`'s digit at `shift` to the histogram when it matches the prefix. Every lane of the
+// warp must call this together (warp-aggregated atomics).
+__device__ __forceinline__ void sp_count(SpSel& s, u64 key, u64 prefix, u64 mask, int shift) {
+    bool m = key != 0 && (key & mask) == prefix;
+    u32 d = m ? ((u32)(key >> shift) & 255u) : 256u;
+    u32 peers = __match_any_sync(0xffffffffu, d);
+    if (m && (int)(threadIdx.x & 31) == __ffs(peers) - 1) atomicAdd(&s.hist[d], (u32)__popc(peers));
+}
+
+// Warp 0: the digit holding the krem-th largest matching key.
+__device__ void sp_pick(SpSel& s) {
+    const int lane = threadIdx.x & 31;
+    u32 c[8];
+    u32 sum = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        c[j] = s.hist[lane * 8 + j];
+        sum += c[j];
+    }
+    u32 incl = sum;
+#pragma unroll
+    for (int o = 1; o < 32; o <<= 1) {
+        u32 t = __shfl_down_sync(0xffffffffu, incl, o);
+        if (lane + o < 32) incl += t;
+    }
+    const u32 above = incl - sum;
+    const u32 k = s.krem;
+    __syncwarp();
+    if (above < k && k <= incl) {
+        u32 acc = above;
+        for (int j = 7; j >= 0; j--) {
+            if (acc + c[j] >= k) {
+                s.digit = lane * 8 + j;
+                s.krem = k - acc;
+                s.done = (c[j] == k - acc) ? 1u : 0u;
+                break;
+            }
+            acc += c[j];
+        }
+    }
+}
+
+// Finds (prefix, mask) such that the selected keys are exactly the nonzero keys with
+// (key & mask) >= prefix, k of them (1 <= k <= number of nonzero keys). `count(shift, prefix,
+// mask)` must call sp_count for every key the thread holds.
+template <class F>
+__device__ void sp_select(SpSel& s, u32 k, F count, u64& prefix, u64& mask) {
+    prefix = 0;
+    mask = 0;
+    for (int shift = 56; shift >= 0; shift -= 8) {
+        for (int i = threadIdx.x; i < 256; i += SP_THREADS) s.hist[i] = 0;
+        if (threadIdx.x == 0 && shift == 56) s.krem = k;
+        __syncthreads();
+        count(shift, prefix, mask);
+        __syncthreads();
+        if (threadIdx.x < 32) sp_pick(s);
+        __syncthreads();
+        prefix |= (u64)s.digit << shift;
+        mask |= (u64)0xff << shift;
+        if (s.done) break;
+    }
+    __syncthreads();
+}
+
+__device__ __forceinline__ bool sp_selected(u64 key, u64 prefix, u64 mask) { return key != 0 && (key & mask) >= prefix; }
+
+// ---- kernels ----
+
+extern "C" __global__ void samp_penalty(const float* __restrict__ logits, i64 stride, int vocab, const u32* __restrict__ params,
+                                        const u32* __restrict__ touch, float* __restrict__ tz, u32* __restrict__ bitmap) {
+    const int r = blockIdx.x;
+    const u32* P = params + r * SP_PW;
+    const float* row = logits + (i64)P[P_SRC_ROW] * stride;
+    const int off = P[P_TOFF], len = P[P_TLEN];
+    const float rep = __uint_as_float(P[P_REP]), freq = __uint_as_float(P[P_FREQ]), pres = __uint_as_float(P[P_PRES]);
+    u32* bits = bitmap + (i64)r * ((vocab + 31) / 32);
+    for (int e = threadIdx.x; e < len; e += blockDim.x) {
+        const u32* t = touch + (i64)(off + e) * SP_TW;
+        const u32 tok = t[0], cnt = t[1];
+        float z = row[tok];
+        if (cnt > 0) {
+            if (rep != 1.0f) z = z > 0.0f ? __fdiv_rn(z, rep) : __fmul_rn(z, rep);
+            z = __fsub_rn(z, __fadd_rn(__fmul_rn(freq, __uint2float_rn(cnt)), pres));
+        }
+        if (t[3]) z = __fadd_rn(z, __uint_as_float(t[2]));
+        tz[off + e] = z;
+        atomicOr(&bits[tok >> 5], 1u << (tok & 31));
+    }
+}
+
+// bstat per (row, chunk): raw max, raw sum of exp(raw - max), n_finite, nan min index, flags.
+#define SP_BS 5
+
+extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_chunk(
+    const float* __restrict__ logits, i64 stride, int vocab, const u32* __restrict__ params, const u32* __restrict__ touch,
+    const float* __restrict__ tz, const u32* __restrict__ bitmap, double* __restrict__ bstat, u64* __restrict__ raw_keys,
+    u64* __restrict__ cand_keys, int kcap) {
+    __shared__ SpSel s;
+    __shared__ double red_d[32];
+    __shared__ float red_f[32];
+    __shared__ u32 red_u[32];
+    const int blk = blockIdx.x, nb = gridDim.x, r = blockIdx.y, tid = threadIdx.x;
+    const u32* P = params + r * SP_PW;
+    const float* row = logits + (i64)P[P_SRC_ROW] * stride;
+    const u32* bits = bitmap + (i64)r * ((vocab + 31) / 32);
+    const u32* tt = touch + (i64)P[P_TOFF] * SP_TW;
+    const float* tzr = tz + P[P_TOFF];
+    const int tlen = P[P_TLEN];
+    const float temp = __uint_as_float(P[P_TEMP]);
+    const int base = blk * SP_CHUNK;
+
+    float rv[SP_NPT], zv[SP_NPT];
+    u32 zok = 0, nfin = 0, nan_min = 0xffffffffu, flags = 0;
+    float m = NEG_INF;
+#pragma unroll
+    for (int j = 0; j < SP_NPT; j++) {
+        const int i = base + j * SP_THREADS + tid;
+        rv[j] = __int_as_float(0x7fffffff);
+        zv[j] = 0.0f;
+        if (i < vocab) {
+            const float x = row[i];
+            rv[j] = x;
+            if (x != x) {
+                nan_min = min(nan_min, (u32)i);
+            } else {
+                m = fmaxf(m, x);
+                if (x == POS_INF) flags |= F_RAW_INF;
+            }
+            const float z = sp_z(row, i, bits, tt, tzr, tlen);
+            if (z > NEG_INF) {
+                const float zt = sp_final(z, temp);
+                if (!(zt > NEG_INF && zt < POS_INF)) flags |= F_ZT_INF;
+                zv[j] = zt;
+                zok |= 1u << j;
+                nfin++;
+            }
+        }
+    }
+    m = sp_max_f(m, red_f);
+    double sum = 0.0;
+    if (m > NEG_INF) {
+#pragma unroll
+        for (int j = 0; j < SP_NPT; j++)
+            if (rv[j] == rv[j]) sum += (double)expf(__fsub_rn(rv[j], m));
+    }
+    sum = sp_sum_d(sum, red_d);
+    const u32 nfin_b = sp_sum_u(nfin, red_u);
+    nan_min = sp_min_u(nan_min, red_u);
+    flags = sp_or_u(flags, red_u);
+    if (tid == 0) {
+        double* b = bstat + ((i64)r * nb + blk) * SP_BS;
+        b[0] = (double)m;
+        b[1] = sum;
+        b[2] = (double)nfin_b;
+        b[3] = (double)nan_min;
+        b[4] = (double)flags;
+    }
+    if (nan_min != 0xffffffffu || flags != 0) return;  // the host reduces this row
+
+    // Raw top-T.
+    const u32 T = P[P_T];
+    if (T > 0) {
+        u64* out = raw_keys + ((i64)r * nb + blk) * SP_MAX_TOP;
+        const int nvalid = min(SP_CHUNK, vocab - base);
+        const u32 kk = min(T, (u32)nvalid);
+        for (int q = tid; q < (int)T; q += SP_THREADS) out[q] = 0;
+        u64 prefix, mask;
+        auto count = [&](int shift, u64 pf, u64 mk) {
+#pragma unroll
+            for (int j = 0; j < SP_NPT; j++) {
+                const int i = base + j * SP_THREADS + tid;
+                sp_count(s, i < vocab ? sp_key(rv[j], i) : 0ull, pf, mk, shift);
+            }
+        };
+        sp_select(s, kk, count, prefix, mask);
+        if (tid == 0) s.cnt = 0;
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < SP_NPT; j++) {
+            const int i = base + j * SP_THREADS + tid;
+            const u64 key = i < vocab ? sp_key(rv[j], i) : 0ull;
+            if (sp_selected(key, prefix, mask)) out[atomicAdd(&s.cnt, 1u)] = key;
+        }
+        __syncthreads();
+    }
+    // Candidate top-K.
+    const u32 K = P[P_KC];
+    if (K > 0) {
+        u64* out = cand_keys + ((i64)r * nb + blk) * kcap;
+        const u32 kk = min(K, nfin_b);
+        for (int q = tid; q < (int)K; q += SP_THREADS) out[q] = 0;
+        if (kk == 0) return;
+        u64 prefix, mask;
+        auto count = [&](int shift, u64 pf, u64 mk) {
+#pragma unroll
+            for (int j = 0; j < SP_NPT; j++) {
+                const int i = base + j * SP_THREADS + tid;
+                sp_count(s, ((zok >> j) & 1u) ? sp_key(zv[j], i) : 0ull, pf, mk, shift);
+            }
+        };
+        sp_select(s, kk, count, prefix, mask);
+        if (tid == 0) s.cnt = 0;
+        __syncthreads();
+#pragma unroll
+        for (int j = 0; j < SP_NPT; j++) {
+            const int i = base + j * SP_THREADS + tid;
+            const u64 key = ((zok >> j) & 1u) ? sp_key(zv[j], i) : 0ull;
+            if (sp_selected(key, prefix, mask)) out[atomicAdd(&s.cnt, 1u)] = key;
+        }
+    }
+}
+
+// Merges `n` keys laid out as `per` keys per chunk (stride `cstride`) into the k largest,
+// sorted descending into sel[0..k). Returns k (<= kmax).
+template <int KMAXT>
+__device__ u32 sp_merge_keys(SpSel& s, const u64* keys, int nb, int per, int cstride, u32 kmax, u64* sel, u32* red_u) {
+    const int n = nb * per;
+    const int iters = (n + SP_THREADS - 1) / SP_THREADS;
+    auto load = [&](int q) -> u64 { return q < n ? keys[(i64)(q / per) * cstride + (q % per)] : 0ull; };
+    u32 nz = 0;
+    for (int it = 0; it < iters; it++) nz += load(it * SP_THREADS + threadIdx.x) != 0 ? 1u : 0u;
+    nz = sp_sum_u(nz, red_u);
+    const u32 k = min(kmax, nz);
+    if (k == 0) return 0;
+    u64 prefix, mask;
+    auto count = [&](int shift, u64 pf, u64 mk) {
+        for (int it = 0; it < iters; it++) sp_count(s, load(it * SP_THREADS + threadIdx.x), pf, mk, shift);
+    };
+    sp_select(s, k, count, prefix, mask);
+    if (threadIdx.x == 0) s.cnt = 0;
+    __syncthreads();
+    for (int it = 0; it < iters; it++) {
+        const u64 key = load(it * SP_THREADS + threadIdx.x);
+        if (sp_selected(key, prefix, mask)) sel[KMAXT + atomicAdd(&s.cnt, 1u)] = key;
+    }
+    __syncthreads();
+    // Rank sort (keys are distinct): position = number of larger keys.
+    for (u32 t = threadIdx.x; t < k; t += SP_THREADS) {
+        const u64 key = sel[KMAXT + t];
+        u32 rank = 0;
+        for (u32 j = 0; j < k; j++) rank += sel[KMAXT + j] > key ? 1u : 0u;
+        sel[rank] = key;
+    }
+    __syncthreads();
+    return k;
+}
+
+extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_merge(
+    const float* __restrict__ logits, i64 stride, int vocab, int nb, const u32* __restrict__ params, const u32* __restrict__ touch,
+    const float* __restrict__ tz, const u32* __restrict__ bitmap, const double* __restrict__ bstat, const u64* __restrict__ raw_keys,
+    const u64* __restrict__ cand_keys, int kcap, u32* __restrict__ out) {
+    __shared__ SpSel s;
+    __shared__ u64 sel[2 * SP_KMAX];
+    __shared__ u32 red_u[32];
+    const int r = blockIdx.x, tid = threadIdx.x;
+    const u32* P = params + r * SP_PW;
+    const float* row = logits + (i64)P[P_SRC_ROW] * stride;
+    u32* H = out + (i64)r * SP_HDR;
+    const double* bs = bstat + (i64)r * nb * SP_BS;
+    if (tid == 0) {
+        double M = SP_DNEG_INF, S = 0.0, nfin = 0.0, nan_min = 4294967295.0;
+        u32 flags = 0;
+        for (int b = 0; b < nb; b++) M = fmax(M, bs[b * SP_BS]);
+        for (int b = 0; b < nb; b++) {
+            const double* x = bs + b * SP_BS;
+            if (x[0] > SP_DNEG_INF) S += x[1] * exp(x[0] - M);
+            nfin += x[2];
+            nan_min = fmin(nan_min, x[3]);
+            flags |= (u32)x[4];
+        }
+        const float lse = M > SP_DNEG_INF ? (float)(M + log(S)) : NEG_INF;
+        H[H_NAN] = (u32)nan_min;
+        H[H_FLAGS] = flags;
+        H[H_LSE] = __float_as_uint(lse);
+        H[H_NFIN] = (u32)nfin;
+        const int tg = (int)P[P_TARGET];
+        H[H_TARGET] = tg >= 0 ? __float_as_uint(row[tg]) : 0u;
+        H[H_ZMAX] = 0u;
+        H[H_NCAND] = 0u;
+        H[H_NTOP] = 0u;
+    }
+    __syncthreads();
+    if (H[H_NAN] != 0xffffffffu || H[H_FLAGS] != 0) return;
+    const u32 T = P[P_T];
+    if (T > 0) {
+        const u32 k = sp_merge_keys<SP_KMAX>(s, raw_keys + (i64)r * nb * SP_MAX_TOP, nb, T, SP_MAX_TOP, T, sel, red_u);
+        for (u32 t = tid; t < k; t += SP_THREADS) {
+            const u32 id = sp_key_id(sel[t]);
+            H[H_TOP_IDS + t] = id;
+            H[H_TOP_RAW + t] = __float_as_uint(row[id]);
+        }
+        if (tid == 0) H[H_NTOP] = k;
+        __syncthreads();
+    }
+    const u32 K = P[P_KC];
+    if (K > 0) {
+        const u32 k = sp_merge_keys<SP_KMAX>(s, cand_keys + (i64)r * nb * kcap, nb, K, kcap, K, sel, red_u);
+        const u32* bits = bitmap + (i64)r * ((vocab + 31) / 32);
+        const u32* tt = touch + (i64)P[P_TOFF] * SP_TW;
+        const float* tzr = tz + P[P_TOFF];
+        const float temp = __uint_as_float(P[P_TEMP]);
+        u32* ids = out + P[P_OUT_OFF];
+        u32* vals = ids + K;
+        u32* raws = vals + K;
+        for (u32 t = tid; t < k; t += SP_THREADS) {
+            const u32 id = sp_key_id(sel[t]);
+            const float zt = sp_final(sp_z(row, id, bits, tt, tzr, P[P_TLEN]), temp);
+            ids[t] = id;
+            vals[t] = __float_as_uint(zt);
+            raws[t] = __float_as_uint(row[id]);
+            if (t == 0) H[H_ZMAX] = __float_as_uint(zt);
+        }
+        if (tid == 0) H[H_NCAND] = k;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_total(
+    const float* __restrict__ logits, i64 stride, int vocab, const u32* __restrict__ params, const u32* __restrict__ touch,
+    const float* __restrict__ tz, const u32* __restrict__ bitmap, const u32* __restrict__ hdr, double* __restrict__ totals) {
+    __shared__ double red_d[32];
+    const int blk = blockIdx.x, nb = gridDim.x, r = blockIdx.y, tid = threadIdx.x;
+    const u32* P = params + r * SP_PW;
+    if (!P[P_NEED_TOTAL]) return;
+    const u32* H = hdr + (i64)r * SP_HDR;
+    double acc = 0.0;
+    if (H[H_NAN] == 0xffffffffu && H[H_FLAGS] == 0 && H[H_NCAND] > 0) {
+        const float* row = logits + (i64)P[P_SRC_ROW] * stride;
+        const u32* bits = bitmap + (i64)r * ((vocab + 31) / 32);
+        const u32* tt = touch + (i64)P[P_TOFF] * SP_TW;
+        const float* tzr = tz + P[P_TOFF];
+        const int tlen = P[P_TLEN];
+        const float temp = __uint_as_float(P[P_TEMP]);
+        const float zmax = __uint_as_float(H[H_ZMAX]);
+        const int base = blk * SP_CHUNK;
+#pragma unroll
+        for (int j = 0; j < SP_NPT; j++) {
+            const int i = base + j * SP_THREADS + tid;
+            if (i < vocab) {
+                const float z = sp_z(row, i, bits, tt, tzr, tlen);
+                if (z > NEG_INF) acc += exp((double)__fsub_rn(sp_final(z, temp), zmax));
+            }
+        }
+    }
+    acc = sp_sum_d(acc, red_d);
+    if (tid == 0) totals[(i64)r * nb + blk] = acc;
+}
