@@ -134,11 +134,10 @@ extern "C" __global__ void __launch_bounds__(1024) norm_q8(const float* x, i64 x
 // aligned rows). A warp per (row, token), 12 float4 loads per lane in flight per round.
 // grid (ceil(rows / 4), nt), block 128.
 #define RT_UNR 12
-extern "C" __global__ void __launch_bounds__(128) router_f32(const float* W, int rows, int n, const float* x, i64 xs,
-                                                             float* y, i64 ys) {
-    pdl_enter();
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int r = blockIdx.x * 4 + warp, t = blockIdx.y;
+// One router row: y[t][r] = W row r . x[t] by warp (r, t); lane 0 writes it (and, with fence,
+// makes it visible device-wide before returning: the fused top-k's last block reads it).
+__device__ __forceinline__ void router_row(const float* W, int rows, int n, const float* x, i64 xs, float* y, i64 ys,
+                                           int r, int t, int lane, bool fence) {
     if (r >= rows) return;
     const float4* wr = (const float4*)(W + (i64)r * n);
     const float4* xt = (const float4*)(x + (i64)t * xs);
@@ -161,7 +160,17 @@ extern "C" __global__ void __launch_bounds__(128) router_f32(const float* W, int
         }
     }
     acc = warp_sum(acc);
-    if (lane == 0) y[(i64)t * ys + r] = acc;
+    if (lane == 0) {
+        y[(i64)t * ys + r] = acc;
+        if (fence) __threadfence();
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(128) router_f32(const float* W, int rows, int n, const float* x, i64 xs,
+                                                             float* y, i64 ys) {
+    pdl_enter();
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    router_row(W, rows, n, x, xs, y, ys, blockIdx.x * 4 + warp, blockIdx.y, lane, false);
 }
 
 // Router top-k of the fast path: the same function as moe.cu's moe_route, bit for bit (same
@@ -170,16 +179,19 @@ extern "C" __global__ void __launch_bounds__(128) router_f32(const float* W, int
 // score + bias, ties to the lower expert index, weights = chosen unbiased scores renormalised.
 // grid (nt), block 32; E <= 32 * RK_MAXE, k <= 32.
 #define RK_MAXE 8
-extern "C" __global__ void __launch_bounds__(32) moe_route_fast(const float* logits, const float* bias, int E, int k,
-                                                                int gating, int* ids, float* w) {
-    pdl_enter();
-    int t = blockIdx.x, lane = threadIdx.x;
-    const float* lg = logits + (i64)t * E;
+__device__ __forceinline__ float ld_cg(const float* p) {
+    float v;
+    asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
+    return v;
+}
+// The top-k of one token by one warp: logits lg (read through L2), outputs ids_t[k], w_t[k].
+__device__ __forceinline__ void route_topk_warp(const float* lg, const float* bias, int E, int k, int gating,
+                                                int* ids_t, float* w_t, int lane) {
     float sc[RK_MAXE], ch[RK_MAXE];
 #pragma unroll
     for (int i = 0; i < RK_MAXE; i++) {
         int e = lane + 32 * i;
-        sc[i] = e < E ? lg[e] : 0.f;
+        sc[i] = e < E ? ld_cg(lg + e) : 0.f;
         ch[i] = e < E ? bias[e] : 0.f;
     }
     if (gating == 2) {
@@ -238,8 +250,37 @@ extern "C" __global__ void __launch_bounds__(32) moe_route_fast(const float* log
         }
     }
     if (lane < k) {
-        ids[t * k + lane] = my_id;
-        w[t * k + lane] = my_s / total;
+        ids_t[lane] = my_id;
+        w_t[lane] = my_s / total;
+    }
+}
+
+
+extern "C" __global__ void __launch_bounds__(32) moe_route_fast(const float* logits, const float* bias, int E, int k,
+                                                                int gating, int* ids, float* w) {
+    pdl_enter();
+    int t = blockIdx.x;
+    route_topk_warp(logits + (i64)t * E, bias, E, k, gating, ids + t * k, w + t * k, threadIdx.x);
+}
+
+// router_f32 and moe_route_fast in one launch: every block writes its logits, fences, and counts
+// itself in cnt[t]; the last block of token t runs the top-k on all of them (read through L2)
+// and resets cnt[t] to 0 for the next launch. Same results as the two kernels, bit for bit.
+// grid (ceil(rows / 4), nt), block 128; rows <= 32 * RK_MAXE, k <= 32; cnt zero at first use.
+extern "C" __global__ void __launch_bounds__(128) router_topk_f32(const float* W, int rows, int n, const float* x,
+                                                                  i64 xs, float* y, i64 ys, const float* bias, int k,
+                                                                  int gating, int* ids, float* w, u32* cnt) {
+    pdl_enter();
+    __shared__ int last;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y;
+    router_row(W, rows, n, x, xs, y, ys, blockIdx.x * 4 + warp, t, lane, true);
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&cnt[t], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (last && warp == 0) {
+        __threadfence();
+        route_topk_warp(y + (i64)t * ys, bias, rows, k, gating, ids + t * k, w + t * k, lane);
+        if (lane == 0) cnt[t] = 0;
     }
 }
 
@@ -887,6 +928,229 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_reg2_iq4_xs(const u8*
                                                                        float* hidden, i64 hs) {
     pdl_enter();
     moe_down_reg_iq4<2, 6>(W, rb, es, rows, ids, wts, k, aq, ad, ff, hidden, hs);
+}
+
+// ------------------------------------------ MoE grouped by expert (steps of several tokens) --
+// The step's (token, expert) pairs grouped by expert, so that each chosen expert's weights are
+// read once for all the tokens routed to it (and its IQ4 codes decoded once). grp (i32): [0] =
+// n, the number of chosen experts ("slots"); [1, 1+E) expert of slot s; [1+E, 1+2E) offset of
+// slot s in the pair list; [1+2E, 1+3E) its pair count; [1+3E, 1+3E+npairs) the pair list.
+// Slot numbers and the order inside a slot come from shared-memory atomics (they vary from run
+// to run), but every output element is computed from one pair alone in a fixed order, so the
+// results do not. grid 1, block 256; E <= 1024.
+extern "C" __global__ void __launch_bounds__(256) moe_group(const int* ids, int npairs, int E, int* grp) {
+    pdl_enter();
+    __shared__ int cnt[1024], off[1024], fill[1024];
+    __shared__ int nslot, total;
+    int* g_exp = grp + 1;
+    int* g_off = grp + 1 + E;
+    int* g_cnt = grp + 1 + 2 * E;
+    int* g_pairs = grp + 1 + 3 * E;
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        cnt[e] = 0;
+        fill[e] = 0;
+    }
+    if (threadIdx.x == 0) nslot = total = 0;
+    __syncthreads();
+    for (int p = threadIdx.x; p < npairs; p += blockDim.x) {
+        int e = ids[p];
+        if ((unsigned)e < (unsigned)E) atomicAdd(&cnt[e], 1);
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+        int c = cnt[e];
+        if (c > 0) {
+            int s = atomicAdd(&nslot, 1);
+            int o = atomicAdd(&total, c);
+            off[e] = o;
+            g_exp[s] = e;
+            g_off[s] = o;
+            g_cnt[s] = c;
+        }
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < npairs; p += blockDim.x) {
+        int e = ids[p];
+        if ((unsigned)e < (unsigned)E) g_pairs[off[e] + atomicAdd(&fill[e], 1)] = p;
+    }
+    if (threadIdx.x == 0) grp[0] = nslot;
+}
+
+// One IQ4_XS unit (32 values) decoded to packed int8 codebook values and its scale d * (ls - 32).
+__device__ __forceinline__ float iq4_decode(uint2 h, uint2 qa, uint2 qb, int sb, u32 (&lo)[4], u32 (&hi)[4]) {
+    iq4_lookup(qa.x, lo[0], hi[0]);
+    iq4_lookup(qa.y, lo[1], hi[1]);
+    iq4_lookup(qb.x, lo[2], hi[2]);
+    iq4_lookup(qb.y, lo[3], hi[3]);
+    int ls = ((h.y >> (4 * sb)) & 15) | (((h.x >> (16 + 2 * sb)) & 3) << 4);
+    return f16_to_f32((u16)(h.x & 0xffffu)) * (float)(ls - 32);
+}
+__device__ __forceinline__ int iq4_dot(const u32 (&lo)[4], const u32 (&hi)[4], int4 xa, int4 xb) {
+    int s = __dp4a((int)lo[0], xa.x, 0);
+    s = __dp4a((int)lo[1], xa.y, s);
+    s = __dp4a((int)lo[2], xa.z, s);
+    s = __dp4a((int)lo[3], xa.w, s);
+    s = __dp4a((int)hi[0], xb.x, s);
+    s = __dp4a((int)hi[1], xb.y, s);
+    s = __dp4a((int)hi[2], xb.z, s);
+    return __dp4a((int)hi[3], xb.w, s);
+}
+
+#define GG_ROWS 4   // rows per warp of the grouped gate/up (8 warps: the block's 32 rows)
+#define GG_MAXC 32  // pairs per expert (one per token of the step)
+
+// Grouped IQ4_XS gate/up: block (32 rows, slot): for each row of the slot's expert, the lane's
+// units of gate and up are loaded and decoded once, then dotted with every routed token's q8
+// input. Per-(row, pair) sums collect in shared memory across column rounds; then per pair
+// act = silu(g) * u over the 32 rows -> q8 (aq [p][ld], ad [p][ld / 32]), as moe_gate_up.
+// grid (ff / 32, max slots), block 256; slots >= grp[0] exit.
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_grp_iq4_xs(const u8* G, const u8* U, i64 rb, i64 es,
+                                                                         const int* grp, int E, int k, const i8* xq,
+                                                                         const float* xd, int ncol, i8* aq, float* ad,
+                                                                         int ld) {
+    pdl_enter();
+    __shared__ float sg[32][GG_MAXC + 1], su[32][GG_MAXC + 1];
+    int slot = blockIdx.y;
+    if (slot >= grp[0]) return;
+    int e = grp[1 + slot], c = min(grp[1 + 2 * E + slot], GG_MAXC);
+    const int* pairs = grp + 1 + 3 * E + grp[1 + E + slot];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    i64 eoff = (i64)e * es;
+    int nu = ncol >> 5;
+#pragma unroll
+    for (int r = 0; r < GG_ROWS; r++)
+        for (int ci = lane; ci < c; ci += 32) sg[warp * GG_ROWS + r][ci] = su[warp * GG_ROWS + r][ci] = 0.f;
+    __syncwarp();
+    for (int ub0 = 0; ub0 < nu; ub0 += 32 * GR_XU) {
+        for (int r = 0; r < GG_ROWS; r++) {
+            int rl = warp * GG_ROWS + r;
+            i64 ro = eoff + (i64)(blockIdx.x * 32 + rl) * rb;
+            GrRow w;
+            gr_load(w, G + ro, U + ro, ub0, lane, nu);
+            u32 glo[GR_XU][4], ghi[GR_XU][4], ulo[GR_XU][4], uhi[GR_XU][4];
+            float gs[GR_XU], us[GR_XU];
+#pragma unroll
+            for (int i = 0; i < GR_XU; i++) {
+                int un = ub0 + lane + 32 * i;
+                if (un < nu) {
+                    gs[i] = iq4_decode(w.gh[i], w.ga[i], w.gb[i], un & 7, glo[i], ghi[i]);
+                    us[i] = iq4_decode(w.uh[i], w.ua[i], w.ub[i], un & 7, ulo[i], uhi[i]);
+                }
+            }
+            for (int ci = 0; ci < c; ci++) {
+                int t = pairs[ci] / k;
+                float ag = 0.f, au = 0.f;
+#pragma unroll
+                for (int i = 0; i < GR_XU; i++) {
+                    int un = ub0 + lane + 32 * i;
+                    if (un < nu) {
+                        const int4* xp = (const int4*)(xq + (i64)t * ncol + un * 32);
+                        int4 xa = xp[0], xb = xp[1];
+                        float xs = xd[(i64)t * nu + un];
+                        ag += xs * (gs[i] * (float)iq4_dot(glo[i], ghi[i], xa, xb));
+                        au += xs * (us[i] * (float)iq4_dot(ulo[i], uhi[i], xa, xb));
+                    }
+                }
+                ag = warp_sum(ag);
+                au = warp_sum(au);
+                if (lane == 0) {
+                    sg[rl][ci] += ag;
+                    su[rl][ci] += au;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    for (int ci = warp; ci < c; ci += 8) {
+        int p = pairs[ci];
+        float g = sg[lane][ci], u = su[lane][ci];
+        float v = g / (1.0f + expf(-g)) * u;
+        int q = q8_lane(v, ad + (i64)p * (ld / 32) + blockIdx.x);
+        aq[(i64)p * ld + blockIdx.x * 32 + lane] = (i8)q;
+    }
+}
+
+#define DG_U 3  // units per lane and round of the grouped down
+
+// Grouped IQ4_XS down: block (16 rows, slot), warp w takes rows r0 = 16 bx + 2 w and r0 + 1 (the
+// units of both rows as one list, DG_U per lane and round), decodes them once and dots them with
+// every routed pair's activations: dpart[p][r] = down[e] row r . act[p] (unweighted; combined
+// per token by moe_combine_grp). grid (ceil(rows / 16), max slots), block 256.
+extern "C" __global__ void __launch_bounds__(256) moe_down_grp_iq4_xs(const u8* W, i64 rb, i64 es, int rows,
+                                                                      const int* grp, int E, const i8* aq,
+                                                                      const float* ad, int ff, float* dpart) {
+    pdl_enter();
+    __shared__ float sacc[8][2][GG_MAXC];
+    int slot = blockIdx.y;
+    if (slot >= grp[0]) return;
+    int e = grp[1 + slot], c = min(grp[1 + 2 * E + slot], GG_MAXC);
+    const int* pairs = grp + 1 + 3 * E + grp[1 + E + slot];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r0 = blockIdx.x * 16 + warp * 2;
+    int upe = ff >> 5, nu = 2 * upe;
+    for (int ci = lane; ci < c; ci += 32) sacc[warp][0][ci] = sacc[warp][1][ci] = 0.f;
+    __syncwarp();
+    const u8* wb = W + (i64)e * es;
+    for (int u0 = 0; u0 < nu; u0 += 32 * DG_U) {
+        uint2 h[DG_U], qa[DG_U], qb[DG_U];
+        int uu[DG_U], rr[DG_U];
+        bool ok[DG_U];
+#pragma unroll
+        for (int i = 0; i < DG_U; i++) {
+            int un = u0 + lane + 32 * i;
+            rr[i] = un >= upe;
+            uu[i] = un - rr[i] * upe;
+            ok[i] = un < nu && r0 + rr[i] < rows;
+            if (ok[i]) {
+                const u8* b = wb + (i64)(r0 + rr[i]) * rb + (uu[i] >> 3) * 136;
+                h[i] = ldg_u2(b);
+                qa[i] = ldg_u2(b + 8 + 16 * (uu[i] & 7));
+                qb[i] = ldg_u2(b + 16 + 16 * (uu[i] & 7));
+            }
+        }
+        u32 lo[DG_U][4], hi[DG_U][4];
+        float sc[DG_U];
+#pragma unroll
+        for (int i = 0; i < DG_U; i++)
+            if (ok[i]) sc[i] = iq4_decode(h[i], qa[i], qb[i], uu[i] & 7, lo[i], hi[i]);
+        for (int ci = 0; ci < c; ci++) {
+            i64 p = pairs[ci];
+            float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+            for (int i = 0; i < DG_U; i++) {
+                if (ok[i]) {
+                    const int4* xp = (const int4*)(aq + p * ff + uu[i] * 32);
+                    float v = ad[p * upe + uu[i]] * (sc[i] * (float)iq4_dot(lo[i], hi[i], xp[0], xp[1]));
+                    if (rr[i]) s1 += v;
+                    else s0 += v;
+                }
+            }
+            s0 = warp_sum(s0);
+            s1 = warp_sum(s1);
+            if (lane == 0) {
+                sacc[warp][0][ci] += s0;
+                sacc[warp][1][ci] += s1;
+            }
+        }
+    }
+    __syncwarp();
+    for (int ci = lane; ci < c; ci += 32) {
+        i64 p = pairs[ci];
+        if (r0 < rows) dpart[p * rows + r0] = sacc[warp][0][ci];
+        if (r0 + 1 < rows) dpart[p * rows + r0 + 1] = sacc[warp][1][ci];
+    }
+}
+
+// hidden[t][r] += sum_j wts[t k + j] * dpart[t k + j][r] (j in order: deterministic).
+// grid (ceil(rows / 256), nt), block 256.
+extern "C" __global__ void __launch_bounds__(256) moe_combine_grp(const float* dpart, const float* wts, int k, int rows,
+                                                                  float* hidden, i64 hs) {
+    pdl_enter();
+    int r = blockIdx.x * 256 + threadIdx.x, t = blockIdx.y;
+    if (r >= rows) return;
+    float s = 0.f;
+    for (int j = 0; j < k; j++) s += wts[t * k + j] * dpart[((i64)t * k + j) * rows + r];
+    hidden[(i64)t * hs + r] += s;
 }
 
 #define FAST_INST(name, T)                                                                                       \

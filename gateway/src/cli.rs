@@ -10,6 +10,9 @@ use std::time::Duration;
 use anyhow::{Context, bail};
 use clap::{Args, ValueEnum};
 
+use minimax_shared::gguf::{GgufModel, Metadata};
+use minimax_shared::model::synthetic::SyntheticSpec;
+
 use crate::engine::EngineConfig;
 use crate::ranks::client::RankAddr;
 use crate::ranks::supervisor::{SpawnConfig, WorldConfig, WorldMode};
@@ -41,6 +44,21 @@ pub struct EngineArgs {
     /// the bundled demo model (see `--model` in the README).
     #[arg(long, env = "MINIMAX_MODEL")]
     pub model: Option<PathBuf>,
+
+    /// BENCHMARK ONLY: serve a synthetic model with MiniMax-M2.7's shapes and random weights
+    /// (`m2.7:MIX[:LAYERS]`, MIX = iq4xs | q4km | q8_0) instead of `--model`: one rank, the
+    /// tokenizer from `--synthetic-vocab-from`. Needs `--allow-synthetic`.
+    #[arg(long, env = "MINIMAX_SYNTHETIC", conflicts_with = "model")]
+    pub synthetic: Option<String>,
+
+    /// With `--synthetic`: the GGUF whose tokenizer and chat template are used, its vocabulary
+    /// padded with unused tokens to the synthetic model's (default: the bundled demo model).
+    #[arg(long, env = "MINIMAX_SYNTHETIC_VOCAB_FROM", requires = "synthetic")]
+    pub synthetic_vocab_from: Option<PathBuf>,
+
+    /// Confirms `--synthetic` (its answers are noise).
+    #[arg(long, env = "MINIMAX_ALLOW_SYNTHETIC")]
+    pub allow_synthetic: bool,
 
     /// GPUs to run one rank each on, e.g. `0,1` (sets the world size; device cuda).
     #[arg(long, env = "MINIMAX_GPUS", value_delimiter = ',', conflicts_with = "ranks")]
@@ -144,6 +162,31 @@ impl EngineArgs {
         demo_model().context("no --model given and the bundled demo model was not found (set --model or MINIMAX_MODEL)")
     }
 
+    /// The parsed `--synthetic` spec (None without it); refused without `--allow-synthetic`.
+    pub fn synthetic_spec(&self) -> anyhow::Result<Option<SyntheticSpec>> {
+        let Some(spec) = self.synthetic.as_deref() else { return Ok(None) };
+        if !self.allow_synthetic {
+            bail!("--synthetic {spec} serves random weights (benchmarks only); add --allow-synthetic to confirm");
+        }
+        Ok(Some(SyntheticSpec::parse(spec)?))
+    }
+
+    /// The metadata the gateway builds its tokenizer, template and model card from: the
+    /// model's GGUF, or for `--synthetic` the vocabulary GGUF's tokenizer padded to the
+    /// synthetic model (see `crate::synthetic`).
+    pub fn model_metadata(&self) -> anyhow::Result<Metadata> {
+        if let Some(spec) = self.synthetic_spec()? {
+            let vocab = match &self.synthetic_vocab_from {
+                Some(p) => p.clone(),
+                None => demo_model().context("--synthetic needs --synthetic-vocab-from (the bundled demo model was not found)")?,
+            };
+            return crate::synthetic::metadata_from_file(&spec, &vocab);
+        }
+        let path = self.model_path()?;
+        let model = GgufModel::open(&path).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+        Ok(model.metadata().clone())
+    }
+
     /// Attach-mode addresses, if any.
     pub fn rank_addrs(&self) -> anyhow::Result<Vec<RankAddr>> {
         self.ranks.iter().filter(|s| !s.trim().is_empty()).map(|s| RankAddr::parse(s).map_err(anyhow::Error::msg)).collect()
@@ -157,6 +200,10 @@ impl EngineArgs {
             bail!("--prefill-chunk, --max-step-tokens and --max-running must be positive");
         }
         let addrs = self.rank_addrs()?;
+        let synthetic = self.synthetic_spec()?;
+        if synthetic.is_some() && (self.gpus.len() > 1 || self.world_size > 1 || addrs.len() > 1) {
+            bail!("--synthetic runs on one rank (one GPU)");
+        }
         let mode = if !addrs.is_empty() {
             WorldMode::Attach { addrs }
         } else {
@@ -174,7 +221,8 @@ impl EngineArgs {
             };
             WorldMode::Spawn(SpawnConfig {
                 rank_binary: self.rank_binary.clone().map_or_else(find_rank_binary, Ok)?,
-                model: self.model_path()?,
+                model: if synthetic.is_some() { PathBuf::new() } else { self.model_path()? },
+                synthetic: synthetic.is_some().then(|| self.synthetic.clone()).flatten(),
                 devices,
                 parallelism: self.parallelism.as_str().to_string(),
                 page_size: self.page_size,
@@ -280,5 +328,32 @@ mod tests {
             _ => panic!(),
         }
         assert!(T::try_parse_from(["x", "--gpus", "0", "--ranks", "a:1"]).is_err());
+    }
+
+    #[test]
+    fn synthetic_needs_allow_and_one_rank() {
+        let base = ["x", "--rank-binary", "/bin/true", "--synthetic", "m2.7:iq4xs:2"];
+        let t = T::try_parse_from(base).unwrap();
+        let e = t.e.engine_config().unwrap_err().to_string();
+        assert!(e.contains("--allow-synthetic"), "{e}");
+        assert!(t.e.model_metadata().unwrap_err().to_string().contains("--allow-synthetic"));
+        let t = T::try_parse_from([&base[..], &["--allow-synthetic", "--device", "cuda"]].concat()).unwrap();
+        match t.e.engine_config().unwrap().world.mode {
+            WorldMode::Spawn(s) => {
+                assert_eq!(s.synthetic.as_deref(), Some("m2.7:iq4xs:2"));
+                assert_eq!(s.devices, vec!["cuda:0"]);
+            }
+            _ => panic!("expected spawn mode"),
+        }
+        let meta = t.e.model_metadata().unwrap();
+        assert_eq!(meta.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()).map(|a| a.len()), Some(200_064));
+        let t = T::try_parse_from([&base[..], &["--allow-synthetic", "--gpus", "0,1"]].concat()).unwrap();
+        assert!(t.e.engine_config().unwrap_err().to_string().contains("one rank"));
+        let t = T::try_parse_from([&base[..], &["--allow-synthetic", "--synthetic-vocab-from", "/nonexistent.gguf"]].concat()).unwrap();
+        assert!(t.e.model_metadata().unwrap_err().to_string().contains("/nonexistent.gguf"));
+        assert!(T::try_parse_from([&base[..], &["--model", "/m.gguf"]].concat()).is_err());
+        assert!(T::try_parse_from(["x", "--synthetic-vocab-from", "/v.gguf"]).is_err());
+        let t = T::try_parse_from([&base[..1], &["--allow-synthetic", "--synthetic", "m2.7:nope"]].concat()).unwrap();
+        assert!(t.e.engine_config().unwrap_err().to_string().contains("unknown quant mix"));
     }
 }

@@ -7,4 +7,5 @@ pub mod kv;
 pub mod ranks;
 pub mod sample;
 pub mod sched;
+pub mod synthetic;
 pub mod text;

@@ -51,10 +51,10 @@ async fn run(cli: Cli) -> anyhow::Result<()> {
         }
     });
     // HTTP layer (issue 5): serves until SIGINT/SIGTERM; answers 503 until the ranks are ready.
-    let model_path = cli.engine.model_path()?;
-    let model = minimax_shared::gguf::GgufModel::open(&model_path).map_err(|e| anyhow::anyhow!("{}: {e}", model_path.display()))?;
-    let state = minimax_gateway::api::engine_backend::app_state(engine.clone(), model.metadata(), cli.api)?;
-    drop(model);
+    // The GGUF's metadata (tokenizer, template, model card), or the synthetic model's.
+    let meta = cli.engine.model_metadata()?;
+    let state = minimax_gateway::api::engine_backend::app_state(engine.clone(), &meta, cli.api)?;
+    drop(meta);
     let served = minimax_gateway::api::serve(state, shutdown_signal()).await;
     tracing::info!("shutting down");
     engine.shutdown().await;
@@ -66,7 +66,13 @@ async fn dry_run(args: &EngineArgs, mut cfg: minimax_gateway::engine::EngineConf
     // One attempt: a dry run reports the first failure instead of retrying.
     cfg.world.max_restart_attempts = 1;
     use minimax_gateway::ranks::supervisor::WorldMode;
-    if let WorldMode::Spawn(s) = &cfg.world.mode {
+    if let Some(spec) = args.synthetic_spec()? {
+        let meta = args.model_metadata()?;
+        let format = minimax_gateway::text::format::ModelFormat::minimax_m2();
+        let tok = minimax_gateway::text::tokenizer::Tokenizer::from_gguf_metadata(&meta, &format).map_err(|e| anyhow::anyhow!("tokenizer: {e}"))?;
+        println!("model: SYNTHETIC {:?} ({} layers, random weights; benchmarks only)", spec.mix, spec.layers);
+        println!("tokenizer: {} tokens", tok.vocab_size());
+    } else if let WorldMode::Spawn(s) = &cfg.world.mode {
         let model = minimax_shared::gguf::GgufModel::open(&s.model).map_err(|e| anyhow::anyhow!("{}: {e}", s.model.display()))?;
         println!("model: {} ({} shard(s), {} tensors)", s.model.display(), model.shards().len(), model.tensors().count());
         let format = minimax_gateway::text::format::ModelFormat::minimax_m2();

@@ -51,6 +51,7 @@ fn config(world: usize, parallelism: &str, rank_args: Vec<(u32, Vec<String>)>) -
     let spawn = SpawnConfig {
         rank_binary: rank_binary(),
         model: root().join("fixtures/m2-small/q8_0.gguf"),
+        synthetic: None,
         devices: vec!["cpu".into(); world],
         parallelism: parallelism.into(),
         page_size: PAGE,

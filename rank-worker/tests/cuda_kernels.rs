@@ -753,6 +753,37 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
         eprintln!("moe_route_fast top-{k} of {e} ({gating:?}, ties {ties}), {nt} tokens: bit-identical to moe_route");
     }
     assert!(g.route_fast(0, 0, 257, 8, GatingFunc::Sigmoid, 0, 0, 1).is_err(), "more than 256 experts must be refused");
+    // router_topk_f32 (router product + top-k in the last block): logits bit-identical to
+    // router_f32, ids / weights to moe_route on them; launched twice (the arrival counters must
+    // be back at zero), rows not a multiple of the 4-row block.
+    for (rows, cols, k, nt, gating) in [(256usize, 3072usize, 8usize, 3usize, GatingFunc::Sigmoid), (37, 1000, 5, 4, GatingFunc::Softmax)] {
+        let wm = rng.vec(rows * cols, 0.05);
+        let x = rng.vec(nt * cols, 2.0);
+        let bias = rng.vec(rows, 0.3);
+        let bytes: Vec<u8> = wm.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let (_wb, dm) = upload_mat(&g, GgmlType::F32, &bytes, rows, cols, 0);
+        let (xb, bb) = (g.upload(&x).unwrap(), g.upload(&bias).unwrap());
+        let cnt = g.zeros::<u32>(nt).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let yr = poisoned(&g, nt * rows);
+        g.router_f32(&dm, g.ptr(&xb), cols, g.ptr(&yr), rows, nt).unwrap();
+        let ir = g.zeros::<i32>(nt * k).unwrap();
+        let wr = poisoned(&g, nt * k);
+        g.route(g.ptr(&yr), g.ptr(&bb), rows, k, gating, g.ptr(&ir), g.ptr(&wr), nt).unwrap();
+        let (want_y, want_i, want_w) = (g.download(&yr).unwrap(), g.download(&ir).unwrap(), g.download(&wr).unwrap());
+        for rep in 0..2 {
+            let y = poisoned(&g, nt * rows);
+            let ids = g.zeros::<i32>(nt * k).unwrap();
+            g.fill_u32(g.ptr(&ids), nt * k, u32::MAX).unwrap();
+            let wb = poisoned(&g, nt * k);
+            g.router_topk_f32(&dm, g.ptr(&xb), cols, g.ptr(&y), rows, g.ptr(&bb), k, gating, g.ptr(&ids), g.ptr(&wb), g.ptr(&cnt), nt).unwrap();
+            assert_eq!(bits(&g.download(&y).unwrap()), bits(&want_y), "router_topk_f32 logits {rows}x{cols} rep {rep}");
+            assert_eq!(g.download(&ids).unwrap(), want_i, "router_topk_f32 ids {rows} rep {rep}");
+            assert_eq!(bits(&g.download(&wb).unwrap()), bits(&want_w), "router_topk_f32 weights {rows} rep {rep}");
+            assert!(g.download(&cnt).unwrap().iter().all(|&c| c == 0), "router_topk_f32 left its counters non-zero");
+        }
+        eprintln!("router_topk_f32 {rows}x{cols} top-{k} ({gating:?}), {nt} tokens, 2 launches: bit-identical to router_f32 + moe_route");
+    }
     // qk_norm_rope_store (bf16 cache): q and k full-width norm, partial RoPE per head, K and V
     // stored at their slots.
     for (qh, kh, hd, rot, theta) in [(48usize, 8usize, 128usize, 64usize, 5e6f32), (6, 1, 128, 128, 10000.0)] {
@@ -817,4 +848,94 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
         }
         eprintln!("qk_norm_rope_store {qh}/{kh} heads x {hd}, rot {rot}: max |diff| {worst:.2e}, cache within bf16");
     }
+}
+
+/// The grouped MoE of steps of several tokens (`moe_group`, `moe_gate_up_grp_iq4_xs`,
+/// `moe_down_grp_iq4_xs`, `moe_combine_grp`) against the CPU: experts shared by several tokens
+/// (one by every token), column rounds with a partial last one (gate/up: 112 units = 96 + 16;
+/// down: 2 x 80 units = 96 + 64), output rows not a multiple of the 16-row block.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_grouped_moe_matches_cpu() {
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0003);
+    let ty = GgmlType::IQ4_XS;
+    let (e, k, nt, h, ff, hrows) = (7usize, 3usize, 5usize, 512 * 7, 512 * 5, 43usize);
+    let gate = random_rows(&mut rng, ty, e * ff, h);
+    let upw = random_rows(&mut rng, ty, e * ff, h);
+    let down = random_rows(&mut rng, ty, e * hrows, ff);
+    let (_g1, gm) = upload_mat(&g, ty, &gate, ff, h, e);
+    let (_g2, um) = upload_mat(&g, ty, &upw, ff, h, e);
+    let (_g3, dm) = upload_mat(&g, ty, &down, hrows, ff, e);
+    // Expert 2 for every token, expert 6 for two, the rest once or twice; expert 3 never.
+    let ids: Vec<i32> = vec![2, 6, 0, 1, 2, 6, 2, 4, 5, 0, 1, 2, 5, 2, 4];
+    let wts: Vec<f32> = (0..nt * k).map(|i| 0.1 + 0.05 * i as f32).collect();
+    let x = rng.vec(nt * h, 2.0);
+    let (hq, hd) = q8_host(&x);
+    let xdq = q8_deq(&hq, &hd);
+    let (qb, db, ib, wb) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap(), g.upload(&ids).unwrap(), g.upload(&wts).unwrap());
+    let grp = g.zeros::<i32>(1 + 3 * e + nt * k).unwrap();
+    g.fill_u32(g.ptr(&grp), 1 + 3 * e + nt * k, u32::MAX).unwrap();
+    g.moe_group(g.ptr(&ib), nt * k, e, g.ptr(&grp)).unwrap();
+    let gr = g.download(&grp).unwrap();
+    assert_eq!(gr[0], 6, "six distinct experts");
+    let mut seen = vec![false; nt * k];
+    for s in 0..gr[0] as usize {
+        let (ex, off, cnt) = (gr[1 + s], gr[1 + e + s] as usize, gr[1 + 2 * e + s] as usize);
+        for &p in &gr[1 + 3 * e + off..1 + 3 * e + off + cnt] {
+            assert_eq!(ids[p as usize], ex, "pair {p} listed under expert {ex}");
+            assert!(!seen[p as usize], "pair {p} listed twice");
+            seen[p as usize] = true;
+        }
+    }
+    assert!(seen.iter().all(|&s| s), "every pair listed");
+    let nslots = (nt * k).min(e);
+    let aq = g.zeros::<i8>(nt * k * ff).unwrap();
+    g.fill_u32(g.ptr(&aq), nt * k * ff / 4, 0x7f7f_7f7f).unwrap();
+    let ad = poisoned(&g, nt * k * ff / 32);
+    g.moe_gate_up_grp(&gm, &um, g.ptr(&grp), e, nslots, k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), ff).unwrap();
+    let (gaq, gad) = (g.download(&aq).unwrap(), g.download(&ad).unwrap());
+    let gdeq = quant::dequantize_to_vec(ty, &gate, e * ff * h).unwrap();
+    let udeq = quant::dequantize_to_vec(ty, &upw, e * ff * h).unwrap();
+    let mut worst = 0f32;
+    for p in 0..nt * k {
+        let (ex, t) = (ids[p] as usize, p / k);
+        let xv = &xdq[t * h..(t + 1) * h];
+        for r in 0..ff {
+            let row = |m: &[f32]| m[(ex * ff + r) * h..(ex * ff + r + 1) * h].iter().zip(xv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>();
+            let (gg, uu) = (row(&gdeq), row(&udeq));
+            let want = (gg / (1.0 + (-gg).exp()) * uu) as f32;
+            let got = gaq[p * ff + r] as f32 * gad[p * ff / 32 + r / 32];
+            let tol = gad[p * ff / 32 + r / 32] * 0.51 + 1e-4 * want.abs() + 1e-6;
+            assert!(got.is_finite() && (got - want).abs() <= tol, "gate_up_grp pair {p} row {r}: got {got} want {want} tol {tol}");
+            worst = worst.max((got - want).abs());
+        }
+    }
+    let dpart = poisoned(&g, nt * k * hrows);
+    g.moe_down_grp(&dm, g.ptr(&grp), e, nslots, g.ptr(&aq), g.ptr(&ad), g.ptr(&dpart)).unwrap();
+    let hid0 = rng.vec(nt * (hrows + 1), 1.0);
+    let hb = g.upload(&hid0).unwrap();
+    g.moe_combine_grp(g.ptr(&dpart), g.ptr(&wb), k, hrows, g.ptr(&hb), hrows + 1, nt).unwrap();
+    let got = g.download(&hb).unwrap();
+    let ddeq = quant::dequantize_to_vec(ty, &down, e * hrows * ff).unwrap();
+    let mut worst_d = 0f64;
+    for t in 0..nt {
+        for r in 0..hrows {
+            let mut want = hid0[t * (hrows + 1) + r] as f64;
+            let mut scale = want.abs();
+            for j in 0..k {
+                let p = t * k + j;
+                let ex = ids[p] as usize;
+                let w = &ddeq[(ex * hrows + r) * ff..(ex * hrows + r + 1) * ff];
+                let a = |i: usize| w[i] as f64 * gaq[p * ff + i] as f64 * gad[p * ff / 32 + i / 32] as f64;
+                want += wts[p] as f64 * (0..ff).map(a).sum::<f64>();
+                scale += wts[p] as f64 * (0..ff).map(|i| a(i).abs()).sum::<f64>();
+            }
+            let gv = got[t * (hrows + 1) + r] as f64;
+            assert!(gv.is_finite() && (gv - want).abs() <= 1e-5 * scale + 1e-6, "down_grp t {t} r {r}: got {gv} want {want}");
+            worst_d = worst_d.max((gv - want).abs() / scale);
+        }
+        assert_eq!(got[t * (hrows + 1) + hrows], hid0[t * (hrows + 1) + hrows], "combine wrote past the rows");
+    }
+    eprintln!("moe grouped IQ4_XS {nt} tokens x top-{k} of {e}: gate/up max |diff| {worst:.2e} (q8 output), down+combine max rel {worst_d:.2e}");
 }

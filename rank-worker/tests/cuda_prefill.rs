@@ -160,7 +160,8 @@ fn gpu() -> Gpu {
 fn dev_mat(g: &Gpu, ty: GgmlType, bytes: &[u8], rows: usize, cols: usize, n_experts: usize) -> (cudarc::driver::CudaSlice<u8>, DevMat) {
     let buf = g.upload(bytes).unwrap();
     let rb = quant::row_bytes(ty, cols).unwrap();
-    (buf, DevMat { ptr: g.ptr(&buf), ty, rows, cols, row_bytes: rb, n_experts, expert_stride: rows * rb })
+    let ptr = g.ptr(&buf);
+    (buf, DevMat { ptr, ty, rows, cols, row_bytes: rb, n_experts, expert_stride: rows * rb })
 }
 
 #[test]
@@ -175,7 +176,7 @@ fn gemm_matches_cpu_for_every_type_tile_and_precision() {
         let w = random_matrix(&mut rng, ty, rows, cols);
         let wf = dequant(ty, &w, rows, cols);
         let (_wb, m) = dev_mat(&g, ty, &w, rows, cols, 0);
-        for (n, nt) in [(7usize, 1usize), (45, 2), (77, 4), (150, 8), (33, 8)] {
+        for (n, nt) in [(7usize, 2usize), (45, 2), (77, 8), (150, 8), (33, 8)] {
             let (xs, ys) = (cols + 4, rows + 3);
             let x = rng.vec(n * xs, 1.0);
             let xd = g.upload(&x).unwrap();
@@ -245,7 +246,8 @@ fn matvec_dispatches_to_gemm_above_crossover_and_rejects_misalignment() {
     set_gemm_precision(GemmPrecision::Bf16x3);
     // A misaligned input is an error of the GEMM, never a launch.
     assert!(g.matmul(&m, g.ptr(&xd) + 4, cols, g.ptr(&yd), rows, n, false).is_err());
-    assert!(g.matmul_with(&m, g.ptr(&xd), cols, g.ptr(&yd), rows, n, false, 3, 1).is_err());
+    assert!(g.matmul_with(&m, g.ptr(&xd), cols, g.ptr(&yd), rows, n, false, 4, 1).is_err());
+    assert!(g.matmul_with(&m, g.ptr(&xd), cols, g.ptr(&yd), rows, n, false, 2, 2).is_err());
 }
 
 /// Random routing of `tokens` tokens to `k` distinct experts each, never choosing `empty`.
@@ -269,7 +271,7 @@ fn random_routing(rng: &mut Rng, tokens: usize, k: usize, n_experts: usize, empt
 fn expert_grouping_lists_every_pair_once_and_skips_empty_experts() {
     let g = gpu();
     let mut rng = Rng(0x5eed_0003);
-    for (tokens, k, ne, nt) in [(50usize, 3usize, 10usize, 1usize), (300, 8, 40, 4), (1, 2, 5, 2), (700, 4, 1100, 1)] {
+    for (tokens, k, ne, nt) in [(50usize, 3usize, 10usize, 1usize), (300, 8, 40, 4), (1, 2, 5, 4), (700, 4, 1100, 1)] {
         let empty: Vec<usize> = (0..ne).filter(|e| e % 4 == 1).collect();
         let ids = random_routing(&mut rng, tokens, k, ne, &empty);
         let idd = g.upload(&ids).unwrap();

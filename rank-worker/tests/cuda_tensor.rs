@@ -60,6 +60,27 @@ fn log_dir(dir: &Path) -> PathBuf {
     std::env::var_os("OUT").map(PathBuf::from).unwrap_or_else(|| dir.to_path_buf())
 }
 
+fn rank_log(dir: &Path, r: usize, model: &Path, tag: &str) -> PathBuf {
+    log_dir(dir).join(format!("rank-{r}-{}{tag}.log", model.file_stem().unwrap().to_string_lossy()))
+}
+
+/// With `NCCL_P2P_DISABLE=1 NCCL_SHM_DISABLE=1 NCCL_DEBUG=INFO` (the forced-socket run) the
+/// ranks' logs must show NCCL's socket transport; otherwise nothing is checked.
+fn check_forced_socket(dir: &Path, model: &Path, tag: &str) {
+    let on = |k: &str, v: &str| std::env::var(k).is_ok_and(|x| x.eq_ignore_ascii_case(v));
+    if !(on("NCCL_P2P_DISABLE", "1") && on("NCCL_SHM_DISABLE", "1") && on("NCCL_DEBUG", "INFO")) {
+        return;
+    }
+    for r in 0..2 {
+        let log = std::fs::read_to_string(rank_log(dir, r, model, tag)).unwrap_or_default();
+        let via: Vec<&str> = log.lines().filter(|l| l.contains(" via ")).collect();
+        eprintln!("rank {r} NCCL connections: {}", via.len());
+        assert!(!via.is_empty(), "rank {r}: NCCL_DEBUG=INFO logged no connection (\" via \") lines");
+        assert!(via.iter().all(|l| l.contains("via NET/Socket")), "rank {r}: P2P/SHM disabled, but not every connection is NET/Socket: {via:?}");
+    }
+    eprintln!("forced socket: every NCCL connection is NET/Socket");
+}
+
 fn spawn_world(dir: &Path, model: &Path, world: usize) -> Vec<RankProc> {
     (0..world).map(|r| spawn_rank(dir, model, world, r, &[], "")).collect()
 }
@@ -78,8 +99,10 @@ fn spawn_rank(dir: &Path, model: &Path, world: usize, r: usize, env: &[(&str, &s
         .env("RUST_LOG", "info")
         .env("MINIMAX_CUDA_KV_DTYPE", "f32")
         .env("NCCL_NVLS_ENABLE", "0")
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(log_dir(dir).join(format!("rank-{r}-{}{tag}.log", model.file_stem().unwrap().to_string_lossy()))).unwrap());
+        .stdin(Stdio::null());
+    // stdout too: NCCL_DEBUG writes there.
+    let log = std::fs::File::create(rank_log(dir, r, model, tag)).unwrap();
+    cmd.stdout(log.try_clone().unwrap()).stderr(log);
     RankProc { child: cmd.spawn().expect("spawn minimax-rank"), listen }
 }
 
@@ -286,6 +309,7 @@ async fn tensor_2_on_two_gpus_matches_one_gpu() {
             v.model, v.name
         );
         assert_eq!(over_ref, 0, "{}/{}: positions over {TOL_REF} vs the reference", v.model, v.name);
+        check_forced_socket(dir.path(), &v.gguf, "");
 
         // Greedy decoding, all sequences batched, through the servers and on one GPU.
         let prompts: Vec<Vec<u32>> = v.sequences.iter().map(|s| s[..s.len().min(7)].to_vec()).collect();

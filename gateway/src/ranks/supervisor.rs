@@ -48,6 +48,9 @@ pub enum WorldMode {
 pub struct SpawnConfig {
     pub rank_binary: PathBuf,
     pub model: PathBuf,
+    /// BENCHMARK ONLY: ranks serve this synthetic model (`--synthetic SPEC
+    /// --allow-synthetic`) instead of `model`.
+    pub synthetic: Option<String>,
     /// One device per rank: `cpu` or `cuda:K`.
     pub devices: Vec<String>,
     /// `tensor` or `pipeline`.
@@ -647,8 +650,6 @@ fn spawn_rank(s: &SpawnConfig, rank: u32, world: u32, addr: &RankAddr) -> Result
         .arg(world.to_string())
         .arg("--listen")
         .arg(addr.to_listen())
-        .arg("--model")
-        .arg(&s.model)
         .arg("--device")
         .arg(&s.devices[rank as usize])
         .arg("--parallelism")
@@ -658,6 +659,10 @@ fn spawn_rank(s: &SpawnConfig, rank: u32, world: u32, addr: &RankAddr) -> Result
     if let Some(p) = s.kv_pages {
         cmd.arg("--kv-pages").arg(p.to_string());
     }
+    match &s.synthetic {
+        Some(spec) => cmd.arg("--synthetic").arg(spec).arg("--allow-synthetic"),
+        None => cmd.arg("--model").arg(&s.model),
+    };
     cmd.args(&s.extra_args);
     for (r, args) in &s.rank_args {
         if *r == rank {

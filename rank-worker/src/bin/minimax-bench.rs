@@ -8,7 +8,7 @@
 use std::time::Instant;
 
 use minimax_rank::cpu::KvSpec;
-use minimax_rank::cuda::{CudaModel, CudaOptions, GemmPrecision, gemm_precision, set_gemm_precision};
+use minimax_rank::cuda::{CudaModel, CudaOptions, GemmPrecision, gemm_precision, set_gemm_precision, set_group_tile};
 use minimax_shared::forward::{ForwardBatch, ForwardOutput, LogitsWanted, SeqStep};
 use minimax_shared::model::synthetic::SyntheticSpec;
 
@@ -84,7 +84,10 @@ fn check_fast_vs_exact(spec_s: &str, layers: usize) -> anyhow::Result<()> {
     }
     let prompt: Vec<u32> = vec![1, 17, 4242, 99_999, 200_000];
     let mut outs = Vec::new();
-    for (fast, graphs, base) in [(false, false, 0u32), (true, false, 8), (true, true, 16)] {
+    for (fast, graphs, base, grp) in [(false, false, 0u32, None), (true, false, 8, None), (true, true, 16, None), (true, true, 24, Some(1))] {
+        // The last run: every fast step's MoE grouped by expert (moe_group + *_grp kernels).
+        minimax_rank::cuda::fast::set_group_min(grp);
+        m.clear_graphs();
         m.set_fast(fast, graphs);
         let pt: Vec<u32> = (base..base + 8).collect();
         let mut o = vec![m.forward(&ForwardBatch { seqs: vec![step(0, &pt, 0, prompt.clone(), LogitsWanted::All)] })?];
@@ -97,7 +100,8 @@ fn check_fast_vs_exact(spec_s: &str, layers: usize) -> anyhow::Result<()> {
         outs.push(o);
     }
     let scale = outs[0].iter().flat_map(|o| o.logits.iter()).fold(0f32, |a, x| a.max(x.abs()));
-    for (name, i) in [("fast", 1), ("fast+graphs", 2)] {
+    minimax_rank::cuda::fast::set_group_min(None);
+    for (name, i) in [("fast", 1), ("fast+graphs", 2), ("fast+graphs, MoE grouped", 3)] {
         let mut md = 0f32;
         let mut same = 0;
         for (a, b) in outs[0].iter().zip(&outs[i]) {
@@ -117,18 +121,18 @@ fn check_fast_vs_exact(spec_s: &str, layers: usize) -> anyhow::Result<()> {
 }
 
 /// Kernel-choice A/B inside one process (`--ab`): for each combination of the Q8_0 dense
-/// kernel, the IQ4_XS down kernel and the PDL router top-k, the batch-1 and batch-32 graph
+/// kernel, the IQ4_XS down kernel and the routing (exact / PDL / fused), the batch-1 and batch-32 graph
 /// replay times and the batch-1 event split of the kernels that differ.
 fn ab_runs(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     use minimax_rank::cuda::fast::{DownKind, MvqKind, set_kernel_overrides};
+    use minimax_rank::cuda::fast::{RouteMode, set_route_mode};
     let combos = [
-        ("run-4 kernels", MvqKind::Staged, DownKind::Staged, false),
-        ("mvqs + down reg4 + route_fast", MvqKind::Whole, DownKind::Reg4, true),
-        ("mvqs + down reg2 + route_fast", MvqKind::Whole, DownKind::Reg2, true),
-        ("mvqs(12 only) + reg4 + route_fast", MvqKind::WholeShort, DownKind::Reg4, true),
-        ("mvq staged + reg4 + route_fast", MvqKind::Staged, DownKind::Reg4, true),
-        ("mvqs + down staged + route_fast", MvqKind::Whole, DownKind::Staged, true),
-        ("mvqs + down reg4, moe_route", MvqKind::Whole, DownKind::Reg4, false),
+        ("run-4 kernels", MvqKind::Staged, DownKind::Staged, RouteMode::Exact),
+        ("mvqs + down reg4 + router_topk", MvqKind::Whole, DownKind::Reg4, RouteMode::Fused),
+        ("mvqs + down reg4 + route_fast", MvqKind::Whole, DownKind::Reg4, RouteMode::Fast),
+        ("mvqs + down reg4 + moe_route", MvqKind::Whole, DownKind::Reg4, RouteMode::Exact),
+        ("mvqs + down reg2 + router_topk", MvqKind::Whole, DownKind::Reg2, RouteMode::Fused),
+        ("mvqs(12 only) + reg4 + router_topk", MvqKind::WholeShort, DownKind::Reg4, RouteMode::Fused),
     ];
     let b = 32usize;
     let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take(2)).collect();
@@ -136,9 +140,10 @@ fn ab_runs(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
         m.forward(&ForwardBatch { seqs: vec![step(700 + i as u64, p, 0, vec![1, 3 + i as u32, 5, 7, 9], LogitsWanted::Last)] })?;
     }
     println!("\nA/B of fast-path kernels (same process; graph replay; events for the split):");
-    println!("{:<36} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}", "kernels", "b1 ms", "b1 tok/s", "b32 tok/s", "mvq ms", "down ms", "route ms", "sum ms");
+    println!("{:<36} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}", "kernels", "b1 ms", "b1 tok/s", "b32 tok/s", "mvq ms", "down ms", "router ms", "sum ms");
     for (ci, (name, mvq, dn, rf)) in combos.iter().enumerate() {
-        set_kernel_overrides(Some(*mvq), Some(*dn), Some(*rf));
+        set_kernel_overrides(Some(*mvq), Some(*dn), None);
+        set_route_mode(Some(*rf));
         m.clear_graphs();
         let pos = 5 + ci;
         let o = m.forward(&ForwardBatch { seqs: vec![step(700, &pts[0], pos, vec![11], LogitsWanted::Last)] })?;
@@ -157,7 +162,7 @@ fn ab_runs(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
         let prof = m.gpu().profile_end()?;
         m.set_fast(true, true);
         let fam = |pre: &[&str]| -> f32 { prof.iter().filter(|(n, _)| pre.iter().any(|p| n.starts_with(p))).map(|(_, t)| *t).sum() };
-        let (tm, td, tr) = (fam(&["mvq"]), fam(&["moe_down"]), fam(&["moe_route"]));
+        let (tm, td, tr) = (fam(&["mvq"]), fam(&["moe_down"]), fam(&["moe_route", "router"]));
         let tot: f32 = prof.iter().map(|(_, t)| *t).sum();
         let seqs = (0..b).map(|i| step(700 + i as u64, &pts[i], pos + 1, vec![13], LogitsWanted::Last)).collect();
         let o = m.forward(&ForwardBatch { seqs })?;
@@ -173,6 +178,32 @@ fn ab_runs(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
         println!("{:<36} {:>9.3} {:>9.1} {:>9.0} {:>9.3} {:>9.3} {:>9.3} {:>9.3}", name, b1, 1e3 / b1, b as f64 * 1e3 / b32, tm, td, tr, tot);
     }
     set_kernel_overrides(None, None, None);
+    set_route_mode(None);
+    // MoE grouped by expert (moe_group + *_grp kernels) vs per-pair kernels, per step size.
+    println!("\nMoE grouped by expert vs per (token, expert) pair (graph replay, default kernels otherwise):");
+    println!("{:>6} {:>14} {:>14} {:>9}", "batch", "per-pair tok/s", "grouped tok/s", "speed-up");
+    let pos = 5 + combos.len() + 1;
+    for nb in [1usize, 4, 8, 16, 32] {
+        let mut r = [0f64; 2];
+        for (gi, grp_min) in [0usize, 1].into_iter().enumerate() {
+            minimax_rank::cuda::fast::set_group_min(Some(grp_min));
+            m.clear_graphs();
+            let seqs = (0..nb).map(|i| step(700 + i as u64, &pts[i], pos, vec![17], LogitsWanted::Last)).collect();
+            let o = m.forward(&ForwardBatch { seqs })?;
+            anyhow::ensure!(finite(&o), "grouped {grp_min}: non-finite logits at batch {nb}");
+            m.replay_fast_step(nb)?;
+            m.gpu().sync()?;
+            let reps = if nb >= 16 { 10 } else { 30 };
+            let t = Instant::now();
+            for _ in 0..reps {
+                m.replay_fast_step(nb)?;
+            }
+            m.gpu().sync()?;
+            r[gi] = nb as f64 * 1e3 / (ms(t) / reps as f64);
+        }
+        println!("{:>6} {:>14.1} {:>14.1} {:>8.2}x", nb, r[0], r[1], r[1] / r[0]);
+    }
+    minimax_rank::cuda::fast::set_group_min(None);
     m.clear_graphs();
     println!();
     Ok(())
@@ -193,7 +224,8 @@ fn main() -> anyhow::Result<()> {
     }
     let spec = SyntheticSpec::parse(&spec_s)?;
     let long_ctx = 32768usize;
-    let n_pages = long_ctx / PAGE + 64 + 32 * 8 + 8 + 2 * 8192 / PAGE + 16;
+    // + 256: the prefill section's warm-ups, precision/tile runs and profiled run.
+    let n_pages = long_ctx / PAGE + 64 + 32 * 8 + 8 + 2 * 8192 / PAGE + 16 + 256;
     let kv = KvSpec { page_size: PAGE, n_pages };
     let t = Instant::now();
     let mut m = CudaModel::synthetic(&spec, kv, CudaOptions::default(), 42)?;
@@ -348,18 +380,25 @@ fn main() -> anyhow::Result<()> {
             m.forward(&ForwardBatch { seqs: vec![step(40, &pt, 0, (0..40).collect(), LogitsWanted::Last)] })?;
         }
         m.gpu().sync()?;
-        set_gemm_precision(other);
-        let pt = pages.take(512 / PAGE);
-        let t = Instant::now();
-        let o = m.forward(&ForwardBatch { seqs: vec![step(41, &pt, 0, (0..512u32).map(|i| (i * 7919) % 200_000).collect(), LogitsWanted::Last)] })?;
-        let e = ms(t);
-        println!("prefill 512, GEMM {other:?}: {e:.1} ms = {:.0} tok/s, finite {}", 512e3 / e, finite(&o));
-        table.push((format!("prefill ms at 512 tokens, GEMM {other:?} (tok/s)"), format!("{e:.1} ({:.0})", 512e3 / e)));
+        // Both precisions x both grouped-expert tiles (16 / 64 pairs), one 512-token prefill each.
+        for p in [prec, other] {
+            for gt in [1usize, 4] {
+                set_gemm_precision(p);
+                set_group_tile(Some(gt));
+                let pt = pages.take(512 / PAGE);
+                let t = Instant::now();
+                let o = m.forward(&ForwardBatch { seqs: vec![step(41 + gt as u64, &pt, 0, (0..512u32).map(|i| (i * 7919) % 200_000).collect(), LogitsWanted::Last)] })?;
+                let e = ms(t);
+                println!("prefill 512, GEMM {p:?}, expert tiles of {}: {e:.1} ms = {:.0} tok/s, finite {}", 16 * gt, 512e3 / e, finite(&o));
+                table.push((format!("prefill ms at 512 tokens, GEMM {p:?}, expert tile {} (tok/s)", 16 * gt), format!("{e:.1} ({:.0})", 512e3 / e)));
+            }
+        }
+        set_group_tile(None);
         set_gemm_precision(prec);
         // Per-phase split of one 512-token prefill (events around every launch).
         let pt = pages.take(512 / PAGE);
         m.gpu().profile_begin();
-        m.forward(&ForwardBatch { seqs: vec![step(42, &pt, 0, (0..512u32).map(|i| (i * 104_729) % 200_000).collect(), LogitsWanted::Last)] })?;
+        m.forward(&ForwardBatch { seqs: vec![step(46, &pt, 0, (0..512u32).map(|i| (i * 104_729) % 200_000).collect(), LogitsWanted::Last)] })?;
         let prof = m.gpu().profile_end()?;
         let mut phase = [("dense GEMM (q/k/v/o, router, lm_head)", 0f32, 0usize), ("grouped MoE (grouping, gate/up/down, SiLU, combine, route)", 0.0, 0), ("attention (incl. KV store)", 0.0, 0), ("other (norms, RoPE, embedding, gather)", 0.0, 0)];
         for (name, t) in &prof {

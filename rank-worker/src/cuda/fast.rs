@@ -7,7 +7,7 @@
 //! else takes the exact path in `model.rs`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 use cudarc::driver::{CudaGraph, CudaSlice};
 use minimax_shared::model::ModelConfig;
@@ -94,6 +94,7 @@ static ROUTE_OVR: AtomicU8 = AtomicU8::new(0);
 /// Process-wide kernel choices for A/B runs inside one process (the benchmark), overriding
 /// the environment (`None` = back to the environment's choice). Captured graphs keep the
 /// kernels they were captured with: drop them after a change (`CudaModel::clear_graphs`).
+/// `route_fast`: Some(false) = the exact `moe_route`, Some(true) = the fused `router_topk_f32`.
 pub fn set_kernel_overrides(mvq: Option<MvqKind>, down: Option<DownKind>, route_fast: Option<bool>) {
     MVQ_OVR.store(
         match mvq {
@@ -123,17 +124,46 @@ pub fn set_kernel_overrides(mvq: Option<MvqKind>, down: Option<DownKind>, route_
     );
 }
 
-/// Whether the fast step routes with `moe_route_fast` (PDL) rather than the exact path's
-/// `moe_route`: [`set_kernel_overrides`] if set, else on unless `MINIMAX_ROUTE_FAST=0`.
-pub fn route_fast_on() -> bool {
+/// How the fast step routes (router product + top-k).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RouteMode {
+    /// `router_f32` then the exact path's `moe_route` (plain launch; `MINIMAX_ROUTE=0`).
+    Exact,
+    /// `router_f32` then `moe_route_fast` (PDL; `MINIMAX_ROUTE=1`).
+    Fast,
+    /// `router_topk_f32`: both in one launch, the top-k in the last block (the default).
+    Fused,
+}
+
+/// The routing in force: [`set_kernel_overrides`] (`route_fast`: false = Exact, true =
+/// Fused) or [`set_route_mode`] if set, else `MINIMAX_ROUTE` (0 / 1 / 2, default 2).
+pub fn route_mode() -> RouteMode {
     match ROUTE_OVR.load(Ordering::Relaxed) {
-        1 => false,
-        2 => true,
+        1 => RouteMode::Exact,
+        2 => RouteMode::Fused,
+        3 => RouteMode::Fast,
         _ => {
-            static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-            *V.get_or_init(|| std::env::var("MINIMAX_ROUTE_FAST").map(|v| v != "0").unwrap_or(true))
+            static V: std::sync::OnceLock<RouteMode> = std::sync::OnceLock::new();
+            *V.get_or_init(|| match std::env::var("MINIMAX_ROUTE").as_deref() {
+                Ok("0") => RouteMode::Exact,
+                Ok("1") => RouteMode::Fast,
+                _ => RouteMode::Fused,
+            })
         }
     }
+}
+
+/// Overrides the routing (A/B runs; `None` = back to the environment's choice).
+pub fn set_route_mode(m: Option<RouteMode>) {
+    ROUTE_OVR.store(
+        match m {
+            None => 0,
+            Some(RouteMode::Exact) => 1,
+            Some(RouteMode::Fused) => 2,
+            Some(RouteMode::Fast) => 3,
+        },
+        Ordering::Relaxed,
+    );
 }
 
 /// Expert down kernel of [`Gpu::moe_down_q8`]: the staged `moe_down_*` or, for IQ4_XS, the
@@ -165,6 +195,33 @@ impl DownKind {
         })
     }
 }
+
+static GRP_OVR: AtomicUsize = AtomicUsize::new(0);
+
+/// Overrides the smallest step (tokens) whose MoE runs grouped by expert (`None` = back to
+/// `MINIMAX_MOE_GRP`, default 2; 0 or a value above [`MAX_FAST_TOKENS`] turns grouping off).
+pub fn set_group_min(min_tokens: Option<usize>) {
+    GRP_OVR.store(min_tokens.map(|v| v + 1).unwrap_or(0), Ordering::Relaxed);
+}
+
+/// Whether a fast step of `nt` tokens runs its MoE grouped by expert (`moe_group` + the
+/// `*_grp` kernels): IQ4_XS experts, at most [`GG_MAXC`] tokens, and `nt` at or above the
+/// threshold of [`set_group_min`] / `MINIMAX_MOE_GRP`.
+pub fn use_grouped(nt: usize, gate: &DevMat, down: &DevMat, n_experts: usize) -> bool {
+    let min = match GRP_OVR.load(Ordering::Relaxed) {
+        0 => {
+            static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+            *V.get_or_init(|| std::env::var("MINIMAX_MOE_GRP").ok().and_then(|v| v.parse().ok()).unwrap_or(2))
+        }
+        v => v - 1,
+    };
+    min > 0 && nt >= min && nt <= GG_MAXC && gate.ty == GgmlType::IQ4_XS && down.ty == GgmlType::IQ4_XS && n_experts <= GRP_MAX_E
+}
+
+/// Most tokens (pairs per expert) of the grouped MoE kernels (`GG_MAXC` in kernels/fast.cu).
+pub const GG_MAXC: usize = 32;
+/// Most experts `moe_group` handles (its shared-memory tables).
+pub const GRP_MAX_E: usize = 1024;
 
 /// Largest expert count and top-k of `moe_route_fast` (scores in registers, one warp).
 pub const ROUTE_FAST_MAX_E: usize = 256;
@@ -305,6 +362,41 @@ impl Gpu {
         self.launch_pdl(&name, (ceil_div(rows, warps), ceil_div(nv, nt), 1), 32 * warps as u32, 0, &args)
     }
 
+    /// Router product and top-k in one launch (`router_topk_f32`): the logits of
+    /// [`Gpu::router_f32`] into `y`, and ids / weights bit-identical to [`Gpu::route`] on
+    /// them. `cnt`: `nt` u32 arrival counters, zero before the first launch (left zero).
+    #[allow(clippy::too_many_arguments)]
+    pub fn router_topk_f32(&self, w: &DevMat, x: u64, xs: usize, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, nt: usize) -> Result<(), CudaError> {
+        if !fast_router(w) || xs % 4 != 0 || x % 16 != 0 || w.rows > ROUTE_FAST_MAX_E || k > 32 || k > w.rows || k == 0 {
+            return Err(CudaError::Shape(format!("router_topk_f32: {:?} {}x{}, top-{k}", w.ty, w.rows, w.cols)));
+        }
+        let g = match gating {
+            minimax_shared::model::GatingFunc::Sigmoid => 2,
+            minimax_shared::model::GatingFunc::Softmax => 1,
+        };
+        self.launch_pdl(
+            "router_topk_f32",
+            (ceil_div(w.rows, 4), nt as u32, 1),
+            128,
+            0,
+            &[
+                Arg::P(w.ptr),
+                Arg::I(w.rows as i32),
+                Arg::I(w.cols as i32),
+                Arg::P(x),
+                Arg::L(xs as i64),
+                Arg::P(y),
+                Arg::L(ys as i64),
+                Arg::P(bias),
+                Arg::I(k as i32),
+                Arg::I(g),
+                Arg::P(ids),
+                Arg::P(wts),
+                Arg::P(cnt),
+            ],
+        )
+    }
+
     /// Router top-k with PDL (`moe_route_fast`, bit-identical to [`Gpu::route`]): up to
     /// [`ROUTE_FAST_MAX_E`] experts, top-k of at most 32.
     #[allow(clippy::too_many_arguments)]
@@ -371,6 +463,68 @@ impl Gpu {
                 Arg::I(ld as i32),
             ],
         )
+    }
+
+    /// Groups the `npairs` (token, expert) pairs of `ids` by expert into `grp` (i32, at least
+    /// `1 + 3 e + npairs`; layout in kernels/fast.cu `moe_group`).
+    pub fn moe_group(&self, ids: u64, npairs: usize, e: usize, grp: u64) -> Result<(), CudaError> {
+        if e > GRP_MAX_E || npairs == 0 {
+            return Err(CudaError::Shape(format!("moe_group: {npairs} pairs over {e} experts (at most {GRP_MAX_E})")));
+        }
+        self.launch_pdl("moe_group", (1, 1, 1), 256, 0, &[Arg::P(ids), Arg::I(npairs as i32), Arg::I(e as i32), Arg::P(grp)])
+    }
+
+    /// Grouped gate/up/SiLU → q8 over the slots of `grp` (see [`Gpu::moe_group`]): same
+    /// outputs as [`Gpu::moe_gate_up_q8_ld`], each chosen expert read once for all its tokens.
+    /// `nslots` = the grid's slots (`min(npairs, experts)`; unused slots exit).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gate_up_grp(&self, gate: &DevMat, up: &DevMat, grp: u64, e: usize, nslots: usize, k: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<(), CudaError> {
+        if ld < gate.rows || ld % 32 != 0 || gate.ty != GgmlType::IQ4_XS || !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 || gate.cols % 256 != 0 {
+            return Err(CudaError::Shape(format!("moe_gate_up_grp: {:?} {}x{} (ld {ld})", gate.ty, gate.rows, gate.cols)));
+        }
+        self.launch_pdl(
+            "moe_gate_up_grp_iq4_xs",
+            ((gate.rows / 32) as u32, nslots as u32, 1),
+            256,
+            0,
+            &[
+                Arg::P(gate.ptr),
+                Arg::P(up.ptr),
+                Arg::L(gate.row_bytes as i64),
+                Arg::L(gate.expert_stride as i64),
+                Arg::P(grp),
+                Arg::I(e as i32),
+                Arg::I(k as i32),
+                Arg::P(xq),
+                Arg::P(xd),
+                Arg::I(gate.cols as i32),
+                Arg::P(aq),
+                Arg::P(ad),
+                Arg::I(ld as i32),
+            ],
+        )
+    }
+
+    /// Grouped down products: `dpart[p][r] = down[expert of p] row r . act[p]` for every pair
+    /// of `grp` (f32 `[npairs][down.rows]`); [`Gpu::moe_combine_grp`] adds them to the residual.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down_grp(&self, down: &DevMat, grp: u64, e: usize, nslots: usize, aq: u64, ad: u64, dpart: u64) -> Result<(), CudaError> {
+        if down.ty != GgmlType::IQ4_XS || !fast_mat(down) || down.cols % 256 != 0 {
+            return Err(CudaError::Shape(format!("moe_down_grp: {:?} {}x{}", down.ty, down.rows, down.cols)));
+        }
+        self.launch_pdl(
+            "moe_down_grp_iq4_xs",
+            (ceil_div(down.rows, 16), nslots as u32, 1),
+            256,
+            0,
+            &[Arg::P(down.ptr), Arg::L(down.row_bytes as i64), Arg::L(down.expert_stride as i64), Arg::I(down.rows as i32), Arg::P(grp), Arg::I(e as i32), Arg::P(aq), Arg::P(ad), Arg::I(down.cols as i32), Arg::P(dpart)],
+        )
+    }
+
+    /// `hidden[t][r] += sum_j wts[t k + j] dpart[t k + j][r]` for `nt` tokens of `rows` values.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_combine_grp(&self, dpart: u64, wts: u64, k: usize, rows: usize, hidden: u64, hs: usize, nt: usize) -> Result<(), CudaError> {
+        self.launch_pdl("moe_combine_grp", (ceil_div(rows, 256), nt as u32, 1), 256, 0, &[Arg::P(dpart), Arg::P(wts), Arg::I(k as i32), Arg::I(rows as i32), Arg::P(hidden), Arg::L(hs as i64)])
     }
 
     /// Fused expert down + weighted combine: `hidden[t] += sum_j w[t,j] down[ids[t,j]] act[t,j]`.
@@ -485,6 +639,12 @@ pub(crate) struct FastWs {
     pub part: CudaSlice<f32>,
     /// Tensor parallelism: per-token partial sums of squares of q and k ([t][2]), all-reduced.
     pub ss: CudaSlice<f32>,
+    /// Arrival counters of `router_topk_f32`, one per token (kept zero between launches).
+    pub rcnt: CudaSlice<u32>,
+    /// Pairs grouped by expert (`moe_group`): `1 + 3 E + MAX_FAST_TOKENS k` i32.
+    pub grp: CudaSlice<i32>,
+    /// Grouped down products per pair, `[MAX_FAST_TOKENS k][hidden]` f32.
+    pub dpart: CudaSlice<f32>,
     pub logits: CudaSlice<f32>,
     /// [tokens | pos | seq | slots | pt_off] (MAX_FAST_TOKENS each) then page tables.
     pub meta: CudaSlice<i32>,
@@ -521,6 +681,9 @@ impl FastWs {
             ad: g.zeros(t * c.n_experts_used * c.expert_ff / 32)?,
             part: g.zeros(max_split_tokens * c.n_kv_heads * GQA * (128 + 2))?,
             ss: g.zeros(2 * t)?,
+            rcnt: g.zeros(t)?,
+            grp: g.zeros(1 + 3 * c.n_experts + t * c.n_experts_used)?,
+            dpart: g.zeros(t * c.n_experts_used * c.hidden)?,
             logits: g.zeros(t * c.vocab_size)?,
             meta: g.zeros(5 * t + pts_cap)?,
             pts_cap,

@@ -10,7 +10,9 @@ use super::gpu::{Arg, AttnArgs, Gpu, KvDtype};
 pub const FLASH_ROWS: usize = 64;
 
 /// Fewest new tokens of one sequence (the step's largest) for which [`Gpu::attention`] takes
-/// the flash kernel. Below it the per-token kernel is as fast (measured: docs/CUDA.md).
+/// the flash kernel, so decode steps keep the per-token kernel. Measured (docs/CUDA.md): flash
+/// is faster even at one token per sequence at context 4096; 1 is the candidate once verified
+/// at model level.
 pub const FLASH_MIN_TOKENS: usize = 8;
 
 /// Head widths the flash kernel is instantiated for (q/k and v widths equal).

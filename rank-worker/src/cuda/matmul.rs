@@ -68,6 +68,15 @@ pub fn set_gemm_precision(p: GemmPrecision) {
     PRECISION.store(p.passes() as u8, Ordering::Relaxed);
 }
 
+/// 0: tile choice by pairs per expert; else the grouped GEMM's token tiles of 16 (1 or 4).
+static GROUP_TILE: AtomicU8 = AtomicU8::new(0);
+
+/// Forces the grouped expert GEMM's tile (`Some(1)`: 16 pairs, `Some(4)`: 64) or restores the
+/// automatic choice (`None`); for benchmarks.
+pub fn set_group_tile(nt: Option<usize>) {
+    GROUP_TILE.store(nt.filter(|&n| n == 1 || n == 4).unwrap_or(0) as u8, Ordering::Relaxed);
+}
+
 /// Dynamic shared memory of one GEMM block (kernels/quant_matmul.cu `mm_smem`).
 fn smem(nt: usize, passes: usize) -> usize {
     let planes = if passes == 1 { 1 } else { 2 };
@@ -143,24 +152,18 @@ impl Gpu {
         let rt = w.rows.div_ceil(BN);
         // Big products: 128-token tiles (weights reused 4x more); else 32-token tiles so that
         // e.g. a 3072→1024 projection of 512 tokens still has enough blocks.
-        let nt = if rt * n.div_ceil(128) >= 2 * self.sm_count() {
-            8
-        } else if n > 16 {
-            2
-        } else {
-            1
-        };
+        let nt = if rt * n.div_ceil(128) >= 2 * self.sm_count() { 8 } else { 2 };
         self.matmul_with(w, x, xs, y, ys, n, accumulate, nt, self.gemm_passes(w.ty))
     }
 
-    /// [`Gpu::matmul`] with the token tile (`nt` × 16 tokens, nt in 1, 2, 4, 8) and the bf16
+    /// [`Gpu::matmul`] with the token tile (`nt` × 16 tokens, nt 2 or 8) and the bf16
     /// passes (1 or 3) chosen by the caller (tests cover every variant).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_with(&self, w: &DevMat, x: u64, xs: usize, y: u64, ys: usize, n: usize, accumulate: bool, nt: usize, passes: usize) -> Result<(), CudaError> {
         if let Some(why) = self.gemm_unfit(w, x, xs) {
             return Err(CudaError::Shape(format!("matmul: {why}")));
         }
-        if !matches!(nt, 1 | 2 | 4 | 8) || !matches!(passes, 1 | 3) {
+        if !matches!(nt, 2 | 8) || !matches!(passes, 1 | 3) {
             return Err(CudaError::Shape(format!("matmul: token tile {nt} x 16, {passes} passes")));
         }
         if n == 0 || w.rows == 0 {
@@ -193,15 +196,20 @@ impl Gpu {
     }
 
     /// Groups `npairs` (token, slot) pairs by their expert `ids[p]` (i32, `< n_experts`) on the
-    /// device, for [`Gpu::matmul_experts`]; tiles of 16 or 64 pairs depending on the average
-    /// pairs per expert.
+    /// device, for [`Gpu::matmul_experts`]; tiles of 64 pairs from 24 pairs per expert on
+    /// average, else 16 (or what [`set_group_tile`] forces).
     pub fn group_experts(&self, ids: u64, npairs: usize, n_experts: usize) -> Result<ExpertGroups, CudaError> {
-        self.group_experts_with(ids, npairs, n_experts, if npairs >= 48 * n_experts { 4 } else { 1 })
+        let nt = match GROUP_TILE.load(Ordering::Relaxed) {
+            0 if npairs >= 24 * n_experts => 4,
+            0 => 1,
+            n => n as usize,
+        };
+        self.group_experts_with(ids, npairs, n_experts, nt)
     }
 
-    /// [`Gpu::group_experts`] with tiles of `16 * nt` pairs (nt in 1, 2, 4, 8).
+    /// [`Gpu::group_experts`] with tiles of `16 * nt` pairs (nt 1 or 4).
     pub fn group_experts_with(&self, ids: u64, npairs: usize, n_experts: usize, nt: usize) -> Result<ExpertGroups, CudaError> {
-        if n_experts == 0 || npairs >= i32::MAX as usize || !matches!(nt, 1 | 2 | 4 | 8) {
+        if n_experts == 0 || npairs >= i32::MAX as usize || !matches!(nt, 1 | 4) {
             return Err(CudaError::Shape(format!("group_experts: {npairs} pairs over {n_experts} experts, tiles of {}", 16 * nt)));
         }
         let bm = 16 * nt;

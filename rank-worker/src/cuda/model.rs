@@ -440,24 +440,43 @@ impl CudaModel {
                 all_reduce(hid, nt * h)?;
             }
             g.norm_q8(hid, h, l.ffn_norm, h, c.rms_eps, nrm, h, xq, xd, nt)?;
-            if fast_router(&l.router) {
-                g.router_f32(&l.router, nrm, h, p(&ws.rl), e, nt)?;
+            use super::fast::{ROUTE_FAST_MAX_E, RouteMode, route_mode};
+            let rmode = if e <= ROUTE_FAST_MAX_E && k <= 32 { route_mode() } else { RouteMode::Exact };
+            if fast_router(&l.router) && rmode == RouteMode::Fused {
+                g.router_topk_f32(&l.router, nrm, h, p(&ws.rl), e, l.bias, k, c.gating, ids, wts, g.ptr(&ws.rcnt), nt)?;
             } else {
-                g.matvec(&l.router, nrm, h, p(&ws.rl), e, nt, false)?;
-            }
-            if e <= super::fast::ROUTE_FAST_MAX_E && k <= 32 && super::fast::route_fast_on() {
-                g.route_fast(p(&ws.rl), l.bias, e, k, c.gating, ids, wts, nt)?;
-            } else {
-                g.route(p(&ws.rl), l.bias, e, k, c.gating, ids, wts, nt)?;
+                if fast_router(&l.router) {
+                    g.router_f32(&l.router, nrm, h, p(&ws.rl), e, nt)?;
+                } else {
+                    g.matvec(&l.router, nrm, h, p(&ws.rl), e, nt, false)?;
+                }
+                if rmode == RouteMode::Exact {
+                    g.route(p(&ws.rl), l.bias, e, k, c.gating, ids, wts, nt)?;
+                } else {
+                    g.route_fast(p(&ws.rl), l.bias, e, k, c.gating, ids, wts, nt)?;
+                }
             }
             // The down kernel reads whole 272-byte chunks: a rank's expert slice may be stored
             // padded (zero blocks); the activations then go `dn.cols` apart, pad left zero.
             let dn = DevMat { cols: l.down.row_bytes / l.down.ty.block_bytes() * l.down.ty.block_elems(), ..l.down };
-            g.moe_gate_up_q8_ld(&l.gate, &l.up, ids, k, xq, xd, aq, ad, nt * k, dn.cols)?;
+            // Steps of several tokens: pairs grouped by expert, each chosen expert read once.
+            let grouped = super::fast::use_grouped(nt, &l.gate, &dn, e);
+            let (grp, nslots) = (g.ptr(&ws.grp), (nt * k).min(e));
+            if grouped {
+                g.moe_group(ids, nt * k, e, grp)?;
+                g.moe_gate_up_grp(&l.gate, &l.up, grp, e, nslots, k, xq, xd, aq, ad, dn.cols)?;
+            } else {
+                g.moe_gate_up_q8_ld(&l.gate, &l.up, ids, k, xq, xd, aq, ad, nt * k, dn.cols)?;
+            }
             if tp && !lead {
                 memset_f32_zero(g, hid, nt * h)?;
             }
-            g.moe_down_q8(&dn, ids, wts, k, aq, ad, hid, h, nt)?;
+            if grouped {
+                g.moe_down_grp(&dn, grp, e, nslots, aq, ad, p(&ws.dpart))?;
+                g.moe_combine_grp(p(&ws.dpart), wts, k, dn.rows, hid, h, nt)?;
+            } else {
+                g.moe_down_q8(&dn, ids, wts, k, aq, ad, hid, h, nt)?;
+            }
             if tp {
                 all_reduce(hid, nt * h)?;
             }

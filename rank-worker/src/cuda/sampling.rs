@@ -122,6 +122,17 @@ impl DeviceSampler {
         })
     }
 
+    /// Fills every workspace with NaN bits (tests: a value a kernel failed to write shows).
+    pub fn poison(&mut self, gpu: &Gpu) -> Result<(), CudaError> {
+        const NAN: u32 = 0x7fc0_0000;
+        gpu.fill_u32(gpu.ptr(&self.tz), self.tz.len(), NAN)?;
+        gpu.fill_u32(gpu.ptr(&self.bstat), 2 * self.bstat.len(), NAN)?;
+        gpu.fill_u32(gpu.ptr(&self.raw_keys), 2 * self.raw_keys.len(), NAN)?;
+        gpu.fill_u32(gpu.ptr(&self.cand_keys), 2 * self.cand_keys.len(), NAN)?;
+        gpu.fill_u32(gpu.ptr(&self.out), self.out.len(), NAN)?;
+        gpu.sync()
+    }
+
     /// The vocabulary size this sampler was made for.
     pub fn vocab(&self) -> usize {
         self.vocab

@@ -61,15 +61,24 @@ fn copy_2d(g: &Gpu, src: u64, src_pitch: usize, dst: u64, dst_pitch: usize, widt
     if height == 0 || width == 0 {
         return Ok(());
     }
-    let mut c: sys::CUDA_MEMCPY2D = unsafe { std::mem::zeroed() };
-    c.srcMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-    c.srcDevice = src;
-    c.srcPitch = src_pitch;
-    c.dstMemoryType = sys::CUmemorytype::CU_MEMORYTYPE_DEVICE;
-    c.dstDevice = dst;
-    c.dstPitch = dst_pitch;
-    c.WidthInBytes = width;
-    c.Height = height;
+    let c = sys::CUDA_MEMCPY2D {
+        srcXInBytes: 0,
+        srcY: 0,
+        srcMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        srcHost: std::ptr::null(),
+        srcDevice: src,
+        srcArray: std::ptr::null_mut(),
+        srcPitch: src_pitch,
+        dstXInBytes: 0,
+        dstY: 0,
+        dstMemoryType: sys::CUmemorytype::CU_MEMORYTYPE_DEVICE,
+        dstHost: std::ptr::null_mut(),
+        dstDevice: dst,
+        dstArray: std::ptr::null_mut(),
+        dstPitch: dst_pitch,
+        WidthInBytes: width,
+        Height: height,
+    };
     g.ctx.bind_to_thread()?;
     unsafe { sys::cuMemcpy2DAsync_v2(&c, g.stream.cu_stream()) }.result()?;
     Ok(())

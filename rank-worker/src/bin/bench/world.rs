@@ -40,7 +40,7 @@ fn argmax(r: &[f32]) -> u32 {
 
 /// Whether this invocation asks for the multi-GPU mode.
 pub fn requested() -> bool {
-    arg("--tp").is_some() || arg("--pp").is_some()
+    arg("--tp").is_some() || arg("--pp").is_some() || arg("--build-kernel-cache").is_some()
 }
 
 /// One rank's view of a step: the batch, and whether this rank gets logits back.
@@ -65,6 +65,15 @@ fn step(seq: u64, pt: &[u32], cached: usize, tokens: Vec<u32>, logits: LogitsWan
 
 /// Runs the whole multi-GPU benchmark; prints the table from rank 0.
 pub fn main_world() -> anyhow::Result<()> {
+    // `--build-kernel-cache ARCH`: compile every module for sm_ARCH into the kernel cache
+    // ($MINIMAX_KERNEL_CACHE) without a GPU, so a fresh GPU machine skips NVRTC.
+    if let Some(a) = arg("--build-kernel-cache") {
+        let arch: u32 = a.parse()?;
+        let t = Instant::now();
+        let built = minimax_rank::cuda::nvrtc::build_all(arch)?;
+        println!("{} modules for sm_{arch} in {:.1} s", built.len(), t.elapsed().as_secs_f64());
+        return Ok(());
+    }
     let tp: usize = arg("--tp").and_then(|s| s.parse().ok()).unwrap_or(1);
     let pp: usize = arg("--pp").and_then(|s| s.parse().ok()).unwrap_or(1);
     anyhow::ensure!(tp >= 1 && pp >= 1 && (tp == 1 || pp == 1), "--tp N or --pp N (not both)");
