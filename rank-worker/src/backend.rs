@@ -76,6 +76,11 @@ pub enum BackendError {
 impl BackendError {
     /// Whether the failure broke the world (a collective or transport failed).
     pub fn is_comm(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if matches!(self, BackendError::Cuda(crate::cuda::CudaError::Nccl { .. })) {
+            // A failed NCCL call (all-reduce, or a pipeline send/receive): the world is broken.
+            return true;
+        }
         matches!(self, BackendError::Comm(_) | BackendError::Cpu(CpuError::Comm(_)))
     }
 }

@@ -557,33 +557,33 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
                 let ys: Vec<usize> = rows.iter().map(|r| r + 2).collect();
                 let y0: Vec<Vec<f32>> = ys.iter().map(|s| rng.vec(nv * s, 1.0)).collect();
                 for kind in [MvqKind::Staged, MvqKind::Whole, MvqKind::WholeShort] {
-                let yb: Vec<_> = (0..3).map(|i| if acc { g.upload(&y0[i]).unwrap() } else { poisoned(&g, nv * ys[i]) }).collect();
-                let segs: Vec<_> = (0..3).map(|i| (&up[i].1, g.ptr(&yb[i]), ys[i])).collect();
-                g.matvec_q8_with(kind, &segs, g.ptr(&qb), g.ptr(&db), cols, nv, acc).unwrap();
-                let mut worst = 0f32;
-                for i in 0..3 {
-                    let got = g.download(&yb[i]).unwrap();
-                    let deq = quant::dequantize_to_vec(ty, &mats[i], rows[i] * cols).unwrap();
-                    for v in 0..nv {
-                        for r in 0..rows[i] {
-                            let w = &deq[r * cols..(r + 1) * cols];
-                            let xv = &xdq[v * cols..(v + 1) * cols];
-                            let want: f64 = w.iter().zip(xv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() + if acc { y0[i][v * ys[i] + r] as f64 } else { 0.0 };
-                            let scale: f64 = w.iter().zip(xv).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>() + 1e-6;
-                            let gv = got[v * ys[i] + r];
-                            let d = (gv as f64 - want).abs();
-                            assert!(gv.is_finite() && d <= 1e-5 * scale + 1e-6, "mvq {ty} {kind:?} cols {cols} seg {i} nv {nv} acc {acc} [{v},{r}]: got {gv} want {want}");
-                            worst = worst.max((d / scale) as f32);
-                        }
-                        for r in rows[i]..ys[i] {
-                            let gv = got[v * ys[i] + r];
-                            assert!(if acc { gv == y0[i][v * ys[i] + r] } else { gv.is_nan() }, "mvq {ty} {kind:?}: wrote past the rows");
+                    let yb: Vec<_> = (0..3).map(|i| if acc { g.upload(&y0[i]).unwrap() } else { poisoned(&g, nv * ys[i]) }).collect();
+                    let segs: Vec<_> = (0..3).map(|i| (&up[i].1, g.ptr(&yb[i]), ys[i])).collect();
+                    g.matvec_q8_with(kind, &segs, g.ptr(&qb), g.ptr(&db), cols, nv, acc).unwrap();
+                    let mut worst = 0f32;
+                    for i in 0..3 {
+                        let got = g.download(&yb[i]).unwrap();
+                        let deq = quant::dequantize_to_vec(ty, &mats[i], rows[i] * cols).unwrap();
+                        for v in 0..nv {
+                            for r in 0..rows[i] {
+                                let w = &deq[r * cols..(r + 1) * cols];
+                                let xv = &xdq[v * cols..(v + 1) * cols];
+                                let want: f64 = w.iter().zip(xv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() + if acc { y0[i][v * ys[i] + r] as f64 } else { 0.0 };
+                                let scale: f64 = w.iter().zip(xv).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>() + 1e-6;
+                                let gv = got[v * ys[i] + r];
+                                let d = (gv as f64 - want).abs();
+                                assert!(gv.is_finite() && d <= 1e-5 * scale + 1e-6, "mvq {ty} {kind:?} cols {cols} seg {i} nv {nv} acc {acc} [{v},{r}]: got {gv} want {want}");
+                                worst = worst.max((d / scale) as f32);
+                            }
+                            for r in rows[i]..ys[i] {
+                                let gv = got[v * ys[i] + r];
+                                assert!(if acc { gv == y0[i][v * ys[i] + r] } else { gv.is_nan() }, "mvq {ty} {kind:?}: wrote past the rows");
+                            }
                         }
                     }
-                }
-                if nv == 13 && acc {
-                    eprintln!("mvq     {ty:<7} {kind:?} 3 segs x {cols} nv<=13: max |diff| / sum|w x| {worst:.2e}");
-                }
+                    if nv == 13 && acc {
+                        eprintln!("mvq     {ty:<7} {kind:?} 3 segs x {cols} nv<=13: max |diff| / sum|w x| {worst:.2e}");
+                    }
                 }
             }
         }
@@ -633,30 +633,30 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
         }
         let hid0 = rng.vec(nt * (hrows + 1), 1.0);
         for kind in [DownKind::Staged, DownKind::Reg4, DownKind::Reg2] {
-        let hb = g.upload(&hid0).unwrap();
-        g.moe_down_q8_with(kind, &dm, g.ptr(&ib), g.ptr(&wb), k, g.ptr(&aq), g.ptr(&ad), g.ptr(&hb), hrows + 1, nt).unwrap();
-        let got = g.download(&hb).unwrap();
-        let ddeq = quant::dequantize_to_vec(ty, &down, e * hrows * ff).unwrap();
-        let mut worst_d = 0f64;
-        for t in 0..nt {
-            for r in 0..hrows {
-                let mut want = hid0[t * (hrows + 1) + r] as f64;
-                let mut scale = want.abs();
-                for j in 0..k {
-                    let p = t * k + j;
-                    let ex = ids[p] as usize;
-                    let w = &ddeq[(ex * hrows + r) * ff..(ex * hrows + r + 1) * ff];
-                    let s: f64 = (0..ff).map(|i| w[i] as f64 * gaq[p * ff + i] as f64 * gad[p * ff / 32 + i / 32] as f64).sum();
-                    scale += (0..ff).map(|i| (w[i] as f64 * gaq[p * ff + i] as f64 * gad[p * ff / 32 + i / 32] as f64).abs()).sum::<f64>() * wts[p] as f64;
-                    want += wts[p] as f64 * s;
+            let hb = g.upload(&hid0).unwrap();
+            g.moe_down_q8_with(kind, &dm, g.ptr(&ib), g.ptr(&wb), k, g.ptr(&aq), g.ptr(&ad), g.ptr(&hb), hrows + 1, nt).unwrap();
+            let got = g.download(&hb).unwrap();
+            let ddeq = quant::dequantize_to_vec(ty, &down, e * hrows * ff).unwrap();
+            let mut worst_d = 0f64;
+            for t in 0..nt {
+                for r in 0..hrows {
+                    let mut want = hid0[t * (hrows + 1) + r] as f64;
+                    let mut scale = want.abs();
+                    for j in 0..k {
+                        let p = t * k + j;
+                        let ex = ids[p] as usize;
+                        let w = &ddeq[(ex * hrows + r) * ff..(ex * hrows + r + 1) * ff];
+                        let s: f64 = (0..ff).map(|i| w[i] as f64 * gaq[p * ff + i] as f64 * gad[p * ff / 32 + i / 32] as f64).sum();
+                        scale += (0..ff).map(|i| (w[i] as f64 * gaq[p * ff + i] as f64 * gad[p * ff / 32 + i / 32] as f64).abs()).sum::<f64>() * wts[p] as f64;
+                        want += wts[p] as f64 * s;
+                    }
+                    let gv = got[t * (hrows + 1) + r] as f64;
+                    assert!(gv.is_finite() && (gv - want).abs() <= 1e-5 * scale + 1e-6, "down {ty} {kind:?} t {t} r {r}: got {gv} want {want}");
+                    worst_d = worst_d.max((gv - want).abs() / scale);
                 }
-                let gv = got[t * (hrows + 1) + r] as f64;
-                assert!(gv.is_finite() && (gv - want).abs() <= 1e-5 * scale + 1e-6, "down {ty} {kind:?} t {t} r {r}: got {gv} want {want}");
-                worst_d = worst_d.max((gv - want).abs() / scale);
+                assert_eq!(got[t * (hrows + 1) + hrows], hid0[t * (hrows + 1) + hrows], "down {kind:?} wrote past the rows");
             }
-            assert_eq!(got[t * (hrows + 1) + hrows], hid0[t * (hrows + 1) + hrows], "down {kind:?} wrote past the rows");
-        }
-        eprintln!("moe     {ty:<7} gate/up max |diff| {worst:.2e} (q8 output), down+combine ({kind:?}) max rel {worst_d:.2e}");
+            eprintln!("moe     {ty:<7} gate/up max |diff| {worst:.2e} (q8 output), down+combine ({kind:?}) max rel {worst_d:.2e}");
         }
     }
 }

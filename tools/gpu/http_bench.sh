@@ -7,7 +7,8 @@
 #   tools/gpu/http_bench.sh [BIN_DIR] [http_bench.py args...]
 # Environment: SYNTHETIC (default m2.7:iq4xs), KV_PAGES (default 640 pages of 64 tokens:
 # 40,960 tokens, room for the 32,768-token TTFT), PORT (8000), READY_TIMEOUT (seconds, 900).
-# Logs (gateway + rank, benchmark) in $OUT or /tmp/minimax-http-bench.
+# Logs (gateway + rank, benchmark) in $OUT or /tmp/minimax-http-bench; gateway.pid there (the
+# rank dies with the gateway) for a caller that kills this script.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 bin_dir=${1:-.devbin}
@@ -25,12 +26,14 @@ url="http://127.0.0.1:$port"
   --device cuda --rank-binary "$bin_dir/minimax-rank" --kv-pages "${KV_PAGES:-640}" \
   --port "$port" >"$log_dir/gateway.log" 2>&1 &
 gw=$!
+echo "$gw" >"$log_dir/gateway.pid"
 stop() {
   kill -TERM "$gw" 2>/dev/null
   for _ in $(seq 50); do kill -0 "$gw" 2>/dev/null || return 0; sleep 0.2; done
   kill -KILL "$gw" 2>/dev/null
 }
 trap stop EXIT
+trap 'exit 143' TERM INT
 
 ready() {
   python3 - "$url" <<'PY'

@@ -6,7 +6,8 @@
 # from the repository root with prebuilt binaries in BIN_DIR (tools/gpu/collect.sh).
 #   tools/gpu/load_bench.sh [BIN_DIR] [FILE] [SPEC]     (SPEC default m2.7:iq4xs:10, ~20 GB)
 # Environment: MODES (default "pread mmap"), LOAD_TIMEOUT (seconds per load, 300).
-# Logs in $OUT or /tmp/minimax-load-bench.
+# Logs in $OUT or /tmp/minimax-load-bench (rank.pid: the rank being loaded, for a caller that
+# kills this script).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 bin_dir=${1:-.devbin}
@@ -43,6 +44,7 @@ load() {
   local label=$1 log="$log_dir/load-$1.log" sock="/tmp/minimax-load-bench-$$.sock"
   "$bin_dir/minimax-rank" serve --rank 0 --listen "unix://$sock" --model "$file" --device cuda:0 --kv-pages 16 >"$log" 2>&1 &
   local pid=$! t0
+  echo "$pid" >"$log_dir/rank.pid"
   t0=$(date +%s)
   while kill -0 "$pid" 2>/dev/null; do
     if grep -qE 'weights on |loading failed' "$log"; then break; fi

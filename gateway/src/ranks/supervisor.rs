@@ -792,3 +792,41 @@ async fn teardown(inner: &Arc<Inner>, children: Vec<ChildHandle>, clients: &[Ran
         let _ = tokio::time::timeout(Duration::from_secs(10), &mut ch.done).await;
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Started ranks inherit the gateway's environment (NCCL_*, CUDA_VISIBLE_DEVICES, ...)
+    /// plus `SpawnConfig::env`: a stand-in rank binary dumps what it got.
+    #[tokio::test]
+    async fn started_ranks_inherit_the_environment() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = std::env::temp_dir().join(format!("minimax-spawn-env-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let script = dir.join("fake-rank");
+        std::fs::write(&script, "#!/bin/sh\nenv > \"$0.env\"\n").unwrap();
+        std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+        let s = SpawnConfig {
+            rank_binary: script.clone(),
+            model: PathBuf::from("/nonexistent.gguf"),
+            synthetic: None,
+            devices: vec!["cpu".into()],
+            parallelism: "tensor".into(),
+            page_size: 16,
+            kv_pages: None,
+            run_dir: dir.clone(),
+            extra_args: vec![],
+            rank_args: vec![],
+            env: vec![("NCCL_SOCKET_IFNAME".into(), "=test0".into())],
+        };
+        let mut h = spawn_rank(&s, 0, 1, &RankAddr::Unix(dir.join("rank-0.sock"))).unwrap();
+        let exit = tokio::time::timeout(Duration::from_secs(10), &mut h.exit).await.expect("fake rank exited").unwrap();
+        assert!(exit.contains("status 0"), "{exit}");
+        let env = std::fs::read_to_string(dir.join("fake-rank.env")).unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert!(env.lines().any(|l| l == "NCCL_SOCKET_IFNAME==test0"), "SpawnConfig::env missing:\n{env}");
+        let path = std::env::var("PATH").expect("tests run with a PATH");
+        assert!(env.lines().any(|l| l == format!("PATH={path}")), "the gateway's environment (PATH) was not inherited:\n{env}");
+    }
+}

@@ -622,6 +622,8 @@ impl CudaModel {
                 self.part.tp_rank, self.part.tp_world
             )));
         }
+        // Captured fast-step graphs hold the old communicator's collectives: capture again.
+        self.clear_graphs();
         self.comm = None;
         self.comm = Some(NcclComm::join(&self.gpu.ctx, &self.gpu.stream, rank, world, id)?);
         Ok(())
@@ -629,6 +631,7 @@ impl CudaModel {
 
     /// Forgets the communicator (the world broke; a re-JOIN builds a new one).
     pub fn leave_nccl(&mut self) {
+        self.clear_graphs();
         self.comm = None;
     }
 

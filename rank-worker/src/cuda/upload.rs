@@ -420,7 +420,7 @@ fn plan_batches(pieces: &[Piece], cap: usize) -> Vec<Vec<Seg>> {
     let mut out = Vec::new();
     let mut cur: Vec<Seg> = Vec::new();
     let mut used = 0usize;
-    for p in pieces {
+    for p in pieces.iter().filter(|p| p.bytes() > 0) {
         if p.count == 1 {
             let mut done = 0;
             while done < p.len {
