@@ -28,7 +28,7 @@ ncu_run() {
 for v in "$@"; do
   echo "== ncu MINIMAX_GU_REG=$v"
   MINIMAX_GU_REG=$v timeout ${NCU_T:-100} "$NCU" --clock-control none --kill on --metrics "$M" \
-    -k 'regex:^(mvq_q8_0_1|moe_gate_up.*|moe_down_iq4_xs)$' --launch-skip 24 --launch-count 6 \
+    -k 'regex:^(mvq_q8_0_1|mvqs_q8_0_1[sl]|moe_gate_up.*|moe_down.*iq4_xs)$' --launch-skip 24 --launch-count 6 \
     "$B/minimax-bench" --synthetic m2.7:iq4xs:2 --no-prefill --no-8k --decode-steps 20 >"$L/ncu_$v.log" 2>&1
   echo "rc=$?"
   grep -vE " INFO |^(model|device|decode|check|fast)" "$L/ncu_$v.log" | grep -E '^  [a-z_0-9]+.*\(|^    [a-z]|==PROF==|==ERROR' | head -230
