@@ -198,12 +198,22 @@ __device__ void sp_select(SpSel& s, u32 k, F count, u64& prefix, u64& mask) {
     mask = 0;
     for (int shift = 56; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < 256; i += SP_THREADS) s.hist[i] = 0;
-        if (threadIdx.x == 0 && shift == 56) s.krem = k;
+        if (threadIdx.x == 0) {
+            if (shift == 56) s.krem = k;
+            s.digit = 0xffffffffu;
+        }
         __syncthreads();
         count(shift, prefix, mask);
         __syncthreads();
         if (threadIdx.x < 32) sp_pick(s);
         __syncthreads();
+        if (s.digit > 255u) {
+            // Fewer matching keys than asked (cannot happen for valid input): select none;
+            // the callers' counts then disagree and the host reduces the row.
+            prefix = ~0ull;
+            mask = ~0ull;
+            break;
+        }
         prefix |= (u64)s.digit << shift;
         mask |= (u64)0xff << shift;
         if (s.done) break;
@@ -328,7 +338,10 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_chunk(
         for (int j = 0; j < SP_NPT; j++) {
             const int i = base + j * SP_THREADS + tid;
             const u64 key = i < vocab ? sp_key(rv[j], i) : 0ull;
-            if (sp_selected(key, prefix, mask)) out[atomicAdd(&s.cnt, 1u)] = key;
+            if (sp_selected(key, prefix, mask)) {
+                const u32 slot = atomicAdd(&s.cnt, 1u);
+                if (slot < kk) out[slot] = key;
+            }
         }
         __syncthreads();
     }
@@ -354,7 +367,10 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_chunk(
         for (int j = 0; j < SP_NPT; j++) {
             const int i = base + j * SP_THREADS + tid;
             const u64 key = ((zok >> j) & 1u) ? sp_key(zv[j], i) : 0ull;
-            if (sp_selected(key, prefix, mask)) out[atomicAdd(&s.cnt, 1u)] = key;
+            if (sp_selected(key, prefix, mask)) {
+                const u32 slot = atomicAdd(&s.cnt, 1u);
+                if (slot < kk) out[slot] = key;
+            }
         }
     }
 }
@@ -369,7 +385,7 @@ __device__ u32 sp_merge_keys(SpSel& s, const u64* keys, int nb, int per, int cst
     u32 nz = 0;
     for (int it = 0; it < iters; it++) nz += load(it * SP_THREADS + threadIdx.x) != 0 ? 1u : 0u;
     nz = sp_sum_u(nz, red_u);
-    const u32 k = min(kmax, nz);
+    u32 k = min(kmax, nz);
     if (k == 0) return 0;
     u64 prefix, mask;
     auto count = [&](int shift, u64 pf, u64 mk) {
@@ -380,9 +396,16 @@ __device__ u32 sp_merge_keys(SpSel& s, const u64* keys, int nb, int per, int cst
     __syncthreads();
     for (int it = 0; it < iters; it++) {
         const u64 key = load(it * SP_THREADS + threadIdx.x);
-        if (sp_selected(key, prefix, mask)) sel[KMAXT + atomicAdd(&s.cnt, 1u)] = key;
+        if (sp_selected(key, prefix, mask)) {
+            const u32 slot = atomicAdd(&s.cnt, 1u);
+            if (slot < k) sel[KMAXT + slot] = key;
+        }
     }
     __syncthreads();
+    // Fewer than k only if the select failed (the host then sees the count and declines).
+    const u32 got = min(k, s.cnt);
+    __syncthreads();
+    k = got;
     // Rank sort (keys are distinct): position = number of larger keys.
     for (u32 t = threadIdx.x; t < k; t += SP_THREADS) {
         const u64 key = sel[KMAXT + t];
@@ -434,7 +457,7 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_merge(
     if (T > 0) {
         const u32 k = sp_merge_keys<SP_KMAX>(s, raw_keys + (i64)r * nb * SP_MAX_TOP, nb, T, SP_MAX_TOP, T, sel, red_u);
         for (u32 t = tid; t < k; t += SP_THREADS) {
-            const u32 id = sp_key_id(sel[t]);
+            const u32 id = min(sp_key_id(sel[t]), (u32)vocab - 1);
             H[H_TOP_IDS + t] = id;
             H[H_TOP_RAW + t] = __float_as_uint(row[id]);
         }
@@ -452,7 +475,7 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_merge(
         u32* vals = ids + K;
         u32* raws = vals + K;
         for (u32 t = tid; t < k; t += SP_THREADS) {
-            const u32 id = sp_key_id(sel[t]);
+            const u32 id = min(sp_key_id(sel[t]), (u32)vocab - 1);
             const float zt = sp_final(sp_z(row, id, bits, tt, tzr, P[P_TLEN]), temp);
             ids[t] = id;
             vals[t] = __float_as_uint(zt);

@@ -145,7 +145,10 @@ def main():
         for t in threads:
             t.join()
         if errors:
+            # Keep what was measured: print the table so far, then fail.
             print(f"error at {s} streams: {errors[0]}", file=sys.stderr)
+            rows.append((f"{s} streams", f"FAILED: {str(errors[0])[:120]}"))
+            print_table(info, ctx, a.url, rows)
             sys.exit(1)
         end = max(r[1][-1] for r in results)
         tokens = sum(len(r[1]) for r in results)
@@ -153,8 +156,12 @@ def main():
         rows.append((f"{s} streams: aggregate tok/s, ITL p50 / p99 (ms)",
                      f"{tokens / (end - start):.1f}, {pct(itl, 50) * 1000:.1f} / {pct(itl, 99) * 1000:.1f}"))
 
+    print_table(info, ctx, a.url, rows)
+
+
+def print_table(info, ctx, url, rows):
     w = max(len(r[0]) for r in rows)
-    print(f"model {info['id']}, context {ctx}, {a.url}")
+    print(f"model {info['id']}, context {ctx}, {url}")
     print(f"| {'metric'.ljust(w)} | value |")
     print(f"| {'-' * w} | ----- |")
     for k, v in rows:

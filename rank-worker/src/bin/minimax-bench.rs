@@ -8,7 +8,7 @@
 use std::time::Instant;
 
 use minimax_rank::cpu::KvSpec;
-use minimax_rank::cuda::{CudaModel, CudaOptions, GemmPrecision, gemm_precision, set_gemm_precision, set_group_tile};
+use minimax_rank::cuda::{CudaModel, CudaOptions, GemmPrecision, gemm_precision, set_dense_tile, set_gemm_precision, set_group_tile};
 use minimax_shared::forward::{ForwardBatch, ForwardOutput, LogitsWanted, SeqStep};
 use minimax_shared::model::synthetic::SyntheticSpec;
 
@@ -224,8 +224,8 @@ fn main() -> anyhow::Result<()> {
     }
     let spec = SyntheticSpec::parse(&spec_s)?;
     let long_ctx = 32768usize;
-    // + 256: the prefill section's warm-ups, precision/tile runs and profiled run.
-    let n_pages = long_ctx / PAGE + 64 + 32 * 8 + 8 + 2 * 8192 / PAGE + 16 + 256;
+    // + 320: the prefill section's warm-ups, precision/tile runs and profiled run.
+    let n_pages = long_ctx / PAGE + 64 + 32 * 8 + 8 + 2 * 8192 / PAGE + 16 + 320;
     let kv = KvSpec { page_size: PAGE, n_pages };
     let t = Instant::now();
     let mut m = CudaModel::synthetic(&spec, kv, CudaOptions::default(), 42)?;
@@ -395,6 +395,17 @@ fn main() -> anyhow::Result<()> {
         }
         set_group_tile(None);
         set_gemm_precision(prec);
+        // Dense GEMM tiles forced to 32 and 128 tokens (default precision, automatic expert tile).
+        for dt in [2usize, 8] {
+            set_dense_tile(Some(dt));
+            let pt = pages.take(512 / PAGE);
+            let t = Instant::now();
+            let o = m.forward(&ForwardBatch { seqs: vec![step(50 + dt as u64, &pt, 0, (0..512u32).map(|i| (i * 7919) % 200_000).collect(), LogitsWanted::Last)] })?;
+            let e = ms(t);
+            println!("prefill 512, GEMM {prec:?}, dense tiles of {} tokens: {e:.1} ms, finite {}", 16 * dt, finite(&o));
+            table.push((format!("prefill ms at 512 tokens, GEMM {prec:?}, dense tile {}", 16 * dt), format!("{e:.1}")));
+        }
+        set_dense_tile(None);
         // Per-phase split of one 512-token prefill (events around every launch).
         let pt = pages.take(512 / PAGE);
         m.gpu().profile_begin();

@@ -17,7 +17,7 @@ pub mod upload;
 
 pub use error::CudaError;
 pub use gpu::{Arg, AttnArgs, DevMat, Gpu, KvDtype};
-pub use matmul::{ExpertGroups, GEMM_MIN_TOKENS, GemmPrecision, gemm_precision, set_gemm_precision, set_group_tile};
+pub use matmul::{ExpertGroups, GEMM_MIN_TOKENS, GemmPrecision, gemm_precision, set_dense_tile, set_gemm_precision, set_group_tile};
 pub use model::{CudaModel, CudaOptions, LoadStats};
 pub use model::sampling;
 pub use nccl::{NCCL_ID_BYTES, NcclAbort, NcclComm};

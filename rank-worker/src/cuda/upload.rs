@@ -66,6 +66,9 @@ impl Piece {
 /// Part of a piece placed in a staging buffer at `stg`.
 #[derive(Clone, Copy, Debug)]
 struct Seg {
+    /// Index of the piece (copies never join two pieces: each device copy must stay inside
+    /// one allocation, and two buffers may happen to be adjacent).
+    piece: usize,
     src: Src,
     off: usize,
     len: usize,
@@ -420,7 +423,7 @@ fn plan_batches(pieces: &[Piece], cap: usize) -> Vec<Vec<Seg>> {
     let mut out = Vec::new();
     let mut cur: Vec<Seg> = Vec::new();
     let mut used = 0usize;
-    for p in pieces.iter().filter(|p| p.bytes() > 0) {
+    for (pi, p) in pieces.iter().enumerate().filter(|(_, p)| p.bytes() > 0) {
         if p.count == 1 {
             let mut done = 0;
             while done < p.len {
@@ -429,7 +432,7 @@ fn plan_batches(pieces: &[Piece], cap: usize) -> Vec<Vec<Seg>> {
                     used = 0;
                 }
                 let take = (p.len - done).min(cap - used);
-                cur.push(Seg { src: p.src, off: p.off + done, len: take, count: 1, stride: 0, stg: used, dst: p.dst + done as u64 });
+                cur.push(Seg { piece: pi, src: p.src, off: p.off + done, len: take, count: 1, stride: 0, stg: used, dst: p.dst + done as u64 });
                 used += take;
                 done += take;
             }
@@ -441,7 +444,7 @@ fn plan_batches(pieces: &[Piece], cap: usize) -> Vec<Vec<Seg>> {
                     used = 0;
                 }
                 let n = ((cap - used) / p.len).min(p.count - row);
-                cur.push(Seg { src: p.src, off: p.off + row * p.stride, len: p.len, count: n, stride: p.stride, stg: used, dst: p.dst + (row * p.len) as u64 });
+                cur.push(Seg { piece: pi, src: p.src, off: p.off + row * p.stride, len: p.len, count: n, stride: p.stride, stg: used, dst: p.dst + (row * p.len) as u64 });
                 used += n * p.len;
                 row += n;
             }
@@ -493,12 +496,16 @@ fn split_shares(batch: &[Seg], n: usize) -> Vec<Vec<Seg>> {
 }
 
 /// The host-to-device copies of a batch as (staging offset, device address, bytes), joining
-/// segments that continue each other in both places (a strided piece split over rows).
+/// segments of one piece that continue each other in both places (a piece split between
+/// threads). Segments of different pieces are never joined, even when their buffers happen
+/// to be adjacent: a copy spanning two allocations is an invalid-value error.
 fn merge_copies(batch: &[Seg]) -> Vec<(usize, u64, usize)> {
     let mut out: Vec<(usize, u64, usize)> = Vec::new();
+    let mut last_piece = usize::MAX;
     for s in batch {
         let n = s.bytes();
         if let Some(last) = out.last_mut()
+            && last_piece == s.piece
             && last.0 + last.2 == s.stg
             && last.1 + last.2 as u64 == s.dst
         {
@@ -506,6 +513,7 @@ fn merge_copies(batch: &[Seg]) -> Vec<(usize, u64, usize)> {
             continue;
         }
         out.push((s.stg, s.dst, n));
+        last_piece = s.piece;
     }
     out
 }
@@ -533,6 +541,9 @@ mod tests {
                 }
             }
             for (so, d, n) in merge_copies(&batch) {
+                // Like cuMemcpyHtoD: a copy must stay inside one allocation (one piece).
+                let inside = pieces.iter().any(|p| p.dst <= d && d + n as u64 <= p.dst + p.bytes() as u64);
+                assert!(inside, "copy of {n} bytes at {d} spans two allocations");
                 dev[d as usize..d as usize + n].copy_from_slice(&stg[so..so + n]);
             }
         }
