@@ -276,12 +276,17 @@ fn invalid_batches_are_rejected_before_touching_the_cache() {
         SeqStep { seq_id: 2, page_table: vec![9], cached_len: 0, tokens: vec![1], logits: LogitsWanted::Last },
         SeqStep { seq_id: 2, page_table: vec![0; 300], cached_len: 4096, tokens: vec![1], logits: LogitsWanted::Last },
     ];
+    // The last token recomputed as a one-token step over the cache: the reference for the
+    // same step after the bad batches (the 64-token prefill above takes the tensor-core GEMM
+    // and flash attention, so it is compared within the prefill tolerance, not bit for bit).
+    let again = ForwardBatch { seqs: vec![SeqStep { seq_id: 1, page_table: vec![0, 1, 2, 3], cached_len: 63, tokens: vec![seq[63]], logits: LogitsWanted::Last }] };
+    let before = model.forward(&again).unwrap();
+    assert!(max_diff(&first.logits, &before.logits) < 2e-2);
     for bad in bad_cases {
         assert!(model.forward(&ForwardBatch { seqs: vec![bad] }).is_err());
     }
-    let again = ForwardBatch { seqs: vec![SeqStep { seq_id: 1, page_table: vec![0, 1, 2, 3], cached_len: 63, tokens: vec![seq[63]], logits: LogitsWanted::Last }] };
     let second = model.forward(&again).unwrap();
-    let d = max_diff(&first.logits, &second.logits);
-    assert!(d < 1e-4, "recomputed last token differs by {d}");
+    let d = max_diff(&before.logits, &second.logits);
+    assert!(d < 1e-6, "recomputed last token differs by {d}");
     eprintln!("invalid batches rejected; cache intact (recomputed logits within {d:.1e})");
 }

@@ -49,7 +49,8 @@ for b in "$bin_dir"/cuda_*; do
   start=$(date +%s)
   # Fixture paths are resolved from the crate directory baked in at build time; run from
   # rank-worker/ so relative fallbacks work too.
-  (cd rank-worker && "../$b" --ignored --test-threads=1 --nocapture "$@") >"$log" 2>&1
+  b_abs="$(cd "$(dirname "$b")" && pwd)/$(basename "$b")"
+  (cd rank-worker && "$b_abs" --ignored --test-threads=1 --nocapture "$@") >"$log" 2>&1
   rc=$?
   end=$(date +%s)
   # Test names from "test NAME ... " (output may follow on the same line with --nocapture);
@@ -63,6 +64,10 @@ for b in "$bin_dir"/cuda_*; do
     else res=ok; fi
     table+=("$name $t $res")
   done < <(sed -nE 's/^test ([^ ]+) \.\.\. .*/\1/p' "$log")
+  # A binary that did not run at all (missing, wrong arch, crashed before any test) is a failure.
+  if ! grep -qE '^test [^ ]+ \.\.\. ' "$log"; then
+    table+=("$name (no-tests-ran) CRASHED")
+  fi
   printf '%s: exit %d in %d s (log %s)\n' "$name" "$rc" "$((end - start))" "$log"
   [ "$rc" -eq 0 ] || fail=1
 done

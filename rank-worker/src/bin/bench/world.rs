@@ -90,6 +90,10 @@ pub fn main_world() -> anyhow::Result<()> {
     let kv = KvSpec { page_size: PAGE, n_pages };
     let id = nccl::unique_id()?;
     let bar = Arc::new(Barrier::new(world));
+    // Pipeline mode: the last stage publishes each step's next tokens here and every stage
+    // waits for them, so a decode step is timed through all stages (batch-1 latency), as
+    // when serving, not one stage running ahead of the other.
+    let board = Arc::new(std::sync::Mutex::new(Vec::<u32>::new()));
     let ispp = pp > 1;
     println!(
         "multi-GPU bench: {spec_s}, {} {world}, NCCL_P2P_DISABLE={} NCCL_SHM_DISABLE={}",
@@ -100,7 +104,7 @@ pub fn main_world() -> anyhow::Result<()> {
     let tables: Vec<anyhow::Result<Vec<(String, String)>>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
             .map(|r| {
-                let (spec, cfg, id, bar) = (&spec, &cfg, &id, bar.clone());
+                let (spec, cfg, id, bar, board) = (&spec, &cfg, &id, bar.clone(), board.clone());
                 s.spawn(move || -> anyhow::Result<Vec<(String, String)>> {
                     let part = if ispp { Partition::pipeline(cfg, r, world, None)? } else { Partition::tensor(cfg, r, world)? };
                     let t0 = Instant::now();
@@ -123,13 +127,27 @@ pub fn main_world() -> anyhow::Result<()> {
                         v
                     };
                     let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
+                    // The next tokens of every row after a step: local argmax in tensor mode; in
+                    // pipeline mode the last stage's argmax, shared through `board`.
+                    let sync_toks = |o: &Option<minimax_shared::forward::ForwardOutput>, n: usize| -> Vec<u32> {
+                        if !ispp {
+                            return (0..n).map(|i| next_tok(o, i, false)).collect();
+                        }
+                        if let Some(o) = o {
+                            *board.lock().unwrap() = (0..n).map(|i| argmax(o.row(i))).collect();
+                        }
+                        bar.wait();
+                        let v = board.lock().unwrap().clone();
+                        bar.wait();
+                        v
+                    };
 
                     // Decode batch 1: 5-token prompt, 2 warm-up steps, then timed steps.
                     let pt = take((5 + dsteps + 1).div_ceil(PAGE));
                     let o = fwd(&mut m, &ForwardBatch { seqs: vec![step(1, &pt, 0, vec![1, 17, 4242, 99_999, 200_000], LogitsWanted::Last)] })?;
-                    let mut tok = next_tok(&o, 0, ispp);
+                    let mut tok = sync_toks(&o, 1)[0];
                     for i in 0..2 {
-                        tok = next_tok(&fwd(&mut m, &ForwardBatch { seqs: vec![step(1, &pt, 5 + i, vec![tok], LogitsWanted::Last)] })?, 0, ispp);
+                        tok = sync_toks(&fwd(&mut m, &ForwardBatch { seqs: vec![step(1, &pt, 5 + i, vec![tok], LogitsWanted::Last)] })?, 1)[0];
                     }
                     bar.wait();
                     let t = Instant::now();
@@ -137,10 +155,10 @@ pub fn main_world() -> anyhow::Result<()> {
                     for i in 2..dsteps {
                         let o = fwd(&mut m, &ForwardBatch { seqs: vec![step(1, &pt, 5 + i, vec![tok], LogitsWanted::Last)] })?;
                         fin &= o.as_ref().is_none_or(|o| o.logits.iter().all(|x| x.is_finite()));
-                        tok = next_tok(&o, 0, ispp);
+                        tok = sync_toks(&o, 1)[0];
                     }
-                    let dec = ms(t) / (dsteps - 2) as f64;
                     bar.wait();
+                    let dec = ms(t) / (dsteps - 2) as f64;
                     if say {
                         println!("decode b1: {dec:.3} ms/token = {:.1} tok/s (forward incl. logits D2H), finite {fin}", 1e3 / dec);
                     }
@@ -201,14 +219,12 @@ pub fn main_world() -> anyhow::Result<()> {
                         let mut toks = vec![0u32; b];
                         for (i, p) in pts.iter().enumerate() {
                             let o = fwd(&mut m, &ForwardBatch { seqs: vec![step(100 + i as u64, p, 0, vec![1, 2 + i as u32, 3, 4, 5], LogitsWanted::Last)] })?;
-                            toks[i] = next_tok(&o, 0, ispp);
+                            toks[i] = sync_toks(&o, 1)[0];
                         }
                         let run = |m: &mut CudaModel, toks: &mut Vec<u32>, s: usize| -> anyhow::Result<()> {
                             let seqs = (0..b).map(|i| step(100 + i as u64, &pts[i], 5 + s, vec![toks[i]], LogitsWanted::Last)).collect();
                             let o = fwd(m, &ForwardBatch { seqs })?;
-                            for (i, t) in toks.iter_mut().enumerate() {
-                                *t = next_tok(&o, i, ispp);
-                            }
+                            *toks = sync_toks(&o, b);
                             Ok(())
                         };
                         run(&mut m, &mut toks, 0)?;
@@ -218,8 +234,8 @@ pub fn main_world() -> anyhow::Result<()> {
                         for s in 2..steps {
                             run(&mut m, &mut toks, s)?;
                         }
-                        let per = ms(t) / (steps - 2) as f64;
                         bar.wait();
+                        let per = ms(t) / (steps - 2) as f64;
                         if say {
                             println!("decode {b} streams: {per:.2} ms/step = {:.0} tok/s aggregate", b as f64 * 1e3 / per);
                         }
@@ -234,8 +250,8 @@ pub fn main_world() -> anyhow::Result<()> {
                             bar.wait();
                             let t = Instant::now();
                             fwd(&mut m, &ForwardBatch { seqs: vec![step(20 + n as u64, &pt, 0, toks, LogitsWanted::Last)] })?;
-                            let e = ms(t);
                             bar.wait();
+                            let e = ms(t);
                             if say {
                                 println!("prefill {n}: {e:.1} ms = {:.0} tok/s", n as f64 * 1e3 / e);
                             }
@@ -251,8 +267,8 @@ pub fn main_world() -> anyhow::Result<()> {
                             let toks: Vec<u32> = (c0 as u32..c0 as u32 + 4096).map(|i| (i * 7919) % 200_000).collect();
                             fwd(&mut m, &ForwardBatch { seqs: vec![step(30, &pt, c0, toks, LogitsWanted::Last)] })?;
                         }
-                        let e = ms(t);
                         bar.wait();
+                        let e = ms(t);
                         tab.push((format!("prefill tok/s at {n} tokens (2 chunks of 4096)"), format!("{:.0} ({e:.0} ms)", n as f64 * 1e3 / e)));
                     }
                     Ok(tab)
