@@ -198,11 +198,10 @@ __device__ void sp_select(SpSel& s, u32 k, F count, u64& prefix, u64& mask) {
     mask = 0;
     for (int shift = 56; shift >= 0; shift -= 8) {
         for (int i = threadIdx.x; i < 256; i += SP_THREADS) s.hist[i] = 0;
-        if (threadIdx.x == 0) {
-            if (shift == 56) s.krem = k;
-            s.digit = 0xffffffffu;
-        }
+        if (threadIdx.x == 0 && shift == 56) s.krem = k;
         __syncthreads();
+        // Every thread has read the previous pass's digit by now.
+        if (threadIdx.x == 0) s.digit = 0xffffffffu;
         count(shift, prefix, mask);
         __syncthreads();
         if (threadIdx.x < 32) sp_pick(s);
