@@ -331,6 +331,12 @@ async fn pipeline_3_matches_reference_over_tcp() {
     world_matches_reference("m2-small", 3, "pipeline", true).await;
 }
 
+/// Four rank processes, one layer each (the 4-GPU pipeline layout, on CPU ranks).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipeline_4_matches_reference() {
+    world_matches_reference("m2-small", 4, "pipeline", false).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tensor_2_matches_reference() {
     world_matches_reference("m2-small", 2, "tensor", false).await;
