@@ -19,33 +19,13 @@
 //! Needs a GPU: run with `--ignored` (tools/gpu/run_tests.sh does).
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::gpu::{NAN, Rng, gpu, poisoned};
 use cudarc::driver::CudaSlice;
 use minimax_rank::cuda::flash::{FLASH_MIN_TOKENS, FLASH_ROWS, flash_unsupported};
 use minimax_rank::cuda::{AttnArgs, Gpu, KvDtype};
 use minimax_shared::quant::GgmlType;
-
-const NAN: u32 = 0x7fc0_0000;
-
-/// xorshift64*: deterministic, dependency-free randomness.
-struct Rng(u64);
-impl Rng {
-    fn u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn f(&mut self) -> f32 {
-        (self.u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f() * scale).collect()
-    }
-}
-
-fn gpu() -> Gpu {
-    Gpu::new(0).expect("CUDA device 0 with NVRTC")
-}
 
 fn round(dt: KvDtype, x: f32) -> f32 {
     match dt {
@@ -293,12 +273,6 @@ fn check(what: &str, dt: KvDtype, exact: bool, c: &Case, b: &Batch, got: &[f32],
         assert!(rms <= 1.5, "{what}: rms of diff / typical rounding {rms:.2} (systematic error)");
     }
     (worst, rms)
-}
-
-fn poisoned(g: &Gpu, n: usize) -> CudaSlice<f32> {
-    let b = g.zeros::<f32>(n).unwrap();
-    g.fill_u32(g.ptr(&b), n, NAN).unwrap();
-    b
 }
 
 /// Kernel names launched by `f` (through the profiler's per-launch events).

@@ -4,106 +4,13 @@
 //! (tools/gpu/run_tests.sh does).
 #![cfg(feature = "cuda")]
 
+mod common;
+
+use common::gpu::{Rng, TYPES, gpu, poisoned, random_rows, upload_mat};
 use minimax_rank::cuda::fast::{DownKind, MvqKind};
-use minimax_rank::cuda::{Arg, AttnArgs, DevMat, Gpu, KvDtype};
+use minimax_rank::cuda::{Arg, AttnArgs, KvDtype};
 use minimax_shared::model::GatingFunc;
 use minimax_shared::quant::{self, GgmlType};
-
-const NAN: u32 = 0x7fc0_0000;
-
-/// xorshift64*: deterministic, dependency-free randomness.
-struct Rng(u64);
-impl Rng {
-    fn u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn f(&mut self) -> f32 {
-        (self.u64() >> 40) as f32 / (1u64 << 24) as f32 * 2.0 - 1.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.u64() % n as u64) as usize
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f() * scale).collect()
-    }
-}
-
-fn gpu() -> Gpu {
-    Gpu::new(0).expect("CUDA device 0 with NVRTC")
-}
-
-const TYPES: [GgmlType; 16] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-    GgmlType::IQ4_NL,
-    GgmlType::IQ4_XS,
-    GgmlType::MXFP4,
-];
-
-/// Byte offsets of the fp16 scale fields in one block of `ty`.
-fn f16_fields(ty: GgmlType) -> &'static [usize] {
-    match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
-        GgmlType::Q2_K => &[80, 82],
-        GgmlType::Q3_K => &[108],
-        GgmlType::Q6_K => &[208],
-        _ => &[],
-    }
-}
-
-/// `rows` random valid rows of `cols` elements of `ty` (finite scales, random quants).
-fn random_rows(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
-    let rb = quant::row_bytes(ty, cols).unwrap();
-    let mut b = vec![0u8; rows * rb];
-    match ty {
-        GgmlType::F32 => {
-            for c in b.chunks_exact_mut(4) {
-                c.copy_from_slice(&rng.f().to_le_bytes());
-            }
-        }
-        GgmlType::F16 => {
-            for c in b.chunks_exact_mut(2) {
-                c.copy_from_slice(&half::f16::from_f32(rng.f()).to_bits().to_le_bytes());
-            }
-        }
-        GgmlType::BF16 => {
-            for c in b.chunks_exact_mut(2) {
-                c.copy_from_slice(&half::bf16::from_f32(rng.f()).to_bits().to_le_bytes());
-            }
-        }
-        _ => {
-            for x in b.iter_mut() {
-                *x = rng.u64() as u8;
-            }
-            let bb = ty.block_bytes();
-            for blk in b.chunks_exact_mut(bb) {
-                for &o in f16_fields(ty) {
-                    let d = half::f16::from_f32(rng.f() * 0.05);
-                    blk[o..o + 2].copy_from_slice(&d.to_bits().to_le_bytes());
-                }
-                if ty == GgmlType::MXFP4 {
-                    blk[0] = 118 + rng.below(12) as u8;
-                }
-            }
-        }
-    }
-    b
-}
 
 fn cols_for(ty: GgmlType) -> usize {
     match ty.block_elems() {
@@ -111,19 +18,6 @@ fn cols_for(ty: GgmlType) -> usize {
         32 => 32 * 37,
         _ => 256 * 3,
     }
-}
-
-fn upload_mat(g: &Gpu, ty: GgmlType, bytes: &[u8], rows: usize, cols: usize, n_experts: usize) -> (cudarc::driver::CudaSlice<u8>, DevMat) {
-    let buf = g.upload(bytes).unwrap();
-    let rb = quant::row_bytes(ty, cols).unwrap();
-    let m = DevMat { ptr: g.ptr(&buf), ty, rows, cols, row_bytes: rb, n_experts, expert_stride: rows * rb };
-    (buf, m)
-}
-
-fn poisoned(g: &Gpu, n: usize) -> cudarc::driver::CudaSlice<f32> {
-    let b = g.zeros::<f32>(n).unwrap();
-    g.fill_u32(g.ptr(&b), n, NAN).unwrap();
-    b
 }
 
 /// |got - want| <= tol[i] for every element, and nothing is NaN.

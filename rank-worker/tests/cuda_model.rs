@@ -8,7 +8,7 @@ mod common;
 
 use std::sync::Arc;
 
-use common::{max_diff, variants};
+use common::{argmax, max_diff, variants};
 use minimax_rank::comm::Solo;
 use minimax_rank::cpu::{CpuModel, KvSpec};
 use minimax_rank::cuda::{CudaModel, CudaOptions, KvDtype};
@@ -173,17 +173,6 @@ fn mixed_batches_with_cached_prefixes_match_reference() {
         assert!(checked >= 233, "only {checked} rows checked");
         eprintln!("{}/{:<6} mixed batches: {checked} rows, max |diff| {worst:.2e}", v.model, v.name);
     }
-}
-
-fn argmax(x: &[f32]) -> (u32, f32) {
-    let mut best = 0;
-    for i in 1..x.len() {
-        if x[i] > x[best] {
-            best = i;
-        }
-    }
-    let second = x.iter().enumerate().filter(|&(i, _)| i != best).map(|(_, &v)| v).fold(f32::NEG_INFINITY, f32::max);
-    (best as u32, x[best] - second)
 }
 
 /// Greedy continuation of `prompts` for `n` tokens; `batched` runs every sequence in one

@@ -9,94 +9,18 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
+use common::gpu::{NAN, Rng, TYPES, gpu, random_rows, upload_mat};
 use minimax_rank::comm::Solo;
 use minimax_rank::cpu::{CpuModel, KvSpec};
-use minimax_rank::cuda::{CudaModel, CudaOptions, DevMat, GemmPrecision, Gpu, KvDtype, set_gemm_precision};
+use minimax_rank::cuda::{CudaModel, CudaOptions, GemmPrecision, KvDtype, set_gemm_precision};
 use minimax_rank::partition::Partition;
 use minimax_shared::forward::{ForwardBatch, LogitsWanted, SeqStep};
 use minimax_shared::gguf::GgufModel;
 use minimax_shared::model::ModelConfig;
 use minimax_shared::quant::{self, GgmlType};
 
-const NAN: u32 = 0x7fc0_0000;
-
 /// The GEMM precision is process-wide: tests that depend on it run one at a time.
 static SERIAL: Mutex<()> = Mutex::new(());
-
-/// xorshift64*: deterministic randomness without dependencies.
-struct Rng(u64);
-impl Rng {
-    fn u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    /// Uniform in [-1, 1).
-    fn f(&mut self) -> f32 {
-        (self.u64() >> 40) as f32 / (1u64 << 23) as f32 - 1.0
-    }
-    fn below(&mut self, n: usize) -> usize {
-        (self.u64() % n as u64) as usize
-    }
-    fn vec(&mut self, n: usize, scale: f32) -> Vec<f32> {
-        (0..n).map(|_| self.f() * scale).collect()
-    }
-}
-
-const TYPES: [GgmlType; 16] = [
-    GgmlType::F32,
-    GgmlType::F16,
-    GgmlType::BF16,
-    GgmlType::Q4_0,
-    GgmlType::Q4_1,
-    GgmlType::Q5_0,
-    GgmlType::Q5_1,
-    GgmlType::Q8_0,
-    GgmlType::Q2_K,
-    GgmlType::Q3_K,
-    GgmlType::Q4_K,
-    GgmlType::Q5_K,
-    GgmlType::Q6_K,
-    GgmlType::IQ4_NL,
-    GgmlType::IQ4_XS,
-    GgmlType::MXFP4,
-];
-
-/// Offsets of the fp16 scale fields of one block (random bytes there could be inf/NaN).
-fn scale_fields(ty: GgmlType) -> &'static [usize] {
-    match ty {
-        GgmlType::Q4_0 | GgmlType::Q5_0 | GgmlType::Q8_0 | GgmlType::IQ4_NL | GgmlType::IQ4_XS => &[0],
-        GgmlType::Q4_1 | GgmlType::Q5_1 | GgmlType::Q4_K | GgmlType::Q5_K => &[0, 2],
-        GgmlType::Q2_K => &[80, 82],
-        GgmlType::Q3_K => &[108],
-        GgmlType::Q6_K => &[208],
-        _ => &[],
-    }
-}
-
-/// `rows` random rows of `cols` elements of `ty`: random quants, finite small scales.
-fn random_matrix(rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize) -> Vec<u8> {
-    let rb = quant::row_bytes(ty, cols).unwrap();
-    let mut b = vec![0u8; rows * rb];
-    match ty {
-        GgmlType::F32 => b.chunks_exact_mut(4).for_each(|c| c.copy_from_slice(&rng.f().to_le_bytes())),
-        GgmlType::F16 => b.chunks_exact_mut(2).for_each(|c| c.copy_from_slice(&half::f16::from_f32(rng.f()).to_bits().to_le_bytes())),
-        GgmlType::BF16 => b.chunks_exact_mut(2).for_each(|c| c.copy_from_slice(&half::bf16::from_f32(rng.f()).to_bits().to_le_bytes())),
-        _ => {
-            b.iter_mut().for_each(|x| *x = rng.u64() as u8);
-            for blk in b.chunks_exact_mut(ty.block_bytes()) {
-                for &o in scale_fields(ty) {
-                    blk[o..o + 2].copy_from_slice(&half::f16::from_f32(rng.f() * 0.05).to_bits().to_le_bytes());
-                }
-                if ty == GgmlType::MXFP4 {
-                    blk[0] = 118 + rng.below(12) as u8;
-                }
-            }
-        }
-    }
-    b
-}
 
 /// Columns off the 64-column K step where the type allows it.
 fn cols_for(ty: GgmlType) -> usize {
@@ -153,17 +77,6 @@ impl Check {
     }
 }
 
-fn gpu() -> Gpu {
-    Gpu::new(0).expect("CUDA device 0 with NVRTC")
-}
-
-fn dev_mat(g: &Gpu, ty: GgmlType, bytes: &[u8], rows: usize, cols: usize, n_experts: usize) -> (cudarc::driver::CudaSlice<u8>, DevMat) {
-    let buf = g.upload(bytes).unwrap();
-    let rb = quant::row_bytes(ty, cols).unwrap();
-    let ptr = g.ptr(&buf);
-    (buf, DevMat { ptr, ty, rows, cols, row_bytes: rb, n_experts, expert_stride: rows * rb })
-}
-
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemm_matches_cpu_for_every_type_tile_and_precision() {
@@ -173,9 +86,9 @@ fn gemm_matches_cpu_for_every_type_tile_and_precision() {
     for ty in TYPES {
         let cols = cols_for(ty);
         let rows = 133; // two row tiles, the second nearly empty
-        let w = random_matrix(&mut rng, ty, rows, cols);
+        let w = random_rows(&mut rng, ty, rows, cols);
         let wf = dequant(ty, &w, rows, cols);
-        let (_wb, m) = dev_mat(&g, ty, &w, rows, cols, 0);
+        let (_wb, m) = upload_mat(&g, ty, &w, rows, cols, 0);
         for (n, nt) in [(7usize, 2usize), (45, 2), (77, 8), (150, 8), (33, 8)] {
             let (xs, ys) = (cols + 4, rows + 3);
             let x = rng.vec(n * xs, 1.0);
@@ -222,9 +135,9 @@ fn matvec_dispatches_to_gemm_above_crossover_and_rejects_misalignment() {
     let g = gpu();
     let mut rng = Rng(0x5eed_0002);
     let (ty, rows, cols, n) = (GgmlType::IQ4_XS, 300, 512, 70);
-    let w = random_matrix(&mut rng, ty, rows, cols);
+    let w = random_rows(&mut rng, ty, rows, cols);
     let wf = dequant(ty, &w, rows, cols);
-    let (_wb, m) = dev_mat(&g, ty, &w, rows, cols, 0);
+    let (_wb, m) = upload_mat(&g, ty, &w, rows, cols, 0);
     let x = rng.vec(n * cols, 1.0);
     let xd = g.upload(&x).unwrap();
     let yd = g.zeros::<f32>(n * rows).unwrap();
@@ -314,9 +227,9 @@ fn grouped_expert_gemm_matches_cpu_for_every_type() {
     for ty in TYPES {
         let cols = cols_for(ty);
         let rows = 150;
-        let w = random_matrix(&mut rng, ty, ne * rows, cols);
+        let w = random_rows(&mut rng, ty, ne * rows, cols);
         let wf = dequant(ty, &w, ne * rows, cols);
-        let (_wb, m) = dev_mat(&g, ty, &w, rows, cols, ne);
+        let (_wb, m) = upload_mat(&g, ty, &w, rows, cols, ne);
         let ids = random_routing(&mut rng, tokens, k, ne, &empty);
         let idd = g.upload(&ids).unwrap();
         let np = ids.len();
@@ -362,13 +275,13 @@ fn moe_experts_gate_up_down_match_cpu() {
     for (ty, tokens) in [(GgmlType::IQ4_XS, 45usize), (GgmlType::Q8_0, 200), (GgmlType::Q4_K, 40), (GgmlType::IQ4_XS, 20)] {
         // down's input is ff = 96 wide: K-quants need 256-wide rows, so down is Q8_0 then.
         let dty = if ty.block_elems() == 256 { GgmlType::Q8_0 } else { ty };
-        let gw = random_matrix(&mut rng, ty, ne * ff, h);
-        let uw = random_matrix(&mut rng, ty, ne * ff, h);
-        let dw = random_matrix(&mut rng, dty, ne * h, ff);
+        let gw = random_rows(&mut rng, ty, ne * ff, h);
+        let uw = random_rows(&mut rng, ty, ne * ff, h);
+        let dw = random_rows(&mut rng, dty, ne * h, ff);
         let (gf, uf, df) = (dequant(ty, &gw, ne * ff, h), dequant(ty, &uw, ne * ff, h), dequant(dty, &dw, ne * h, ff));
-        let (_a, gm) = dev_mat(&g, ty, &gw, ff, h, ne);
-        let (_b, um) = dev_mat(&g, ty, &uw, ff, h, ne);
-        let (_c, dm) = dev_mat(&g, dty, &dw, h, ff, ne);
+        let (_a, gm) = upload_mat(&g, ty, &gw, ff, h, ne);
+        let (_b, um) = upload_mat(&g, ty, &uw, ff, h, ne);
+        let (_c, dm) = upload_mat(&g, dty, &dw, h, ff, ne);
         let ids = random_routing(&mut rng, tokens, k, ne, &[3, 7]);
         let np = ids.len();
         let x = rng.vec(tokens * h, 1.0);

@@ -10,19 +10,18 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{max_diff, variants};
-use hyper_util::rt::TokioIo;
+use common::rank_procs::{self, connect, connect_loaded, full_row, log_dir, rank_bin, step_responses, to_pb, wait_state, Client, RankProc};
+use common::gpu::gpu_count;
+use common::{argmax, max_diff, variants};
 use minimax_proto::v1 as pb;
-use minimax_proto::v1::rank_client::RankClient;
 use minimax_rank::cpu::KvSpec;
 use minimax_rank::cuda::{CudaModel, CudaOptions, KvDtype};
 use minimax_shared::forward::{ForwardBatch, LogitsWanted, SeqStep};
 use minimax_shared::gguf::GgufModel;
-use tonic::transport::{Channel, Endpoint};
 
 const PAGE: u32 = 16;
 const N_PAGES: u32 = 64;
@@ -32,33 +31,6 @@ const TOL_1GPU: f32 = 2e-3;
 /// Against the transformers reference (as tests/cuda_model.rs with an f32 cache).
 const TOL_REF: f32 = 2e-2;
 const GREEDY: usize = 64;
-
-type Client = RankClient<Channel>;
-
-struct RankProc {
-    child: Child,
-    listen: String,
-}
-
-impl Drop for RankProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn rank_bin() -> PathBuf {
-    std::env::var_os("MINIMAX_RANK_BIN").map(PathBuf::from).unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_minimax-rank")))
-}
-
-fn gpu_count() -> usize {
-    Command::new("nvidia-smi").arg("-L").output().map(|o| String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.starts_with("GPU ")).count()).unwrap_or(0)
-}
-
-/// Rank logs go to $OUT when set (the device tool brings them back), else next to the sockets.
-fn log_dir(dir: &Path) -> PathBuf {
-    std::env::var_os("OUT").map(PathBuf::from).unwrap_or_else(|| dir.to_path_buf())
-}
 
 fn rank_log(dir: &Path, r: usize, model: &Path, tag: &str) -> PathBuf {
     log_dir(dir).join(format!("rank-{r}-{}{tag}.log", model.file_stem().unwrap().to_string_lossy()))
@@ -106,41 +78,6 @@ fn spawn_rank(dir: &Path, model: &Path, world: usize, r: usize, env: &[(&str, &s
     RankProc { child: cmd.spawn().expect("spawn minimax-rank"), listen }
 }
 
-async fn connect(listen: &str) -> Client {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let path = PathBuf::from(listen.strip_prefix("unix://").unwrap());
-    loop {
-        let p = path.clone();
-        let res = Endpoint::from_static("http://rank.invalid")
-            .connect_with_connector(tower::service_fn(move |_| {
-                let p = p.clone();
-                async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(p).await?)) }
-            }))
-            .await;
-        match res {
-            Ok(ch) => return RankClient::new(ch).max_decoding_message_size(256 << 20),
-            Err(e) if Instant::now() < deadline => {
-                let _ = e;
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(e) => panic!("cannot connect to {listen}: {e}"),
-        }
-    }
-}
-
-async fn wait_state(c: &mut Client, want: pb::RankState) -> pb::DescribeResponse {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let d = c.describe(pb::DescribeRequest {}).await.unwrap().into_inner();
-        if d.state == want as i32 {
-            return d;
-        }
-        assert_ne!(d.state, pb::RankState::Failed as i32, "rank failed: {}", d.error);
-        assert!(Instant::now() < deadline, "rank {} stuck in state {} ({})", d.rank, d.state, d.error);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 async fn start_world(dir: &Path, model: &Path, world: usize) -> (Vec<RankProc>, Vec<Client>, Vec<pb::DescribeResponse>) {
     start_procs(dir, spawn_world(dir, model, world)).await
 }
@@ -148,109 +85,29 @@ async fn start_world(dir: &Path, model: &Path, world: usize) -> (Vec<RankProc>, 
 /// Connects to `procs`, waits until they are LOADED, then CREATE + JOIN (a new world id and
 /// NCCL unique id).
 async fn start_procs(dir: &Path, procs: Vec<RankProc>) -> (Vec<RankProc>, Vec<Client>, Vec<pb::DescribeResponse>) {
-    let mut clients = Vec::new();
-    for p in &procs {
-        let mut c = connect(&p.listen).await;
-        wait_state(&mut c, pb::RankState::Loaded).await;
-        clients.push(c);
-    }
+    let clients = connect_loaded(&procs).await;
     let (clients, descs) = join_world(dir, clients).await;
     (procs, clients, descs)
 }
 
 /// CREATE on rank 0 and JOIN on every rank; returns the clients and READY descriptions.
-async fn join_world(dir: &Path, mut clients: Vec<Client>) -> (Vec<Client>, Vec<pb::DescribeResponse>) {
-    let world = clients.len();
-    let id = clients[0]
-        .collective(pb::CollectiveRequest { phase: pb::collective_request::Phase::Create as i32, ..Default::default() })
-        .await
-        .unwrap()
-        .into_inner()
-        .unique_id;
-    assert_eq!(id.len(), 16 + minimax_rank::cuda::NCCL_ID_BYTES, "world id + NCCL unique id");
-    let peers: Vec<String> = (0..world).map(|r| format!("unix://{}/coll-{r}.sock", dir.display())).collect();
-    let joins: Vec<_> = clients
-        .iter()
-        .map(|c| {
-            let mut c = c.clone();
-            let req = pb::CollectiveRequest {
-                phase: pb::collective_request::Phase::Join as i32,
-                unique_id: id.clone(),
-                peer_addrs: peers.clone(),
-                timeout_ms: 60_000,
-            };
-            tokio::spawn(async move { c.collective(req).await })
-        })
-        .collect();
-    for (r, j) in joins.into_iter().enumerate() {
-        let r = j.await.unwrap().unwrap_or_else(|e| panic!("JOIN rank {r}: {e}")).into_inner();
-        assert_eq!(r.self_test_sum, (world * (world + 1) / 2) as f32);
-    }
-    let mut descs = Vec::new();
-    for c in &mut clients {
-        descs.push(wait_state(c, pb::RankState::Ready).await);
-    }
+async fn join_world(dir: &Path, clients: Vec<Client>) -> (Vec<Client>, Vec<pb::DescribeResponse>) {
+    let (clients, descs, id) = rank_procs::join_world(dir, clients).await;
     eprintln!("world joined (id {:02x?}...)", &id[..4]);
     (clients, descs)
 }
 
-fn to_pb(s: &SeqStep) -> pb::SeqStep {
-    pb::SeqStep {
-        seq_id: s.seq_id,
-        page_table: s.page_table.clone(),
-        expected_cache_len: s.cached_len as u32,
-        tokens: s.tokens.clone(),
-        logits: match s.logits {
-            LogitsWanted::None => pb::LogitsMode::None,
-            LogitsWanted::Last => pb::LogitsMode::Last,
-            LogitsWanted::All => pb::LogitsMode::All,
-        } as i32,
-        sampling: Some(pb::SamplingSpec { temperature: 1.0, top_p: 1.0, ..Default::default() }),
-        score_targets: vec![],
-        adopt_prefix: false,
-    }
-}
-
 /// One step on every rank; the head rank's (rank 0) full logits rows.
 async fn world_step(clients: &[Client], step_id: u64, batch: &ForwardBatch, vocab: usize) -> Vec<Vec<f32>> {
-    let req = pb::StepRequest { step_id, seqs: batch.seqs.iter().map(to_pb).collect() };
-    let hs: Vec<_> = clients
-        .iter()
-        .map(|c| {
-            let mut c = c.clone();
-            let req = req.clone();
-            tokio::spawn(async move { c.step(req).await.map(|r| r.into_inner()) })
-        })
-        .collect();
-    let mut resps = Vec::new();
-    for (r, h) in hs.into_iter().enumerate() {
-        let resp = tokio::time::timeout(Duration::from_secs(120), h).await.expect("step hung").unwrap();
-        resps.push(resp.unwrap_or_else(|e| panic!("rank {r} step {step_id}: {e}")));
-    }
+    let resps = step_responses(clients, step_id, batch).await;
     let mut rows = Vec::new();
     for res in &resps[0].seqs {
         assert_eq!(res.error, "", "seq {}", res.seq_id);
         for row in &res.rows {
-            assert_eq!(row.candidate_ids.len(), vocab, "whole vocabulary expected");
-            let mut out = vec![f32::NAN; vocab];
-            for (&i, &v) in row.candidate_ids.iter().zip(&row.candidate_raw_logits) {
-                out[i as usize] = v;
-            }
-            rows.push(out);
+            rows.push(full_row(row, vocab));
         }
     }
     rows
-}
-
-fn argmax(x: &[f32]) -> (u32, f32) {
-    let mut best = 0;
-    for i in 1..x.len() {
-        if x[i] > x[best] {
-            best = i;
-        }
-    }
-    let second = x.iter().enumerate().filter(|&(i, _)| i != best).map(|(_, &v)| v).fold(f32::NEG_INFINITY, f32::max);
-    (best as u32, x[best] - second)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 4)]

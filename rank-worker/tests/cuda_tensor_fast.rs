@@ -15,8 +15,9 @@
 //! (`--ignored`; kind nvidia-h200-x2).
 #![cfg(feature = "cuda")]
 
-use std::process::Command;
+mod common;
 
+use common::gpu::gpu_count;
 use minimax_rank::cpu::KvSpec;
 use minimax_rank::cuda::{CudaModel, CudaOptions, nccl};
 use minimax_rank::partition::Partition;
@@ -30,10 +31,6 @@ const STEPS: usize = 6;
 const TOL_FAST_VS_1GPU: f32 = 2e-2;
 const TOL_FAST_VS_EXACT: f32 = 4e-2;
 const TOL_EXACT_VS_1GPU: f32 = 5e-3;
-
-fn gpu_count() -> usize {
-    Command::new("nvidia-smi").arg("-L").output().map(|o| String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.starts_with("GPU ")).count()).unwrap_or(0)
-}
 
 fn argmax(r: &[f32]) -> u32 {
     let mut b = 0;

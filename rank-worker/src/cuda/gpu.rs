@@ -56,6 +56,24 @@ pub enum Arg {
     F(f32),
 }
 
+/// The arguments of the dense `y[n] = W x[n]` kernels (`mv_*` and `mm_*`): W (address, row
+/// bytes, rows, cols), x and its stride, y and its stride, the number of vectors and whether to
+/// accumulate into y.
+pub(super) fn mat_args(w: &DevMat, x: u64, xs: usize, y: u64, ys: usize, n: usize, accumulate: bool) -> [Arg; 10] {
+    [
+        Arg::P(w.ptr),
+        Arg::L(w.row_bytes as i64),
+        Arg::I(w.rows as i32),
+        Arg::I(w.cols as i32),
+        Arg::P(x),
+        Arg::L(xs as i64),
+        Arg::P(y),
+        Arg::L(ys as i64),
+        Arg::I(n as i32),
+        Arg::I(accumulate as i32),
+    ]
+}
+
 /// A quantized weight matrix in device memory: `rows` rows of `cols` elements of `ty`, or,
 /// for a 3-D expert tensor, `n_experts` such matrices `expert_stride` bytes apart.
 #[derive(Clone, Copy, Debug)]
@@ -330,18 +348,7 @@ impl Gpu {
             grid,
             (32 * MV_WARPS) as u32,
             0,
-            &[
-                Arg::P(w.ptr),
-                Arg::L(w.row_bytes as i64),
-                Arg::I(w.rows as i32),
-                Arg::I(w.cols as i32),
-                Arg::P(x),
-                Arg::L(xs as i64),
-                Arg::P(y),
-                Arg::L(ys as i64),
-                Arg::I(nvec as i32),
-                Arg::I(accumulate as i32),
-            ],
+            &mat_args(w, x, xs, y, ys, nvec, accumulate),
         )
     }
 

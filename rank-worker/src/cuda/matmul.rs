@@ -10,7 +10,7 @@ use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use minimax_shared::quant::GgmlType;
 
 use super::error::CudaError;
-use super::gpu::{Arg, DevMat, Gpu};
+use super::gpu::{Arg, DevMat, Gpu, mat_args};
 
 /// `Gpu::matvec` uses the GEMM above this many vectors (the matvec kernels below; steps of up
 /// to 32 tokens of the big models take the fast decode path anyway).
@@ -193,18 +193,7 @@ impl Gpu {
             (w.rows.div_ceil(BN) as u32, n.div_ceil(16 * nt) as u32, 1),
             256,
             sm as u32,
-            &[
-                Arg::P(w.ptr),
-                Arg::L(w.row_bytes as i64),
-                Arg::I(w.rows as i32),
-                Arg::I(w.cols as i32),
-                Arg::P(x),
-                Arg::L(xs as i64),
-                Arg::P(y),
-                Arg::L(ys as i64),
-                Arg::I(n as i32),
-                Arg::I(accumulate as i32),
-            ],
+            &mat_args(w, x, xs, y, ys, n, accumulate),
         )
     }
 

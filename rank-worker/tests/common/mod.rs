@@ -1,6 +1,11 @@
 //! Loading the committed fixture models and their transformers reference logits.
 #![allow(dead_code)]
 
+#[cfg(feature = "cuda")]
+pub mod gpu;
+#[cfg(feature = "cuda")]
+pub mod rank_procs;
+
 use std::path::PathBuf;
 
 use serde_json::Value;
@@ -77,4 +82,16 @@ pub fn variants() -> Vec<Variant> {
 pub fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
     a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+}
+
+/// The largest element's index and its lead over the second largest (the top-2 gap).
+pub fn argmax(x: &[f32]) -> (u32, f32) {
+    let mut best = 0;
+    for i in 1..x.len() {
+        if x[i] > x[best] {
+            best = i;
+        }
+    }
+    let second = x.iter().enumerate().filter(|&(i, _)| i != best).map(|(_, &v)| v).fold(f32::NEG_INFINITY, f32::max);
+    (best as u32, x[best] - second)
 }
