@@ -32,16 +32,6 @@ const TOL_FAST_VS_1GPU: f32 = 2e-2;
 const TOL_FAST_VS_EXACT: f32 = 4e-2;
 const TOL_EXACT_VS_1GPU: f32 = 5e-3;
 
-fn argmax(r: &[f32]) -> u32 {
-    let mut b = 0;
-    for (i, &x) in r.iter().enumerate() {
-        if x > r[b] {
-            b = i;
-        }
-    }
-    b as u32
-}
-
 /// Top-1 minus top-2 logit.
 fn margin(r: &[f32]) -> f32 {
     let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
@@ -63,11 +53,11 @@ fn run(m: &mut CudaModel, base: u32, forced: Option<&[u32]>) -> (Vec<ForwardOutp
     let prompt = vec![1u32, 17, 4242, 99_999, 200_000];
     let st = |cached: usize, tokens: Vec<u32>, logits| ForwardBatch { seqs: vec![SeqStep { seq_id: 0, page_table: pt.clone(), cached_len: cached, tokens, logits }] };
     let mut outs = vec![m.forward(&st(0, prompt, LogitsWanted::All)).expect("prompt")];
-    let mut toks = vec![argmax(outs[0].row(4))];
+    let mut toks = vec![common::argmax(outs[0].row(4)).0];
     for i in 0..STEPS {
         let feed = forced.map(|f| f[i]).unwrap_or(toks[i]);
         let o = m.forward(&st(5 + i, vec![feed], LogitsWanted::Last)).expect("step");
-        toks.push(argmax(o.row(0)));
+        toks.push(common::argmax(o.row(0)).0);
         outs.push(o);
     }
     (outs, toks)
@@ -177,6 +167,6 @@ fn tp2_fast_path_matches_one_gpu_and_tp_exact() {
     assert!(d_fx <= TOL_FAST_VS_EXACT * scale, "TP2 fast vs TP2 exact: {d_fx} > {}", TOL_FAST_VS_EXACT * scale);
     assert!(d_exact <= TOL_EXACT_VS_1GPU * scale, "TP2 exact vs 1 GPU exact: {d_exact} > {}", TOL_EXACT_VS_1GPU * scale);
     check_tokens("TP2 fast vs 1 GPU fast", &one_fast, &one_fast_tok, tp_tok, TOL_FAST_VS_1GPU * scale);
-    let exact_tok: Vec<u32> = std::iter::once(argmax(tp_exact[0].row(4))).chain(tp_exact[1..].iter().map(|o| argmax(o.row(0)))).collect();
+    let exact_tok: Vec<u32> = std::iter::once(common::argmax(tp_exact[0].row(4)).0).chain(tp_exact[1..].iter().map(|o| common::argmax(o.row(0)).0)).collect();
     check_tokens("TP2 fast vs TP2 exact", tp_exact, &exact_tok, tp_tok, TOL_FAST_VS_EXACT * scale);
 }

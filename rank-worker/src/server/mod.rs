@@ -466,18 +466,7 @@ fn load(shared: &Shared) -> Result<Engine, String> {
         shared.status.lock().unwrap().progress = p;
     })
     .map_err(|e| e.to_string())?;
-    shared.status.lock().unwrap().weight_bytes = backend.weight_bytes();
-    Ok(Engine {
-        rank: cfg.rank as u32,
-        backend,
-        part,
-        parallelism: cfg.parallelism,
-        kv: cfg.kv,
-        head,
-        seqs: SeqTable::new(cfg.test_fault.clone()),
-        world: None,
-        replay,
-    })
+    Ok(engine(shared, backend, part, head, replay))
 }
 
 /// [`load`] for a synthetic model: one rank holds it whole; Describe reports its config.
@@ -506,18 +495,24 @@ fn load_synthetic(shared: &Shared, spec: &minimax_shared::model::synthetic::Synt
         shared.status.lock().unwrap().progress = p;
     })
     .map_err(|e| e.to_string())?;
+    Ok(engine(shared, backend, part, true, None))
+}
+
+/// The engine around a loaded backend (GGUF or synthetic); Describe reports its weight bytes.
+fn engine(shared: &Shared, backend: Backend, part: Partition, head: bool, replay: Option<crate::replay::Replay>) -> Engine {
+    let cfg = &shared.cfg;
     shared.status.lock().unwrap().weight_bytes = backend.weight_bytes();
-    Ok(Engine {
+    Engine {
         rank: cfg.rank as u32,
         backend,
         part,
         parallelism: cfg.parallelism,
         kv: cfg.kv,
-        head: true,
+        head,
         seqs: SeqTable::new(cfg.test_fault.clone()),
         world: None,
-        replay: None,
-    })
+        replay,
+    }
 }
 
 fn notify(states: &[sd_notify::NotifyState]) {

@@ -200,7 +200,7 @@ fn reduce_rows(
 ) -> Vec<Result<sampling::RowReduction, sampling::SamplingError>> {
     #[cfg(feature = "cuda")]
     if let crate::backend::Backend::Cuda(m) = backend
-        && std::env::var("MINIMAX_DEVICE_SAMPLING").is_ok_and(|v| v == "1")
+        && device_sampling_on()
     {
         match m.reduce_rows(batch, out, jobs) {
             Ok((reds, _)) => return reds,
@@ -209,6 +209,13 @@ fn reduce_rows(
     }
     let _ = (backend, batch);
     jobs.iter().enumerate().map(|(ri, (spec, target))| sampling::reduce_row(out.row(ri), spec, *target)).collect()
+}
+
+/// `MINIMAX_DEVICE_SAMPLING=1`, read once (not on every step).
+#[cfg(feature = "cuda")]
+fn device_sampling_on() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MINIMAX_DEVICE_SAMPLING").is_ok_and(|v| v == "1"))
 }
 
 fn to_seq_step(s: &pb::SeqStep) -> SeqStep {

@@ -14,29 +14,10 @@ use std::time::Instant;
 use minimax_rank::cpu::KvSpec;
 use minimax_rank::cuda::{CudaModel, CudaOptions, nccl};
 use minimax_rank::partition::Partition;
-use minimax_shared::forward::{ForwardBatch, LogitsWanted, SeqStep};
+use minimax_shared::forward::{ForwardBatch, LogitsWanted};
 use minimax_shared::model::synthetic::SyntheticSpec;
 
-const PAGE: usize = 16;
-
-fn arg(name: &str) -> Option<String> {
-    let a: Vec<String> = std::env::args().collect();
-    a.iter().position(|x| x == name).and_then(|i| a.get(i + 1).cloned())
-}
-
-fn flag(name: &str) -> bool {
-    std::env::args().any(|x| x == name)
-}
-
-fn argmax(r: &[f32]) -> u32 {
-    let mut b = 0;
-    for (i, &x) in r.iter().enumerate() {
-        if x > r[b] {
-            b = i;
-        }
-    }
-    b as u32
-}
+use super::{PAGE, Pages, arg, argmax, flag, step};
 
 /// Whether this invocation asks for the multi-GPU mode.
 pub fn requested() -> bool {
@@ -57,10 +38,6 @@ fn next_tok(o: &Option<minimax_shared::forward::ForwardOutput>, row: usize, pp: 
         Some(o) if !pp => argmax(o.row(row)),
         _ => 7,
     }
-}
-
-fn step(seq: u64, pt: &[u32], cached: usize, tokens: Vec<u32>, logits: LogitsWanted) -> SeqStep {
-    SeqStep { seq_id: seq, page_table: pt.to_vec(), cached_len: cached, tokens, logits }
 }
 
 /// Runs the whole multi-GPU benchmark; prints the table from rank 0.
@@ -120,12 +97,8 @@ pub fn main_world() -> anyhow::Result<()> {
                             m.fast_path_off().unwrap_or("on")
                         );
                     }
-                    let mut next_page = 0u32;
-                    let mut take = |n: usize| -> Vec<u32> {
-                        let v: Vec<u32> = (next_page..next_page + n as u32).collect();
-                        next_page += n as u32;
-                        v
-                    };
+                    let mut pages = Pages(0);
+                    let mut take = |n: usize| pages.take(n);
                     let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
                     // The next tokens of every row after a step: local argmax in tensor mode; in
                     // pipeline mode the last stage's argmax, shared through `board`.
