@@ -86,22 +86,19 @@ __device__ __forceinline__ int q8_lane(float v, float* d_out) {
     return q;
 }
 
-// Row r: optional RMSNorm (w != null; f32 sum of squares), optional f32 copy of the result
-// (y != null), and q8 quantization into q/d. n % 32 == 0, n <= NQ_MAXV * blockDim.x. Each
-// thread holds its values in registers (all loads issued at once; value i of thread x is
-// element x + i * blockDim.x, so a warp's values at step i are one whole q8 group).
-// grid (nrows), block 1024.
-#define NQ_MAXV 12
-extern "C" __global__ void __launch_bounds__(1024) norm_q8(const float* x, i64 xs, const float* w, int n, float eps,
-                                                           float* y, i64 ys, i8* q, float* d) {
-    pdl_enter();
-    __shared__ float part[32];
-    const float* xr = x + blockIdx.x * xs;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, nw = blockDim.x >> 5;
-    float xv[NQ_MAXV], wv[NQ_MAXV];
+// One row's optional RMSNorm (w != null; f32 sum of squares), optional f32 copy of the result
+// (yr != null) and q8 quantization into qr/dr by a block of 1024 threads: value i of thread x is
+// element x + 1024 i (all loads issued at once); per thread the sum of squares in i order
+// (explicit fma), a butterfly per warp, then a butterfly over the 32 warp sums. n % 32 == 0,
+// n <= 1024 NV. part: 32 floats of shared memory.
+template <int NV>
+__device__ __forceinline__ void norm_q8_row(const float* xr, const float* w, int n, float eps, float* yr, i8* qr,
+                                            float* dr, float* part) {
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    float xv[NV], wv[NV];
 #pragma unroll
-    for (int i = 0; i < NQ_MAXV; i++) {
-        int idx = threadIdx.x + i * blockDim.x;
+    for (int i = 0; i < NV; i++) {
+        int idx = threadIdx.x + i * 1024;
         xv[i] = idx < n ? xr[idx] : 0.f;
         wv[i] = (w && idx < n) ? w[idx] : 1.f;
     }
@@ -109,25 +106,56 @@ extern "C" __global__ void __launch_bounds__(1024) norm_q8(const float* x, i64 x
     if (w) {
         float ss = 0.f;
 #pragma unroll
-        for (int i = 0; i < NQ_MAXV; i++) ss += xv[i] * xv[i];
+        for (int i = 0; i < NV; i++) ss = __fmaf_rn(xv[i], xv[i], ss);
         ss = warp_sum(ss);
         if (lane == 0) part[warp] = ss;
         __syncthreads();
-        float t = lane < nw ? part[lane] : 0.f;
-        t = warp_sum(t);
+        float t = warp_sum(part[lane]);
         inv = 1.0f / sqrtf(t / (float)n + eps);
     }
-    i8* qr = q + (i64)blockIdx.x * n;
-    float* dr = d + (i64)blockIdx.x * (n / 32);
 #pragma unroll
-    for (int i = 0; i < NQ_MAXV; i++) {
-        int idx = threadIdx.x + i * blockDim.x;
+    for (int i = 0; i < NV; i++) {
+        int idx = threadIdx.x + i * 1024;
         if (idx < n) {  // warp-uniform: n % 32 == 0
-            float v = w ? xv[i] * inv * wv[i] : xv[i];
-            if (y) y[blockIdx.x * ys + idx] = v;
+            float v = w ? __fmul_rn(__fmul_rn(xv[i], inv), wv[i]) : xv[i];
+            if (yr) yr[idx] = v;
             qr[idx] = (i8)q8_lane(v, dr + (idx >> 5));
         }
     }
+}
+
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+    u32 s;
+    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
+
+// Row r = blockIdx.x of x: norm_q8_row (see above). n % 32 == 0, n <= NQ_MAXV * 1024.
+// grid (nrows), block 1024.
+#define NQ_MAXV 12
+extern "C" __global__ void __launch_bounds__(1024) norm_q8(const float* x, i64 xs, const float* w, int n, float eps,
+                                                           float* y, i64 ys, i8* q, float* d) {
+    pdl_enter();
+    __shared__ float part[32];
+    norm_q8_row<NQ_MAXV>(x + blockIdx.x * xs, w, n, eps, y ? y + blockIdx.x * ys : nullptr, q + (i64)blockIdx.x * n,
+                         d + (i64)blockIdx.x * (n / 32), part);
+}
+
+// The last-block pattern (attn_dec6m: decode attention + merge): every block publishes its
+// results (stores, then __threadfence by every thread), then counts itself in *cnt; the block
+// that arrives last sees all of them (reads through L2) and runs the epilogue, then resets *cnt
+// to 0 for the next launch. Returns whether this block is the last. Every thread of the block
+// must call it.
+__device__ __forceinline__ bool arrive_last(u32* cnt, u32 nblocks) {
+    __shared__ int s_last;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) s_last = atomicAdd(cnt, 1u) == nblocks - 1;
+    __syncthreads();
+    bool last = s_last;
+    if (last) __threadfence();
+    return last;
 }
 
 // Router logits in f32: y[t][r] = W row r . x[t] (W f32 [rows][n], n % 4 == 0, 16-byte
@@ -503,13 +531,6 @@ __device__ __forceinline__ void mvq_dense(const u8* W0, i64 rb0, int rows0, floa
 // lanes hit 32 different banks). Block 0 of a pair starts 2 bytes into a word: its quants are
 // realigned with one prmt per 4 values. Same arguments and grid as mvq_dense (WARPS rows per
 // block); rows longer than MAXCH chunks take several phases.
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-    u32 s;
-    asm volatile("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(smem));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(s), "l"(gmem) : "memory");
-}
-__device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wait_all;" ::: "memory"); }
-
 template <int NT, int WARPS, int MAXCH>
 __device__ __forceinline__ void mvqs_q8(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1,
                                         int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2, float* y2,
@@ -671,8 +692,9 @@ __device__ __forceinline__ void moe_gate_up(const u8* G, const u8* U, i64 rb, i6
     }
 }
 
-// Register-direct IQ4_XS gate/up (the host's default for IQ4_XS experts: reg2; MINIMAX_GU_REG=
-// 4|2|4n|2n picks the shape, =0 the staged moe_gate_up above): no shared-memory staging. Lane
+// Register-direct IQ4_XS gate/up (MINIMAX_GU_REG=2|4|4n|2n picks the shape, =0 the staged
+// moe_gate_up above; the default is the persistent moe_gate_up_pst below, reg2 for inputs wider
+// than 3072): no shared-memory staging. Lane
 // `lane` owns units (32-value sub-blocks) u = u0 + lane + 32 i,
 // i < GR_XU, the same columns for every row, so its activation slice (2 x int4 + scale per
 // unit) is loaded once and kept in registers across the warp's GU_ROWS rows. Per unit it reads
@@ -805,6 +827,211 @@ extern "C" __global__ void __launch_bounds__(512) moe_gate_up_reg2n_iq4_xs(
     int ncol, i8* aq, float* ad, int ff) {
     pdl_enter();
     moe_gate_up_reg_iq4<2, 0>(G, U, rb, es, ids, k, xq, xd, ncol, aq, ad, ff);
+}
+
+// Persistent IQ4_XS gate/up (the default for inputs of at most 96 units, i.e. 3072 columns):
+// the same per-row arithmetic as moe_gate_up_reg2 (bit-identical), but the grid is one wave
+// (the host launches SMs x resident blocks) and each block walks the (pair, 32-row group) tasks
+// blockIdx.x, + gridDim.x, ...; warp w computes rows 2w and 2w + 1 of each task, and the next
+// row's weight loads (across task boundaries too) are issued before this row's dp4a work, so an
+// SM always has loads in flight while it computes (the per-task grid of reg2 runs ~3 waves of one
+// block per SM, each waiting for its loads, then computing with nothing in flight). The q8
+// epilogue of a task is done by warp 0 from a double-buffered act row (one barrier per task).
+// The lane's activation units (ncol <= 32 * GR_XU * 32: one round) stay in registers while the
+// token does not change. ff = the activations' row stride (>= grows, the expert's rows).
+// grid (min(tasks, resident)), block 512.
+__device__ __forceinline__ void gr_x_load(const i8* xq, const float* xd, int t, int ncol, int lane, int nu,
+                                          int4 (&xa)[GR_XU], int4 (&xb)[GR_XU], float (&xs)[GR_XU]) {
+    const i8* xqt = xq + (i64)t * ncol;
+    const float* xdt = xd + (i64)t * (ncol / 32);
+#pragma unroll
+    for (int i = 0; i < GR_XU; i++) {
+        int un = lane + 32 * i;
+        xs[i] = 0.f;
+        if (un < nu) {
+            const int4* xp = (const int4*)(xqt + un * 32);
+            xa[i] = xp[0];
+            xb[i] = xp[1];
+            xs[i] = xdt[un];
+        }
+    }
+}
+extern "C" __global__ void __launch_bounds__(512) moe_gate_up_pst_iq4_xs(const u8* G, const u8* U, i64 rb, i64 es,
+                                                                         int nchunks, const int* ids, int k,
+                                                                         const i8* xq, const float* xd, int ncol,
+                                                                         i8* aq, float* ad, int ff, int npairs,
+                                                                         int grows) {
+    pdl_enter();
+    __shared__ float act[2][32];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int nu = ncol >> 5, nrg = grows >> 5, ntask = npairs * nrg;
+    int task = blockIdx.x;
+    if (task >= ntask) return;  // block-uniform
+    // Weight rows of step (task, i): gate/up row (task % nrg) * 32 + 2 warp + i of the expert
+    // of pair task / nrg.
+    auto row_off = [&](int tk, int e, int i) { return (i64)e * es + (i64)((tk % nrg) * 32 + warp * 2 + i) * rb; };
+    int e_cur = ids[task / nrg];
+    GrRow cur, nxt;
+    i64 o0 = row_off(task, e_cur, 0);
+    gr_load(cur, G + o0, U + o0, 0, lane, nu);
+    int t_x = -1;
+    int4 xa[GR_XU], xb[GR_XU];
+    float xs[GR_XU];
+    int buf = 0;
+    for (; task < ntask; task += gridDim.x) {
+        int p = task / nrg, t = p / k;
+        int ntk = task + gridDim.x;
+        int e_nxt = ntk < ntask ? ids[ntk / nrg] : 0;
+        if (t != t_x) {
+            gr_x_load(xq, xd, t, ncol, lane, nu, xa, xb, xs);
+            t_x = t;
+        }
+        float ag[2], au[2];
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            // Next step's loads: row 1 of this task, or row 0 of the next one.
+            if (i == 0) {
+                i64 o = row_off(task, e_cur, 1);
+                gr_load(nxt, G + o, U + o, 0, lane, nu);
+            } else if (ntk < ntask) {
+                i64 o = row_off(ntk, e_nxt, 0);
+                gr_load(nxt, G + o, U + o, 0, lane, nu);
+            }
+            ag[i] = au[i] = 0.f;
+#pragma unroll
+            for (int j = 0; j < GR_XU; j++) {
+                int un = lane + 32 * j;
+                if (un < nu) {
+                    int sb = un & 7;
+                    ag[i] += xs[j] * iq4_unit_reg(cur.gh[j], cur.ga[j], cur.gb[j], sb, xa[j], xb[j]);
+                    au[i] += xs[j] * iq4_unit_reg(cur.uh[j], cur.ua[j], cur.ub[j], sb, xa[j], xb[j]);
+                }
+            }
+            cur = nxt;
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float g = warp_sum(ag[i]), u = warp_sum(au[i]);
+            if (lane == 0) act[buf][warp * 2 + i] = g / (1.0f + expf(-g)) * u;
+        }
+        __syncthreads();
+        if (warp == 0) {
+            int rg = task % nrg;
+            int q = q8_lane(act[buf][lane], ad + (i64)p * (ff / 32) + rg);
+            aq[(i64)p * ff + rg * 32 + lane] = (i8)q;
+        }
+        buf ^= 1;
+        e_cur = e_nxt;
+    }
+}
+
+// Persistent IQ4_XS down + weighted combine (MINIMAX_DN=p, when a row's k * ff / 32 units fit
+// one round of 4 warps x 32 lanes x 3; measured no faster than reg4, the default): moe_down_reg4's
+// arithmetic (bit-identical),
+// one wave of blocks walking the (token, row pair) tasks blockIdx.x, + gridDim.x, ...; warp w
+// takes part w % 4 of row 2 task + w / 4 (units s * 32 + lane + 128 i of the row's k expert
+// rows). The lane's units, their expert, routing weight and activations are the same for every
+// row of a token (registers); the next task's weight loads are issued before this task's dp4a
+// work. Partial sums of a row are added in a fixed order from a double-buffered array (one
+// barrier per task). grid (min(tasks, resident)), block 256; k <= 32.
+extern "C" __global__ void __launch_bounds__(256) moe_down_pst_iq4_xs(const u8* W, i64 rb, i64 es, int rows,
+                                                                      int nchunks, const int* ids, const float* wts,
+                                                                      int k, const i8* aq, const float* ad, int ff,
+                                                                      float* hidden, i64 hs, int nt) {
+    pdl_enter();
+    const int DU = 3;
+    __shared__ float part[2][8];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int s = warp & 3;
+    int upe = ff >> 5, nu = k * upe;
+    int nrp = (rows + 1) >> 1, ntask = nt * nrp;
+    int task = blockIdx.x;
+    // The lane's units (fixed), their expert slot j and offset uu inside the expert row.
+    int jj[DU], uo[DU];
+    bool ok[DU];
+#pragma unroll
+    for (int i = 0; i < DU; i++) {
+        int un = s * 32 + lane + 128 * i;
+        ok[i] = un < nu;
+        jj[i] = ok[i] ? un / upe : 0;
+        int uu = un - jj[i] * upe;
+        uo[i] = uu;
+    }
+    uint2 h[DU], qa[DU], qb[DU], hn[DU], qan[DU], qbn[DU];
+    i64 eo[DU];  // expert offsets of the current token
+    auto wload = [&](int tk, const i64 (&eoff)[DU], uint2 (&hh)[DU], uint2 (&aa)[DU], uint2 (&bb)[DU]) {
+        int r = (tk % nrp) * 2 + (warp >> 2);
+        if (r >= rows) return;
+#pragma unroll
+        for (int i = 0; i < DU; i++) {
+            if (ok[i]) {
+                const u8* b = W + eoff[i] + (i64)r * rb + (uo[i] >> 3) * 136;
+                hh[i] = ldg_u2(b);
+                aa[i] = ldg_u2(b + 8 + 16 * (uo[i] & 7));
+                bb[i] = ldg_u2(b + 16 + 16 * (uo[i] & 7));
+            }
+        }
+    };
+    int buf = 0;
+    if (task < ntask) {
+        int t_x = -1;
+        int4 xa[DU], xb[DU];
+        float xs[DU];
+        int t0 = task / nrp;
+#pragma unroll
+        for (int i = 0; i < DU; i++) eo[i] = ok[i] ? (i64)ids[t0 * k + jj[i]] * es : 0;
+        wload(task, eo, h, qa, qb);
+        for (; task < ntask; task += gridDim.x) {
+            int t = task / nrp;
+            int ntk = task + gridDim.x;
+            if (t != t_x) {
+#pragma unroll
+                for (int i = 0; i < DU; i++) {
+                    xs[i] = 0.f;
+                    if (ok[i]) {
+                        i64 pp = (i64)t * k + jj[i];
+                        const int4* xp = (const int4*)(aq + pp * ff + uo[i] * 32);
+                        xa[i] = xp[0];
+                        xb[i] = xp[1];
+                        xs[i] = ad[pp * upe + uo[i]] * wts[pp];
+                    }
+                }
+                t_x = t;
+            }
+            if (ntk < ntask) {
+                int tn = ntk / nrp;
+                i64 en[DU];
+#pragma unroll
+                for (int i = 0; i < DU; i++) en[i] = tn == t ? eo[i] : (ok[i] ? (i64)ids[tn * k + jj[i]] * es : 0);
+                wload(ntk, en, hn, qan, qbn);
+#pragma unroll
+                for (int i = 0; i < DU; i++) eo[i] = tn == t ? eo[i] : en[i];
+            }
+            int r = (task % nrp) * 2 + (warp >> 2);
+            float total = 0.f;
+            if (r < rows) {
+#pragma unroll
+                for (int i = 0; i < DU; i++)
+                    if (ok[i]) total += xs[i] * iq4_unit_reg(h[i], qa[i], qb[i], uo[i] & 7, xa[i], xb[i]);
+            }
+            total = warp_sum(total);
+            if (lane == 0) part[buf][warp] = total;
+            __syncthreads();
+            if (r < rows && s == 0 && lane == 0) {
+                float sum = 0.f;
+#pragma unroll
+                for (int i = 0; i < 4; i++) sum += part[buf][warp + i];
+                hidden[(i64)t * hs + r] += sum;
+            }
+            buf ^= 1;
+#pragma unroll
+            for (int i = 0; i < DU; i++) {
+                h[i] = hn[i];
+                qa[i] = qan[i];
+                qb[i] = qbn[i];
+            }
+        }
+    }
 }
 
 #define DN_MAXCH 12  // staged chunks per phase (experts x chunks per row)
@@ -1302,10 +1529,122 @@ __device__ __forceinline__ void h16x8(int4 raw, float* f, int bf) {
     for (int i = 0; i < 8; i++) f[i] = bf ? bf16_to_f32(h[i]) : f16_to_f32(h[i]);
 }
 
+// out[t][h * 128 + d] = merged attention of query head h (f32), plus its q8 quantization
+// (aq [t][heads * 128], ad [t][heads * 4]). grid (heads, nt), block 128.
+// Splits past the token's context are empty (same chunking as attn_dec_impl).
+__device__ __forceinline__ int attn_active_splits(int n_ctx, int nsplit) {
+    int chunk = (n_ctx + nsplit - 1) / nsplit;
+    chunk = (chunk + 15) & ~15;
+    return min(nsplit, (n_ctx + chunk - 1) / chunk);
+}
 template <int G>
+__device__ __forceinline__ void attn_merge_impl(const float* part, int kv_heads, int nsplit, float* out, i64 os,
+                                                i8* aq, float* ad, const int* pos) {
+    int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
+    int active = attn_active_splits(pos[t] + 1, nsplit);
+    int kvh = h / G, g = h % G;
+    int heads = kv_heads * G;
+    const float* base = part + ((i64)t * kv_heads + kvh) * nsplit * (G * (AD_HD + 2));
+    float M = NEG_INF;
+    for (int s = 0; s < active; s++) {
+        const float* ps = base + s * (G * (AD_HD + 2));
+        if (ps[G + g] > 0.f) M = fmaxf(M, ps[g]);
+    }
+    float L = 0.f, o = 0.f;
+    for (int s = 0; s < active; s++) {
+        const float* ps = base + s * (G * (AD_HD + 2));
+        float l = ps[G + g];
+        if (l > 0.f) {
+            float f = __expf(ps[g] - M);
+            L = __fmaf_rn(l, f, L);
+            o = __fmaf_rn(ps[2 * G + g * AD_HD + d], f, o);
+        }
+    }
+    float v = o / L;
+    out[t * os + h * AD_HD + d] = v;
+    int qv = q8_lane(v, ad + (i64)t * (heads * AD_HD / 32) + h * 4 + (d >> 5));
+    aq[(i64)t * heads * AD_HD + h * AD_HD + d] = (i8)qv;
+}
+
+// The merge of attn_merge_impl for all G heads of KV head kvh of token t, by the last split
+// block of (t, kvh) (attn_dec6m): the splits' m and l staged in shared memory, the factors
+// exp(m - M) computed once per (split, head) (thread s for split s), then each thread (dim d)
+// sums over the splits in order: the same operations on the same values as attn_merge6
+// (bit-identical). nsplit <= AD_MAXSPLIT. block 128 (= AD_HD).
+#define AD_MAXSPLIT 128
+template <int G>
+__device__ __forceinline__ void attn_merge_last(const float* base, int nsplit, int active, int kvh, int t, int heads,
+                                                float* out, i64 os, i8* aq, float* ad) {
+    __shared__ float s_m[AD_MAXSPLIT][G], s_l[AD_MAXSPLIT][G], s_M[4][G];
+    const int PS = G * (AD_HD + 2);
+    int d = threadIdx.x, warp = d >> 5, lane = d & 31;
+    for (int i = d; i < active * 2 * G; i += blockDim.x) {
+        int sp = i / (2 * G), j = i - sp * 2 * G;
+        float v = __ldcg(base + (i64)sp * PS + j);
+        if (j < G) s_m[sp][j] = v;
+        else s_l[sp][j - G] = v;
+    }
+    __syncthreads();
+    // M per head: max over the non-empty splits (exact in any order).
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        float m = NEG_INF;
+        for (int sp = d; sp < active; sp += blockDim.x)
+            if (s_l[sp][g] > 0.f) m = fmaxf(m, s_m[sp][g]);
+        m = warp_max(m);
+        if (lane == 0) s_M[warp][g] = m;
+    }
+    __syncthreads();
+    float Mg[G];
+#pragma unroll
+    for (int g = 0; g < G; g++) Mg[g] = fmaxf(fmaxf(s_M[0][g], s_M[1][g]), fmaxf(s_M[2][g], s_M[3][g]));
+    __syncthreads();
+    // s_m now holds the factors f = exp(m - M) (0 for empty splits; never read there).
+    for (int sp = d; sp < active; sp += blockDim.x)
+#pragma unroll
+        for (int g = 0; g < G; g++) s_m[sp][g] = s_l[sp][g] > 0.f ? __expf(s_m[sp][g] - Mg[g]) : 0.f;
+    __syncthreads();
+    // Splits outer, heads inner: the G heads' loads of a split (and of the next splits,
+    // unrolled) are in flight together, and no store comes before the last load. Per head the
+    // sums still run over the splits in order.
+    float L[G], o[G];
+#pragma unroll
+    for (int g = 0; g < G; g++) L[g] = o[g] = 0.f;
+    const float* po = base + 2 * G + d;
+#pragma unroll 4
+    for (int sp = 0; sp < active; sp++) {
+        float pv[G];
+#pragma unroll
+        for (int g = 0; g < G; g++) pv[g] = __ldcg(po + (i64)sp * PS + g * AD_HD);
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            float l = s_l[sp][g];
+            if (l > 0.f) {
+                float f = s_m[sp][g];
+                L[g] = __fmaf_rn(l, f, L[g]);
+                o[g] = __fmaf_rn(pv[g], f, o[g]);
+            }
+        }
+    }
+#pragma unroll
+    for (int g = 0; g < G; g++) {
+        int h = kvh * G + g;
+        float v = o[g] / L[g];
+        out[t * os + h * AD_HD + d] = v;
+        int qv = q8_lane(v, ad + (i64)t * (heads * AD_HD / 32) + h * 4 + (d >> 5));
+        aq[(i64)t * heads * AD_HD + h * AD_HD + d] = (i8)qv;
+    }
+}
+
+// MERGE (attn_dec6m, MINIMAX_ATTN_FUSE): the last split block of (t, kvh) to finish
+// (arrive_last on cnt[t * kv_heads + kvh]) merges the G heads (attn_merge_last): attn_merge6
+// folded in, bit-identical.
+template <int G, bool MERGE = false>
 __device__ __forceinline__ void attn_dec_impl(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,
                                               const int* seq, const int* pt_off, const u32* pts, int page_size,
-                                              int kv_heads, int nsplit, float scale, float* part, int bf) {
+                                              int kv_heads, int nsplit, float scale, float* part, int bf,
+                                              u32* cnt = nullptr, float* mout = nullptr, i64 mos = 0,
+                                              i8* aq = nullptr, float* ad = nullptr) {
     __shared__ float sm_m[AD_WARPS][G], sm_l[AD_WARPS][G];
     __shared__ float sm_o[AD_WARPS][G][AD_HD];
     int kvh = blockIdx.x, sp = blockIdx.y, t = blockIdx.z;
@@ -1415,41 +1754,13 @@ __device__ __forceinline__ void attn_dec_impl(const float* q, i64 qs, const u16*
             out[G + g] = L;
         }
     }
-}
-
-// out[t][h * 128 + d] = merged attention of query head h (f32), plus its q8 quantization
-// (aq [t][heads * 128], ad [t][heads * 4]). grid (heads, nt), block 128.
-template <int G>
-__device__ __forceinline__ void attn_merge_impl(const float* part, int kv_heads, int nsplit, float* out, i64 os,
-                                                i8* aq, float* ad, const int* pos) {
-    int h = blockIdx.x, t = blockIdx.y, d = threadIdx.x;
-    // Splits past the token's context are empty (same chunking as attn_dec_impl).
-    int n_ctx = pos[t] + 1;
-    int chunk = (n_ctx + nsplit - 1) / nsplit;
-    chunk = (chunk + 15) & ~15;
-    int active = min(nsplit, (n_ctx + chunk - 1) / chunk);
-    int kvh = h / G, g = h % G;
-    int heads = kv_heads * G;
-    const float* base = part + ((i64)t * kv_heads + kvh) * nsplit * (G * (AD_HD + 2));
-    float M = NEG_INF;
-    for (int s = 0; s < active; s++) {
-        const float* ps = base + s * (G * (AD_HD + 2));
-        if (ps[G + g] > 0.f) M = fmaxf(M, ps[g]);
-    }
-    float L = 0.f, o = 0.f;
-    for (int s = 0; s < active; s++) {
-        const float* ps = base + s * (G * (AD_HD + 2));
-        float l = ps[G + g];
-        if (l > 0.f) {
-            float f = __expf(ps[g] - M);
-            L += l * f;
-            o += ps[2 * G + g * AD_HD + d] * f;
+    if (MERGE) {
+        if (arrive_last(cnt + t * kv_heads + kvh, gridDim.y)) {
+            const float* base = part + ((i64)t * kv_heads + kvh) * nsplit * (G * (AD_HD + 2));
+            attn_merge_last<G>(base, nsplit, attn_active_splits(n_ctx, nsplit), kvh, t, kv_heads * G, mout, mos, aq, ad);
+            if (threadIdx.x == 0) cnt[t * kv_heads + kvh] = 0;
         }
     }
-    float v = o / L;
-    out[t * os + h * AD_HD + d] = v;
-    int qv = q8_lane(v, ad + (i64)t * (heads * AD_HD / 32) + h * 4 + (d >> 5));
-    aq[(i64)t * heads * AD_HD + h * AD_HD + d] = (i8)qv;
 }
 
 #define ATTD_INST(name, KV, BF)                                                                                  \
@@ -1473,6 +1784,14 @@ __device__ __forceinline__ void attn_merge_impl(const float* part, int kv_heads,
         const u32* pts, int page_size, int kv_heads, int nsplit, float scale, float* part) {                     \
         pdl_enter();                                                                                     \
         attn_dec_impl<6>(q, qs, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, scale, part, BF);    \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6m_##name(                               \
+        const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos, const int* seq, const int* pt_off, \
+        const u32* pts, int page_size, int kv_heads, int nsplit, float scale, float* part, u32* cnt, float* out,  \
+        i64 os, i8* aq, float* ad) {                                                                             \
+        pdl_enter();                                                                                             \
+        attn_dec_impl<6, true>(q, qs, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, scale, part, BF, \
+                               cnt, out, os, aq, ad);                                                           \
     }
 
 ATTD_INST(f16, KV_F16, 0)

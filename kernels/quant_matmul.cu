@@ -288,3 +288,469 @@ MM_INST(q6_k, T_Q6_K)
 MM_INST(iq4_nl, T_IQ4_NL)
 MM_INST(iq4_xs, T_IQ4_XS)
 MM_INST(mxfp4, T_MXFP4)
+
+// ================================================================================================
+// Fast path (mq): weights as exact small integers, staged raw with coalesced cp.async.
+//
+// For IQ4_XS, Q4_K, Q6_K and Q8_0 every weight is (f32 scale of its 16- or 32-column sub-block)
+// x (small integer) (- f32 min x 1 for Q4_K). The integers are exact in bf16, so the tensor cores
+// multiply them with X split into hi + lo bf16 parts (MQ_P = 2 planes: ~16 significant bits of X,
+// the products exact, f32 accumulation) or X's hi part only (MQ_P = 1); each sub-block's partial
+// sums are then scaled in f32: acc += scale * (Σ q·x) (- min * Σx, the X sums per 32 columns
+// coming from the X conversion). Two MMAs per k-step instead of bf16x3's three, and no per-weight
+// float multiply or hi/lo split of W.
+//
+// X is converted once per product (mq_x_pP): row r of Xc holds, per 4 columns, the hi parts then
+// (MQ_P = 2) the lo parts, 8·MQ_P bytes; optional f32 sums per 32 columns. gate·SiLU·up can be
+// fused into that conversion (the down projection's input).
+//
+// A block (256 threads, 8 warps) owns MQ_BR = 128 weight rows x BM tokens and walks K one stage
+// (KS = 256 columns, 128 for Q8_0) at a time through a ring of ST stages: each stage holds the
+// rows' raw quant blocks (16-byte-aligned spans copied with cp.async, consecutive threads take
+// consecutive 16-byte pieces of a row) and the X tile (cp.async from Xc); the next stages' copies
+// are in flight while this one is multiplied. Warps are WR along the rows (MI m16 tiles each) x
+// 8/WR along the tokens (NI n8 tiles each); each warp dequantizes its own rows straight into A
+// fragments (no bf16 weight tile in shared memory). K order inside a 16-column group: thread t
+// holds columns 4t..4t+3 in MMA slots 2t, 2t+1, 2t+8, 2t+9, so its A pair registers come from 4
+// consecutive quant bytes and its B fragment is 4 consecutive X columns (one 8·MQ_P-byte load).
+// Row pitches are odd multiples of 16 bytes (raw) and 64/32 mod 128 (X): conflict-free loads.
+// ================================================================================================
+
+#define MQ_P (MM_PASSES == 1 ? 1 : 2)
+#define MQ_BR 128
+#define MQ_THREADS 256
+
+template <int T> struct MQT;
+// KS: columns per stage; NSC: scales per row per stage; SC16: scales per 16 columns; MIN: Q4_K's mins.
+template <> struct MQT<T_IQ4_XS> { static const int KS = 256, NSC = 8, SC16 = 0, MIN = 0; };
+template <> struct MQT<T_Q4_K> { static const int KS = 256, NSC = 8, SC16 = 0, MIN = 1; };
+template <> struct MQT<T_Q6_K> { static const int KS = 256, NSC = 16, SC16 = 1, MIN = 0; };
+template <> struct MQT<T_Q8_0> { static const int KS = 128, NSC = 4, SC16 = 0, MIN = 0; };
+
+// Raw bytes of a row per stage and the row pitch in shared memory: an odd multiple of 16 that
+// holds the 16-byte-aligned span around them.
+template <int T> __host__ __device__ constexpr int mq_sb() { return MQT<T>::KS / Q<T>::BE * Q<T>::BB; }
+template <int T> __host__ __device__ constexpr int mq_sp() { return 16 * ((((mq_sb<T>() + 15) / 16) + 1) | 1); }
+// Compact pitch (CP = 1: no odd-multiple padding, 2-way conflicts on the A loads) so that a
+// 32-token, 2-stage block fits twice in an SM's shared memory.
+template <int T, int CP> __host__ __device__ constexpr int mq_spc() { return CP ? 16 * ((mq_sb<T>() + 15) / 16 + 1) : mq_sp<T>(); }
+__host__ __device__ constexpr int mq_xp(int ks) { return ks * 2 * MQ_P + 32 * MQ_P; }
+template <int T, int BM, int CP = 0> __host__ __device__ constexpr int mq_stage() {
+    return MQ_BR * mq_spc<T, CP>() + BM * mq_xp(MQT<T>::KS) + (MQT<T>::MIN ? BM * (MQT<T>::KS / 32) * 4 : 0);
+}
+// Whole dynamic shared memory: ST stages, per-warp scales (and mins), X / Y row maps.
+template <int T, int BM, int MI, int ST> __host__ __device__ constexpr int mq_smem() {
+    return ST * mq_stage<T, BM>() + (MQT<T>::MIN ? 2 : 1) * 8 * MQT<T>::NSC * MI * 8 * 8 + 2 * BM * 4;
+}
+
+__device__ __forceinline__ u32 mq_saddr(const void* p) {
+    u32 r;
+    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
+    return r;
+}
+__device__ __forceinline__ void mq_cp16(void* dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(mq_saddr(dst)), "l"(src) : "memory");
+}
+__device__ __forceinline__ void mq_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void mq_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// a * 1 + c on two bf16 lanes (exact here: small integers).
+__device__ __forceinline__ u32 mq_bf2_add(u32 a, u32 c) {
+    u32 d;
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;" : "=r"(d) : "r"(a), "r"(0x3f803f80u), "r"(c));
+    return d;
+}
+// Two bytes of a 2-byte-aligned address as one u32 of 4 bytes (p and p + 2).
+__device__ __forceinline__ u32 mq_ld4a2(const u8* p) { return (u32) * (const u16*)p | ((u32) * (const u16*)(p + 2) << 16); }
+
+// IQ4_XS: the bf16 bits of KV_IQ4 as low-byte (L) and high-byte (H) planes, 4 entries a register.
+#define MQ_IQ4_L0 0x82a6d0feu
+#define MQ_IQ4_L1 0x20b00c44u
+#define MQ_IQ4_L2 0x18c85080u
+#define MQ_IQ4_L3 0xe2b28a54u
+#define MQ_IQ4_H0 0xc2c2c2c2u
+#define MQ_IQ4_H1 0xc1c1c2c2u
+#define MQ_IQ4_H2 0x4241413fu
+#define MQ_IQ4_H3 0x42424242u
+
+// x = 4 bytes b0..b3 of nibble pairs (low nibble n_i, high h_i): bf16 pairs of KV_IQ4 values
+// (n0, n1), (n2, n3), (h0, h1), (h2, h3) from byte permutes over the table in registers.
+__device__ __forceinline__ void mq_iq4(u32 x, u32* n01, u32* n23, u32* h01, u32* h23) {
+    u32 s = x & 0x77777777u;                              // entry within a half table
+    u32 hs = 0x32103210u | ((x >> 1) & 0x44444444u);      // nibble bit 3: take the upper half
+    u32 s1 = s >> 16, hs1 = hs >> 16;
+    u32 l0 = __byte_perm(__byte_perm(MQ_IQ4_L0, MQ_IQ4_L1, s), __byte_perm(MQ_IQ4_L2, MQ_IQ4_L3, s), hs);
+    u32 g0 = __byte_perm(__byte_perm(MQ_IQ4_H0, MQ_IQ4_H1, s), __byte_perm(MQ_IQ4_H2, MQ_IQ4_H3, s), hs);
+    u32 l1 = __byte_perm(__byte_perm(MQ_IQ4_L0, MQ_IQ4_L1, s1), __byte_perm(MQ_IQ4_L2, MQ_IQ4_L3, s1), hs1);
+    u32 g1 = __byte_perm(__byte_perm(MQ_IQ4_H0, MQ_IQ4_H1, s1), __byte_perm(MQ_IQ4_H2, MQ_IQ4_H3, s1), hs1);
+    // l0 = [L(n0), L(h0), L(n1), L(h1)], g0 the high bytes; l1 / g1 for bytes 2, 3.
+    *n01 = __byte_perm(l0, g0, 0x6240);
+    *h01 = __byte_perm(l0, g0, 0x7351);
+    *n23 = __byte_perm(l1, g1, 0x6240);
+    *h23 = __byte_perm(l1, g1, 0x7351);
+}
+
+// Bytes b0..b3 of x (each < 128) as bf16 pairs (b0 + c, b1 + c), (b2 + c, b3 + c): 0x4300 | b is
+// bf16 128 + b, exact; c2 = the bf16x2 of (c - 128) twice.
+__device__ __forceinline__ void mq_u7(u32 x, u32 c2, u32* p01, u32* p23) {
+    *p01 = mq_bf2_add(__byte_perm(x, 0, 0x4140) | 0x43004300u, c2);
+    *p23 = mq_bf2_add(__byte_perm(x, 0, 0x4342) | 0x43004300u, c2);
+}
+
+// Dequantization of 32 columns (chunk c of the stage) of rows g (p0) and g + 8 (p1) into the A
+// fragments of the two 16-column groups: a[h][0] = row g, columns 16h + 4t, +1; a[h][1] the same
+// for row g + 8; a[h][2] / a[h][3] columns 16h + 4t + 2, +3. Integers only; scales apart.
+template <int T> __device__ __forceinline__ void mq_dq(const u8* p0, const u8* p1, int c, int t, u32 (*a)[4]);
+
+template <> __device__ __forceinline__ void mq_dq<T_IQ4_XS>(const u8* p0, const u8* p1, int c, int t, u32 (*a)[4]) {
+    u32 x0 = *(const u32*)(p0 + 8 + 16 * c + 4 * t);
+    u32 x1 = *(const u32*)(p1 + 8 + 16 * c + 4 * t);
+    mq_iq4(x0, &a[0][0], &a[0][2], &a[1][0], &a[1][2]);
+    mq_iq4(x1, &a[0][1], &a[0][3], &a[1][1], &a[1][3]);
+}
+template <> __device__ __forceinline__ void mq_dq<T_Q4_K>(const u8* p0, const u8* p1, int c, int t, u32 (*a)[4]) {
+    int off = 16 + 32 * (c >> 1) + 4 * t, sh = 4 * (c & 1);
+    const u32 m128 = 0xc300c300u;  // -128, -128
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        u32 x0 = (*(const u32*)(p0 + off + 16 * h) >> sh) & 0x0f0f0f0fu;
+        u32 x1 = (*(const u32*)(p1 + off + 16 * h) >> sh) & 0x0f0f0f0fu;
+        mq_u7(x0, m128, &a[h][0], &a[h][2]);
+        mq_u7(x1, m128, &a[h][1], &a[h][3]);
+    }
+}
+template <> __device__ __forceinline__ void mq_dq<T_Q6_K>(const u8* p0, const u8* p1, int c, int t, u32 (*a)[4]) {
+    int g = c >> 2, k = c & 3;
+    int ql = 64 * g + 32 * (k & 1) + 4 * t, qh = 128 + 32 * g + 4 * t, sl = 4 * (k >> 1), sh = 2 * k;
+    const u32 m160 = 0xc320c320u;  // -160, -160: (128 + q) - 160 = q - 32
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        u32 x0 = ((mq_ld4a2(p0 + ql + 16 * h) >> sl) & 0x0f0f0f0fu) | (((mq_ld4a2(p0 + qh + 16 * h) >> sh) & 0x03030303u) << 4);
+        u32 x1 = ((mq_ld4a2(p1 + ql + 16 * h) >> sl) & 0x0f0f0f0fu) | (((mq_ld4a2(p1 + qh + 16 * h) >> sh) & 0x03030303u) << 4);
+        mq_u7(x0, m160, &a[h][0], &a[h][2]);
+        mq_u7(x1, m160, &a[h][1], &a[h][3]);
+    }
+}
+// int8 q -> exact f32 -> bf16 (its upper half): 2^23 + (q + 128) - (2^23 + 128).
+__device__ __forceinline__ float mq_i8f(u32 x, int sel) { return __uint_as_float(__byte_perm(x, 0x4b000000u, sel)) - 8388736.0f; }
+__device__ __forceinline__ void mq_i8(u32 x, u32* p01, u32* p23) {
+    x ^= 0x80808080u;
+    float f0 = mq_i8f(x, 0x7540), f1 = mq_i8f(x, 0x7541), f2 = mq_i8f(x, 0x7542), f3 = mq_i8f(x, 0x7543);
+    *p01 = __byte_perm(__float_as_uint(f0), __float_as_uint(f1), 0x7632);
+    *p23 = __byte_perm(__float_as_uint(f2), __float_as_uint(f3), 0x7632);
+}
+template <> __device__ __forceinline__ void mq_dq<T_Q8_0>(const u8* p0, const u8* p1, int c, int t, u32 (*a)[4]) {
+    int off = 34 * c + 2 + 4 * t;
+#pragma unroll
+    for (int h = 0; h < 2; h++) {
+        mq_i8(mq_ld4a2(p0 + off + 16 * h), &a[h][0], &a[h][2]);
+        mq_i8(mq_ld4a2(p1 + off + 16 * h), &a[h][1], &a[h][3]);
+    }
+}
+
+// Scale i (and min) of one row's stage data: the same f32 operations as dq32.
+template <int T> __device__ __forceinline__ void mq_scale(const u8* b, int i, float* sc, float* mn);
+template <> __device__ __forceinline__ void mq_scale<T_IQ4_XS>(const u8* b, int i, float* sc, float* mn) {
+    float d = ld_h(b);
+    u32 scales_h = ld_u16(b + 2);
+    int low = (b[4 + i / 2] >> (4 * (i & 1))) & 15;
+    int high = (scales_h >> (2 * i)) & 3;
+    *sc = __fmul_rn(d, (float)((low | (high << 4)) - 32));
+    *mn = 0.f;
+}
+template <> __device__ __forceinline__ void mq_scale<T_Q4_K>(const u8* b, int i, float* sc, float* mn) {
+    float d = ld_h(b), dmin = ld_h(b + 2);
+    int s, m;
+    scale_min_k4(b + 4, i, &s, &m);
+    *sc = __fmul_rn(d, (float)s);
+    *mn = __fmul_rn(dmin, (float)m);
+}
+template <> __device__ __forceinline__ void mq_scale<T_Q6_K>(const u8* b, int i, float* sc, float* mn) {
+    *sc = __fmul_rn(ld_h(b + 208), (float)((const i8*)(b + 192))[i]);
+    *mn = 0.f;
+}
+template <> __device__ __forceinline__ void mq_scale<T_Q8_0>(const u8* b, int i, float* sc, float* mn) {
+    *sc = ld_h(b + 34 * i);
+    *mn = 0.f;
+}
+
+// One output tile: rows r0.. of W (expert applied), token column j = X row xr[j] of Xc, Y row
+// yr[j] (-1: none); columns from nvalid on are all -1. Xc rows xcp bytes apart; Xs (Q4_K) sums per 32 columns, xsp floats apart.
+template <int T, int WR, int MI, int NI, int ST, int CP>
+__device__ __forceinline__ void mq_tile(const u8* W, i64 rb, int rows, int cols, const u8* Xc, i64 xcp, const float* Xs,
+                                        i64 xsp, float* Y, i64 ys, int r0, const int* xr, const int* yr, int nvalid,
+                                        int accumulate, u8* sm) {
+    constexpr int WC = 8 / WR, BM = 8 * NI * WC;
+    constexpr int KS = MQT<T>::KS, BE = Q<T>::BE, BB = Q<T>::BB, NSC = MQT<T>::NSC;
+    constexpr int SP = mq_spc<T, CP>(), XB = 2 * MQ_P, XP = mq_xp(KS);
+    constexpr int WSZ = MQ_BR * SP, XSZ = BM * XP, STB = mq_stage<T, BM, CP>();
+    constexpr int WCH = SP / 16, XCH = KS * XB / 16, NCH = KS / 32;
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int wm = warp % WR, wn = warp / WR;
+    float2* scb = (float2*)(sm + ST * STB);
+    float2* scw = scb + warp * (NSC * MI * 8);
+    float2* mnw = scb + 8 * NSC * MI * 8 + warp * (NSC * MI * 8);
+    const int nk = (cols + KS - 1) / KS;
+    const int nvw = nvalid - wn * NI * 8;
+
+    auto load = [&](int ks, int slot) {
+        if (ks < nk) {
+            int k0 = ks * KS;
+            int nv = min(KS, cols - k0);
+            int nbytes = nv / BE * BB;
+            u8* ws = sm + slot * STB;
+            const u8* wk = W + (i64)(k0 / BE) * BB;
+            for (int i = tid; i < MQ_BR * WCH; i += MQ_THREADS) {
+                int r = i / WCH, ch = i - r * WCH;
+                if (r0 + r < rows) {
+                    u64 s = (u64)(wk + (i64)(r0 + r) * rb);
+                    u64 a = s & ~(u64)15;
+                    int nch = (int)((s + nbytes - a + 15) >> 4);
+                    if (ch < nch) mq_cp16(ws + r * SP + 16 * ch, (const void*)(a + 16 * ch));
+                }
+            }
+            u8* xsm = ws + WSZ;
+            int xch = nv * XB / 16;
+            for (int i = tid; i < BM * XCH; i += MQ_THREADS) {
+                int j = i / XCH, ch = i - j * XCH;
+                int xrow = xr[j];
+                if (xrow >= 0 && ch < xch) mq_cp16(xsm + j * XP + 16 * ch, Xc + (i64)xrow * xcp + (i64)k0 * XB + 16 * ch);
+            }
+            if (MQT<T>::MIN) {
+                u8* ssm = xsm + XSZ;
+                for (int i = tid; i < BM * (NCH / 4); i += MQ_THREADS) {
+                    int j = i / (NCH / 4), ch = i - j * (NCH / 4);
+                    int xrow = xr[j];
+                    if (xrow >= 0 && 4 * ch < nv / 32) mq_cp16(ssm + j * NCH * 4 + 16 * ch, Xs + (i64)xrow * xsp + k0 / 32 + 4 * ch);
+                }
+            }
+        }
+        mq_commit();
+    };
+
+    float acc[MI][NI][4];
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[mi][ni][q] = 0.f;
+
+#pragma unroll
+    for (int s = 0; s < ST - 1; s++) load(s, s);
+
+    for (int ks = 0; ks < nk; ks++) {
+        mq_wait<ST - 2>();
+        __syncthreads();
+        load(ks + ST - 1, (ks + ST - 1) % ST);
+        const int k0 = ks * KS;
+        const u8* ws = sm + (ks % ST) * STB;
+        const u8* xsm = ws + WSZ;
+        const float* ssm = (const float*)(xsm + XSZ);
+        const u8* wk = W + (i64)(k0 / BE) * BB;
+        // This thread's rows g and g + 8 of each m tile (where their aligned spans start).
+        const u8* rp[MI][2];
+#pragma unroll
+        for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+            for (int h = 0; h < 2; h++) {
+                int r = wm * 16 * MI + mi * 16 + 8 * h + g;
+                rp[mi][h] = ws + r * SP + (int)((u64)(wk + (i64)(r0 + r) * rb) & 15);
+            }
+        // Scales (and mins) of the warp's rows for this stage: [i][mi][g] = {row g, row g + 8}.
+        for (int e = lane; e < NSC * MI * 16; e += 32) {
+            int i = e / (MI * 16), rem = e - i * (MI * 16), mi = rem >> 4, h = (rem >> 3) & 1, gg = rem & 7;
+            int r = wm * 16 * MI + mi * 16 + 8 * h + gg;
+            const u8* row = ws + r * SP + (int)((u64)(wk + (i64)(r0 + r) * rb) & 15);
+            float sc, mn;
+            mq_scale<T>(row, i, &sc, &mn);
+            ((float*)scw)[((i * MI + mi) * 8 + gg) * 2 + h] = sc;
+            if (MQT<T>::MIN) ((float*)mnw)[((i * MI + mi) * 8 + gg) * 2 + h] = mn;
+        }
+        __syncwarp();
+        const int nc = min(KS, cols - k0) / 32;
+        // Warps whose token columns all lie past the tile's valid ones skip the products.
+        if (nvw > 0) {
+#pragma unroll
+            for (int c = 0; c < NCH; c++) {
+                if (c < nc) {
+                    u32 a[MI][2][4];
+#pragma unroll
+                    for (int mi = 0; mi < MI; mi++) mq_dq<T>(rp[mi][0], rp[mi][1], c, t, a[mi]);
+                    u32 b[NI][2][2 * MQ_P];
+#pragma unroll
+                    for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+                        for (int h = 0; h < 2; h++) {
+                            const u8* xp = xsm + (wn * NI * 8 + ni * 8 + g) * XP + (c * 32 + h * 16 + 4 * t) * XB;
+                            if (MQ_P == 2) {
+                                uint4 v = *(const uint4*)xp;
+                                b[ni][h][0] = v.x;
+                                b[ni][h][1] = v.y;
+                                b[ni][h][2 * MQ_P - 2] = v.z;
+                                b[ni][h][2 * MQ_P - 1] = v.w;
+                            } else {
+                                uint2 v = *(const uint2*)xp;
+                                b[ni][h][0] = v.x;
+                                b[ni][h][1] = v.y;
+                            }
+                        }
+#pragma unroll
+                    for (int h0 = 0; h0 < 2; h0 += (MQT<T>::SC16 ? 1 : 2)) {
+                        float tmp[MI][NI][4];
+#pragma unroll
+                        for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                            for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+                                for (int q = 0; q < 4; q++) tmp[mi][ni][q] = 0.f;
+#pragma unroll
+                        for (int h = h0; h < (MQT<T>::SC16 ? h0 + 1 : 2); h++)
+#pragma unroll
+                            for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+                                for (int ni = 0; ni < NI; ni++) {
+                                    mm_mma(tmp[mi][ni], a[mi][h], &b[ni][h][0]);
+                                    if (MQ_P == 2) mm_mma(tmp[mi][ni], a[mi][h], &b[ni][h][2 * MQ_P - 2]);
+                                }
+                        const int si = MQT<T>::SC16 ? 2 * c + h0 : c;
+#pragma unroll
+                        for (int mi = 0; mi < MI; mi++) {
+                            float2 s2 = scw[(si * MI + mi) * 8 + g];
+#pragma unroll
+                            for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+                                for (int q = 0; q < 4; q++) acc[mi][ni][q] = fmaf(q < 2 ? s2.x : s2.y, tmp[mi][ni][q], acc[mi][ni][q]);
+                            if (MQT<T>::MIN) {
+                                float2 m2 = mnw[(si * MI + mi) * 8 + g];
+#pragma unroll
+                                for (int ni = 0; ni < NI; ni++) {
+                                    int j = wn * NI * 8 + ni * 8 + 2 * t;
+                                    float x0 = ssm[j * NCH + c], x1 = ssm[(j + 1) * NCH + c];
+#pragma unroll
+                                    for (int q = 0; q < 4; q++) acc[mi][ni][q] = fmaf(-(q < 2 ? m2.x : m2.y), q & 1 ? x1 : x0, acc[mi][ni][q]);
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    mq_wait<0>();
+    // Epilogue: c0/c1 at (row g, tokens 2t, 2t+1), c2/c3 at row g + 8.
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++)
+#pragma unroll
+        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                int r = r0 + wm * 16 * MI + mi * 16 + g + 8 * (q >> 1);
+                int j = wn * NI * 8 + ni * 8 + 2 * t + (q & 1);
+                int yrow = yr[j];
+                if (r < rows && yrow >= 0) {
+                    float* yp = Y + (i64)yrow * ys + r;
+                    *yp = accumulate ? *yp + acc[mi][ni][q] : acc[mi][ni][q];
+                }
+            }
+}
+
+template <int T, int WR, int MI, int NI, int ST, int CP>
+__device__ __forceinline__ void mq_dense(const u8* W, i64 rb, int rows, int cols, const u8* Xc, i64 xcp, const float* Xs, i64 xsp,
+                                         float* Y, i64 ys, int n, int accumulate) {
+    extern __shared__ __align__(16) u8 mq_sm[];
+    constexpr int BM = 8 * NI * (8 / WR);
+    int* cm = (int*)(mq_sm + ST * mq_stage<T, BM, CP>() + (MQT<T>::MIN ? 2 : 1) * 8 * MQT<T>::NSC * MI * 8 * 8);
+    int n0 = blockIdx.y * BM;
+    for (int j = threadIdx.x; j < BM; j += MQ_THREADS) cm[j] = n0 + j < n ? n0 + j : -1;
+    __syncthreads();
+    mq_tile<T, WR, MI, NI, ST, CP>(W, rb, rows, cols, Xc, xcp, Xs, xsp, Y, ys, blockIdx.x * MQ_BR, cm, cm, min(BM, n - n0), accumulate, mq_sm);
+}
+
+template <int T, int WR, int MI, int NI, int ST, int CP>
+__device__ __forceinline__ void mq_grouped(const u8* W, i64 rb, i64 es, int rows, int cols, const u8* Xc, i64 xcp, const float* Xs,
+                                           i64 xsp, int x_div, float* Y, i64 ys, const int* tiles, const int* ntiles, const int* list) {
+    extern __shared__ __align__(16) u8 mq_sm[];
+    constexpr int BM = 8 * NI * (8 / WR);
+    int tile = blockIdx.y;
+    if (tile >= *ntiles) return;
+    int e = tiles[3 * tile], s = tiles[3 * tile + 1], c = tiles[3 * tile + 2];
+    int* xr = (int*)(mq_sm + ST * mq_stage<T, BM, CP>() + (MQT<T>::MIN ? 2 : 1) * 8 * MQT<T>::NSC * MI * 8 * 8);
+    int* yr = xr + BM;
+    for (int j = threadIdx.x; j < BM; j += MQ_THREADS) {
+        int p = j < c ? list[s + j] : -1;
+        xr[j] = p >= 0 ? p / x_div : -1;
+        yr[j] = p;
+    }
+    __syncthreads();
+    mq_tile<T, WR, MI, NI, ST, CP>(W + (i64)e * es, rb, rows, cols, Xc, xcp, Xs, xsp, Y, ys, blockIdx.x * MQ_BR, xr, yr, c, 0, mq_sm);
+}
+
+// X conversion: Xc row r from X row r (x = silu(X) * U when U is given: the gated expert
+// activation, same formula as silu_mul); S (optional) gets the sums of each 32 columns.
+// grid (rows, ceil(cols / 128)), block 32: a thread converts 4 columns.
+__device__ __forceinline__ void mq_x(const float* X, i64 xs, const float* U, int cols, u8* Xc, i64 xcp, float* S, i64 sp) {
+    int r = blockIdx.x, c = (blockIdx.y * 32 + threadIdx.x) * 4;
+    float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (c < cols) {
+        x = *(const float4*)(X + (i64)r * xs + c);
+        if (U) {
+            float4 u = *(const float4*)(U + (i64)r * xs + c);
+            x.x = x.x / (1.0f + expf(-x.x)) * u.x;
+            x.y = x.y / (1.0f + expf(-x.y)) * u.y;
+            x.z = x.z / (1.0f + expf(-x.z)) * u.z;
+            x.w = x.w / (1.0f + expf(-x.w)) * u.w;
+        }
+        u16 h[4], l[4];
+        mm_split(x.x, &h[0], &l[0]);
+        mm_split(x.y, &h[1], &l[1]);
+        mm_split(x.z, &h[2], &l[2]);
+        mm_split(x.w, &h[3], &l[3]);
+        u8* d = Xc + (i64)r * xcp + (i64)c * 2 * MQ_P;
+        if (MQ_P == 2)
+            *(uint4*)d = make_uint4(mm_pack(h[0], h[1]), mm_pack(h[2], h[3]), mm_pack(l[0], l[1]), mm_pack(l[2], l[3]));
+        else
+            *(uint2*)d = make_uint2(mm_pack(h[0], h[1]), mm_pack(h[2], h[3]));
+    }
+    if (S) {
+        float s = (x.x + x.y) + (x.z + x.w);
+        s += __shfl_xor_sync(0xffffffffu, s, 1);
+        s += __shfl_xor_sync(0xffffffffu, s, 2);
+        s += __shfl_xor_sync(0xffffffffu, s, 4);
+        if ((threadIdx.x & 7) == 0 && c < cols) S[(i64)r * sp + c / 32] = s;
+    }
+}
+#define MQ_NAME(base, p) MM_CAT3(base, _p, p)
+// Two names for the benchmark's per-phase split: mm_x (dense products), mmg_x (experts).
+extern "C" __global__ void MQ_NAME(mm_x, MM_PASSES)(const float* X, i64 xs, const float* U, int cols, u8* Xc, i64 xcp, float* S, i64 sp) {
+    mq_x(X, xs, U, cols, Xc, xcp, S, sp);
+}
+extern "C" __global__ void MQ_NAME(mmg_x, MM_PASSES)(const float* X, i64 xs, const float* U, int cols, u8* Xc, i64 xcp, float* S, i64 sp) {
+    mq_x(X, xs, U, cols, Xc, xcp, S, sp);
+}
+
+// Configurations (must match FAST_TILES in matmul.rs): C16 = 8 warps x 16 rows, 16 tokens, 2
+// stages, two blocks an SM; C32 = 8 x 16 rows, 32 tokens, 3 stages; C64 = 4 x 32 rows by 2 x 32
+// tokens, 2 stages.
+#define MQ_INST_CFG(name, T, BM, WR, MI, NI, ST, MINB, CP, SUF)                                                       \
+    extern "C" __global__ void __launch_bounds__(MQ_THREADS, MINB) MQ_NAME(mm_f_##name##_##BM##SUF, MM_PASSES)(    \
+        const u8* W, i64 rb, int rows, int cols, const u8* Xc, i64 xcp, const float* Xs, i64 xsp, float* Y, i64 ys,    \
+        int n, int acc) {                                                                                              \
+        mq_dense<T, WR, MI, NI, ST, CP>(W, rb, rows, cols, Xc, xcp, Xs, xsp, Y, ys, n, acc);                               \
+    }                                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(MQ_THREADS, MINB) MQ_NAME(mmg_f_##name##_##BM##SUF, MM_PASSES)(   \
+        const u8* W, i64 rb, i64 es, int rows, int cols, const u8* Xc, i64 xcp, const float* Xs, i64 xsp, int x_div,   \
+        float* Y, i64 ys, const int* tiles, const int* ntiles, const int* list) {                                      \
+        mq_grouped<T, WR, MI, NI, ST, CP>(W, rb, es, rows, cols, Xc, xcp, Xs, xsp, x_div, Y, ys, tiles, ntiles, list);     \
+    }
+// 32c: the 32-token tile with 2 stages and compact pitches, two blocks an SM where it fits.
+#define MQ_INST(name, T)                           \
+    MQ_INST_CFG(name, T, 16, 8, 1, 2, 2, 2, 0, )   \
+    MQ_INST_CFG(name, T, 32, 8, 1, 4, 3, 1, 0, )   \
+    MQ_INST_CFG(name, T, 64, 4, 2, 4, 2, 1, 0, )   \
+    MQ_INST_CFG(name, T, 32, 8, 1, 4, 2, 2, 1, c)
+
+MQ_INST(iq4_xs, T_IQ4_XS)
+MQ_INST(q4_k, T_Q4_K)
+MQ_INST(q6_k, T_Q6_K)
+MQ_INST(q8_0, T_Q8_0)

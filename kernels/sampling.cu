@@ -419,10 +419,11 @@ __device__ u32 sp_merge_keys(SpSel& s, const u64* keys, int nb, int per, int cst
 extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_merge(
     const float* __restrict__ logits, i64 stride, int vocab, int nb, const u32* __restrict__ params, const u32* __restrict__ touch,
     const float* __restrict__ tz, const u32* __restrict__ bitmap, const double* __restrict__ bstat, const u64* __restrict__ raw_keys,
-    const u64* __restrict__ cand_keys, int kcap, u32* __restrict__ out) {
+    const u64* __restrict__ cand_keys, int kcap, u32* out) {
     __shared__ SpSel s;
     __shared__ u64 sel[2 * SP_KMAX];
     __shared__ u32 red_u[32];
+    __shared__ u32 row_ok;
     const int r = blockIdx.x, tid = threadIdx.x;
     const u32* P = params + r * SP_PW;
     const float* row = logits + (i64)P[P_SRC_ROW] * stride;
@@ -449,9 +450,13 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_merge(
         H[H_ZMAX] = 0u;
         H[H_NCAND] = 0u;
         H[H_NTOP] = 0u;
+        row_ok = (u32)nan_min == 0xffffffffu && flags == 0;
     }
+    // Broadcast through shared memory: a global value written by thread 0 and read back by the
+    // others after the barrier is not safe here (nvcc hoisted that load above the barrier, so
+    // the other threads read the stale header and left thread 0 to run the selects alone).
     __syncthreads();
-    if (H[H_NAN] != 0xffffffffu || H[H_FLAGS] != 0) return;
+    if (!row_ok) return;
     const u32 T = P[P_T];
     if (T > 0) {
         const u32 k = sp_merge_keys<SP_KMAX>(s, raw_keys + (i64)r * nb * SP_MAX_TOP, nb, T, SP_MAX_TOP, T, sel, red_u);

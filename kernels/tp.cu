@@ -45,3 +45,266 @@ extern "C" __global__ void __launch_bounds__(256) tp_qk_scale(float* q, i64 qs, 
     float inv = 1.0f / sqrtf(__fadd_rn(mean, eps));
     for (int i = threadIdx.x; i < n; i += blockDim.x) x[i] = __fmul_rn(__fmul_rn(x[i], inv), w[i]);
 }
+
+// ---------------------------------------------------------------------------------------------
+// One-shot all-reduce (sum) of a small f32 tensor over peer memory (NVLink / PCIe P2P), for
+// the fast decode path's per-layer collectives (rank-worker/src/cuda/peer_allreduce.rs).
+//
+// Every rank owns one peer-visible region (cuMemAlloc, mapped into every other rank through
+// CUDA IPC or, for ranks that are threads of one process, peer access):
+//   [ep: maxb u32][flags: maxb x world u32][pad to 256 B][data: maxb x 2 x world x AR_CHUNK f32]
+// Block b handles floats [b * AR_CHUNK, (b + 1) * AR_CHUNK) of the tensor. It
+//   1. bumps its own epoch counter ep[b] (device memory, so a captured CUDA graph replays
+//      correctly: no per-call host argument) and picks the data half by epoch parity;
+//   2. pushes its slice of the local partial into slot `me` of that half in every peer's
+//      region (remote stores), then, after the block's barrier, releases flag[b][me] = epoch
+//      in every peer's region (system scope);
+//   3. waits (acquire, system scope) until every peer's flag[b][peer] in its own region has
+//      reached the epoch, then sums all ranks' slices **in rank order** (its own from
+//      registers), so every rank computes bit-identical values, and writes them in place.
+// Reaching epoch e at a peer means that peer finished epoch e - 1 (the previous launch on its
+// stream), hence finished reading the half of parity e (epoch e - 2): one barrier a call.
+// Blocks only wait for the same block index on the peers, never for each other.
+// Dead peer: while waiting, every 1024 polls the block reads `ctl` (host-mapped memory: ctl[0]
+// is set by the host to abort, `NcclAbort::abort`; ctl[1] by any block that gave up) and
+// %globaltimer; on abort or after `timeout_ns` (0 = none) it sets ctl[1] (1 = aborted, 2 = timed
+// out; the host reads it) and returns without writing: the step's results are garbage and the
+// world must be re-joined. Later launches see ctl[1] after 1024 polls and return too.
+// grid = ceil(n / AR_CHUNK) <= maxb, block 256; launched with PDL (starts with the wait).
+#define AR_CHUNK 1024
+#define AR_MAXW 8
+
+__device__ __forceinline__ u32 ar_ld_acquire(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.sys.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void ar_st_release(u32* p, u32 v) {
+    asm volatile("st.release.sys.global.u32 [%0], %1;" ::"l"(p), "r"(v) : "memory");
+}
+__device__ __forceinline__ u64 ar_clock_ns() {
+    u64 t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    return t;
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    tp_ar_oneshot(float* x, int n, int me, int world, int maxb, u64 p0, u64 p1, u64 p2, u64 p3, u64 p4, u64 p5,
+                  u64 p6, u64 p7, volatile u32* ctl, u64 timeout_ns) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    const u64 pp[AR_MAXW] = {p0, p1, p2, p3, p4, p5, p6, p7};
+    __shared__ u32 s_epoch;
+    __shared__ int s_bad;
+    const int b = blockIdx.x, tid = threadIdx.x;
+    u64 mine = 0;
+#pragma unroll
+    for (int w = 0; w < AR_MAXW; w++)
+        if (w == me) mine = pp[w];
+    const u64 flag_off = 4ull * maxb;
+    const u64 data_off = (4ull * maxb * (1 + world) + 255) & ~255ull;
+    if (tid == 0) {
+        u32* ep = (u32*)mine + b;
+        u32 e = *ep + 1;
+        *ep = e;
+        s_epoch = e;
+        s_bad = 0;
+    }
+    __syncthreads();
+    const u32 e = s_epoch;
+    const u64 half = (u64)(b * 2 + (e & 1)) * world;
+    const int i0 = b * AR_CHUNK + tid * 4;
+    const bool vec = ((u64)x & 15) == 0 && i0 + 3 < n;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (vec) {
+        v = *(const float4*)(x + i0);
+    } else {
+        if (i0 < n) v.x = x[i0];
+        if (i0 + 1 < n) v.y = x[i0 + 1];
+        if (i0 + 2 < n) v.z = x[i0 + 2];
+        if (i0 + 3 < n) v.w = x[i0 + 3];
+    }
+#pragma unroll
+    for (int w = 0; w < AR_MAXW; w++) {
+        if (w < world && w != me) {
+            float4* dst = (float4*)(pp[w] + data_off) + (half + me) * (AR_CHUNK / 4) + tid;
+            *dst = v;
+        }
+    }
+    __syncthreads();
+#pragma unroll
+    for (int w = 0; w < AR_MAXW; w++) {
+        if (tid == w && w < world && w != me) {
+            ar_st_release((u32*)(pp[w] + flag_off) + b * world + me, e);
+        }
+    }
+    if (tid < world && tid != me) {
+        const u32* f = (const u32*)(mine + flag_off) + b * world + tid;
+        u64 t0 = 0;
+        for (u32 it = 1;; it++) {
+            if ((int)(ar_ld_acquire(f) - e) >= 0) break;
+            if ((it & 1023) == 0) {
+                u32 why = 0;
+                if (ctl[0] != 0 || ctl[1] != 0) why = 1;
+                u64 now = ar_clock_ns();
+                if (t0 == 0) t0 = now;
+                else if (timeout_ns != 0 && now - t0 > timeout_ns) why = 2;
+                if (why != 0) {
+                    if (ctl[1] == 0) ctl[1] = why;
+                    __threadfence_system();
+                    s_bad = 1;
+                    break;
+                }
+            }
+        }
+    }
+    __syncthreads();
+    if (s_bad) return;
+    float4 acc = v;
+    for (int w = 0; w < world; w++) {
+        float4 t = v;
+        if (w != me) t = __ldcg((const float4*)(mine + data_off) + (half + w) * (AR_CHUNK / 4) + tid);
+        if (w == 0) {
+            acc = t;
+        } else {
+            acc.x = __fadd_rn(acc.x, t.x);
+            acc.y = __fadd_rn(acc.y, t.y);
+            acc.z = __fadd_rn(acc.z, t.z);
+            acc.w = __fadd_rn(acc.w, t.w);
+        }
+    }
+    if (vec) {
+        *(float4*)(x + i0) = acc;
+    } else {
+        if (i0 < n) x[i0] = acc.x;
+        if (i0 + 1 < n) x[i0 + 1] = acc.y;
+        if (i0 + 2 < n) x[i0 + 2] = acc.z;
+        if (i0 + 3 < n) x[i0 + 3] = acc.w;
+    }
+}
+
+// The same one-shot all-reduce without flags (the "Lamport" variant, `tp_ar_lamport`): data
+// slots hold a sentinel (all bits set, a NaN GPU arithmetic never produces) until a peer's
+// value lands, so each thread waits on its own 16 bytes and the critical path is one remote
+// write, no fences. Three buffers by epoch mod 3: in epoch e a rank writes buffer e % 3 in its
+// peers, reads its own buffer e % 3 and resets its buffer (e + 2) % 3 (read in epoch e - 1;
+// no peer writes it before epoch e + 2, which needs this rank's epoch e + 1 data, pushed by a
+// later launch, so the reset is complete first). A partial whose bits equal the sentinel is
+// sent (and summed) as the canonical NaN 0x7fffffff. Region after the flag variant's:
+//   [ep: maxb u32][pad to 256 B][data: maxb x 3 x world x AR_CHUNK f32]
+// Abort, timeout and launch shape as tp_ar_oneshot.
+#define AR_SENT 0xffffffffu
+
+__device__ __forceinline__ uint4 ar_ld_vol4(const uint4* p) {
+    uint4 v;
+    asm volatile("ld.volatile.global.v4.u32 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+                 : "l"(p)
+                 : "memory");
+    return v;
+}
+__device__ __forceinline__ void ar_st_vol4(uint4* p, uint4 v) {
+    asm volatile("st.volatile.global.v4.u32 [%0], {%1, %2, %3, %4};" ::"l"(p), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+                 : "memory");
+}
+__device__ __forceinline__ bool ar_has_sent(uint4 v) {
+    return v.x == AR_SENT || v.y == AR_SENT || v.z == AR_SENT || v.w == AR_SENT;
+}
+__device__ __forceinline__ u32 ar_canon(u32 b) { return b == AR_SENT ? 0x7fffffffu : b; }
+
+extern "C" __global__ void __launch_bounds__(256)
+    tp_ar_lamport(float* x, int n, int me, int world, int maxb, u64 p0, u64 p1, u64 p2, u64 p3, u64 p4, u64 p5,
+                  u64 p6, u64 p7, volatile u32* ctl, u64 timeout_ns) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+    const u64 pp[AR_MAXW] = {p0, p1, p2, p3, p4, p5, p6, p7};
+    __shared__ u32 s_epoch;
+    __shared__ int s_bad;
+    const int b = blockIdx.x, tid = threadIdx.x;
+    u64 mine = 0;
+#pragma unroll
+    for (int w = 0; w < AR_MAXW; w++)
+        if (w == me) mine = pp[w];
+    // The flag variant's region comes first (see tp_ar_oneshot).
+    const u64 lam_off = ((4ull * maxb * (1 + world) + 255) & ~255ull) + (u64)maxb * 2 * world * AR_CHUNK * 4;
+    const u64 ldata = lam_off + ((4ull * maxb + 255) & ~255ull);
+    if (tid == 0) {
+        u32* ep = (u32*)(mine + lam_off) + b;
+        u32 e = *ep + 1;
+        *ep = e;
+        s_epoch = e;
+        s_bad = 0;
+    }
+    __syncthreads();
+    const u32 e = s_epoch;
+    const u64 cur = (u64)(b * 3 + (int)(e % 3)) * world, old = (u64)(b * 3 + (int)((e + 2) % 3)) * world;
+    const int i0 = b * AR_CHUNK + tid * 4;
+    const bool vec = ((u64)x & 15) == 0 && i0 + 3 < n;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (vec) {
+        v = *(const float4*)(x + i0);
+    } else {
+        if (i0 < n) v.x = x[i0];
+        if (i0 + 1 < n) v.y = x[i0 + 1];
+        if (i0 + 2 < n) v.z = x[i0 + 2];
+        if (i0 + 3 < n) v.w = x[i0 + 3];
+    }
+    uint4 vb = make_uint4(ar_canon(__float_as_uint(v.x)), ar_canon(__float_as_uint(v.y)), ar_canon(__float_as_uint(v.z)),
+                          ar_canon(__float_as_uint(v.w)));
+#pragma unroll
+    for (int w = 0; w < AR_MAXW; w++)
+        if (w < world && w != me) ar_st_vol4((uint4*)(pp[w] + ldata) + (cur + me) * (AR_CHUNK / 4) + tid, vb);
+    const uint4 sent = make_uint4(AR_SENT, AR_SENT, AR_SENT, AR_SENT);
+    for (int w = 0; w < world; w++)
+        if (w != me) ar_st_vol4((uint4*)(mine + ldata) + (old + w) * (AR_CHUNK / 4) + tid, sent);
+    float4 acc = make_float4(0.f, 0.f, 0.f, 0.f);
+    bool bad = false;
+    for (int w = 0; w < world && !bad; w++) {
+        uint4 t = vb;
+        if (w != me) {
+            const uint4* src = (const uint4*)(mine + ldata) + (cur + w) * (AR_CHUNK / 4) + tid;
+            u64 t0 = 0;
+            for (u32 it = 1;; it++) {
+                t = ar_ld_vol4(src);
+                if (!ar_has_sent(t)) break;
+                if ((it & 1023) == 0) {
+                    u32 why = 0;
+                    if (ctl[0] != 0 || ctl[1] != 0) why = 1;
+                    u64 now = ar_clock_ns();
+                    if (t0 == 0) t0 = now;
+                    else if (timeout_ns != 0 && now - t0 > timeout_ns) why = 2;
+                    if (why != 0) {
+                        if (ctl[1] == 0) ctl[1] = why;
+                        __threadfence_system();
+                        bad = true;
+                        break;
+                    }
+                }
+            }
+        }
+        float4 f = make_float4(__uint_as_float(t.x), __uint_as_float(t.y), __uint_as_float(t.z), __uint_as_float(t.w));
+        if (w == 0) {
+            acc = f;
+        } else {
+            acc.x = __fadd_rn(acc.x, f.x);
+            acc.y = __fadd_rn(acc.y, f.y);
+            acc.z = __fadd_rn(acc.z, f.z);
+            acc.w = __fadd_rn(acc.w, f.w);
+        }
+    }
+    if (bad) s_bad = 1;
+    __syncthreads();
+    if (s_bad) return;
+    if (vec) {
+        *(float4*)(x + i0) = acc;
+    } else {
+        if (i0 < n) x[i0] = acc.x;
+        if (i0 + 1 < n) x[i0 + 1] = acc.y;
+        if (i0 + 2 < n) x[i0 + 2] = acc.z;
+        if (i0 + 3 < n) x[i0 + 3] = acc.w;
+    }
+}

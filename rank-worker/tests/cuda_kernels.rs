@@ -7,7 +7,7 @@
 mod common;
 
 use common::gpu::{Rng, TYPES, gpu, poisoned, random_rows, upload_mat};
-use minimax_rank::cuda::fast::{DownKind, MvqKind};
+use minimax_rank::cuda::fast::{DownKind, GateUpKind, MvqKind};
 use minimax_rank::cuda::{Arg, AttnArgs, KvDtype};
 use minimax_shared::model::GatingFunc;
 use minimax_shared::quant::{self, GgmlType};
@@ -832,4 +832,137 @@ fn fast_grouped_moe_matches_cpu() {
         assert_eq!(got[t * (hrows + 1) + hrows], hid0[t * (hrows + 1) + hrows], "combine wrote past the rows");
     }
     eprintln!("moe grouped IQ4_XS {nt} tokens x top-{k} of {e}: gate/up max |diff| {worst:.2e} (q8 output), down+combine max rel {worst_d:.2e}");
+}
+
+fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
+
+/// Decode attention with the split merge in the last split block (`attn_dec6m_f16`) against
+/// `attn_dec6_f16` + `attn_merge6`: merged f32 output and its q8 bit-identical, for contexts of
+/// one page to several thousand positions (empty and full splits), 3 tokens of 3 sequences over
+/// scrambled pages, 16 / 43 / 128 splits; launched twice (counters back at zero).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_attention_merge_in_last_block_is_bit_identical() {
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0005);
+    let (kvh, hd, ps) = (2usize, 128usize, 16usize);
+    let heads = 6 * kvh;
+    let (qw, kw) = (heads * hd, kvh * hd);
+    let pos: Vec<i32> = vec![4, 300, 2500];
+    let nt = pos.len();
+    // Each sequence's pages, scrambled over a pool.
+    let n_pages = pos.iter().map(|&p| (p as usize + 1).div_ceil(ps)).sum::<usize>() + 5;
+    let mut pool: Vec<u32> = (0..n_pages as u32).collect();
+    for i in (1..pool.len()).rev() {
+        pool.swap(i, rng.below(i + 1));
+    }
+    let (mut pts, mut pt_off) = (Vec::new(), Vec::new());
+    for &p in &pos {
+        pt_off.push(pts.len() as i32);
+        let np = (p as usize + 1).div_ceil(ps);
+        pts.extend(pool.drain(..np));
+    }
+    let seq: Vec<i32> = (0..nt as i32).collect();
+    let (kc, vc) = (g.zeros::<u16>(n_pages * ps * kw).unwrap(), g.zeros::<u16>(n_pages * ps * kw).unwrap());
+    g.fill_synthetic(g.ptr(&kc), GgmlType::F16, n_pages * ps * kw, 21, -2.0, 2.0).unwrap();
+    g.fill_synthetic(g.ptr(&vc), GgmlType::F16, n_pages * ps * kw, 22, -2.0, 2.0).unwrap();
+    let q = g.upload(&rng.vec(nt * qw, 1.0)).unwrap();
+    let (pb, sb, ob, tb) = (g.upload(&pos).unwrap(), g.upload(&seq).unwrap(), g.upload(&pt_off).unwrap(), g.upload(&pts).unwrap());
+    let meta = (g.ptr(&pb), g.ptr(&sb), g.ptr(&ob), g.ptr(&tb));
+    let cnt = g.zeros::<u32>(nt * kvh).unwrap();
+    for nsplit in [16usize, 43, 128] {
+        let part = poisoned(&g, nt * kvh * nsplit * 6 * (hd + 2));
+        let run = |fused: bool| {
+            let out = poisoned(&g, nt * (qw + 3));
+            let (aq, ad) = (g.zeros::<i8>(nt * qw).unwrap(), poisoned(&g, nt * qw / 32));
+            g.fill_u32(g.ptr(&aq), nt * qw / 4, 0x7f7f_7f7f).unwrap();
+            let c = if fused { Some(g.ptr(&cnt)) } else { None };
+            g.attn_decode("f16", g.ptr(&q), qw, g.ptr(&kc), g.ptr(&vc), meta, ps, kvh, nsplit, 1.0 / (hd as f32).sqrt(), g.ptr(&part), g.ptr(&out), qw + 3, g.ptr(&aq), g.ptr(&ad), c, nt).unwrap();
+            (g.download(&out).unwrap(), g.download(&aq).unwrap(), g.download(&ad).unwrap())
+        };
+        let want = run(false);
+        for t in 0..nt {
+            assert!(want.0[t * (qw + 3)..t * (qw + 3) + qw].iter().all(|v| v.is_finite()), "attn_merge6 output not finite (t {t})");
+        }
+        assert!(want.2.iter().all(|v| v.is_finite() && *v > 0.0), "attn_merge6 q8 scales");
+        for rep in 0..2 {
+            let got = run(true);
+            assert_eq!(bits(&got.0), bits(&want.0), "attn_dec6m {nsplit} splits rep {rep}: output");
+            assert_eq!(got.1, want.1, "attn_dec6m {nsplit} splits rep {rep}: q8");
+            assert_eq!(bits(&got.2), bits(&want.2), "attn_dec6m {nsplit} splits rep {rep}: q8 scales");
+            assert_eq!(g.download(&cnt).unwrap(), vec![0; nt * kvh], "attn_dec6m: counters left non-zero");
+        }
+        eprintln!("attn_dec6m_f16, {nsplit} splits, contexts {pos:?}: bit-identical to attn_dec6 + attn_merge6");
+    }
+}
+
+/// The persistent expert kernels (`moe_gate_up_pst_iq4_xs`, `moe_down_pst_iq4_xs`: one wave of
+/// blocks walking the tasks, several tasks per block, token changes between tasks) against the
+/// register-direct kernels they replace (`Reg(2)` / `Reg4`, checked against the CPU in
+/// `fast_q8_products_and_fused_moe_match_cpu`): bit-identical. Gate/up with inputs of 80 units
+/// (a partial lane round) and activations written 64 apart beyond the rows (the tensor-parallel
+/// pad, never written); down rows 43 (odd: a half-empty row pair) and 3040.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_persistent_moe_kernels_match_register_kernels() {
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0006);
+    let ty = GgmlType::IQ4_XS;
+    let (e, k, nt, h, ff) = (6usize, 3usize, 2usize, 2560usize, 1536usize);
+    let ld = ff + 64;
+    let gate = random_rows(&mut rng, ty, e * ff, h);
+    let upw = random_rows(&mut rng, ty, e * ff, h);
+    let (_g1, gm) = upload_mat(&g, ty, &gate, ff, h, e);
+    let (_g2, um) = upload_mat(&g, ty, &upw, ff, h, e);
+    let ids: Vec<i32> = vec![4, 0, 5, 2, 4, 1];
+    let x = rng.vec(nt * h, 2.0);
+    let (hq, hd) = q8_host(&x);
+    let (qb, db, ib) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap(), g.upload(&ids).unwrap());
+    let run = |kind: GateUpKind| {
+        let aq = g.zeros::<i8>(nt * k * ld).unwrap();
+        g.fill_u32(g.ptr(&aq), nt * k * ld / 4, 0x7f7f_7f7f).unwrap();
+        let ad = poisoned(&g, nt * k * ld / 32);
+        g.moe_gate_up_q8_with(kind, &gm, &um, g.ptr(&ib), k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), nt * k, ld).unwrap();
+        (g.download(&aq).unwrap(), g.download(&ad).unwrap())
+    };
+    let want = run(GateUpKind::Reg(2, true));
+    for p in 0..nt * k {
+        assert!(want.1[p * ld / 32..p * ld / 32 + ff / 32].iter().all(|v| v.is_finite()), "reg2 gate/up scales of pair {p}");
+        assert!(want.0[p * ld + ff..(p + 1) * ld].iter().all(|&q| q == 0x7f), "reg2 wrote the pad of pair {p}");
+    }
+    for rep in 0..2 {
+        let got = run(GateUpKind::Persist);
+        assert_eq!(got.0, want.0, "gate/up persistent q8 (rep {rep})");
+        assert_eq!(bits(&got.1), bits(&want.1), "gate/up persistent scales (rep {rep})");
+    }
+    eprintln!("moe_gate_up_pst_iq4_xs {} pairs x {ff} rows x {h}: bit-identical to reg2", nt * k);
+    // Down: 3 tokens x top-5 of 7 experts, rows of 1536 (5 x 48 = 240 units per output row).
+    let (e, k, nt) = (7usize, 5usize, 3usize);
+    let ids: Vec<i32> = vec![0, 3, 6, 2, 5, 1, 3, 4, 6, 0, 2, 5, 6, 1, 4];
+    let wts = rng.vec(nt * k, 0.5);
+    let act = rng.vec(nt * k * ff, 2.0);
+    let (aqh, adh) = q8_host(&act);
+    let (ib, wb, aq, ad) = (g.upload(&ids).unwrap(), g.upload(&wts).unwrap(), g.upload(&aqh).unwrap(), g.upload(&adh).unwrap());
+    for rows in [43usize, 3040] {
+        let down = random_rows(&mut rng, ty, e * rows, ff);
+        let (_db, dm) = upload_mat(&g, ty, &down, rows, ff, e);
+        let hid0 = rng.vec(nt * (rows + 1), 1.0);
+        let run = |kind: DownKind| {
+            let hb = g.upload(&hid0).unwrap();
+            g.moe_down_q8_with(kind, &dm, g.ptr(&ib), g.ptr(&wb), k, g.ptr(&aq), g.ptr(&ad), g.ptr(&hb), rows + 1, nt).unwrap();
+            g.download(&hb).unwrap()
+        };
+        let want = run(DownKind::Reg4);
+        assert!(want.iter().all(|v| v.is_finite()), "reg4 down not finite");
+        for t in 0..nt {
+            assert_eq!(want[t * (rows + 1) + rows], hid0[t * (rows + 1) + rows], "reg4 wrote past the rows");
+        }
+        assert_ne!(bits(&want), bits(&hid0), "reg4 down changed nothing");
+        for rep in 0..2 {
+            assert_eq!(bits(&run(DownKind::Persist)), bits(&want), "down persistent, {rows} rows (rep {rep})");
+        }
+        eprintln!("moe_down_pst_iq4_xs {nt} tokens x top-{k}, {rows} rows: bit-identical to reg4");
+    }
 }

@@ -279,3 +279,50 @@ fn invalid_batches_are_rejected_before_touching_the_cache() {
     assert!(d < 1e-6, "recomputed last token differs by {d}");
     eprintln!("invalid batches rejected; cache intact (recomputed logits within {d:.1e})");
 }
+
+/// The fast decode path at real MiniMax-M2.7 dimensions (synthetic IQ4_XS weights, 2 layers):
+/// with the attention merge folded into the split kernel (`attn_dec6m`, `MINIMAX_ATTN_FUSE=1`)
+/// the logits of one- and several-token steps are bit-identical to the separate launches,
+/// directly and replayed from the step graphs (persistent expert kernels in every run).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_path_fused_launches_are_bit_identical() {
+    use minimax_rank::cuda::fast::set_attn_fusion;
+    use minimax_shared::model::synthetic::SyntheticSpec;
+    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
+    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 64 }, CudaOptions::default(), 7).unwrap();
+    assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
+    let prompt: Vec<u32> = vec![1, 17, 4242, 99_999, 200_000];
+    let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
+    let mut base = 0u32;
+    for (fused, graphs) in [(false, false), (true, false), (true, true), (false, true)] {
+        set_attn_fusion(Some(fused));
+        m.clear_graphs();
+        m.set_fast(true, graphs);
+        let pt: Vec<u32> = (base..base + 4).collect();
+        let pt2: Vec<u32> = (base + 4..base + 8).collect();
+        base += 8;
+        let step = |seq: u64, pt: &[u32], cached: usize, tokens: Vec<u32>| SeqStep { seq_id: seq, page_table: pt.to_vec(), cached_len: cached, tokens, logits: LogitsWanted::Last };
+        let mut out = Vec::new();
+        let o = m.forward(&ForwardBatch { seqs: vec![step(0, &pt, 0, prompt.clone()), step(1, &pt2, 0, prompt[..3].to_vec())] }).unwrap();
+        out.push(o.logits.clone());
+        let (mut tok, tok2) = (argmax(o.row(0)).0, argmax(o.row(1)).0);
+        // One-token steps, one two-token step, one-token steps.
+        for cached in [5usize, 6, 7, 8, 9, 10] {
+            let seqs = if cached == 8 { vec![step(0, &pt, cached, vec![tok]), step(1, &pt2, 3, vec![tok2])] } else { vec![step(0, &pt, cached, vec![tok])] };
+            let o = m.forward(&ForwardBatch { seqs }).unwrap();
+            tok = argmax(o.row(0)).0;
+            out.push(o.logits.clone());
+        }
+        assert!(out.iter().all(|l| l.iter().all(|x| x.is_finite())), "fused {fused} graphs {graphs}: non-finite logits");
+        runs.push(out);
+    }
+    set_attn_fusion(None);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (i, name) in [(1, "fused"), (2, "fused + graphs"), (3, "separate + graphs")] {
+        for (s, (a, b)) in runs[0].iter().zip(&runs[i]).enumerate() {
+            assert!(bits(a) == bits(b), "{name} step {s}: logits differ from separate launches (max |diff| {})", max_diff(a, b));
+        }
+    }
+    eprintln!("m2.7:iq4xs:2 fast path: fused / fused + graphs / separate + graphs bit-identical to separate launches over {} steps", runs[0].len());
+}

@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex};
 use common::gpu::{NAN, Rng, TYPES, gpu, random_rows, upload_mat};
 use minimax_rank::comm::Solo;
 use minimax_rank::cpu::{CpuModel, KvSpec};
-use minimax_rank::cuda::{CudaModel, CudaOptions, GemmPrecision, KvDtype, set_gemm_precision};
+use minimax_rank::cuda::{CudaModel, CudaOptions, DevMat, GemmPrecision, KvDtype, set_gemm_compact, set_gemm_fast, set_gemm_precision};
 use minimax_rank::partition::Partition;
 use minimax_shared::forward::{ForwardBatch, LogitsWanted, SeqStep};
 use minimax_shared::gguf::GgufModel;
@@ -128,6 +128,89 @@ fn gemm_matches_cpu_for_every_type_tile_and_precision() {
     }
 }
 
+/// The types with the integer fast path (`mm_f_*` / `mmg_f_*`).
+const FAST_TYPES: [GgmlType; 4] = [GgmlType::IQ4_XS, GgmlType::Q4_K, GgmlType::Q6_K, GgmlType::Q8_0];
+
+/// The fast path's dense product for its four types, every token tile (16, 32, 64), both
+/// precisions, accumulate on and off, strided X and Y, rows and tokens off the tiles, K off the
+/// 128-column stage (Q8_0), and weights whose rows start off 16-byte boundaries (the staging
+/// copies aligned spans around them). Outputs NaN-poisoned first; padding must stay NaN.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_gemm_matches_cpu_for_every_tile_precision_and_offset() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    set_gemm_fast(true);
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0011);
+    for ty in FAST_TYPES {
+        let cols = cols_for(ty);
+        let rows = 261; // three row tiles of 128, the last nearly empty
+        let w = random_rows(&mut rng, ty, rows, cols);
+        let wf = dequant(ty, &w, rows, cols);
+        let rb = quant::row_bytes(ty, cols).unwrap();
+        // Rows start 4 bytes past a 16-byte boundary (and IQ4_XS / Q6_K / Q8_0 rows are not
+        // multiples of 16 bytes): the staging copies the aligned 16-byte spans around them.
+        let mut shifted = vec![0xa5u8; 4];
+        shifted.extend_from_slice(&w);
+        shifted.extend_from_slice(&[0x5a; 4]);
+        let wb = g.upload(&shifted).unwrap();
+        let m = DevMat { ptr: g.ptr(&wb) + 4, ty, rows, cols, row_bytes: rb, n_experts: 0, expert_stride: 0 };
+        {
+            for (n, bm, compact) in [(7usize, 16usize, false), (45, 16, false), (33, 32, false), (77, 32, false), (77, 32, true), (40, 32, true), (150, 64, false), (64, 64, false), (130, 64, false)] {
+                set_gemm_compact(compact);
+                let (xs, ys) = (cols + 4, rows + 3);
+                let x = rng.vec(n * xs, 1.0);
+                let xd = g.upload(&x).unwrap();
+                let mut yd = g.zeros::<f32>(n * ys).unwrap();
+                for passes in [1usize, 3] {
+                    for accumulate in [false, true] {
+                        let base: Vec<f32> = if accumulate { rng.vec(n * ys, 2.0) } else { Vec::new() };
+                        if accumulate {
+                            g.stream.memcpy_htod(&base, &mut yd).unwrap();
+                        } else {
+                            g.fill_u32(g.ptr(&yd), n * ys, NAN).unwrap();
+                        }
+                        g.matmul_fast_with(&m, g.ptr(&xd), xs, g.ptr(&yd), ys, n, accumulate, bm, passes).unwrap();
+                        let y = g.download(&yd).unwrap();
+                        let mut chk = Check::new();
+                        for t in 0..n {
+                            for r in 0..rows {
+                                let (want, abs) = dot(&wf[r * cols..(r + 1) * cols], &x[t * xs..t * xs + cols]);
+                                let want = want + if accumulate { base[t * ys + r] as f64 } else { 0.0 };
+                                let what = || format!("fast {ty:?} n {n} tile {bm} compact {compact} passes {passes} acc {accumulate} token {t} row {r}");
+                                chk.one(y[t * ys + r], want, abs, passes, &what);
+                            }
+                            if !accumulate {
+                                for r in rows..ys {
+                                    assert!(y[t * ys + r].is_nan(), "fast {ty:?}: wrote outside the rows (token {t}, column {r})");
+                                }
+                            }
+                        }
+                        let rel = chk.finish(passes, &format!("fast {ty:?} n {n} tile {bm} compact {compact} passes {passes} acc {accumulate}"));
+                        if !accumulate && n == 77 && !compact {
+                            eprintln!("fast {ty:?} {rows}x{cols} n {n} passes {passes}: worst |err|/Σ|wx| {:.2e}, rms rel {rel:.2e}", chk.worst);
+                        }
+                    }
+                }
+            }
+        }
+    }
+    set_gemm_compact(true);
+    // Bad arguments are errors, never launches.
+    let ty = GgmlType::IQ4_XS;
+    let w = random_rows(&mut rng, ty, 130, 512);
+    let (_wb, m) = upload_mat(&g, ty, &w, 130, 512, 0);
+    let xd = g.upload(&rng.vec(40 * 512, 1.0)).unwrap();
+    let yd = g.zeros::<f32>(40 * 130).unwrap();
+    assert!(g.matmul_fast_with(&m, g.ptr(&xd), 512, g.ptr(&yd), 130, 40, false, 48, 3).is_err(), "tile 48");
+    assert!(g.matmul_fast_with(&m, g.ptr(&xd), 512, g.ptr(&yd), 130, 40, false, 32, 2).is_err(), "2 passes");
+    assert!(g.matmul_fast_with(&m, g.ptr(&xd) + 4, 512, g.ptr(&yd), 130, 40, false, 32, 3).is_err(), "misaligned x");
+    let odd = DevMat { ptr: m.ptr + 2, ..m };
+    assert!(g.matmul_fast_with(&odd, g.ptr(&xd), 512, g.ptr(&yd), 130, 40, false, 32, 3).is_err(), "IQ4_XS at 2 bytes");
+    let f16 = DevMat { ty: GgmlType::F16, ..m };
+    assert!(g.matmul_fast_with(&f16, g.ptr(&xd), 512, g.ptr(&yd), 130, 40, false, 32, 3).is_err(), "F16 has no fast path");
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn matvec_dispatches_to_gemm_above_crossover_and_rejects_misalignment() {
@@ -238,7 +321,13 @@ fn grouped_expert_gemm_matches_cpu_for_every_type() {
         let xd = g.upload(&x).unwrap();
         let ys = rows + 1;
         let yd = g.zeros::<f32>(np * ys).unwrap();
-        for nt in [1usize, 4] {
+        let fast_type = FAST_TYPES.contains(&ty);
+        for (fast, nt, compact) in [(true, 1usize, false), (true, 2, false), (true, 2, true), (true, 4, false), (false, 1, false), (false, 4, false)] {
+            if (nt == 2 || !fast) && !fast_type {
+                continue; // tiles of 32 exist on the fast path only; other types have one path
+            }
+            set_gemm_fast(fast);
+            set_gemm_compact(compact);
             let grp = g.group_experts_with(g.ptr(&idd), np, ne, nt).unwrap();
             for passes in [1usize, 3] {
                 g.fill_u32(g.ptr(&yd), np * ys, NAN).unwrap();
@@ -251,13 +340,15 @@ fn grouped_expert_gemm_matches_cpu_for_every_type() {
                     for r in 0..rows {
                         let wr = &wf[(e * rows + r) * cols..(e * rows + r + 1) * cols];
                         let (want, abs) = dot(wr, &x[t * xs..t * xs + cols]);
-                        chk.one(y[p * ys + r], want, abs, passes, &|| format!("{ty:?} tile {nt} passes {passes} pair {p} (expert {e}) row {r}"));
+                        chk.one(y[p * ys + r], want, abs, passes, &|| format!("{ty:?} fast {fast} tile {nt} passes {passes} pair {p} (expert {e}) row {r}"));
                     }
                     assert!(y[p * ys + rows].is_nan(), "{ty:?}: wrote past the rows of pair {p}");
                 }
-                chk.finish(passes, &format!("{ty:?} grouped tile {nt} passes {passes}"));
+                chk.finish(passes, &format!("{ty:?} grouped fast {fast} tile {nt} compact {compact} passes {passes}"));
             }
         }
+        set_gemm_fast(true);
+        set_gemm_compact(true);
     }
 }
 
@@ -272,7 +363,16 @@ fn moe_experts_gate_up_down_match_cpu() {
     let g = gpu();
     let mut rng = Rng(0x5eed_0005);
     let (h, ff, ne, k) = (256usize, 96usize, 12usize, 4usize);
-    for (ty, tokens) in [(GgmlType::IQ4_XS, 45usize), (GgmlType::Q8_0, 200), (GgmlType::Q4_K, 40), (GgmlType::IQ4_XS, 20)] {
+    for (fast, ty, tokens) in [
+        (true, GgmlType::IQ4_XS, 45usize),
+        (true, GgmlType::Q8_0, 200),
+        (true, GgmlType::Q4_K, 40),
+        (true, GgmlType::IQ4_XS, 20),
+        (true, GgmlType::Q6_K, 300),
+        (false, GgmlType::IQ4_XS, 45),
+        (false, GgmlType::Q4_K, 40),
+    ] {
+        set_gemm_fast(fast);
         // down's input is ff = 96 wide: K-quants need 256-wide rows, so down is Q8_0 then.
         let dty = if ty.block_elems() == 256 { GgmlType::Q8_0 } else { ty };
         let gw = random_rows(&mut rng, ty, ne * ff, h);
@@ -313,9 +413,10 @@ fn moe_experts_gate_up_down_match_cpu() {
             }
         }
         let rel = (se / ss).sqrt();
-        eprintln!("moe_experts {ty:?}/{dty:?} {tokens} tokens x {k}: rms rel error {rel:.2e} (grouped: {})", tokens > 32);
-        assert!(rel < 1e-3, "{ty:?}: rms rel error {rel:.2e}");
+        eprintln!("moe_experts {ty:?}/{dty:?} {tokens} tokens x {k}, fast {fast}: rms rel error {rel:.2e} (grouped: {})", tokens > 32);
+        assert!(rel < 1e-3, "{ty:?} fast {fast}: rms rel error {rel:.2e}");
     }
+    set_gemm_fast(true);
 }
 
 const PAGE: usize = 16;

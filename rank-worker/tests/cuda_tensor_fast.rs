@@ -1,5 +1,6 @@
 //! Tensor parallelism on the fast decode path (q8 activations, fused MoE, CUDA graphs with
-//! the NCCL all-reduces captured in them), at MiniMax-M2.7's real dimensions with two layers
+//! the all-reduces captured in them: the one-shot peer-memory kernel by default, NCCL with
+//! `MINIMAX_TP_ALLREDUCE=nccl`), at MiniMax-M2.7's real dimensions with two layers
 //! (`m2.7:iq4xs:2`, synthetic weights, the same seed in both worlds): two GPUs in one process
 //! (one thread, one `CudaModel::synthetic_part` and one NCCL communicator per GPU) against one
 //! GPU, on a 5-token prompt and 6 greedy steps.
@@ -140,6 +141,12 @@ fn tp2_fast_path_matches_one_gpu_and_tp_exact() {
             .collect();
         hs.into_iter().map(|h| h.join().expect("rank thread panicked")).collect()
     });
+    // The fast path's small all-reduces took the one-shot peer-memory kernel (the default).
+    let oneshot = minimax_rank::cuda::peer_allreduce::oneshot_calls();
+    eprintln!("one-shot all-reduce launches: {oneshot}");
+    if std::env::var("MINIMAX_TP_ALLREDUCE").as_deref() != Ok("nccl") {
+        assert!(oneshot > 0, "the TP fast path must use the one-shot all-reduce (MINIMAX_TP_ALLREDUCE=nccl turns it off)");
+    }
     let (tp_fast, tp_tok, tp_fast2, tp_exact) = &results[0];
     let scale = max_abs(&one_exact);
     eprintln!("max |logit| {scale:.3}; greedy one GPU {one_fast_tok:?}, TP {tp_tok:?}");

@@ -2,7 +2,7 @@
 //! aligned column slices and unaligned (f32) column slices of every fixture (one file and a
 //! split set), through tiny staging buffers (many batches, tensors split across them, strided
 //! rows split between threads), with `pread` and with the memory mapping. Each device buffer
-//! is read back and compared byte for byte with the slice computed on the host; buffers are
+//! (also with rows padded by zeros to a byte multiple) is read back and compared byte for byte with the slice computed on the host; buffers are
 //! poisoned before they are freed, so a later run's missing copy cannot pass on stale bytes.
 //! Needs a GPU: run with `--ignored`.
 #![cfg(feature = "cuda")]
@@ -82,7 +82,16 @@ fn check(gpu: &Gpu, path: &str, opts: UploadOptions) -> usize {
             let c = be..ncols - be;
             let d = up.mat_slice(name, Some(2..nrows), Some(c.clone())).unwrap();
             assert_eq!(d.ty, *ty);
-            add(&mut want, format!("{name} aligned cols {c:?}"), d, host_slice(&m, name, 2..nrows, c));
+            add(&mut want, format!("{name} aligned cols {c:?}"), d, host_slice(&m, name, 2..nrows, c.clone()));
+            // The same slice stored with rows padded by zeros to a multiple of 48 bytes (the
+            // layout tensor-parallel expert down slices get for the fast kernels).
+            let d = up.mat_slice_padded(name, Some(2..nrows), Some(c.clone()), |_| 48).unwrap();
+            let w = quant::row_bytes(*ty, c.len()).unwrap();
+            let padded = w.div_ceil(48) * 48;
+            assert_eq!((d.row_bytes, d.cols), (padded, c.len()), "{name}: padded slice shape");
+            let rows = host_slice(&m, name, 2..nrows, c.clone());
+            let bytes: Vec<u8> = rows.chunks(w).flat_map(|r| r.iter().copied().chain(std::iter::repeat_n(0, padded - w))).collect();
+            add(&mut want, format!("{name} aligned cols {c:?} padded to 48"), d, bytes);
         }
         let c = 1..ncols - 1;
         let d = up.mat_slice(name, None, Some(c.clone())).unwrap();

@@ -28,7 +28,7 @@ nvidia-smi --query-gpu=index,name,driver_version,memory.total,clocks.max.sm --fo
 mkdir -p /tmp/t1 /tmp/t2
 for b in "$bin"/cuda_*; do
   case "$(basename "$b")" in
-    cuda_tensor|cuda_tensor_fast|cuda_pipeline) ln -sf "$b" /tmp/t2/ ;;
+    cuda_tensor|cuda_tensor_fast|cuda_pipeline|cuda_allreduce) ln -sf "$b" /tmp/t2/ ;;
     cuda_nvrtc) ;;
     *) ln -sf "$b" /tmp/t1/ ;;
   esac

@@ -179,6 +179,7 @@ fn ab_runs(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     }
     set_kernel_overrides(None, None, None);
     set_route_mode(None);
+    decode_fusion_ab(m, &pts, 5 + combos.len())?;
     // MoE grouped by expert (moe_group + *_grp kernels) vs per-pair kernels, per step size.
     println!("\nMoE grouped by expert vs per (token, expert) pair (graph replay, default kernels otherwise):");
     println!("{:>6} {:>14} {:>14} {:>9}", "batch", "per-pair tok/s", "grouped tok/s", "speed-up");
@@ -209,6 +210,64 @@ fn ab_runs(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A/B of the decode kernels changed in session 3 (graph replay; batch-1 event totals): the
+/// per-task expert kernels of session 2, the persistent gate/up (the default) and down
+/// (`MINIMAX_DN=p`), and the attention merge folded into the split kernel
+/// (`MINIMAX_ATTN_FUSE=1`). Batch 32 (`pts.len()`
+/// sequences) sees only the attention change (its MoE is grouped).
+fn decode_fusion_ab(m: &mut CudaModel, pts: &[Vec<u32>], pos: usize) -> anyhow::Result<()> {
+    use minimax_rank::cuda::fast::{DownKind, GateUpKind, set_attn_fusion, set_gate_up_kind, set_kernel_overrides};
+    let rows = [
+        ("session 2: reg2 gate/up, reg4 down", false, DownKind::Reg4, GateUpKind::Reg(2, true)),
+        ("persistent gate/up, reg4 down (default)", false, DownKind::Reg4, GateUpKind::Persist),
+        ("persistent gate/up + down", false, DownKind::Persist, GateUpKind::Persist),
+        ("default + attention merge folded", true, DownKind::Reg4, GateUpKind::Persist),
+    ];
+    println!("\nbatch-1 decode kernels A/B (graph replay; events for the total and launch count):");
+    println!("{:<48} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9} {:>9}", "kernels", "b1 ms", "b1 tok/s", "event ms", "launches", "g/u ms", "down ms", "b32 tok/s");
+    for (i, (name, attn, dn, gu)) in rows.iter().enumerate() {
+        set_attn_fusion(Some(*attn));
+        set_kernel_overrides(None, Some(*dn), None);
+        set_gate_up_kind(Some(*gu));
+        m.clear_graphs();
+        let p = pos + 2 * i;
+        let o = m.forward(&ForwardBatch { seqs: vec![step(700, &pts[0], p, vec![11], LogitsWanted::Last)] })?;
+        anyhow::ensure!(finite(&o), "{name}: non-finite logits");
+        m.replay_fast_step(1)?;
+        m.gpu().sync()?;
+        let t = Instant::now();
+        for _ in 0..50 {
+            m.replay_fast_step(1)?;
+        }
+        m.gpu().sync()?;
+        let b1 = ms(t) / 50.0;
+        m.set_fast(true, false);
+        m.gpu().profile_begin();
+        m.replay_fast_step(1)?;
+        let prof = m.gpu().profile_end()?;
+        m.set_fast(true, true);
+        let fam = |pre: &str| -> f32 { prof.iter().filter(|(n, _)| n.starts_with(pre)).map(|(_, t)| *t).sum() };
+        let tot: f32 = prof.iter().map(|(_, t)| *t).sum();
+        let b = pts.len();
+        let seqs = (0..b).map(|j| step(700 + j as u64, &pts[j], p + 1, vec![13], LogitsWanted::Last)).collect();
+        anyhow::ensure!(finite(&m.forward(&ForwardBatch { seqs })?), "{name}: non-finite logits at batch {b}");
+        m.replay_fast_step(b)?;
+        m.gpu().sync()?;
+        let t = Instant::now();
+        for _ in 0..10 {
+            m.replay_fast_step(b)?;
+        }
+        m.gpu().sync()?;
+        let bb = ms(t) / 10.0;
+        println!("{:<48} {:>9.3} {:>9.1} {:>9.3} {:>9} {:>9.3} {:>9.3} {:>9.0}", name, b1, 1e3 / b1, tot, prof.len(), fam("moe_gate_up"), fam("moe_down"), b as f64 * 1e3 / bb);
+    }
+    set_attn_fusion(None);
+    set_kernel_overrides(None, None, None);
+    set_gate_up_kind(None);
+    m.clear_graphs();
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_max_level(tracing::Level::INFO).init();
     if world::requested() {
@@ -224,8 +283,8 @@ fn main() -> anyhow::Result<()> {
     }
     let spec = SyntheticSpec::parse(&spec_s)?;
     let long_ctx = 32768usize;
-    // + 320: the prefill section's warm-ups, precision/tile runs and profiled run.
-    let n_pages = long_ctx / PAGE + 64 + 32 * 8 + 8 + 2 * 8192 / PAGE + 16 + 320;
+    // + 520: the prefill section's warm-ups, precision/tile runs and profiled run.
+    let n_pages = long_ctx / PAGE + 64 + 32 * 8 + 8 + 2 * 8192 / PAGE + 16 + 520;
     let kv = KvSpec { page_size: PAGE, n_pages };
     let t = Instant::now();
     let mut m = CudaModel::synthetic(&spec, kv, CudaOptions::default(), 42)?;
@@ -237,6 +296,8 @@ fn main() -> anyhow::Result<()> {
     let mut pages = Pages(0);
     let mut table: Vec<(String, String)> = Vec::new();
 
+    // --prefill-only: skip every decode measurement (the prefill section below stands alone).
+    if !flag("--prefill-only") {
     // Decode, batch 1: 5-token prompt then `dsteps` greedy steps through forward().
     let pt = pages.take((5 + dsteps + 1).div_ceil(PAGE));
     let prompt = vec![1u32, 17, 4242, 99_999, 200_000];
@@ -363,7 +424,25 @@ fn main() -> anyhow::Result<()> {
         }
         let per = ms(t) / (steps - 2) as f64;
         println!("decode at 32k context, batch 1: {per:.2} ms/token = {:.1} tok/s (bound {:.0}), finite {fin}", 1e3 / per, bound(long_ctx));
+        // The same step with the attention merge folded in / separate (the other choice).
+        for fuse in [!minimax_rank::cuda::fast::attn_fusion(), minimax_rank::cuda::fast::attn_fusion()] {
+            minimax_rank::cuda::fast::set_attn_fusion(Some(fuse));
+            m.clear_graphs();
+            m.forward(&ForwardBatch { seqs: vec![step(9, &pt, long_ctx + steps, vec![tok], LogitsWanted::Last)] })?;
+            m.replay_fast_step(1)?;
+            m.gpu().sync()?;
+            let t = Instant::now();
+            for _ in 0..10 {
+                m.replay_fast_step(1)?;
+            }
+            m.gpu().sync()?;
+            println!("decode at 32k context, graph replay, attention merge folded {fuse}: {:.3} ms/token", ms(t) / 10.0);
+        }
+        minimax_rank::cuda::fast::set_attn_fusion(None);
+        m.clear_graphs();
         table.push(("decode tok/s at 32k context, batch 1 / bound".into(), format!("{:.1} / {:.0}", 1e3 / per, bound(long_ctx))));
+    }
+
     }
 
     // Prefill (exact path: steps over 32 tokens): 512, 513, then 8192 if it looks affordable.
@@ -382,7 +461,7 @@ fn main() -> anyhow::Result<()> {
         m.gpu().sync()?;
         // Both precisions x both grouped-expert tiles (16 / 64 pairs), one 512-token prefill each.
         for p in [prec, other] {
-            for gt in [1usize, 4] {
+            for gt in [1usize, 2, 4] {
                 set_gemm_precision(p);
                 set_group_tile(Some(gt));
                 let pt = pages.take(512 / PAGE);
@@ -395,6 +474,20 @@ fn main() -> anyhow::Result<()> {
         }
         set_group_tile(None);
         set_gemm_precision(prec);
+        // The integer fast path (mm_f_* / mmg_f_*) against the previous kernels (MINIMAX_GEMM_FAST=0).
+        // Compact: the 32-token tiles' 2-stage variant that fits two blocks an SM (the default;
+        // MINIMAX_GEMM_COMPACT=0 turns it off).
+        for (fast, compact) in [(false, false), (true, true), (true, false)] {
+            minimax_rank::cuda::set_gemm_fast(fast);
+            minimax_rank::cuda::set_gemm_compact(compact);
+            let pt = pages.take(512 / PAGE);
+            let t = Instant::now();
+            let o = m.forward(&ForwardBatch { seqs: vec![step(60 + fast as u64, &pt, 0, (0..512u32).map(|i| (i * 7919) % 200_000).collect(), LogitsWanted::Last)] })?;
+            let e = ms(t);
+            println!("prefill 512, GEMM {prec:?}, fast path {fast}, compact 32-token tiles {compact}: {e:.1} ms = {:.0} tok/s, finite {}", 512e3 / e, finite(&o));
+            table.push((format!("prefill ms at 512 tokens, GEMM {prec:?}, fast path {fast}, compact {compact}"), format!("{e:.1}")));
+        }
+        minimax_rank::cuda::set_gemm_compact(std::env::var("MINIMAX_GEMM_COMPACT").as_deref() != Ok("0"));
         // Dense GEMM tiles forced to 32 and 128 tokens (default precision, automatic expert tile).
         for dt in [2usize, 8] {
             set_dense_tile(Some(dt));

@@ -25,6 +25,12 @@ fn ceil_div(a: usize, b: usize) -> u32 {
     a.div_ceil(b) as u32
 }
 
+/// Row stride multiple (bytes) a tensor-parallel expert down slice of type `ty` is stored
+/// padded to, so the fast down kernels (whole 272-byte chunks) can read it; 1 = unpadded.
+pub fn down_row_multiple(ty: GgmlType) -> usize {
+    if matches!(ty, GgmlType::Q8_0 | GgmlType::IQ4_XS) { CH } else { 1 }
+}
+
 /// Whether `w` can be a fast-path product: Q8_0 or IQ4_XS, rows of whole 272-byte chunks.
 fn fast_mat(w: &DevMat) -> bool {
     matches!(w.ty, GgmlType::Q8_0 | GgmlType::IQ4_XS) && w.row_bytes % CH == 0 && w.ptr % 16 == 0 && (w.n_experts == 0 || w.expert_stride % 16 == 0)
@@ -40,20 +46,63 @@ const NQ_MAXV: usize = 12;
 /// Widest q or k row of `qk_norm_rope_store` (8 values per thread, block 1024).
 pub const QK_MAX_WIDTH: usize = 8192;
 
-/// IQ4_XS expert gate/up kernel: the register-direct `moe_gate_up_reg*` (default: 2 rows per
-/// warp, 16 warps; `MINIMAX_GU_REG` = 4 / 4n / 2n picks another shape, "n" = without the next
-/// row's prefetch) or, with `MINIMAX_GU_REG=0`, the shared-memory staged `moe_gate_up*`
-/// (`MINIMAX_GU` rows per warp). Returns (rows per warp, kernel suffix); (0, "") = staged.
-fn gu_reg() -> (usize, &'static str) {
-    static V: std::sync::OnceLock<(usize, &'static str)> = std::sync::OnceLock::new();
-    *V.get_or_init(|| match std::env::var("MINIMAX_GU_REG").as_deref() {
-        Ok("0") => (0, ""),
-        Ok("4") => (4, "4"),
-        Ok("4n") => (4, "4n"),
-        Ok("2n") => (2, "2n"),
-        _ => (2, "2"),
-    })
+/// IQ4_XS expert gate/up kernel of the per-pair (not grouped) MoE.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GateUpKind {
+    /// The shared-memory staged `moe_gate_up*` (`MINIMAX_GU` rows per warp; `MINIMAX_GU_REG=0`).
+    Staged,
+    /// The register-direct `moe_gate_up_reg{rows}{n}_iq4_xs`: rows per warp (4 or 2), and
+    /// whether the next row's loads are issued first (`MINIMAX_GU_REG=4|2|4n|2n`).
+    Reg(usize, bool),
+    /// `moe_gate_up_pst_iq4_xs`: one wave of persistent blocks walking the (pair, 32-row)
+    /// tasks with the next row always in flight (the default; inputs of at most 3072 columns,
+    /// else `Reg(2, true)`). Bit-identical to `Reg(2, true)`.
+    Persist,
 }
+
+static GU_OVR: AtomicU8 = AtomicU8::new(0);
+
+impl GateUpKind {
+    /// The kind in force: [`set_gate_up_kind`] if set, else `MINIMAX_GU_REG` (read once).
+    pub fn from_env() -> Self {
+        match GU_OVR.load(Ordering::Relaxed) {
+            1 => return GateUpKind::Staged,
+            2 => return GateUpKind::Reg(2, true),
+            3 => return GateUpKind::Reg(4, true),
+            4 => return GateUpKind::Persist,
+            _ => {}
+        }
+        static V: std::sync::OnceLock<GateUpKind> = std::sync::OnceLock::new();
+        *V.get_or_init(|| match std::env::var("MINIMAX_GU_REG").as_deref() {
+            Ok("0") => GateUpKind::Staged,
+            Ok("4") => GateUpKind::Reg(4, true),
+            Ok("4n") => GateUpKind::Reg(4, false),
+            Ok("2") => GateUpKind::Reg(2, true),
+            Ok("2n") => GateUpKind::Reg(2, false),
+            _ => GateUpKind::Persist,
+        })
+    }
+}
+
+/// Overrides the gate/up kernel (A/B runs and tests; `None` = back to the environment;
+/// `Reg(_, false)` is not an override choice). Drop captured graphs after a change.
+pub fn set_gate_up_kind(kind: Option<GateUpKind>) {
+    GU_OVR.store(
+        match kind {
+            None | Some(GateUpKind::Reg(_, false)) => 0,
+            Some(GateUpKind::Staged) => 1,
+            Some(GateUpKind::Reg(4, _)) => 3,
+            Some(GateUpKind::Reg(..)) => 2,
+            Some(GateUpKind::Persist) => 4,
+        },
+        Ordering::Relaxed,
+    );
+}
+
+/// Most 32-value units of a persistent kernel's row per lane round (`GR_XU` x 32 for gate/up
+/// inputs, 4 warps x 32 lanes x 3 for a down row's k expert rows).
+const PST_GU_UNITS: usize = 96;
+const PST_DN_UNITS: usize = 384;
 
 /// Q8_0 dense product kernel of [`Gpu::matvec_q8`]: the staged `mvq_*` (software-pipelined
 /// shared-memory phases of 8 chunks) or the whole-row `mvqs_*` (cp.async of up to 12 / 24
@@ -111,6 +160,7 @@ pub fn set_kernel_overrides(mvq: Option<MvqKind>, down: Option<DownKind>, route_
             Some(DownKind::Staged) => 1,
             Some(DownKind::Reg4) => 2,
             Some(DownKind::Reg2) => 3,
+            Some(DownKind::Persist) => 4,
         },
         Ordering::Relaxed,
     );
@@ -167,7 +217,8 @@ pub fn set_route_mode(m: Option<RouteMode>) {
 }
 
 /// Expert down kernel of [`Gpu::moe_down_q8`]: the staged `moe_down_*` or, for IQ4_XS, the
-/// register-direct `moe_down_reg{4,2}_iq4_xs` (4 or 2 warps per output row).
+/// register-direct `moe_down_reg{4,2}_iq4_xs` (4 or 2 warps per output row) or its persistent
+/// form `moe_down_pst_iq4_xs`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum DownKind {
     /// `moe_down_*` (run-4 kernel; `MINIMAX_DN=0`).
@@ -176,6 +227,10 @@ pub enum DownKind {
     Reg4,
     /// `moe_down_reg2_iq4_xs` (`MINIMAX_DN=2`).
     Reg2,
+    /// `moe_down_pst_iq4_xs` (`MINIMAX_DN=p`): one wave of persistent blocks walking (token,
+    /// row pair) tasks with the next task's loads in flight (rows of at most 384 units in all
+    /// k experts, else `Reg4`). Bit-identical to `Reg4`; measured no faster (docs/CUDA.md).
+    Persist,
 }
 
 impl DownKind {
@@ -185,16 +240,51 @@ impl DownKind {
             1 => return DownKind::Staged,
             2 => return DownKind::Reg4,
             3 => return DownKind::Reg2,
+            4 => return DownKind::Persist,
             _ => {}
         }
         static V: std::sync::OnceLock<DownKind> = std::sync::OnceLock::new();
         *V.get_or_init(|| match std::env::var("MINIMAX_DN").as_deref() {
             Ok("0") => DownKind::Staged,
             Ok("2") => DownKind::Reg2,
+            Ok("p") => DownKind::Persist,
             _ => DownKind::Reg4,
         })
     }
 }
+
+static ATTN_FUSE_OVR: AtomicU8 = AtomicU8::new(0);
+
+/// Whether decode attention merges its splits in the last split block (`attn_dec6m_*`,
+/// `MINIMAX_ATTN_FUSE=1`) instead of a separate `attn_merge6` launch (the default);
+/// bit-identical. Measured (H200, M2.7 IQ4_XS, batch 1): 0.4 ms per step slower at short
+/// context, 0.75 ms faster at 32k (docs/CUDA.md).
+pub fn attn_fusion() -> bool {
+    match ATTN_FUSE_OVR.load(Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => {
+            static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+            *V.get_or_init(|| matches!(std::env::var("MINIMAX_ATTN_FUSE").as_deref(), Ok("1")))
+        }
+    }
+}
+
+/// Overrides [`attn_fusion`] (A/B runs and tests; `None` = back to the environment). Drop
+/// captured graphs after a change (`CudaModel::clear_graphs`).
+pub fn set_attn_fusion(on: Option<bool>) {
+    ATTN_FUSE_OVR.store(
+        match on {
+            None => 0,
+            Some(false) => 1,
+            Some(true) => 2,
+        },
+        Ordering::Relaxed,
+    );
+}
+
+/// Most attention splits `attn_dec6m_*` merges (`AD_MAXSPLIT`).
+pub const ATTN_FUSE_MAX_SPLIT: usize = 128;
 
 static GRP_OVR: AtomicUsize = AtomicUsize::new(0);
 
@@ -215,7 +305,9 @@ pub fn use_grouped(nt: usize, gate: &DevMat, down: &DevMat, n_experts: usize) ->
         }
         v => v - 1,
     };
-    min > 0 && nt >= min && nt <= GG_MAXC && gate.ty == GgmlType::IQ4_XS && down.ty == GgmlType::IQ4_XS && n_experts <= GRP_MAX_E
+    let iq4 = nt <= GG_MAXC && gate.ty == GgmlType::IQ4_XS && down.ty == GgmlType::IQ4_XS;
+    let kq = super::fast_kq::kq_fast_mat(gate) && super::fast_kq::kq_fast_mat(down);
+    min > 0 && nt >= min && (iq4 || kq) && n_experts <= GRP_MAX_E
 }
 
 /// Most tokens (pairs per expert) of the grouped MoE kernels (`GG_MAXC` in kernels/fast.cu).
@@ -435,34 +527,69 @@ impl Gpu {
         if !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 {
             return Err(CudaError::Shape("moe_gate_up_q8: expert tensors".into()));
         }
-        // IQ4_XS: the register-direct kernel unless MINIMAX_GU_REG=0 (see gu_reg).
-        let (reg, suf) = if gate.ty == GgmlType::IQ4_XS { gu_reg() } else { (0, "") };
-        let (name, threads) = if reg > 0 {
-            (format!("moe_gate_up_reg{suf}_iq4_xs"), 32 * 32 / reg)
-        } else {
-            (format!("moe_gate_up{}_{}", match self.gu_rows { 1 => "1", 2 => "2", _ => "" }, tn(gate.ty)), 32 * 32 / self.gu_rows)
+        self.moe_gate_up_q8_with(GateUpKind::from_env(), gate, up, ids, k, xq, xd, aq, ad, npairs, ld)
+    }
+
+    /// [`Gpu::moe_gate_up_q8_ld`] with an explicit kernel choice (tests and A/B runs); the
+    /// register-direct and persistent kinds apply to IQ4_XS (else the staged kernel runs), the
+    /// persistent one to inputs of at most 3072 columns (else `Reg(2, true)`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gate_up_q8_with(&self, kind: GateUpKind, gate: &DevMat, up: &DevMat, ids: u64, k: usize, xq: u64, xd: u64, aq: u64, ad: u64, npairs: usize, ld: usize) -> Result<(), CudaError> {
+        if ld < gate.rows || ld % 32 != 0 {
+            return Err(CudaError::Shape(format!("moe_gate_up_q8: activation stride {ld} for {} rows", gate.rows)));
+        }
+        if !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 {
+            return Err(CudaError::Shape("moe_gate_up_q8: expert tensors".into()));
+        }
+        let iq4 = gate.ty == GgmlType::IQ4_XS;
+        let kind = match kind {
+            GateUpKind::Persist if iq4 && gate.cols / 32 > PST_GU_UNITS => GateUpKind::Reg(2, true),
+            _ if !iq4 => GateUpKind::Staged,
+            kd => kd,
         };
-        self.launch_pdl(
-            &name,
-            ((gate.rows / 32) as u32, npairs as u32, 1),
-            threads as u32,
-            0,
-            &[
-                Arg::P(gate.ptr),
-                Arg::P(up.ptr),
-                Arg::L(gate.row_bytes as i64),
-                Arg::L(gate.expert_stride as i64),
-                Arg::I((gate.row_bytes / CH) as i32),
-                Arg::P(ids),
-                Arg::I(k as i32),
-                Arg::P(xq),
-                Arg::P(xd),
-                Arg::I(gate.cols as i32),
-                Arg::P(aq),
-                Arg::P(ad),
-                Arg::I(ld as i32),
-            ],
-        )
+        let mut args = vec![
+            Arg::P(gate.ptr),
+            Arg::P(up.ptr),
+            Arg::L(gate.row_bytes as i64),
+            Arg::L(gate.expert_stride as i64),
+            Arg::I((gate.row_bytes / CH) as i32),
+            Arg::P(ids),
+            Arg::I(k as i32),
+            Arg::P(xq),
+            Arg::P(xd),
+            Arg::I(gate.cols as i32),
+            Arg::P(aq),
+            Arg::P(ad),
+            Arg::I(ld as i32),
+        ];
+        let (name, threads, grid) = match kind {
+            GateUpKind::Persist => {
+                let name = "moe_gate_up_pst_iq4_xs".to_string();
+                let tasks = npairs * (gate.rows / 32);
+                args.extend([Arg::I(npairs as i32), Arg::I(gate.rows as i32)]);
+                let g = self.resident_blocks(&name, 512)?.min(tasks);
+                (name, 512, (g as u32, 1, 1))
+            }
+            GateUpKind::Reg(rows, pf) => (format!("moe_gate_up_reg{}{}_iq4_xs", if rows == 4 { 4 } else { 2 }, if pf { "" } else { "n" }), 32 * 32 / if rows == 4 { 4 } else { 2 }, ((gate.rows / 32) as u32, npairs as u32, 1)),
+            GateUpKind::Staged => (format!("moe_gate_up{}_{}", match self.gu_rows { 1 => "1", 2 => "2", _ => "" }, tn(gate.ty)), 32 * 32 / self.gu_rows, ((gate.rows / 32) as u32, npairs as u32, 1)),
+        };
+        self.launch_pdl(&name, grid, threads as u32, 0, &args)
+    }
+
+    /// Blocks of kernel `name` (block `threads`) the whole device holds at once: SMs x the
+    /// occupancy calculator's blocks per SM (at least 1). Cached per device and kernel.
+    pub fn resident_blocks(&self, name: &str, threads: u32) -> Result<usize, CudaError> {
+        use cudarc::driver::sys::CUdevice_attribute;
+        static CACHE: std::sync::Mutex<Option<HashMap<(usize, String), usize>>> = std::sync::Mutex::new(None);
+        let key = (self.ctx.ordinal(), name.to_string());
+        if let Some(&v) = CACHE.lock().unwrap().get_or_insert_with(HashMap::new).get(&key) {
+            return Ok(v);
+        }
+        let sms = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
+        let per_sm = self.func(name)?.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)?.max(1) as usize;
+        let v = sms * per_sm;
+        CACHE.lock().unwrap().get_or_insert_with(HashMap::new).insert(key, v);
+        Ok(v)
     }
 
     /// Groups the `npairs` (token, expert) pairs of `ids` by expert into `grp` (i32, at least
@@ -527,6 +654,45 @@ impl Gpu {
         self.launch_pdl("moe_combine_grp", (ceil_div(rows, 256), nt as u32, 1), 256, 0, &[Arg::P(dpart), Arg::P(wts), Arg::I(k as i32), Arg::I(rows as i32), Arg::P(hidden), Arg::L(hs as i64)])
     }
 
+    /// Split-K decode attention of `nt` tokens over the paged 16-bit cache (`kv` = "f16" or
+    /// "bf16"), GQA 6, heads of 128: `attn_dec6_*` partials into `part`, merged into `out`
+    /// (f32, stride `os`) and its q8 `aq` / `ad` either by `attn_merge6` (`cnt` = None) or by
+    /// the last split block of each (token, KV head) (`attn_dec6m_*`, `cnt` = `nt x kv_heads`
+    /// zero u32, left zero; bit-identical). `meta` = (pos, seq, page-table offsets, pages).
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_decode(&self, kv: &str, q: u64, qs: usize, kc: u64, vc: u64, meta: (u64, u64, u64, u64), page_size: usize, kv_heads: usize, nsplit: usize, scale: f32, part: u64, out: u64, os: usize, aq: u64, ad: u64, cnt: Option<u64>, nt: usize) -> Result<(), CudaError> {
+        let (pos, seq, ptoff, pts) = meta;
+        let mut args = vec![
+            Arg::P(q),
+            Arg::L(qs as i64),
+            Arg::P(kc),
+            Arg::P(vc),
+            Arg::P(pos),
+            Arg::P(seq),
+            Arg::P(ptoff),
+            Arg::P(pts),
+            Arg::I(page_size as i32),
+            Arg::I(kv_heads as i32),
+            Arg::I(nsplit as i32),
+            Arg::F(scale),
+            Arg::P(part),
+        ];
+        let grid = (kv_heads as u32, nsplit as u32, nt as u32);
+        match cnt {
+            Some(c) => {
+                if nsplit > ATTN_FUSE_MAX_SPLIT {
+                    return Err(CudaError::Shape(format!("attn_dec6m: {nsplit} splits (at most {ATTN_FUSE_MAX_SPLIT})")));
+                }
+                args.extend([Arg::P(c), Arg::P(out), Arg::L(os as i64), Arg::P(aq), Arg::P(ad)]);
+                self.launch_pdl(&format!("attn_dec6m_{kv}"), grid, 128, 0, &args)
+            }
+            None => {
+                self.launch_pdl(&format!("attn_dec6_{kv}"), grid, 128, 0, &args)?;
+                self.launch_pdl("attn_merge6", ((kv_heads * GQA) as u32, nt as u32, 1), 128, 0, &[Arg::P(part), Arg::I(kv_heads as i32), Arg::I(nsplit as i32), Arg::P(out), Arg::L(os as i64), Arg::P(aq), Arg::P(ad), Arg::P(pos)])
+            }
+        }
+    }
+
     /// Fused expert down + weighted combine: `hidden[t] += sum_j w[t,j] down[ids[t,j]] act[t,j]`.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down_q8(&self, down: &DevMat, ids: u64, wts: u64, k: usize, aq: u64, ad: u64, hidden: u64, hs: usize, nt: usize) -> Result<(), CudaError> {
@@ -541,32 +707,43 @@ impl Gpu {
             return Err(CudaError::Shape("moe_down_q8: expert tensor".into()));
         }
         let reg = down.ty == GgmlType::IQ4_XS && k <= 32;
-        let (name, rows_per_block) = match kind {
-            DownKind::Reg4 if reg => ("moe_down_reg4_iq4_xs".to_string(), 2),
-            DownKind::Reg2 if reg => ("moe_down_reg2_iq4_xs".to_string(), 4),
-            _ => (format!("moe_down_{}", tn(down.ty)), 8),
+        let mut args = vec![
+            Arg::P(down.ptr),
+            Arg::L(down.row_bytes as i64),
+            Arg::L(down.expert_stride as i64),
+            Arg::I(down.rows as i32),
+            Arg::I((down.row_bytes / CH) as i32),
+            Arg::P(ids),
+            Arg::P(wts),
+            Arg::I(k as i32),
+            Arg::P(aq),
+            Arg::P(ad),
+            Arg::I(down.cols as i32),
+            Arg::P(hidden),
+            Arg::L(hs as i64),
+        ];
+        let (name, grid) = match Self::down_kind(kind, down, k) {
+            DownKind::Persist => {
+                args.push(Arg::I(nt as i32));
+                let name = "moe_down_pst_iq4_xs";
+                let g = self.resident_blocks(name, 256)?.min(nt * down.rows.div_ceil(2));
+                (name.to_string(), (g as u32, 1, 1))
+            }
+            DownKind::Reg4 if reg => ("moe_down_reg4_iq4_xs".to_string(), (ceil_div(down.rows, 2), nt as u32, 1)),
+            DownKind::Reg2 if reg => ("moe_down_reg2_iq4_xs".to_string(), (ceil_div(down.rows, 4), nt as u32, 1)),
+            _ => (format!("moe_down_{}", tn(down.ty)), (ceil_div(down.rows, 8), nt as u32, 1)),
         };
-        self.launch_pdl(
-            &name,
-            (ceil_div(down.rows, rows_per_block), nt as u32, 1),
-            256,
-            0,
-            &[
-                Arg::P(down.ptr),
-                Arg::L(down.row_bytes as i64),
-                Arg::L(down.expert_stride as i64),
-                Arg::I(down.rows as i32),
-                Arg::I((down.row_bytes / CH) as i32),
-                Arg::P(ids),
-                Arg::P(wts),
-                Arg::I(k as i32),
-                Arg::P(aq),
-                Arg::P(ad),
-                Arg::I(down.cols as i32),
-                Arg::P(hidden),
-                Arg::L(hs as i64),
-            ],
-        )
+        self.launch_pdl(&name, grid, 256, 0, &args)
+    }
+
+    /// The down kernel that runs for `kind`: `Persist` falls back to `Reg4` when a row's units
+    /// (k expert rows of `cols / 32`) exceed one round of the persistent kernel or the type
+    /// is not IQ4_XS.
+    fn down_kind(kind: DownKind, down: &DevMat, k: usize) -> DownKind {
+        match kind {
+            DownKind::Persist if down.ty != GgmlType::IQ4_XS || k > 32 || k * (down.cols / 32) > PST_DN_UNITS => DownKind::Reg4,
+            kd => kd,
+        }
     }
 }
 
@@ -604,16 +781,21 @@ pub(crate) fn fast_plan(cfg: &ModelConfig, kv: KvDtype, layers: &[FastLayer], he
     if cfg.n_heads * cfg.head_dim > QK_MAX_WIDTH || cfg.n_kv_heads * cfg.head_dim > QK_MAX_WIDTH || cfg.hidden > NQ_MAXV * 1024 {
         return Err("q/k or hidden width above the fast kernels' limits".into());
     }
+    // K-quant matrices (Q4_K/Q6_K, kernels/fast_kq.cu) with MINIMAX_FAST_KQ=1.
+    let kq = super::fast_kq::kq_enabled();
+    let ok = |w: &DevMat| fast_mat(w) || (kq && super::fast_kq::kq_fast_mat(w));
     // A pipeline stage before the last holds no head (rows 0).
-    if head.rows > 0 && !fast_mat(head) {
+    if head.rows > 0 && !ok(head) {
         return Err(format!("output {:?}", head.ty));
     }
     for (i, l) in layers.iter().enumerate() {
         let dense = [&l.wq, &l.wk, &l.wv, &l.wo];
-        if dense.iter().any(|w| !fast_mat(w)) || l.wq.ty != l.wk.ty || l.wq.ty != l.wv.ty {
+        // q/k/v go through matvec_q8_any: K-quants per type, the others in one launch (one type).
+        let qkv_rest: Vec<GgmlType> = [&l.wq, &l.wk, &l.wv].iter().filter(|w| fast_mat(w)).map(|w| w.ty).collect();
+        if dense.iter().any(|w| !ok(w)) || qkv_rest.windows(2).any(|p| p[0] != p[1]) {
             return Err(format!("layer {i}: attention types {:?}/{:?}/{:?}/{:?} or shapes", l.wq.ty, l.wk.ty, l.wv.ty, l.wo.ty));
         }
-        if !fast_mat(&l.gate) || !fast_mat(&l.up) || !fast_mat(&l.down) || l.gate.ty != l.up.ty || l.down.row_bytes / CH > 12 {
+        if !ok(&l.gate) || !ok(&l.up) || !ok(&l.down) || l.gate.ty != l.up.ty || (fast_mat(&l.down) && l.down.row_bytes / CH > 12) {
             return Err(format!("layer {i}: expert types {:?}/{:?}/{:?} or shapes", l.gate.ty, l.up.ty, l.down.ty));
         }
     }
@@ -641,6 +823,8 @@ pub(crate) struct FastWs {
     pub ss: CudaSlice<f32>,
     /// Arrival counters of `router_topk_f32`, one per token (kept zero between launches).
     pub rcnt: CudaSlice<u32>,
+    /// Arrival counters of `attn_dec6m_*`, one per (token, KV head) (kept zero).
+    pub acnt: CudaSlice<u32>,
     /// Pairs grouped by expert (`moe_group`): `1 + 3 E + MAX_FAST_TOKENS k` i32.
     pub grp: CudaSlice<i32>,
     /// Grouped down products per pair, `[MAX_FAST_TOKENS k][hidden]` f32.
@@ -682,6 +866,7 @@ impl FastWs {
             part: g.zeros(max_split_tokens * c.n_kv_heads * GQA * (128 + 2))?,
             ss: g.zeros(2 * t)?,
             rcnt: g.zeros(t)?,
+            acnt: g.zeros(t * c.n_kv_heads.max(1))?,
             grp: g.zeros(1 + 3 * c.n_experts + t * c.n_experts_used)?,
             dpart: g.zeros(t * c.n_experts_used * c.hidden)?,
             logits: g.zeros(t * c.vocab_size)?,

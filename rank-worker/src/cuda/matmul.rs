@@ -71,19 +71,114 @@ pub fn set_gemm_precision(p: GemmPrecision) {
 /// 0: tile choice by pairs per expert; else the grouped GEMM's token tiles of 16 (1 or 4).
 static GROUP_TILE: AtomicU8 = AtomicU8::new(0);
 
-/// Forces the grouped expert GEMM's tile (`Some(1)`: 16 pairs, `Some(4)`: 64) or restores the
-/// automatic choice (`None`); for benchmarks.
+/// Forces the grouped expert GEMM's tile (`Some(1)`: 16 pairs, `Some(2)`: 32, fast path only,
+/// `Some(4)`: 64) or restores the automatic choice (`None`); for benchmarks.
 pub fn set_group_tile(nt: Option<usize>) {
-    GROUP_TILE.store(nt.filter(|&n| n == 1 || n == 4).unwrap_or(0) as u8, Ordering::Relaxed);
+    GROUP_TILE.store(nt.filter(|&n| matches!(n, 1 | 2 | 4)).unwrap_or(0) as u8, Ordering::Relaxed);
 }
 
 /// 0: dense tile by block count; else the dense GEMM's token tiles of 16 (2 or 8).
 static DENSE_TILE: AtomicU8 = AtomicU8::new(0);
 
-/// Forces the dense GEMM's tile (`Some(2)`: 32 tokens, `Some(8)`: 128) or restores the
-/// automatic choice (`None`); for benchmarks.
+/// Forces the dense GEMM's tile (`Some(2)`: 32 tokens, `Some(8)`: 128; the fast path takes
+/// 1, 2 and 4 as 16, 32 and 64 tokens and 8 as 64) or restores the automatic choice (`None`);
+/// for benchmarks.
 pub fn set_dense_tile(nt: Option<usize>) {
-    DENSE_TILE.store(nt.filter(|&n| n == 2 || n == 8).unwrap_or(0) as u8, Ordering::Relaxed);
+    DENSE_TILE.store(nt.filter(|&n| matches!(n, 1 | 2 | 4 | 8)).unwrap_or(0) as u8, Ordering::Relaxed);
+}
+
+/// 0: not chosen yet (read `MINIMAX_GEMM_FAST` on first use), 1: on, 2: off.
+static FAST: AtomicU8 = AtomicU8::new(0);
+
+/// Whether the integer fast path (`mm_f_*` / `mmg_f_*`: IQ4_XS, Q4_K, Q6_K, Q8_0) is used where
+/// it fits: on unless `MINIMAX_GEMM_FAST=0`, or what [`set_gemm_fast`] set.
+pub fn gemm_fast() -> bool {
+    match FAST.load(Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => {
+            let on = std::env::var("MINIMAX_GEMM_FAST").map(|v| v != "0").unwrap_or(true);
+            FAST.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+            on
+        }
+    }
+}
+
+/// Turns the integer fast path on or off for every later product (benchmark A/B).
+pub fn set_gemm_fast(on: bool) {
+    FAST.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+}
+
+/// 0: not chosen yet (read `MINIMAX_GEMM_COMPACT` on first use), 1: on, 2: off.
+static COMPACT: AtomicU8 = AtomicU8::new(0);
+
+/// Whether 32-token fast-path tiles take the compact variant (`mm_f_*_32c`: 2 stages, unpadded
+/// raw pitch, two blocks an SM where shared memory allows): on unless `MINIMAX_GEMM_COMPACT=0`
+/// (measured: 512-token M2.7 prefill 174 ms vs 198 ms with the 3-stage tile).
+pub fn gemm_compact() -> bool {
+    match COMPACT.load(Ordering::Relaxed) {
+        1 => true,
+        2 => false,
+        _ => {
+            let on = std::env::var("MINIMAX_GEMM_COMPACT").map(|v| v != "0").unwrap_or(true);
+            COMPACT.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+            on
+        }
+    }
+}
+
+/// Turns the compact 32-token variant on or off for every later product (benchmark A/B).
+pub fn set_gemm_compact(on: bool) {
+    COMPACT.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+}
+
+/// Geometry of a fast-path type (kernels/quant_matmul.cu `MQT`): columns per stage, block
+/// elements and bytes, scales per row per stage, whether it has mins, load alignment in bytes.
+#[derive(Clone, Copy)]
+struct FastGeom {
+    ks: usize,
+    be: usize,
+    bb: usize,
+    nsc: usize,
+    min: bool,
+    align: usize,
+}
+
+fn fast_geom(ty: GgmlType) -> Option<FastGeom> {
+    match ty {
+        GgmlType::IQ4_XS => Some(FastGeom { ks: 256, be: 256, bb: 136, nsc: 8, min: false, align: 4 }),
+        GgmlType::Q4_K => Some(FastGeom { ks: 256, be: 256, bb: 144, nsc: 8, min: true, align: 4 }),
+        GgmlType::Q6_K => Some(FastGeom { ks: 256, be: 256, bb: 210, nsc: 16, min: false, align: 2 }),
+        GgmlType::Q8_0 => Some(FastGeom { ks: 128, be: 32, bb: 34, nsc: 4, min: false, align: 2 }),
+        _ => None,
+    }
+}
+
+/// Token tiles of the fast path and their (m16 tiles per warp, stages) (`MQ_INST`).
+const FAST_TILES: [(usize, usize, usize); 3] = [(16, 1, 2), (32, 1, 3), (64, 2, 2)];
+
+/// Dynamic shared memory of one fast-path block (`mq_smem`), X in `planes` bf16 planes.
+fn fast_smem(g: FastGeom, bm: usize, planes: usize) -> usize {
+    let compact = bm == 32 && gemm_compact();
+    let (_, mi, st) = FAST_TILES.iter().copied().find(|t| t.0 == bm).unwrap_or((bm, 2, 3));
+    let st = if compact { 2 } else { st };
+    let sb = g.ks / g.be * g.bb;
+    let sp = if compact { 16 * (sb.div_ceil(16) + 1) } else { 16 * (((sb + 15) / 16 + 1) | 1) };
+    let xp = g.ks * 2 * planes + 32 * planes;
+    let stage = BN * sp + bm * xp + if g.min { bm * (g.ks / 32) * 4 } else { 0 };
+    st * stage + if g.min { 2 } else { 1 } * 8 * g.nsc * mi * 8 * 8 + 2 * bm * 4
+}
+
+/// X converted for the fast path (`mm_x_pP`): `rows` rows of bf16 planes `pitch` bytes apart,
+/// and (types with mins) f32 sums of every 32 columns, `spitch` floats apart.
+pub struct FastX {
+    xc: CudaSlice<u8>,
+    pitch: usize,
+    sums: Option<CudaSlice<f32>>,
+    spitch: usize,
+    rows: usize,
+    cols: usize,
+    passes: usize,
 }
 
 /// Dynamic shared memory of one GEMM block (kernels/quant_matmul.cu `mm_smem`).
@@ -159,12 +254,31 @@ impl Gpu {
             return Err(CudaError::Shape(format!("matmul: {why}")));
         }
         let rt = w.rows.div_ceil(BN);
+        let passes = self.gemm_passes(w.ty);
+        if self.gemm_fast_unfit(w, x, xs, 64, passes).is_none() {
+            // Fast path: the largest token tile that still gives every SM a block (16-token
+            // tiles run two blocks an SM).
+            let sms = self.sm_count();
+            let bm = match DENSE_TILE.load(Ordering::Relaxed) {
+                // Measured (H200, M2.7 512-token prefill): every dense product on the compact
+                // 32-token tile 168 ms vs 174 ms with 64-token tiles for q and o; 4k chunks keep
+                // 64 (not measured with 32).
+                0 if n <= 1024 && gemm_compact() && rt * n.div_ceil(32) >= sms / 2 => 32,
+                0 if rt * n.div_ceil(64) >= sms => 64,
+                0 if rt * n.div_ceil(32) >= sms => 32,
+                0 => 16,
+                1 => 16,
+                2 => 32,
+                _ => 64,
+            };
+            return self.matmul_fast_with(w, x, xs, y, ys, n, accumulate, bm, passes);
+        }
         // Big products: 128-token tiles (weights reused 4x more); else 32-token tiles so that
         // e.g. a 3072→1024 projection of 512 tokens still has enough blocks.
         let nt = match DENSE_TILE.load(Ordering::Relaxed) {
             0 if rt * n.div_ceil(128) >= 2 * self.sm_count() => 8,
-            0 => 2,
-            n => n as usize,
+            8 => 8,
+            _ => 2,
         };
         self.matmul_with(w, x, xs, y, ys, n, accumulate, nt, self.gemm_passes(w.ty))
     }
@@ -197,6 +311,149 @@ impl Gpu {
         )
     }
 
+    /// Largest dynamic shared memory a block may opt in to on this device.
+    fn smem_optin(&self) -> usize {
+        self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map(|v| v as usize).unwrap_or(MAX_SMEM)
+    }
+
+    /// Why the integer fast path cannot take `w` with input `x` (`xs` apart) at token tile
+    /// `bm` and `passes`, or `None` when it can (and [`gemm_fast`] is on).
+    pub fn gemm_fast_unfit(&self, w: &DevMat, x: u64, xs: usize, bm: usize, passes: usize) -> Option<String> {
+        if !gemm_fast() {
+            return Some("fast path off".into());
+        }
+        if let Some(why) = self.gemm_unfit(w, x, xs) {
+            return Some(why);
+        }
+        let Some(g) = fast_geom(w.ty) else { return Some(format!("type {} has no fast path", w.ty.name())) };
+        let es = if w.n_experts > 0 { w.expert_stride } else { 0 };
+        if w.ptr % g.align as u64 != 0 || w.row_bytes % g.align != 0 || es % g.align != 0 || w.cols % g.be != 0 {
+            return Some(format!("weights {:#x} (row {} bytes) not {}-byte aligned", w.ptr, w.row_bytes, g.align));
+        }
+        if !FAST_TILES.iter().any(|t| t.0 == bm) || !matches!(passes, 1 | 3) {
+            return Some(format!("token tile {bm}, {passes} passes"));
+        }
+        let sm = fast_smem(g, bm, if passes == 1 { 1 } else { 2 });
+        if sm > self.smem_optin() {
+            return Some(format!("{sm} bytes of shared memory (device max {})", self.smem_optin()));
+        }
+        None
+    }
+
+    /// Converts `rows` rows of X (`xs` apart; `x = silu(x) * u` with `u`, same stride) into the
+    /// fast path's bf16 planes for `passes`, with 32-column sums when `sums`. `kernel`: "mm_x"
+    /// or "mmg_x" (the same kernel, named for the benchmark's dense / MoE split).
+    #[allow(clippy::too_many_arguments)]
+    fn fast_x(&self, kernel: &str, x: u64, xs: usize, u: Option<u64>, rows: usize, cols: usize, passes: usize, sums: bool) -> Result<FastX, CudaError> {
+        let planes = if passes == 1 { 1 } else { 2 };
+        let pitch = (cols * 2 * planes).next_multiple_of(16);
+        let spitch = (cols / 32).next_multiple_of(4);
+        // Every byte the products read is written first: no zeroing needed.
+        let xc = unsafe { self.stream.alloc::<u8>((rows * pitch).max(16))? };
+        let s = if sums { Some(self.zeros::<f32>(rows * spitch)?) } else { None };
+        let sp = s.as_ref().map(|b| self.ptr(b)).unwrap_or(0);
+        if rows > 0 && cols > 0 {
+            self.launch(
+                &format!("{kernel}_p{passes}"),
+                (rows as u32, cols.div_ceil(128) as u32, 1),
+                32,
+                0,
+                &[Arg::P(x), Arg::L(xs as i64), Arg::P(u.unwrap_or(0)), Arg::I(cols as i32), Arg::P(self.ptr(&xc)), Arg::L(pitch as i64), Arg::P(sp), Arg::L(spitch as i64)],
+            )?;
+        }
+        Ok(FastX { xc, pitch, sums: s, spitch, rows, cols, passes })
+    }
+
+    /// The fast path's dense product `Y[n × rows] (+)= X[n × cols] · Wᵀ` with token tile `bm`
+    /// (16, 32 or 64) and `passes` (1: X's bf16 hi part, 3: hi + lo; W exact either way).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_fast_with(&self, w: &DevMat, x: u64, xs: usize, y: u64, ys: usize, n: usize, accumulate: bool, bm: usize, passes: usize) -> Result<(), CudaError> {
+        if let Some(why) = self.gemm_fast_unfit(w, x, xs, bm, passes) {
+            return Err(CudaError::Shape(format!("matmul_fast: {why}")));
+        }
+        if n == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        if n.div_ceil(bm) > 65535 {
+            return Err(CudaError::Shape(format!("matmul_fast: {n} rows of X in tiles of {bm}")));
+        }
+        let g = fast_geom(w.ty).expect("checked");
+        let fx = self.fast_x("mm_x", x, xs, None, n, w.cols, passes, g.min)?;
+        self.launch_fast(w, &fx, y, ys, bm, None, n, accumulate)
+    }
+
+    /// One fast-path launch over converted X: dense (`groups` None: `n` tokens) or grouped.
+    #[allow(clippy::too_many_arguments)]
+    fn launch_fast(&self, w: &DevMat, fx: &FastX, y: u64, ys: usize, bm: usize, groups: Option<(&ExpertGroups, usize)>, n: usize, accumulate: bool) -> Result<(), CudaError> {
+        let g = fast_geom(w.ty).ok_or_else(|| CudaError::Shape(format!("type {} has no fast path", w.ty.name())))?;
+        if fx.cols != w.cols || (g.min && fx.sums.is_none()) {
+            return Err(CudaError::Shape(format!("fast product: X of {} columns (sums {}) for {} x {} {}", fx.cols, fx.sums.is_some(), w.rows, w.cols, w.ty.name())));
+        }
+        let passes = fx.passes;
+        let sm = fast_smem(g, bm, if passes == 1 { 1 } else { 2 });
+        let ty = w.ty.name().to_ascii_lowercase();
+        let suffix = if bm == 32 && gemm_compact() { "c" } else { "" };
+        let name = format!("{}_f_{ty}_{bm}{suffix}_p{passes}", if groups.is_some() { "mmg" } else { "mm" });
+        if sm > self.smem_optin() {
+            return Err(CudaError::Shape(format!("{name}: {sm} bytes of shared memory")));
+        }
+        if sm > 48 * 1024 {
+            self.func(&name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, sm as i32)?;
+        }
+        let sums = fx.sums.as_ref().map(|b| self.ptr(b)).unwrap_or(0);
+        let rt = w.rows.div_ceil(BN) as u32;
+        match groups {
+            None => self.launch(
+                &name,
+                (rt, n.div_ceil(bm) as u32, 1),
+                256,
+                sm as u32,
+                &[
+                    Arg::P(w.ptr),
+                    Arg::L(w.row_bytes as i64),
+                    Arg::I(w.rows as i32),
+                    Arg::I(w.cols as i32),
+                    Arg::P(self.ptr(&fx.xc)),
+                    Arg::L(fx.pitch as i64),
+                    Arg::P(sums),
+                    Arg::L(fx.spitch as i64),
+                    Arg::P(y),
+                    Arg::L(ys as i64),
+                    Arg::I(n as i32),
+                    Arg::I(accumulate as i32),
+                ],
+            ),
+            Some((grp, x_div)) => {
+                if grp.npairs.div_ceil(x_div) > fx.rows || 16 * grp.nt != bm {
+                    return Err(CudaError::Shape(format!("{name}: {} pairs / {x_div} over {} X rows, tiles of {}", grp.npairs, fx.rows, 16 * grp.nt)));
+                }
+                self.launch(
+                    &name,
+                    (rt, grp.max_tiles as u32, 1),
+                    256,
+                    sm as u32,
+                    &[
+                        Arg::P(w.ptr),
+                        Arg::L(w.row_bytes as i64),
+                        Arg::L(w.expert_stride as i64),
+                        Arg::I(w.rows as i32),
+                        Arg::I(w.cols as i32),
+                        Arg::P(self.ptr(&fx.xc)),
+                        Arg::L(fx.pitch as i64),
+                        Arg::P(sums),
+                        Arg::L(fx.spitch as i64),
+                        Arg::I(x_div as i32),
+                        Arg::P(y),
+                        Arg::L(ys as i64),
+                        Arg::P(self.ptr(&grp.tiles)),
+                        Arg::P(self.ptr(&grp.ntiles)),
+                        Arg::P(self.ptr(&grp.list)),
+                    ],
+                )
+            }
+        }
+    }
+
     /// Groups `npairs` (token, slot) pairs by their expert `ids[p]` (i32, `< n_experts`) on the
     /// device, for [`Gpu::matmul_experts`]; tiles of 64 pairs from 8 pairs per expert on
     /// average, else 16 (or what [`set_group_tile`] forces).
@@ -207,14 +464,27 @@ impl Gpu {
             // fewer, fuller tiles per expert dequantize each expert's weights fewer times).
             0 if npairs >= 8 * n_experts => 4,
             0 => 1,
+            2 => 4,
             n => n as usize,
         };
         self.group_experts_with(ids, npairs, n_experts, nt)
     }
 
-    /// [`Gpu::group_experts`] with tiles of `16 * nt` pairs (nt 1 or 4).
+    /// The fast path's grouping: tiles of 16 pairs below 8 pairs per expert on average, 32
+    /// below 24 (one tile for nearly every expert of a 512-token M2.7 prefill), else 64.
+    pub fn group_experts_fast(&self, ids: u64, npairs: usize, n_experts: usize) -> Result<ExpertGroups, CudaError> {
+        let nt = match GROUP_TILE.load(Ordering::Relaxed) {
+            0 if npairs < 8 * n_experts => 1,
+            0 if npairs < 24 * n_experts => 2,
+            0 => 4,
+            n => n as usize,
+        };
+        self.group_experts_with(ids, npairs, n_experts, nt)
+    }
+
+    /// [`Gpu::group_experts`] with tiles of `16 * nt` pairs (nt 1 or 4; 2 for the fast path).
     pub fn group_experts_with(&self, ids: u64, npairs: usize, n_experts: usize, nt: usize) -> Result<ExpertGroups, CudaError> {
-        if n_experts == 0 || npairs >= i32::MAX as usize || !matches!(nt, 1 | 4) {
+        if n_experts == 0 || npairs >= i32::MAX as usize || !matches!(nt, 1 | 2 | 4) {
             return Err(CudaError::Shape(format!("group_experts: {npairs} pairs over {n_experts} experts, tiles of {}", 16 * nt)));
         }
         let bm = 16 * nt;
@@ -258,7 +528,15 @@ impl Gpu {
         if groups.npairs == 0 || w.rows == 0 {
             return Ok(());
         }
+        if self.gemm_fast_unfit(w, x, xs, 16 * groups.nt, passes).is_none() {
+            let g = fast_geom(w.ty).expect("checked");
+            let fx = self.fast_x("mmg_x", x, xs, None, groups.npairs.div_ceil(x_div), w.cols, passes, g.min)?;
+            return self.launch_fast(w, &fx, y, ys, 16 * groups.nt, Some((groups, x_div)), 0, false);
+        }
         let nt = groups.nt;
+        if !matches!(nt, 1 | 4) {
+            return Err(CudaError::Shape(format!("matmul_experts: tiles of {} pairs need the fast path ({})", 16 * nt, w.ty.name())));
+        }
         let name = format!("mmg_{}_{nt}_p{passes}", w.ty.name().to_ascii_lowercase());
         let sm = smem(nt, passes);
         self.gemm_func(&name, sm)?;
@@ -305,6 +583,27 @@ impl Gpu {
             && self.gemm_unfit(gate, x, xs).is_none()
             && self.gemm_unfit(up, x, xs).is_none()
             && self.gemm_unfit(down, act, ff).is_none();
+        let passes = self.gemm_passes(gate.ty);
+        let fast = grouped
+            && passes == self.gemm_passes(up.ty)
+            && passes == self.gemm_passes(down.ty)
+            && [16, 32, 64].iter().all(|&bm| {
+                self.gemm_fast_unfit(gate, x, xs, bm, passes).is_none()
+                    && self.gemm_fast_unfit(up, x, xs, bm, passes).is_none()
+                    && self.gemm_fast_unfit(down, act, ff, bm, passes).is_none()
+            });
+        if fast {
+            // One conversion of x for gate and up; SiLU(gate)·up fused into the conversion of
+            // down's input.
+            let grp = self.group_experts_fast(ids, npairs, gate.n_experts)?;
+            let bm = 16 * grp.nt;
+            let mins = |w: &DevMat| fast_geom(w.ty).map(|g| g.min).unwrap_or(false);
+            let xa = self.fast_x("mmg_x", x, xs, None, npairs.div_ceil(k), gate.cols, passes, mins(gate) || mins(up))?;
+            self.launch_fast(gate, &xa, act, ff, bm, Some((&grp, k)), 0, false)?;
+            self.launch_fast(up, &xa, ub, ff, bm, Some((&grp, k)), 0, false)?;
+            let xd = self.fast_x("mmg_x", act, ff, Some(ub), npairs, ff, passes, mins(down))?;
+            return self.launch_fast(down, &xd, out, h, bm, Some((&grp, 1)), 0, false);
+        }
         if grouped {
             let grp = self.group_experts(ids, npairs, gate.n_experts)?;
             self.matmul_experts(gate, &grp, x, xs, k, act, ff)?;

@@ -6,18 +6,20 @@
 
 pub mod error;
 pub mod fast;
+pub mod fast_kq;
 pub mod flash;
 pub mod gpu;
 pub mod matmul;
 pub mod model;
 pub mod nccl;
 pub mod nvrtc;
+pub mod peer_allreduce;
 pub mod pipeline;
 pub mod upload;
 
 pub use error::CudaError;
 pub use gpu::{Arg, AttnArgs, DevMat, Gpu, KvDtype};
-pub use matmul::{ExpertGroups, GEMM_MIN_TOKENS, GemmPrecision, gemm_precision, set_dense_tile, set_gemm_precision, set_group_tile};
+pub use matmul::{ExpertGroups, GEMM_MIN_TOKENS, GemmPrecision, gemm_fast, gemm_precision, set_dense_tile, set_gemm_compact, set_gemm_fast, set_gemm_precision, set_group_tile};
 pub use model::{CudaModel, CudaOptions, LoadStats};
 pub use model::sampling;
 pub use nccl::{NCCL_ID_BYTES, NcclAbort, NcclComm};

@@ -25,6 +25,7 @@ mod synthetic_part;
 // Device sampling reductions: a child module so it can read the fast path's logits buffer.
 #[path = "sampling.rs"]
 pub mod sampling;
+use sampling::StepLogits;
 
 /// Options for [`CudaModel::load`].
 #[derive(Clone, Copy, Debug)]
@@ -174,7 +175,8 @@ impl CudaModel {
                 bias: up.vec_f32(&n(names::EXP_PROBS_B))?,
                 gate: up.mat_slice(&n(names::FFN_GATE_EXPS), Some(f.clone()), None)?,
                 up: up.mat_slice(&n(names::FFN_UP_EXPS), Some(f.clone()), None)?,
-                down: up.mat_slice(&n(names::FFN_DOWN_EXPS), None, Some(f.clone()))?,
+                // Rows padded to whole fast-kernel chunks (IQ4_XS at tensor 2: 408 -> 544 bytes).
+                down: up.mat_slice_padded(&n(names::FFN_DOWN_EXPS), None, Some(f.clone()), super::fast::down_row_multiple)?,
             });
         }
         let (bufs, stats) = up.finish()?;
@@ -360,7 +362,8 @@ impl CudaModel {
         let comm = if tp { Some(self.comm.as_ref().ok_or_else(|| CudaError::Shape("tensor-parallel rank has no NCCL communicator (JOIN first)".into()))?) } else { None };
         let all_reduce = |ptr: u64, n: usize| -> Result<(), CudaError> {
             match comm {
-                Some(cm) if self.tp_collectives => cm.all_reduce_sum_raw(ptr, n),
+                // One-shot peer-memory kernel for these small tensors, NCCL otherwise.
+                Some(cm) if self.tp_collectives => cm.all_reduce_sum_dev(g, ptr, n),
                 _ => Ok(()),
             }
         };
@@ -374,9 +377,11 @@ impl CudaModel {
         if self.part.first_stage {
             g.dequant_rows(&self.embd, m_tok, nt, hid, h)?;
         }
+        // MINIMAX_ATTN_FUSE=1: decode attention merges its splits in its last block.
+        let acnt = if super::fast::attn_fusion() && nsplit <= super::fast::ATTN_FUSE_MAX_SPLIT { Some(g.ptr(&ws.acnt)) } else { None };
         for (li, l) in self.layers.iter().enumerate() {
             g.norm_q8(hid, h, l.attn_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
-            g.matvec_q8(&[(&l.wq, p(&ws.q), qw), (&l.wk, p(&ws.k), kw), (&l.wv, p(&ws.v), vw)], xq, xd, h, nt, false)?;
+            g.matvec_q8_any(&[(&l.wq, p(&ws.q), qw), (&l.wk, p(&ws.k), kw), (&l.wv, p(&ws.v), vw)], xq, xd, h, nt, false)?;
             let (kc, vc) = (g.ptr(&self.kc[li]), g.ptr(&self.vc[li]));
             if tp {
                 g.launch("tp_qk_sumsq", (nt as u32, 2, 1), 256, 0, &[Arg::P(p(&ws.q)), Arg::L(qw as i64), Arg::P(p(&ws.k)), Arg::L(kw as i64), Arg::I(qw as i32), Arg::I(kw as i32), Arg::P(ssp)])?;
@@ -407,35 +412,8 @@ impl CudaModel {
             }
             let qk_name = if tp { format!("qk_norm_rope_store_tp_{kvs}") } else { format!("qk_norm_rope_store_{kvs}") };
             g.launch_pdl(&qk_name, (nt as u32, 2, 1), 1024, 0, &qk_args)?;
-            g.launch_pdl(
-                &format!("attn_dec6_{kvs}"),
-                (self.kv_heads as u32, nsplit as u32, nt as u32),
-                128,
-                0,
-                &[
-                    Arg::P(p(&ws.q)),
-                    Arg::L(qw as i64),
-                    Arg::P(kc),
-                    Arg::P(vc),
-                    Arg::P(m_pos),
-                    Arg::P(m_seq),
-                    Arg::P(m_ptoff),
-                    Arg::P(m_pts),
-                    Arg::I(self.page_size as i32),
-                    Arg::I(self.kv_heads as i32),
-                    Arg::I(nsplit as i32),
-                    Arg::F(scale),
-                    Arg::P(p(&ws.part)),
-                ],
-            )?;
-            g.launch_pdl(
-                "attn_merge6",
-                (self.heads as u32, nt as u32, 1),
-                128,
-                0,
-                &[Arg::P(p(&ws.part)), Arg::I(self.kv_heads as i32), Arg::I(nsplit as i32), Arg::P(p(&ws.att)), Arg::L(ow as i64), Arg::P(xq), Arg::P(xd), Arg::P(m_pos)],
-            )?;
-            g.matvec_q8(&[(&l.wo, hid, h)], xq, xd, ow, nt, lead)?;
+            g.attn_decode(kvs, p(&ws.q), qw, kc, vc, (m_pos, m_seq, m_ptoff, m_pts), self.page_size, self.kv_heads, nsplit, scale, p(&ws.part), p(&ws.att), ow, xq, xd, acnt, nt)?;
+            g.matvec_q8_any(&[(&l.wo, hid, h)], xq, xd, ow, nt, lead)?;
             if tp {
                 all_reduce(hid, nt * h)?;
             }
@@ -464,18 +442,18 @@ impl CudaModel {
             let (grp, nslots) = (g.ptr(&ws.grp), (nt * k).min(e));
             if grouped {
                 g.moe_group(ids, nt * k, e, grp)?;
-                g.moe_gate_up_grp(&l.gate, &l.up, grp, e, nslots, k, xq, xd, aq, ad, dn.cols)?;
+                g.moe_gate_up_grp_any(&l.gate, &l.up, grp, e, nslots, k, xq, xd, aq, ad, dn.cols)?;
             } else {
-                g.moe_gate_up_q8_ld(&l.gate, &l.up, ids, k, xq, xd, aq, ad, nt * k, dn.cols)?;
+                g.moe_gate_up_q8_any(&l.gate, &l.up, ids, k, xq, xd, aq, ad, nt * k, dn.cols)?;
             }
             if tp && !lead {
                 memset_f32_zero(g, hid, nt * h)?;
             }
             if grouped {
-                g.moe_down_grp(&dn, grp, e, nslots, aq, ad, p(&ws.dpart))?;
+                g.moe_down_grp_any(&dn, grp, e, nslots, aq, ad, p(&ws.dpart))?;
                 g.moe_combine_grp(p(&ws.dpart), wts, k, dn.rows, hid, h, nt)?;
             } else {
-                g.moe_down_q8(&dn, ids, wts, k, aq, ad, hid, h, nt)?;
+                g.moe_down_q8_any(&dn, ids, wts, k, aq, ad, hid, h, nt)?;
             }
             if tp {
                 all_reduce(hid, nt * h)?;
@@ -483,13 +461,13 @@ impl CudaModel {
         }
         if self.part.last_stage {
             g.norm_q8(hid, h, self.out_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
-            g.matvec_q8(&[(&self.head, p(&ws.logits), c.vocab_size)], xq, xd, h, nt, false)?;
+            g.matvec_q8_any(&[(&self.head, p(&ws.logits), c.vocab_size)], xq, xd, h, nt, false)?;
         }
         Ok(())
     }
 
     /// The fast path of [`CudaModel::forward`]: one metadata upload, then the step's graph.
-    fn forward_fast(&mut self, batch: &ForwardBatch) -> Result<Option<ForwardOutput>, CudaError> {
+    fn forward_fast(&mut self, batch: &ForwardBatch) -> Result<Option<StepLogits<'_>>, CudaError> {
         let nt = batch.n_tokens();
         let ps = self.page_size;
         let t = MAX_FAST_TOKENS;
@@ -557,15 +535,10 @@ impl CudaModel {
             self.gpu.sync()?;
             return Ok(None);
         }
-        let v = self.cfg.vocab_size;
-        let mut logits = vec![0f32; rows.len() * v];
-        let ws = self.fast.as_ref().unwrap();
-        for (r, &i) in out_idx.iter().enumerate() {
-            let src = ws.logits.slice(i * v..(i + 1) * v);
-            self.gpu.stream.memcpy_dtoh(&src, &mut logits[r * v..(r + 1) * v])?;
-        }
+        // The rows stay in the workspace's logits buffer (row = flat token index): the caller
+        // downloads them (`StepLogits::into_host`, forward_stage) or reduces them in place.
         self.gpu.sync()?;
-        Ok(Some(ForwardOutput { rows, logits, vocab_size: v }))
+        Ok(Some(StepLogits::device(&*self, rows, out_idx)))
     }
 
     /// Runs one fast step of `nt` tokens from whatever metadata is in the workspace, without
@@ -713,6 +686,13 @@ impl CudaModel {
     /// (separate processes or one thread per GPU). A whole model or a tensor-parallel rank
     /// always returns `Some`.
     pub fn forward_stage(&mut self, batch: &ForwardBatch) -> Result<Option<ForwardOutput>, CudaError> {
+        self.forward_stage_lazy(batch)?.map(StepLogits::into_host).transpose()
+    }
+
+    /// [`CudaModel::forward_stage`], except that the fast path leaves the logits rows on the
+    /// device (reduce them there with [`StepLogits::reduce`], which downloads only rows the
+    /// host must reduce itself); the exact path returns them on the host.
+    pub fn forward_stage_lazy(&mut self, batch: &ForwardBatch) -> Result<Option<StepLogits<'_>>, CudaError> {
         self.validate(batch)?;
         let tp = self.part.tp_world > 1;
         if tp && self.comm.is_none() {
@@ -879,7 +859,7 @@ impl CudaModel {
             logits.truncate(nr * v);
         }
         g.sync()?;
-        Ok(Some(ForwardOutput { rows, logits, vocab_size: v }))
+        Ok(Some(StepLogits::host(&*self, ForwardOutput { rows, logits, vocab_size: v })))
     }
 
     /// Pipeline: receives the previous stage's hidden states into `buf` (on the stream).

@@ -12,15 +12,22 @@
 //! blocked collective returns; every later call on this communicator is refused with
 //! [`CudaError::Nccl`] ("communicator aborted: ...") instead of touching freed memory. A new
 //! JOIN builds a fresh communicator from a fresh unique id.
+//!
+//! Small all-reduces of the fast decode path: [`NcclComm::all_reduce_sum_dev`] takes the
+//! one-shot peer-memory kernel ([`super::peer_allreduce`]) built at JOIN when every rank could
+//! build it, NCCL otherwise and for large tensors. The abort also releases a one-shot launch
+//! waiting on a dead peer, and a launch that timed out marks the communicator aborted.
 
 use std::sync::atomic::{AtomicU8, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 use std::time::{Duration, Instant};
 
 use cudarc::driver::{CudaContext, CudaStream, DevicePtr, DevicePtrMut};
 use cudarc::nccl::{result, sys};
 
 use super::error::CudaError;
+use super::gpu::Gpu;
+use super::peer_allreduce::{INFO_BYTES, PeerAllReduce};
 
 /// Bytes of an NCCL unique id (`ncclUniqueId`).
 pub const NCCL_ID_BYTES: usize = 128;
@@ -75,6 +82,8 @@ struct Cell {
     /// Held while a call is enqueued, so an abort never frees the communicator under it.
     calls: Mutex<()>,
     why: Mutex<String>,
+    /// The one-shot all-reduce over peer memory (set at JOIN when every rank built it).
+    peer: OnceLock<PeerAllReduce>,
 }
 
 // SAFETY: `comm` is only passed to NCCL under `calls` (or by the abort, which NCCL allows
@@ -104,6 +113,10 @@ impl Cell {
             return false;
         }
         *self.why.lock().unwrap_or_else(|e| e.into_inner()) = why.to_string();
+        // A one-shot launch waiting on a dead peer polls this word: release it first.
+        if let Some(p) = self.peer.get() {
+            p.abort();
+        }
         // Normally no call is in flight (the step waits in a stream sync, not in NCCL).
         let deadline = Instant::now() + ABORT_WAIT;
         let held = loop {
@@ -160,7 +173,7 @@ impl NcclAbort {
     /// Whether the communicator was aborted (or is gone): results of the step that was
     /// running are garbage.
     pub fn is_aborted(&self) -> bool {
-        self.0.upgrade().is_none_or(|c| c.state.load(Ordering::Acquire) != LIVE)
+        self.0.upgrade().is_none_or(|c| c.state.load(Ordering::Acquire) != LIVE || c.peer.get().is_some_and(|p| p.failed() != 0))
     }
 }
 
@@ -194,7 +207,14 @@ impl NcclComm {
         // SAFETY: `raw` is a valid out pointer; the id is the one rank 0 made.
         unsafe { result::comm_init_rank(&mut raw, world as i32, uid, rank as i32) }.map_err(|e| nccl_err("ncclCommInitRank", e))?;
         let comm = Self {
-            cell: Arc::new(Cell { comm: raw, ctx: ctx.clone(), state: AtomicU8::new(LIVE), calls: Mutex::new(()), why: Mutex::new(String::new()) }),
+            cell: Arc::new(Cell {
+                comm: raw,
+                ctx: ctx.clone(),
+                state: AtomicU8::new(LIVE),
+                calls: Mutex::new(()),
+                why: Mutex::new(String::new()),
+                peer: OnceLock::new(),
+            }),
             stream: stream.clone(),
             rank,
             world,
@@ -206,7 +226,58 @@ impl NcclComm {
         if got != want {
             return Err(CudaError::Nccl { call: "ncclAllReduce", detail: format!("self-test sum {got}, expected {want}") });
         }
+        // The one-shot path: every rank takes part in its two set-up collectives.
+        let gather = |mine: &[u8]| comm.all_gather_bytes(mine);
+        let agree = |ok: bool| -> Result<bool, CudaError> {
+            let mut b = stream.clone_htod(&[if ok { 1.0f32 } else { 0.0 }])?;
+            comm.all_reduce_sum(&mut b)?;
+            Ok(stream.clone_dtoh(&b)?[0] == world as f32)
+        };
+        if let Some(p) = PeerAllReduce::setup(ctx, stream, rank, world, &gather, &agree)? {
+            let _ = comm.cell.peer.set(p);
+        }
         Ok(comm)
+    }
+
+    /// All-gather of `mine` (the same length on every rank) in rank order; blocking.
+    fn all_gather_bytes(&self, mine: &[u8]) -> Result<Vec<u8>, CudaError> {
+        if mine.len() != INFO_BYTES {
+            return Err(CudaError::Shape(format!("all-gather of {} bytes, expected {INFO_BYTES}", mine.len())));
+        }
+        let send = self.stream.clone_htod(mine)?;
+        let mut recv = self.stream.alloc_zeros::<u8>(mine.len() * self.world)?;
+        {
+            let (sp, _rs) = send.device_ptr(&self.stream);
+            let (rp, _rr) = recv.device_ptr_mut(&self.stream);
+            let s = self.stream.cu_stream();
+            self.cell.call("ncclAllGather", |c| unsafe {
+                // SAFETY: `sp` holds `mine.len()` bytes and `rp` world times that, on this device.
+                result::all_gather(sp as _, rp as _, mine.len(), sys::ncclDataType_t::ncclUint8, c, s as _)
+            })?;
+        }
+        Ok(self.stream.clone_dtoh(&recv)?)
+    }
+
+    /// The one-shot peer-memory all-reduce, when every rank built it at JOIN.
+    pub fn oneshot(&self) -> Option<&PeerAllReduce> {
+        self.cell.peer.get()
+    }
+
+    /// In-place sum of `n` f32 at device address `ptr` over the world on `g`'s stream (the
+    /// communicator's): the one-shot kernel when it is on and `n` fits (unless
+    /// [`super::peer_allreduce::set_force_nccl`]), else `ncclAllReduce`. The choice depends
+    /// only on `n` and settings every rank shares, so all ranks take the same path.
+    pub fn all_reduce_sum_dev(&self, g: &Gpu, ptr: u64, n: usize) -> Result<(), CudaError> {
+        match self.cell.peer.get() {
+            Some(p) if p.fits(n) && !super::peer_allreduce::force_nccl() => {
+                let _held = self.cell.calls.lock().unwrap_or_else(|e| e.into_inner());
+                if self.cell.state.load(Ordering::Acquire) != LIVE {
+                    return Err(self.cell.aborted_err("tp_ar_oneshot"));
+                }
+                p.launch(g, ptr, n)
+            }
+            _ => self.all_reduce_sum_raw(ptr, n),
+        }
     }
 
     pub fn rank(&self) -> usize {

@@ -19,6 +19,7 @@ pub const MODULES: &[(&str, &str)] = &[
     ("attention", include_str!("../../../kernels/attention.cu")),
     ("moe", include_str!("../../../kernels/moe.cu")),
     ("fast", include_str!("../../../kernels/fast.cu")),
+    ("fast_kq", include_str!("../../../kernels/fast_kq.cu")),
     ("sampling", include_str!("../../../kernels/sampling.cu")),
     // Tensor-core GEMM: quant_matvec.cu in front for its dequantizers (its own kernels left
     // out), built once per precision (1 or 3 bf16 passes) so the two compile in parallel.

@@ -18,7 +18,7 @@ use std::collections::BTreeMap;
 use std::sync::Mutex;
 
 use cudarc::driver::CudaSlice;
-use minimax_shared::forward::{ForwardBatch, ForwardOutput};
+use minimax_shared::forward::{ForwardBatch, ForwardOutput, LogitsRow};
 use minimax_shared::sampling::partial::{self, RowPartial, RowPlan};
 use minimax_shared::sampling::{self, RowReduction, SamplingError, SamplingSpec};
 
@@ -31,7 +31,9 @@ const MAX_TOP: usize = 20;
 const THREADS: u32 = 1024;
 const CHUNK: usize = 8192;
 const PW: usize = 16;
-const HDR: usize = 48;
+const HDR: usize = HEADER_WORDS;
+/// Words of a row's output header (`SP_HDR` in the kernels).
+pub const HEADER_WORDS: usize = 48;
 const TW: usize = 4;
 const BS: usize = 5;
 
@@ -138,11 +140,17 @@ impl DeviceSampler {
         self.vocab
     }
 
+    /// The last call's downloaded output words (row headers first, `HEADER_WORDS` each):
+    /// tests print them when a call fails.
+    pub fn last_output(&self) -> &[u32] {
+        &self.host_out
+    }
+
     /// Reduces `jobs` (rows of the f32 logits at device address `logits`, `stride` floats
     /// apart) to exactly what `reduce_row` returns for each.
     pub fn reduce(&mut self, gpu: &Gpu, logits: u64, stride: usize, jobs: &[RowJob]) -> Result<(Vec<RowResult>, ReduceStats), CudaError> {
         let v = self.vocab;
-        if stride < v || logits % 4 != 0 {
+        if stride < v || !logits.is_multiple_of(4) {
             return Err(CudaError::Shape(format!("sampling: logits stride {stride} < vocab {v} or misaligned address")));
         }
         if let Some(j) = jobs.iter().find(|j| j.host_row.is_some_and(|h| h.len() != v)) {
@@ -330,6 +338,117 @@ fn download_row(gpu: &Gpu, logits: u64, stride: usize, row: usize, v: usize) -> 
 /// The process's sampler (one model per rank process), keyed by the CUDA context it lives in.
 static SAMPLER: Mutex<Option<(usize, DeviceSampler)>> = Mutex::new(None);
 
+/// Runs `f` with the process's sampler for `g`'s context and vocabulary `v`.
+fn with_sampler<R>(g: &Gpu, v: usize, f: impl FnOnce(&mut DeviceSampler) -> Result<R, CudaError>) -> Result<R, CudaError> {
+    let key = std::sync::Arc::as_ptr(&g.ctx) as usize;
+    let mut guard = SAMPLER.lock().unwrap_or_else(|e| e.into_inner());
+    if !matches!(&*guard, Some((k, s)) if *k == key && s.vocab() == v) {
+        *guard = Some((key, DeviceSampler::new(g, v)?));
+    }
+    f(&mut guard.as_mut().expect("just set").1)
+}
+
+/// A step's logits rows, downloaded (exact path) or left on the device where the fast path
+/// wrote them (`CudaModel::forward_stage_lazy`), so only rows the host must reduce itself
+/// cross the bus. Borrows the model: no later forward can overwrite the rows while it lives.
+pub struct StepLogits<'m> {
+    model: &'m CudaModel,
+    rows: Vec<LogitsRow>,
+    data: RowData,
+}
+
+enum RowData {
+    /// `rows.len() * vocab` values, row-major.
+    Host(Vec<f32>),
+    /// Each row's index in the fast workspace's logits buffer (its flat token index).
+    Device(Vec<usize>),
+}
+
+impl<'m> StepLogits<'m> {
+    pub(super) fn host(model: &'m CudaModel, out: ForwardOutput) -> Self {
+        Self { model, rows: out.rows, data: RowData::Host(out.logits) }
+    }
+
+    pub(super) fn device(model: &'m CudaModel, rows: Vec<LogitsRow>, src: Vec<usize>) -> Self {
+        Self { model, rows, data: RowData::Device(src) }
+    }
+
+    /// The rows, in batch order.
+    pub fn rows(&self) -> &[LogitsRow] {
+        &self.rows
+    }
+
+    /// Whether the rows are still on the device (nothing downloaded yet).
+    pub fn on_device(&self) -> bool {
+        matches!(self.data, RowData::Device(_))
+    }
+
+    /// The rows on the host (a device row is downloaded: the same bytes the forward wrote).
+    pub fn into_host(self) -> Result<ForwardOutput, CudaError> {
+        match self.data {
+            RowData::Host(logits) => Ok(ForwardOutput { rows: self.rows, logits, vocab_size: self.model.cfg.vocab_size }),
+            RowData::Device(ref src) => {
+                let logits = self.download(src)?;
+                Ok(ForwardOutput { rows: self.rows, logits, vocab_size: self.model.cfg.vocab_size })
+            }
+        }
+    }
+
+    /// A host copy of the rows (fallback when the device reduction fails).
+    pub fn to_host(&self) -> Result<ForwardOutput, CudaError> {
+        let v = self.model.cfg.vocab_size;
+        let logits = match &self.data {
+            RowData::Host(l) => l.clone(),
+            RowData::Device(src) => self.download(src)?,
+        };
+        Ok(ForwardOutput { rows: self.rows.clone(), logits, vocab_size: v })
+    }
+
+    fn download(&self, src: &[usize]) -> Result<Vec<f32>, CudaError> {
+        let (g, v) = (&self.model.gpu, self.model.cfg.vocab_size);
+        let ws = self.model.fast.as_ref().ok_or_else(|| CudaError::Shape("device logits rows without a fast workspace".into()))?;
+        let mut logits = vec![0f32; src.len() * v];
+        for (r, &i) in src.iter().enumerate() {
+            let row = ws.logits.slice(i * v..(i + 1) * v);
+            g.stream.memcpy_dtoh(&row, &mut logits[r * v..(r + 1) * v])?;
+        }
+        g.sync()?;
+        Ok(logits)
+    }
+
+    /// Reduces the rows on the device, one `(spec, target)` per row in order, to exactly
+    /// `reduce_row`'s results. Device rows are read in place and a row the host must reduce is
+    /// downloaded alone; host rows are uploaded (and host fallbacks use the host copy).
+    pub fn reduce(&self, jobs: &[(SamplingSpec, Option<u32>)]) -> Result<(Vec<RowResult>, ReduceStats), CudaError> {
+        let (g, v) = (&self.model.gpu, self.model.cfg.vocab_size);
+        if jobs.len() != self.rows.len() {
+            return Err(CudaError::Shape(format!("sampling: {} rows, {} specs", self.rows.len(), jobs.len())));
+        }
+        if jobs.is_empty() {
+            return Ok((Vec::new(), ReduceStats::default()));
+        }
+        match &self.data {
+            RowData::Device(src) => {
+                let ws = self.model.fast.as_ref().ok_or_else(|| CudaError::Shape("device logits rows without a fast workspace".into()))?;
+                let rj: Vec<RowJob> = jobs.iter().zip(src).map(|((spec, target), &src_row)| RowJob { src_row, spec, target: *target, host_row: None }).collect();
+                with_sampler(g, v, |s| s.reduce(g, g.ptr(&ws.logits), v, &rj))
+            }
+            RowData::Host(logits) => {
+                if logits.len() != jobs.len() * v {
+                    return Err(CudaError::Shape(format!("sampling: {} logits for {} rows", logits.len(), jobs.len())));
+                }
+                let up = g.upload(logits)?;
+                let rj: Vec<RowJob> = jobs
+                    .iter()
+                    .enumerate()
+                    .map(|(ri, (spec, target))| RowJob { src_row: ri, spec, target: *target, host_row: Some(&logits[ri * v..(ri + 1) * v]) })
+                    .collect();
+                with_sampler(g, v, |s| s.reduce(g, g.ptr(&up), v, &rj))
+            }
+        }
+    }
+}
+
 impl CudaModel {
     /// Reduces the logits rows of the last `forward(batch)`, which returned `out`, one per
     /// `(spec, target)` in row order, to exactly `reduce_row`'s results. Reads the fast path's
@@ -343,12 +462,6 @@ impl CudaModel {
             return Ok((Vec::new(), ReduceStats::default()));
         }
         let g = &self.gpu;
-        let key = std::sync::Arc::as_ptr(&g.ctx) as usize;
-        let mut guard = SAMPLER.lock().unwrap_or_else(|e| e.into_inner());
-        if !matches!(&*guard, Some((k, s)) if *k == key && s.vocab() == v) {
-            *guard = Some((key, DeviceSampler::new(g, v)?));
-        }
-        let sampler = &mut guard.as_mut().expect("just set").1;
         // Where each row is: the fast path keeps a row per token of the step.
         let on_device = self.fast_eligible(batch.n_tokens()) && self.fast.is_some();
         let mut starts = Vec::with_capacity(batch.seqs.len());
@@ -369,10 +482,10 @@ impl CudaModel {
                 let r = &out.rows[ri];
                 starts[r.seq] + (r.position - batch.seqs[r.seq].cached_len)
             };
-            sampler.reduce(g, g.ptr(&ws.logits), v, &mk(&src))
+            with_sampler(g, v, |s| s.reduce(g, g.ptr(&ws.logits), v, &mk(&src)))
         } else {
             let up = g.upload(&out.logits)?;
-            sampler.reduce(g, g.ptr(&up), v, &mk(&|ri| ri))
+            with_sampler(g, v, |s| s.reduce(g, g.ptr(&up), v, &mk(&|ri| ri)))
         }
     }
 }

@@ -12,16 +12,13 @@ use cudarc::driver::CudaSlice;
 use cudarc::driver::sys;
 use minimax_shared::model::names;
 use minimax_shared::model::synthetic::SyntheticSpec;
-use minimax_shared::quant::{self, GgmlType};
+use minimax_shared::quant;
 
 use super::super::error::CudaError;
 use super::super::gpu::{DevMat, Gpu};
 use super::{CudaModel, CudaOptions, Layer, LoadStats};
 use crate::cpu::KvSpec;
 use crate::partition::Partition;
-
-/// Bytes of a fast-path weight chunk (kernels/fast.cu `CH`).
-const FAST_CHUNK: usize = 272;
 
 /// Which part of a whole tensor one rank keeps.
 #[derive(Clone, Debug, PartialEq)]
@@ -170,8 +167,8 @@ impl CudaModel {
                             )));
                         }
                         let w = c.len() / be * bb;
-                        let fast_ty = matches!(t.ty, GgmlType::Q8_0 | GgmlType::IQ4_XS);
-                        let nrb = if short == names::FFN_DOWN_EXPS && fast_ty { w.div_ceil(FAST_CHUNK) * FAST_CHUNK } else { w };
+                        let m = if short == names::FFN_DOWN_EXPS { super::super::fast::down_row_multiple(t.ty) } else { 1 };
+                        let nrb = w.div_ceil(m) * m;
                         let n = ne * rows * nrb;
                         let mut buf = unsafe { gpu.stream.alloc::<u8>(n.max(1)) }?;
                         if nrb != w {

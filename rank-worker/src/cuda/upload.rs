@@ -46,7 +46,8 @@ enum Src {
 }
 
 /// `count` rows of `len` bytes, row `i` at `off + i * stride` of its source, written back to
-/// back at device address `dst`. A contiguous range is one row.
+/// back at device address `dst`, each followed by `pad` zero bytes (a padded row stride for
+/// the fast kernels). A contiguous range is one row.
 #[derive(Clone, Copy, Debug)]
 struct Piece {
     src: Src,
@@ -54,12 +55,23 @@ struct Piece {
     len: usize,
     count: usize,
     stride: usize,
+    pad: usize,
     dst: u64,
 }
 
 impl Piece {
+    /// Bytes of one row as staged and stored (source bytes plus zero pad).
+    fn row(&self) -> usize {
+        self.len + self.pad
+    }
+
     fn bytes(&self) -> usize {
-        self.len * self.count
+        self.row() * self.count
+    }
+
+    /// Whether the piece is one contiguous range (split at any byte), not rows.
+    fn contiguous(&self) -> bool {
+        self.count == 1 && self.pad == 0
     }
 }
 
@@ -74,13 +86,18 @@ struct Seg {
     len: usize,
     count: usize,
     stride: usize,
+    pad: usize,
     stg: usize,
     dst: u64,
 }
 
 impl Seg {
+    fn row(&self) -> usize {
+        self.len + self.pad
+    }
+
     fn bytes(&self) -> usize {
-        self.len * self.count
+        self.row() * self.count
     }
 }
 
@@ -161,7 +178,7 @@ impl<'a> Uploader<'a> {
 
     fn owned(&mut self, bytes: Vec<u8>) -> Result<u64, CudaError> {
         let dst = self.alloc(bytes.len())?;
-        self.pieces.push(Piece { src: Src::Owned(self.owned.len()), off: 0, len: bytes.len(), count: 1, stride: 0, dst });
+        self.pieces.push(Piece { src: Src::Owned(self.owned.len()), off: 0, len: bytes.len(), count: 1, stride: 0, pad: 0, dst });
         self.owned.push(bytes);
         Ok(dst)
     }
@@ -175,6 +192,19 @@ impl<'a> Uploader<'a> {
     /// slices keep the quantized blocks when block-aligned and fall back to f32 otherwise (as
     /// the CPU backend does).
     pub fn mat_slice(&mut self, name: &str, rows: Option<Range<usize>>, cols: Option<Range<usize>>) -> Result<DevMat, CudaError> {
+        self.mat_slice_padded(name, rows, cols, |_| 1)
+    }
+
+    /// [`Uploader::mat_slice`] whose quantized column slices are stored with rows padded by
+    /// zero bytes to a multiple of `row_multiple(type)` bytes (the fast decode kernels read
+    /// whole chunks; `cols` stays the slice width, `row_bytes` is the padded stride).
+    pub fn mat_slice_padded(
+        &mut self,
+        name: &str,
+        rows: Option<Range<usize>>,
+        cols: Option<Range<usize>>,
+        row_multiple: impl Fn(GgmlType) -> usize,
+    ) -> Result<DevMat, CudaError> {
         let t = self.model.tensor(name).ok_or_else(|| CudaError::MissingTensor(name.to_string()))?;
         let info = t.info;
         if !info.ty.is_supported() {
@@ -200,7 +230,11 @@ impl<'a> Uploader<'a> {
         let src = Src::Shard(info.shard);
         let (be, bb) = (info.ty.block_elems(), info.ty.block_bytes());
         let aligned = c.start % be == 0 && c.len() % be == 0;
-        let (ty, nrb) = if aligned { (info.ty, quant::row_bytes(info.ty, c.len())?) } else { (GgmlType::F32, 4 * c.len()) };
+        let (ty, w) = if aligned { (info.ty, quant::row_bytes(info.ty, c.len())?) } else { (GgmlType::F32, 4 * c.len()) };
+        // Only strided quantized slices are padded (whole rows are already whole chunks or not
+        // fast-path matrices; f32 conversions take the exact path anyway).
+        let m = row_multiple(info.ty).max(1);
+        let nrb = if aligned && c != (0..ncols) { w.div_ceil(m) * m } else { w };
         let n = ne * r.len() * nrb;
         let dst;
         if c == (0..ncols) {
@@ -208,11 +242,11 @@ impl<'a> Uploader<'a> {
             // rows are taken).
             dst = self.alloc(n)?;
             if r == (0..nrows) {
-                self.pieces.push(Piece { src, off: base, len: n, count: 1, stride: 0, dst });
+                self.pieces.push(Piece { src, off: base, len: n, count: 1, stride: 0, pad: 0, dst });
             } else {
                 for e in 0..ne {
                     let off = base + (e * nrows + r.start) * rb;
-                    self.pieces.push(Piece { src, off, len: r.len() * rb, count: 1, stride: 0, dst: dst + (e * r.len() * rb) as u64 });
+                    self.pieces.push(Piece { src, off, len: r.len() * rb, count: 1, stride: 0, pad: 0, dst: dst + (e * r.len() * rb) as u64 });
                 }
             }
         } else if aligned {
@@ -220,7 +254,7 @@ impl<'a> Uploader<'a> {
             dst = self.alloc(n)?;
             for e in 0..ne {
                 let off = base + (e * nrows + r.start) * rb + c.start / be * bb;
-                self.pieces.push(Piece { src, off, len: nrb, count: r.len(), stride: rb, dst: dst + (e * r.len() * nrb) as u64 });
+                self.pieces.push(Piece { src, off, len: w, count: r.len(), stride: rb, pad: nrb - w, dst: dst + (e * r.len() * nrb) as u64 });
             }
         } else {
             let mut out = Vec::with_capacity(n);
@@ -265,8 +299,7 @@ impl<'a> Uploader<'a> {
         self.pieces.sort_by_key(|p| (p.src, p.off));
         let UploadOptions { io, threads, chunk_bytes } = self.opts;
         let threads = threads.max(1);
-        let max_row = self.pieces.iter().filter(|p| p.count > 1).map(|p| p.len).max().unwrap_or(0);
-        let cap = chunk_bytes.max(max_row).min(total.max(1)).max(1);
+        let cap = staging_cap(&self.pieces, chunk_bytes);
         let batches = plan_batches(&self.pieces, cap);
         let files = self.open_files(io);
         let g = self.gpu;
@@ -396,15 +429,12 @@ impl<'a> Uploader<'a> {
                                 Src::Shard(sh) => (model.shards()[sh].bytes(), files[sh].as_ref(), sh),
                             };
                             match file {
-                                Some(f) if s.count == 1 && s.len >= PREAD_MIN => {
+                                Some(f) if s.count == 1 && s.pad == 0 && s.len >= PREAD_MIN => {
                                     f.read_exact_at(out, s.off as u64)
                                         .map_err(|e| CudaError::Io { path: model.shards()[sh].path().display().to_string(), source: e })?;
                                 }
                                 _ => {
-                                    for r in 0..s.count {
-                                        let at = s.off + r * s.stride;
-                                        out[r * s.len..(r + 1) * s.len].copy_from_slice(&src[at..at + s.len]);
-                                    }
+                                    copy_rows(out, src, &s);
                                 }
                             }
                         }
@@ -417,14 +447,35 @@ impl<'a> Uploader<'a> {
     }
 }
 
+/// Copies a segment's rows from its source into its staging bytes `out`, each row followed by
+/// its zero pad.
+fn copy_rows(out: &mut [u8], src: &[u8], s: &Seg) {
+    let rs = s.row();
+    for r in 0..s.count {
+        let at = s.off + r * s.stride;
+        out[r * rs..r * rs + s.len].copy_from_slice(&src[at..at + s.len]);
+        out[r * rs + s.len..(r + 1) * rs].fill(0);
+    }
+}
+
+/// Bytes per staging buffer: `chunk` raised to the longest row of a strided piece (a row is
+/// never split), at most everything planned, at least 1.
+fn staging_cap(pieces: &[Piece], chunk: usize) -> usize {
+    let total: usize = pieces.iter().map(Piece::bytes).sum();
+    let max_row = pieces.iter().filter(|p| !p.contiguous()).map(Piece::row).max().unwrap_or(0);
+    chunk.max(max_row).min(total.max(1)).max(1)
+}
+
 /// Cuts the pieces (in order) into batches of at most `cap` staged bytes. Contiguous ranges
-/// split at any byte; strided rows (each at most `cap`) split between rows.
+/// split at any byte; strided rows split between rows (`cap` from [`staging_cap`], so every
+/// row fits).
 fn plan_batches(pieces: &[Piece], cap: usize) -> Vec<Vec<Seg>> {
+    assert!(pieces.iter().all(|p| p.contiguous() || p.row() <= cap), "staging buffer smaller than a row");
     let mut out = Vec::new();
     let mut cur: Vec<Seg> = Vec::new();
     let mut used = 0usize;
     for (pi, p) in pieces.iter().enumerate().filter(|(_, p)| p.bytes() > 0) {
-        if p.count == 1 {
+        if p.contiguous() {
             let mut done = 0;
             while done < p.len {
                 if used == cap {
@@ -432,20 +483,21 @@ fn plan_batches(pieces: &[Piece], cap: usize) -> Vec<Vec<Seg>> {
                     used = 0;
                 }
                 let take = (p.len - done).min(cap - used);
-                cur.push(Seg { piece: pi, src: p.src, off: p.off + done, len: take, count: 1, stride: 0, stg: used, dst: p.dst + done as u64 });
+                cur.push(Seg { piece: pi, src: p.src, off: p.off + done, len: take, count: 1, stride: 0, pad: 0, stg: used, dst: p.dst + done as u64 });
                 used += take;
                 done += take;
             }
         } else {
             let mut row = 0;
             while row < p.count {
-                if cap - used < p.len {
+                let rs = p.row();
+                if cap - used < rs {
                     out.push(std::mem::take(&mut cur));
                     used = 0;
                 }
-                let n = ((cap - used) / p.len).min(p.count - row);
-                cur.push(Seg { piece: pi, src: p.src, off: p.off + row * p.stride, len: p.len, count: n, stride: p.stride, stg: used, dst: p.dst + (row * p.len) as u64 });
-                used += n * p.len;
+                let n = ((cap - used) / rs).min(p.count - row);
+                cur.push(Seg { piece: pi, src: p.src, off: p.off + row * p.stride, len: p.len, count: n, stride: p.stride, pad: p.pad, stg: used, dst: p.dst + (row * rs) as u64 });
+                used += n * rs;
                 row += n;
             }
         }
@@ -471,7 +523,7 @@ fn split_shares(batch: &[Seg], n: usize) -> Vec<Vec<Seg>> {
     let share_end = |k: usize| if k + 1 == n { total } else { ((k + 1) * total).div_ceil(n) };
     let mut pos = 0usize;
     for s in batch {
-        if s.count == 1 {
+        if s.count == 1 && s.pad == 0 {
             let mut done = 0;
             while done < s.len {
                 let k = share_of(pos + done);
@@ -482,10 +534,11 @@ fn split_shares(batch: &[Seg], n: usize) -> Vec<Vec<Seg>> {
         } else {
             let mut r = 0;
             while r < s.count {
-                let start = pos + r * s.len;
+                let rs = s.row();
+                let start = pos + r * rs;
                 let k = share_of(start);
-                let rows = (share_end(k).saturating_sub(start)).div_ceil(s.len).clamp(1, s.count - r);
-                out[k].push(Seg { off: s.off + r * s.stride, count: rows, stg: s.stg + r * s.len, dst: s.dst + (r * s.len) as u64, ..*s });
+                let rows = (share_end(k).saturating_sub(start)).div_ceil(rs).clamp(1, s.count - r);
+                out[k].push(Seg { off: s.off + r * s.stride, count: rows, stg: s.stg + r * rs, dst: s.dst + (r * rs) as u64, ..*s });
                 r += rows;
             }
         }
@@ -524,8 +577,9 @@ mod tests {
 
     /// Executes a plan on the host: staging buffers of `cap` bytes, shares copied in order,
     /// copies applied to a flat "device" (address = index).
-    fn run_on_host(pieces: &[Piece], src: &[u8], cap: usize, threads: usize, dev_len: usize) -> Vec<u8> {
-        let mut dev = vec![0u8; dev_len];
+    fn run_on_host(pieces: &[Piece], src: &[u8], chunk: usize, threads: usize, dev_len: usize) -> Vec<u8> {
+        let mut dev = vec![0xABu8; dev_len];
+        let cap = staging_cap(pieces, chunk);
         for batch in plan_batches(pieces, cap) {
             let used: usize = batch.iter().map(Seg::bytes).sum();
             assert!(used <= cap, "batch of {used} > cap {cap}");
@@ -535,10 +589,7 @@ mod tests {
             let covered: usize = shares.iter().flatten().map(Seg::bytes).sum();
             assert_eq!(covered, used);
             for s in shares.iter().flatten() {
-                for r in 0..s.count {
-                    let at = s.off + r * s.stride;
-                    stg[s.stg + r * s.len..s.stg + (r + 1) * s.len].copy_from_slice(&src[at..at + s.len]);
-                }
+                copy_rows(&mut stg[s.stg..s.stg + s.bytes()], src, s);
             }
             for (so, d, n) in merge_copies(&batch) {
                 // Like cuMemcpyHtoD: a copy must stay inside one allocation (one piece).
@@ -556,17 +607,27 @@ mod tests {
         // A contiguous range, strided rows (a column slice: 13 bytes of each 40-byte row, 300
         // rows), another contiguous range; destinations back to back.
         let pieces = [
-            Piece { src: Src::Shard(0), off: 5, len: 9_001, count: 1, stride: 0, dst: 0 },
-            Piece { src: Src::Shard(0), off: 10_007, len: 13, count: 300, stride: 40, dst: 9_001 },
-            Piece { src: Src::Shard(0), off: 30_000, len: 4_444, count: 1, stride: 0, dst: 9_001 + 3_900 },
+            Piece { src: Src::Shard(0), off: 5, len: 9_001, count: 1, stride: 0, pad: 0, dst: 0 },
+            Piece { src: Src::Shard(0), off: 10_007, len: 13, count: 300, stride: 40, pad: 0, dst: 9_001 },
+            Piece { src: Src::Shard(0), off: 30_000, len: 4_444, count: 1, stride: 0, pad: 0, dst: 9_001 + 3_900 },
+            // Padded rows (a tensor-parallel expert slice stored for the fast kernels): 11
+            // bytes of each 30-byte row plus 5 zero bytes, 200 rows; and a single padded row.
+            Piece { src: Src::Shard(0), off: 40_001, len: 11, count: 200, stride: 30, pad: 5, dst: 9_001 + 3_900 + 4_444 },
+            Piece { src: Src::Shard(0), off: 47_000, len: 7, count: 1, stride: 0, pad: 9, dst: 9_001 + 3_900 + 4_444 + 3_200 },
         ];
-        let dev_len = 9_001 + 3_900 + 4_444;
+        let dev_len = 9_001 + 3_900 + 4_444 + 3_200 + 16;
         let mut want = Vec::new();
         want.extend_from_slice(&src[5..9_006]);
         for r in 0..300 {
             want.extend_from_slice(&src[10_007 + r * 40..10_007 + r * 40 + 13]);
         }
         want.extend_from_slice(&src[30_000..34_444]);
+        for r in 0..200 {
+            want.extend_from_slice(&src[40_001 + r * 30..40_001 + r * 30 + 11]);
+            want.extend_from_slice(&[0; 5]);
+        }
+        want.extend_from_slice(&src[47_000..47_007]);
+        want.extend_from_slice(&[0; 9]);
         for cap in [13, 64, 1000, 4096, 100_000] {
             for threads in [1, 3, 16] {
                 let got = run_on_host(&pieces, &src, cap, threads, dev_len);
@@ -577,7 +638,7 @@ mod tests {
 
     #[test]
     fn strided_rows_merge_into_one_copy_per_batch() {
-        let pieces = [Piece { src: Src::Shard(0), off: 0, len: 10, count: 1000, stride: 30, dst: 0 }];
+        let pieces = [Piece { src: Src::Shard(0), off: 0, len: 10, count: 1000, stride: 30, pad: 0, dst: 0 }];
         let batches = plan_batches(&pieces, 4096);
         assert_eq!(batches.len(), 3);
         for b in &batches {

@@ -4,7 +4,7 @@
 use std::time::Instant;
 
 use minimax_proto::v1 as pb;
-use minimax_shared::forward::{ForwardBatch, ForwardOutput, LogitsWanted, SeqStep};
+use minimax_shared::forward::{ForwardBatch, ForwardOutput, LogitsRow, LogitsWanted, SeqStep};
 use minimax_shared::sampling;
 
 use super::{Engine, StepError};
@@ -95,7 +95,7 @@ impl Engine {
             None
         } else {
             let world = self.world.as_ref().map(|w| &*w.transport);
-            self.backend.step(&batch, &self.part, self.parallelism, world).map_err(|e| {
+            forward(&mut self.backend, &batch, &self.part, self.parallelism, world, self.head).map_err(|e| {
                 if e.is_comm() { StepError::Comm(crate::comm::CommError { op: "step", detail: e.to_string() }) } else { StepError::Backend(e.to_string()) }
             })?
         };
@@ -120,7 +120,7 @@ impl Engine {
             // Every row's spec and target, then one reduction call (on the GPU for CUDA).
             let mut row_in_seq = vec![0usize; batch.seqs.len()];
             let jobs: Vec<(sampling::SamplingSpec, Option<u32>)> = out
-                .rows
+                .rows()
                 .iter()
                 .map(|row| {
                     let s = &req.seqs[batch_src[row.seq]];
@@ -129,8 +129,8 @@ impl Engine {
                     (pb::sampling_spec(s.sampling.as_ref()), s.score_targets.get(k).copied())
                 })
                 .collect();
-            let mut reds = reduce_rows(&self.backend, &batch, &out, &jobs).into_iter();
-            for (ri, row) in out.rows.iter().enumerate() {
+            let mut reds = reduce_rows(&out, &jobs)?.into_iter();
+            for (ri, row) in out.rows().iter().enumerate() {
                 let i = batch_src[row.seq];
                 let s = &req.seqs[i];
                 let spec = &jobs[ri].0;
@@ -188,34 +188,81 @@ fn die_if_asked() {
     }
 }
 
-/// The sampling reductions of a step's logits rows, in row order: on the GPU for the CUDA
-/// backend when `MINIMAX_DEVICE_SAMPLING=1` (`CudaModel::reduce_rows`, the same results as
-/// `reduce_row`; opt-in until its GPU test passes, see docs/CUDA.md), else on the host (also if
-/// the device reduction fails).
-fn reduce_rows(
-    backend: &crate::backend::Backend,
-    batch: &ForwardBatch,
-    out: &ForwardOutput,
-    jobs: &[(sampling::SamplingSpec, Option<u32>)],
-) -> Vec<Result<sampling::RowReduction, sampling::SamplingError>> {
+/// A step's logits rows: on the host, or (CUDA) possibly still on the device.
+enum StepOut<'m> {
+    Host(ForwardOutput),
     #[cfg(feature = "cuda")]
-    if let crate::backend::Backend::Cuda(m) = backend
-        && device_sampling_on()
-    {
-        match m.reduce_rows(batch, out, jobs) {
-            Ok((reds, _)) => return reds,
-            Err(e) => tracing::warn!("device sampling failed, reducing on the host: {e}"),
-        }
-    }
-    let _ = (backend, batch);
-    jobs.iter().enumerate().map(|(ri, (spec, target))| sampling::reduce_row(out.row(ri), spec, *target)).collect()
+    Cuda(crate::cuda::sampling::StepLogits<'m>),
+    #[cfg(not(feature = "cuda"))]
+    #[allow(dead_code)]
+    Never(std::convert::Infallible, std::marker::PhantomData<&'m ()>),
 }
 
-/// `MINIMAX_DEVICE_SAMPLING=1`, read once (not on every step).
+impl StepOut<'_> {
+    fn rows(&self) -> &[LogitsRow] {
+        match self {
+            StepOut::Host(o) => &o.rows,
+            #[cfg(feature = "cuda")]
+            StepOut::Cuda(l) => l.rows(),
+            #[cfg(not(feature = "cuda"))]
+            StepOut::Never(n, _) => match *n {},
+        }
+    }
+}
+
+/// The forward of one step. On CUDA the fast path leaves the logits on the device when this
+/// rank reduces them there (head rank, device sampling on) or never reads them (other ranks).
+fn forward<'m>(
+    backend: &'m mut crate::backend::Backend,
+    batch: &ForwardBatch,
+    part: &crate::partition::Partition,
+    par: crate::backend::Parallelism,
+    world: Option<&crate::transport::TestTransport>,
+    head: bool,
+) -> Result<Option<StepOut<'m>>, crate::backend::BackendError> {
+    #[cfg(feature = "cuda")]
+    let lazy = !head || device_sampling_on();
+    #[cfg(not(feature = "cuda"))]
+    let lazy = {
+        let _ = head;
+        false
+    };
+    match (backend, lazy) {
+        #[cfg(feature = "cuda")]
+        (crate::backend::Backend::Cuda(m), true) => Ok(m.forward_stage_lazy(batch)?.map(StepOut::Cuda)),
+        (b, _) => Ok(b.step(batch, part, par, world)?.map(StepOut::Host)),
+    }
+}
+
+/// The sampling reductions of a step's logits rows, in row order: on the GPU for the CUDA
+/// backend (`StepLogits::reduce`, the same results as `reduce_row`; rows it cannot decide are
+/// reduced on the host, downloaded one by one) unless `MINIMAX_DEVICE_SAMPLING=0`, else on
+/// the host (also if the device reduction fails: the rows are then downloaded).
+fn reduce_rows(out: &StepOut, jobs: &[(sampling::SamplingSpec, Option<u32>)]) -> Result<Vec<Result<sampling::RowReduction, sampling::SamplingError>>, StepError> {
+    let host = |o: &ForwardOutput| jobs.iter().enumerate().map(|(ri, (spec, target))| sampling::reduce_row(o.row(ri), spec, *target)).collect();
+    match out {
+        StepOut::Host(o) => Ok(host(o)),
+        #[cfg(feature = "cuda")]
+        StepOut::Cuda(l) => {
+            if device_sampling_on() {
+                match l.reduce(jobs) {
+                    Ok((reds, _)) => return Ok(reds),
+                    Err(e) => tracing::warn!("device sampling failed, reducing on the host: {e}"),
+                }
+            }
+            let o = l.to_host().map_err(|e| StepError::Backend(format!("logits download: {e}")))?;
+            Ok(host(&o))
+        }
+        #[cfg(not(feature = "cuda"))]
+        StepOut::Never(n, _) => match *n {},
+    }
+}
+
+/// Device sampling for the CUDA backend: on unless `MINIMAX_DEVICE_SAMPLING=0`, read once.
 #[cfg(feature = "cuda")]
 fn device_sampling_on() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MINIMAX_DEVICE_SAMPLING").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var("MINIMAX_DEVICE_SAMPLING").map_or(true, |v| v != "0"))
 }
 
 fn to_seq_step(s: &pb::SeqStep) -> SeqStep {

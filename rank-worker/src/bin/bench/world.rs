@@ -5,14 +5,18 @@
 //! split into kernels and collectives (graph replay with and without the all-reduces),
 //! aggregate tok/s at 32 streams, 512/513-token prefill, 8k prefill (optional).
 //!
+//! In tensor mode the decode figures are taken three times: all-reduces on NCCL, then on the
+//! one-shot peer-memory kernels, flag and Lamport (`--allreduce nccl|flag|lamport` for one).
+//!
 //! minimax-bench --tp 2 [--synthetic m2.7:iq4xs[:LAYERS]] [--decode-steps N] [--streams N]
-//!               [--no-prefill] [--8k] [--decode-only]
+//!               [--no-prefill] [--8k] [--decode-only] [--allreduce nccl|flag|lamport]
 
 use std::sync::{Arc, Barrier};
 use std::time::Instant;
 
 use minimax_rank::cpu::KvSpec;
-use minimax_rank::cuda::{CudaModel, CudaOptions, nccl};
+use minimax_rank::cuda::peer_allreduce::OneshotKind;
+use minimax_rank::cuda::{CudaModel, CudaOptions, nccl, peer_allreduce};
 use minimax_rank::partition::Partition;
 use minimax_shared::forward::{ForwardBatch, LogitsWanted};
 use minimax_shared::model::synthetic::SyntheticSpec;
@@ -63,7 +67,15 @@ pub fn main_world() -> anyhow::Result<()> {
     let decode_only = flag("--decode-only");
     let prefill = !flag("--no-prefill") && !decode_only;
     let do8k = flag("--8k") && !decode_only;
-    let n_pages = (5 + dsteps + 8).div_ceil(PAGE) + streams * 4 + 2 * 80 + 8192 / PAGE + 64;
+    let ar_modes: Vec<&'static str> = match arg("--allreduce").as_deref() {
+        _ if pp > 1 => vec!["nccl"],
+        Some("nccl") => vec!["nccl"],
+        Some("flag") => vec!["flag"],
+        Some("lamport") => vec!["lamport"],
+        None => vec!["nccl", "flag", "lamport"],
+        Some(o) => anyhow::bail!("--allreduce {o}: expected nccl, flag or lamport"),
+    };
+    let n_pages = ar_modes.len() * ((5 + dsteps + 8).div_ceil(PAGE) + streams * 4) + 2 * 80 + 8192 / PAGE + 64;
     let kv = KvSpec { page_size: PAGE, n_pages };
     let id = nccl::unique_id()?;
     let bar = Arc::new(Barrier::new(world));
@@ -81,7 +93,7 @@ pub fn main_world() -> anyhow::Result<()> {
     let tables: Vec<anyhow::Result<Vec<(String, String)>>> = std::thread::scope(|s| {
         let hs: Vec<_> = (0..world)
             .map(|r| {
-                let (spec, cfg, id, bar, board) = (&spec, &cfg, &id, bar.clone(), board.clone());
+                let (spec, cfg, id, bar, board, ar_modes) = (&spec, &cfg, &id, bar.clone(), board.clone(), &ar_modes);
                 s.spawn(move || -> anyhow::Result<Vec<(String, String)>> {
                     let part = if ispp { Partition::pipeline(cfg, r, world, None)? } else { Partition::tensor(cfg, r, world)? };
                     let t0 = Instant::now();
@@ -115,104 +127,128 @@ pub fn main_world() -> anyhow::Result<()> {
                         v
                     };
 
-                    // Decode batch 1: 5-token prompt, 2 warm-up steps, then timed steps.
-                    let pt = take((5 + dsteps + 1).div_ceil(PAGE));
-                    let o = fwd(&mut m, &ForwardBatch { seqs: vec![step(1, &pt, 0, vec![1, 17, 4242, 99_999, 200_000], LogitsWanted::Last)] })?;
-                    let mut tok = sync_toks(&o, 1)[0];
-                    for i in 0..2 {
-                        tok = sync_toks(&fwd(&mut m, &ForwardBatch { seqs: vec![step(1, &pt, 5 + i, vec![tok], LogitsWanted::Last)] })?, 1)[0];
-                    }
-                    bar.wait();
-                    let t = Instant::now();
-                    let mut fin = true;
-                    for i in 2..dsteps {
-                        let o = fwd(&mut m, &ForwardBatch { seqs: vec![step(1, &pt, 5 + i, vec![tok], LogitsWanted::Last)] })?;
-                        fin &= o.as_ref().is_none_or(|o| o.logits.iter().all(|x| x.is_finite()));
-                        tok = sync_toks(&o, 1)[0];
-                    }
-                    bar.wait();
-                    let dec = ms(t) / (dsteps - 2) as f64;
-                    if say {
-                        println!("decode b1: {dec:.3} ms/token = {:.1} tok/s (forward incl. logits D2H), finite {fin}", 1e3 / dec);
-                    }
-                    tab.push((format!("decode tok/s, batch 1, 5-token prompt + {dsteps} steps (forward)"), format!("{:.1}", 1e3 / dec)));
-
-                    // Kernel vs collective time per step (tensor mode): graph replay with and
-                    // without the all-reduces (same kernels; results of the latter are garbage).
-                    if !ispp && m.fast_path_off().is_none() {
-                        let reps = 50;
-                        let replay = |m: &mut CudaModel| -> anyhow::Result<f64> {
-                            m.replay_fast_step(1)?;
-                            m.gpu().sync()?;
-                            bar.wait();
-                            let t = Instant::now();
-                            for _ in 0..reps {
-                                m.replay_fast_step(1)?;
-                            }
-                            m.gpu().sync()?;
-                            let e = ms(t) / reps as f64;
-                            bar.wait();
-                            Ok(e)
-                        };
-                        let with = replay(&mut m)?;
-                        m.set_tp_collectives(false);
-                        // Recapture without collectives: one forward at the current position.
-                        fwd(&mut m, &ForwardBatch { seqs: vec![step(1, &pt, 5 + dsteps, vec![tok], LogitsWanted::Last)] })?;
-                        let without = replay(&mut m)?;
-                        m.set_tp_collectives(true);
-                        let n = m.tp_collectives_per_step();
-                        let coll = with - without;
-                        if say {
-                            println!(
-                                "decode b1 graph replay: {with:.3} ms/step ({:.1} tok/s); without collectives {without:.3} ms; \
-                                 collectives {n}/token take {coll:.3} ms = {:.1} us each ({:.0}% of the step)",
-                                1e3 / with,
-                                if n > 0 { coll * 1e3 / n as f64 } else { 0.0 },
-                                100.0 * coll / with
-                            );
+                    // Tensor mode: everything below runs once with every all-reduce on NCCL and
+                    // once per one-shot peer-memory kernel for the small ones (flag, Lamport;
+                    // `--allreduce MODE` runs only that one). Both ranks switch between barriers
+                    // and recapture their graphs.
+                    let kind0 = peer_allreduce::oneshot_kind();
+                    for &mode in ar_modes {
+                        bar.wait();
+                        peer_allreduce::set_force_nccl(mode == "nccl");
+                        if mode != "nccl" {
+                            peer_allreduce::set_oneshot_kind(if mode == "flag" { OneshotKind::Flag } else { OneshotKind::Lamport });
                         }
-                        tab.push(("decode tok/s, batch 1, graph replay (kernels + collectives)".into(), format!("{:.1}", 1e3 / with)));
-                        tab.push((
-                            "per-token split: kernels ms / collectives ms (count, us each)".into(),
-                            format!("{without:.3} / {coll:.3} ({n}, {:.1})", if n > 0 { coll * 1e3 / n as f64 } else { 0.0 }),
-                        ));
-                        // Restore the graphs with collectives before anything else runs.
-                        fwd(&mut m, &ForwardBatch { seqs: vec![step(1, &pt, 5 + dsteps, vec![tok], LogitsWanted::Last)] })?;
-                    }
-                    if decode_only {
-                        return Ok(tab);
-                    }
-
-                    // Aggregate decode at `streams` streams: each gets a 5-token prompt (batched
-                    // in one step), then 2 warm-up steps and 20 timed steps.
-                    {
-                        let b = streams;
-                        let steps: usize = 22;
-                        let pts: Vec<Vec<u32>> = (0..b).map(|_| take((5 + steps + 3).div_ceil(PAGE))).collect();
-                        let mut toks = vec![0u32; b];
-                        for (i, p) in pts.iter().enumerate() {
-                            let o = fwd(&mut m, &ForwardBatch { seqs: vec![step(100 + i as u64, p, 0, vec![1, 2 + i as u32, 3, 4, 5], LogitsWanted::Last)] })?;
-                            toks[i] = sync_toks(&o, 1)[0];
+                        m.clear_graphs();
+                        bar.wait();
+                        let calls0 = peer_allreduce::oneshot_calls();
+                        let sfx = if ispp { String::new() } else { format!(" [{mode}]") };
+                        // Decode batch 1: 5-token prompt, 2 warm-up steps, then timed steps.
+                        let pt = take((5 + dsteps + 1).div_ceil(PAGE));
+                        let o = fwd(&mut m, &ForwardBatch { seqs: vec![step(1, &pt, 0, vec![1, 17, 4242, 99_999, 200_000], LogitsWanted::Last)] })?;
+                        let mut tok = sync_toks(&o, 1)[0];
+                        for i in 0..2 {
+                            tok = sync_toks(&fwd(&mut m, &ForwardBatch { seqs: vec![step(1, &pt, 5 + i, vec![tok], LogitsWanted::Last)] })?, 1)[0];
                         }
-                        let run = |m: &mut CudaModel, toks: &mut Vec<u32>, s: usize| -> anyhow::Result<()> {
-                            let seqs = (0..b).map(|i| step(100 + i as u64, &pts[i], 5 + s, vec![toks[i]], LogitsWanted::Last)).collect();
-                            let o = fwd(m, &ForwardBatch { seqs })?;
-                            *toks = sync_toks(&o, b);
-                            Ok(())
-                        };
-                        run(&mut m, &mut toks, 0)?;
-                        run(&mut m, &mut toks, 1)?;
                         bar.wait();
                         let t = Instant::now();
-                        for s in 2..steps {
-                            run(&mut m, &mut toks, s)?;
+                        let mut fin = true;
+                        for i in 2..dsteps {
+                            let o = fwd(&mut m, &ForwardBatch { seqs: vec![step(1, &pt, 5 + i, vec![tok], LogitsWanted::Last)] })?;
+                            fin &= o.as_ref().is_none_or(|o| o.logits.iter().all(|x| x.is_finite()));
+                            tok = sync_toks(&o, 1)[0];
                         }
                         bar.wait();
-                        let per = ms(t) / (steps - 2) as f64;
+                        let dec = ms(t) / (dsteps - 2) as f64;
                         if say {
-                            println!("decode {b} streams: {per:.2} ms/step = {:.0} tok/s aggregate", b as f64 * 1e3 / per);
+                            println!("decode b1{sfx}: {dec:.3} ms/token = {:.1} tok/s (forward incl. logits D2H), finite {fin}", 1e3 / dec);
                         }
-                        tab.push((format!("aggregate decode tok/s, {b} streams (forward)"), format!("{:.0}", b as f64 * 1e3 / per)));
+                        tab.push((format!("decode tok/s, batch 1, 5-token prompt + {dsteps} steps (forward){sfx}"), format!("{:.1}", 1e3 / dec)));
+
+                        // Kernel vs collective time per step (tensor mode): graph replay with and
+                        // without the all-reduces (same kernels; results of the latter are garbage).
+                        if !ispp && m.fast_path_off().is_none() {
+                            let reps = 50;
+                            let replay = |m: &mut CudaModel| -> anyhow::Result<f64> {
+                                m.replay_fast_step(1)?;
+                                m.gpu().sync()?;
+                                bar.wait();
+                                let t = Instant::now();
+                                for _ in 0..reps {
+                                    m.replay_fast_step(1)?;
+                                }
+                                m.gpu().sync()?;
+                                let e = ms(t) / reps as f64;
+                                bar.wait();
+                                Ok(e)
+                            };
+                            let with = replay(&mut m)?;
+                            m.set_tp_collectives(false);
+                            // Recapture without collectives: one forward at the current position.
+                            fwd(&mut m, &ForwardBatch { seqs: vec![step(1, &pt, 5 + dsteps, vec![tok], LogitsWanted::Last)] })?;
+                            let without = replay(&mut m)?;
+                            m.set_tp_collectives(true);
+                            let n = m.tp_collectives_per_step();
+                            let coll = with - without;
+                            if say {
+                                println!(
+                                    "decode b1 graph replay{sfx}: {with:.3} ms/step ({:.1} tok/s); without collectives {without:.3} ms; \
+                                     collectives {n}/token take {coll:.3} ms = {:.1} us each ({:.0}% of the step)",
+                                    1e3 / with,
+                                    if n > 0 { coll * 1e3 / n as f64 } else { 0.0 },
+                                    100.0 * coll / with
+                                );
+                            }
+                            tab.push((format!("decode tok/s, batch 1, graph replay (kernels + collectives){sfx}"), format!("{:.1}", 1e3 / with)));
+                            tab.push((
+                                format!("per-token split: kernels ms / collectives ms (count, us each){sfx}"),
+                                format!("{without:.3} / {coll:.3} ({n}, {:.1})", if n > 0 { coll * 1e3 / n as f64 } else { 0.0 }),
+                            ));
+                            // Restore the graphs with collectives before anything else runs.
+                            fwd(&mut m, &ForwardBatch { seqs: vec![step(1, &pt, 5 + dsteps, vec![tok], LogitsWanted::Last)] })?;
+                        }
+                        // Aggregate decode at `streams` streams: each gets a 5-token prompt (batched
+                        // in one step), then 2 warm-up steps and 20 timed steps.
+                        if !decode_only {
+                            let b = streams;
+                            let steps: usize = 22;
+                            let pts: Vec<Vec<u32>> = (0..b).map(|_| take((5 + steps + 3).div_ceil(PAGE))).collect();
+                            let mut toks = vec![0u32; b];
+                            for (i, p) in pts.iter().enumerate() {
+                                let o = fwd(&mut m, &ForwardBatch { seqs: vec![step(100 + i as u64, p, 0, vec![1, 2 + i as u32, 3, 4, 5], LogitsWanted::Last)] })?;
+                                toks[i] = sync_toks(&o, 1)[0];
+                            }
+                            let run = |m: &mut CudaModel, toks: &mut Vec<u32>, s: usize| -> anyhow::Result<()> {
+                                let seqs = (0..b).map(|i| step(100 + i as u64, &pts[i], 5 + s, vec![toks[i]], LogitsWanted::Last)).collect();
+                                let o = fwd(m, &ForwardBatch { seqs })?;
+                                *toks = sync_toks(&o, b);
+                                Ok(())
+                            };
+                            run(&mut m, &mut toks, 0)?;
+                            run(&mut m, &mut toks, 1)?;
+                            bar.wait();
+                            let t = Instant::now();
+                            for s in 2..steps {
+                                run(&mut m, &mut toks, s)?;
+                            }
+                            bar.wait();
+                            let per = ms(t) / (steps - 2) as f64;
+                            if say {
+                                println!("decode {b} streams{sfx}: {per:.2} ms/step = {:.0} tok/s aggregate", b as f64 * 1e3 / per);
+                            }
+                            tab.push((format!("aggregate decode tok/s, {b} streams (forward){sfx}"), format!("{:.0}", b as f64 * 1e3 / per)));
+                        }
+                        if say && !ispp {
+                            let used = peer_allreduce::oneshot_calls() > calls0;
+                            println!("all-reduce mode {mode}: one-shot kernel {}", if used { "used" } else { "not used (NCCL only)" });
+                        }
+                    }
+                    bar.wait();
+                    peer_allreduce::set_force_nccl(false);
+                    peer_allreduce::set_oneshot_kind(kind0);
+                    m.clear_graphs();
+                    bar.wait();
+                    if decode_only {
+                        return Ok(tab);
                     }
 
                     // Prefill (steps over 32 tokens take the exact path).

@@ -1,0 +1,304 @@
+//! K-quant (Q4_K, Q6_K) kernels of the fast decode path (kernels/fast_kq.cu): the dense q8
+//! products, the per-pair MoE gate/up and down kernels and their grouped-by-expert forms, with
+//! the same contracts as [`Gpu::matvec_q8`], [`Gpu::moe_gate_up_q8_ld`], [`Gpu::moe_down_q8`],
+//! [`Gpu::moe_gate_up_grp`] and [`Gpu::moe_down_grp`] in `fast.rs`, so a Q4_K_M model can take
+//! the fast path. Any multiple of 256 columns, rows at any even address.
+
+use minimax_shared::quant::GgmlType;
+
+use super::error::CudaError;
+use super::gpu::{Arg, DevMat, Gpu};
+
+/// Rows per block of the dense kernels (one warp per row), as in kernels/fast_kq.cu.
+const MV_WARPS: usize = 8;
+/// Rows per block of the expert down kernel (one warp per output row).
+const DN_WARPS: usize = 4;
+
+/// Whether `w` can go through the K-quant fast kernels: Q4_K or Q6_K, whole 256-column
+/// super-blocks per row (row bytes exactly those blocks), rows and experts at even addresses.
+pub fn kq_fast_mat(w: &DevMat) -> bool {
+    matches!(w.ty, GgmlType::Q4_K | GgmlType::Q6_K)
+        && w.cols > 0
+        && w.cols % 256 == 0
+        && w.row_bytes == w.cols / 256 * w.ty.block_bytes()
+        && w.ptr % 2 == 0
+        && (w.n_experts == 0 || w.expert_stride % 2 == 0)
+}
+
+/// Whether the fast path may take K-quant matrices (`MINIMAX_FAST_KQ=1`; default off until
+/// measured end to end). Read once.
+pub fn kq_enabled() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var("MINIMAX_FAST_KQ").is_ok_and(|v| v == "1"))
+}
+
+/// Kernel name suffix of a K-quant type.
+fn kq_name(ty: GgmlType) -> &'static str {
+    if ty == GgmlType::Q4_K { "q4_k" } else { "q6_k" }
+}
+
+/// Tokens per block of the dense kernel for `nv` vectors (instances 1, 4, 8, 16).
+fn mv_nt(nv: usize) -> usize {
+    match nv {
+        0 | 1 => 1,
+        2..=4 => 4,
+        5..=8 => 8,
+        _ => 16,
+    }
+}
+
+impl Gpu {
+    /// `y_s[v] (+)= W_s x_q[v]` for up to three Q4_K/Q6_K matrices `segs` = (W, y, y stride)
+    /// of one type sharing a q8 input (`xq` [v][ncol] int8, 16-byte aligned; `xd` [v][ncol/32]),
+    /// `nv` vectors: [`Gpu::matvec_q8`] for K-quants (`kq_mv_*`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn kq_matvec_q8(&self, segs: &[(&DevMat, u64, usize)], xq: u64, xd: u64, ncol: usize, nv: usize, accumulate: bool) -> Result<(), CudaError> {
+        if segs.is_empty() || segs.len() > 3 {
+            return Err(CudaError::Shape(format!("kq_matvec_q8: {} matrices (1 to 3)", segs.len())));
+        }
+        let ty = segs[0].0.ty;
+        for (w, _, _) in segs {
+            if !kq_fast_mat(w) || w.ty != ty || w.cols != ncol {
+                return Err(CudaError::Shape(format!("kq_matvec_q8: {:?} {}x{} (input {ncol})", w.ty, w.rows, w.cols)));
+            }
+        }
+        if xq % 16 != 0 {
+            return Err(CudaError::Shape("kq_matvec_q8: q8 input not 16-byte aligned".into()));
+        }
+        let nt = mv_nt(nv);
+        let mut args = Vec::with_capacity(21);
+        let mut rows = 0;
+        for i in 0..3 {
+            match segs.get(i) {
+                Some((w, y, ys)) => {
+                    rows += w.rows;
+                    args.extend([Arg::P(w.ptr), Arg::L(w.row_bytes as i64), Arg::I(w.rows as i32), Arg::P(*y), Arg::L(*ys as i64)]);
+                }
+                None => args.extend([Arg::P(0), Arg::L(0), Arg::I(0), Arg::P(0), Arg::L(0)]),
+            }
+        }
+        args.extend([Arg::I((ncol / 256) as i32), Arg::P(xq), Arg::P(xd), Arg::I(ncol as i32), Arg::I(nv as i32), Arg::I(accumulate as i32)]);
+        let grid = (rows.div_ceil(MV_WARPS) as u32, nv.div_ceil(nt) as u32, 1);
+        self.launch_pdl(&format!("kq_mv_{}_{nt}", kq_name(ty)), grid, 32 * MV_WARPS as u32, 0, &args)
+    }
+
+    /// Fused expert gate/up for Q4_K/Q6_K experts: for each of `npairs` (token p / k, expert
+    /// ids[p]) pairs, `silu(gate x) * (up x)` quantized to q8 into `aq` [p][ld] / `ad`
+    /// [p][ld/32] (`ld >= gate.rows`, multiple of 32; `gate.rows % 32 == 0`):
+    /// [`Gpu::moe_gate_up_q8_ld`] for K-quants (`kq_moe_gate_up_*`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn kq_moe_gate_up_q8_ld(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, xq: u64, xd: u64, aq: u64, ad: u64, npairs: usize, ld: usize) -> Result<(), CudaError> {
+        if ld < gate.rows || ld % 32 != 0 {
+            return Err(CudaError::Shape(format!("kq_moe_gate_up_q8: activation stride {ld} for {} rows", gate.rows)));
+        }
+        if !kq_fast_mat(gate) || !kq_fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows != up.rows || gate.expert_stride != up.expert_stride || gate.rows % 32 != 0 || k == 0 {
+            return Err(CudaError::Shape(format!("kq_moe_gate_up_q8: expert tensors {:?}/{:?} {}x{}, top-{k}", gate.ty, up.ty, gate.rows, gate.cols)));
+        }
+        if xq % 16 != 0 {
+            return Err(CudaError::Shape("kq_moe_gate_up_q8: q8 input not 16-byte aligned".into()));
+        }
+        let args = [
+            Arg::P(gate.ptr),
+            Arg::P(up.ptr),
+            Arg::L(gate.row_bytes as i64),
+            Arg::L(gate.expert_stride as i64),
+            Arg::I((gate.cols / 256) as i32),
+            Arg::P(ids),
+            Arg::I(k as i32),
+            Arg::P(xq),
+            Arg::P(xd),
+            Arg::I(gate.cols as i32),
+            Arg::P(aq),
+            Arg::P(ad),
+            Arg::I(ld as i32),
+        ];
+        self.launch_pdl(&format!("kq_moe_gate_up_{}", kq_name(gate.ty)), ((gate.rows / 32) as u32, npairs as u32, 1), 256, 0, &args)
+    }
+
+    /// Fused expert down + weighted combine for Q4_K/Q6_K experts: `hidden[t] += sum_j
+    /// w[t,j] down[ids[t,j]] act[t,j]` (activations `down.cols` apart per pair, fixed summation
+    /// order, no atomics): [`Gpu::moe_down_q8`] for K-quants (`kq_moe_down_*`).
+    #[allow(clippy::too_many_arguments)]
+    pub fn kq_moe_down_q8(&self, down: &DevMat, ids: u64, wts: u64, k: usize, aq: u64, ad: u64, hidden: u64, hs: usize, nt: usize) -> Result<(), CudaError> {
+        if !kq_fast_mat(down) || k == 0 {
+            return Err(CudaError::Shape(format!("kq_moe_down_q8: expert tensor {:?} {}x{}, top-{k}", down.ty, down.rows, down.cols)));
+        }
+        if aq % 16 != 0 {
+            return Err(CudaError::Shape("kq_moe_down_q8: q8 activations not 16-byte aligned".into()));
+        }
+        let args = [
+            Arg::P(down.ptr),
+            Arg::L(down.row_bytes as i64),
+            Arg::L(down.expert_stride as i64),
+            Arg::I(down.rows as i32),
+            Arg::I((down.cols / 256) as i32),
+            Arg::P(ids),
+            Arg::P(wts),
+            Arg::I(k as i32),
+            Arg::P(aq),
+            Arg::P(ad),
+            Arg::I(down.cols as i32),
+            Arg::P(hidden),
+            Arg::L(hs as i64),
+        ];
+        self.launch_pdl(&format!("kq_moe_down_{}", kq_name(down.ty)), (down.rows.div_ceil(DN_WARPS) as u32, nt as u32, 1), 32 * DN_WARPS as u32, 0, &args)
+    }
+}
+
+/// Grouped MoE (steps of several tokens; `grp` from [`Gpu::moe_group`]).
+impl Gpu {
+    /// Grouped gate/up/SiLU → q8 for Q4_K/Q6_K experts over the slots of `grp`: the outputs
+    /// of [`Gpu::kq_moe_gate_up_q8_ld`], each chosen expert's rows read once per 8 of its
+    /// pairs; [`Gpu::moe_gate_up_grp`] for K-quants. `nslots` = the grid's slots
+    /// (`min(npairs, e)`; unused slots exit).
+    #[allow(clippy::too_many_arguments)]
+    pub fn kq_moe_gate_up_grp(&self, gate: &DevMat, up: &DevMat, grp: u64, e: usize, nslots: usize, k: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<(), CudaError> {
+        if ld < gate.rows || ld % 32 != 0 {
+            return Err(CudaError::Shape(format!("kq_moe_gate_up_grp: activation stride {ld} for {} rows", gate.rows)));
+        }
+        if !kq_fast_mat(gate) || !kq_fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows != up.rows || gate.expert_stride != up.expert_stride || gate.rows % 32 != 0 || k == 0 {
+            return Err(CudaError::Shape(format!("kq_moe_gate_up_grp: expert tensors {:?}/{:?} {}x{}, top-{k}", gate.ty, up.ty, gate.rows, gate.cols)));
+        }
+        if xq % 16 != 0 {
+            return Err(CudaError::Shape("kq_moe_gate_up_grp: q8 input not 16-byte aligned".into()));
+        }
+        let args = [
+            Arg::P(gate.ptr),
+            Arg::P(up.ptr),
+            Arg::L(gate.row_bytes as i64),
+            Arg::L(gate.expert_stride as i64),
+            Arg::I((gate.cols / 256) as i32),
+            Arg::P(grp),
+            Arg::I(e as i32),
+            Arg::I(k as i32),
+            Arg::P(xq),
+            Arg::P(xd),
+            Arg::I(gate.cols as i32),
+            Arg::P(aq),
+            Arg::P(ad),
+            Arg::I(ld as i32),
+        ];
+        self.launch_pdl(&format!("kq_moe_gate_up_grp_{}", kq_name(gate.ty)), ((gate.rows / 32) as u32, nslots as u32, 1), 256, 0, &args)
+    }
+
+    /// Grouped down products for Q4_K/Q6_K experts: `dpart[p][r] = down[expert of p] row r .
+    /// act[p]` (f32 `[npairs][down.rows]`, activations `down.cols` apart) for every pair of
+    /// `grp`; `moe_combine_grp` adds them to the residual. [`Gpu::moe_down_grp`] for K-quants.
+    #[allow(clippy::too_many_arguments)]
+    pub fn kq_moe_down_grp(&self, down: &DevMat, grp: u64, e: usize, nslots: usize, aq: u64, ad: u64, dpart: u64) -> Result<(), CudaError> {
+        if !kq_fast_mat(down) {
+            return Err(CudaError::Shape(format!("kq_moe_down_grp: expert tensor {:?} {}x{}", down.ty, down.rows, down.cols)));
+        }
+        if aq % 16 != 0 {
+            return Err(CudaError::Shape("kq_moe_down_grp: q8 activations not 16-byte aligned".into()));
+        }
+        let args = [
+            Arg::P(down.ptr),
+            Arg::L(down.row_bytes as i64),
+            Arg::L(down.expert_stride as i64),
+            Arg::I(down.rows as i32),
+            Arg::I((down.cols / 256) as i32),
+            Arg::P(grp),
+            Arg::I(e as i32),
+            Arg::P(aq),
+            Arg::P(ad),
+            Arg::I(down.cols as i32),
+            Arg::P(dpart),
+        ];
+        self.launch_pdl(&format!("kq_moe_down_grp_{}", kq_name(down.ty)), (down.rows.div_ceil(DN_WARPS) as u32, nslots as u32, 1), 32 * DN_WARPS as u32, 0, &args)
+    }
+}
+
+/// Type dispatch for `enqueue_fast`: each call goes to the K-quant kernel when its matrix is
+/// one ([`kq_fast_mat`]), else to `fast.rs`'s kernel with the same contract.
+impl Gpu {
+    /// [`Gpu::matvec_q8`] for segments of mixed types (Q4_K_M: q/k Q4_K, v Q6_K): the
+    /// K-quant segments in one launch per type, the others in one `matvec_q8` launch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_q8_any(&self, segs: &[(&DevMat, u64, usize)], xq: u64, xd: u64, ncol: usize, nv: usize, accumulate: bool) -> Result<(), CudaError> {
+        let rest: Vec<_> = segs.iter().filter(|s| !kq_fast_mat(s.0)).copied().collect();
+        if !rest.is_empty() {
+            self.matvec_q8(&rest, xq, xd, ncol, nv, accumulate)?;
+        }
+        for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+            let kq: Vec<_> = segs.iter().filter(|s| kq_fast_mat(s.0) && s.0.ty == ty).copied().collect();
+            if !kq.is_empty() {
+                self.kq_matvec_q8(&kq, xq, xd, ncol, nv, accumulate)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`Gpu::moe_gate_up_q8_ld`] or [`Gpu::kq_moe_gate_up_q8_ld`] by the experts' type.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gate_up_q8_any(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, xq: u64, xd: u64, aq: u64, ad: u64, npairs: usize, ld: usize) -> Result<(), CudaError> {
+        if kq_fast_mat(gate) {
+            self.kq_moe_gate_up_q8_ld(gate, up, ids, k, xq, xd, aq, ad, npairs, ld)
+        } else {
+            self.moe_gate_up_q8_ld(gate, up, ids, k, xq, xd, aq, ad, npairs, ld)
+        }
+    }
+
+    /// [`Gpu::moe_gate_up_grp`] or [`Gpu::kq_moe_gate_up_grp`] by the experts' type.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gate_up_grp_any(&self, gate: &DevMat, up: &DevMat, grp: u64, e: usize, nslots: usize, k: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<(), CudaError> {
+        if kq_fast_mat(gate) {
+            self.kq_moe_gate_up_grp(gate, up, grp, e, nslots, k, xq, xd, aq, ad, ld)
+        } else {
+            self.moe_gate_up_grp(gate, up, grp, e, nslots, k, xq, xd, aq, ad, ld)
+        }
+    }
+
+    /// [`Gpu::moe_down_grp`] or [`Gpu::kq_moe_down_grp`] by the experts' type.
+    pub fn moe_down_grp_any(&self, down: &DevMat, grp: u64, e: usize, nslots: usize, aq: u64, ad: u64, dpart: u64) -> Result<(), CudaError> {
+        if kq_fast_mat(down) {
+            self.kq_moe_down_grp(down, grp, e, nslots, aq, ad, dpart)
+        } else {
+            self.moe_down_grp(down, grp, e, nslots, aq, ad, dpart)
+        }
+    }
+
+    /// [`Gpu::moe_down_q8`] or [`Gpu::kq_moe_down_q8`] by the experts' type.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down_q8_any(&self, down: &DevMat, ids: u64, wts: u64, k: usize, aq: u64, ad: u64, hidden: u64, hs: usize, nt: usize) -> Result<(), CudaError> {
+        if kq_fast_mat(down) {
+            self.kq_moe_down_q8(down, ids, wts, k, aq, ad, hidden, hs, nt)
+        } else {
+            self.moe_down_q8(down, ids, wts, k, aq, ad, hidden, hs, nt)
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mat(ty: GgmlType, cols: usize, ptr: u64) -> DevMat {
+        let rb = cols / 256 * ty.block_bytes();
+        DevMat { ptr, ty, rows: 8, cols, row_bytes: rb, n_experts: 4, expert_stride: 8 * rb }
+    }
+
+    #[test]
+    fn kq_fast_mat_takes_whole_super_blocks_at_even_addresses() {
+        assert!(kq_fast_mat(&mat(GgmlType::Q4_K, 3072, 0x1000)));
+        assert!(kq_fast_mat(&mat(GgmlType::Q6_K, 768, 0x1002)));
+        assert!(kq_fast_mat(&mat(GgmlType::Q6_K, 256 * 13, 0x1000)));
+        assert!(!kq_fast_mat(&mat(GgmlType::Q6_K, 768, 0x1001)), "odd address");
+        assert!(!kq_fast_mat(&mat(GgmlType::Q8_0, 3072, 0x1000)), "not a K-quant");
+        assert!(!kq_fast_mat(&mat(GgmlType::Q5_K, 3072, 0x1000)), "Q5_K has no kernel");
+        let mut m = mat(GgmlType::Q4_K, 3072, 0x1000);
+        m.row_bytes += 16;
+        assert!(!kq_fast_mat(&m), "padded rows");
+        let mut m = mat(GgmlType::Q4_K, 3072, 0x1000);
+        m.cols = 3000;
+        assert!(!kq_fast_mat(&m), "partial super-block");
+    }
+
+    #[test]
+    fn mv_instances_cover_every_step_size() {
+        for nv in 1..=32 {
+            let nt = mv_nt(nv);
+            assert!([1, 4, 8, 16].contains(&nt) && (nv <= nt || nt == 16));
+        }
+    }
+}

@@ -1,0 +1,594 @@
+//! The K-quant (Q4_K, Q6_K) fast-path kernels (kernels/fast_kq.cu, `cuda::fast_kq`: dense
+//! products, per-pair and grouped MoE) against their CPU twins on random inputs, and their speed at MiniMax-M2.7 sizes. Outputs are
+//! poisoned with NaN before each launch; row counts are not multiples of the kernels' tiles;
+//! columns 3072, 1536, 768 (the TP-2 expert-down slice), 6144 and 3328 (13 super-blocks: a
+//! partial second phase); matrices at 2-byte-aligned addresses. Needs a GPU: run with
+//! `--ignored --test-threads=1 --nocapture` (tools/gpu/run_tests.sh does).
+//!
+//! The CPU twin of every product: the weights dequantized by the shared crate
+//! (`quant::dequantize_to_vec`, the reference dequantizer) times the dequantized q8
+//! activations, summed in f64. Error bound: |gpu - twin| <= 1e-5 * S + 1e-6 with
+//! S = sum_i |x_i| (|w_i| + 126 |dmin_i|) (dmin_i: the Q4_K super-block's min scale of element i;
+//! 0 for Q6_K). Why: the kernels' integer dot products are exact, and every f32 operation after
+//! them (scale x code sum, min x activation sum, their difference, x activation scale, the
+//! per-lane accumulation over at most ~10 units, the 5-level warp tree) rounds by at most 2^-24
+//! of a quantity bounded by S (|d sc q| + |dmin m| <= |w| + 2 |dmin m| <= |w| + 126 |dmin|), so
+//! the error is below ~20 x 6e-8 x S = 1.2e-6 S; 1e-5 leaves a margin of 8. A single wrong 4-bit
+//! code in a 3072-column row moves the result by about S / 3072 = 3e-4 S, 30 times the bound.
+
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use common::gpu::{Rng, gpu, poisoned, random_rows, upload_mat};
+use cudarc::driver::CudaSlice;
+use minimax_rank::cuda::fast_kq::kq_fast_mat;
+use minimax_rank::cuda::{DevMat, Gpu};
+use minimax_shared::quant::{self, GgmlType};
+
+/// Host twin of the fast path's q8 activations (norm_q8 without a norm): per 32 values
+/// d = max|x| / 127, q = round-half-even(x / d).
+fn q8_host(x: &[f32]) -> (Vec<i8>, Vec<f32>) {
+    let mut q = vec![0i8; x.len()];
+    let mut d = vec![0f32; x.len() / 32];
+    for (b, c) in x.chunks_exact(32).enumerate() {
+        let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let dd = amax / 127.0;
+        d[b] = dd;
+        for (i, v) in c.iter().enumerate() {
+            q[b * 32 + i] = if amax == 0.0 { 0 } else { (v / dd).round_ties_even() as i8 };
+        }
+    }
+    (q, d)
+}
+
+/// Dequantized q8 activations.
+fn q8_deq(q: &[i8], d: &[f32]) -> Vec<f32> {
+    q.iter().enumerate().map(|(i, &v)| v as f32 * d[i / 32]).collect()
+}
+
+/// Per element of whole rows `bytes` (dequantized: `deq`): |w| + 126 |dmin| (Q4_K) or |w|.
+fn err_weights(ty: GgmlType, bytes: &[u8], deq: &[f32]) -> Vec<f32> {
+    let bb = ty.block_bytes();
+    deq.iter()
+        .enumerate()
+        .map(|(i, w)| {
+            let m = if ty == GgmlType::Q4_K {
+                let o = (i / 256) * bb + 2;
+                126.0 * half::f16::from_bits(u16::from_le_bytes([bytes[o], bytes[o + 1]])).to_f32().abs()
+            } else {
+                0.0
+            };
+            w.abs() + m
+        })
+        .collect()
+}
+
+/// (sum w x, sum e |x|) in f64: the twin's dot product and its error scale.
+fn dot_ref(w: &[f32], e: &[f32], x: &[f32]) -> (f64, f64) {
+    let mut s = 0f64;
+    let mut a = 0f64;
+    for i in 0..x.len() {
+        s += w[i] as f64 * x[i] as f64;
+        a += e[i] as f64 * (x[i] as f64).abs();
+    }
+    (s, a)
+}
+
+/// `bytes` uploaded `shift` bytes into a fresh buffer (even shift: 2-byte-aligned matrices),
+/// `n_experts` stacked matrices of `rows` x `cols`.
+fn upload_shifted(g: &Gpu, ty: GgmlType, bytes: &[u8], rows: usize, cols: usize, n_experts: usize, shift: usize) -> (CudaSlice<u8>, DevMat) {
+    let mut b = vec![0u8; shift];
+    b.extend_from_slice(bytes);
+    let (buf, mut m) = upload_mat(g, ty, &b[..], rows, cols, n_experts);
+    m.ptr += shift as u64;
+    (buf, m)
+}
+
+const TOL: f64 = 1e-5;
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kquant_dense_products_match_cpu() {
+    let g = gpu();
+    let mut rng = Rng(0x6b71_0000_d0e5_0001);
+    for ty in [GgmlType::Q4_K, GgmlType::Q6_K] {
+        for cols in [3072usize, 1536, 768, 256 * 13, 6144] {
+            // Three matrices (37 + 8 + 21 rows: not a multiple of the 8 rows per block), at
+            // byte offsets 0, 2 and 6 in their buffers.
+            let rows = [37usize, 8, 21];
+            let shift = [0usize, 2, 6];
+            let mats: Vec<Vec<u8>> = rows.iter().map(|&r| random_rows(&mut rng, ty, r, cols)).collect();
+            let up: Vec<_> = (0..3).map(|i| upload_shifted(&g, ty, &mats[i], rows[i], cols, 0, shift[i])).collect();
+            let deq: Vec<Vec<f32>> = (0..3).map(|i| quant::dequantize_to_vec(ty, &mats[i], rows[i] * cols).unwrap()).collect();
+            let ew: Vec<Vec<f32>> = (0..3).map(|i| err_weights(ty, &mats[i], &deq[i])).collect();
+            let mut worst = 0f64;
+            for nv in [1usize, 2, 7, 32] {
+                let x = rng.vec(nv * cols, 2.0);
+                let (hq, hd) = q8_host(&x);
+                let xdq = q8_deq(&hq, &hd);
+                let (qb, db) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
+                for acc in [false, true] {
+                    let ys: Vec<usize> = rows.iter().map(|r| r + 3).collect();
+                    let y0: Vec<Vec<f32>> = ys.iter().map(|s| rng.vec(nv * s, 1.0)).collect();
+                    let yb: Vec<_> = (0..3).map(|i| if acc { g.upload(&y0[i]).unwrap() } else { poisoned(&g, nv * ys[i]) }).collect();
+                    let segs: Vec<_> = (0..3).map(|i| (&up[i].1, g.ptr(&yb[i]), ys[i])).collect();
+                    g.kq_matvec_q8(&segs, g.ptr(&qb), g.ptr(&db), cols, nv, acc).unwrap();
+                    for i in 0..3 {
+                        let got = g.download(&yb[i]).unwrap();
+                        for v in 0..nv {
+                            let xv = &xdq[v * cols..(v + 1) * cols];
+                            for r in 0..rows[i] {
+                                let (s, a) = dot_ref(&deq[i][r * cols..(r + 1) * cols], &ew[i][r * cols..(r + 1) * cols], xv);
+                                let base = if acc { y0[i][v * ys[i] + r] as f64 } else { 0.0 };
+                                let (want, scale) = (s + base, a + base.abs());
+                                let gv = got[v * ys[i] + r];
+                                let d = (gv as f64 - want).abs();
+                                assert!(gv.is_finite() && d <= TOL * scale + 1e-6, "kq_mv {ty} cols {cols} seg {i} nv {nv} acc {acc} [{v},{r}]: got {gv} want {want} (scale {scale})");
+                                worst = worst.max(d / scale.max(1e-30));
+                            }
+                            for r in rows[i]..ys[i] {
+                                let gv = got[v * ys[i] + r];
+                                assert!(if acc { gv == y0[i][v * ys[i] + r] } else { gv.is_nan() }, "kq_mv {ty} cols {cols}: wrote past the rows");
+                            }
+                        }
+                    }
+                }
+            }
+            eprintln!("kq_mv   {ty:<5} 3 segs (66 rows) x {cols:>4} cols, nv 1/2/7/32, acc/overwrite: max |diff| / S {worst:.2e} (bound {TOL:.0e})");
+        }
+    }
+    // Type dispatch (`matvec_q8_any`): Q4_K, Q6_K and Q8_0 segments in one call give exactly
+    // the outputs of one launch per matrix.
+    let cols = 3072usize;
+    let tys = [GgmlType::Q4_K, GgmlType::Q8_0, GgmlType::Q6_K];
+    let rows = [37usize, 8, 21];
+    let mats: Vec<Vec<u8>> = (0..3).map(|i| random_rows(&mut rng, tys[i], rows[i], cols)).collect();
+    let up: Vec<_> = (0..3).map(|i| upload_mat(&g, tys[i], &mats[i], rows[i], cols, 0)).collect();
+    for nv in [1usize, 7] {
+        let (hq, hd) = q8_host(&rng.vec(nv * cols, 2.0));
+        let (qb, db) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
+        let yb: Vec<_> = (0..3).map(|i| poisoned(&g, nv * rows[i])).collect();
+        let segs: Vec<_> = (0..3).map(|i| (&up[i].1, g.ptr(&yb[i]), rows[i])).collect();
+        g.matvec_q8_any(&segs, g.ptr(&qb), g.ptr(&db), cols, nv, false).unwrap();
+        for i in 0..3 {
+            let one = poisoned(&g, nv * rows[i]);
+            let seg = [(&up[i].1, g.ptr(&one), rows[i])];
+            if tys[i] == GgmlType::Q8_0 {
+                g.matvec_q8(&seg, g.ptr(&qb), g.ptr(&db), cols, nv, false).unwrap();
+            } else {
+                g.kq_matvec_q8(&seg, g.ptr(&qb), g.ptr(&db), cols, nv, false).unwrap();
+            }
+            let (a, b) = (g.download(&yb[i]).unwrap(), g.download(&one).unwrap());
+            assert!(a.iter().zip(&b).all(|(x, y)| x.is_finite() && x.to_bits() == y.to_bits()), "matvec_q8_any {} nv {nv}: not the single launch's result", tys[i]);
+        }
+    }
+    eprintln!("matvec_q8_any Q4_K + Q8_0 + Q6_K segments: bit-identical to one launch per matrix");
+    // Refused shapes: typed errors, nothing launched.
+    let mut rng = Rng(7);
+    let q8 = random_rows(&mut rng, GgmlType::Q8_0, 8, 256);
+    let (_b, m8) = upload_mat(&g, GgmlType::Q8_0, &q8, 8, 256, 0);
+    assert!(!kq_fast_mat(&m8));
+    assert!(g.kq_matvec_q8(&[(&m8, 0, 8)], 0, 0, 256, 1, false).is_err(), "Q8_0 must be refused");
+    let a = random_rows(&mut rng, GgmlType::Q4_K, 8, 256);
+    let b = random_rows(&mut rng, GgmlType::Q6_K, 8, 256);
+    let (_ba, ma) = upload_mat(&g, GgmlType::Q4_K, &a, 8, 256, 0);
+    let (_bb, mb) = upload_mat(&g, GgmlType::Q6_K, &b, 8, 256, 0);
+    assert!(g.kq_matvec_q8(&[(&ma, 0, 8), (&mb, 0, 8)], 0, 0, 256, 1, false).is_err(), "mixed types must be refused");
+    assert!(g.kq_matvec_q8(&[(&ma, 0, 8)], 0, 0, 512, 1, false).is_err(), "column mismatch must be refused");
+    let mut odd = ma;
+    odd.ptr += 1;
+    assert!(g.kq_matvec_q8(&[(&odd, 0, 8)], 0, 0, 256, 1, false).is_err(), "odd address must be refused");
+}
+
+/// `k` distinct experts of `e` per token and positive routing weights summing to one.
+fn route(rng: &mut Rng, nt: usize, e: usize, k: usize) -> (Vec<i32>, Vec<f32>) {
+    let mut ids = Vec::new();
+    let mut wts = Vec::new();
+    for _ in 0..nt {
+        let mut all: Vec<i32> = (0..e as i32).collect();
+        for i in 0..k {
+            let j = i + rng.below(e - i);
+            all.swap(i, j);
+        }
+        ids.extend_from_slice(&all[..k]);
+        let w: Vec<f32> = (0..k).map(|_| 0.1 + rng.f().abs()).collect();
+        let s: f32 = w.iter().sum();
+        wts.extend(w.iter().map(|v| v / s));
+    }
+    (ids, wts)
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kquant_moe_gate_up_and_down_match_cpu() {
+    let g = gpu();
+    let mut rng = Rng(0x6b71_0000_0e0e_0002);
+    // (gate/up type, down type, hidden = gate/up columns, expert width = down columns, tokens)
+    let cases = [
+        (GgmlType::Q4_K, GgmlType::Q6_K, 3072usize, 1536usize, 1usize),
+        (GgmlType::Q4_K, GgmlType::Q6_K, 3072, 768, 1),
+        (GgmlType::Q4_K, GgmlType::Q6_K, 3072, 1536, 2),
+        (GgmlType::Q6_K, GgmlType::Q4_K, 1536, 256 * 13, 1),
+        (GgmlType::Q6_K, GgmlType::Q6_K, 256 * 13, 768, 1),
+    ];
+    let (e, k) = (12usize, 8usize);
+    // Down rows: not a multiple of the 4 rows per block (the kernel does not need the hidden width).
+    let hr = 1027usize;
+    for (ci, &(gty, dty, h, ff, nt)) in cases.iter().enumerate() {
+        let gate = random_rows(&mut rng, gty, e * ff, h);
+        let upw = random_rows(&mut rng, gty, e * ff, h);
+        let down = random_rows(&mut rng, dty, e * hr, ff);
+        let (_g1, gm) = upload_shifted(&g, gty, &gate, ff, h, e, 0);
+        let (_g2, um) = upload_shifted(&g, gty, &upw, ff, h, e, 2 * ci);
+        let (_g3, dm) = upload_shifted(&g, dty, &down, hr, ff, e, 2);
+        let (ids, wts) = route(&mut rng, nt, e, k);
+        let x = rng.vec(nt * h, 2.0);
+        let (hq, hd) = q8_host(&x);
+        let xdq = q8_deq(&hq, &hd);
+        let (qb, db, ib, wb) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap(), g.upload(&ids).unwrap(), g.upload(&wts).unwrap());
+        let np = nt * k;
+        let aq = g.zeros::<i8>(np * ff).unwrap();
+        let ad = poisoned(&g, np * ff / 32);
+        g.kq_moe_gate_up_q8_ld(&gm, &um, g.ptr(&ib), k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), np, ff).unwrap();
+        let (gaq, gad) = (g.download(&aq).unwrap(), g.download(&ad).unwrap());
+        let grb = gty.block_bytes() * h / 256;
+        let mut worst = 0f32;
+        for p in 0..np {
+            let (ex, t) = (ids[p] as usize, p / k);
+            let xv = &xdq[t * h..(t + 1) * h];
+            for r in 0..ff {
+                let row = |m: &[u8]| {
+                    let b = &m[(ex * ff + r) * grb..(ex * ff + r + 1) * grb];
+                    let w = quant::dequantize_to_vec(gty, b, h).unwrap();
+                    dot_ref(&w, &err_weights(gty, b, &w), xv)
+                };
+                let ((gg, sg), (uu, su)) = (row(&gate), row(&upw));
+                let want = gg / (1.0 + (-gg).exp()) * uu;
+                let step = gad[p * ff / 32 + r / 32];
+                let got = gaq[p * ff + r] as f32 * step;
+                // Half a q8 step (the output's resolution) plus the propagated product error
+                // (|silu'| <= 1.1, |silu(g)| <= |g|).
+                let tol = 0.501 * step as f64 + TOL * (1.1 * uu.abs() * sg + gg.abs() * su) + 1e-6;
+                assert!(got.is_finite() && (got as f64 - want).abs() <= tol, "kq gate_up {gty} {h}->{ff} pair {p} row {r}: got {got} want {want} tol {tol}");
+                worst = worst.max((got as f64 - want).abs() as f32 / step.max(1e-30));
+            }
+        }
+        if ci == 0 {
+            // A padded activation stride: the same values, pad never written.
+            let ld = ff + 64;
+            let aq2 = g.zeros::<i8>(np * ld).unwrap();
+            let ad2 = poisoned(&g, np * ld / 32);
+            g.kq_moe_gate_up_q8_ld(&gm, &um, g.ptr(&ib), k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq2), g.ptr(&ad2), np, ld).unwrap();
+            let (q2, d2) = (g.download(&aq2).unwrap(), g.download(&ad2).unwrap());
+            for p in 0..np {
+                assert_eq!(&q2[p * ld..p * ld + ff], &gaq[p * ff..(p + 1) * ff], "padded ld: codes");
+                assert!(q2[p * ld + ff..(p + 1) * ld].iter().all(|&v| v == 0), "padded ld: pad written");
+                for gi in 0..ld / 32 {
+                    let v = d2[p * ld / 32 + gi];
+                    if gi < ff / 32 {
+                        assert_eq!(v.to_bits(), gad[p * ff / 32 + gi].to_bits(), "padded ld: scales");
+                    } else {
+                        assert!(v.is_nan(), "padded ld: pad scale written");
+                    }
+                }
+            }
+            assert!(g.kq_moe_gate_up_q8_ld(&gm, &um, g.ptr(&ib), k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq2), g.ptr(&ad2), np, ff - 32).is_err(), "short stride must be refused");
+        }
+        // Down + weighted combine into the residual (stride hr + 1: the last column must stay).
+        let hid0 = rng.vec(nt * (hr + 1), 1.0);
+        let hb = g.upload(&hid0).unwrap();
+        g.kq_moe_down_q8(&dm, g.ptr(&ib), g.ptr(&wb), k, g.ptr(&aq), g.ptr(&ad), g.ptr(&hb), hr + 1, nt).unwrap();
+        let got = g.download(&hb).unwrap();
+        let hb2 = g.upload(&hid0).unwrap();
+        g.kq_moe_down_q8(&dm, g.ptr(&ib), g.ptr(&wb), k, g.ptr(&aq), g.ptr(&ad), g.ptr(&hb2), hr + 1, nt).unwrap();
+        let got2 = g.download(&hb2).unwrap();
+        assert!(got.iter().zip(&got2).all(|(a, b)| a.to_bits() == b.to_bits()), "kq down is not deterministic");
+        let act = q8_deq(&gaq, &gad);
+        let drb = dty.block_bytes() * ff / 256;
+        let mut worst_d = 0f64;
+        for t in 0..nt {
+            for r in 0..hr {
+                let mut want = hid0[t * (hr + 1) + r] as f64;
+                let mut scale = want.abs();
+                for j in 0..k {
+                    let p = t * k + j;
+                    let ex = ids[p] as usize;
+                    let b = &down[(ex * hr + r) * drb..(ex * hr + r + 1) * drb];
+                    let w = quant::dequantize_to_vec(dty, b, ff).unwrap();
+                    let (s, a) = dot_ref(&w, &err_weights(dty, b, &w), &act[p * ff..(p + 1) * ff]);
+                    want += wts[p] as f64 * s;
+                    scale += wts[p] as f64 * a;
+                }
+                let gv = got[t * (hr + 1) + r] as f64;
+                assert!(gv.is_finite() && (gv - want).abs() <= TOL * scale + 1e-6, "kq down {dty} {ff}->{hr} t {t} r {r}: got {gv} want {want} (scale {scale})");
+                worst_d = worst_d.max((gv - want).abs() / scale);
+            }
+            assert_eq!(got[t * (hr + 1) + hr], hid0[t * (hr + 1) + hr], "kq down wrote past the rows");
+        }
+        eprintln!(
+            "kq moe  {gty}/{dty} {h} -> {ff} -> {hr}, {nt} token(s) x top-{k}: gate/up max |diff| {worst:.3} q8 steps (bound 0.501 + product error), down+combine max |diff| / S {worst_d:.2e}, deterministic"
+        );
+    }
+    // Refused: Q8_0 experts, rows not a multiple of 32.
+    let q8 = random_rows(&mut rng, GgmlType::Q8_0, 2 * 32, 256);
+    let (_b, m8) = upload_mat(&g, GgmlType::Q8_0, &q8, 32, 256, 2);
+    assert!(g.kq_moe_gate_up_q8_ld(&m8, &m8, 0, 1, 0, 0, 0, 0, 1, 32).is_err());
+    assert!(g.kq_moe_down_q8(&m8, 0, 0, 1, 0, 0, 0, 32, 1).is_err());
+    let a = random_rows(&mut rng, GgmlType::Q4_K, 2 * 40, 256);
+    let (_ba, ma) = upload_mat(&g, GgmlType::Q4_K, &a, 40, 256, 2);
+    assert!(g.kq_moe_gate_up_q8_ld(&ma, &ma, 0, 1, 0, 0, 0, 0, 1, 64).is_err(), "40 rows must be refused");
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kquant_moe_grouped_matches_cpu() {
+    let g = gpu();
+    let mut rng = Rng(0x6b71_0000_0e0e_0004);
+    let (e, k, hr) = (12usize, 8usize, 1027usize);
+    // (gate/up type, down type, hidden, expert width, tokens): 5 and 7 tokens (slots of a few
+    // pairs) and 32 (slots of up to 32 pairs: passes of 8); the 3328-wide down rows take two
+    // phases per pass.
+    let cases = [
+        (GgmlType::Q4_K, GgmlType::Q6_K, 1536usize, 768usize, 7usize),
+        (GgmlType::Q4_K, GgmlType::Q6_K, 1536, 768, 32),
+        (GgmlType::Q6_K, GgmlType::Q4_K, 768, 256 * 13, 5),
+    ];
+    for (gty, dty, h, ff, nt) in cases {
+        let gate = random_rows(&mut rng, gty, e * ff, h);
+        let upw = random_rows(&mut rng, gty, e * ff, h);
+        let down = random_rows(&mut rng, dty, e * hr, ff);
+        let (_g1, gm) = upload_shifted(&g, gty, &gate, ff, h, e, 0);
+        let (_g2, um) = upload_shifted(&g, gty, &upw, ff, h, e, 2);
+        let (_g3, dm) = upload_shifted(&g, dty, &down, hr, ff, e, 4);
+        let (ids, wts) = route(&mut rng, nt, e, k);
+        let x = rng.vec(nt * h, 2.0);
+        let (hq, hd) = q8_host(&x);
+        let xdq = q8_deq(&hq, &hd);
+        let (qb, db, ib, wb) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap(), g.upload(&ids).unwrap(), g.upload(&wts).unwrap());
+        let np = nt * k;
+        let nslots = np.min(e);
+        let grp = g.zeros::<i32>(1 + 3 * e + np).unwrap();
+        g.moe_group(g.ptr(&ib), np, e, g.ptr(&grp)).unwrap();
+        let aq = g.zeros::<i8>(np * ff).unwrap();
+        let ad = poisoned(&g, np * ff / 32);
+        g.kq_moe_gate_up_grp(&gm, &um, g.ptr(&grp), e, nslots, k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), ff).unwrap();
+        let (gaq, gad) = (g.download(&aq).unwrap(), g.download(&ad).unwrap());
+        // The per-pair kernel on the same inputs, for the report (same arithmetic per element).
+        let aq1 = g.zeros::<i8>(np * ff).unwrap();
+        let ad1 = poisoned(&g, np * ff / 32);
+        g.kq_moe_gate_up_q8_ld(&gm, &um, g.ptr(&ib), k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq1), g.ptr(&ad1), np, ff).unwrap();
+        let (paq, pad) = (g.download(&aq1).unwrap(), g.download(&ad1).unwrap());
+        let same = gaq == paq && gad.iter().zip(&pad).all(|(a, b)| a.to_bits() == b.to_bits());
+        let (gdeq, udeq) = (quant::dequantize_to_vec(gty, &gate, e * ff * h).unwrap(), quant::dequantize_to_vec(gty, &upw, e * ff * h).unwrap());
+        let (gerr, uerr) = (err_weights(gty, &gate, &gdeq), err_weights(gty, &upw, &udeq));
+        let mut worst = 0f32;
+        for p in 0..np {
+            let (ex, t) = (ids[p] as usize, p / k);
+            let xv = &xdq[t * h..(t + 1) * h];
+            for r in 0..ff {
+                let o = (ex * ff + r) * h;
+                let (gg, sg) = dot_ref(&gdeq[o..o + h], &gerr[o..o + h], xv);
+                let (uu, su) = dot_ref(&udeq[o..o + h], &uerr[o..o + h], xv);
+                let want = gg / (1.0 + (-gg).exp()) * uu;
+                let step = gad[p * ff / 32 + r / 32];
+                let got = gaq[p * ff + r] as f32 * step;
+                let tol = 0.501 * step as f64 + TOL * (1.1 * uu.abs() * sg + gg.abs() * su) + 1e-6;
+                assert!(got.is_finite() && (got as f64 - want).abs() <= tol, "kq gate_up_grp {gty} {h}->{ff} nt {nt} pair {p} row {r}: got {got} want {want} tol {tol}");
+                worst = worst.max((got as f64 - want).abs() as f32 / step.max(1e-30));
+            }
+        }
+        // Grouped down into dpart, then fast.cu's moe_combine_grp into the residual.
+        let dpart = poisoned(&g, np * hr);
+        g.kq_moe_down_grp(&dm, g.ptr(&grp), e, nslots, g.ptr(&aq), g.ptr(&ad), g.ptr(&dpart)).unwrap();
+        let hid0 = rng.vec(nt * (hr + 1), 1.0);
+        let hb = g.upload(&hid0).unwrap();
+        g.moe_combine_grp(g.ptr(&dpart), g.ptr(&wb), k, hr, g.ptr(&hb), hr + 1, nt).unwrap();
+        let (gdp, got) = (g.download(&dpart).unwrap(), g.download(&hb).unwrap());
+        let act = q8_deq(&gaq, &gad);
+        let ddeq = quant::dequantize_to_vec(dty, &down, e * hr * ff).unwrap();
+        let derr = err_weights(dty, &down, &ddeq);
+        let mut worst_d = 0f64;
+        for t in 0..nt {
+            for r in 0..hr {
+                let mut want = hid0[t * (hr + 1) + r] as f64;
+                let mut scale = want.abs();
+                for j in 0..k {
+                    let p = t * k + j;
+                    let o = (ids[p] as usize * hr + r) * ff;
+                    let (s, a) = dot_ref(&ddeq[o..o + ff], &derr[o..o + ff], &act[p * ff..(p + 1) * ff]);
+                    let dv = gdp[p * hr + r] as f64;
+                    assert!(dv.is_finite() && (dv - s).abs() <= TOL * a + 1e-6, "kq down_grp {dty} {ff}->{hr} nt {nt} pair {p} r {r}: got {dv} want {s}");
+                    want += wts[p] as f64 * s;
+                    scale += wts[p] as f64 * a;
+                }
+                let gv = got[t * (hr + 1) + r] as f64;
+                assert!(gv.is_finite() && (gv - want).abs() <= TOL * scale + 1e-6, "kq down_grp + combine {dty} t {t} r {r}: got {gv} want {want}");
+                worst_d = worst_d.max((gv - want).abs() / scale);
+            }
+            assert_eq!(got[t * (hr + 1) + hr], hid0[t * (hr + 1) + hr], "combine wrote past the rows");
+        }
+        eprintln!(
+            "kq grp  {gty}/{dty} {h} -> {ff} -> {hr}, {nt} tokens x top-{k} over {e} experts: gate/up max |diff| {worst:.3} q8 steps ({} the per-pair kernel), down+combine max |diff| / S {worst_d:.2e}",
+            if same { "bit-identical to" } else { "differs from" }
+        );
+    }
+}
+
+/// One timed kernel: median milliseconds over the launches `f(i)` for i in 0..n.
+fn time_ms(g: &Gpu, n: usize, mut f: impl FnMut(usize)) -> f64 {
+    f(0); // warm-up (module load, first touch)
+    g.sync().unwrap();
+    g.profile_begin();
+    for i in 0..n {
+        f(i);
+    }
+    let mut ms: Vec<f64> = g.profile_end().unwrap().into_iter().map(|(_, m)| m as f64).collect();
+    ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    ms[ms.len() / 2]
+}
+
+/// `copies` device copies of a `rows` x `cols` matrix of `ty` (`n_experts` stacked; random
+/// valid blocks filled on the device), as one buffer and the first copy's `DevMat`.
+fn device_mat(g: &Gpu, ty: GgmlType, rows: usize, cols: usize, n_experts: usize, copies: usize, seed: u64) -> (CudaSlice<u8>, DevMat) {
+    let rb = quant::row_bytes(ty, cols).unwrap();
+    let one = n_experts.max(1) * rows * rb;
+    let buf = g.zeros::<u8>(one * copies).unwrap();
+    g.fill_synthetic(g.ptr(&buf), ty, one * copies / ty.block_bytes() * 256, seed, -1.0, 1.0).unwrap();
+    let m = DevMat { ptr: g.ptr(&buf), ty, rows, cols, row_bytes: rb, n_experts, expert_stride: rows * rb };
+    (buf, m)
+}
+
+/// Copies of a matrix of `bytes` that together exceed the 50 MB L2 (timed launches rotate).
+fn l2_copies(bytes: usize) -> usize {
+    (256 << 20) / bytes + 1
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kquant_fast_kernels_speed() {
+    let g = gpu();
+    let mut rng = Rng(0x6b71_0000_5eed_0003);
+    let (hidden, qw, kvw, ff, e, k) = (3072usize, 6144usize, 1024usize, 1536usize, 256usize, 8usize);
+    let n = 40;
+    // q8 activations for up to 32 tokens of up to 6144 columns.
+    let x = rng.vec(32 * qw, 2.0);
+    let (hq, hd) = q8_host(&x);
+    let (qb, db) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
+    let y = g.zeros::<f32>(32 * 200064).unwrap();
+    let gbs = |bytes: usize, ms: f64| bytes as f64 / (ms * 1e-3) / 1e9;
+    // Dense: (what, type, rows, cols).
+    let dense = [
+        ("attn q+k (2 segs)", GgmlType::Q4_K, qw + kvw, hidden),
+        ("attn v", GgmlType::Q6_K, kvw, hidden),
+        ("attn o", GgmlType::Q4_K, hidden, qw),
+        ("lm_head", GgmlType::Q6_K, 200064, hidden),
+    ];
+    for (what, ty, rows, cols) in dense {
+        let rb = quant::row_bytes(ty, cols).unwrap();
+        let copies = if rows > 100_000 { 1 } else { l2_copies(rows * rb) };
+        let (_buf, m0) = device_mat(&g, ty, rows, cols, 0, copies, 11);
+        for nv in [1usize, 8, 32] {
+            let ms = time_ms(&g, n, |i| {
+                let mut m = m0;
+                m.ptr += ((i % copies) * rows * rb) as u64;
+                if what.contains("2 segs") {
+                    let (mut a, mut b) = (m, m);
+                    a.rows = qw;
+                    b.rows = kvw;
+                    b.ptr += (qw * rb) as u64;
+                    g.kq_matvec_q8(&[(&a, g.ptr(&y), qw), (&b, g.ptr(&y) + 4 * (32 * qw) as u64, kvw)], g.ptr(&qb), g.ptr(&db), cols, nv, false).unwrap();
+                } else {
+                    g.kq_matvec_q8(&[(&m, g.ptr(&y), rows)], g.ptr(&qb), g.ptr(&db), cols, nv, false).unwrap();
+                }
+            });
+            eprintln!("speed kq_mv {ty} {what:<18} {rows:>6} x {cols} nv {nv:>2}: {:>8.1} us  {:>6.0} GB/s (weights once)", ms * 1e3, gbs(rows * rb, ms));
+        }
+    }
+    // MoE, one token, 8 distinct random experts per launch: gate/up Q4_K (and the TP-2 slice
+    // of 768 rows), down Q6_K at 1536 and 768 (TP 2) columns.
+    let (ids, wts) = route(&mut rng, n + 1, e, k);
+    let (ib, wb) = (g.upload(&ids).unwrap(), g.upload(&wts).unwrap());
+    let aq = g.zeros::<i8>(k * ff).unwrap();
+    let ad = g.zeros::<f32>(k * ff / 32).unwrap();
+    let hid = g.zeros::<f32>(hidden).unwrap();
+    for (gty, rows) in [(GgmlType::Q4_K, ff), (GgmlType::Q4_K, ff / 2), (GgmlType::Q6_K, ff)] {
+        let (_gb, gm) = device_mat(&g, gty, rows, hidden, e, 1, 21);
+        let (_ub, um) = device_mat(&g, gty, rows, hidden, e, 1, 22);
+        let ms = time_ms(&g, n, |i| {
+            g.kq_moe_gate_up_q8_ld(&gm, &um, g.ptr(&ib) + (4 * k * i) as u64, k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), k, rows).unwrap();
+        });
+        let bytes = 2 * k * rows * gm.row_bytes;
+        eprintln!("speed kq_moe_gate_up {gty} 1 token x top-{k}, {rows:>4} x {hidden}: {:>8.1} us  {:>6.0} GB/s", ms * 1e3, gbs(bytes, ms));
+    }
+    // Grouped MoE at 8 and 32 tokens (random routing): gate/up Q4_K, down Q6_K, vs per-pair.
+    {
+        let (_gb, gm) = device_mat(&g, GgmlType::Q4_K, ff, hidden, e, 1, 31);
+        let (_ub, um) = device_mat(&g, GgmlType::Q4_K, ff, hidden, e, 1, 32);
+        let (_db2, dm) = device_mat(&g, GgmlType::Q6_K, hidden, ff, e, 1, 33);
+        for nt in [8usize, 32] {
+            let np = nt * k;
+            let (ids, _) = route(&mut rng, nt, e, k);
+            let ib = g.upload(&ids).unwrap();
+            let grp = g.zeros::<i32>(1 + 3 * e + np).unwrap();
+            g.moe_group(g.ptr(&ib), np, e, g.ptr(&grp)).unwrap();
+            let distinct = ids.iter().collect::<std::collections::HashSet<_>>().len();
+            let aq = g.zeros::<i8>(np * ff).unwrap();
+            let ad = g.zeros::<f32>(np * ff / 32).unwrap();
+            let dpart = g.zeros::<f32>(np * hidden).unwrap();
+            let nslots = np.min(e);
+            let gu_grp = time_ms(&g, n, |_| g.kq_moe_gate_up_grp(&gm, &um, g.ptr(&grp), e, nslots, k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), ff).unwrap());
+            let gu_pp = time_ms(&g, n, |_| g.kq_moe_gate_up_q8_ld(&gm, &um, g.ptr(&ib), k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), np, ff).unwrap());
+            let dn_grp = time_ms(&g, n, |_| g.kq_moe_down_grp(&dm, g.ptr(&grp), e, nslots, g.ptr(&aq), g.ptr(&ad), g.ptr(&dpart)).unwrap());
+            let gbytes = 2 * distinct * ff * gm.row_bytes;
+            let dbytes = distinct * hidden * dm.row_bytes;
+            eprintln!(
+                "speed kq grouped {nt:>2} tokens ({distinct} experts): gate/up grp {:>7.1} us ({:>5.0} GB/s of distinct experts) vs per-pair {:>7.1} us; down grp {:>7.1} us ({:>5.0} GB/s)",
+                gu_grp * 1e3,
+                gbs(gbytes, gu_grp),
+                gu_pp * 1e3,
+                dn_grp * 1e3,
+                gbs(dbytes, dn_grp)
+            );
+        }
+    }
+    for (dty, cols) in [(GgmlType::Q6_K, ff), (GgmlType::Q6_K, ff / 2), (GgmlType::Q4_K, ff)] {
+        let (_db2, dm) = device_mat(&g, dty, hidden, cols, e, 1, 23);
+        let ms = time_ms(&g, n, |i| {
+            g.kq_moe_down_q8(&dm, g.ptr(&ib) + (4 * k * i) as u64, g.ptr(&wb) + (4 * k * i) as u64, k, g.ptr(&aq), g.ptr(&ad), g.ptr(&hid), hidden, 1).unwrap();
+        });
+        let bytes = k * hidden * dm.row_bytes;
+        eprintln!("speed kq_moe_down {dty} 1 token x top-{k}, {hidden} x {cols:>4}: {:>8.1} us  {:>6.0} GB/s", ms * 1e3, gbs(bytes, ms));
+    }
+}
+
+/// End to end: a Q4_K_M-like synthetic model at MiniMax-M2.7's dimensions (`m2.7:q4km:2`:
+/// Q4_K q/k/o/gate/up, Q6_K v/down/output) takes the fast path with `MINIMAX_FAST_KQ=1`, and
+/// its logits (5-token prompt: grouped MoE; then single-token steps from CUDA graphs: per-pair
+/// MoE) match the exact path (f32 activations, exact dequantization) within 4e-2 of the largest
+/// logit: the q8 activation error alone, as for IQ4_XS (fast vs exact 1.6e-2 there,
+/// tests/cuda_tensor_fast.rs). The tokens fed are the exact path's greedy ones.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn kquant_fast_path_q4km_model_matches_exact() {
+    use minimax_rank::cpu::KvSpec;
+    use minimax_rank::cuda::{CudaModel, CudaOptions};
+    use minimax_shared::forward::{ForwardBatch, LogitsWanted, SeqStep};
+    use minimax_shared::model::synthetic::SyntheticSpec;
+    // Read once by the first fast_plan (no other test of this binary builds a model).
+    unsafe { std::env::set_var("MINIMAX_FAST_KQ", "1") };
+    let spec = SyntheticSpec::parse("m2.7:q4km:2").unwrap();
+    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: 16, n_pages: 64 }, CudaOptions::default(), 7).unwrap();
+    assert!(m.fast_path_off().is_none(), "fast path off for m2.7:q4km:2: {:?}", m.fast_path_off());
+    let prompt = vec![1u32, 17, 4242, 99_999, 200_000];
+    let steps = 6usize;
+    let run = |m: &mut CudaModel, fast: bool, base: u32, forced: Option<&[u32]>| {
+        m.set_fast(fast, fast);
+        let pt: Vec<u32> = (base..base + 4).collect();
+        let st = |cached: usize, tokens: Vec<u32>, logits| ForwardBatch { seqs: vec![SeqStep { seq_id: base as u64, page_table: pt.clone(), cached_len: cached, tokens, logits }] };
+        let o = m.forward(&st(0, prompt.clone(), LogitsWanted::All)).expect("prompt");
+        let mut toks = vec![common::argmax(o.row(4)).0];
+        let mut outs = vec![o.logits.clone()];
+        for i in 0..steps {
+            let feed = forced.map(|f| f[i]).unwrap_or(toks[i]);
+            let o = m.forward(&st(5 + i, vec![feed], LogitsWanted::Last)).expect("step");
+            toks.push(common::argmax(o.row(0)).0);
+            outs.push(o.logits.clone());
+        }
+        (outs, toks)
+    };
+    let (exact, exact_tok) = run(&mut m, false, 0, None);
+    let (fast, fast_tok) = run(&mut m, true, 8, Some(&exact_tok));
+    let scale = exact.iter().flatten().fold(0f32, |a, x| a.max(x.abs()));
+    let mut d = 0f32;
+    for (a, b) in exact.iter().zip(&fast) {
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            assert!(x.is_finite() && y.is_finite(), "non-finite logit");
+            d = d.max((x - y).abs());
+        }
+    }
+    let same = exact_tok.iter().zip(&fast_tok).filter(|(a, b)| a == b).count();
+    eprintln!("m2.7:q4km:2 fast (K-quant kernels, graphs) vs exact: max |logit diff| {d:.4} (rel {:.2e} of max |logit| {scale:.2}); greedy tokens equal {same}/{}", d / scale, exact_tok.len());
+    assert!(d <= 4e-2 * scale, "fast vs exact: {d} > {}", 4e-2 * scale);
+}

@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# The measurements all.sh leaves out, on the same 2-GPU machine right after it (prebuilt
+# binaries, one device call): weight loading vs the disk (GPU 0) beside the Q4_K_M-like mix on
+# one GPU (GPU 1); then the Q4_K_M-like mix in tensor 2 and pipeline 2; then kill -9 recovery
+# through the gateway. Each part has its own time limit so one hang cannot eat the call.
+#   tools/gpu/extra.sh BIN_DIR
+# Environment: PARTS (default "load q4km recovery"), LOAD_SPEC (default m2.7:iq4xs:10, ~20 GB).
+# Logs: $OUT/extra.tar.xz and $OUT/extra.txt.
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+bin=$(cd "${1:?BIN_DIR}" && pwd)
+out=${OUT:-/tmp/minimax-extra}
+logs=/tmp/minimax-extra-logs
+rm -rf "$logs" && mkdir -p "$logs"/{load,recovery}
+summary="$out/extra.txt"
+mkdir -p "$out"
+: >"$summary"
+export LD_LIBRARY_PATH="${CUDA_HOME:-/usr/local/cuda}/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+export NCCL_NVLS_ENABLE=0
+if [ -d "$bin/kcache" ]; then
+  mkdir -p /tmp/minimax-kernel-cache && cp -r "$bin/kcache/." /tmp/minimax-kernel-cache/
+fi
+export MINIMAX_KERNEL_CACHE=/tmp/minimax-kernel-cache
+parts=" ${PARTS:-load q4km recovery} "
+
+if [[ $parts == *" load "* || $parts == *" q4km "* ]]; then
+  echo "== part 1: weight loading (GPU 0) | Q4_K_M-like mix, one GPU (GPU 1) =="
+  pids=()
+  if [[ $parts == *" load "* ]]; then
+    (CUDA_VISIBLE_DEVICES=0 OUT="$logs/load" LOAD_TIMEOUT=120 timeout 240 bash tools/gpu/load_bench.sh "$bin" /tmp/minimax-load.gguf "${LOAD_SPEC:-m2.7:iq4xs:10}" >"$logs/load.log" 2>&1) &
+    pids+=($!)
+  fi
+  if [[ $parts == *" q4km "* ]]; then
+    (CUDA_VISIBLE_DEVICES=1 timeout 200 "$bin/minimax-bench" --synthetic m2.7:q4km --check-layers 0 --no-8k >"$logs/q4km1.log" 2>&1) &
+    pids+=($!)
+  fi
+  wait "${pids[@]}"
+  { echo "--- weight loading vs the disk ---"; cat "$logs/load.log"; } >>"$summary" 2>/dev/null
+  { echo "--- Q4_K_M-like mix, one GPU ---"; grep -v ' INFO ' "$logs/q4km1.log" | tail -n 50; } >>"$summary" 2>/dev/null
+fi
+
+if [[ $parts == *" q4km "* ]]; then
+  echo "== part 2: Q4_K_M-like mix, tensor 2 and pipeline 2 =="
+  timeout 150 "$bin/minimax-bench" --tp 2 --synthetic m2.7:q4km >"$logs/q4km_tp2.log" 2>&1
+  timeout 100 "$bin/minimax-bench" --pp 2 --synthetic m2.7:q4km --no-prefill >"$logs/q4km_pp2.log" 2>&1
+  {
+    echo "--- Q4_K_M-like mix, tensor 2 ---"; grep -v ' INFO ' "$logs/q4km_tp2.log" | tail -n 30
+    echo "--- Q4_K_M-like mix, pipeline 2 ---"; grep -v ' INFO ' "$logs/q4km_pp2.log" | tail -n 20
+  } >>"$summary"
+fi
+
+if [[ $parts == *" recovery "* ]]; then
+  echo "== part 3: kill -9 recovery through the gateway =="
+  OUT="$logs/recovery" timeout 200 bash tools/gpu/recovery.sh --device cuda --bin "$bin" >"$logs/recovery.log" 2>&1
+  { echo "--- recovery ---"; tail -n 25 "$logs/recovery.log"; } >>"$summary"
+fi
+
+tar -C "$logs" -cJf "$out/extra.tar.xz" . 2>/dev/null
+cat "$summary"
