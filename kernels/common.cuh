@@ -77,6 +77,60 @@ __device__ __forceinline__ double warp_sum_d(double v) {
     return v;
 }
 
+// ---- Shared by the decode kernels of fast.cu and fast_kq.cu ----
+// Quantizes one 32-element group held one value per lane; returns q, writes d from lane 0.
+__device__ __forceinline__ int q8_lane(float v, float* d_out) {
+    float amax = warp_max(fabsf(v));
+    float d = amax / 127.0f;
+    int q = amax == 0.0f ? 0 : __float2int_rn(v / d);
+    if ((threadIdx.x & 31) == 0) *d_out = d;
+    return q;
+}
+// The end of a gate/up block (after a block barrier): its 32 activations act[0 .. 32) (row
+// blockIdx.x * 32 + lane of pair p) as q8 into aq / ad (row stride ff), by warp 0.
+__device__ __forceinline__ void gu_act_q8(const float* act, int warp, int lane, int p, i8* aq, float* ad, int ff) {
+    __syncthreads();
+    if (warp == 0) {
+        float v = act[lane];
+        int q = q8_lane(v, ad + (i64)p * (ff / 32) + blockIdx.x);
+        aq[(i64)p * ff + blockIdx.x * 32 + lane] = (i8)q;
+    }
+}
+// The experts' gate/up activation silu(g) * u.
+__device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f + expf(-g)) * u; }
+// Row r of a three-segment dense launch (q, k, v: row r is row r of segment 0, then 1, then 2):
+// declares W, rb, y, ys (its segment's matrix, row bytes, output and output stride) and makes r
+// segment-local; returns past the last segment. Uses the kernel's argument names (W0, rb0,
+// rows0, y0, ys0, ..., ys2). A macro: as a function it changes the kernels' code.
+#define MV_SEGMENT_OR_RETURN()                 \
+    const u8* W;                               \
+    i64 rb, ys;                                \
+    float* y;                                  \
+    if (r < rows0) {                           \
+        W = W0, rb = rb0, y = y0, ys = ys0;    \
+    } else if (r < rows0 + rows1) {            \
+        r -= rows0;                            \
+        W = W1, rb = rb1, y = y1, ys = ys1;    \
+    } else if (r < rows0 + rows1 + rows2) {    \
+        r -= rows0 + rows1;                    \
+        W = W2, rb = rb2, y = y2, ys = ys2;    \
+    } else {                                   \
+        return;                                \
+    }
+// A dense warp's results: y[(v0 + t) ys + r] (+)= the warp sum of acc[t] for t < nv_here.
+template <int NT>
+__device__ __forceinline__ void mv_store(const float* acc, float* y, i64 ys, int r, int v0, int nv_here, int lane,
+                                         int accumulate) {
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        float s = warp_sum(acc[t]);
+        if (lane == 0 && t < nv_here) {
+            float* yp = y + (i64)(v0 + t) * ys + r;
+            *yp = accumulate ? *yp + s : s;
+        }
+    }
+}
+
 // KV cache element types (template argument of the attention kernels): 16-bit f16/bf16, or
 // f32 (exact, for checks against f32 references).
 #define KV_F16 0

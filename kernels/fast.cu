@@ -77,14 +77,7 @@ extern "C" __global__ void fill_h16(u16* p, i64 n, u64 seed, float lo, float hi,
 }
 
 // ------------------------------------------------------------- q8 activations -----------
-// Quantizes one 32-element group held one value per lane; returns q, writes d from lane 0.
-__device__ __forceinline__ int q8_lane(float v, float* d_out) {
-    float amax = warp_max(fabsf(v));
-    float d = amax / 127.0f;
-    int q = amax == 0.0f ? 0 : __float2int_rn(v / d);
-    if ((threadIdx.x & 31) == 0) *d_out = d;
-    return q;
-}
+// q8_lane (one 32-element group, one value per lane): common.cuh.
 
 // One row's optional RMSNorm (w != null; f32 sum of squares), optional f32 copy of the result
 // (yr != null) and q8 quantization into qr/dr by a block of 1024 threads: value i of thread x is
@@ -480,20 +473,7 @@ __device__ __forceinline__ void mvq_dense(const u8* W0, i64 rb0, int rows0, floa
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int r = blockIdx.x * MVQ_WARPS + warp;
     int v0 = blockIdx.y * NT;
-    const u8* W;
-    i64 rb, ys;
-    float* y;
-    if (r < rows0) {
-        W = W0, rb = rb0, y = y0, ys = ys0;
-    } else if (r < rows0 + rows1) {
-        r -= rows0;
-        W = W1, rb = rb1, y = y1, ys = ys1;
-    } else if (r < rows0 + rows1 + rows2) {
-        r -= rows0 + rows1;
-        W = W2, rb = rb2, y = y2, ys = ys2;
-    } else {
-        return;
-    }
+    MV_SEGMENT_OR_RETURN();
     int nv_here = min(NT, nv - v0);
     const u8* row = W + r * rb;
     u8* sm = sm_all[warp];
@@ -513,14 +493,7 @@ __device__ __forceinline__ void mvq_dense(const u8* W0, i64 rb0, int rows0, floa
             stage_ld<L>(v, min(MVQ_PH, nchunks - c1) * CH16, 1, [&](int) { return row + (i64)c1 * CH; }, lane);
         dot_staged<T, NT>(sm, nch, c0, xqv, ncol, xdv, ncol / 32, nv_here, acc, lane);
     }
-#pragma unroll
-    for (int t = 0; t < NT; t++) {
-        float s = warp_sum(acc[t]);
-        if (lane == 0 && t < nv_here) {
-            float* yp = y + (i64)(v0 + t) * ys + r;
-            *yp = accumulate ? *yp + s : s;
-        }
-    }
+    mv_store<NT>(acc, y, ys, r, v0, nv_here, lane, accumulate);
 }
 
 // Q8_0 dense product with the whole row slice in flight (the host's default for Q8_0:
@@ -540,20 +513,7 @@ __device__ __forceinline__ void mvqs_q8(const u8* W0, i64 rb0, int rows0, float*
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int r = blockIdx.x * WARPS + warp;
     int v0 = blockIdx.y * NT;
-    const u8* W;
-    i64 rb, ys;
-    float* y;
-    if (r < rows0) {
-        W = W0, rb = rb0, y = y0, ys = ys0;
-    } else if (r < rows0 + rows1) {
-        r -= rows0;
-        W = W1, rb = rb1, y = y1, ys = ys1;
-    } else if (r < rows0 + rows1 + rows2) {
-        r -= rows0 + rows1;
-        W = W2, rb = rb2, y = y2, ys = ys2;
-    } else {
-        return;
-    }
+    MV_SEGMENT_OR_RETURN();
     int nv_here = min(NT, nv - v0);
     const u8* row = W + r * rb;
     u8* sm = sm_all[warp];
@@ -607,14 +567,7 @@ __device__ __forceinline__ void mvqs_q8(const u8* W0, i64 rb0, int rows0, float*
             }
         }
     }
-#pragma unroll
-    for (int t = 0; t < NT; t++) {
-        float s = warp_sum(acc[t]);
-        if (lane == 0 && t < nv_here) {
-            float* yp = y + (i64)(v0 + t) * ys + r;
-            *yp = accumulate ? *yp + s : s;
-        }
-    }
+    mv_store<NT>(acc, y, ys, r, v0, nv_here, lane, accumulate);
 }
 
 // Instances: NT vectors per block; "s" = 8 warps x 12-chunk phases (rows of <= 12 chunks:
@@ -679,17 +632,12 @@ __device__ __forceinline__ void moe_gate_up(const u8* G, const u8* U, i64 rb, i6
         dot_staged<T, 1>(sm + nch * CH, nch, c0, xqt, 0, xdt, 0, 1, au, lane);
         if (c0 + nch == nchunks) {
             float g = warp_sum(ag[0]), u = warp_sum(au[0]);
-            if (lane == 0) act[warp * GU_ROWS + i] = g / (1.0f + expf(-g)) * u;
+            if (lane == 0) act[warp * GU_ROWS + i] = silu_times(g, u);
             ag[0] = 0.f;
             au[0] = 0.f;
         }
     }
-    __syncthreads();
-    if (warp == 0) {
-        float v = act[lane];
-        int q = q8_lane(v, ad + (i64)p * (ff / 32) + blockIdx.x);
-        aq[(i64)p * ff + blockIdx.x * 32 + lane] = (i8)q;
-    }
+    gu_act_q8(act, warp, lane, p, aq, ad, ff);
 }
 
 // Register-direct IQ4_XS gate/up (MINIMAX_GU_REG=2|4|4n|2n picks the shape, =0 the staged
@@ -726,6 +674,22 @@ __device__ __forceinline__ float iq4_unit_reg(uint2 h, uint2 qa, uint2 qb, int s
 struct GrRow {
     uint2 gh[GR_XU], ga[GR_XU], gb[GR_XU], uh[GR_XU], ua[GR_XU], ub[GR_XU];
 };
+// The activation slice of lane `lane` for units ub0 + lane + 32 i (i < GR_XU; q8 row at xqt /
+// xdt, nu units): two int4 of codes and the scale each, scale 0 past nu.
+__device__ __forceinline__ void gr_x_load_at(const i8* xqt, const float* xdt, int ub0, int lane, int nu,
+                                             int4 (&xa)[GR_XU], int4 (&xb)[GR_XU], float (&xs)[GR_XU]) {
+#pragma unroll
+    for (int i = 0; i < GR_XU; i++) {
+        int un = ub0 + lane + 32 * i;
+        xs[i] = 0.f;
+        if (un < nu) {
+            const int4* xp = (const int4*)(xqt + un * 32);
+            xa[i] = xp[0];
+            xb[i] = xp[1];
+            xs[i] = xdt[un];
+        }
+    }
+}
 __device__ __forceinline__ void gr_load(GrRow& w, const u8* g, const u8* u, int ub0, int lane, int nu) {
 #pragma unroll
     for (int i = 0; i < GR_XU; i++) {
@@ -762,17 +726,7 @@ __device__ __forceinline__ void moe_gate_up_reg_iq4(const u8* G, const u8* U, i6
         float xs[GR_XU];
         GrRow cur, nxt;
         gr_load(cur, G + eoff + (i64)row0 * rb, U + eoff + (i64)row0 * rb, ub0, lane, nu);
-#pragma unroll
-        for (int i = 0; i < GR_XU; i++) {
-            int un = ub0 + lane + 32 * i;
-            xs[i] = 0.f;
-            if (un < nu) {
-                const int4* xp = (const int4*)(xqt + un * 32);
-                xa[i] = xp[0];
-                xb[i] = xp[1];
-                xs[i] = xdt[un];
-            }
-        }
+        gr_x_load_at(xqt, xdt, ub0, lane, nu, xa, xb, xs);
 #pragma unroll
         for (int r = 0; r < GU_ROWS; r++) {
             if (!PF && r > 0)
@@ -795,14 +749,9 @@ __device__ __forceinline__ void moe_gate_up_reg_iq4(const u8* G, const u8* U, i6
 #pragma unroll
     for (int r = 0; r < GU_ROWS; r++) {
         float g = warp_sum(ag[r]), u = warp_sum(au[r]);
-        if (lane == 0) act[warp * GU_ROWS + r] = g / (1.0f + expf(-g)) * u;
+        if (lane == 0) act[warp * GU_ROWS + r] = silu_times(g, u);
     }
-    __syncthreads();
-    if (warp == 0) {
-        float v = act[lane];
-        int q = q8_lane(v, ad + (i64)p * (ff / 32) + blockIdx.x);
-        aq[(i64)p * ff + blockIdx.x * 32 + lane] = (i8)q;
-    }
+    gu_act_q8(act, warp, lane, p, aq, ad, ff);
 }
 extern "C" __global__ void __launch_bounds__(256) moe_gate_up_reg4_iq4_xs(
     const u8* G, const u8* U, i64 rb, i64 es, int nchunks, const int* ids, int k, const i8* xq, const float* xd,
@@ -842,19 +791,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_gate_up_reg2n_iq4_xs(
 // grid (min(tasks, resident)), block 512.
 __device__ __forceinline__ void gr_x_load(const i8* xq, const float* xd, int t, int ncol, int lane, int nu,
                                           int4 (&xa)[GR_XU], int4 (&xb)[GR_XU], float (&xs)[GR_XU]) {
-    const i8* xqt = xq + (i64)t * ncol;
-    const float* xdt = xd + (i64)t * (ncol / 32);
-#pragma unroll
-    for (int i = 0; i < GR_XU; i++) {
-        int un = lane + 32 * i;
-        xs[i] = 0.f;
-        if (un < nu) {
-            const int4* xp = (const int4*)(xqt + un * 32);
-            xa[i] = xp[0];
-            xb[i] = xp[1];
-            xs[i] = xdt[un];
-        }
-    }
+    gr_x_load_at(xq + (i64)t * ncol, xd + (i64)t * (ncol / 32), 0, lane, nu, xa, xb, xs);
 }
 extern "C" __global__ void __launch_bounds__(512) moe_gate_up_pst_iq4_xs(const u8* G, const u8* U, i64 rb, i64 es,
                                                                          int nchunks, const int* ids, int k,
@@ -912,7 +849,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_gate_up_pst_iq4_xs(const u
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             float g = warp_sum(ag[i]), u = warp_sum(au[i]);
-            if (lane == 0) act[buf][warp * 2 + i] = g / (1.0f + expf(-g)) * u;
+            if (lane == 0) act[buf][warp * 2 + i] = silu_times(g, u);
         }
         __syncthreads();
         if (warp == 0) {
@@ -1291,7 +1228,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_grp_iq4_xs(const u
     for (int ci = warp; ci < c; ci += 8) {
         int p = pairs[ci];
         float g = sg[lane][ci], u = su[lane][ci];
-        float v = g / (1.0f + expf(-g)) * u;
+        float v = silu_times(g, u);
         int q = q8_lane(v, ad + (i64)p * (ld / 32) + blockIdx.x);
         aq[(i64)p * ld + blockIdx.x * 32 + lane] = (i8)q;
     }

@@ -215,43 +215,19 @@ __device__ __forceinline__ void kq_dot_staged(const u8* data, int nb, int colb, 
 // grid (ceil(total_rows / KQ_MV_WARPS), ceil(nv / NT)), block 32 * KQ_MV_WARPS.
 #define KQ_MV_WARPS 8
 #define KQ_MV_PB 12
-template <int T, int NT>
-__device__ __forceinline__ void kq_mv(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1,
-                                      int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2,
-                                      int nblk, const i8* xq, const float* xd, int ncol, int nv, int accumulate) {
-    const int BB = KqT<T>::BB, SLOT = KQ_SLOT(T, KQ_MV_PB);
-    __shared__ __align__(16) u8 sm_all[KQ_MV_WARPS][2][SLOT];
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int r = blockIdx.x * KQ_MV_WARPS + warp;
-    int v0 = blockIdx.y * NT;
-    const u8* W;
-    i64 rb, ys;
-    float* y;
-    if (r < rows0) {
-        W = W0, rb = rb0, y = y0, ys = ys0;
-    } else if (r < rows0 + rows1) {
-        r -= rows0;
-        W = W1, rb = rb1, y = y1, ys = ys1;
-    } else if (r < rows0 + rows1 + rows2) {
-        r -= rows0 + rows1;
-        W = W2, rb = rb2, y = y2, ys = ys2;
-    } else {
-        return;  // no block-wide barrier below
-    }
-    int nv_here = min(NT, nv - v0);
-    const u8* row = W + (i64)r * rb;
-    const i8* xqv = xq + (i64)v0 * ncol;
-    const float* xdv = xd + (i64)v0 * (ncol / 32);
-    float acc[NT];
-#pragma unroll
-    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+// One warp's pass over a row of nblk super-blocks in double-buffered phases of KQ_MV_PB
+// (sm: the warp's two slots; phase n + 1 in flight while n is dotted): dot(data, nb, colb)
+// per phase (its nb staged super-blocks at data, the first one column colb).
+template <int T, class Dot>
+__device__ __forceinline__ void kq_row_pass(u8 (*sm)[KQ_SLOT(T, KQ_MV_PB)], const u8* row, int nblk, int lane, Dot dot) {
+    const int BB = KqT<T>::BB;
     int nph = (nblk + KQ_MV_PB - 1) / KQ_MV_PB;
-    kq_issue(sm_all[warp][0], row, min(KQ_MV_PB, nblk) * BB, lane);
+    kq_issue(sm[0], row, min(KQ_MV_PB, nblk) * BB, lane);
     kq_commit();
     for (int ph = 0; ph < nph; ph++) {
         if (ph + 1 < nph) {
             int c1 = (ph + 1) * KQ_MV_PB;
-            kq_issue(sm_all[warp][(ph + 1) & 1], row + (i64)c1 * BB, min(KQ_MV_PB, nblk - c1) * BB, lane);
+            kq_issue(sm[(ph + 1) & 1], row + (i64)c1 * BB, min(KQ_MV_PB, nblk - c1) * BB, lane);
             kq_commit();
             kq_wait<1>();
         } else {
@@ -259,18 +235,33 @@ __device__ __forceinline__ void kq_mv(const u8* W0, i64 rb0, int rows0, float* y
         }
         __syncwarp();
         int c0 = ph * KQ_MV_PB;
-        const u8* data = kq_data(sm_all[warp][ph & 1], row + (i64)c0 * BB);
-        kq_dot_staged<T, NT>(data, min(KQ_MV_PB, nblk - c0), 256 * c0, xqv, ncol, xdv, ncol / 32, nv_here, acc, lane);
+        const u8* data = kq_data(sm[ph & 1], row + (i64)c0 * BB);
+        dot(data, min(KQ_MV_PB, nblk - c0), 256 * c0);
         __syncwarp();  // every lane is done with this buffer before it is refilled
     }
+}
+
+template <int T, int NT>
+__device__ __forceinline__ void kq_mv(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1,
+                                      int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2,
+                                      int nblk, const i8* xq, const float* xd, int ncol, int nv, int accumulate) {
+    const int SLOT = KQ_SLOT(T, KQ_MV_PB);
+    __shared__ __align__(16) u8 sm_all[KQ_MV_WARPS][2][SLOT];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r = blockIdx.x * KQ_MV_WARPS + warp;
+    int v0 = blockIdx.y * NT;
+    MV_SEGMENT_OR_RETURN();  // no block-wide barrier below
+    int nv_here = min(NT, nv - v0);
+    const u8* row = W + (i64)r * rb;
+    const i8* xqv = xq + (i64)v0 * ncol;
+    const float* xdv = xd + (i64)v0 * (ncol / 32);
+    float acc[NT];
 #pragma unroll
-    for (int t = 0; t < NT; t++) {
-        float s = warp_sum(acc[t]);
-        if (lane == 0 && t < nv_here) {
-            float* yp = y + (i64)(v0 + t) * ys + r;
-            *yp = accumulate ? *yp + s : s;
-        }
-    }
+    for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    kq_row_pass<T>(sm_all[warp], row, nblk, lane, [&](const u8* data, int nb, int colb) {
+        kq_dot_staged<T, NT>(data, nb, colb, xqv, ncol, xdv, ncol / 32, nv_here, acc, lane);
+    });
+    mv_store<NT>(acc, y, ys, r, v0, nv_here, lane, accumulate);
 }
 
 #define KQ_MV_INST(name, T, nt)                                                                                    \
@@ -292,6 +283,39 @@ __device__ __forceinline__ void kq_mv(const u8* W0, i64 rb0, int rows0, float* y
 // grid (rows / 32, npairs), block 256.
 #define KQ_GU_PB 6
 #define KQ_GU_ROWS 4
+// Step s of a double-buffered walk of nsteps steps (issue(s) stages step s and commits):
+// issues step s + 1, then waits until step s's copies have landed, for the whole warp.
+template <class Issue>
+__device__ __forceinline__ void kq_step_ready(int s, int nsteps, Issue& issue) {
+    if (s + 1 < nsteps) {
+        issue(s + 1);
+        kq_wait<1>();
+    } else {
+        kq_wait<0>();
+    }
+    __syncwarp();
+}
+
+// Gate/up walks (kq_moe_gate_up*): the warp's KQ_GU_ROWS rows in steps s of one row's
+// segment of up to KQ_GU_PB super-blocks (row s / nph, phase s % nph).
+// Byte offset of step s's segments in the expert tensors (eoff: the expert's).
+template <int T>
+__device__ __forceinline__ i64 kq_gu_seg(int s, int nph, i64 eoff, i64 rb, int warp) {
+    int i = s / nph, c0 = (s - i * nph) * KQ_GU_PB;
+    return eoff + (i64)(blockIdx.x * 32 + warp * KQ_GU_ROWS + i) * rb + (i64)c0 * KqT<T>::BB;
+}
+// Issues (and commits) the copies of step s's gate and up segments (at byte ro) into the
+// buffer pair sm.
+template <int T>
+__device__ __forceinline__ void kq_gu_issue(u8 (*sm)[KQ_SLOT(T, KQ_GU_PB)], const u8* G, const u8* U, i64 ro, int s,
+                                            int nph, int nblk, int lane) {
+    int i = s / nph, c0 = (s - i * nph) * KQ_GU_PB;
+    int n = min(KQ_GU_PB, nblk - c0) * KqT<T>::BB;
+    kq_issue(sm[0], G + ro, n, lane);
+    kq_issue(sm[1], U + ro, n, lane);
+    kq_commit();
+}
+
 template <int T>
 __device__ __forceinline__ void kq_moe_gate_up(const u8* G, const u8* U, i64 rb, i64 es, int nblk, const int* ids, int k,
                                                const i8* xq, const float* xd, int ncol, i8* aq, float* ad, int ff) {
@@ -306,29 +330,12 @@ __device__ __forceinline__ void kq_moe_gate_up(const u8* G, const u8* U, i64 rb,
     const float* xdt = xd + (i64)t * (ncol / 32);
     int nph = (nblk + KQ_GU_PB - 1) / KQ_GU_PB;
     int nsteps = KQ_GU_ROWS * nph;
-    // Byte offset of step s's segments in the expert tensors.
-    auto seg = [&](int s) {
-        int i = s / nph, c0 = (s - i * nph) * KQ_GU_PB;
-        return eoff + (i64)(blockIdx.x * 32 + warp * KQ_GU_ROWS + i) * rb + (i64)c0 * BB;
-    };
-    auto issue = [&](int s) {
-        int i = s / nph, c0 = (s - i * nph) * KQ_GU_PB;
-        int n = min(KQ_GU_PB, nblk - c0) * BB;
-        i64 ro = seg(s);
-        kq_issue(sm_all[warp][s & 1][0], G + ro, n, lane);
-        kq_issue(sm_all[warp][s & 1][1], U + ro, n, lane);
-        kq_commit();
-    };
+    auto seg = [&](int s) { return kq_gu_seg<T>(s, nph, eoff, rb, warp); };
+    auto issue = [&](int s) { kq_gu_issue<T>(sm_all[warp][s & 1], G, U, seg(s), s, nph, nblk, lane); };
     issue(0);
     float ag[1] = {0.f}, au[1] = {0.f};
     for (int s = 0; s < nsteps; s++) {
-        if (s + 1 < nsteps) {
-            issue(s + 1);
-            kq_wait<1>();
-        } else {
-            kq_wait<0>();
-        }
-        __syncwarp();
+        kq_step_ready(s, nsteps, issue);
         int i = s / nph, c0 = (s - i * nph) * KQ_GU_PB;
         int nb = min(KQ_GU_PB, nblk - c0);
         i64 ro = seg(s);
@@ -337,20 +344,12 @@ __device__ __forceinline__ void kq_moe_gate_up(const u8* G, const u8* U, i64 rb,
         __syncwarp();
         if (c0 + nb == nblk) {
             float g = warp_sum(ag[0]), u = warp_sum(au[0]);
-            if (lane == 0) act[warp * KQ_GU_ROWS + i] = g / (1.0f + expf(-g)) * u;
+            if (lane == 0) act[warp * KQ_GU_ROWS + i] = silu_times(g, u);
             ag[0] = 0.f;
             au[0] = 0.f;
         }
     }
-    __syncthreads();
-    if (warp == 0) {
-        float v = act[lane];
-        float amax = warp_max(fabsf(v));
-        float d = amax / 127.0f;
-        int q = amax == 0.0f ? 0 : __float2int_rn(v / d);
-        if (lane == 0) ad[(i64)p * (ff / 32) + blockIdx.x] = d;
-        aq[(i64)p * ff + blockIdx.x * 32 + lane] = (i8)q;
-    }
+    gu_act_q8(act, warp, lane, p, aq, ad, ff);
 }
 
 // hidden[t][r] += sum_j wts[t k + j] * (down[ids[t k + j]] row r . act[t k + j]) for the block's
@@ -397,13 +396,7 @@ __device__ __forceinline__ void kq_moe_down(const u8* W, i64 rb, i64 es, int row
     issue(0);
     float total = 0.f;
     for (int s = 0; s < nsteps; s++) {
-        if (s + 1 < nsteps) {
-            issue(s + 1);
-            kq_wait<1>();
-        } else {
-            kq_wait<0>();
-        }
-        __syncwarp();
+        kq_step_ready(s, nsteps, issue);
         int j0, ne, c0, nb;
         step(s, j0, ne, c0, nb);
         int upe = nb * 8;
@@ -447,18 +440,8 @@ __device__ __forceinline__ void kq_moe_gate_up_grp(const u8* G, const u8* U, i64
     const int* pl = grp + 1 + 3 * E + off;
     int nph = (nblk + KQ_GU_PB - 1) / KQ_GU_PB;
     int nsteps = KQ_GU_ROWS * nph;
-    auto seg = [&](int s) {
-        int i = s / nph, c0 = (s - i * nph) * KQ_GU_PB;
-        return eoff + (i64)(blockIdx.x * 32 + warp * KQ_GU_ROWS + i) * rb + (i64)c0 * BB;
-    };
-    auto issue = [&](int s) {
-        int i = s / nph, c0 = (s - i * nph) * KQ_GU_PB;
-        int n = min(KQ_GU_PB, nblk - c0) * BB;
-        i64 ro = seg(s);
-        kq_issue(sm_all[warp][s & 1][0], G + ro, n, lane);
-        kq_issue(sm_all[warp][s & 1][1], U + ro, n, lane);
-        kq_commit();
-    };
+    auto seg = [&](int s) { return kq_gu_seg<T>(s, nph, eoff, rb, warp); };
+    auto issue = [&](int s) { kq_gu_issue<T>(sm_all[warp][s & 1], G, U, seg(s), s, nph, nblk, lane); };
     for (int p0 = 0; p0 < cnt; p0 += KQ_GNT) {
         int nc = min(KQ_GNT, cnt - p0);
         int tk[KQ_GNT];
@@ -469,13 +452,7 @@ __device__ __forceinline__ void kq_moe_gate_up_grp(const u8* G, const u8* U, i64
         for (int j = 0; j < KQ_GNT; j++) ag[j] = au[j] = 0.f;
         issue(0);
         for (int s = 0; s < nsteps; s++) {
-            if (s + 1 < nsteps) {
-                issue(s + 1);
-                kq_wait<1>();
-            } else {
-                kq_wait<0>();
-            }
-            __syncwarp();
+            kq_step_ready(s, nsteps, issue);
             int i = s / nph, c0 = (s - i * nph) * KQ_GU_PB;
             int nb = min(KQ_GU_PB, nblk - c0);
             i64 ro = seg(s);
@@ -486,7 +463,7 @@ __device__ __forceinline__ void kq_moe_gate_up_grp(const u8* G, const u8* U, i64
 #pragma unroll
                 for (int j = 0; j < KQ_GNT; j++) {
                     float g = warp_sum(ag[j]), u = warp_sum(au[j]);
-                    if (lane == 0 && j < nc) act[j][warp * KQ_GU_ROWS + i] = g / (1.0f + expf(-g)) * u;
+                    if (lane == 0 && j < nc) act[j][warp * KQ_GU_ROWS + i] = silu_times(g, u);
                     ag[j] = 0.f;
                     au[j] = 0.f;
                 }
@@ -496,10 +473,7 @@ __device__ __forceinline__ void kq_moe_gate_up_grp(const u8* G, const u8* U, i64
         if (warp < nc) {
             int p = pl[p0 + warp];
             float v = act[warp][lane];
-            float amax = warp_max(fabsf(v));
-            float d = amax / 127.0f;
-            int q = amax == 0.0f ? 0 : __float2int_rn(v / d);
-            if (lane == 0) ad[(i64)p * (ff / 32) + blockIdx.x] = d;
+            int q = q8_lane(v, ad + (i64)p * (ff / 32) + blockIdx.x);
             aq[(i64)p * ff + blockIdx.x * 32 + lane] = (i8)q;
         }
         __syncthreads();  // act is rewritten by the next pass
@@ -513,7 +487,7 @@ __device__ __forceinline__ void kq_moe_gate_up_grp(const u8* G, const u8* U, i64
 template <int T>
 __device__ __forceinline__ void kq_moe_down_grp(const u8* W, i64 rb, i64 es, int rows, int nblk, const int* grp, int E,
                                                 const i8* aq, const float* ad, int ff, float* dpart) {
-    const int BB = KqT<T>::BB, SLOT = KQ_SLOT(T, KQ_MV_PB);
+    const int SLOT = KQ_SLOT(T, KQ_MV_PB);
     __shared__ __align__(16) u8 sm_all[KQ_DN_WARPS][2][SLOT];
     int slot = blockIdx.y;
     if (slot >= grp[0]) return;
@@ -523,7 +497,6 @@ __device__ __forceinline__ void kq_moe_down_grp(const u8* W, i64 rb, i64 es, int
     const u8* row = W + (i64)grp[1 + slot] * es + (i64)r * rb;
     int off = grp[1 + E + slot], cnt = grp[1 + 2 * E + slot];
     const int* pl = grp + 1 + 3 * E + off;
-    int nph = (nblk + KQ_MV_PB - 1) / KQ_MV_PB;
     for (int p0 = 0; p0 < cnt; p0 += KQ_GNT) {
         int nc = min(KQ_GNT, cnt - p0);
         int tk[KQ_GNT];
@@ -532,23 +505,9 @@ __device__ __forceinline__ void kq_moe_down_grp(const u8* W, i64 rb, i64 es, int
         float acc[KQ_GNT];
 #pragma unroll
         for (int j = 0; j < KQ_GNT; j++) acc[j] = 0.f;
-        kq_issue(sm_all[warp][0], row, min(KQ_MV_PB, nblk) * BB, lane);
-        kq_commit();
-        for (int ph = 0; ph < nph; ph++) {
-            if (ph + 1 < nph) {
-                int c1 = (ph + 1) * KQ_MV_PB;
-                kq_issue(sm_all[warp][(ph + 1) & 1], row + (i64)c1 * BB, min(KQ_MV_PB, nblk - c1) * BB, lane);
-                kq_commit();
-                kq_wait<1>();
-            } else {
-                kq_wait<0>();
-            }
-            __syncwarp();
-            int c0 = ph * KQ_MV_PB;
-            const u8* data = kq_data(sm_all[warp][ph & 1], row + (i64)c0 * BB);
-            kq_dot_staged_tk<T, KQ_GNT>(data, min(KQ_MV_PB, nblk - c0), 256 * c0, aq, ff, ad, ff / 32, tk, nc, acc, lane);
-            __syncwarp();
-        }
+        kq_row_pass<T>(sm_all[warp], row, nblk, lane, [&](const u8* data, int nb, int colb) {
+            kq_dot_staged_tk<T, KQ_GNT>(data, nb, colb, aq, ff, ad, ff / 32, tk, nc, acc, lane);
+        });
 #pragma unroll
         for (int j = 0; j < KQ_GNT; j++) {
             float s = warp_sum(acc[j]);

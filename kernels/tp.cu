@@ -88,35 +88,30 @@ __device__ __forceinline__ u64 ar_clock_ns() {
     return t;
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-    tp_ar_oneshot(float* x, int n, int me, int world, int maxb, u64 p0, u64 p1, u64 p2, u64 p3, u64 p4, u64 p5,
-                  u64 p6, u64 p7, volatile u32* ctl, u64 timeout_ns) {
+// Helpers of both one-shot kernels below.
+// Programmatic dependent launch: wait for the previous kernel, let the next one be scheduled.
+__device__ __forceinline__ void ar_pdl_enter() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     asm volatile("griddepcontrol.wait;" ::: "memory");
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
-    const u64 pp[AR_MAXW] = {p0, p1, p2, p3, p4, p5, p6, p7};
-    __shared__ u32 s_epoch;
-    __shared__ int s_bad;
-    const int b = blockIdx.x, tid = threadIdx.x;
+}
+// pp[me] with constant indices only (pp stays in registers).
+__device__ __forceinline__ u64 ar_pick(const u64* pp, int me) {
     u64 mine = 0;
 #pragma unroll
     for (int w = 0; w < AR_MAXW; w++)
         if (w == me) mine = pp[w];
-    const u64 flag_off = 4ull * maxb;
-    const u64 data_off = (4ull * maxb * (1 + world) + 255) & ~255ull;
-    if (tid == 0) {
-        u32* ep = (u32*)mine + b;
-        u32 e = *ep + 1;
-        *ep = e;
-        s_epoch = e;
-        s_bad = 0;
-    }
-    __syncthreads();
-    const u32 e = s_epoch;
-    const u64 half = (u64)(b * 2 + (e & 1)) * world;
-    const int i0 = b * AR_CHUNK + tid * 4;
-    const bool vec = ((u64)x & 15) == 0 && i0 + 3 < n;
+    return mine;
+}
+// Bumps the block's epoch counter *ep and returns the new epoch.
+__device__ __forceinline__ u32 ar_next_epoch(u32* ep) {
+    u32 e = *ep + 1;
+    *ep = e;
+    return e;
+}
+// This thread's four values x[i0 .. i0 + 4) (zeros past n; one 16-byte load when vec).
+__device__ __forceinline__ float4 ar_load4(const float* x, int i0, int n, bool vec) {
     float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
     if (vec) {
         v = *(const float4*)(x + i0);
@@ -126,6 +121,74 @@ extern "C" __global__ void __launch_bounds__(256)
         if (i0 + 2 < n) v.z = x[i0 + 2];
         if (i0 + 3 < n) v.w = x[i0 + 3];
     }
+    return v;
+}
+// Writes acc back where ar_load4 read (nothing past n).
+__device__ __forceinline__ void ar_store4(float* x, int i0, int n, bool vec, float4 acc) {
+    if (vec) {
+        *(float4*)(x + i0) = acc;
+    } else {
+        if (i0 < n) x[i0] = acc.x;
+        if (i0 + 1 < n) x[i0 + 1] = acc.y;
+        if (i0 + 2 < n) x[i0 + 2] = acc.z;
+        if (i0 + 3 < n) x[i0 + 3] = acc.w;
+    }
+}
+// Rank w's slice T into the rank-order sum ACC (w == 0 starts it). A macro, as AR_POLL: an
+// inline function here changes the kernels' integer code.
+#define AR_SUM4(ACC, T, W)                       \
+    if ((W) == 0) {                              \
+        ACC = T;                                 \
+    } else {                                     \
+        ACC.x = __fadd_rn(ACC.x, T.x);           \
+        ACC.y = __fadd_rn(ACC.y, T.y);           \
+        ACC.z = __fadd_rn(ACC.z, T.z);           \
+        ACC.w = __fadd_rn(ACC.w, T.w);           \
+    }
+// In a wait loop (poll counter `it`, t0: the first check's time, 0 before): every 1024th poll
+// checks the abort flags and the timeout; on giving up records why in ctl[1] and runs
+// ON_GIVE_UP (which leaves the loop). A macro, not a function: the spin loop's code stays as
+// written (a function version costs tp_ar_oneshot 8 registers and tp_ar_lamport a spill).
+#define AR_POLL(ON_GIVE_UP)                                                   \
+    if ((it & 1023) == 0) {                                                   \
+        u32 why = 0;                                                          \
+        if (ctl[0] != 0 || ctl[1] != 0) why = 1;                              \
+        u64 now = ar_clock_ns();                                              \
+        if (t0 == 0) t0 = now;                                                \
+        else if (timeout_ns != 0 && now - t0 > timeout_ns) why = 2;           \
+        if (why != 0) {                                                       \
+            if (ctl[1] == 0) ctl[1] = why;                                    \
+            __threadfence_system();                                           \
+            ON_GIVE_UP;                                                       \
+        }                                                                     \
+    }
+
+// The start of both kernels (arguments p0 .. p7, me): PDL wait, then declares pp (the ranks'
+// regions), the block's shared s_epoch / s_bad, b (block), tid and mine (this rank's region).
+#define AR_BEGIN()                                                    \
+    ar_pdl_enter();                                                   \
+    const u64 pp[AR_MAXW] = {p0, p1, p2, p3, p4, p5, p6, p7};         \
+    __shared__ u32 s_epoch;                                           \
+    __shared__ int s_bad;                                             \
+    const int b = blockIdx.x, tid = threadIdx.x;                      \
+    const u64 mine = ar_pick(pp, me)
+
+extern "C" __global__ void __launch_bounds__(256)
+    tp_ar_oneshot(float* x, int n, int me, int world, int maxb, u64 p0, u64 p1, u64 p2, u64 p3, u64 p4, u64 p5,
+                  u64 p6, u64 p7, volatile u32* ctl, u64 timeout_ns) {
+    AR_BEGIN();
+    const u64 flag_off = 4ull * maxb;
+    const u64 data_off = (4ull * maxb * (1 + world) + 255) & ~255ull;
+    if (tid == 0) {
+        s_epoch = ar_next_epoch((u32*)mine + b);
+        s_bad = 0;
+    }
+    __syncthreads();
+    const u32 e = s_epoch;
+    const u64 half = (u64)(b * 2 + (e & 1)) * world;
+    const int i0 = b * AR_CHUNK + tid * 4;
+    const bool vec = ((u64)x & 15) == 0 && i0 + 3 < n;
+    const float4 v = ar_load4(x, i0, n, vec);
 #pragma unroll
     for (int w = 0; w < AR_MAXW; w++) {
         if (w < world && w != me) {
@@ -145,19 +208,7 @@ extern "C" __global__ void __launch_bounds__(256)
         u64 t0 = 0;
         for (u32 it = 1;; it++) {
             if ((int)(ar_ld_acquire(f) - e) >= 0) break;
-            if ((it & 1023) == 0) {
-                u32 why = 0;
-                if (ctl[0] != 0 || ctl[1] != 0) why = 1;
-                u64 now = ar_clock_ns();
-                if (t0 == 0) t0 = now;
-                else if (timeout_ns != 0 && now - t0 > timeout_ns) why = 2;
-                if (why != 0) {
-                    if (ctl[1] == 0) ctl[1] = why;
-                    __threadfence_system();
-                    s_bad = 1;
-                    break;
-                }
-            }
+            AR_POLL(s_bad = 1; break);
         }
     }
     __syncthreads();
@@ -166,23 +217,9 @@ extern "C" __global__ void __launch_bounds__(256)
     for (int w = 0; w < world; w++) {
         float4 t = v;
         if (w != me) t = __ldcg((const float4*)(mine + data_off) + (half + w) * (AR_CHUNK / 4) + tid);
-        if (w == 0) {
-            acc = t;
-        } else {
-            acc.x = __fadd_rn(acc.x, t.x);
-            acc.y = __fadd_rn(acc.y, t.y);
-            acc.z = __fadd_rn(acc.z, t.z);
-            acc.w = __fadd_rn(acc.w, t.w);
-        }
+        AR_SUM4(acc, t, w);
     }
-    if (vec) {
-        *(float4*)(x + i0) = acc;
-    } else {
-        if (i0 < n) x[i0] = acc.x;
-        if (i0 + 1 < n) x[i0 + 1] = acc.y;
-        if (i0 + 2 < n) x[i0 + 2] = acc.z;
-        if (i0 + 3 < n) x[i0 + 3] = acc.w;
-    }
+    ar_store4(x, i0, n, vec, acc);
 }
 
 // The same one-shot all-reduce without flags (the "Lamport" variant, `tp_ar_lamport`): data
@@ -217,26 +254,12 @@ __device__ __forceinline__ u32 ar_canon(u32 b) { return b == AR_SENT ? 0x7ffffff
 extern "C" __global__ void __launch_bounds__(256)
     tp_ar_lamport(float* x, int n, int me, int world, int maxb, u64 p0, u64 p1, u64 p2, u64 p3, u64 p4, u64 p5,
                   u64 p6, u64 p7, volatile u32* ctl, u64 timeout_ns) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("griddepcontrol.wait;" ::: "memory");
-    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-#endif
-    const u64 pp[AR_MAXW] = {p0, p1, p2, p3, p4, p5, p6, p7};
-    __shared__ u32 s_epoch;
-    __shared__ int s_bad;
-    const int b = blockIdx.x, tid = threadIdx.x;
-    u64 mine = 0;
-#pragma unroll
-    for (int w = 0; w < AR_MAXW; w++)
-        if (w == me) mine = pp[w];
+    AR_BEGIN();
     // The flag variant's region comes first (see tp_ar_oneshot).
     const u64 lam_off = ((4ull * maxb * (1 + world) + 255) & ~255ull) + (u64)maxb * 2 * world * AR_CHUNK * 4;
     const u64 ldata = lam_off + ((4ull * maxb + 255) & ~255ull);
     if (tid == 0) {
-        u32* ep = (u32*)(mine + lam_off) + b;
-        u32 e = *ep + 1;
-        *ep = e;
-        s_epoch = e;
+        s_epoch = ar_next_epoch((u32*)(mine + lam_off) + b);
         s_bad = 0;
     }
     __syncthreads();
@@ -244,15 +267,7 @@ extern "C" __global__ void __launch_bounds__(256)
     const u64 cur = (u64)(b * 3 + (int)(e % 3)) * world, old = (u64)(b * 3 + (int)((e + 2) % 3)) * world;
     const int i0 = b * AR_CHUNK + tid * 4;
     const bool vec = ((u64)x & 15) == 0 && i0 + 3 < n;
-    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
-    if (vec) {
-        v = *(const float4*)(x + i0);
-    } else {
-        if (i0 < n) v.x = x[i0];
-        if (i0 + 1 < n) v.y = x[i0 + 1];
-        if (i0 + 2 < n) v.z = x[i0 + 2];
-        if (i0 + 3 < n) v.w = x[i0 + 3];
-    }
+    const float4 v = ar_load4(x, i0, n, vec);
     uint4 vb = make_uint4(ar_canon(__float_as_uint(v.x)), ar_canon(__float_as_uint(v.y)), ar_canon(__float_as_uint(v.z)),
                           ar_canon(__float_as_uint(v.w)));
 #pragma unroll
@@ -271,40 +286,14 @@ extern "C" __global__ void __launch_bounds__(256)
             for (u32 it = 1;; it++) {
                 t = ar_ld_vol4(src);
                 if (!ar_has_sent(t)) break;
-                if ((it & 1023) == 0) {
-                    u32 why = 0;
-                    if (ctl[0] != 0 || ctl[1] != 0) why = 1;
-                    u64 now = ar_clock_ns();
-                    if (t0 == 0) t0 = now;
-                    else if (timeout_ns != 0 && now - t0 > timeout_ns) why = 2;
-                    if (why != 0) {
-                        if (ctl[1] == 0) ctl[1] = why;
-                        __threadfence_system();
-                        bad = true;
-                        break;
-                    }
-                }
+                AR_POLL(bad = true; break);
             }
         }
         float4 f = make_float4(__uint_as_float(t.x), __uint_as_float(t.y), __uint_as_float(t.z), __uint_as_float(t.w));
-        if (w == 0) {
-            acc = f;
-        } else {
-            acc.x = __fadd_rn(acc.x, f.x);
-            acc.y = __fadd_rn(acc.y, f.y);
-            acc.z = __fadd_rn(acc.z, f.z);
-            acc.w = __fadd_rn(acc.w, f.w);
-        }
+        AR_SUM4(acc, f, w);
     }
     if (bad) s_bad = 1;
     __syncthreads();
     if (s_bad) return;
-    if (vec) {
-        *(float4*)(x + i0) = acc;
-    } else {
-        if (i0 < n) x[i0] = acc.x;
-        if (i0 + 1 < n) x[i0 + 1] = acc.y;
-        if (i0 + 2 < n) x[i0 + 2] = acc.z;
-        if (i0 + 3 < n) x[i0 + 3] = acc.w;
-    }
+    ar_store4(x, i0, n, vec, acc);
 }

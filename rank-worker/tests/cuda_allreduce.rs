@@ -15,7 +15,7 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Barrier};
 use std::time::{Duration, Instant};
 
-use common::gpu::{NAN, Rng, gpu_count};
+use common::gpu::{NAN, Rng, bits, gpu_count};
 use cudarc::driver::sys;
 use minimax_rank::cuda::peer_allreduce::{OneshotKind, set_oneshot_kind};
 use minimax_rank::cuda::{Gpu, NcclComm, nccl};
@@ -50,8 +50,13 @@ fn cpu_sum(case: u64, n: usize) -> Vec<f32> {
     acc
 }
 
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
+/// Whether there are WORLD GPUs (else the test says it is skipped).
+fn have_world() -> bool {
+    let ok = gpu_count() >= WORLD;
+    if !ok {
+        eprintln!("skipped: fewer than {WORLD} GPUs");
+    }
+    ok
 }
 
 /// Asserts `got[off..off + n] == want` bit for bit and every other value still NaN.
@@ -168,8 +173,7 @@ fn rank_checks(r: usize, g: &Gpu, comm: &NcclComm, expect_via: &str) -> Vec<u32>
 #[test]
 #[ignore = "needs two GPUs"]
 fn oneshot_threads_match_cpu_sum_and_abort_releases_a_waiting_rank() {
-    if gpu_count() < WORLD {
-        eprintln!("skipped: fewer than {WORLD} GPUs");
+    if !have_world() {
         return;
     }
     let id = nccl::unique_id().unwrap();
@@ -229,8 +233,7 @@ fn oneshot_threads_match_cpu_sum_and_abort_releases_a_waiting_rank() {
 #[test]
 #[ignore = "needs two GPUs"]
 fn oneshot_rank_processes_over_ipc() {
-    if gpu_count() < WORLD {
-        eprintln!("skipped: fewer than {WORLD} GPUs");
+    if !have_world() {
         return;
     }
     let dir = std::env::temp_dir().join(format!("minimax-ar-{}", std::process::id()));

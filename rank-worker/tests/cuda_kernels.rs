@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::gpu::{Rng, TYPES, gpu, poisoned, random_rows, upload_mat};
+use common::gpu::{Rng, TYPES, bits, gpu, poisoned, q8_deq, q8_host, random_rows, upload_mat};
 use minimax_rank::cuda::fast::{DownKind, GateUpKind, MvqKind};
 use minimax_rank::cuda::{Arg, AttnArgs, KvDtype};
 use minimax_shared::model::GatingFunc;
@@ -396,27 +396,6 @@ fn kernel_build_is_cached_and_reports_the_arch() {
     }
     let _ = std::fs::remove_dir_all(&dir);
     assert_eq!(g2.build.compiled, 0, "second start must hit the cache");
-}
-
-/// Host twin of the fast path's q8 activation quantization: per 32 values d = max|x| / 127,
-/// q = round-half-even(x / d).
-fn q8_host(x: &[f32]) -> (Vec<i8>, Vec<f32>) {
-    let mut q = vec![0i8; x.len()];
-    let mut d = vec![0f32; x.len() / 32];
-    for (b, c) in x.chunks_exact(32).enumerate() {
-        let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let dd = amax / 127.0;
-        d[b] = dd;
-        for (i, v) in c.iter().enumerate() {
-            q[b * 32 + i] = if amax == 0.0 { 0 } else { (v / dd).round_ties_even() as i8 };
-        }
-    }
-    (q, d)
-}
-
-/// Dequantized q8 activations.
-fn q8_deq(q: &[i8], d: &[f32]) -> Vec<f32> {
-    q.iter().enumerate().map(|(i, &v)| v as f32 * d[i / 32]).collect()
 }
 
 #[test]
@@ -832,10 +811,6 @@ fn fast_grouped_moe_matches_cpu() {
         assert_eq!(got[t * (hrows + 1) + hrows], hid0[t * (hrows + 1) + hrows], "combine wrote past the rows");
     }
     eprintln!("moe grouped IQ4_XS {nt} tokens x top-{k} of {e}: gate/up max |diff| {worst:.2e} (q8 output), down+combine max rel {worst_d:.2e}");
-}
-
-fn bits(v: &[f32]) -> Vec<u32> {
-    v.iter().map(|x| x.to_bits()).collect()
 }
 
 /// Decode attention with the split merge in the last split block (`attn_dec6m_f16`) against

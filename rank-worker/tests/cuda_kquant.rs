@@ -20,32 +20,11 @@
 
 mod common;
 
-use common::gpu::{Rng, gpu, poisoned, random_rows, upload_mat};
+use common::gpu::{Rng, gpu, poisoned, q8_deq, q8_host, random_rows, upload_mat};
 use cudarc::driver::CudaSlice;
 use minimax_rank::cuda::fast_kq::kq_fast_mat;
 use minimax_rank::cuda::{DevMat, Gpu};
 use minimax_shared::quant::{self, GgmlType};
-
-/// Host twin of the fast path's q8 activations (norm_q8 without a norm): per 32 values
-/// d = max|x| / 127, q = round-half-even(x / d).
-fn q8_host(x: &[f32]) -> (Vec<i8>, Vec<f32>) {
-    let mut q = vec![0i8; x.len()];
-    let mut d = vec![0f32; x.len() / 32];
-    for (b, c) in x.chunks_exact(32).enumerate() {
-        let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
-        let dd = amax / 127.0;
-        d[b] = dd;
-        for (i, v) in c.iter().enumerate() {
-            q[b * 32 + i] = if amax == 0.0 { 0 } else { (v / dd).round_ties_even() as i8 };
-        }
-    }
-    (q, d)
-}
-
-/// Dequantized q8 activations.
-fn q8_deq(q: &[i8], d: &[f32]) -> Vec<f32> {
-    q.iter().enumerate().map(|(i, &v)| v as f32 * d[i / 32]).collect()
-}
 
 /// Per element of whole rows `bytes` (dequantized: `deq`): |w| + 126 |dmin| (Q4_K) or |w|.
 fn err_weights(ty: GgmlType, bytes: &[u8], deq: &[f32]) -> Vec<f32> {
@@ -73,6 +52,31 @@ fn dot_ref(w: &[f32], e: &[f32], x: &[f32]) -> (f64, f64) {
         a += e[i] as f64 * (x[i] as f64).abs();
     }
     (s, a)
+}
+
+/// Twin of one residual element after the weighted down combine: `h + sum_j w[j] s_j` and its
+/// error scale `|h| + sum_j w[j] S_j`, with `(s_j, S_j) = pair(j)` ([`dot_ref`] of expert slot j).
+fn combine_twin(h: f32, w: &[f32], mut pair: impl FnMut(usize) -> (f64, f64)) -> (f64, f64) {
+    let mut want = h as f64;
+    let mut scale = want.abs();
+    for (j, &wj) in w.iter().enumerate() {
+        let (s, a) = pair(j);
+        want += wj as f64 * s;
+        scale += wj as f64 * a;
+    }
+    (want, scale)
+}
+
+/// Checks one gate/up output element: q8 code `code` with scale `step` against the twin
+/// silu(g) u from `(g, S_g)` and `(u, S_u)` ([`dot_ref`]); the bound is half a q8 step (the
+/// output's resolution) plus the propagated product error (|silu'| <= 1.1, |silu(g)| <= |g|).
+/// Returns |error| in q8 steps.
+fn gate_up_err((gg, sg): (f64, f64), (uu, su): (f64, f64), code: i8, step: f32, what: impl Fn() -> String) -> f32 {
+    let want = gg / (1.0 + (-gg).exp()) * uu;
+    let got = code as f32 * step;
+    let tol = 0.501 * step as f64 + TOL * (1.1 * uu.abs() * sg + gg.abs() * su) + 1e-6;
+    assert!(got.is_finite() && (got as f64 - want).abs() <= tol, "{}: got {got} want {want} tol {tol}", what());
+    (got as f64 - want).abs() as f32 / step.max(1e-30)
 }
 
 /// `bytes` uploaded `shift` bytes into a fresh buffer (even shift: 2-byte-aligned matrices),
@@ -244,14 +248,8 @@ fn kquant_moe_gate_up_and_down_match_cpu() {
                     dot_ref(&w, &err_weights(gty, b, &w), xv)
                 };
                 let ((gg, sg), (uu, su)) = (row(&gate), row(&upw));
-                let want = gg / (1.0 + (-gg).exp()) * uu;
-                let step = gad[p * ff / 32 + r / 32];
-                let got = gaq[p * ff + r] as f32 * step;
-                // Half a q8 step (the output's resolution) plus the propagated product error
-                // (|silu'| <= 1.1, |silu(g)| <= |g|).
-                let tol = 0.501 * step as f64 + TOL * (1.1 * uu.abs() * sg + gg.abs() * su) + 1e-6;
-                assert!(got.is_finite() && (got as f64 - want).abs() <= tol, "kq gate_up {gty} {h}->{ff} pair {p} row {r}: got {got} want {want} tol {tol}");
-                worst = worst.max((got as f64 - want).abs() as f32 / step.max(1e-30));
+                let err = gate_up_err((gg, sg), (uu, su), gaq[p * ff + r], gad[p * ff / 32 + r / 32], || format!("kq gate_up {gty} {h}->{ff} pair {p} row {r}"));
+                worst = worst.max(err);
             }
         }
         if ci == 0 {
@@ -289,17 +287,13 @@ fn kquant_moe_gate_up_and_down_match_cpu() {
         let mut worst_d = 0f64;
         for t in 0..nt {
             for r in 0..hr {
-                let mut want = hid0[t * (hr + 1) + r] as f64;
-                let mut scale = want.abs();
-                for j in 0..k {
+                let (want, scale) = combine_twin(hid0[t * (hr + 1) + r], &wts[t * k..(t + 1) * k], |j| {
                     let p = t * k + j;
                     let ex = ids[p] as usize;
                     let b = &down[(ex * hr + r) * drb..(ex * hr + r + 1) * drb];
                     let w = quant::dequantize_to_vec(dty, b, ff).unwrap();
-                    let (s, a) = dot_ref(&w, &err_weights(dty, b, &w), &act[p * ff..(p + 1) * ff]);
-                    want += wts[p] as f64 * s;
-                    scale += wts[p] as f64 * a;
-                }
+                    dot_ref(&w, &err_weights(dty, b, &w), &act[p * ff..(p + 1) * ff])
+                });
                 let gv = got[t * (hr + 1) + r] as f64;
                 assert!(gv.is_finite() && (gv - want).abs() <= TOL * scale + 1e-6, "kq down {dty} {ff}->{hr} t {t} r {r}: got {gv} want {want} (scale {scale})");
                 worst_d = worst_d.max((gv - want).abs() / scale);
@@ -370,12 +364,8 @@ fn kquant_moe_grouped_matches_cpu() {
                 let o = (ex * ff + r) * h;
                 let (gg, sg) = dot_ref(&gdeq[o..o + h], &gerr[o..o + h], xv);
                 let (uu, su) = dot_ref(&udeq[o..o + h], &uerr[o..o + h], xv);
-                let want = gg / (1.0 + (-gg).exp()) * uu;
-                let step = gad[p * ff / 32 + r / 32];
-                let got = gaq[p * ff + r] as f32 * step;
-                let tol = 0.501 * step as f64 + TOL * (1.1 * uu.abs() * sg + gg.abs() * su) + 1e-6;
-                assert!(got.is_finite() && (got as f64 - want).abs() <= tol, "kq gate_up_grp {gty} {h}->{ff} nt {nt} pair {p} row {r}: got {got} want {want} tol {tol}");
-                worst = worst.max((got as f64 - want).abs() as f32 / step.max(1e-30));
+                let err = gate_up_err((gg, sg), (uu, su), gaq[p * ff + r], gad[p * ff / 32 + r / 32], || format!("kq gate_up_grp {gty} {h}->{ff} nt {nt} pair {p} row {r}"));
+                worst = worst.max(err);
             }
         }
         // Grouped down into dpart, then fast.cu's moe_combine_grp into the residual.
@@ -391,17 +381,14 @@ fn kquant_moe_grouped_matches_cpu() {
         let mut worst_d = 0f64;
         for t in 0..nt {
             for r in 0..hr {
-                let mut want = hid0[t * (hr + 1) + r] as f64;
-                let mut scale = want.abs();
-                for j in 0..k {
+                let (want, scale) = combine_twin(hid0[t * (hr + 1) + r], &wts[t * k..(t + 1) * k], |j| {
                     let p = t * k + j;
                     let o = (ids[p] as usize * hr + r) * ff;
                     let (s, a) = dot_ref(&ddeq[o..o + ff], &derr[o..o + ff], &act[p * ff..(p + 1) * ff]);
                     let dv = gdp[p * hr + r] as f64;
                     assert!(dv.is_finite() && (dv - s).abs() <= TOL * a + 1e-6, "kq down_grp {dty} {ff}->{hr} nt {nt} pair {p} r {r}: got {dv} want {s}");
-                    want += wts[p] as f64 * s;
-                    scale += wts[p] as f64 * a;
-                }
+                    (s, a)
+                });
                 let gv = got[t * (hr + 1) + r] as f64;
                 assert!(gv.is_finite() && (gv - want).abs() <= TOL * scale + 1e-6, "kq down_grp + combine {dty} t {t} r {r}: got {gv} want {want}");
                 worst_d = worst_d.max((gv - want).abs() / scale);

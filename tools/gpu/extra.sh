@@ -4,24 +4,27 @@
 # one GPU (GPU 1); then the Q4_K_M-like mix in tensor 2 and pipeline 2; then kill -9 recovery
 # through the gateway. Each part has its own time limit so one hang cannot eat the call.
 #   tools/gpu/extra.sh BIN_DIR
-# Environment: PARTS (default "load q4km recovery"), LOAD_SPEC (default m2.7:iq4xs:10, ~20 GB).
-# Logs: $OUT/extra.tar.xz and $OUT/extra.txt.
+# Environment: PARTS (default "load q4km recovery"; instances with different PARTS may run side
+# by side, e.g. "load" during all.sh's one-GPU phase), LOAD_SPEC (default m2.7:iq4xs:10,
+# ~20 GB), Q4KM_ENV (environment for the Q4_K_M runs, e.g. MINIMAX_FAST_KQ=1).
+# Logs: $OUT/extra-PARTS.tar.xz and $OUT/extra-PARTS.txt.
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 bin=$(cd "${1:?BIN_DIR}" && pwd)
 out=${OUT:-/tmp/minimax-extra}
-logs=/tmp/minimax-extra-logs
+parts=" ${PARTS:-load q4km recovery} "
+name=$(echo ${PARTS:-load q4km recovery} | tr ' ' '-')
+logs=/tmp/minimax-extra-logs-$name
 rm -rf "$logs" && mkdir -p "$logs"/{load,recovery}
-summary="$out/extra.txt"
+summary="$out/extra-$name.txt"
 mkdir -p "$out"
 : >"$summary"
 export LD_LIBRARY_PATH="${CUDA_HOME:-/usr/local/cuda}/lib64${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
 export NCCL_NVLS_ENABLE=0
-if [ -d "$bin/kcache" ]; then
+if [ -d "$bin/kcache" ] && [ ! -d /tmp/minimax-kernel-cache ]; then
   mkdir -p /tmp/minimax-kernel-cache && cp -r "$bin/kcache/." /tmp/minimax-kernel-cache/
 fi
 export MINIMAX_KERNEL_CACHE=/tmp/minimax-kernel-cache
-parts=" ${PARTS:-load q4km recovery} "
 
 if [[ $parts == *" load "* || $parts == *" q4km "* ]]; then
   echo "== part 1: weight loading (GPU 0) | Q4_K_M-like mix, one GPU (GPU 1) =="
@@ -31,7 +34,7 @@ if [[ $parts == *" load "* || $parts == *" q4km "* ]]; then
     pids+=($!)
   fi
   if [[ $parts == *" q4km "* ]]; then
-    (CUDA_VISIBLE_DEVICES=1 timeout 200 "$bin/minimax-bench" --synthetic m2.7:q4km --check-layers 0 --no-8k >"$logs/q4km1.log" 2>&1) &
+    (CUDA_VISIBLE_DEVICES=1 env ${Q4KM_ENV:-} timeout 150 "$bin/minimax-bench" --synthetic m2.7:q4km --no-8k >"$logs/q4km1.log" 2>&1) &
     pids+=($!)
   fi
   wait "${pids[@]}"
@@ -41,8 +44,8 @@ fi
 
 if [[ $parts == *" q4km "* ]]; then
   echo "== part 2: Q4_K_M-like mix, tensor 2 and pipeline 2 =="
-  timeout 150 "$bin/minimax-bench" --tp 2 --synthetic m2.7:q4km >"$logs/q4km_tp2.log" 2>&1
-  timeout 100 "$bin/minimax-bench" --pp 2 --synthetic m2.7:q4km --no-prefill >"$logs/q4km_pp2.log" 2>&1
+  env ${Q4KM_ENV:-} timeout 100 "$bin/minimax-bench" --tp 2 --synthetic m2.7:q4km --decode-only >"$logs/q4km_tp2.log" 2>&1
+  env ${Q4KM_ENV:-} timeout 80 "$bin/minimax-bench" --pp 2 --synthetic m2.7:q4km --decode-only >"$logs/q4km_pp2.log" 2>&1
   {
     echo "--- Q4_K_M-like mix, tensor 2 ---"; grep -v ' INFO ' "$logs/q4km_tp2.log" | tail -n 30
     echo "--- Q4_K_M-like mix, pipeline 2 ---"; grep -v ' INFO ' "$logs/q4km_pp2.log" | tail -n 20
@@ -55,5 +58,5 @@ if [[ $parts == *" recovery "* ]]; then
   { echo "--- recovery ---"; tail -n 25 "$logs/recovery.log"; } >>"$summary"
 fi
 
-tar -C "$logs" -cJf "$out/extra.tar.xz" . 2>/dev/null
+tar -C "$logs" -cJf "$out/extra-$name.tar.xz" . 2>/dev/null
 cat "$summary"

@@ -318,6 +318,47 @@ pub const GRP_MAX_E: usize = 1024;
 /// Largest expert count and top-k of `moe_route_fast` (scores in registers, one warp).
 pub const ROUTE_FAST_MAX_E: usize = 256;
 
+/// Arguments of the three-segment dense kernels (`mvq_*`, `mvqs_*`, fast_kq.cu's `kq_mv_*`):
+/// (W, row bytes, rows, y, y stride) per segment (zeros past `segs`), then `nblk` (row units
+/// the kernel counts in), xq, xd, ncol, nv, accumulate. Also returns the total rows.
+pub(super) fn mv_args(segs: &[(&DevMat, u64, usize)], nblk: usize, xq: u64, xd: u64, ncol: usize, nv: usize, accumulate: bool) -> (Vec<Arg>, usize) {
+    let mut args = Vec::with_capacity(21);
+    let mut rows = 0;
+    for i in 0..3 {
+        match segs.get(i) {
+            Some((w, y, ys)) => {
+                rows += w.rows;
+                args.extend([Arg::P(w.ptr), Arg::L(w.row_bytes as i64), Arg::I(w.rows as i32), Arg::P(*y), Arg::L(*ys as i64)]);
+            }
+            None => args.extend([Arg::P(0), Arg::L(0), Arg::I(0), Arg::P(0), Arg::L(0)]),
+        }
+    }
+    args.extend([Arg::I(nblk as i32), Arg::P(xq), Arg::P(xd), Arg::I(ncol as i32), Arg::I(nv as i32), Arg::I(accumulate as i32)]);
+    (args, rows)
+}
+
+/// Arguments of the expert gate/up kernels (`moe_gate_up*`, `kq_moe_gate_up*`): gate, up, row
+/// bytes, expert stride, then `mid` (the kernel's own: block counts, ids or groups, k), then
+/// xq, xd, ncol (= gate.cols), aq, ad, ld.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn gate_up_args(gate: &DevMat, up: &DevMat, mid: &[Arg], xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Vec<Arg> {
+    let mut args = vec![Arg::P(gate.ptr), Arg::P(up.ptr), Arg::L(gate.row_bytes as i64), Arg::L(gate.expert_stride as i64)];
+    args.extend_from_slice(mid);
+    args.extend([Arg::P(xq), Arg::P(xd), Arg::I(gate.cols as i32), Arg::P(aq), Arg::P(ad), Arg::I(ld as i32)]);
+    args
+}
+
+/// Arguments of the expert down kernels (`moe_down*`, `kq_moe_down*`): down, row bytes, expert
+/// stride, rows, then `mid` (the kernel's own: block counts, ids and weights or groups, k),
+/// then aq, ad, ncol (= down.cols), then `tail` (the outputs).
+pub(super) fn down_args(down: &DevMat, mid: &[Arg], aq: u64, ad: u64, tail: &[Arg]) -> Vec<Arg> {
+    let mut args = vec![Arg::P(down.ptr), Arg::L(down.row_bytes as i64), Arg::L(down.expert_stride as i64), Arg::I(down.rows as i32)];
+    args.extend_from_slice(mid);
+    args.extend([Arg::P(aq), Arg::P(ad), Arg::I(down.cols as i32)]);
+    args.extend_from_slice(tail);
+    args
+}
+
 fn tn(ty: GgmlType) -> &'static str {
     match ty {
         GgmlType::Q8_0 => "q8_0",
@@ -433,18 +474,7 @@ impl Gpu {
         } else {
             8
         };
-        let mut args = Vec::with_capacity(21);
-        let mut rows = 0;
-        for i in 0..3 {
-            match segs.get(i) {
-                Some((w, y, ys)) => {
-                    rows += w.rows;
-                    args.extend([Arg::P(w.ptr), Arg::L(w.row_bytes as i64), Arg::I(w.rows as i32), Arg::P(*y), Arg::L(*ys as i64)]);
-                }
-                None => args.extend([Arg::P(0), Arg::L(0), Arg::I(0), Arg::P(0), Arg::L(0)]),
-            }
-        }
-        args.extend([Arg::I(nchunks as i32), Arg::P(xq), Arg::P(xd), Arg::I(ncol as i32), Arg::I(nv as i32), Arg::I(accumulate as i32)]);
+        let (args, rows) = mv_args(segs, nchunks, xq, xd, ncol, nv, accumulate);
         let (name, warps) = match kind {
             _ if ty != GgmlType::Q8_0 => (format!("mvq_{}_{nt}", tn(ty)), 8),
             MvqKind::Staged => (format!("mvq_q8_0_{nt}"), 8),
@@ -547,21 +577,7 @@ impl Gpu {
             _ if !iq4 => GateUpKind::Staged,
             kd => kd,
         };
-        let mut args = vec![
-            Arg::P(gate.ptr),
-            Arg::P(up.ptr),
-            Arg::L(gate.row_bytes as i64),
-            Arg::L(gate.expert_stride as i64),
-            Arg::I((gate.row_bytes / CH) as i32),
-            Arg::P(ids),
-            Arg::I(k as i32),
-            Arg::P(xq),
-            Arg::P(xd),
-            Arg::I(gate.cols as i32),
-            Arg::P(aq),
-            Arg::P(ad),
-            Arg::I(ld as i32),
-        ];
+        let mut args = gate_up_args(gate, up, &[Arg::I((gate.row_bytes / CH) as i32), Arg::P(ids), Arg::I(k as i32)], xq, xd, aq, ad, ld);
         let (name, threads, grid) = match kind {
             GateUpKind::Persist => {
                 let name = "moe_gate_up_pst_iq4_xs".to_string();
@@ -614,21 +630,7 @@ impl Gpu {
             ((gate.rows / 32) as u32, nslots as u32, 1),
             256,
             0,
-            &[
-                Arg::P(gate.ptr),
-                Arg::P(up.ptr),
-                Arg::L(gate.row_bytes as i64),
-                Arg::L(gate.expert_stride as i64),
-                Arg::P(grp),
-                Arg::I(e as i32),
-                Arg::I(k as i32),
-                Arg::P(xq),
-                Arg::P(xd),
-                Arg::I(gate.cols as i32),
-                Arg::P(aq),
-                Arg::P(ad),
-                Arg::I(ld as i32),
-            ],
+            &gate_up_args(gate, up, &[Arg::P(grp), Arg::I(e as i32), Arg::I(k as i32)], xq, xd, aq, ad, ld),
         )
     }
 
@@ -644,7 +646,7 @@ impl Gpu {
             (ceil_div(down.rows, 16), nslots as u32, 1),
             256,
             0,
-            &[Arg::P(down.ptr), Arg::L(down.row_bytes as i64), Arg::L(down.expert_stride as i64), Arg::I(down.rows as i32), Arg::P(grp), Arg::I(e as i32), Arg::P(aq), Arg::P(ad), Arg::I(down.cols as i32), Arg::P(dpart)],
+            &down_args(down, &[Arg::P(grp), Arg::I(e as i32)], aq, ad, &[Arg::P(dpart)]),
         )
     }
 
@@ -707,21 +709,7 @@ impl Gpu {
             return Err(CudaError::Shape("moe_down_q8: expert tensor".into()));
         }
         let reg = down.ty == GgmlType::IQ4_XS && k <= 32;
-        let mut args = vec![
-            Arg::P(down.ptr),
-            Arg::L(down.row_bytes as i64),
-            Arg::L(down.expert_stride as i64),
-            Arg::I(down.rows as i32),
-            Arg::I((down.row_bytes / CH) as i32),
-            Arg::P(ids),
-            Arg::P(wts),
-            Arg::I(k as i32),
-            Arg::P(aq),
-            Arg::P(ad),
-            Arg::I(down.cols as i32),
-            Arg::P(hidden),
-            Arg::L(hs as i64),
-        ];
+        let mut args = down_args(down, &[Arg::I((down.row_bytes / CH) as i32), Arg::P(ids), Arg::P(wts), Arg::I(k as i32)], aq, ad, &[Arg::P(hidden), Arg::L(hs as i64)]);
         let (name, grid) = match Self::down_kind(kind, down, k) {
             DownKind::Persist => {
                 args.push(Arg::I(nt as i32));

@@ -7,6 +7,7 @@
 use minimax_shared::quant::GgmlType;
 
 use super::error::CudaError;
+use super::fast::{down_args, gate_up_args, mv_args};
 use super::gpu::{Arg, DevMat, Gpu};
 
 /// Rows per block of the dense kernels (one warp per row), as in kernels/fast_kq.cu.
@@ -47,6 +48,22 @@ fn mv_nt(nv: usize) -> usize {
     }
 }
 
+/// Shape checks shared by the K-quant gate/up launches (`name` for the error): `ld` a
+/// multiple of 32 holding the rows, gate and up K-quant twins with rows a multiple of 32,
+/// `k > 0`, the q8 input 16-byte aligned.
+fn gate_up_check(name: &str, gate: &DevMat, up: &DevMat, k: usize, xq: u64, ld: usize) -> Result<(), CudaError> {
+    if ld < gate.rows || ld % 32 != 0 {
+        return Err(CudaError::Shape(format!("{name}: activation stride {ld} for {} rows", gate.rows)));
+    }
+    if !kq_fast_mat(gate) || !kq_fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows != up.rows || gate.expert_stride != up.expert_stride || gate.rows % 32 != 0 || k == 0 {
+        return Err(CudaError::Shape(format!("{name}: expert tensors {:?}/{:?} {}x{}, top-{k}", gate.ty, up.ty, gate.rows, gate.cols)));
+    }
+    if xq % 16 != 0 {
+        return Err(CudaError::Shape(format!("{name}: q8 input not 16-byte aligned")));
+    }
+    Ok(())
+}
+
 impl Gpu {
     /// `y_s[v] (+)= W_s x_q[v]` for up to three Q4_K/Q6_K matrices `segs` = (W, y, y stride)
     /// of one type sharing a q8 input (`xq` [v][ncol] int8, 16-byte aligned; `xd` [v][ncol/32]),
@@ -66,18 +83,7 @@ impl Gpu {
             return Err(CudaError::Shape("kq_matvec_q8: q8 input not 16-byte aligned".into()));
         }
         let nt = mv_nt(nv);
-        let mut args = Vec::with_capacity(21);
-        let mut rows = 0;
-        for i in 0..3 {
-            match segs.get(i) {
-                Some((w, y, ys)) => {
-                    rows += w.rows;
-                    args.extend([Arg::P(w.ptr), Arg::L(w.row_bytes as i64), Arg::I(w.rows as i32), Arg::P(*y), Arg::L(*ys as i64)]);
-                }
-                None => args.extend([Arg::P(0), Arg::L(0), Arg::I(0), Arg::P(0), Arg::L(0)]),
-            }
-        }
-        args.extend([Arg::I((ncol / 256) as i32), Arg::P(xq), Arg::P(xd), Arg::I(ncol as i32), Arg::I(nv as i32), Arg::I(accumulate as i32)]);
+        let (args, rows) = mv_args(segs, ncol / 256, xq, xd, ncol, nv, accumulate);
         let grid = (rows.div_ceil(MV_WARPS) as u32, nv.div_ceil(nt) as u32, 1);
         self.launch_pdl(&format!("kq_mv_{}_{nt}", kq_name(ty)), grid, 32 * MV_WARPS as u32, 0, &args)
     }
@@ -88,30 +94,8 @@ impl Gpu {
     /// [`Gpu::moe_gate_up_q8_ld`] for K-quants (`kq_moe_gate_up_*`).
     #[allow(clippy::too_many_arguments)]
     pub fn kq_moe_gate_up_q8_ld(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, xq: u64, xd: u64, aq: u64, ad: u64, npairs: usize, ld: usize) -> Result<(), CudaError> {
-        if ld < gate.rows || ld % 32 != 0 {
-            return Err(CudaError::Shape(format!("kq_moe_gate_up_q8: activation stride {ld} for {} rows", gate.rows)));
-        }
-        if !kq_fast_mat(gate) || !kq_fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows != up.rows || gate.expert_stride != up.expert_stride || gate.rows % 32 != 0 || k == 0 {
-            return Err(CudaError::Shape(format!("kq_moe_gate_up_q8: expert tensors {:?}/{:?} {}x{}, top-{k}", gate.ty, up.ty, gate.rows, gate.cols)));
-        }
-        if xq % 16 != 0 {
-            return Err(CudaError::Shape("kq_moe_gate_up_q8: q8 input not 16-byte aligned".into()));
-        }
-        let args = [
-            Arg::P(gate.ptr),
-            Arg::P(up.ptr),
-            Arg::L(gate.row_bytes as i64),
-            Arg::L(gate.expert_stride as i64),
-            Arg::I((gate.cols / 256) as i32),
-            Arg::P(ids),
-            Arg::I(k as i32),
-            Arg::P(xq),
-            Arg::P(xd),
-            Arg::I(gate.cols as i32),
-            Arg::P(aq),
-            Arg::P(ad),
-            Arg::I(ld as i32),
-        ];
+        gate_up_check("kq_moe_gate_up_q8", gate, up, k, xq, ld)?;
+        let args = gate_up_args(gate, up, &[Arg::I((gate.cols / 256) as i32), Arg::P(ids), Arg::I(k as i32)], xq, xd, aq, ad, ld);
         self.launch_pdl(&format!("kq_moe_gate_up_{}", kq_name(gate.ty)), ((gate.rows / 32) as u32, npairs as u32, 1), 256, 0, &args)
     }
 
@@ -126,21 +110,7 @@ impl Gpu {
         if aq % 16 != 0 {
             return Err(CudaError::Shape("kq_moe_down_q8: q8 activations not 16-byte aligned".into()));
         }
-        let args = [
-            Arg::P(down.ptr),
-            Arg::L(down.row_bytes as i64),
-            Arg::L(down.expert_stride as i64),
-            Arg::I(down.rows as i32),
-            Arg::I((down.cols / 256) as i32),
-            Arg::P(ids),
-            Arg::P(wts),
-            Arg::I(k as i32),
-            Arg::P(aq),
-            Arg::P(ad),
-            Arg::I(down.cols as i32),
-            Arg::P(hidden),
-            Arg::L(hs as i64),
-        ];
+        let args = down_args(down, &[Arg::I((down.cols / 256) as i32), Arg::P(ids), Arg::P(wts), Arg::I(k as i32)], aq, ad, &[Arg::P(hidden), Arg::L(hs as i64)]);
         self.launch_pdl(&format!("kq_moe_down_{}", kq_name(down.ty)), (down.rows.div_ceil(DN_WARPS) as u32, nt as u32, 1), 32 * DN_WARPS as u32, 0, &args)
     }
 }
@@ -153,31 +123,8 @@ impl Gpu {
     /// (`min(npairs, e)`; unused slots exit).
     #[allow(clippy::too_many_arguments)]
     pub fn kq_moe_gate_up_grp(&self, gate: &DevMat, up: &DevMat, grp: u64, e: usize, nslots: usize, k: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<(), CudaError> {
-        if ld < gate.rows || ld % 32 != 0 {
-            return Err(CudaError::Shape(format!("kq_moe_gate_up_grp: activation stride {ld} for {} rows", gate.rows)));
-        }
-        if !kq_fast_mat(gate) || !kq_fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows != up.rows || gate.expert_stride != up.expert_stride || gate.rows % 32 != 0 || k == 0 {
-            return Err(CudaError::Shape(format!("kq_moe_gate_up_grp: expert tensors {:?}/{:?} {}x{}, top-{k}", gate.ty, up.ty, gate.rows, gate.cols)));
-        }
-        if xq % 16 != 0 {
-            return Err(CudaError::Shape("kq_moe_gate_up_grp: q8 input not 16-byte aligned".into()));
-        }
-        let args = [
-            Arg::P(gate.ptr),
-            Arg::P(up.ptr),
-            Arg::L(gate.row_bytes as i64),
-            Arg::L(gate.expert_stride as i64),
-            Arg::I((gate.cols / 256) as i32),
-            Arg::P(grp),
-            Arg::I(e as i32),
-            Arg::I(k as i32),
-            Arg::P(xq),
-            Arg::P(xd),
-            Arg::I(gate.cols as i32),
-            Arg::P(aq),
-            Arg::P(ad),
-            Arg::I(ld as i32),
-        ];
+        gate_up_check("kq_moe_gate_up_grp", gate, up, k, xq, ld)?;
+        let args = gate_up_args(gate, up, &[Arg::I((gate.cols / 256) as i32), Arg::P(grp), Arg::I(e as i32), Arg::I(k as i32)], xq, xd, aq, ad, ld);
         self.launch_pdl(&format!("kq_moe_gate_up_grp_{}", kq_name(gate.ty)), ((gate.rows / 32) as u32, nslots as u32, 1), 256, 0, &args)
     }
 
@@ -192,19 +139,7 @@ impl Gpu {
         if aq % 16 != 0 {
             return Err(CudaError::Shape("kq_moe_down_grp: q8 activations not 16-byte aligned".into()));
         }
-        let args = [
-            Arg::P(down.ptr),
-            Arg::L(down.row_bytes as i64),
-            Arg::L(down.expert_stride as i64),
-            Arg::I(down.rows as i32),
-            Arg::I((down.cols / 256) as i32),
-            Arg::P(grp),
-            Arg::I(e as i32),
-            Arg::P(aq),
-            Arg::P(ad),
-            Arg::I(down.cols as i32),
-            Arg::P(dpart),
-        ];
+        let args = down_args(down, &[Arg::I((down.cols / 256) as i32), Arg::P(grp), Arg::I(e as i32)], aq, ad, &[Arg::P(dpart)]);
         self.launch_pdl(&format!("kq_moe_down_grp_{}", kq_name(down.ty)), (down.rows.div_ceil(DN_WARPS) as u32, nslots as u32, 1), 32 * DN_WARPS as u32, 0, &args)
     }
 }

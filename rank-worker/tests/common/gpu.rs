@@ -126,3 +126,29 @@ pub fn poisoned(g: &Gpu, n: usize) -> CudaSlice<f32> {
     g.fill_u32(g.ptr(&b), n, NAN).unwrap();
     b
 }
+
+/// Host twin of the fast path's q8 activation quantization: per 32 values d = max|x| / 127,
+/// q = round-half-even(x / d).
+pub fn q8_host(x: &[f32]) -> (Vec<i8>, Vec<f32>) {
+    let mut q = vec![0i8; x.len()];
+    let mut d = vec![0f32; x.len() / 32];
+    for (b, c) in x.chunks_exact(32).enumerate() {
+        let amax = c.iter().fold(0f32, |m, v| m.max(v.abs()));
+        let dd = amax / 127.0;
+        d[b] = dd;
+        for (i, v) in c.iter().enumerate() {
+            q[b * 32 + i] = if amax == 0.0 { 0 } else { (v / dd).round_ties_even() as i8 };
+        }
+    }
+    (q, d)
+}
+
+/// Dequantized q8 activations.
+pub fn q8_deq(q: &[i8], d: &[f32]) -> Vec<f32> {
+    q.iter().enumerate().map(|(i, &v)| v as f32 * d[i / 32]).collect()
+}
+
+/// The bit patterns of `v` (bit-identity checks).
+pub fn bits(v: &[f32]) -> Vec<u32> {
+    v.iter().map(|x| x.to_bits()).collect()
+}
