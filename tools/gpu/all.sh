@@ -55,8 +55,8 @@ wait $p_tests $p_bench
 
 echo "== phase 2: two-GPU tests, then tensor-2 and pipeline-2 benchmarks =="
 OUT="$logs/t2" timeout $((T2 * 45 / 100)) bash tools/gpu/run_tests.sh /tmp/t2 >"$logs/t2/table.log" 2>&1
-timeout $((T2 * 30 / 100)) "$bin/minimax-bench" --tp 2 --synthetic m2.7:iq4xs --8k >"$logs/bench_tp2.log" 2>&1
-timeout $((T2 * 25 / 100)) "$bin/minimax-bench" --pp 2 --synthetic m2.7:iq4xs --no-prefill >"$logs/bench_pp2.log" 2>&1
+timeout $((T2 * 30 / 100)) "$bin/minimax-bench" --tp 2 --synthetic m2.7:iq4xs --8k ${TP2_ARGS:-} >"$logs/bench_tp2.log" 2>&1
+timeout $((T2 * 25 / 100)) "$bin/minimax-bench" --pp 2 --synthetic m2.7:iq4xs --no-prefill ${PP2_ARGS:-} >"$logs/bench_pp2.log" 2>&1
 {
   echo "--- GPU tests, two GPUs ---"; sed -n '/== GPU test results ==/,$p' "$logs/t2/table.log"
   echo "--- minimax-bench --tp 2 ---"; grep -v ' INFO ' "$logs/bench_tp2.log" | tail -n 40

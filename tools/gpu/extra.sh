@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
-# The measurements all.sh leaves out, on the same 2-GPU machine right after it (prebuilt
-# binaries, one device call): weight loading vs the disk (GPU 0) beside the Q4_K_M-like mix on
-# one GPU (GPU 1); then the Q4_K_M-like mix in tensor 2 and pipeline 2; then kill -9 recovery
-# through the gateway. Each part has its own time limit so one hang cannot eat the call.
+# The measurements all.sh leaves out, on the same 2-GPU machine (prebuilt binaries, one device
+# call): weight loading vs the disk (GPU 0); the Q4_K_M-like mix in tensor 2 and pipeline 2
+# (its ~149 GB do not fit one H200); kill -9 recovery through the gateway. Each part has its
+# own time limit so one hang cannot eat the call.
 #   tools/gpu/extra.sh BIN_DIR
 # Environment: PARTS (default "load q4km recovery"; instances with different PARTS may run side
 # by side, e.g. "load" during all.sh's one-GPU phase), LOAD_SPEC (default m2.7:iq4xs:10,
@@ -26,20 +26,10 @@ if [ -d "$bin/kcache" ] && [ ! -d /tmp/minimax-kernel-cache ]; then
 fi
 export MINIMAX_KERNEL_CACHE=/tmp/minimax-kernel-cache
 
-if [[ $parts == *" load "* || $parts == *" q4km "* ]]; then
-  echo "== part 1: weight loading (GPU 0) | Q4_K_M-like mix, one GPU (GPU 1) =="
-  pids=()
-  if [[ $parts == *" load "* ]]; then
-    (CUDA_VISIBLE_DEVICES=0 OUT="$logs/load" LOAD_TIMEOUT=120 timeout 240 bash tools/gpu/load_bench.sh "$bin" /tmp/minimax-load.gguf "${LOAD_SPEC:-m2.7:iq4xs:10}" >"$logs/load.log" 2>&1) &
-    pids+=($!)
-  fi
-  if [[ $parts == *" q4km "* ]]; then
-    (CUDA_VISIBLE_DEVICES=1 env ${Q4KM_ENV:-} timeout 150 "$bin/minimax-bench" --synthetic m2.7:q4km --no-8k >"$logs/q4km1.log" 2>&1) &
-    pids+=($!)
-  fi
-  wait "${pids[@]}"
-  { echo "--- weight loading vs the disk ---"; cat "$logs/load.log"; } >>"$summary" 2>/dev/null
-  { echo "--- Q4_K_M-like mix, one GPU ---"; grep -v ' INFO ' "$logs/q4km1.log" | tail -n 50; } >>"$summary" 2>/dev/null
+if [[ $parts == *" load "* ]]; then
+  echo "== part 1: weight loading vs the disk (GPU 0) =="
+  CUDA_VISIBLE_DEVICES=0 OUT="$logs/load" LOAD_TIMEOUT=120 timeout 240 bash tools/gpu/load_bench.sh "$bin" /tmp/minimax-load.gguf "${LOAD_SPEC:-m2.7:iq4xs:10}" >"$logs/load.log" 2>&1
+  { echo "--- weight loading vs the disk ---"; cat "$logs/load.log"; } >>"$summary"
 fi
 
 if [[ $parts == *" q4km "* ]]; then
