@@ -549,8 +549,8 @@ fn kquant_fast_path_q4km_model_matches_exact() {
     assert!(m.fast_path_off().is_none(), "fast path off for m2.7:q4km:2: {:?}", m.fast_path_off());
     let prompt = vec![1u32, 17, 4242, 99_999, 200_000];
     let steps = 6usize;
-    let run = |m: &mut CudaModel, fast: bool, base: u32, forced: Option<&[u32]>| {
-        m.set_fast(fast, fast);
+    let run = |m: &mut CudaModel, fast: bool, graphs: bool, base: u32, forced: Option<&[u32]>| {
+        m.set_fast(fast, graphs);
         let pt: Vec<u32> = (base..base + 4).collect();
         let st = |cached: usize, tokens: Vec<u32>, logits| ForwardBatch { seqs: vec![SeqStep { seq_id: base as u64, page_table: pt.clone(), cached_len: cached, tokens, logits }] };
         let o = m.forward(&st(0, prompt.clone(), LogitsWanted::All)).expect("prompt");
@@ -564,9 +564,30 @@ fn kquant_fast_path_q4km_model_matches_exact() {
         }
         (outs, toks)
     };
-    let (exact, exact_tok) = run(&mut m, false, 0, None);
-    let (fast, fast_tok) = run(&mut m, true, 8, Some(&exact_tok));
+    let (exact, exact_tok) = run(&mut m, false, false, 0, None);
+    let (fast, fast_tok) = run(&mut m, true, true, 8, Some(&exact_tok));
+    // Diagnostics (separate a wiring bug, which moves every step, from a top-k routing flip,
+    // which moves single steps): the same fast steps launched directly (no graphs) must be
+    // bit-identical to the graph replays (a race or a stale read would show here), and the
+    // per-pair MoE (grouping off) is printed next to the grouped prompt.
+    m.clear_graphs();
+    let (direct, _) = run(&mut m, true, false, 16, Some(&exact_tok));
+    minimax_rank::cuda::fast::set_group_min(Some(0));
+    let (pairs, _) = run(&mut m, true, false, 24, Some(&exact_tok));
+    minimax_rank::cuda::fast::set_group_min(None);
     let scale = exact.iter().flatten().fold(0f32, |a, x| a.max(x.abs()));
+    let step_diff = |a: &[f32], b: &[f32]| a.iter().zip(b).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    for (s, (((e, f), dd), pp)) in exact.iter().zip(&fast).zip(&direct).zip(&pairs).enumerate() {
+        eprintln!(
+            "  step {s}: max |fast - exact| {:.4} (rel {:.2e}), |direct - graphs| {:.3e}, |per-pair - exact| {:.4}",
+            step_diff(e, f),
+            step_diff(e, f) / scale,
+            step_diff(dd, f),
+            step_diff(e, pp)
+        );
+    }
+    let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(bits(&direct) == bits(&fast), "fast path: direct launches and graph replays differ (race or stale read)");
     let mut d = 0f32;
     for (a, b) in exact.iter().zip(&fast) {
         assert_eq!(a.len(), b.len());

@@ -3,7 +3,9 @@
 //! and prefill speed, batch scaling, long-context decode, a per-kernel split of one decode step
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
-//! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--decode-steps N] [--ab]
+//! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
+//!               [--decode-steps N] [--ab] [--greedy-streams]
+//! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
 
@@ -37,6 +39,21 @@ impl Pages {
 
 fn step(seq: u64, pt: &[u32], cached: usize, tokens: Vec<u32>, logits: LogitsWanted) -> SeqStep {
     SeqStep { seq_id: seq, page_table: pt.to_vec(), cached_len: cached, tokens, logits }
+}
+
+/// The token stream `i` is fed after decode step `s` of the batched runs. By default distinct
+/// pseudo-random ids: with random weights, greedy streams of near-identical prompts tend to
+/// repeat each other's tokens, so how many experts a step touches (and the tok/s) would depend
+/// on the numerics of the run. `--greedy-streams` feeds each stream's argmax instead.
+fn stream_token(i: usize, s: usize, greedy: u32) -> u32 {
+    static GREEDY: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    if *GREEDY.get_or_init(|| flag("--greedy-streams")) {
+        return greedy;
+    }
+    let mut x = ((i as u64) << 32 | s as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    ((x ^ (x >> 31)) % 200_000) as u32
 }
 
 fn argmax(r: &[f32]) -> u32 {
@@ -370,7 +387,8 @@ fn main() -> anyhow::Result<()> {
     println!("bytes per decoded token: weights {:.3} GB + KV(105) {:.4} GB; bound {:.0} tok/s; ours {:.1}% (graph replay)", wb / 1e9, kv_tok(105) / 1e9, bound(105), 100.0 * (1e3 / step_ms) / bound(105));
     table.push(("bandwidth bound tok/s (ctx ~100) / our fraction".into(), format!("{:.0} / {:.0}%", bound(105), 100.0 * (1e3 / step_ms) / bound(105))));
 
-    // Aggregate decode at batch 4, 16, 32: each sequence gets a 5-token prompt, then 20 steps.
+    // Aggregate decode at batch 4, 16, 32: each sequence gets a 5-token prompt, then 20 steps
+    // (tokens: `stream_token`).
     for b in [4usize, 16, 32] {
         let steps: usize = 20;
         let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take((5 + steps + 3).div_ceil(PAGE))).collect();
@@ -385,7 +403,7 @@ fn main() -> anyhow::Result<()> {
             let o = m.forward(&ForwardBatch { seqs })?;
             fin &= finite(&o);
             for (i, t) in toks.iter_mut().enumerate() {
-                *t = argmax(o.row(i));
+                *t = stream_token(i, s, argmax(o.row(i)));
             }
             Ok(())
         };

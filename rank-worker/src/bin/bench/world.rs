@@ -21,7 +21,7 @@ use minimax_rank::partition::Partition;
 use minimax_shared::forward::{ForwardBatch, LogitsWanted};
 use minimax_shared::model::synthetic::SyntheticSpec;
 
-use super::{PAGE, Pages, arg, argmax, flag, step};
+use super::{PAGE, Pages, arg, argmax, flag, step, stream_token};
 
 /// Whether this invocation asks for the multi-GPU mode.
 pub fn requested() -> bool {
@@ -207,7 +207,8 @@ pub fn main_world() -> anyhow::Result<()> {
                             fwd(&mut m, &ForwardBatch { seqs: vec![step(1, &pt, 5 + dsteps, vec![tok], LogitsWanted::Last)] })?;
                         }
                         // Aggregate decode at `streams` streams: each gets a 5-token prompt (batched
-                        // in one step), then 2 warm-up steps and 20 timed steps.
+                        // in one step), then 2 warm-up steps and 20 timed steps (tokens:
+                        // `stream_token`, the same on every rank).
                         if !decode_only {
                             let b = streams;
                             let steps: usize = 22;
@@ -220,7 +221,7 @@ pub fn main_world() -> anyhow::Result<()> {
                             let run = |m: &mut CudaModel, toks: &mut Vec<u32>, s: usize| -> anyhow::Result<()> {
                                 let seqs = (0..b).map(|i| step(100 + i as u64, &pts[i], 5 + s, vec![toks[i]], LogitsWanted::Last)).collect();
                                 let o = fwd(m, &ForwardBatch { seqs })?;
-                                *toks = sync_toks(&o, b);
+                                *toks = sync_toks(&o, b).into_iter().enumerate().map(|(i, t)| stream_token(i, s, t)).collect();
                                 Ok(())
                             };
                             run(&mut m, &mut toks, 0)?;
