@@ -253,34 +253,20 @@ impl DownKind {
     }
 }
 
-static ATTN_FUSE_OVR: AtomicU8 = AtomicU8::new(0);
+static ATTN_FUSE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ATTN_FUSE", false);
 
 /// Whether decode attention merges its splits in the last split block (`attn_dec6m_*`,
 /// `MINIMAX_ATTN_FUSE=1`) instead of a separate `attn_merge6` launch (the default);
 /// bit-identical. Measured (H200, M2.7 IQ4_XS, batch 1): 0.4 ms per step slower at short
 /// context, 0.75 ms faster at 32k (docs/CUDA.md).
 pub fn attn_fusion() -> bool {
-    match ATTN_FUSE_OVR.load(Ordering::Relaxed) {
-        1 => false,
-        2 => true,
-        _ => {
-            static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-            *V.get_or_init(|| matches!(std::env::var("MINIMAX_ATTN_FUSE").as_deref(), Ok("1")))
-        }
-    }
+    ATTN_FUSE.get()
 }
 
 /// Overrides [`attn_fusion`] (A/B runs and tests; `None` = back to the environment). Drop
 /// captured graphs after a change (`CudaModel::clear_graphs`).
 pub fn set_attn_fusion(on: Option<bool>) {
-    ATTN_FUSE_OVR.store(
-        match on {
-            None => 0,
-            Some(false) => 1,
-            Some(true) => 2,
-        },
-        Ordering::Relaxed,
-    );
+    ATTN_FUSE.set(on);
 }
 
 /// Most attention splits `attn_dec6m_*` merges (`AD_MAXSPLIT`).

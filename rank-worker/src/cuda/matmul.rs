@@ -5,6 +5,8 @@
 
 use std::sync::atomic::{AtomicU8, Ordering};
 
+use super::env_flag::EnvFlag;
+
 use cudarc::driver::CudaSlice;
 use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use minimax_shared::quant::GgmlType;
@@ -87,49 +89,33 @@ pub fn set_dense_tile(nt: Option<usize>) {
     DENSE_TILE.store(nt.filter(|&n| matches!(n, 1 | 2 | 4 | 8)).unwrap_or(0) as u8, Ordering::Relaxed);
 }
 
-/// 0: not chosen yet (read `MINIMAX_GEMM_FAST` on first use), 1: on, 2: off.
-static FAST: AtomicU8 = AtomicU8::new(0);
+/// The integer fast path (`mm_f_*` / `mmg_f_*`: IQ4_XS, Q4_K, Q6_K, Q8_0), on unless
+/// `MINIMAX_GEMM_FAST=0`.
+static FAST: EnvFlag = EnvFlag::new("MINIMAX_GEMM_FAST", true);
 
-/// Whether the integer fast path (`mm_f_*` / `mmg_f_*`: IQ4_XS, Q4_K, Q6_K, Q8_0) is used where
-/// it fits: on unless `MINIMAX_GEMM_FAST=0`, or what [`set_gemm_fast`] set.
+/// Whether the integer fast path is used where it fits ([`FAST`], or what [`set_gemm_fast`] set).
 pub fn gemm_fast() -> bool {
-    match FAST.load(Ordering::Relaxed) {
-        1 => true,
-        2 => false,
-        _ => {
-            let on = std::env::var("MINIMAX_GEMM_FAST").map(|v| v != "0").unwrap_or(true);
-            FAST.store(if on { 1 } else { 2 }, Ordering::Relaxed);
-            on
-        }
-    }
+    FAST.get()
 }
 
 /// Turns the integer fast path on or off for every later product (benchmark A/B).
 pub fn set_gemm_fast(on: bool) {
-    FAST.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    FAST.set(Some(on));
 }
 
-/// 0: not chosen yet (read `MINIMAX_GEMM_COMPACT` on first use), 1: on, 2: off.
-static COMPACT: AtomicU8 = AtomicU8::new(0);
+/// The compact 32-token variant, on unless `MINIMAX_GEMM_COMPACT=0` (measured: 512-token M2.7
+/// prefill 174 ms vs 198 ms with the 3-stage tile).
+static COMPACT: EnvFlag = EnvFlag::new("MINIMAX_GEMM_COMPACT", true);
 
 /// Whether 32-token fast-path tiles take the compact variant (`mm_f_*_32c`: 2 stages, unpadded
-/// raw pitch, two blocks an SM where shared memory allows): on unless `MINIMAX_GEMM_COMPACT=0`
-/// (measured: 512-token M2.7 prefill 174 ms vs 198 ms with the 3-stage tile).
+/// raw pitch, two blocks an SM where shared memory allows).
 pub fn gemm_compact() -> bool {
-    match COMPACT.load(Ordering::Relaxed) {
-        1 => true,
-        2 => false,
-        _ => {
-            let on = std::env::var("MINIMAX_GEMM_COMPACT").map(|v| v != "0").unwrap_or(true);
-            COMPACT.store(if on { 1 } else { 2 }, Ordering::Relaxed);
-            on
-        }
-    }
+    COMPACT.get()
 }
 
 /// Turns the compact 32-token variant on or off for every later product (benchmark A/B).
 pub fn set_gemm_compact(on: bool) {
-    COMPACT.store(if on { 1 } else { 2 }, Ordering::Relaxed);
+    COMPACT.set(Some(on));
 }
 
 /// Geometry of a fast-path type (kernels/quant_matmul.cu `MQT`): columns per stage, block
