@@ -12,7 +12,8 @@ use std::sync::{Arc, Mutex};
 use common::gpu::{NAN, Rng, TYPES, gpu, random_rows, upload_mat};
 use minimax_rank::comm::Solo;
 use minimax_rank::cpu::{CpuModel, KvSpec};
-use minimax_rank::cuda::{CudaModel, CudaOptions, DevMat, GemmPrecision, KvDtype, set_gemm_compact, set_gemm_fast, set_gemm_precision};
+use cudarc::driver::CudaSlice;
+use minimax_rank::cuda::{CudaModel, CudaOptions, DevMat, GemmPrecision, Gpu, KvDtype, set_gemm_compact, set_gemm_fast, set_gemm_precision};
 use minimax_rank::partition::Partition;
 use minimax_shared::forward::{ForwardBatch, LogitsWanted, SeqStep};
 use minimax_shared::gguf::GgufModel;
@@ -77,6 +78,48 @@ impl Check {
     }
 }
 
+/// One product `launch(y)` of `n` tokens (X at stride `xs`) into Y at device address `y`
+/// (stride `ys`), checked against the CPU for every output: Y is NaN-poisoned first (padding
+/// rows past `rows` must stay NaN), or, with `accumulate`, holds random values to add to.
+/// Returns (worst |err| / Σ|w·x|, rms relative error).
+#[allow(clippy::too_many_arguments)]
+fn check_product(
+    g: &Gpu,
+    rng: &mut Rng,
+    (wf, rows, cols): (&[f32], usize, usize),
+    (x, xs): (&[f32], usize),
+    (yd, ys): (&mut CudaSlice<f32>, usize),
+    n: usize,
+    passes: usize,
+    accumulate: bool,
+    label: &str,
+    launch: impl FnOnce(u64),
+) -> (f64, f64) {
+    let base: Vec<f32> = if accumulate { rng.vec(n * ys, 2.0) } else { Vec::new() };
+    if accumulate {
+        g.stream.memcpy_htod(&base, yd).unwrap();
+    } else {
+        g.fill_u32(g.ptr(yd), n * ys, NAN).unwrap();
+    }
+    launch(g.ptr(yd));
+    let y = g.download(yd).unwrap();
+    let mut chk = Check::new();
+    for t in 0..n {
+        for r in 0..rows {
+            let (want, abs) = dot(&wf[r * cols..(r + 1) * cols], &x[t * xs..t * xs + cols]);
+            let want = want + if accumulate { base[t * ys + r] as f64 } else { 0.0 };
+            chk.one(y[t * ys + r], want, abs, passes, &|| format!("{label} token {t} row {r}"));
+        }
+        if !accumulate {
+            for r in rows..ys {
+                assert!(y[t * ys + r].is_nan(), "{label}: wrote outside the rows (token {t}, column {r})");
+            }
+        }
+    }
+    let rel = chk.finish(passes, label);
+    (chk.worst, rel)
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn gemm_matches_cpu_for_every_type_tile_and_precision() {
@@ -96,31 +139,12 @@ fn gemm_matches_cpu_for_every_type_tile_and_precision() {
             let mut yd = g.zeros::<f32>(n * ys).unwrap();
             for passes in [1usize, 3] {
                 for accumulate in [false, true] {
-                    let base: Vec<f32> = if accumulate { rng.vec(n * ys, 2.0) } else { Vec::new() };
-                    if accumulate {
-                        g.stream.memcpy_htod(&base, &mut yd).unwrap();
-                    } else {
-                        g.fill_u32(g.ptr(&yd), n * ys, NAN).unwrap();
-                    }
-                    g.matmul_with(&m, g.ptr(&xd), xs, g.ptr(&yd), ys, n, accumulate, nt, passes).unwrap();
-                    let y = g.download(&yd).unwrap();
-                    let mut chk = Check::new();
-                    for t in 0..n {
-                        for r in 0..rows {
-                            let (want, abs) = dot(&wf[r * cols..(r + 1) * cols], &x[t * xs..t * xs + cols]);
-                            let want = want + if accumulate { base[t * ys + r] as f64 } else { 0.0 };
-                            let what = || format!("{ty:?} n {n} tile {nt} passes {passes} acc {accumulate} token {t} row {r}");
-                            chk.one(y[t * ys + r], want, abs, passes, &what);
-                        }
-                        if !accumulate {
-                            for r in rows..ys {
-                                assert!(y[t * ys + r].is_nan(), "{ty:?}: wrote outside the rows (token {t}, column {r})");
-                            }
-                        }
-                    }
-                    let rel = chk.finish(passes, &format!("{ty:?} n {n} tile {nt} passes {passes} acc {accumulate}"));
+                    let label = format!("{ty:?} n {n} tile {nt} passes {passes} acc {accumulate}");
+                    let (worst, rel) = check_product(&g, &mut rng, (&wf, rows, cols), (&x, xs), (&mut yd, ys), n, passes, accumulate, &label, |y| {
+                        g.matmul_with(&m, g.ptr(&xd), xs, y, ys, n, accumulate, nt, passes).unwrap()
+                    });
                     if !accumulate && nt == 2 {
-                        eprintln!("{ty:?} {rows}x{cols} n {n} passes {passes}: worst |err|/Σ|wx| {:.2e}, rms rel {rel:.2e}", chk.worst);
+                        eprintln!("{ty:?} {rows}x{cols} n {n} passes {passes}: worst |err|/Σ|wx| {worst:.2e}, rms rel {rel:.2e}");
                     }
                 }
             }
@@ -164,31 +188,12 @@ fn fast_gemm_matches_cpu_for_every_tile_precision_and_offset() {
                 let mut yd = g.zeros::<f32>(n * ys).unwrap();
                 for passes in [1usize, 3] {
                     for accumulate in [false, true] {
-                        let base: Vec<f32> = if accumulate { rng.vec(n * ys, 2.0) } else { Vec::new() };
-                        if accumulate {
-                            g.stream.memcpy_htod(&base, &mut yd).unwrap();
-                        } else {
-                            g.fill_u32(g.ptr(&yd), n * ys, NAN).unwrap();
-                        }
-                        g.matmul_fast_with(&m, g.ptr(&xd), xs, g.ptr(&yd), ys, n, accumulate, bm, passes).unwrap();
-                        let y = g.download(&yd).unwrap();
-                        let mut chk = Check::new();
-                        for t in 0..n {
-                            for r in 0..rows {
-                                let (want, abs) = dot(&wf[r * cols..(r + 1) * cols], &x[t * xs..t * xs + cols]);
-                                let want = want + if accumulate { base[t * ys + r] as f64 } else { 0.0 };
-                                let what = || format!("fast {ty:?} n {n} tile {bm} compact {compact} passes {passes} acc {accumulate} token {t} row {r}");
-                                chk.one(y[t * ys + r], want, abs, passes, &what);
-                            }
-                            if !accumulate {
-                                for r in rows..ys {
-                                    assert!(y[t * ys + r].is_nan(), "fast {ty:?}: wrote outside the rows (token {t}, column {r})");
-                                }
-                            }
-                        }
-                        let rel = chk.finish(passes, &format!("fast {ty:?} n {n} tile {bm} compact {compact} passes {passes} acc {accumulate}"));
+                        let label = format!("fast {ty:?} n {n} tile {bm} compact {compact} passes {passes} acc {accumulate}");
+                        let (worst, rel) = check_product(&g, &mut rng, (&wf, rows, cols), (&x, xs), (&mut yd, ys), n, passes, accumulate, &label, |y| {
+                            g.matmul_fast_with(&m, g.ptr(&xd), xs, y, ys, n, accumulate, bm, passes).unwrap()
+                        });
                         if !accumulate && n == 77 && !compact {
-                            eprintln!("fast {ty:?} {rows}x{cols} n {n} passes {passes}: worst |err|/Σ|wx| {:.2e}, rms rel {rel:.2e}", chk.worst);
+                            eprintln!("fast {ty:?} {rows}x{cols} n {n} passes {passes}: worst |err|/Σ|wx| {worst:.2e}, rms rel {rel:.2e}");
                         }
                     }
                 }

@@ -56,6 +56,30 @@ fn stream_token(i: usize, s: usize, greedy: u32) -> u32 {
     ((x ^ (x >> 31)) % 200_000) as u32
 }
 
+/// Mean ms of one replay of the captured `nt`-token step graph, over `reps` replays after one
+/// warm-up replay.
+fn replay_ms(m: &mut CudaModel, nt: usize, reps: usize) -> anyhow::Result<f64> {
+    m.replay_fast_step(nt)?;
+    m.gpu().sync()?;
+    let t = Instant::now();
+    for _ in 0..reps {
+        m.replay_fast_step(nt)?;
+    }
+    m.gpu().sync()?;
+    Ok(ms(t) / reps as f64)
+}
+
+/// (kernel, ms) of each launch of one `nt`-token step launched directly (no graph), with CUDA
+/// events around every launch; graphs are back on afterwards.
+fn profile_step(m: &mut CudaModel, nt: usize) -> anyhow::Result<Vec<(String, f32)>> {
+    m.set_fast(true, false);
+    m.gpu().profile_begin();
+    m.replay_fast_step(nt)?;
+    let prof = m.gpu().profile_end()?;
+    m.set_fast(true, true);
+    Ok(prof)
+}
+
 fn argmax(r: &[f32]) -> u32 {
     let mut b = 0;
     for (i, &x) in r.iter().enumerate() {
@@ -165,33 +189,15 @@ fn ab_runs(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
         let pos = 5 + ci;
         let o = m.forward(&ForwardBatch { seqs: vec![step(700, &pts[0], pos, vec![11], LogitsWanted::Last)] })?;
         anyhow::ensure!(finite(&o), "{name}: non-finite logits");
-        m.replay_fast_step(1)?;
-        m.gpu().sync()?;
-        let t = Instant::now();
-        for _ in 0..50 {
-            m.replay_fast_step(1)?;
-        }
-        m.gpu().sync()?;
-        let b1 = ms(t) / 50.0;
-        m.set_fast(true, false);
-        m.gpu().profile_begin();
-        m.replay_fast_step(1)?;
-        let prof = m.gpu().profile_end()?;
-        m.set_fast(true, true);
+        let b1 = replay_ms(m, 1, 50)?;
+        let prof = profile_step(m, 1)?;
         let fam = |pre: &[&str]| -> f32 { prof.iter().filter(|(n, _)| pre.iter().any(|p| n.starts_with(p))).map(|(_, t)| *t).sum() };
         let (tm, td, tr) = (fam(&["mvq"]), fam(&["moe_down"]), fam(&["moe_route", "router"]));
         let tot: f32 = prof.iter().map(|(_, t)| *t).sum();
         let seqs = (0..b).map(|i| step(700 + i as u64, &pts[i], pos + 1, vec![13], LogitsWanted::Last)).collect();
         let o = m.forward(&ForwardBatch { seqs })?;
         anyhow::ensure!(finite(&o), "{name}: non-finite logits at batch {b}");
-        m.replay_fast_step(b)?;
-        m.gpu().sync()?;
-        let t = Instant::now();
-        for _ in 0..10 {
-            m.replay_fast_step(b)?;
-        }
-        m.gpu().sync()?;
-        let b32 = ms(t) / 10.0;
+        let b32 = replay_ms(m, b, 10)?;
         println!("{:<36} {:>9.3} {:>9.1} {:>9.0} {:>9.3} {:>9.3} {:>9.3} {:>9.3}", name, b1, 1e3 / b1, b as f64 * 1e3 / b32, tm, td, tr, tot);
     }
     set_kernel_overrides(None, None, None);
@@ -209,15 +215,7 @@ fn ab_runs(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
             let seqs = (0..nb).map(|i| step(700 + i as u64, &pts[i], pos, vec![17], LogitsWanted::Last)).collect();
             let o = m.forward(&ForwardBatch { seqs })?;
             anyhow::ensure!(finite(&o), "grouped {grp_min}: non-finite logits at batch {nb}");
-            m.replay_fast_step(nb)?;
-            m.gpu().sync()?;
-            let reps = if nb >= 16 { 10 } else { 30 };
-            let t = Instant::now();
-            for _ in 0..reps {
-                m.replay_fast_step(nb)?;
-            }
-            m.gpu().sync()?;
-            r[gi] = nb as f64 * 1e3 / (ms(t) / reps as f64);
+            r[gi] = nb as f64 * 1e3 / replay_ms(m, nb, if nb >= 16 { 10 } else { 30 })?;
         }
         println!("{:>6} {:>14.1} {:>14.1} {:>8.2}x", nb, r[0], r[1], r[1] / r[0]);
     }
@@ -250,32 +248,14 @@ fn decode_fusion_ab(m: &mut CudaModel, pts: &[Vec<u32>], pos: usize) -> anyhow::
         let p = pos + 2 * i;
         let o = m.forward(&ForwardBatch { seqs: vec![step(700, &pts[0], p, vec![11], LogitsWanted::Last)] })?;
         anyhow::ensure!(finite(&o), "{name}: non-finite logits");
-        m.replay_fast_step(1)?;
-        m.gpu().sync()?;
-        let t = Instant::now();
-        for _ in 0..50 {
-            m.replay_fast_step(1)?;
-        }
-        m.gpu().sync()?;
-        let b1 = ms(t) / 50.0;
-        m.set_fast(true, false);
-        m.gpu().profile_begin();
-        m.replay_fast_step(1)?;
-        let prof = m.gpu().profile_end()?;
-        m.set_fast(true, true);
+        let b1 = replay_ms(m, 1, 50)?;
+        let prof = profile_step(m, 1)?;
         let fam = |pre: &str| -> f32 { prof.iter().filter(|(n, _)| n.starts_with(pre)).map(|(_, t)| *t).sum() };
         let tot: f32 = prof.iter().map(|(_, t)| *t).sum();
         let b = pts.len();
         let seqs = (0..b).map(|j| step(700 + j as u64, &pts[j], p + 1, vec![13], LogitsWanted::Last)).collect();
         anyhow::ensure!(finite(&m.forward(&ForwardBatch { seqs })?), "{name}: non-finite logits at batch {b}");
-        m.replay_fast_step(b)?;
-        m.gpu().sync()?;
-        let t = Instant::now();
-        for _ in 0..10 {
-            m.replay_fast_step(b)?;
-        }
-        m.gpu().sync()?;
-        let bb = ms(t) / 10.0;
+        let bb = replay_ms(m, b, 10)?;
         println!("{:<48} {:>9.3} {:>9.1} {:>9.3} {:>9} {:>9.3} {:>9.3} {:>9.0}", name, b1, 1e3 / b1, tot, prof.len(), fam("moe_gate_up"), fam("moe_down"), b as f64 * 1e3 / bb);
     }
     set_attn_fusion(None);
@@ -338,24 +318,12 @@ fn main() -> anyhow::Result<()> {
     println!("decode b1: prompt(5) {p5:.1} ms, {:.2} ms/token incl. logits download = {:.1} tok/s, finite {all_finite}", dec_ms, 1e3 / dec_ms);
     table.push(("decode tok/s, batch 1, 5-token prompt + 100 steps (forward incl. logits D2H)".into(), format!("{:.1}", 1e3 / dec_ms)));
     // Kernel time per step: replay the step graph.
-    let reps = 50;
-    m.replay_fast_step(1)?;
-    m.gpu().sync()?;
-    let t = Instant::now();
-    for _ in 0..reps {
-        m.replay_fast_step(1)?;
-    }
-    m.gpu().sync()?;
-    let step_ms = ms(t) / reps as f64;
+    let step_ms = replay_ms(&mut m, 1, 50)?;
     println!("decode b1 graph replay: {step_ms:.3} ms/step = {:.1} tok/s", 1e3 / step_ms);
     table.push(("decode tok/s, batch 1, graph replay only (kernel time)".into(), format!("{:.1}", 1e3 / step_ms)));
 
     // Per-kernel split of one decode step (no graph, events around every launch).
-    m.set_fast(true, false);
-    m.gpu().profile_begin();
-    m.replay_fast_step(1)?;
-    let prof = m.gpu().profile_end()?;
-    m.set_fast(true, true);
+    let prof = profile_step(&mut m, 1)?;
     let mut fam: Vec<(String, f32, usize)> = Vec::new();
     for (n, t) in &prof {
         let key = n.trim_end_matches("_f16").trim_end_matches("_bf16").to_string();
@@ -447,14 +415,7 @@ fn main() -> anyhow::Result<()> {
             minimax_rank::cuda::fast::set_attn_fusion(Some(fuse));
             m.clear_graphs();
             m.forward(&ForwardBatch { seqs: vec![step(9, &pt, long_ctx + steps, vec![tok], LogitsWanted::Last)] })?;
-            m.replay_fast_step(1)?;
-            m.gpu().sync()?;
-            let t = Instant::now();
-            for _ in 0..10 {
-                m.replay_fast_step(1)?;
-            }
-            m.gpu().sync()?;
-            println!("decode at 32k context, graph replay, attention merge folded {fuse}: {:.3} ms/token", ms(t) / 10.0);
+            println!("decode at 32k context, graph replay, attention merge folded {fuse}: {:.3} ms/token", replay_ms(&mut m, 1, 10)?);
         }
         minimax_rank::cuda::fast::set_attn_fusion(None);
         m.clear_graphs();

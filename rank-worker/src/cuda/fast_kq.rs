@@ -29,8 +29,8 @@ pub fn kq_fast_mat(w: &DevMat) -> bool {
 /// Whether the fast path may take K-quant matrices (`MINIMAX_FAST_KQ=1`; default off until
 /// measured end to end). Read once.
 pub fn kq_enabled() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var("MINIMAX_FAST_KQ").is_ok_and(|v| v == "1"))
+    static V: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FAST_KQ", false);
+    V.get()
 }
 
 /// Kernel name suffix of a K-quant type.

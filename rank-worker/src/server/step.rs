@@ -261,8 +261,8 @@ fn reduce_rows(out: &StepOut, jobs: &[(sampling::SamplingSpec, Option<u32>)]) ->
 /// Device sampling for the CUDA backend: on unless `MINIMAX_DEVICE_SAMPLING=0`, read once.
 #[cfg(feature = "cuda")]
 fn device_sampling_on() -> bool {
-    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MINIMAX_DEVICE_SAMPLING").map_or(true, |v| v != "0"))
+    static ON: crate::cuda::env_flag::EnvFlag = crate::cuda::env_flag::EnvFlag::new("MINIMAX_DEVICE_SAMPLING", true);
+    ON.get()
 }
 
 fn to_seq_step(s: &pb::SeqStep) -> SeqStep {
