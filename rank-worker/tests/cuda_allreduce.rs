@@ -184,7 +184,7 @@ fn oneshot_threads_match_cpu_sum_and_abort_releases_a_waiting_rank() {
                 let (id, bar) = (&id, bar.clone());
                 s.spawn(move || {
                     let g = Gpu::new(r).unwrap();
-                    let comm = NcclComm::join(&g.ctx, &g.stream, r, WORLD, id).unwrap();
+                    let comm = NcclComm::join(&g.ctx, &g.stream, r, WORLD, id, true).unwrap();
                     // Both kernels (the default, Lamport, last: the abort below uses it).
                     let mut d = Vec::new();
                     for kind in [OneshotKind::Flag, OneshotKind::Lamport] {
@@ -301,7 +301,7 @@ fn oneshot_rank_process() {
         }
     };
     let g = Gpu::new(r).unwrap();
-    let comm = NcclComm::join(&g.ctx, &g.stream, r, WORLD, &id).unwrap();
+    let comm = NcclComm::join(&g.ctx, &g.stream, r, WORLD, &id, true).unwrap();
     let d = rank_checks(r, &g, &comm, "ipc");
     // Compare digests through NCCL: the element-wise difference of rank 0's and rank 1's.
     let dv: Vec<f32> = d.iter().map(|&b| (b & 0xffff) as f32 * if r == 0 { 1.0 } else { -1.0 }).collect();

@@ -598,7 +598,8 @@ impl CudaModel {
         // Captured fast-step graphs hold the old communicator's collectives: capture again.
         self.clear_graphs();
         self.comm = None;
-        self.comm = Some(NcclComm::join(&self.gpu.ctx, &self.gpu.stream, rank, world, id)?);
+        let tensor = self.part.pp_world == 1;
+        self.comm = Some(NcclComm::join(&self.gpu.ctx, &self.gpu.stream, rank, world, id, tensor)?);
         Ok(())
     }
 

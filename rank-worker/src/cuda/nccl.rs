@@ -188,8 +188,10 @@ pub struct NcclComm {
 impl NcclComm {
     /// Joins the world: blocks until all `world` ranks have called it with the same id, then
     /// checks the communicator with one all-reduce of `rank + 1` (which also makes NCCL
-    /// connect its peers now rather than inside the first step).
-    pub fn join(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, rank: usize, world: usize, id: &[u8]) -> Result<Self, CudaError> {
+    /// connect its peers now rather than inside the first step). `oneshot`: also build the
+    /// one-shot peer-memory all-reduce (tensor-parallel worlds; pipeline stages never
+    /// all-reduce). Every rank must pass the same `oneshot`: its set-up is two collectives.
+    pub fn join(ctx: &Arc<CudaContext>, stream: &Arc<CudaStream>, rank: usize, world: usize, id: &[u8], oneshot: bool) -> Result<Self, CudaError> {
         ensure_lib()?;
         nvls_off();
         if id.len() != NCCL_ID_BYTES {
@@ -233,7 +235,7 @@ impl NcclComm {
             comm.all_reduce_sum(&mut b)?;
             Ok(stream.clone_dtoh(&b)?[0] == world as f32)
         };
-        if let Some(p) = PeerAllReduce::setup(ctx, stream, rank, world, &gather, &agree)? {
+        if oneshot && let Some(p) = PeerAllReduce::setup(ctx, stream, rank, world, &gather, &agree)? {
             let _ = comm.cell.peer.set(p);
         }
         Ok(comm)
