@@ -38,10 +38,11 @@ __device__ __forceinline__ u64 splitmix64(u64& s) {
 __device__ __forceinline__ float splitmix_f(u64& s) { return (float)(splitmix64(s) >> 40) * (1.0f / 16777216.0f); }
 
 // Random valid quant blocks: random bits everywhere, then the fp16 scale fields at byte offsets
-// off0/off1 (-1 = none) set uniform in [lo, hi) (off1 gets the same range, negated if neg1).
+// off0/off1 (-1 = none) set uniform in [lo, hi) (off1 gets the same range, negated if neg1), or,
+// when r1 != 0, off1 = r1 x off0's value (K-quant mins: zero-mean weights on average).
 // One thread per block; bb must be even. grid (ceil(nblocks / 256)), block 256.
 extern "C" __global__ void fill_quant(u8* p, i64 nblocks, int bb, u64 seed, int off0, int off1, int neg1, float lo,
-                                      float hi, int e8m0) {
+                                      float hi, int e8m0, float r1) {
     i64 b = blockIdx.x * (i64)blockDim.x + threadIdx.x;
     if (b >= nblocks) return;
     u64 s = seed ^ ((u64)b * 0xD1B54A32D192ED03ull);
@@ -51,9 +52,10 @@ extern "C" __global__ void fill_quant(u8* p, i64 nblocks, int bb, u64 seed, int 
         if ((i & 3) == 0) r = splitmix64(s);
         q[i] = (u16)(r >> (16 * (i & 3)));
     }
-    if (off0 >= 0) q[off0 / 2] = f32_to_f16(lo + (hi - lo) * splitmix_f(s));
+    float v0 = lo + (hi - lo) * splitmix_f(s);
+    if (off0 >= 0) q[off0 / 2] = f32_to_f16(v0);
     if (off1 >= 0) {
-        float v = lo + (hi - lo) * splitmix_f(s);
+        float v = r1 != 0.f ? v0 * r1 : lo + (hi - lo) * splitmix_f(s);
         q[off1 / 2] = f32_to_f16(neg1 ? -v : v);
     }
     if (e8m0) p[b * bb] = 118 + (u8)(splitmix64(s) % 5);
@@ -1739,3 +1741,293 @@ extern "C" __global__ void __launch_bounds__(128)
     pdl_enter();
     attn_merge_impl<6>(part, kv_heads, nsplit, out, os, aq, ad, pos);
 }
+
+// ------------------------------------ split-K decode attention on tensor cores -----------
+// attn_dec6t_*: the same blocks, chunking and partial layout as attn_dec6_* (merged by
+// attn_merge6 or, in attn_dec6tm_*, by the last split block), but S = Q K^T and O += P V run
+// as mma.sync m16n8k16 (f16 or bf16 inputs as the cache, f32 accumulation) and K/V reach
+// shared memory through a cp.async ring, so each warp has AT_NST - 1 tiles in flight while it
+// computes one.
+// - Warp w of the block takes the 16-position tiles w, w + 4, ... of the block's positions.
+//   Its ring holds AT_NST stages of (K tile, V tile), 16 rows of 256 bytes each, the 16-byte
+//   pieces of row r stored at piece ^ (r & 7) (ldmatrix without bank conflicts); positions past
+//   the end are zero-filled (cp.async with source size 0) and their scores masked to -inf.
+// - MMA rows: rows 0..7 are the high parts of the G query heads (hi = rn16(q * scale), rows
+//   >= G zero), rows 8..15 the low parts (lo = rn16(q * scale - hi)): the 8 rows a GQA group
+//   of 6 leaves free carry the rounding error of the 16-bit Q, so S = rows g + (g + 8) is
+//   within f32 rounding of the f32 product. P (f32 from exp) is split the same way for P V,
+//   and O = rows g + (g + 8). K and V are exact in 16 bits; accuracy is that of the f32 kernel.
+// - Online softmax per head on the mma fragments: a thread holds 4 scores of head
+//   lane / 4 per tile (positions 2 (lane % 4) + {0, 1, 8, 9}), the tile max over the quad by 2
+//   shuffles, l kept per thread and summed over the quad at the end.
+// - The warp's (m, l, o) goes to shared memory (o over its own ring) and the block combines
+//   its 4 warps exactly as attn_dec_impl does.
+// Dynamic shared memory AT_SMEM (the host sets the attribute); sm_80 and newer.
+#define AT_TILE 16
+#define AT_NST 3
+#define AT_STAGE (2 * AT_TILE * AD_HD * 2)      // bytes of one stage: K tile then V tile
+#define AT_WBYTES (AT_NST * AT_STAGE)           // one warp's ring
+#define AT_SMEM (AD_WARPS * AT_WBYTES)          // 98304
+
+__device__ __forceinline__ u32 at_saddr(const void* p) {
+    u32 s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+    return s;
+}
+// 16 bytes global -> shared; bytes = 0 writes zeros and reads nothing.
+__device__ __forceinline__ void at_cp16(u32 s, const void* g, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(g), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void at_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void at_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+__device__ __forceinline__ void at_ldsm4(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a)
+                 : "memory");
+}
+__device__ __forceinline__ void at_ldsm4t(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a)
+                 : "memory");
+}
+// c += A B, m16n8k16, f32 accumulators; BF: bf16 inputs, else f16.
+template <int BF> __device__ __forceinline__ void at_mma(float* c, const u32* a, u32 b0, u32 b1) {
+    if (BF)
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+    else
+        asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+            "{%0,%1,%2,%3};"
+            : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+            : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+// (x0, x1) rounded to a 16-bit pair (x0 in the low half), and back to f32.
+template <int BF> __device__ __forceinline__ u32 at_pack(float x0, float x1) {
+    u32 r;
+    if (BF) asm("cvt.rn.bf16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
+    else asm("cvt.rn.f16x2.f32 %0, %1, %2;" : "=r"(r) : "f"(x1), "f"(x0));
+    return r;
+}
+template <int BF> __device__ __forceinline__ void at_unpack(u32 v, float& x0, float& x1) {
+    if (BF) {
+        x0 = __uint_as_float(v << 16);
+        x1 = __uint_as_float(v & 0xffff0000u);
+    } else {
+        x0 = f16_to_f32((u16)(v & 0xffffu));
+        x1 = f16_to_f32((u16)(v >> 16));
+    }
+}
+// x ~ hi + lo in two 16-bit pairs (x - hi is exact in f32).
+template <int BF> __device__ __forceinline__ void at_split(float x0, float x1, u32& hi, u32& lo) {
+    hi = at_pack<BF>(x0, x1);
+    float h0, h1;
+    at_unpack<BF>(hi, h0, h1);
+    lo = at_pack<BF>(x0 - h0, x1 - h1);
+}
+
+template <int G, int BF, bool MERGE = false>
+__device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,
+                                               const int* seq, const int* pt_off, const u32* pts, int page_size,
+                                               int kv_heads, int nsplit, float scale, float* part, u32* cnt = nullptr,
+                                               float* mout = nullptr, i64 mos = 0, i8* aq = nullptr,
+                                               float* ad = nullptr) {
+    extern __shared__ __align__(128) u8 at_sm[];
+    __shared__ float sm_m[AD_WARPS][G], sm_l[AD_WARPS][G];
+    int kvh = blockIdx.x, sp = blockIdx.y, t = blockIdx.z;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int gr = lane >> 2, tq = lane & 3;
+    int n_ctx = pos[t] + 1;
+    int chunk = (n_ctx + nsplit - 1) / nsplit;
+    chunk = (chunk + 15) & ~15;
+    int start = sp * chunk, end = min(n_ctx, start + chunk);
+    int ntiles = end > start ? (end - start + AT_TILE - 1) / AT_TILE : 0;
+    int my_n = ntiles > warp ? (ntiles - warp + AD_WARPS - 1) / AD_WARPS : 0;
+    const u32* pt = pts + pt_off[seq[t]];
+    u8* ring = at_sm + warp * AT_WBYTES;
+    u32 ring_s = at_saddr(ring);
+    const i64 sstride = (i64)kv_heads * AD_HD;  // elements from one slot to the next
+    const u16* kb = kc + (i64)kvh * AD_HD + (lane & 15) * 8;
+    const u16* vb = vc + (i64)kvh * AD_HD + (lane & 15) * 8;
+    // Slot of position (lane & 15) of the warp's tile j (0 past the end: never read).
+    auto slot_of = [&](int j) -> i64 {
+        int p = start + AT_TILE * (warp + AD_WARPS * j) + (lane & 15);
+        return p < end ? (i64)pt[p / page_size] * page_size + p % page_size : 0;
+    };
+    // Tile j into stage st: lane copies piece (lane & 15) of rows (lane >> 4) + 2 i of K and V.
+    auto issue = [&](int j, int st, i64 slot) {
+        int base = start + AT_TILE * (warp + AD_WARPS * j);
+        u32 ks = ring_s + st * AT_STAGE, pc = lane & 15;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            int r = (lane >> 4) + 2 * i;
+            i64 sl = __shfl_sync(0xffffffffu, slot, r);
+            int bytes = base + r < end ? 16 : 0;
+            u32 so = r * 256 + ((pc ^ (r & 7)) << 4);
+            at_cp16(ks + so, kb + sl * sstride, bytes);
+            at_cp16(ks + AT_TILE * AD_HD * 2 + so, vb + sl * sstride, bytes);
+        }
+    };
+    if (my_n > 0) issue(0, 0, slot_of(0));
+    at_commit();
+#pragma unroll
+    for (int s = 1; s < AT_NST - 1; s++) {
+        if (s < my_n) issue(s, s, slot_of(s));
+        at_commit();
+    }
+    i64 nslot = AT_NST - 1 < my_n ? slot_of(AT_NST - 1) : 0;
+    // Q fragments (A of S = Q K^T), k-step kk: reg 0 / 2 = hi of head gr, dims 16 kk + 2 tq
+    // + {0, 1} / + {8, 9}; reg 1 / 3 = the lo parts (rows gr + 8).
+    u32 qa[8][4];
+    {
+        bool hv = gr < G;
+        const float* qh = q + t * qs + (kvh * G + (hv ? gr : 0)) * AD_HD + 2 * tq;
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) {
+            float x0 = hv ? qh[16 * kk] * scale : 0.f, x1 = hv ? qh[16 * kk + 1] * scale : 0.f;
+            float x2 = hv ? qh[16 * kk + 8] * scale : 0.f, x3 = hv ? qh[16 * kk + 9] * scale : 0.f;
+            at_split<BF>(x0, x1, qa[kk][0], qa[kk][1]);
+            at_split<BF>(x2, x3, qa[kk][2], qa[kk][3]);
+        }
+    }
+    float o[16][4];
+#pragma unroll
+    for (int n = 0; n < 16; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
+    float m = NEG_INF, l = 0.f;
+    // ldmatrix row addresses (without the stage and piece): K (non-transposed, matrices
+    // (rows 0-7 | 8-15) x (piece 2kk | 2kk+1)) and V (transposed, (rows 0-7 | 8-15) x (piece
+    // 2jj | 2jj+1), rows fastest).
+    int mi = lane >> 3;
+    int kr = ((mi >> 1) << 3) + (lane & 7), vr = ((mi & 1) << 3) + (lane & 7);
+    int kpc = mi & 1, vpc = mi >> 1;
+    for (int j = 0; j < my_n; j++) {
+        __syncwarp();  // every lane is done reading the stage refilled next
+        {
+            int jn = j + AT_NST - 1;
+            if (jn < my_n) {
+                issue(jn, jn % AT_NST, nslot);
+                if (jn + 1 < my_n) nslot = slot_of(jn + 1);
+            }
+            at_commit();
+        }
+        at_wait<AT_NST - 1>();
+        __syncwarp();
+        u32 ks = ring_s + (j % AT_NST) * AT_STAGE, vs = ks + AT_TILE * AD_HD * 2;
+        // S: two n-tiles (positions 0-7, 8-15), two accumulator chains each (even / odd kk).
+        float s[2][2][4];
+#pragma unroll
+        for (int a = 0; a < 2; a++)
+#pragma unroll
+            for (int b = 0; b < 2; b++) s[a][b][0] = s[a][b][1] = s[a][b][2] = s[a][b][3] = 0.f;
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) {
+            u32 b0, b1, b2, b3;
+            at_ldsm4(ks + kr * 256 + (((2 * kk + kpc) ^ (kr & 7)) << 4), b0, b1, b2, b3);
+            at_mma<BF>(s[0][kk & 1], qa[kk], b0, b1);
+            at_mma<BF>(s[1][kk & 1], qa[kk], b2, b3);
+        }
+        int pb = start + AT_TILE * (warp + AD_WARPS * j) + 2 * tq;
+        float sc[4];
+        sc[0] = (s[0][0][0] + s[0][0][2]) + (s[0][1][0] + s[0][1][2]);
+        sc[1] = (s[0][0][1] + s[0][0][3]) + (s[0][1][1] + s[0][1][3]);
+        sc[2] = (s[1][0][0] + s[1][0][2]) + (s[1][1][0] + s[1][1][2]);
+        sc[3] = (s[1][0][1] + s[1][0][3]) + (s[1][1][1] + s[1][1][3]);
+        if (pb >= end) sc[0] = NEG_INF;
+        if (pb + 1 >= end) sc[1] = NEG_INF;
+        if (pb + 8 >= end) sc[2] = NEG_INF;
+        if (pb + 9 >= end) sc[3] = NEG_INF;
+        float mx = fmaxf(fmaxf(sc[0], sc[1]), fmaxf(sc[2], sc[3]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        float mn = fmaxf(m, mx);  // finite: every tile has a position before end
+        float corr = __expf(m - mn);
+        m = mn;
+        float p0 = __expf(sc[0] - mn), p1 = __expf(sc[1] - mn), p2 = __expf(sc[2] - mn), p3 = __expf(sc[3] - mn);
+        l = l * corr + ((p0 + p1) + (p2 + p3));
+#pragma unroll
+        for (int n = 0; n < 16; n++) {
+            o[n][0] *= corr;
+            o[n][1] *= corr;
+            o[n][2] *= corr;
+            o[n][3] *= corr;
+        }
+        // P as the A operand (k = positions): reg 0 / 2 = hi of positions 2 tq + {0, 1} /
+        // + {8, 9}, reg 1 / 3 = lo.
+        u32 pa[4];
+        at_split<BF>(p0, p1, pa[0], pa[1]);
+        at_split<BF>(p2, p3, pa[2], pa[3]);
+#pragma unroll
+        for (int jj = 0; jj < 8; jj++) {
+            u32 b0, b1, b2, b3;
+            at_ldsm4t(vs + vr * 256 + (((2 * jj + vpc) ^ (vr & 7)) << 4), b0, b1, b2, b3);
+            at_mma<BF>(o[2 * jj], pa, b0, b1);
+            at_mma<BF>(o[2 * jj + 1], pa, b2, b3);
+        }
+    }
+    at_wait<0>();
+    l += __shfl_xor_sync(0xffffffffu, l, 1);
+    l += __shfl_xor_sync(0xffffffffu, l, 2);
+    __syncwarp();
+    // The warp's o over its own ring: [G][AD_HD] f32.
+    float* so = (float*)ring;
+    if (gr < G) {
+        if (tq == 0) {
+            sm_m[warp][gr] = m;
+            sm_l[warp][gr] = l;
+        }
+#pragma unroll
+        for (int n = 0; n < 16; n++) {
+            so[gr * AD_HD + 8 * n + 2 * tq] = o[n][0] + o[n][2];
+            so[gr * AD_HD + 8 * n + 2 * tq + 1] = o[n][1] + o[n][3];
+        }
+    }
+    __syncthreads();
+    float* out = part + (((i64)t * kv_heads + kvh) * nsplit + sp) * (G * (AD_HD + 2));
+    for (int idx = threadIdx.x; idx < G * AD_HD; idx += blockDim.x) {
+        int g = idx / AD_HD, d = idx % AD_HD;
+        float M = NEG_INF;
+#pragma unroll
+        for (int w = 0; w < AD_WARPS; w++) M = fmaxf(M, sm_m[w][g]);
+        float L = 0.f, ov = 0.f;
+#pragma unroll
+        for (int w = 0; w < AD_WARPS; w++) {
+            float f = sm_l[w][g] > 0.f ? __expf(sm_m[w][g] - M) : 0.f;
+            L += sm_l[w][g] * f;
+            ov += ((const float*)(at_sm + w * AT_WBYTES))[g * AD_HD + d] * f;
+        }
+        out[2 * G + g * AD_HD + d] = ov;
+        if (d == 0) {
+            out[g] = M;
+            out[G + g] = L;
+        }
+    }
+    if (MERGE) {
+        if (arrive_last(cnt + t * kv_heads + kvh, gridDim.y)) {
+            const float* base = part + ((i64)t * kv_heads + kvh) * nsplit * (G * (AD_HD + 2));
+            attn_merge_last<G>(base, nsplit, attn_active_splits(n_ctx, nsplit), kvh, t, kv_heads * G, mout, mos, aq, ad);
+            if (threadIdx.x == 0) cnt[t * kv_heads + kvh] = 0;
+        }
+    }
+}
+
+#define ATTT_INST(name, BF)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6t_##name(                               \
+        const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos, const int* seq, const int* pt_off, \
+        const u32* pts, int page_size, int kv_heads, int nsplit, float scale, float* part) {                     \
+        pdl_enter();                                                                                             \
+        attn_dect_impl<6, BF>(q, qs, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, scale, part);   \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tm_##name(                              \
+        const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos, const int* seq, const int* pt_off, \
+        const u32* pts, int page_size, int kv_heads, int nsplit, float scale, float* part, u32* cnt, float* out,  \
+        i64 os, i8* aq, float* ad) {                                                                             \
+        pdl_enter();                                                                                             \
+        attn_dect_impl<6, BF, true>(q, qs, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, scale,    \
+                                    part, cnt, out, os, aq, ad);                                                 \
+    }
+
+ATTT_INST(f16, 0)
+ATTT_INST(bf16, 1)

@@ -530,11 +530,16 @@ fn kquant_fast_kernels_speed() {
 }
 
 /// End to end: a Q4_K_M-like synthetic model at MiniMax-M2.7's dimensions (`m2.7:q4km:2`:
-/// Q4_K q/k/o/gate/up, Q6_K v/down/output) takes the fast path with `MINIMAX_FAST_KQ=1`, and
+/// Q4_K q/k/o/gate/up, Q6_K v/down/output) takes the fast path (`MINIMAX_FAST_KQ` unset), and
 /// its logits (5-token prompt: grouped MoE; then single-token steps from CUDA graphs: per-pair
-/// MoE) match the exact path (f32 activations, exact dequantization) within 4e-2 of the largest
-/// logit: the q8 activation error alone, as for IQ4_XS (fast vs exact 1.6e-2 there,
-/// tests/cuda_tensor_fast.rs). The tokens fed are the exact path's greedy ones.
+/// MoE) match the exact path (f32 activations, exact dequantization): the q8 activation error
+/// alone is ~1e-2 of the largest logit (IQ4_XS: 1.6e-2, tests/cuda_tensor_fast.rs). One step
+/// may jump further when a 1/127 q8 step flips a near-tie in some token's expert top-k (a
+/// discontinuity no logit bound absorbs), so: at most one step above 2e-2, none above 8e-2,
+/// the median step within 1.5e-2. A wiring bug (a wrong scale, min, row or expert) moves every
+/// step by tens of percent. The tokens fed are the exact path's greedy ones. Needs the
+/// zero-mean synthetic Q4_K fill (`kquant_min_ratio`): with `dmin` drawn like `d` the common
+/// mode made the prompt step differ by 0.40 and single steps by up to 0.16.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn kquant_fast_path_q4km_model_matches_exact() {
@@ -542,8 +547,6 @@ fn kquant_fast_path_q4km_model_matches_exact() {
     use minimax_rank::cuda::{CudaModel, CudaOptions};
     use minimax_shared::forward::{ForwardBatch, LogitsWanted, SeqStep};
     use minimax_shared::model::synthetic::SyntheticSpec;
-    // Read once by the first fast_plan (no other test of this binary builds a model).
-    unsafe { std::env::set_var("MINIMAX_FAST_KQ", "1") };
     let spec = SyntheticSpec::parse("m2.7:q4km:2").unwrap();
     let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: 16, n_pages: 64 }, CudaOptions::default(), 7).unwrap();
     assert!(m.fast_path_off().is_none(), "fast path off for m2.7:q4km:2: {:?}", m.fast_path_off());
@@ -588,15 +591,18 @@ fn kquant_fast_path_q4km_model_matches_exact() {
     }
     let bits = |v: &[Vec<f32>]| v.iter().flatten().map(|x| x.to_bits()).collect::<Vec<_>>();
     assert!(bits(&direct) == bits(&fast), "fast path: direct launches and graph replays differ (race or stale read)");
-    let mut d = 0f32;
+    let mut rel = Vec::new();
     for (a, b) in exact.iter().zip(&fast) {
         assert_eq!(a.len(), b.len());
-        for (x, y) in a.iter().zip(b) {
-            assert!(x.is_finite() && y.is_finite(), "non-finite logit");
-            d = d.max((x - y).abs());
-        }
+        assert!(a.iter().chain(b).all(|x| x.is_finite()), "non-finite logit");
+        rel.push(step_diff(a, b) / scale);
     }
     let same = exact_tok.iter().zip(&fast_tok).filter(|(a, b)| a == b).count();
-    eprintln!("m2.7:q4km:2 fast (K-quant kernels, graphs) vs exact: max |logit diff| {d:.4} (rel {:.2e} of max |logit| {scale:.2}); greedy tokens equal {same}/{}", d / scale, exact_tok.len());
-    assert!(d <= 4e-2 * scale, "fast vs exact: {d} > {}", 4e-2 * scale);
+    let mut sorted = rel.clone();
+    sorted.sort_by(f32::total_cmp);
+    let (median, worst) = (sorted[sorted.len() / 2], sorted[sorted.len() - 1]);
+    let jumps = rel.iter().filter(|&&r| r > 2e-2).count();
+    eprintln!("m2.7:q4km:2 fast (K-quant kernels, graphs) vs exact, relative to max |logit| {scale:.2}: median step {median:.2e}, worst {worst:.2e}, steps above 2e-2: {jumps}; greedy tokens equal {same}/{}", exact_tok.len());
+    assert!(median <= 1.5e-2, "fast vs exact: median step {median:.2e} > 1.5e-2 (per step: {rel:?})");
+    assert!(worst <= 8e-2 && jumps <= 1, "fast vs exact: worst step {worst:.2e} (bound 8e-2), {jumps} steps above 2e-2 (at most 1): {rel:?}");
 }

@@ -6,7 +6,7 @@
 #   tools/gpu/extra.sh BIN_DIR
 # Environment: PARTS (default "load q4km recovery"; instances with different PARTS may run side
 # by side, e.g. "load" during all.sh's one-GPU phase), LOAD_SPEC (default m2.7:iq4xs:10,
-# ~20 GB), Q4KM_ENV (environment for the Q4_K_M runs, e.g. MINIMAX_FAST_KQ=1).
+# ~20 GB), Q4KM_ENV (environment for the Q4_K_M runs, e.g. MINIMAX_FAST_KQ=0).
 # Logs: $OUT/extra-PARTS.tar.xz and $OUT/extra-PARTS.txt.
 set -uo pipefail
 cd "$(dirname "$0")/../.."

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
 
 use cudarc::driver::{CudaGraph, CudaSlice};
 use minimax_shared::model::ModelConfig;
+use minimax_shared::model::synthetic::kquant_min_ratio;
 use minimax_shared::quant::GgmlType;
 
 use super::error::CudaError;
@@ -272,6 +273,23 @@ pub fn set_attn_fusion(on: Option<bool>) {
 /// Most attention splits `attn_dec6m_*` merges (`AD_MAXSPLIT`).
 pub const ATTN_FUSE_MAX_SPLIT: usize = 128;
 
+static ATTN_MMA: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ATTN_MMA", true);
+
+/// Whether decode attention runs on tensor cores (`attn_dec6t_*`, the default) or the SIMT
+/// kernel (`attn_dec6_*`, `MINIMAX_ATTN_MMA=0`); see docs/CUDA.md.
+pub fn attn_mma() -> bool {
+    ATTN_MMA.get()
+}
+
+/// Overrides [`attn_mma`] (A/B runs and tests; `None` = back to the environment). Drop
+/// captured graphs after a change (`CudaModel::clear_graphs`).
+pub fn set_attn_mma(on: Option<bool>) {
+    ATTN_MMA.set(on);
+}
+
+/// Dynamic shared memory of `attn_dec6t_*` (`AT_SMEM`: 4 warps x 3 stages x 8 KiB of K/V).
+pub const ATTN_MMA_SMEM: usize = 4 * 3 * 2 * 16 * 128 * 2;
+
 static GRP_OVR: AtomicUsize = AtomicUsize::new(0);
 
 /// Overrides the smallest step (tokens) whose MoE runs grouped by expert (`None` = back to
@@ -378,6 +396,7 @@ impl Gpu {
                 }
                 let nb = n_elems / ty.block_elems();
                 // (first f16 field, second, negate second, range): as fill_random_blocks.
+                let r1 = kquant_min_ratio(ty);
                 let (o0, o1, neg, lo, hi) = match ty {
                     GgmlType::Q8_0 => (0, -1, 0, 1e-4, 4e-4),
                     GgmlType::Q4_0 | GgmlType::Q5_0 => (0, -1, 0, 1e-3, 3e-3),
@@ -395,7 +414,7 @@ impl Gpu {
                     g(nb),
                     256,
                     0,
-                    &[Arg::P(p), Arg::L(nb as i64), Arg::I(bb as i32), Arg::L(seed as i64), Arg::I(o0), Arg::I(o1), Arg::I(neg), Arg::F(lo), Arg::F(hi), Arg::I(0)],
+                    &[Arg::P(p), Arg::L(nb as i64), Arg::I(bb as i32), Arg::L(seed as i64), Arg::I(o0), Arg::I(o1), Arg::I(neg), Arg::F(lo), Arg::F(hi), Arg::I(0), Arg::F(r1)],
                 )
             }
         }
@@ -643,12 +662,74 @@ impl Gpu {
     }
 
     /// Split-K decode attention of `nt` tokens over the paged 16-bit cache (`kv` = "f16" or
-    /// "bf16"), GQA 6, heads of 128: `attn_dec6_*` partials into `part`, merged into `out`
-    /// (f32, stride `os`) and its q8 `aq` / `ad` either by `attn_merge6` (`cnt` = None) or by
-    /// the last split block of each (token, KV head) (`attn_dec6m_*`, `cnt` = `nt x kv_heads`
-    /// zero u32, left zero; bit-identical). `meta` = (pos, seq, page-table offsets, pages).
+    /// "bf16"), GQA 6, heads of 128: partials into `part`, merged into `out` (f32, stride `os`)
+    /// and its q8 `aq` / `ad` either by `attn_merge6` (`cnt` = None) or by the last split block
+    /// of each (token, KV head) (`cnt` = `nt x kv_heads` zero u32, left zero; bit-identical).
+    /// `meta` = (pos, seq, page-table offsets, pages). `nsplit` is the most splits `part` holds
+    /// per (token, KV head); the kernel ([`attn_mma`]) and the split count actually used are
+    /// chosen by [`Gpu::attn_splits`].
     #[allow(clippy::too_many_arguments)]
     pub fn attn_decode(&self, kv: &str, q: u64, qs: usize, kc: u64, vc: u64, meta: (u64, u64, u64, u64), page_size: usize, kv_heads: usize, nsplit: usize, scale: f32, part: u64, out: u64, os: usize, aq: u64, ad: u64, cnt: Option<u64>, nt: usize) -> Result<(), CudaError> {
+        let mma = attn_mma();
+        let ns = self.attn_splits(mma, kv, kv_heads, nsplit, nt)?;
+        self.attn_decode_with(mma, kv, q, qs, kc, vc, meta, page_size, kv_heads, ns, scale, part, out, os, aq, ad, cnt, nt)
+    }
+
+    /// Split count of decode attention for `nt` tokens, at most `nsplit` (the caller's
+    /// [`nsplit_for`], what `part` holds). SIMT kernel: `nsplit`. Tensor-core kernel: enough
+    /// blocks to fill the device once (SMs x resident blocks / (KV heads x tokens), at least 1;
+    /// `MINIMAX_ATTN_SPLITS=N` fixes it): each block streams a long run of positions through its
+    /// cp.async ring instead of ramping up four times per launch, and the merge reads fewer
+    /// partials. Fixed per step size (graphs); short contexts leave the later splits empty.
+    pub fn attn_splits(&self, mma: bool, kv: &str, kv_heads: usize, nsplit: usize, nt: usize) -> Result<usize, CudaError> {
+        if nsplit == 0 || kv_heads == 0 || nt == 0 {
+            return Err(CudaError::Shape(format!("attention: {nsplit} splits, {kv_heads} KV heads, {nt} tokens")));
+        }
+        if !mma {
+            return Ok(nsplit);
+        }
+        static FIXED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+        if let Some(n) = *FIXED.get_or_init(|| std::env::var("MINIMAX_ATTN_SPLITS").ok().and_then(|v| v.parse().ok()).filter(|&n: &usize| n > 0)) {
+            return Ok(n.min(nsplit));
+        }
+        // Resident blocks per device, cached per (device, cache type).
+        static CACHE: std::sync::Mutex<Option<HashMap<(usize, String), usize>>> = std::sync::Mutex::new(None);
+        let key = (self.ctx.ordinal(), kv.to_string());
+        let cached = CACHE.lock().unwrap().get_or_insert_with(HashMap::new).get(&key).copied();
+        let resident = match cached {
+            Some(v) => v,
+            None => {
+                use cudarc::driver::sys::CUdevice_attribute;
+                let f = self.attn_mma_func(&format!("attn_dec6t_{kv}"))?;
+                let sms = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
+                let v = sms * f.occupancy_max_active_blocks_per_multiprocessor(128, ATTN_MMA_SMEM, None)?.max(1) as usize;
+                CACHE.lock().unwrap().get_or_insert_with(HashMap::new).insert(key, v);
+                v
+            }
+        };
+        Ok((resident / (kv_heads * nt)).clamp(1, nsplit))
+    }
+
+    /// The tensor-core attention kernel `name` with its dynamic shared memory allowed.
+    fn attn_mma_func(&self, name: &str) -> Result<cudarc::driver::CudaFunction, CudaError> {
+        use cudarc::driver::sys::CUfunction_attribute;
+        let f = self.func(name)?;
+        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ATTN_MMA_SMEM as i32)?;
+        Ok(f)
+    }
+
+    /// [`Gpu::attn_decode`] with the kernel (`mma`: `attn_dec6t_*` / `attn_dec6tm_*`, else
+    /// `attn_dec6_*` / `attn_dec6m_*`) and the split count `nsplit` given (tests and A/B runs;
+    /// `part` must hold `nt x kv_heads x nsplit` partials). Both kernels chunk the positions
+    /// alike, so `attn_merge6` serves both.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_decode_with(&self, mma: bool, kv: &str, q: u64, qs: usize, kc: u64, vc: u64, meta: (u64, u64, u64, u64), page_size: usize, kv_heads: usize, nsplit: usize, scale: f32, part: u64, out: u64, os: usize, aq: u64, ad: u64, cnt: Option<u64>, nt: usize) -> Result<(), CudaError> {
+        if kv != "f16" && kv != "bf16" {
+            return Err(CudaError::Shape(format!("attention: KV cache type {kv} (f16 or bf16)")));
+        }
+        if page_size == 0 || nsplit == 0 || nsplit > u16::MAX as usize || kv_heads == 0 {
+            return Err(CudaError::Shape(format!("attention: page size {page_size}, {nsplit} splits, {kv_heads} KV heads")));
+        }
         let (pos, seq, ptoff, pts) = meta;
         let mut args = vec![
             Arg::P(q),
@@ -666,16 +747,25 @@ impl Gpu {
             Arg::P(part),
         ];
         let grid = (kv_heads as u32, nsplit as u32, nt as u32);
+        let (name, smem) = match (mma, cnt.is_some()) {
+            (true, false) => (format!("attn_dec6t_{kv}"), ATTN_MMA_SMEM as u32),
+            (true, true) => (format!("attn_dec6tm_{kv}"), ATTN_MMA_SMEM as u32),
+            (false, false) => (format!("attn_dec6_{kv}"), 0),
+            (false, true) => (format!("attn_dec6m_{kv}"), 0),
+        };
+        if mma {
+            self.attn_mma_func(&name)?;
+        }
         match cnt {
             Some(c) => {
                 if nsplit > ATTN_FUSE_MAX_SPLIT {
-                    return Err(CudaError::Shape(format!("attn_dec6m: {nsplit} splits (at most {ATTN_FUSE_MAX_SPLIT})")));
+                    return Err(CudaError::Shape(format!("{name}: {nsplit} splits (at most {ATTN_FUSE_MAX_SPLIT})")));
                 }
                 args.extend([Arg::P(c), Arg::P(out), Arg::L(os as i64), Arg::P(aq), Arg::P(ad)]);
-                self.launch_pdl(&format!("attn_dec6m_{kv}"), grid, 128, 0, &args)
+                self.launch_pdl(&name, grid, 128, smem, &args)
             }
             None => {
-                self.launch_pdl(&format!("attn_dec6_{kv}"), grid, 128, 0, &args)?;
+                self.launch_pdl(&name, grid, 128, smem, &args)?;
                 self.launch_pdl("attn_merge6", ((kv_heads * GQA) as u32, nt as u32, 1), 128, 0, &[Arg::P(part), Arg::I(kv_heads as i32), Arg::I(nsplit as i32), Arg::P(out), Arg::L(os as i64), Arg::P(aq), Arg::P(ad), Arg::P(pos)])
             }
         }
@@ -755,7 +845,7 @@ pub(crate) fn fast_plan(cfg: &ModelConfig, kv: KvDtype, layers: &[FastLayer], he
     if cfg.n_heads * cfg.head_dim > QK_MAX_WIDTH || cfg.n_kv_heads * cfg.head_dim > QK_MAX_WIDTH || cfg.hidden > NQ_MAXV * 1024 {
         return Err("q/k or hidden width above the fast kernels' limits".into());
     }
-    // K-quant matrices (Q4_K/Q6_K, kernels/fast_kq.cu) with MINIMAX_FAST_KQ=1.
+    // K-quant matrices (Q4_K/Q6_K, kernels/fast_kq.cu) unless MINIMAX_FAST_KQ=0.
     let kq = super::fast_kq::kq_enabled();
     let ok = |w: &DevMat| fast_mat(w) || (kq && super::fast_kq::kq_fast_mat(w));
     // A pipeline stage before the last holds no head (rows 0).

@@ -26,10 +26,10 @@ pub fn kq_fast_mat(w: &DevMat) -> bool {
         && (w.n_experts == 0 || w.expert_stride % 2 == 0)
 }
 
-/// Whether the fast path may take K-quant matrices (`MINIMAX_FAST_KQ=1`; default off until
-/// measured end to end). Read once.
+/// Whether the fast path may take K-quant matrices (on unless `MINIMAX_FAST_KQ=0`: without them
+/// a Q4_K_M file runs the exact path only). Read once.
 pub fn kq_enabled() -> bool {
-    static V: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FAST_KQ", false);
+    static V: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FAST_KQ", true);
     V.get()
 }
 

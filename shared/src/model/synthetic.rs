@@ -184,6 +184,19 @@ fn put_f16(b: &mut [u8], at: usize, v: f32) {
     b[at..at + 2].copy_from_slice(&half::f16::from_f32(v).to_le_bytes());
 }
 
+/// The synthetic fill's K-quant min scale as a multiple of the block scale (`dmin = r · d`,
+/// 0: independent): the mean quant code (7.5 for Q4_K, 15.5 for Q5_K), so that with independent
+/// uniform sub-scales and sub-mins the weights are zero-mean, as trained weights are. Equal
+/// ranges (the old fill) gave every weight a +0.01 bias, a common mode that grows through the
+/// layers and turns q8 activation rounding into router flips.
+pub fn kquant_min_ratio(ty: GgmlType) -> f32 {
+    match ty {
+        GgmlType::Q4_K => 7.5,
+        GgmlType::Q5_K => 15.5,
+        _ => 0.0,
+    }
+}
+
 /// Fills `out` (whole blocks of `ty`) with random valid blocks: random quant bits and small
 /// finite scales (|w| around 0.01-0.05), so activations stay finite through many layers.
 pub fn fill_random_blocks(ty: GgmlType, rng: &mut SplitMix64, out: &mut [u8]) {
@@ -228,8 +241,9 @@ pub fn fill_random_blocks(ty: GgmlType, rng: &mut SplitMix64, out: &mut [u8]) {
                     }
                     GgmlType::Q3_K => put_f16(b, 108, scale(rng, 1e-4, 4e-4)),
                     GgmlType::Q4_K | GgmlType::Q5_K => {
-                        put_f16(b, 0, scale(rng, 2e-5, 8e-5));
-                        put_f16(b, 2, scale(rng, 2e-5, 8e-5));
+                        let d = scale(rng, 2e-5, 8e-5);
+                        put_f16(b, 0, d);
+                        put_f16(b, 2, d * kquant_min_ratio(ty));
                     }
                     GgmlType::Q6_K => put_f16(b, 208, scale(rng, 2e-5, 6e-5)),
                     // e8m0 exponent: values 2^(e-128) * {0..12}; 118..122 keeps |w| <= 0.05.
