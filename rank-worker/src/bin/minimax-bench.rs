@@ -80,6 +80,30 @@ fn profile_step(m: &mut CudaModel, nt: usize) -> anyhow::Result<Vec<(String, f32
     Ok(prof)
 }
 
+/// Prints a profiled step's kernel time by kernel family (dtype suffixes merged), largest first,
+/// so the next thing to speed up is the first line.
+fn print_split(prof: &[(String, f32)], what: &str) {
+    let mut fam: Vec<(String, f32, usize)> = Vec::new();
+    for (n, t) in prof {
+        let key = n.trim_end_matches("_f16").trim_end_matches("_bf16").to_string();
+        match fam.iter_mut().find(|f| f.0 == key) {
+            Some(f) => {
+                f.1 += t;
+                f.2 += 1
+            }
+            None => fam.push((key, *t, 1)),
+        }
+    }
+    fam.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap());
+    let tot: f32 = fam.iter().map(|f| f.1).sum();
+    println!("\nper-kernel split of one {what} (events around each launch, no graph): total {tot:.3} ms, {} launches", prof.len());
+    println!("{:<28} {:>8} {:>7} {:>9}", "kernel", "ms", "share", "launches");
+    for (n, t, k) in &fam {
+        println!("{:<28} {:>8.3} {:>6.1}% {:>9}", n, t, 100.0 * t / tot, k);
+    }
+    println!();
+}
+
 fn argmax(r: &[f32]) -> u32 {
     let mut b = 0;
     for (i, &x) in r.iter().enumerate() {
@@ -323,26 +347,7 @@ fn main() -> anyhow::Result<()> {
     table.push(("decode tok/s, batch 1, graph replay only (kernel time)".into(), format!("{:.1}", 1e3 / step_ms)));
 
     // Per-kernel split of one decode step (no graph, events around every launch).
-    let prof = profile_step(&mut m, 1)?;
-    let mut fam: Vec<(String, f32, usize)> = Vec::new();
-    for (n, t) in &prof {
-        let key = n.trim_end_matches("_f16").trim_end_matches("_bf16").to_string();
-        match fam.iter_mut().find(|f| f.0 == key) {
-            Some(f) => {
-                f.1 += t;
-                f.2 += 1
-            }
-            None => fam.push((key, *t, 1)),
-        }
-    }
-    fam.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap());
-    let tot: f32 = fam.iter().map(|f| f.1).sum();
-    println!("\nper-kernel split of one batch-1 decode step (events around each launch, no graph): total {tot:.3} ms, {} launches", prof.len());
-    println!("{:<28} {:>8} {:>7} {:>9}", "kernel", "ms", "share", "launches");
-    for (n, t, k) in &fam {
-        println!("{:<28} {:>8.3} {:>6.1}% {:>9}", n, t, 100.0 * t / tot, k);
-    }
-    println!();
+    print_split(&profile_step(&mut m, 1)?, "batch-1 decode step");
 
     if flag("--ab") {
         ab_runs(&mut m, &mut pages)?;
@@ -389,6 +394,9 @@ fn main() -> anyhow::Result<()> {
         m.gpu().sync()?;
         let rep = ms(t) / 10.0;
         println!("decode batch {b}: {per:.2} ms/step = {:.0} tok/s aggregate ({:.0} tok/s graph replay), finite {fin}", b as f64 * 1e3 / per, b as f64 * 1e3 / rep);
+        if b == 32 {
+            print_split(&profile_step(&mut m, b)?, "batch-32 decode step");
+        }
         table.push((format!("aggregate decode tok/s, batch {b} (forward / graph replay)"), format!("{:.0} / {:.0}", b as f64 * 1e3 / per, b as f64 * 1e3 / rep)));
     }
 
