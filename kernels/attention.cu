@@ -191,16 +191,17 @@ template <> __device__ __forceinline__ void fa_mma<KV_BF16>(float* c, const u32*
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Starts the async copy of FA_BN cached rows (positions k0..) of one KV head into `dst` (rows
-// LD halves apart); rows at positions >= kv_len are zero-filled and not read.
-template <int D, int LD>
+// Starts the async copy of BN cached rows (positions k0..) of one KV head into `dst` (rows
+// LD halves apart) by a block of NT threads; rows at positions >= kv_len are zero-filled and
+// not read.
+template <int D, int LD, int BN = FA_BN, int NT = 32 * FA_WARPS>
 __device__ __forceinline__ void fa_load_tile(u16* dst, const u16* src, int k0, int kv_len, const u32* pt,
                                              int page_size, int kv_heads, int kvh) {
-    constexpr int CPR = D / 8;             // 16-byte chunks per row
-    constexpr int RPP = 32 * FA_WARPS / CPR;  // rows per pass of the block
+    constexpr int CPR = D / 8;    // 16-byte chunks per row
+    constexpr int RPP = NT / CPR;  // rows per pass of the block
     const int ch = threadIdx.x % CPR;
 #pragma unroll
-    for (int r = threadIdx.x / CPR; r < FA_BN; r += RPP) {
+    for (int r = threadIdx.x / CPR; r < BN; r += RPP) {
         const int p = k0 + r;
         const u16* g = src;
         int bytes = 0;
@@ -389,7 +390,7 @@ __device__ __forceinline__ void flash_impl(const float* q, i64 qs, const u16* kc
 
 #define FA_INST(name, KV, D)                                                                                    \
     extern "C" __global__ void __launch_bounds__(32 * FA_WARPS)                                                 \
-        flash_##name##_##D(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,                \
+        flash64_##name##_##D(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,              \
                            const int* seq_start, const int* pt_off, const u32* page_tables, int page_size,      \
                            int kv_heads, int group, float sl2, float* out, i64 os, int n_tiles) {               \
         flash_impl<KV, D>(q, qs, kc, vc, pos, seq_start, pt_off, page_tables, page_size, kv_heads, group, sl2, \
@@ -402,3 +403,276 @@ FA_INST(f16, KV_F16, 128)
 FA_INST(bf16, KV_BF16, 32)
 FA_INST(bf16, KV_BF16, 64)
 FA_INST(bf16, KV_BF16, 128)
+
+// ---------------------------------------------------------------------------------------------
+// The same attention with two m16 tiles per warp: FB_BM = 128 query rows a block (flash_KV_D; the
+// 64-row kernel above is flash64_KV_D, kept for launches with few blocks).
+//
+// Each K/V fragment read from shared memory feeds both m16 tiles of a warp, so a block reads half
+// the shared memory per FLOP of the 64-row kernel. The 32 rows' Q fragments do not fit in
+// registers beside the 2 x D/8 x 4 output and 2 x FB_BN/8 x 4 score accumulators, so Q (rounded
+// once to the cache type) lives in shared memory and is re-read with ldmatrix for every K tile
+// (FlashAttention-2's layout). Dynamic shared memory: Q (FB_BM rows) + one K and one V tile of
+// FB_BN rows, all D + 8 halves apart: (128 + 2 * 64) * (D + 8) * 2 bytes (68 KB at D = 128, so
+// two blocks fit an sm_90 SM and one an sm_120 SM). Pipelining as above: V(t) is fetched while
+// S(t) = Q K(t)^T and the softmax run, K(t+1) while P V(t) runs.
+//
+// Masking: a warp masks a K tile only if its last key is past the smallest position among the
+// warp's rows (the diagonal tiles); it skips tiles past its largest position. Scores stay in raw
+// units; the softmax scale * log2(e) is folded into one FMA per score before ex2.
+
+#define FB_WARPS 4
+#define FB_BM (32 * FB_WARPS)
+#define FB_BN 64
+
+extern __shared__ __align__(16) u16 fb_dyn[];
+
+// fa_load_tile for the 128-row kernel: the BN rows' cache rows are looked up once per warp
+// (lane L < 16 resolves the L-th row this warp copies: one page-table read and one division)
+// and handed to the copying lanes by shuffle, instead of every thread dividing for each row.
+template <int D, int LD, int BN, int NT>
+__device__ __forceinline__ void fb_load_tile(u16* dst, const u16* src, int k0, int kv_len, const u32* pt,
+                                             int page_size, int kv_heads, int kvh) {
+    constexpr int CPR = D / 8;     // 16-byte chunks per row
+    constexpr int RW = 32 / CPR;   // rows per warp per pass
+    constexpr int RPP = NT / CPR;  // rows per pass of the block
+    constexpr int NP = BN / RPP;   // passes
+    static_assert(NP * RW <= 32, "one lane per row of a warp");
+    const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+    // Lane L resolves pass L / RW, row L % RW of this warp: cache row slot * kv_heads + kvh (32
+    // bits: up to 2^32 - 2 (slot, head) rows), or ~0 for a position at or past kv_len.
+    u32 mine = ~0u;
+    if (lane < NP * RW) {
+        const int p = k0 + warp * RW + lane % RW + (lane / RW) * RPP;
+        if (p < kv_len) {
+            const int pg = p / page_size;
+            mine = (pt[pg] * (u32)page_size + (u32)(p - pg * page_size)) * (u32)kv_heads + (u32)kvh;
+        }
+    }
+    const int ch = lane % CPR;
+#pragma unroll
+    for (int i = 0; i < NP; i++) {
+        const u32 idx = __shfl_sync(0xffffffffu, mine, i * RW + lane / CPR);
+        const int r = warp * RW + lane / CPR + i * RPP;
+        const bool ok = idx != ~0u;
+        const u16* g = ok ? src + (i64)idx * D + ch * 8 : src;
+        fa_cp16(fa_smem(dst + r * LD + ch * 8), g, ok ? 16 : 0);
+    }
+}
+
+template <int KV, int D>
+__device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,
+                                            const int* seq_start, const int* pt_off, const u32* page_tables,
+                                            int page_size, int kv_heads, int group, float sl2, float* out, i64 os,
+                                            int n_tiles) {
+    constexpr int LD = D + 8;
+    constexpr int KC = D / 16;
+    constexpr int ND = D / 8;
+    constexpr int NB = FB_BN / 8;
+    constexpr int NT = 32 * FB_WARPS;
+    u16* sq = fb_dyn;
+    u16* sk = sq + FB_BM * LD;
+    u16* sv = sk + FB_BN * LD;
+    __shared__ int s_lim[FB_WARPS];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
+    const int tile = n_tiles - 1 - (int)blockIdx.x;
+    const int kvh = blockIdx.y, s = blockIdx.z;
+    const int t0 = seq_start[s];
+    const int nrows = (seq_start[s + 1] - t0) * group;
+    const int r0 = tile * FB_BM;
+    if (r0 >= nrows) return;  // uniform over the block
+    const u32* pt = page_tables + pt_off[s];
+
+    // This thread's four rows: j = 2 * mt + i is row g + 8 i of the warp's m16 tile mt.
+    int qp[4];
+    int wl = -1, wm = 0x7fffffff;
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int r = r0 + warp * 32 + (j >> 1) * 16 + g + 8 * (j & 1);
+        qp[j] = r < nrows ? pos[t0 + r / group] : -1;
+        if (qp[j] >= 0) {
+            wl = max(wl, qp[j]);
+            wm = min(wm, qp[j]);
+        }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) {
+        wl = max(wl, __shfl_xor_sync(0xffffffffu, wl, o));
+        wm = min(wm, __shfl_xor_sync(0xffffffffu, wm, o));
+    }
+    if (lane == 0) s_lim[warp] = wl + 1;
+    __syncthreads();
+    int kv_len = 0;
+#pragma unroll
+    for (int w = 0; w < FB_WARPS; w++) kv_len = max(kv_len, s_lim[w]);
+
+    const int n_kt = (kv_len + FB_BN - 1) / FB_BN;
+    fb_load_tile<D, LD, FB_BN, NT>(sk, kc, 0, kv_len, pt, page_size, kv_heads, kvh);
+    fa_commit();
+
+    // Q rows of the block -> shared, rounded to the cache type (rows past the sequence: zeros).
+    {
+        constexpr int QCH = D / 4;  // 4-float chunks per row
+#pragma unroll 4
+        for (int it = 0; it < FB_BM * QCH / NT; it++) {
+            const int i = threadIdx.x + it * NT;
+            const int rr = i / QCH, ch = i % QCH, r = r0 + rr;
+            float2 a = make_float2(0.f, 0.f), b = make_float2(0.f, 0.f);
+            if (r < nrows) {
+                const float* src = q + (i64)(t0 + r / group) * qs + (i64)(kvh * group + r % group) * D + ch * 4;
+                a = *(const float2*)src;
+                b = *(const float2*)(src + 2);
+            }
+            uint2 w;
+            w.x = fa_pack<KV>(a.x, a.y);
+            w.y = fa_pack<KV>(b.x, b.y);
+            *(uint2*)(sq + rr * LD + ch * 4) = w;
+        }
+    }
+
+    float o[2][ND][4];
+#pragma unroll
+    for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+        for (int n = 0; n < ND; n++) o[mt][n][0] = o[mt][n][1] = o[mt][n][2] = o[mt][n][3] = 0.f;
+    float m[4], l[4];
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        m[j] = NEG_INF;
+        l[j] = 0.f;
+    }
+
+    // ldmatrix lane addresses. Q (x4, A fragment of m16 tile 0; tile 1 is 16 rows on):
+    // matrices (rows 0-7 | 8-15) x (dims 0-7 | 8-15).
+    const u32 q_lane = fa_smem(sq) + ((warp * 32 + (lane & 15)) * LD + (lane >> 4) * 8) * 2;
+    const u32 k_lane = fa_smem(sk) + (((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8) * 2;
+    const u32 v_lane = fa_smem(sv) + ((lane & 15) * LD + (lane >> 4) * 8) * 2;
+
+    for (int kt = 0; kt < n_kt; kt++) {
+        const int k0 = kt * FB_BN;
+        fa_wait<0>();
+        __syncthreads();  // K(kt) (and Q) landed for everyone; every warp is done with V(kt-1)
+        fb_load_tile<D, LD, FB_BN, NT>(sv, vc, k0, kv_len, pt, page_size, kv_heads, kvh);
+        fa_commit();
+        const bool active = k0 <= wl;  // some row of this warp sees a key of this tile
+        u32 pa[2][FB_BN / 16][4];  // P as A fragments (rounded to the cache type)
+        if (active) {
+            float sc[2][NB][4];
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int n = 0; n < NB; n++) sc[mt][n][0] = sc[mt][n][1] = sc[mt][n][2] = sc[mt][n][3] = 0.f;
+#pragma unroll
+            for (int kk = 0; kk < KC; kk++) {
+                u32 a0[4], a1[4];
+                fa_ldsm(q_lane + kk * 32, a0[0], a0[1], a0[2], a0[3]);
+                fa_ldsm(q_lane + (16 * LD + kk * 16) * 2, a1[0], a1[1], a1[2], a1[3]);
+#pragma unroll
+                for (int n2 = 0; n2 < NB / 2; n2++) {
+                    u32 b0, b1, b2, b3;
+                    fa_ldsm(k_lane + (n2 * 16 * LD + kk * 16) * 2, b0, b1, b2, b3);
+                    fa_mma<KV>(sc[0][2 * n2], a0, b0, b1);
+                    fa_mma<KV>(sc[0][2 * n2 + 1], a0, b2, b3);
+                    fa_mma<KV>(sc[1][2 * n2], a1, b0, b1);
+                    fa_mma<KV>(sc[1][2 * n2 + 1], a1, b2, b3);
+                }
+            }
+            if (k0 + FB_BN - 1 > wm) {  // diagonal tile: keys past a row's position -> -inf
+#pragma unroll
+                for (int j = 0; j < 4; j++)
+#pragma unroll
+                    for (int n = 0; n < NB; n++)
+#pragma unroll
+                        for (int e = 0; e < 2; e++)
+                            if (k0 + n * 8 + 2 * c + e > qp[j]) sc[j >> 1][n][2 * (j & 1) + e] = NEG_INF;
+            }
+            // Online softmax per row (a row's 4 threads are a quad).
+#pragma unroll
+            for (int j = 0; j < 4; j++) {
+                const int mt = j >> 1, i = j & 1;
+                float mx = NEG_INF;
+#pragma unroll
+                for (int n = 0; n < NB; n++) mx = fmaxf(mx, fmaxf(sc[mt][n][2 * i], sc[mt][n][2 * i + 1]));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+                const float mn = fmaxf(m[j], mx);
+                const float base = mn == NEG_INF ? 0.f : mn * sl2;
+                const float corr = fa_exp2(fmaf(m[j], sl2, -base));
+                m[j] = mn;
+                float sum = 0.f;
+#pragma unroll
+                for (int n = 0; n < NB; n++) {
+#pragma unroll
+                    for (int e = 0; e < 2; e++) {
+                        const float p = fa_exp2(fmaf(sc[mt][n][2 * i + e], sl2, -base));
+                        sc[mt][n][2 * i + e] = p;
+                        sum += p;
+                    }
+                }
+                l[j] = l[j] * corr + sum;
+#pragma unroll
+                for (int n = 0; n < ND; n++) {
+                    o[mt][n][2 * i] *= corr;
+                    o[mt][n][2 * i + 1] *= corr;
+                }
+            }
+#pragma unroll
+            for (int mt = 0; mt < 2; mt++)
+#pragma unroll
+                for (int jk = 0; jk < FB_BN / 16; jk++) {
+                    pa[mt][jk][0] = fa_pack<KV>(sc[mt][2 * jk][0], sc[mt][2 * jk][1]);
+                    pa[mt][jk][1] = fa_pack<KV>(sc[mt][2 * jk][2], sc[mt][2 * jk][3]);
+                    pa[mt][jk][2] = fa_pack<KV>(sc[mt][2 * jk + 1][0], sc[mt][2 * jk + 1][1]);
+                    pa[mt][jk][3] = fa_pack<KV>(sc[mt][2 * jk + 1][2], sc[mt][2 * jk + 1][3]);
+                }
+        }
+        __syncthreads();  // every warp is done reading K(kt)
+        if (kt + 1 < n_kt) fb_load_tile<D, LD, FB_BN, NT>(sk, kc, k0 + FB_BN, kv_len, pt, page_size, kv_heads, kvh);
+        fa_commit();
+        fa_wait<1>();
+        __syncthreads();  // V(kt) landed for everyone
+        if (active) {
+#pragma unroll
+            for (int jk = 0; jk < FB_BN / 16; jk++) {
+#pragma unroll
+                for (int n2 = 0; n2 < ND / 2; n2++) {
+                    u32 b0, b1, b2, b3;
+                    fa_ldsm_t(v_lane + (jk * 16 * LD + n2 * 16) * 2, b0, b1, b2, b3);
+                    fa_mma<KV>(o[0][2 * n2], pa[0][jk], b0, b1);
+                    fa_mma<KV>(o[0][2 * n2 + 1], pa[0][jk], b2, b3);
+                    fa_mma<KV>(o[1][2 * n2], pa[1][jk], b0, b1);
+                    fa_mma<KV>(o[1][2 * n2 + 1], pa[1][jk], b2, b3);
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int j = 0; j < 4; j++) {
+        const int mt = j >> 1, i = j & 1;
+        float li = l[j];
+        li += __shfl_xor_sync(0xffffffffu, li, 1);
+        li += __shfl_xor_sync(0xffffffffu, li, 2);
+        if (qp[j] < 0) continue;
+        const int r = r0 + warp * 32 + mt * 16 + g + 8 * i;
+        float* dst = out + (i64)(t0 + r / group) * os + (i64)(kvh * group + r % group) * D + 2 * c;
+        const float inv = 1.f / li;
+#pragma unroll
+        for (int n = 0; n < ND; n++) *(float2*)(dst + n * 8) = make_float2(o[mt][n][2 * i] * inv, o[mt][n][2 * i + 1] * inv);
+    }
+}
+
+#define FB_INST(name, KV, D)                                                                                     \
+    extern "C" __global__ void __launch_bounds__(32 * FB_WARPS)                                                  \
+        flash_##name##_##D(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,                 \
+                           const int* seq_start, const int* pt_off, const u32* page_tables, int page_size,       \
+                           int kv_heads, int group, float sl2, float* out, i64 os, int n_tiles) {                \
+        flash2_impl<KV, D>(q, qs, kc, vc, pos, seq_start, pt_off, page_tables, page_size, kv_heads, group, sl2, \
+                           out, os, n_tiles);                                                                    \
+    }
+
+FB_INST(f16, KV_F16, 32)
+FB_INST(f16, KV_F16, 64)
+FB_INST(f16, KV_F16, 128)
+FB_INST(bf16, KV_BF16, 32)
+FB_INST(bf16, KV_BF16, 64)
+FB_INST(bf16, KV_BF16, 128)

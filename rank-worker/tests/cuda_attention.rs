@@ -2,7 +2,10 @@
 //! dispatch of `Gpu::attention`, against an f64 host reference over the rounded cache.
 //!
 //! Every case: several sequences with different cached prefixes and chunk lengths that are not
-//! multiples of the 64-row tile, page tables scrambled over the cache, every KV dtype, outputs
+//! multiples of the 64- or 128-row tiles (and one case whose sequences end exactly on, one row
+//! past and just short of 128-row tiles), page tables scrambled over the cache, every KV dtype,
+//! both flash kernels (`flash_*` 128 rows a block, `flash64_*` 64 rows) as well as the one
+//! `Gpu::attention` picks, outputs
 //! poisoned with NaN (and row padding that must stay NaN), q rows padded with NaN (read past a
 //! head: NaN out). Nothing may read past a sequence's length: every cache slot that holds no
 //! position of a sequence is NaN (a V read there makes the output NaN), and every page table is
@@ -23,7 +26,7 @@ mod common;
 
 use common::gpu::{NAN, Rng, gpu, poisoned};
 use cudarc::driver::CudaSlice;
-use minimax_rank::cuda::flash::{FLASH_MIN_TOKENS, FLASH_ROWS, flash_unsupported};
+use minimax_rank::cuda::flash::{FLASH_MIN_TOKENS, FLASH_ROWS, FLASH_WIDE, FLASH64_ROWS, FlashKernel, flash_unsupported};
 use minimax_rank::cuda::{AttnArgs, Gpu, KvDtype};
 use minimax_shared::quant::GgmlType;
 
@@ -291,6 +294,8 @@ fn cases() -> Vec<Case> {
         Case { name: "m2-small 4/2x64", heads: 4, kv_heads: 2, hd: 64, ps: 16, seqs: small.clone() },
         Case { name: "m2-odd 6/2x32 page 7", heads: 6, kv_heads: 2, hd: 32, ps: 7, seqs: small },
         Case { name: "MHA 2/2x64 page 5", heads: 2, kv_heads: 2, hd: 64, ps: 5, seqs: vec![(0, 200), (77, 33)] },
+        // Rows per sequence (group 6): 384 = 3 x 128, 258 = 2 x 128 + 2, 132, 126, 6, 768.
+        Case { name: "M2.7 128-row edges page 3", heads: 48, kv_heads: 8, hd: 128, ps: 3, seqs: vec![(0, 64), (10, 43), (500, 22), (3, 21), (129, 1), (61, 128)] },
     ]
 }
 
@@ -309,7 +314,13 @@ fn flash_attention_matches_f64_reference() {
             let names = launched(&g, || g.attention(dt, &a).unwrap());
             let want_kernel = match dt {
                 KvDtype::F32 => "attn_f32".to_string(),
-                _ => format!("flash_{}_{}", if dt == KvDtype::F16 { "f16" } else { "bf16" }, c.hd),
+                _ => {
+                    let kv = if dt == KvDtype::F16 { "f16" } else { "bf16" };
+                    match g.flash_kernel(&a) {
+                        FlashKernel::Rows128 => format!("flash_{kv}_{}", c.hd),
+                        FlashKernel::Rows64 => format!("flash64_{kv}_{}", c.hd),
+                    }
+                }
             };
             assert_eq!(names, vec![want_kernel.clone()], "{} {dt:?}: kernel chosen", c.name);
             let got = g.download(&out).unwrap();
@@ -320,6 +331,16 @@ fn flash_attention_matches_f64_reference() {
                 b.nt,
                 c.seqs.len()
             );
+            if dt != KvDtype::F32 {
+                // Both flash kernels explicitly, whichever the dispatch picked.
+                for k in [FlashKernel::Rows128, FlashKernel::Rows64] {
+                    let outk = poisoned(&g, b.nt * b.os);
+                    g.flash_attention_with(dt, &args(&g, &c, &b, &outk), k).unwrap();
+                    let gotk = g.download(&outk).unwrap();
+                    let (worst, rms) = check(&format!("{} {dt:?} {k:?}", c.name), dt, false, &c, &b, &gotk, &reference);
+                    eprintln!("attention {:<26} kv {dt:?}: {:<15} max |diff| {worst:.2e}, rms diff/typical {rms:.2}", c.name, format!("{k:?}"));
+                }
+            }
             if dt != KvDtype::F32 {
                 // The per-token kernel on the same 16-bit cache, exact up to f32 (q unrounded
                 // there, so against the reference with q rounded: only check it is close).
@@ -356,12 +377,25 @@ fn attention_dispatch_keeps_decode_steps_on_the_per_token_kernel() {
     // The flash kernel on the same decode batch is still right (a decode token is a tile of
     // `group` rows).
     let reference = reference(&c, &b, KvDtype::F16);
+    for k in [FlashKernel::Rows128, FlashKernel::Rows64] {
+        let out = poisoned(&g, b.nt * b.os);
+        let a = args(&g, &c, &b, &out);
+        g.flash_attention_with(KvDtype::F16, &a, k).unwrap();
+        let got = g.download(&out).unwrap();
+        let (worst, rms) = check(&format!("flash {k:?} on decode tokens"), KvDtype::F16, false, &c, &b, &got, &reference);
+        eprintln!("attention decode batch via flash {k:?}: max |diff| {worst:.2e}, rms diff/typical {rms:.2}");
+    }
     let out = poisoned(&g, b.nt * b.os);
     let a = args(&g, &c, &b, &out);
-    g.flash_attention(KvDtype::F16, &a).unwrap();
-    let got = g.download(&out).unwrap();
-    let (worst, rms) = check("flash on decode tokens", KvDtype::F16, false, &c, &b, &got, &reference);
-    eprintln!("attention decode batch via flash: max |diff| {worst:.2e}, rms diff/typical {rms:.2}");
+    // The 128-row kernel at any size (unless MINIMAX_FLASH_WIDE=0; here: its override).
+    let big = AttnArgs { max_seq_tokens: 4096, n_seqs: 8, ..a };
+    FLASH_WIDE.set(Some(true));
+    assert_eq!(g.flash_kernel(&a), FlashKernel::Rows128);
+    assert_eq!(g.flash_kernel(&big), FlashKernel::Rows128);
+    FLASH_WIDE.set(Some(false));
+    assert_eq!(g.flash_kernel(&a), FlashKernel::Rows64);
+    assert_eq!(g.flash_kernel(&big), FlashKernel::Rows64);
+    FLASH_WIDE.set(None);
     // Bad arguments are errors, not launches.
     assert!(g.flash_attention(KvDtype::F32, &a).is_err());
     assert!(g.flash_attention(KvDtype::F16, &AttnArgs { hd: 256, vd: 256, ..a }).is_err());
@@ -379,7 +413,11 @@ fn flash_is_only_offered_for_supported_shapes() {
     assert!(flash_unsupported(KvDtype::F16, &AttnArgs { seq_start: 0, ..a }).is_some());
     assert!(Gpu::flash_chosen(KvDtype::F16, &a));
     assert!(!Gpu::flash_chosen(KvDtype::F16, &AttnArgs { max_seq_tokens: FLASH_MIN_TOKENS - 1, ..a }));
-    assert_eq!(FLASH_ROWS % 16, 0);
+    assert_eq!(FLASH_ROWS % 32, 0);
+    assert_eq!(FLASH64_ROWS % 16, 0);
+    assert_eq!(FlashKernel::Rows128.rows(), FLASH_ROWS);
+    // The 128-row kernel's shared memory fits one sm_120 block (99 KB) at every head width.
+    assert!(FlashKernel::Rows128.smem(128) <= 99 * 1024);
 }
 
 /// Kernel time of `f` in ms: the minimum over `reps` runs (after `warm` unprofiled runs).
@@ -457,24 +495,29 @@ fn flash_attention_speed_at_m27_shapes() {
         n_seqs: 1,
         max_seq_tokens: mx,
     };
+    let k128 = FlashKernel::Rows128;
+    let k64 = FlashKernel::Rows64;
     eprintln!("flash timing on {} (sm_{}), M2.7 heads 48/8 x 128, f16 KV, page 16, one sequence; kernel time (CUDA events), causal FLOPs", g.name, g.arch);
-    eprintln!("| chunk | prefix | per-token kernel ms | TFLOP/s | flash ms | TFLOP/s | speed-up | max |flash - per-token| |");
-    eprintln!("| --- | --- | --- | --- | --- | --- | --- | --- |");
+    eprintln!("| chunk | prefix | per-token kernel ms | TFLOP/s | flash64 ms | TFLOP/s | flash (128 rows) ms | TFLOP/s | vs flash64 | auto | max |flash - per-token| |");
+    eprintln!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     for (chunk, prefix) in [(512usize, 0usize), (4096, 4096), (4096, 28672)] {
         let (b, nt, flops, mx) = setup(&[(prefix, chunk)]);
         let a = mk(&b, nt, mx, &out);
         let a2 = mk(&b, nt, mx, &out2);
-        let tf = time_ms(&g, 1, 5, &|| g.flash_attention(dt, &a).unwrap());
+        let t64 = time_ms(&g, 1, 5, &|| g.flash_attention_with(dt, &a, k64).unwrap());
+        let tf = time_ms(&g, 1, 5, &|| g.flash_attention_with(dt, &a, k128).unwrap());
         let (w, r) = if chunk <= 512 { (1, 3) } else { (0, 1) };
         let to = time_ms(&g, w, r, &|| g.attention_per_token(dt, &a2).unwrap());
         let (x, y) = (g.download(&out).unwrap(), g.download(&out2).unwrap());
         let n = nt * qw;
         let d = x[..n].iter().zip(&y[..n]).map(|(a, b)| (a - b).abs()).fold(0f32, |m, v| if v.is_nan() { f32::NAN } else { m.max(v) });
         eprintln!(
-            "| {chunk} | {prefix} | {to:.3} | {:.1} | {tf:.3} | {:.1} | {:.1}x | {d:.1e} |",
+            "| {chunk} | {prefix} | {to:.3} | {:.1} | {t64:.3} | {:.1} | {tf:.3} | {:.1} | {:.2}x | {:?} | {d:.1e} |",
             flops / to / 1e9,
+            flops / t64 / 1e9,
             flops / tf / 1e9,
-            to / tf
+            t64 / tf,
+            g.flash_kernel(&a)
         );
         assert!(d.is_finite() && d <= 4e-3, "flash vs per-token at chunk {chunk} prefix {prefix}: {d}");
     }
@@ -482,19 +525,35 @@ fn flash_attention_speed_at_m27_shapes() {
     {
         let (b, nt, flops, mx) = setup(&[(4096, 4096)]);
         let a = mk(&b, nt, mx, &out);
-        let tf = time_ms(&g, 1, 3, &|| g.flash_attention(KvDtype::BF16, &a).unwrap());
-        eprintln!("flash bf16 (same bits read as bf16) chunk 4096 prefix 4096: {tf:.3} ms, {:.1} TFLOP/s", flops / tf / 1e9);
+        for k in [k64, k128] {
+            let tf = time_ms(&g, 1, 3, &|| g.flash_attention_with(KvDtype::BF16, &a, k).unwrap());
+            eprintln!("flash {k:?} bf16 (same bits read as bf16) chunk 4096 prefix 4096: {tf:.3} ms, {:.1} TFLOP/s", flops / tf / 1e9);
+        }
+    }
+    // Small launches: 1..4 sequences x chunks of 512-2048 at prefix 0 / 4096 (fewer 128-row
+    // blocks than SMs for some; the 64-row kernel's twice as many blocks did not win any).
+    eprintln!("small launches (f16), ms:");
+    eprintln!("| seqs x chunk @ prefix | flash64 | flash (128 rows) | auto |");
+    eprintln!("| --- | --- | --- | --- |");
+    for (ns, chunk, prefix) in [(1usize, 512usize, 0usize), (1, 512, 4096), (2, 512, 4096), (1, 1024, 0), (1, 1024, 4096), (4, 512, 4096), (1, 2048, 0)] {
+        let seqs = vec![(prefix, chunk); ns];
+        let (b, nt, _, mx) = setup(&seqs);
+        let a = AttnArgs { n_seqs: ns, ..mk(&b, nt, mx, &out) };
+        let t64 = time_ms(&g, 1, 5, &|| g.flash_attention_with(dt, &a, k64).unwrap());
+        let tf = time_ms(&g, 1, 5, &|| g.flash_attention_with(dt, &a, k128).unwrap());
+        eprintln!("| {ns} x {chunk} @ {prefix} | {t64:.4} | {tf:.4} | {:?} |", g.flash_kernel(&a));
     }
     // Crossover: 8 sequences at prefix 4096 with n new tokens each.
     eprintln!("crossover, 8 sequences x n new tokens at prefix 4096:");
-    eprintln!("| n | per-token ms | flash ms |");
-    eprintln!("| --- | --- | --- |");
+    eprintln!("| n | per-token ms | flash64 ms | flash (128 rows) ms |");
+    eprintln!("| --- | --- | --- | --- |");
     for n in [1usize, 2, 4, 8, 16, 32, 64] {
         let seqs = vec![(4096usize, n); 8];
         let (b, nt, _, mx) = setup(&seqs);
         let a = AttnArgs { n_seqs: 8, ..mk(&b, nt, mx, &out) };
-        let tf = time_ms(&g, 1, 3, &|| g.flash_attention(dt, &a).unwrap());
+        let t64 = time_ms(&g, 1, 3, &|| g.flash_attention_with(dt, &a, k64).unwrap());
+        let tf = time_ms(&g, 1, 3, &|| g.flash_attention_with(dt, &a, k128).unwrap());
         let to = time_ms(&g, 1, 3, &|| g.attention_per_token(dt, &a).unwrap());
-        eprintln!("| {n} | {to:.3} | {tf:.3} |");
+        eprintln!("| {n} | {to:.3} | {t64:.3} | {tf:.3} |");
     }
 }

@@ -1,13 +1,56 @@
-//! Flash-style prefill attention (`flash_*` in kernels/attention.cu): tiles of query rows of one
-//! sequence and one KV-head group against K/V tiles of the paged cache on tensor cores, online
-//! softmax in f32. [`Gpu::attention`] takes it for steps with enough new tokens per sequence;
-//! decode-sized steps and the f32 cache keep the per-token kernel.
+//! Flash-style prefill attention (`flash_*` / `flash64_*` in kernels/attention.cu): tiles of
+//! query rows of one sequence and one KV-head group against K/V tiles of the paged cache on
+//! tensor cores, online softmax in f32. [`Gpu::attention`] takes it for steps with enough new
+//! tokens per sequence; decode-sized steps and the f32 cache keep the per-token kernel.
 
+use super::env_flag::EnvFlag;
 use super::error::CudaError;
 use super::gpu::{Arg, AttnArgs, Gpu, KvDtype};
+use cudarc::driver::sys::CUfunction_attribute;
 
-/// Query rows ((token, head) pairs of one KV-head group) per block; the grid's x extent.
-pub const FLASH_ROWS: usize = 64;
+/// Query rows ((token, head) pairs of one KV-head group) per block of the main kernel
+/// (`flash_*`: 4 warps x two m16 tiles); the grid's x extent is rows / this.
+pub const FLASH_ROWS: usize = 128;
+
+/// Query rows per block of the 64-row kernel (`flash64_*`: one m16 tile per warp, the previous
+/// kernel; `MINIMAX_FLASH_WIDE=0` only: measured slower at every launch size, docs/CUDA.md).
+pub const FLASH64_ROWS: usize = 64;
+
+/// Keys per K/V tile of the main kernel (its shared-memory size depends on it).
+const FLASH_KEYS: usize = 64;
+
+/// `MINIMAX_FLASH_WIDE=0` makes [`Gpu::attention`] take the 64-row kernel (A/B runs); default 1:
+/// the 128-row kernel.
+pub static FLASH_WIDE: EnvFlag = EnvFlag::new("MINIMAX_FLASH_WIDE", true);
+
+/// Which flash kernel runs a call.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FlashKernel {
+    /// `flash_*`: 128 rows a block, Q in dynamic shared memory (half the shared-memory reads
+    /// per FLOP).
+    Rows128,
+    /// `flash64_*`: 64 rows a block, Q in registers.
+    Rows64,
+}
+
+impl FlashKernel {
+    /// Rows per block.
+    pub fn rows(self) -> usize {
+        match self {
+            FlashKernel::Rows128 => FLASH_ROWS,
+            FlashKernel::Rows64 => FLASH64_ROWS,
+        }
+    }
+
+    /// Dynamic shared memory for head width `d` (bytes): Q rows plus one K and one V tile,
+    /// rows padded by 8 halves.
+    pub fn smem(self, d: usize) -> usize {
+        match self {
+            FlashKernel::Rows128 => (FLASH_ROWS + 2 * FLASH_KEYS) * (d + 8) * 2,
+            FlashKernel::Rows64 => 0,
+        }
+    }
+}
 
 /// Fewest new tokens of one sequence (the step's largest) for which [`Gpu::attention`] takes
 /// the flash kernel, so decode steps keep the per-token kernel. Measured (docs/CUDA.md): flash
@@ -33,10 +76,23 @@ pub fn flash_unsupported(dt: KvDtype, a: &AttnArgs) -> Option<String> {
 }
 
 impl Gpu {
-    /// Causal paged GQA attention with the flash kernel. Needs `a.seq_start` (tokens of one
-    /// sequence contiguous in the flat batch), a 16-bit cache, equal q/k and v head widths of
-    /// 32, 64 or 128, 16-byte aligned caches and 8-byte aligned q/out rows.
+    /// Causal paged GQA attention with the flash kernel [`Gpu::flash_kernel`] picks. Needs
+    /// `a.seq_start` (tokens of one sequence contiguous in the flat batch), a 16-bit cache,
+    /// equal q/k and v head widths of 32, 64 or 128, 16-byte aligned caches and 8-byte aligned
+    /// q/out rows.
     pub fn flash_attention(&self, dt: KvDtype, a: &AttnArgs) -> Result<(), CudaError> {
+        self.flash_attention_with(dt, a, self.flash_kernel(a))
+    }
+
+    /// The flash kernel for `a`: the 128-row kernel, or the 64-row one with
+    /// `MINIMAX_FLASH_WIDE=0`. The 128-row kernel measured faster at every launch size tried on
+    /// an H200, down to 8 decode tokens (64 blocks), so no size rule (docs/CUDA.md).
+    pub fn flash_kernel(&self, _a: &AttnArgs) -> FlashKernel {
+        if FLASH_WIDE.get() { FlashKernel::Rows128 } else { FlashKernel::Rows64 }
+    }
+
+    /// [`Gpu::flash_attention`] with the kernel given (tests and A/B runs).
+    pub fn flash_attention_with(&self, dt: KvDtype, a: &AttnArgs, k: FlashKernel) -> Result<(), CudaError> {
         if let Some(why) = flash_unsupported(dt, a) {
             return Err(CudaError::Shape(format!("flash attention: {why}")));
         }
@@ -59,13 +115,21 @@ impl Gpu {
             return Ok(());
         }
         let group = a.heads / a.kv_heads;
-        let n_tiles = (a.max_seq_tokens * group).div_ceil(FLASH_ROWS);
+        let n_tiles = (a.max_seq_tokens * group).div_ceil(k.rows());
         let sl2 = a.scale * std::f32::consts::LOG2_E;
+        let name = match k {
+            FlashKernel::Rows128 => format!("flash_{}_{}", dt.suffix(), a.hd),
+            FlashKernel::Rows64 => format!("flash64_{}_{}", dt.suffix(), a.hd),
+        };
+        let smem = k.smem(a.hd);
+        if smem > 48 * 1024 {
+            self.func(&name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
+        }
         self.launch(
-            &format!("flash_{}_{}", dt.suffix(), a.hd),
+            &name,
             (n_tiles as u32, a.kv_heads as u32, a.n_seqs as u32),
             128,
-            0,
+            smem as u32,
             &[
                 Arg::P(a.q),
                 Arg::L(a.qs as i64),
