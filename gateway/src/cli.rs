@@ -124,6 +124,11 @@ pub struct EngineArgs {
     #[arg(long, env = "MINIMAX_MAX_QUEUE", default_value_t = 256)]
     pub max_queue: usize,
 
+    /// Pipeline worlds: steps of disjoint sequence groups kept in flight, so the stages work
+    /// at once (0: one per stage; 1: one step at a time).
+    #[arg(long, env = "MINIMAX_PIPELINE_INFLIGHT", default_value_t = 0)]
+    pub pipeline_inflight: usize,
+
     /// Seconds one step may take on the ranks before the world is declared broken.
     #[arg(long, env = "MINIMAX_STEP_TIMEOUT", default_value_t = 300.0)]
     pub step_timeout: f64,
@@ -239,7 +244,13 @@ impl EngineArgs {
         world.load_timeout = secs(self.load_timeout, "load-timeout")?;
         world.restart_backoff_max = secs(self.restart_backoff_max, "restart-backoff-max")?;
         world.max_restart_attempts = self.max_restart_attempts;
-        let sched = SchedConfig { prefill_chunk: self.prefill_chunk, max_step_tokens: self.max_step_tokens, max_running: self.max_running, max_queue: self.max_queue };
+        let sched = SchedConfig {
+            prefill_chunk: self.prefill_chunk,
+            max_step_tokens: self.max_step_tokens,
+            max_running: self.max_running,
+            max_queue: self.max_queue,
+            pipeline_inflight: self.pipeline_inflight,
+        };
         Ok(EngineConfig { sched, world })
     }
 }

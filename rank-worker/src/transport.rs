@@ -26,8 +26,11 @@ use crate::comm::{CommError, Collective};
 
 const MAGIC: &[u8; 8] = b"MMXTT001";
 /// Frame kinds; a receiver checks it got the kind it expects (same op order on every rank).
+/// Each kind has its own inbox per peer, so a pipeline stage's step agreement (gathers) can
+/// run on one thread while its compute (activations) runs on another.
 const KIND_GATHER: u8 = 1;
 const KIND_ACTIVATIONS: u8 = 2;
+const N_KINDS: usize = 2;
 /// Largest frame accepted (guards against a corrupt length).
 const MAX_FRAME: u64 = 1 << 34;
 
@@ -175,7 +178,8 @@ type Frame = (u8, Vec<u8>);
 
 struct Peer {
     writer: Mutex<Conn>,
-    inbox: Mutex<Receiver<Result<Frame, String>>>,
+    /// One inbox per frame kind (`kind - 1`).
+    inboxes: Vec<Mutex<Receiver<Result<Frame, String>>>>,
     /// A handle to shut the socket down from `abort`.
     control: Conn,
 }
@@ -312,19 +316,23 @@ impl TestTransport {
             c.set_timeouts(None, Some(op_timeout)).map_err(io_err)?;
             let mut reader = c.try_clone().map_err(io_err)?;
             let control = c.try_clone().map_err(io_err)?;
-            let (tx, rx) = mpsc::channel();
+            let (txs, rxs): (Vec<_>, Vec<_>) = (0..N_KINDS).map(|_| mpsc::channel::<Result<Frame, String>>()).unzip();
             let (broken2, aborted2) = (broken.clone(), aborted.clone());
             std::thread::Builder::new()
                 .name(format!("transport-rx-{p}"))
                 .spawn(move || {
                     loop {
                         match read_frame(&mut reader) {
-                            Ok(f) => {
-                                if tx.send(Ok(f)).is_err() {
+                            Ok(f) if (1..=N_KINDS).contains(&usize::from(f.0)) => {
+                                if txs[usize::from(f.0) - 1].send(Ok(f)).is_err() {
                                     return;
                                 }
                             }
-                            Err(e) => {
+                            res => {
+                                let e = match res {
+                                    Err(e) => e,
+                                    Ok((k, _)) => io::Error::new(io::ErrorKind::InvalidData, format!("unknown frame kind {k}")),
+                                };
                                 let why = if e.kind() == io::ErrorKind::UnexpectedEof {
                                     format!("rank {p} closed the connection (dead or shut down)")
                                 } else {
@@ -334,14 +342,16 @@ impl TestTransport {
                                     tracing::error!("{why}");
                                 }
                                 broken2.lock().unwrap().get_or_insert(why.clone());
-                                let _ = tx.send(Err(why));
+                                for tx in &txs {
+                                    let _ = tx.send(Err(why.clone()));
+                                }
                                 return;
                             }
                         }
                     }
                 })
                 .map_err(|e| err("join", e))?;
-            peers.push(Some(Peer { writer: Mutex::new(c), inbox: Mutex::new(rx), control }));
+            peers.push(Some(Peer { writer: Mutex::new(c), inboxes: rxs.into_iter().map(Mutex::new).collect(), control }));
         }
         Ok(Self { rank, world, peers, timeout: op_timeout, broken, aborted })
     }
@@ -386,7 +396,7 @@ impl TestTransport {
 
     fn recv(&self, p: usize, kind: u8, op: &'static str) -> Result<Vec<u8>, CommError> {
         let peer = self.peer(p, op)?;
-        let rx = peer.inbox.lock().unwrap();
+        let rx = peer.inboxes[usize::from(kind) - 1].lock().unwrap();
         match rx.recv_timeout(self.timeout) {
             Ok(Ok((k, payload))) if k == kind => Ok(payload),
             Ok(Ok((k, _))) => Err(err(op, format!("rank {p} sent frame kind {k}, expected {kind} (ranks out of step)"))),

@@ -257,6 +257,7 @@ async fn rank_death_mid_collective_aborts_nccl_and_the_world_rejoins() {
 
     // The fatal step: rank 1 dies; rank 0 must answer (an error) soon, not hang in NCCL.
     let batch = pb::StepRequest {
+        after_step_id: 0,
         step_id: step_id + 1,
         seqs: vec![to_pb(&SeqStep {
             seq_id: 1,

@@ -280,7 +280,7 @@ async fn world_matches_reference(model: &str, world: usize, parallelism: &str, t
     let mut worst = 0f32;
     for (i, batch) in schedule(&seqs_of(model)).iter().enumerate() {
         let want = reference.forward(batch, &Solo).unwrap();
-        let mut req = pb::StepRequest { step_id: i as u64 + 1, seqs: batch.seqs.iter().map(to_pb).collect() };
+        let mut req = pb::StepRequest { after_step_id: 0, step_id: i as u64 + 1, seqs: batch.seqs.iter().map(to_pb).collect() };
         for s in &mut req.seqs {
             s.adopt_prefix = s.seq_id == 10;
         }
@@ -375,14 +375,14 @@ async fn wrong_cache_length_is_detected_and_the_sequence_dropped_on_all_ranks() 
     p5.tokens = toks[..20].to_vec();
     let mut p6 = decode(6, &t6, 0, 0);
     p6.tokens = toks[..20].to_vec();
-    let r = step_all(&clients, &pb::StepRequest { step_id: 1, seqs: vec![p5, p6] }).await;
+    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 1, seqs: vec![p5, p6] }).await;
     let (r0, r1) = (r[0].as_ref().unwrap(), r[1].as_ref().unwrap());
     assert_eq!((r0.seqs[0].cache_len, r1.seqs[0].cache_len), (20, 21), "the gateway sees the disagreement on this step");
     assert_eq!((r0.seqs[1].cache_len, r1.seqs[1].cache_len), (20, 20));
     assert_eq!(r0.seqs[0].rows[0].candidate_ids.len(), 5);
     assert_eq!(r0.seqs[0].rows[0].top_ids.len(), 3);
     // Step 2: decode both; the ranks agree to drop 5 and run 6.
-    let r = step_all(&clients, &pb::StepRequest { step_id: 2, seqs: vec![decode(5, &t5, 20, toks[20]), decode(6, &t6, 20, toks[20])] }).await;
+    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 2, seqs: vec![decode(5, &t5, 20, toks[20]), decode(6, &t6, 20, toks[20])] }).await;
     for (rank, resp) in r.iter().enumerate() {
         let resp = resp.as_ref().unwrap();
         let s5 = &resp.seqs[0];
@@ -395,7 +395,7 @@ async fn wrong_cache_length_is_detected_and_the_sequence_dropped_on_all_ranks() 
     assert_eq!(r[1].as_ref().unwrap().seqs[0].cache_len, 21);
     assert_eq!(r[0].as_ref().unwrap().seqs[1].rows.len(), 1);
     // Sequence 5 was forgotten everywhere: continuing it fails on both (unknown = 0) ...
-    let r = step_all(&clients, &pb::StepRequest { step_id: 3, seqs: vec![decode(5, &t5, 21, toks[21])] }).await;
+    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 3, seqs: vec![decode(5, &t5, 21, toks[21])] }).await;
     for resp in &r {
         let s = &resp.as_ref().unwrap().seqs[0];
         assert!(s.error.contains("mismatch"), "{}", s.error);
@@ -404,18 +404,18 @@ async fn wrong_cache_length_is_detected_and_the_sequence_dropped_on_all_ranks() 
     // ... and restarting it from scratch works; sequence 6 continues.
     let mut p5 = decode(5, &t5, 0, 0);
     p5.tokens = toks[..4].to_vec();
-    let r = step_all(&clients, &pb::StepRequest { step_id: 4, seqs: vec![p5, decode(6, &t6, 21, toks[21])] }).await;
+    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 4, seqs: vec![p5, decode(6, &t6, 21, toks[21])] }).await;
     assert!(r.iter().all(|x| x.as_ref().unwrap().seqs.iter().all(|s| s.error.is_empty())));
     // Release forgets; truncate keeps a prefix.
     for c in &clients {
         c.clone().release(pb::ReleaseRequest { seq_ids: vec![6], keep_len: 10, truncate: true }).await.unwrap();
     }
-    let r = step_all(&clients, &pb::StepRequest { step_id: 5, seqs: vec![decode(6, &t6, 10, toks[10])] }).await;
+    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 5, seqs: vec![decode(6, &t6, 10, toks[10])] }).await;
     assert!(r.iter().all(|x| x.as_ref().unwrap().seqs[0].error.is_empty() && x.as_ref().unwrap().seqs[0].cache_len == 11));
     // Ranks given different steps refuse as a whole, nobody computes.
     let hs = [
-        pb::StepRequest { step_id: 6, seqs: vec![decode(6, &t6, 11, 1)] },
-        pb::StepRequest { step_id: 7, seqs: vec![decode(6, &t6, 11, 1)] },
+        pb::StepRequest { after_step_id: 0, step_id: 6, seqs: vec![decode(6, &t6, 11, 1)] },
+        pb::StepRequest { after_step_id: 0, step_id: 7, seqs: vec![decode(6, &t6, 11, 1)] },
     ];
     let mut joins = Vec::new();
     for (c, req) in clients.iter().zip(hs) {
@@ -437,14 +437,14 @@ async fn kill_9_of_a_rank_fails_the_survivors_step_quickly() {
     let toks = &seqs_of("m2-small")[2];
     let mut s = decode(1, &[0, 1], 0, 0);
     s.tokens = toks[..8].to_vec();
-    let r = step_all(&clients, &pb::StepRequest { step_id: 1, seqs: vec![s] }).await;
+    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 1, seqs: vec![s] }).await;
     assert!(r.iter().all(|x| x.is_ok()));
     // Ranks 0 and 2 get the next step; rank 1 dies before it arrives there.
     let pending: Vec<_> = [0usize, 2]
         .iter()
         .map(|&r| {
             let mut c = clients[r].clone();
-            let req = pb::StepRequest { step_id: 2, seqs: vec![decode(1, &[0, 1], 8, toks[8])] };
+            let req = pb::StepRequest { after_step_id: 0, step_id: 2, seqs: vec![decode(1, &[0, 1], 8, toks[8])] };
             tokio::spawn(async move { c.step(req).await })
         })
         .collect();
@@ -464,7 +464,7 @@ async fn kill_9_of_a_rank_fails_the_survivors_step_quickly() {
         let mut c = clients[r].clone();
         let d = wait_state(&mut c, pb::RankState::Loaded).await;
         assert!(d.error.contains("world broken"), "{}", d.error);
-        let e = c.step(pb::StepRequest { step_id: 3, seqs: vec![] }).await.unwrap_err();
+        let e = c.step(pb::StepRequest { after_step_id: 0, step_id: 3, seqs: vec![] }).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::FailedPrecondition);
     }
     drop(procs);

@@ -23,6 +23,9 @@ pub struct EngineStats {
     pub prefix_hit_tokens: u64,
     pub rank_restarts: u64,
     pub ranks_ready: u64,
+    /// Steps sent to the ranks and not answered yet, and the most at once (pipeline worlds).
+    pub steps_in_flight: u64,
+    pub steps_in_flight_max: u64,
 }
 
 impl EngineStats {

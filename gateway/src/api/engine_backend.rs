@@ -37,6 +37,8 @@ impl Backend for Engine {
             prefix_hit_tokens: m.prefix_hit_tokens,
             rank_restarts: m.rank_restarts,
             ranks_ready: m.ranks_ready,
+            steps_in_flight: m.steps_in_flight,
+            steps_in_flight_max: m.steps_in_flight_max,
         }
     }
 }

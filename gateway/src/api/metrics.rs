@@ -175,6 +175,10 @@ impl Metrics {
         let _ = writeln!(o, "minimax_rank_restarts_total {}", e.rank_restarts);
         head(&mut o, "minimax_ranks_ready", "gauge", "Ranks in the ready state.");
         let _ = writeln!(o, "minimax_ranks_ready {}", e.ranks_ready);
+        head(&mut o, "minimax_steps_in_flight", "gauge", "Steps sent to the ranks and not answered yet (pipeline worlds keep several).");
+        let _ = writeln!(o, "minimax_steps_in_flight {}", e.steps_in_flight);
+        head(&mut o, "minimax_steps_in_flight_max", "gauge", "The most steps in flight at once since the start.");
+        let _ = writeln!(o, "minimax_steps_in_flight_max {}", e.steps_in_flight_max);
         o
     }
 }

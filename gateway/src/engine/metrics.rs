@@ -27,6 +27,9 @@ pub struct Metrics {
     pub cache_mismatches: AtomicU64,
     pub preemptions: AtomicU64,
     pub steps: AtomicU64,
+    /// Steps sent to the ranks and not answered yet, and the most seen at once.
+    pub steps_in_flight: AtomicU64,
+    pub steps_in_flight_max: AtomicU64,
 }
 
 impl Metrics {
@@ -65,6 +68,10 @@ pub struct MetricsSnapshot {
     pub cache_mismatches: u64,
     pub preemptions: u64,
     pub steps: u64,
+    /// Steps sent to the ranks and not answered yet (pipeline worlds keep several).
+    pub steps_in_flight: u64,
+    /// The most steps in flight at once since the start.
+    pub steps_in_flight_max: u64,
     pub rank_restarts: u64,
     pub ranks_ready: u64,
     pub world_size: u64,
@@ -97,6 +104,8 @@ impl MetricsSnapshot {
             cache_mismatches: m.cache_mismatches.load(Relaxed),
             preemptions: m.preemptions.load(Relaxed),
             steps: m.steps.load(Relaxed),
+            steps_in_flight: m.steps_in_flight.load(Relaxed),
+            steps_in_flight_max: m.steps_in_flight_max.load(Relaxed),
             rank_restarts: 0,
             ranks_ready: 0,
             world_size: 0,

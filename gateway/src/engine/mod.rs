@@ -30,6 +30,8 @@
 //! - Same `seed`, same tokens, whatever else runs in the same steps.
 //! - `score` never reads nor fills the prefix cache and never marks cached pages as recently
 //!   used; it returns `tokens.len() - 1` logprobs (the first token is unscored).
+//! - A step the ranks refuse as a whole (INVALID_ARGUMENT, e.g. a sampling parameter the head
+//!   rank rejects) fails its sequences with `Internal`; the others go on.
 //! - When a rank dies every running and queued request fails with `RankFailure`; new
 //!   requests get `NotReady` until the supervisor has the world back.
 //!
@@ -51,9 +53,14 @@ pub use metrics::MetricsSnapshot;
 pub use types::*;
 
 use crate::ranks::supervisor::{Supervisor, WorldConfig};
-use crate::ranks::{ModelSummary, RankWorld, WorldInfo, WorldState};
-use crate::sched::{SchedConfig, Scheduler, Seq};
+use crate::ranks::{BoxFuture, ModelSummary, RankWorld, WorldError, WorldInfo, WorldState};
+use crate::sched::{Plan, SchedConfig, Scheduler, Seq};
+use futures_util::StreamExt;
+use futures_util::stream::FuturesUnordered;
 use metrics::Metrics;
+
+/// One step in flight: its plan and, once every rank answered, the answers.
+type StepFuture = BoxFuture<'static, (Plan, Result<Vec<minimax_proto::v1::StepResponse>, WorldError>)>;
 
 /// Everything the engine needs to start.
 #[derive(Clone, Debug)]
@@ -253,7 +260,9 @@ impl Engine {
 }
 
 /// The batching loop: waits for a ready world, then plans steps, sends them to every rank and
-/// applies the answers, until the world breaks (then fails everything and waits again).
+/// applies the answers, until the world breaks (then fails everything and waits again). A
+/// pipeline world keeps several steps of disjoint sequence groups in flight, applied in the
+/// order they complete; a step the ranks refuse as a whole fails only its sequences.
 async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::UnboundedReceiver<Cmd>, metrics: Arc<Metrics>, queued: Arc<AtomicUsize>, dead: Arc<AtomicU64>) {
     let mut state = world.subscribe();
     let mut sched: Option<Scheduler> = None;
@@ -296,6 +305,14 @@ async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::Unbo
         for seq in early.drain(..) {
             submit(s, seq);
         }
+        let depth = cfg.steps_in_flight(&info.parallelism, info.world_size as usize);
+        s.set_steps_in_flight(depth);
+        if depth > 1 {
+            tracing::info!(generation, steps = depth, "pipeline world: keeping several steps of disjoint sequence groups in flight");
+        }
+        // The steps sent and not answered yet, with their plans.
+        let mut inflight: FuturesUnordered<StepFuture> = FuturesUnordered::new();
+        let mut last_sent = 0u64;
         loop {
             // New requests.
             while let Ok(Cmd::Submit(seq)) = cmd_rx.try_recv() {
@@ -307,6 +324,8 @@ async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::Unbo
                 if !matches!(&st, WorldState::Ready(i) if i.generation == generation) {
                     dead_generation = generation;
                     dead.store(generation, Ordering::SeqCst);
+                    inflight.clear();
+                    metrics.steps_in_flight.store(0, Ordering::Relaxed);
                     s.fail_all(EngineError::RankFailure(st.describe()));
                     sync_queue(s, 0);
                     continue 'outer;
@@ -314,10 +333,23 @@ async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::Unbo
             }
             s.reap_cancelled();
             release(&world, generation, s.take_releases());
-            let plan = s.plan();
+            // Keep up to `depth` steps of disjoint sequence groups in flight (pipeline worlds;
+            // one otherwise). A step sent while others are in flight follows the last one sent
+            // (`after_step_id`), so every rank agrees on them in the order they were sent.
+            while inflight.len() < depth {
+                let Some(mut plan) = s.plan() else { break };
+                plan.request.after_step_id = if inflight.is_empty() { 0 } else { last_sent };
+                last_sent = plan.request.step_id;
+                metrics.steps.fetch_add(1, Ordering::Relaxed);
+                let w = world.clone();
+                let req = plan.request.clone();
+                inflight.push(Box::pin(async move { (plan, w.step(generation, req).await) }));
+                metrics.steps_in_flight.store(inflight.len() as u64, Ordering::Relaxed);
+                metrics.steps_in_flight_max.fetch_max(inflight.len() as u64, Ordering::Relaxed);
+            }
             sync_queue(s, 0);
             release(&world, generation, s.take_releases());
-            let Some(plan) = plan else {
+            if inflight.is_empty() {
                 // Idle: wait for work or a world change. Waiting requests whose client left are
                 // reaped on the next pass.
                 tokio::select! {
@@ -329,11 +361,30 @@ async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::Unbo
                     _ = tokio::time::sleep(Duration::from_millis(100)), if !s.is_idle() => {}
                 }
                 continue;
+            }
+            // Wait for the first step to complete; with a free slot, new work may fill it
+            // meanwhile (and clients that left are reaped every 100 ms).
+            let (plan, result) = tokio::select! {
+                done = inflight.next() => done.expect("steps in flight"),
+                cmd = cmd_rx.recv(), if inflight.len() < depth => {
+                    match cmd {
+                        None => break 'outer,
+                        Some(Cmd::Submit(seq)) => submit(s, seq),
+                    }
+                    continue;
+                }
+                _ = tokio::time::sleep(Duration::from_millis(100)), if inflight.len() < depth => continue,
             };
-            metrics.steps.fetch_add(1, Ordering::Relaxed);
-            match world.step(generation, plan.request.clone()).await {
+            metrics.steps_in_flight.store(inflight.len() as u64, Ordering::Relaxed);
+            match result {
                 Ok(responses) => {
                     s.complete(plan, &responses, head);
+                    sync_queue(s, 0);
+                    release(&world, generation, s.take_releases());
+                }
+                Err(WorldError::Rejected(why)) => {
+                    tracing::error!(generation, step = plan.request.step_id, error = %why, "step refused by the ranks; failing its sequences");
+                    s.fail_plan(plan, EngineError::Internal(why));
                     sync_queue(s, 0);
                     release(&world, generation, s.take_releases());
                 }
@@ -343,6 +394,8 @@ async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::Unbo
                     dead_generation = generation;
                     dead.store(generation, Ordering::SeqCst);
                     world.report_broken(generation, why.clone());
+                    inflight.clear();
+                    metrics.steps_in_flight.store(0, Ordering::Relaxed);
                     s.fail_all(EngineError::RankFailure(format!("{why}; the ranks are being restarted, retry shortly")));
                     sync_queue(s, 0);
                     continue 'outer;

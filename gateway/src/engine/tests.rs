@@ -151,3 +151,60 @@ async fn crash_while_idle_is_noticed_and_the_new_world_is_used() {
     let ev = finish(e.generate(greedy("b", (1..10).collect(), 2)).unwrap()).await;
     assert!(matches!(ev.last(), Some(GenEvent::Finished { .. })), "{ev:?}");
 }
+
+/// Tokens of each stream, in order (a failed stream ends with `None`).
+async fn tokens_of(streams: Vec<GenStream>) -> Vec<(Vec<u32>, Option<EngineError>)> {
+    let mut out = vec![];
+    for s in streams {
+        let mut toks = vec![];
+        let mut err = None;
+        for e in finish(s).await {
+            match e {
+                GenEvent::Token { id, .. } => toks.push(id),
+                GenEvent::Failed(e) => err = Some(e),
+                _ => {}
+            }
+        }
+        out.push((toks, err));
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pipeline_worlds_keep_several_steps_in_flight_with_the_same_tokens() {
+    let prompts: Vec<Vec<u32>> = (0..4u32).map(|i| (1..12 + i).map(|t| (t * 7 + i * 13) % 90 + 1).collect()).collect();
+    let run = |parallelism: &'static str, inflight: usize| {
+        let prompts = prompts.clone();
+        async move {
+            let cfg = FakeConfig { parallelism, step_delay: Duration::from_millis(5), ..Default::default() };
+            let (e, _w) = engine(cfg, SchedConfig { prefill_chunk: 5, pipeline_inflight: inflight, ..Default::default() });
+            let streams = prompts.iter().enumerate().map(|(i, p)| e.generate(greedy(&format!("r{i}"), p.clone(), 12)).unwrap()).collect();
+            (tokens_of(streams).await, e.metrics())
+        }
+    };
+    let (one, m1) = run("tensor", 0).await;
+    let (two, m2) = run("pipeline", 0).await;
+    let (off, m3) = run("pipeline", 1).await;
+    assert!(one.iter().all(|(t, e)| t.len() == 12 && e.is_none()), "{one:?}");
+    assert_eq!(two, one, "steps in flight changed the tokens");
+    assert_eq!(off, one);
+    assert_eq!(m1.steps_in_flight_max, 1);
+    assert_eq!(m2.steps_in_flight_max, 2, "{m2:?}");
+    assert_eq!(m3.steps_in_flight_max, 1);
+    assert_eq!(m2.steps_in_flight, 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_step_fails_only_its_sequences() {
+    let cfg = FakeConfig { parallelism: "pipeline", step_delay: Duration::from_millis(2), ..Default::default() };
+    let (e, w) = engine(cfg, SchedConfig::default());
+    w.set_refuse_token(95);
+    let good = e.generate(greedy("good", (1..10).collect(), 8)).unwrap();
+    let bad = e.generate(greedy("bad", vec![3, 95, 4], 8)).unwrap();
+    let out = tokens_of(vec![good, bad]).await;
+    assert_eq!(out[0].0.len(), 8);
+    assert_eq!(out[0].1, None);
+    assert!(matches!(&out[1].1, Some(EngineError::Internal(m)) if m.contains("refused")), "{:?}", out[1]);
+    assert_eq!(e.metrics().rank_restarts, 0);
+    assert!(e.ready());
+}

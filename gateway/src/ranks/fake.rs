@@ -34,11 +34,13 @@ pub struct FakeConfig {
     pub step_delay: Duration,
     /// Time a crashed world takes to come back.
     pub restart_delay: Duration,
+    /// `tensor` or `pipeline` (a pipeline world of several ranks gets several steps in flight).
+    pub parallelism: &'static str,
 }
 
 impl Default for FakeConfig {
     fn default() -> Self {
-        Self { vocab: 97, page_size: 4, n_pages: 64, context: 256, world_size: 2, step_delay: Duration::ZERO, restart_delay: Duration::from_millis(50) }
+        Self { vocab: 97, page_size: 4, n_pages: 64, context: 256, world_size: 2, step_delay: Duration::ZERO, restart_delay: Duration::from_millis(50), parallelism: "tensor" }
     }
 }
 
@@ -58,6 +60,7 @@ pub struct FakeWorld {
     st: Mutex<State>,
     restarts: AtomicU64,
     wrong_len_token: Mutex<Option<(u32, u32)>>,
+    refuse_token: Mutex<Option<u32>>,
     released: Mutex<Vec<u64>>,
 }
 
@@ -67,7 +70,7 @@ impl FakeWorld {
         let n = (cfg.n_pages * cfg.page_size) as usize;
         let st = State { generation: 1, slots: vec![None; n], lens: vec![HashMap::new(); cfg.world_size as usize], steps: 0 };
         let (state_tx, _) = watch::channel(WorldState::Ready(Self::info(&cfg, 1)));
-        Self { cfg, state_tx, st: Mutex::new(st), restarts: AtomicU64::new(0), wrong_len_token: Mutex::new(None), released: Mutex::new(vec![]) }
+        Self { cfg, state_tx, st: Mutex::new(st), restarts: AtomicU64::new(0), wrong_len_token: Mutex::new(None), refuse_token: Mutex::new(None), released: Mutex::new(vec![]) }
     }
 
     fn info(cfg: &FakeConfig, generation: u64) -> WorldInfo {
@@ -77,7 +80,7 @@ impl FakeWorld {
             page_size: cfg.page_size,
             n_pages: cfg.n_pages,
             head_rank: 0,
-            parallelism: "tensor".into(),
+            parallelism: cfg.parallelism.into(),
             device: "fake".into(),
             model: ModelSummary { name: "fake".into(), architecture: "fake".into(), n_layers: 1, vocab_size: cfg.vocab, context_length: cfg.context },
         }
@@ -87,6 +90,12 @@ impl FakeWorld {
     /// `token`.
     pub fn set_wrong_len_token(&self, rank: u32, token: u32) {
         *self.wrong_len_token.lock().unwrap() = Some((rank, token));
+    }
+
+    /// From now on, the ranks refuse every step that feeds `token` as a whole
+    /// (`WorldError::Rejected`, as a rank's INVALID_ARGUMENT), changing nothing.
+    pub fn set_refuse_token(&self, token: u32) {
+        *self.refuse_token.lock().unwrap() = Some(token);
     }
 
     /// Simulates a rank death: the world goes `Restarting`, in-flight steps fail, and after
@@ -137,6 +146,11 @@ impl FakeWorld {
         let mut st = self.st.lock().unwrap();
         if st.generation != generation || self.state_tx.borrow().ready().is_none() {
             return Err(WorldError::Broken(self.state_tx.borrow().describe()));
+        }
+        if let Some(t) = *self.refuse_token.lock().unwrap()
+            && req.seqs.iter().any(|s| s.tokens.contains(&t))
+        {
+            return Err(WorldError::Rejected(format!("rank 0 refused the step: token {t}")));
         }
         st.steps += 1;
         let fault = *self.wrong_len_token.lock().unwrap();

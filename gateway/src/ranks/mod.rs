@@ -86,6 +86,10 @@ impl WorldState {
 pub enum WorldError {
     #[error("{0}")]
     Broken(String),
+    /// A rank refused the step as a whole before changing any state (INVALID_ARGUMENT: the
+    /// batch is invalid, the same on every rank): only that step's sequences fail.
+    #[error("{0}")]
+    Rejected(String),
     #[error("{0}")]
     NotReady(String),
 }

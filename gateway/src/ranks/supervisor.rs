@@ -207,6 +207,7 @@ impl RankWorld for Supervisor {
                     let (r, res) = j.map_err(|e| WorldError::Broken(format!("step task: {e}")))?;
                     match res {
                         Err(_) => return Err(WorldError::Broken(format!("rank {r} did not answer step within {timeout:?}"))),
+                        Ok(Err(status)) if status.code() == tonic::Code::InvalidArgument => return Err(WorldError::Rejected(format!("rank {r} refused the step: {}", status.message()))),
                         Ok(Err(status)) => return Err(WorldError::Broken(format!("rank {r} step failed: {}", status.message()))),
                         Ok(Ok(resp)) => out[r] = Some(resp.into_inner()),
                     }

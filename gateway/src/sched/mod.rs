@@ -17,6 +17,11 @@
 //!    the prefix cache; it is re-queued at the front and recomputes from its tokens so far);
 //!    a lone sequence that still can't grow ends with `Length` (KV memory exhausted).
 //!
+//! Pipeline worlds keep several planned steps in flight ([`SchedConfig::pipeline_inflight`]):
+//! a sequence belongs to at most one of them, so [`Scheduler::plan`] leaves out sequences in
+//! flight (their pages too: they are neither preempted nor reaped until their step completes)
+//! and every plan is completed, or failed, on its own.
+//!
 //! A sequence's tokens are `prompt + generated`; its cache holds `kv_len` of them. A step feeds
 //! `tokens[kv_len .. kv_len + n]` and asks for the last row's logits when that reaches the end,
 //! so decode is a one-token prefill and a preempted sequence resumes like a new prompt.
@@ -24,7 +29,7 @@
 #[cfg(test)]
 mod tests;
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -47,11 +52,24 @@ pub struct SchedConfig {
     pub max_running: usize,
     /// Most requests waiting for admission; more are refused (429).
     pub max_queue: usize,
+    /// Steps of disjoint sequence groups kept in flight in a pipeline world of several stages
+    /// (0: one per stage; 1: one step at a time). Other worlds always run one at a time.
+    pub pipeline_inflight: usize,
 }
 
 impl Default for SchedConfig {
     fn default() -> Self {
-        Self { prefill_chunk: 512, max_step_tokens: 2048, max_running: 64, max_queue: 256 }
+        Self { prefill_chunk: 512, max_step_tokens: 2048, max_running: 64, max_queue: 256, pipeline_inflight: 0 }
+    }
+}
+
+impl SchedConfig {
+    /// How many steps the engine keeps in flight in a world of `world_size` ranks.
+    pub fn steps_in_flight(&self, parallelism: &str, world_size: usize) -> usize {
+        if parallelism != "pipeline" || world_size < 2 {
+            return 1;
+        }
+        if self.pipeline_inflight == 0 { world_size } else { self.pipeline_inflight }
     }
 }
 
@@ -229,6 +247,11 @@ pub struct Scheduler {
     metrics: Arc<Metrics>,
     /// Rank-side sequence ids to release.
     to_release: Vec<u64>,
+    /// Sequences in a planned step that has not completed yet.
+    in_flight: HashSet<u64>,
+    /// Steps the engine keeps in flight: a step takes at most `1/groups` of the running
+    /// sequences, so they split into that many groups that take turns through the stages.
+    groups: usize,
 }
 
 impl Scheduler {
@@ -248,6 +271,8 @@ impl Scheduler {
             admit_counter: 0,
             metrics,
             to_release: Vec::new(),
+            in_flight: HashSet::new(),
+            groups: 1,
         }
     }
 
@@ -275,6 +300,16 @@ impl Scheduler {
         self.waiting.is_empty() && self.running.is_empty()
     }
 
+    /// Sequences in planned steps not completed yet.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// How many steps the engine keeps in flight (1: one step runs every running sequence).
+    pub fn set_steps_in_flight(&mut self, n: usize) {
+        self.groups = n.max(1);
+    }
+
     /// A new world (restart, or a different page count): everything is forgotten. Callers fail
     /// the sequences first ([`Scheduler::fail_all`]).
     pub fn reset_world(&mut self, page_size: usize, n_pages: usize, context: usize) {
@@ -282,6 +317,7 @@ impl Scheduler {
         self.kv.reset(page_size, n_pages);
         self.context = context;
         self.to_release.clear();
+        self.in_flight.clear();
         self.publish_gauges();
     }
 
@@ -296,7 +332,8 @@ impl Scheduler {
         std::mem::take(&mut self.to_release)
     }
 
-    /// Drops sequences whose receiver is gone (client disconnected), freeing their pages.
+    /// Drops sequences whose receiver is gone (client disconnected), freeing their pages. A
+    /// sequence in flight is dropped once its step completed (its pages are being written).
     pub fn reap_cancelled(&mut self) -> usize {
         let mut n = 0;
         let before = self.waiting.len();
@@ -304,7 +341,7 @@ impl Scheduler {
         n += before - self.waiting.len();
         let mut i = 0;
         while i < self.running.len() {
-            if self.running[i].out.closed() {
+            if self.running[i].out.closed() && !self.in_flight.contains(&self.running[i].seq_id) {
                 let mut s = self.running.remove(i);
                 tracing::info!(request_id = %s.request_id, generated = s.generated, "request cancelled: client went away");
                 self.drop_seq(&mut s);
@@ -337,6 +374,21 @@ impl Scheduler {
             finish_with_error(&mut s, err.clone(), &self.metrics);
         }
         self.to_release.clear();
+        self.in_flight.clear();
+        self.publish_gauges();
+    }
+
+    /// A planned step failed as a whole on the ranks without breaking the world (every rank
+    /// refused it before changing any state): only its sequences fail.
+    pub fn fail_plan(&mut self, plan: Plan, err: EngineError) {
+        for (id, _, _) in plan.entries {
+            self.in_flight.remove(&id);
+            if let Some(idx) = self.running.iter().position(|s| s.seq_id == id) {
+                let mut s = self.running.remove(idx);
+                self.drop_seq(&mut s);
+                finish_with_error(&mut s, err.clone(), &self.metrics);
+            }
+        }
         self.publish_gauges();
     }
 
@@ -382,10 +434,10 @@ impl Scheduler {
         }
     }
 
-    /// Preempts the most recently admitted running sequence other than `keep`. Returns false
-    /// when there is none.
+    /// Preempts the most recently admitted running sequence other than `keep` (and not in
+    /// flight). Returns false when there is none.
     fn preempt_newest_except(&mut self, keep: u64) -> bool {
-        let Some(i) = self.running.iter().enumerate().filter(|(_, s)| s.seq_id != keep).max_by_key(|(_, s)| s.admitted_order).map(|(i, _)| i) else {
+        let Some(i) = self.running.iter().enumerate().filter(|(_, s)| s.seq_id != keep && !self.in_flight.contains(&s.seq_id)).max_by_key(|(_, s)| s.admitted_order).map(|(i, _)| i) else {
             return false;
         };
         let mut s = self.running.remove(i);
@@ -396,7 +448,9 @@ impl Scheduler {
         true
     }
 
-    /// Admits what fits and builds the next step, or `None` when there is nothing to run.
+    /// Admits what fits and builds the next step, or `None` when there is nothing to run. The
+    /// step leaves out sequences in flight; they are in flight until [`Scheduler::complete`]
+    /// (or [`Scheduler::fail_plan`]) takes the returned plan back.
     pub fn plan(&mut self) -> Option<Plan> {
         let mut allow_admit = true;
         loop {
@@ -404,8 +458,15 @@ impl Scheduler {
                 self.admit();
             }
             if let Some(plan) = self.build() {
+                self.in_flight.extend(plan.entries.iter().map(|e| e.0));
                 self.publish_gauges();
                 return Some(plan);
+            }
+            // Steps in flight will move their sequences on (or free pages): wait for them
+            // rather than preempt or end anything.
+            if !self.in_flight.is_empty() {
+                self.publish_gauges();
+                return None;
             }
             if self.running.is_empty() {
                 self.publish_gauges();
@@ -439,13 +500,16 @@ impl Scheduler {
     fn build(&mut self) -> Option<Plan> {
         let ps = self.kv.page_size();
         // Decode-class (one token to feed) first, then prefills, each in admission order.
-        let mut order: Vec<(bool, u64, u64)> = self.running.iter().map(|s| (s.remaining() != 1, s.admitted_order, s.seq_id)).collect();
+        let mut order: Vec<(bool, u64, u64)> =
+            self.running.iter().filter(|s| !self.in_flight.contains(&s.seq_id)).map(|s| (s.remaining() != 1, s.admitted_order, s.seq_id)).collect();
         order.sort();
         let mut budget = self.cfg.max_step_tokens;
+        // Several steps in flight: each takes its share of the running sequences.
+        let max_seqs = self.running.len().div_ceil(self.groups).max(1);
         let mut entries: Vec<(u64, usize, usize)> = Vec::new();
         let mut seqs = Vec::new();
         for (_, _, id) in order {
-            if budget == 0 {
+            if budget == 0 || entries.len() == max_seqs {
                 break;
             }
             // (A sequence may have been preempted meanwhile.)
@@ -466,8 +530,14 @@ impl Scheduler {
                     self.running[idx].pages.extend(p);
                     break n;
                 }
-                // Preempt a sequence admitted after this one (and not in this step yet).
-                let newer = self.running.iter().filter(|s| s.admitted_order > me && !entries.iter().any(|e| e.0 == s.seq_id)).max_by_key(|s| s.admitted_order).map(|s| s.seq_id);
+                // Preempt a sequence admitted after this one (and not in this step yet, nor in
+                // flight).
+                let newer = self
+                    .running
+                    .iter()
+                    .filter(|s| s.admitted_order > me && !entries.iter().any(|e| e.0 == s.seq_id) && !self.in_flight.contains(&s.seq_id))
+                    .max_by_key(|s| s.admitted_order)
+                    .map(|s| s.seq_id);
                 if let Some(victim) = newer {
                     let vi = self.running.iter().position(|s| s.seq_id == victim).unwrap();
                     let mut v = self.running.remove(vi);
@@ -493,7 +563,7 @@ impl Scheduler {
         }
         let step_id = self.next_step;
         self.next_step += 1;
-        Some(Plan { request: StepRequest { step_id, seqs }, entries })
+        Some(Plan { request: StepRequest { step_id, seqs, after_step_id: 0 }, entries })
     }
 
     /// Applies every rank's answer to a planned step: the KV-length handshake, then sampling or
@@ -501,6 +571,9 @@ impl Scheduler {
     pub fn complete(&mut self, plan: Plan, responses: &[StepResponse], head: usize) {
         let by_rank: Vec<HashMap<u64, &minimax_proto::v1::SeqResult>> = responses.iter().map(|r| r.seqs.iter().map(|s| (s.seq_id, s)).collect()).collect();
         let ps = self.kv.page_size();
+        for (id, _, _) in &plan.entries {
+            self.in_flight.remove(id);
+        }
         for (entry, (id, expected, n)) in plan.entries.into_iter().enumerate() {
             let Some(idx) = self.running.iter().position(|s| s.seq_id == id) else { continue };
             // The handshake: every rank executed it and agrees on the new length.

@@ -308,3 +308,168 @@ fn validation_limits() {
     assert_eq!(validate(16, 16, 64, true), Ok(()));
     assert_eq!(validate(40, 100, 32, false), Err(EngineError::PromptTooLong { prompt: 40, context: 32 }));
 }
+
+/// Pages a plan's entries write (from their expected length to their new end).
+fn written_pages(plan: &Plan, page_size: usize) -> Vec<u32> {
+    let mut out = vec![];
+    for q in &plan.request.seqs {
+        let (from, to) = (q.expected_cache_len as usize, q.expected_cache_len as usize + q.tokens.len());
+        out.extend_from_slice(&q.page_table[from / page_size..to.div_ceil(page_size)]);
+    }
+    out
+}
+
+/// Keeps `depth` plans in flight and completes them newest first (out of order), until idle.
+async fn drive_in_flight(s: &mut Scheduler, w: &FakeWorld, depth: usize) -> usize {
+    let mut most = 0;
+    let mut flight: Vec<(Plan, Vec<StepResponse>)> = vec![];
+    for _ in 0..10_000 {
+        s.reap_cancelled();
+        let rel = s.take_releases();
+        if !rel.is_empty() {
+            w.release(1, rel).await.unwrap();
+        }
+        while flight.len() < depth {
+            let Some(plan) = s.plan() else { break };
+            // Disjoint from every plan in flight: no sequence, no written page in common.
+            for (other, _) in &flight {
+                for q in &plan.request.seqs {
+                    assert!(other.request.seqs.iter().all(|o| o.seq_id != q.seq_id), "sequence {} planned twice", q.seq_id);
+                }
+                let mine = written_pages(&plan, 4);
+                assert!(written_pages(other, 4).iter().all(|p| !mine.contains(p)), "a page written by two steps in flight");
+            }
+            let resp = w.step(1, plan.request.clone()).await.unwrap();
+            flight.push((plan, resp));
+        }
+        most = most.max(flight.len());
+        let Some((plan, resp)) = flight.pop() else { break };
+        s.complete(plan, &resp, 0);
+        s.kv().check_invariants();
+    }
+    assert!(s.is_idle(), "scheduler did not drain");
+    assert_eq!(s.in_flight(), 0);
+    most
+}
+
+#[tokio::test]
+async fn steps_in_flight_take_disjoint_groups_and_give_the_same_tokens() {
+    let w = world(4, 64, 256);
+    let mut s = sched(&w, SchedConfig { prefill_chunk: 5, ..Default::default() });
+    s.set_steps_in_flight(2);
+    let prompts: Vec<Vec<u32>> = (0..5u32).map(|i| (1..8 + i).map(|t| t * (i + 3) % 90 + 1).collect()).collect();
+    let mut rxs: Vec<_> = prompts.iter().enumerate().map(|(i, p)| submit(&mut s, req(&format!("r{i}"), p.clone(), 6, greedy()))).collect();
+    // Five sequences, two steps in flight: the first takes three, the second the other two,
+    // and a third plan has nobody left to run.
+    let p1 = s.plan().unwrap();
+    let p2 = s.plan().unwrap();
+    assert_eq!((p1.n_seqs(), p2.n_seqs()), (3, 2));
+    assert!(s.plan().is_none(), "every running sequence is in flight");
+    assert_eq!(s.in_flight(), 5);
+    // The second completes first; its sequences are planned again, the first's are not.
+    let r2 = w.step(1, p2.request.clone()).await.unwrap();
+    let ids2: Vec<u64> = p2.request.seqs.iter().map(|q| q.seq_id).collect();
+    s.complete(p2, &r2, 0);
+    let p3 = s.plan().unwrap();
+    assert!(p3.request.seqs.iter().all(|q| ids2.contains(&q.seq_id)), "{:?}", p3.request);
+    let r1 = w.step(1, p1.request.clone()).await.unwrap();
+    s.complete(p1, &r1, 0);
+    let r3 = w.step(1, p3.request.clone()).await.unwrap();
+    s.complete(p3, &r3, 0);
+    let most = drive_in_flight(&mut s, &w, 2).await;
+    assert_eq!(most, 2);
+    for (i, rx) in rxs.iter_mut().enumerate() {
+        let (toks, reason, _, err) = outcome(rx);
+        assert_eq!(err, None);
+        assert_eq!(reason, Some(FinishReason::Length));
+        assert_eq!(toks, reference_greedy(&w, &prompts[i], 6), "request {i}");
+    }
+}
+
+#[tokio::test]
+async fn a_cancelled_sequence_in_flight_keeps_its_pages_until_its_step_completes() {
+    let w = world(4, 64, 256);
+    let mut s = sched(&w, SchedConfig::default());
+    s.set_steps_in_flight(2);
+    let mut keep = submit(&mut s, req("keep", (1..10).collect(), 4, greedy()));
+    let gone = submit(&mut s, req("gone", (20..30).collect(), 4, greedy()));
+    let p1 = s.plan().unwrap();
+    let p2 = s.plan().unwrap();
+    assert_eq!((p1.n_seqs(), p2.n_seqs()), (1, 1));
+    drop(gone);
+    // Its step still writes its pages: nothing is reaped or released yet.
+    let used = s.kv().used_pages();
+    assert_eq!(s.reap_cancelled(), 0);
+    assert!(s.take_releases().is_empty());
+    assert_eq!(s.kv().used_pages(), used);
+    for p in [p2, p1] {
+        let r = w.step(1, p.request.clone()).await.unwrap();
+        s.complete(p, &r, 0);
+    }
+    assert_eq!(s.reap_cancelled(), 1);
+    assert_eq!(s.take_releases().len(), 1);
+    drive_in_flight(&mut s, &w, 2).await;
+    let (toks, reason, _, err) = outcome(&mut keep);
+    assert_eq!((err, reason), (None, Some(FinishReason::Length)));
+    assert_eq!(toks, reference_greedy(&w, &(1..10).collect::<Vec<_>>(), 4));
+}
+
+#[tokio::test]
+async fn a_refused_plan_fails_only_its_sequences() {
+    let w = world(4, 64, 256);
+    let mut s = sched(&w, SchedConfig::default());
+    s.set_steps_in_flight(2);
+    let mut a = submit(&mut s, req("a", (1..10).collect(), 3, greedy()));
+    let mut b = submit(&mut s, req("b", (20..30).collect(), 3, greedy()));
+    let pa = s.plan().unwrap();
+    let pb = s.plan().unwrap();
+    s.fail_plan(pa, EngineError::Internal("refused".into()));
+    assert_eq!(s.in_flight(), 1);
+    assert_eq!(s.running(), 1);
+    assert_eq!(s.take_releases().len(), 1);
+    let r = w.step(1, pb.request.clone()).await.unwrap();
+    s.complete(pb, &r, 0);
+    drive_in_flight(&mut s, &w, 2).await;
+    assert_eq!(outcome(&mut a).3, Some(EngineError::Internal("refused".into())));
+    let (toks, reason, _, err) = outcome(&mut b);
+    assert_eq!((err, reason), (None, Some(FinishReason::Length)));
+    assert_eq!(toks, reference_greedy(&w, &(20..30).collect::<Vec<_>>(), 3));
+    assert_eq!(s.kv().used_pages(), 0);
+}
+
+#[tokio::test]
+async fn one_step_in_flight_plans_every_running_sequence() {
+    let w = world(4, 64, 256);
+    let mut s = sched(&w, SchedConfig::default());
+    let _rxs: Vec<_> = (0..5u32).map(|i| submit(&mut s, req(&format!("r{i}"), vec![i + 1; 5], 2, greedy()))).collect();
+    assert_eq!(s.plan().unwrap().n_seqs(), 5);
+    assert_eq!(SchedConfig::default().steps_in_flight("pipeline", 3), 3);
+    assert_eq!(SchedConfig { pipeline_inflight: 2, ..Default::default() }.steps_in_flight("pipeline", 4), 2);
+    assert_eq!(SchedConfig::default().steps_in_flight("tensor", 4), 1);
+    assert_eq!(SchedConfig::default().steps_in_flight("pipeline", 1), 1);
+}
+
+#[tokio::test]
+async fn memory_pressure_with_steps_in_flight_never_touches_a_sequence_in_flight() {
+    // The memory-pressure scenario above with two steps in flight (completed newest first):
+    // preemption only picks sequences outside every step in flight, outputs stay exact.
+    let w = world(4, 12, 256);
+    let mut s = sched(&w, SchedConfig::default());
+    s.set_steps_in_flight(2);
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| (0..10).map(|t| t + 10 * i + 1).collect()).collect();
+    let mut rxs: Vec<_> = prompts.iter().enumerate().map(|(i, p)| submit(&mut s, req(&format!("p{i}"), p.clone(), 12, greedy()))).collect();
+    drive_in_flight(&mut s, &w, 2).await;
+    for (i, rx) in rxs.iter_mut().enumerate() {
+        let (toks, reason, _, err) = outcome(rx);
+        assert_eq!(err, None, "seq {i}");
+        assert_eq!(reason, Some(FinishReason::Length));
+        assert_eq!(toks, reference_greedy(&w, &prompts[i], 12), "seq {i}");
+    }
+    assert_eq!(s.kv().used_pages(), 0);
+    // A lone sequence that outgrows memory still ends with Length.
+    let mut rx = submit(&mut s, req("a", (1..11).collect(), 100, greedy()));
+    drive_in_flight(&mut s, &w, 2).await;
+    let (toks, reason, ..) = outcome(&mut rx);
+    assert_eq!(reason, Some(FinishReason::Length));
+    assert!(!toks.is_empty());
+}

@@ -8,8 +8,9 @@ mod authority;
 mod huffman_table;
 mod step;
 
+use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
 use minimax_proto::v1 as pb;
@@ -110,12 +111,6 @@ pub(crate) struct World {
     transport: Arc<TestTransport>,
 }
 
-impl World {
-    fn world_size(&self) -> usize {
-        self.transport.world()
-    }
-}
-
 /// The loaded model plus everything a step mutates; locked for the duration of a step.
 pub(crate) struct Engine {
     rank: u32,
@@ -124,7 +119,6 @@ pub(crate) struct Engine {
     parallelism: Parallelism,
     kv: KvSpec,
     head: bool,
-    seqs: SeqTable,
     world: Option<World>,
     /// Test-only scripted replay (head rank).
     replay: Option<crate::replay::Replay>,
@@ -146,6 +140,14 @@ struct Shared {
     cfg: ServeConfig,
     status: Mutex<Status_>,
     engine: Mutex<Option<Engine>>,
+    /// What this rank believes each sequence's cache length is. Lock order: `engine` first.
+    /// Pipelined steps agree (and advance lengths) under this lock alone, while another
+    /// step computes under `engine`.
+    seqs: Mutex<SeqTable>,
+    /// The loaded model's vocabulary and context length (validation without the engine).
+    limits: Mutex<Option<(usize, usize)>>,
+    /// The order of pipelined steps (pipeline worlds).
+    pipe: Pipe,
     /// The current world's transport, watched for a dead peer without taking the engine lock.
     transport: Mutex<Option<Arc<TestTransport>>>,
     /// The current world's NCCL communicator, aborted by the watcher when a peer died while
@@ -194,11 +196,13 @@ impl Shared {
     }
 
     /// The world broke (a peer died or a collective failed): forget it and every sequence.
+    /// The caller must not hold `seqs`.
     fn world_broken(&self, engine: Option<&mut Engine>, why: &str) {
         self.abort_comms(why);
+        self.pipe.reset();
         if let Some(e) = engine {
             e.world = None;
-            e.seqs.clear();
+            self.seqs.lock().unwrap().clear();
         }
         if self.state() == pb::RankState::Ready {
             tracing::error!("world broken: {why}");
@@ -293,7 +297,11 @@ impl Rank for RankService {
         }
         let shared = self.shared.clone();
         let req = req.into_inner();
+        let pipelined = shared.cfg.parallelism == Parallelism::Pipeline && shared.cfg.world_size > 1;
         let res = tokio::task::spawn_blocking(move || {
+            if pipelined {
+                return pipelined_step(&shared, &req);
+            }
             let mut guard = shared.engine.lock().unwrap();
             let engine = guard.as_mut().ok_or_else(|| Status::failed_precondition("no model loaded"))?;
             if engine.world.is_none() && shared.cfg.world_size > 1 {
@@ -303,7 +311,7 @@ impl Rank for RankService {
             // died), whatever the step computed is garbage.
             let comm = shared.comm_abort.lock().unwrap().clone();
             *shared.step_started.lock().unwrap() = Some(Instant::now());
-            let res = engine.step(&req);
+            let res = engine.step(&mut shared.seqs.lock().unwrap(), &req);
             *shared.step_started.lock().unwrap() = None;
             let res = match (res, comm.filter(|c| c.is_aborted())) {
                 (Ok(_) | Err(StepError::Backend(_)), Some(_)) => {
@@ -334,8 +342,9 @@ impl Rank for RankService {
         let shared = self.shared.clone();
         tokio::task::spawn_blocking(move || {
             if let Some(e) = shared.engine.lock().unwrap().as_mut() {
+                let mut seqs = shared.seqs.lock().unwrap();
                 for &id in &req.seq_ids {
-                    if req.truncate { e.seqs.truncate(id, req.keep_len) } else { e.seqs.forget(id) }
+                    if req.truncate { seqs.truncate(id, req.keep_len) } else { seqs.forget(id) }
                 }
                 if let Some(r) = e.replay.as_mut().filter(|_| !req.truncate) {
                     r.release(&req.seq_ids);
@@ -413,6 +422,189 @@ fn join(shared: &Shared, req: pb::CollectiveRequest) -> Result<pb::CollectiveRes
     Ok(pb::CollectiveResponse { unique_id: req.unique_id, self_test_sum: sum })
 }
 
+/// The order of pipelined steps on this rank (pipeline worlds): agreements run in the order
+/// the gateway chained them (`StepRequest.after_step_id`), ahead of the compute, which runs
+/// one step at a time in the order the agreements ended (tickets). Every rank agrees in the
+/// same order and so computes in the same order: the stages' sends and receives match.
+#[derive(Default)]
+struct Pipe {
+    st: Mutex<PipeState>,
+    cv: Condvar,
+}
+
+#[derive(Default)]
+struct PipeState {
+    /// Bumped when the world breaks or is joined: waiters of an older world give up.
+    epoch: u64,
+    /// Steps agreed (or refused) in this world, most recent last (the last `PASSED_KEPT`).
+    passed: VecDeque<u64>,
+    /// The next compute ticket to hand out, and the ticket allowed to compute now.
+    next_ticket: u64,
+    computing: u64,
+    /// Agreed steps not yet answered, and the most seen at once in this world.
+    in_flight: usize,
+    max_in_flight: usize,
+}
+
+/// Agreed step ids remembered for `after_step_id` (far more than any gateway keeps in flight).
+const PASSED_KEPT: usize = 4096;
+
+/// A waiting pipelined step's world went away.
+fn pipe_broken(why: &str) -> StepError {
+    StepError::Comm(crate::comm::CommError { op: "step", detail: why.to_string() })
+}
+
+impl Pipe {
+    fn epoch(&self) -> u64 {
+        self.st.lock().unwrap().epoch
+    }
+
+    /// A new world (or none): forget every step and wake every waiter.
+    fn reset(&self) {
+        let mut st = self.st.lock().unwrap();
+        let epoch = st.epoch + 1;
+        *st = PipeState { epoch, ..Default::default() };
+        self.cv.notify_all();
+    }
+
+    /// Waits until step `after` has been agreed here (bounded by `timeout`: a step the gateway
+    /// chained to one this rank never got cannot run).
+    fn wait_passed(&self, after: u64, epoch: u64, timeout: Duration, ready: &dyn Fn() -> bool) -> Result<(), StepError> {
+        let deadline = Instant::now() + timeout;
+        let mut st = self.st.lock().unwrap();
+        loop {
+            if st.epoch != epoch || !ready() {
+                return Err(pipe_broken("the world broke while this step waited for its turn"));
+            }
+            if st.passed.contains(&after) {
+                return Ok(());
+            }
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                return Err(StepError::Diverged(format!("step {after}, which this step follows, never reached this rank within {timeout:?}")));
+            }
+            st = self.cv.wait_timeout(st, left.min(Duration::from_millis(100))).unwrap().0;
+        }
+    }
+
+    /// Records that `step_id` was agreed (or refused); with `compute`, hands out its compute
+    /// ticket.
+    fn pass(&self, step_id: u64, epoch: u64, compute: bool) -> Option<u64> {
+        let mut st = self.st.lock().unwrap();
+        if st.epoch != epoch {
+            return None;
+        }
+        if st.passed.len() == PASSED_KEPT {
+            st.passed.pop_front();
+        }
+        st.passed.push_back(step_id);
+        let ticket = compute.then(|| {
+            let t = st.next_ticket;
+            st.next_ticket += 1;
+            st.in_flight += 1;
+            if st.in_flight > st.max_in_flight {
+                st.max_in_flight = st.in_flight;
+                tracing::info!(steps = st.in_flight, "pipeline: most steps agreed and in flight so far");
+            }
+            t
+        });
+        self.cv.notify_all();
+        ticket
+    }
+
+    /// Waits until `ticket` may compute (every earlier agreed step computed here).
+    fn wait_turn(&self, ticket: u64, epoch: u64, ready: &dyn Fn() -> bool) -> Result<(), StepError> {
+        let mut st = self.st.lock().unwrap();
+        loop {
+            if st.epoch != epoch || !ready() {
+                return Err(pipe_broken("the world broke while this step waited to compute"));
+            }
+            if st.computing == ticket {
+                return Ok(());
+            }
+            st = self.cv.wait_timeout(st, Duration::from_millis(100)).unwrap().0;
+        }
+    }
+
+    /// `ticket`'s compute ended (well or not): the next one may start.
+    fn done(&self, ticket: u64, epoch: u64) {
+        let mut st = self.st.lock().unwrap();
+        if st.epoch == epoch && st.computing == ticket {
+            st.computing += 1;
+            st.in_flight -= 1;
+        }
+        self.cv.notify_all();
+    }
+}
+
+/// A step of a pipeline world: waits for the step it follows, agrees (lengths advanced at
+/// once, under `seqs` only), then computes in the agreed order under the engine lock. While
+/// one step computes, the next ones agree, so stage 0 starts step N+1 while stage 1 still
+/// computes step N.
+fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResponse, Status> {
+    let cfg = &shared.cfg;
+    let epoch = shared.pipe.epoch();
+    let ready = || shared.state() == pb::RankState::Ready;
+    let transport = shared.transport.lock().unwrap().clone().ok_or_else(|| Status::failed_precondition("not joined to a world (re-JOIN required)"))?;
+    let (vocab, context) = shared.limits.lock().unwrap().ok_or_else(|| Status::failed_precondition("no model loaded"))?;
+    // A collective of this world failed: it is broken (unless it was already left meanwhile).
+    let broke = |e: StepError| -> Status {
+        if let StepError::Comm(c) = &e
+            && shared.pipe.epoch() == epoch
+        {
+            shared.world_broken(None, &c.to_string());
+            shared.seqs.lock().unwrap().clear();
+        }
+        e.into()
+    };
+    if req.after_step_id != 0 {
+        shared.pipe.wait_passed(req.after_step_id, epoch, cfg.collective_timeout, &ready)?;
+    }
+    // The agreement, ahead of the compute.
+    let agreed = {
+        let mut seqs = shared.seqs.lock().unwrap();
+        let (ps, np) = (cfg.kv.page_size, cfg.kv.n_pages);
+        let validate = |b: &minimax_shared::forward::ForwardBatch| b.validate(ps, np, vocab, context).map_err(|e| e.to_string());
+        let mut agreed = step::agree_step(&mut seqs, &validate, Some(&transport), cfg.rank as u32, (ps as u32, np as u32), req);
+        if let Ok(a) = &mut agreed {
+            step::advance(&mut seqs, req, a);
+        }
+        agreed
+    };
+    let ticket = shared.pipe.pass(req.step_id, epoch, matches!(&agreed, Ok(a) if !a.is_empty()));
+    let agreed = agreed.map_err(broke)?;
+    let Some(ticket) = ticket else {
+        if !agreed.is_empty() {
+            return Err(pipe_broken("the world broke during the agreement").into());
+        }
+        return Ok(step::unanswered(cfg.rank as u32, req, agreed));
+    };
+    // The compute, in the agreed order.
+    let res = shared.pipe.wait_turn(ticket, epoch, &ready).and_then(|()| {
+        let mut guard = shared.engine.lock().unwrap();
+        let Some(engine) = guard.as_mut().filter(|e| e.world.is_some()) else {
+            return Err(pipe_broken("not joined to a world (re-JOIN required)"));
+        };
+        let comm = shared.comm_abort.lock().unwrap().clone();
+        *shared.step_started.lock().unwrap() = Some(Instant::now());
+        let res = engine.compute(req, agreed);
+        *shared.step_started.lock().unwrap() = None;
+        let res = match (res, comm.filter(|c| c.is_aborted())) {
+            (Ok(_) | Err(StepError::Backend(_)), Some(_)) => {
+                let why = shared.status.lock().unwrap().error.clone();
+                Err(pipe_broken(&format!("NCCL communicator aborted during the step ({why})")))
+            }
+            (res, _) => res,
+        };
+        if let Err(StepError::Comm(e)) = &res {
+            shared.world_broken(Some(engine), &e.to_string());
+        }
+        res
+    });
+    shared.pipe.done(ticket, epoch);
+    res.map_err(Status::from)
+}
+
 fn meta_str(m: &GgufModel, k: &str) -> String {
     m.meta(k).and_then(MetaValue::as_str).unwrap_or("").to_string()
 }
@@ -466,7 +658,7 @@ fn load(shared: &Shared) -> Result<Engine, String> {
         shared.status.lock().unwrap().progress = p;
     })
     .map_err(|e| e.to_string())?;
-    Ok(engine(shared, backend, part, head, replay))
+    Ok(engine(shared, backend, part, head, replay, &mc))
 }
 
 /// [`load`] for a synthetic model: one rank holds it whole; Describe reports its config.
@@ -495,13 +687,14 @@ fn load_synthetic(shared: &Shared, spec: &minimax_shared::model::synthetic::Synt
         shared.status.lock().unwrap().progress = p;
     })
     .map_err(|e| e.to_string())?;
-    Ok(engine(shared, backend, part, true, None))
+    Ok(engine(shared, backend, part, true, None, &mc))
 }
 
 /// The engine around a loaded backend (GGUF or synthetic); Describe reports its weight bytes.
-fn engine(shared: &Shared, backend: Backend, part: Partition, head: bool, replay: Option<crate::replay::Replay>) -> Engine {
+fn engine(shared: &Shared, backend: Backend, part: Partition, head: bool, replay: Option<crate::replay::Replay>, mc: &ModelConfig) -> Engine {
     let cfg = &shared.cfg;
     shared.status.lock().unwrap().weight_bytes = backend.weight_bytes();
+    *shared.limits.lock().unwrap() = Some((mc.vocab_size, mc.context_length));
     Engine {
         rank: cfg.rank as u32,
         backend,
@@ -509,7 +702,6 @@ fn engine(shared: &Shared, backend: Backend, part: Partition, head: bool, replay
         parallelism: cfg.parallelism,
         kv: cfg.kv,
         head,
-        seqs: SeqTable::new(cfg.test_fault.clone()),
         world: None,
         replay,
     }
@@ -573,6 +765,9 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
         cfg: cfg.clone(),
         status: Mutex::new(Status_ { state: pb::RankState::Loading as i32, ..Default::default() }),
         engine: Mutex::new(None),
+        seqs: Mutex::new(SeqTable::new(cfg.test_fault.clone())),
+        limits: Mutex::new(None),
+        pipe: Pipe::default(),
         transport: Mutex::new(None),
         comm_abort: Mutex::new(None),
         step_started: Mutex::new(None),

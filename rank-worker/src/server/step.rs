@@ -8,7 +8,9 @@ use minimax_shared::forward::{ForwardBatch, ForwardOutput, LogitsRow, LogitsWant
 use minimax_shared::sampling;
 
 use super::{Engine, StepError};
-use crate::state::{Agreement, StepRecord, Verdict, agree};
+use crate::comm::Collective;
+use crate::state::{Agreement, SeqTable, StepRecord, Verdict, agree};
+use crate::transport::TestTransport;
 
 fn logits_wanted(mode: i32) -> LogitsWanted {
     match pb::LogitsMode::try_from(mode) {
@@ -18,145 +20,209 @@ fn logits_wanted(mode: i32) -> LogitsWanted {
     }
 }
 
-impl Engine {
-    /// Runs one step (blocking; the caller holds the engine).
-    pub fn step(&mut self, req: &pb::StepRequest) -> Result<pb::StepResponse, StepError> {
-        let t0 = Instant::now();
-        let (page_size, n_pages) = (self.kv.page_size as u32, self.kv.n_pages as u32);
-        // 1. Local verdicts.
-        let mut verdicts = Vec::with_capacity(req.seqs.len());
-        for s in &req.seqs {
-            let mut v = self.seqs.check(s.seq_id, s.expected_cache_len, s.adopt_prefix);
-            if v == Verdict::Ok {
-                let one = ForwardBatch { seqs: vec![to_seq_step(s)] };
-                if let Err(e) = self.backend.validate(&one) {
-                    v = Verdict::Invalid(e);
-                }
-            }
-            verdicts.push(v);
-        }
-        let mut ids = std::collections::HashSet::new();
-        if let Some(dup) = req.seqs.iter().find(|s| !ids.insert(s.seq_id)) {
-            return Err(StepError::Invalid(format!("sequence {} appears twice in step {}", dup.seq_id, req.step_id)));
-        }
-        // 2. Agreement: every rank shares its verdicts; all derive the same decision.
-        let own_lens: Vec<u32> = req.seqs.iter().map(|s| self.seqs.len(s.seq_id)).collect();
-        let rec_in: Vec<(u64, &Verdict, u32)> = req.seqs.iter().zip(&verdicts).zip(&own_lens).map(|((s, v), &l)| (s.seq_id, v, l)).collect();
-        let mine = StepRecord::new(req.step_id, page_size, n_pages, &rec_in);
-        let records = match &self.world {
-            Some(w) if w.world_size() > 1 => {
-                let all = w.transport.all_gather(&mine.encode()).map_err(StepError::Comm)?;
-                all.iter()
-                    .enumerate()
-                    .map(|(r, b)| StepRecord::decode(b).ok_or_else(|| StepError::Diverged(format!("rank {r} sent a corrupt step record"))))
-                    .collect::<Result<Vec<_>, _>>()?
-            }
-            _ => vec![mine],
-        };
-        let expected: Vec<u32> = req.seqs.iter().map(|s| s.expected_cache_len).collect();
-        let local_invalid: Vec<Option<String>> =
-            verdicts.iter().map(|v| if let Verdict::Invalid(e) = v { Some(e.clone()) } else { None }).collect();
-        let decision = match agree(&records, &expected, &local_invalid) {
-            Agreement::Diverged(why) => return Err(StepError::Diverged(why)),
-            Agreement::Seqs(d) => d,
-        };
-        // 3. Drop what was not agreed; mismatched sequences are forgotten on every rank.
-        let mut results: Vec<pb::SeqResult> = Vec::with_capacity(req.seqs.len());
-        let mut batch = ForwardBatch::default();
-        let mut batch_src = Vec::new();
-        for (i, (s, d)) in req.seqs.iter().zip(&decision).enumerate() {
-            let mut r = pb::SeqResult { seq_id: s.seq_id, cache_len: own_lens[i], ..Default::default() };
-            match d {
-                Some(dropped) => {
-                    r.error = dropped.message.clone();
-                    if dropped.length_mismatch {
-                        tracing::warn!(seq_id = s.seq_id, rank = self.rank, "{}", dropped.message);
-                        self.seqs.forget(s.seq_id);
-                    }
-                }
-                None => {
-                    batch.seqs.push(to_seq_step(s));
-                    batch_src.push(i);
-                }
-            }
-            results.push(r);
-        }
-        // Deterministic on every rank (same batch, same cache geometry): all fail together.
-        if !batch.seqs.is_empty()
-            && let Err(e) = self.backend.validate(&batch)
-        {
-            return Err(StepError::Invalid(e));
-        }
-        // 4. Compute.
-        if !batch.seqs.is_empty() {
-            die_if_asked();
-        }
-        let out = if batch.seqs.is_empty() {
-            None
-        } else {
-            let world = self.world.as_ref().map(|w| &*w.transport);
-            forward(&mut self.backend, &batch, &self.part, self.parallelism, world, self.head).map_err(|e| {
-                if e.is_comm() { StepError::Comm(crate::comm::CommError { op: "step", detail: e.to_string() }) } else { StepError::Backend(e.to_string()) }
-            })?
-        };
-        for (bi, &i) in batch_src.iter().enumerate() {
-            let s = &req.seqs[i];
-            self.seqs.advance(s.seq_id, s.expected_cache_len, s.tokens.len() as u32, bi == 0);
-            results[i].cache_len = self.seqs.len(s.seq_id);
-        }
-        if !batch.seqs.is_empty() {
-            self.seqs.step_done();
-        }
-        if let Some(r) = self.replay.as_mut() {
-            for &i in &batch_src {
-                let s = &req.seqs[i];
-                r.observe(s.seq_id, &s.page_table, s.expected_cache_len, &s.tokens);
-            }
-        }
-        // 5. Row reductions, head rank only.
-        if self.head
-            && let Some(out) = out
-        {
-            // Every row's spec and target, then one reduction call (on the GPU for CUDA).
-            let mut row_in_seq = vec![0usize; batch.seqs.len()];
-            let jobs: Vec<(sampling::SamplingSpec, Option<u32>)> = out
-                .rows()
-                .iter()
-                .map(|row| {
-                    let s = &req.seqs[batch_src[row.seq]];
-                    let k = row_in_seq[row.seq];
-                    row_in_seq[row.seq] += 1;
-                    (pb::sampling_spec(s.sampling.as_ref()), s.score_targets.get(k).copied())
-                })
-                .collect();
-            let mut reds = reduce_rows(&out, &jobs)?.into_iter();
-            for (ri, row) in out.rows().iter().enumerate() {
-                let i = batch_src[row.seq];
-                let s = &req.seqs[i];
-                let spec = &jobs[ri].0;
-                let red = reds
-                    .next()
-                    .expect("one reduction per row")
-                    .map_err(|e| StepError::Invalid(format!("sequence {}: sampling: {e}", s.seq_id)))?;
-                results[i].rows.push(pb::row_output(row.position as u32, red));
-                // TEST ONLY (--test-replay): one candidate, the scripted token.
-                if s.logits == pb::LogitsMode::Last as i32
-                    && let Some(f) = self.replay.as_mut().and_then(|r| r.forced(s.seq_id, &s.page_table, row.position as u32))
-                {
-                    let ro = results[i].rows.last_mut().expect("just pushed");
-                    ro.candidate_ids = vec![f.token];
-                    ro.candidate_logits = vec![0.0];
-                    ro.candidate_raw_logits = vec![0.0];
-                    ro.raw_logsumexp = 0.0;
-                    ro.top_ids = vec![f.token];
-                    ro.top_logprobs = vec![0.0];
-                    ro.top_ids.truncate(spec.top_logprobs as usize);
-                    ro.top_logprobs.truncate(spec.top_logprobs as usize);
-                }
-            }
-        }
-        Ok(pb::StepResponse { rank: self.rank, step_id: req.step_id, seqs: results, compute_ms: t0.elapsed().as_secs_f32() * 1e3 })
+/// A step after the agreement: the batch every rank computes and the answers so far.
+pub(super) struct Agreed {
+    t0: Instant,
+    batch: ForwardBatch,
+    /// Index in the request of each batch entry.
+    batch_src: Vec<usize>,
+    results: Vec<pb::SeqResult>,
+}
+
+impl Agreed {
+    /// Whether the agreement left anything to compute.
+    pub(super) fn is_empty(&self) -> bool {
+        self.batch.seqs.is_empty()
     }
+}
+
+/// Steps 1-3 of a step: local verdicts, the agreement over `world` (an all-gather of one small
+/// record; absent or of size 1: this rank alone decides) and the drops. `validate` checks a
+/// batch against this rank's cache geometry (`(page_size, n_pages)`). Mismatched sequences are
+/// forgotten in `seqs`; nothing else changes.
+pub(super) fn agree_step(
+    seqs: &mut SeqTable,
+    validate: &dyn Fn(&ForwardBatch) -> Result<(), String>,
+    world: Option<&TestTransport>,
+    rank: u32,
+    (page_size, n_pages): (u32, u32),
+    req: &pb::StepRequest,
+) -> Result<Agreed, StepError> {
+    let t0 = Instant::now();
+    // 1. Local verdicts.
+    let mut verdicts = Vec::with_capacity(req.seqs.len());
+    for s in &req.seqs {
+        let mut v = seqs.check(s.seq_id, s.expected_cache_len, s.adopt_prefix);
+        if v == Verdict::Ok {
+            let one = ForwardBatch { seqs: vec![to_seq_step(s)] };
+            if let Err(e) = validate(&one) {
+                v = Verdict::Invalid(e);
+            }
+        }
+        verdicts.push(v);
+    }
+    let mut ids = std::collections::HashSet::new();
+    if let Some(dup) = req.seqs.iter().find(|s| !ids.insert(s.seq_id)) {
+        return Err(StepError::Invalid(format!("sequence {} appears twice in step {}", dup.seq_id, req.step_id)));
+    }
+    // 2. Agreement: every rank shares its verdicts; all derive the same decision.
+    let own_lens: Vec<u32> = req.seqs.iter().map(|s| seqs.len(s.seq_id)).collect();
+    let rec_in: Vec<(u64, &Verdict, u32)> = req.seqs.iter().zip(&verdicts).zip(&own_lens).map(|((s, v), &l)| (s.seq_id, v, l)).collect();
+    let mine = StepRecord::new(req.step_id, page_size, n_pages, &rec_in);
+    let records = match world {
+        Some(w) if w.world() > 1 => {
+            let all = w.all_gather(&mine.encode()).map_err(StepError::Comm)?;
+            all.iter()
+                .enumerate()
+                .map(|(r, b)| StepRecord::decode(b).ok_or_else(|| StepError::Diverged(format!("rank {r} sent a corrupt step record"))))
+                .collect::<Result<Vec<_>, _>>()?
+        }
+        _ => vec![mine],
+    };
+    let expected: Vec<u32> = req.seqs.iter().map(|s| s.expected_cache_len).collect();
+    let local_invalid: Vec<Option<String>> = verdicts.iter().map(|v| if let Verdict::Invalid(e) = v { Some(e.clone()) } else { None }).collect();
+    let decision = match agree(&records, &expected, &local_invalid) {
+        Agreement::Diverged(why) => return Err(StepError::Diverged(why)),
+        Agreement::Seqs(d) => d,
+    };
+    // 3. Drop what was not agreed; mismatched sequences are forgotten on every rank.
+    let mut results: Vec<pb::SeqResult> = Vec::with_capacity(req.seqs.len());
+    let mut batch = ForwardBatch::default();
+    let mut batch_src = Vec::new();
+    for (i, (s, d)) in req.seqs.iter().zip(&decision).enumerate() {
+        let mut r = pb::SeqResult { seq_id: s.seq_id, cache_len: own_lens[i], ..Default::default() };
+        match d {
+            Some(dropped) => {
+                r.error = dropped.message.clone();
+                if dropped.length_mismatch {
+                    tracing::warn!(seq_id = s.seq_id, rank, "{}", dropped.message);
+                    seqs.forget(s.seq_id);
+                }
+            }
+            None => {
+                batch.seqs.push(to_seq_step(s));
+                batch_src.push(i);
+            }
+        }
+        results.push(r);
+    }
+    // Deterministic on every rank (same batch, same cache geometry): all fail together.
+    if !batch.seqs.is_empty()
+        && let Err(e) = validate(&batch)
+    {
+        return Err(StepError::Invalid(e));
+    }
+    Ok(Agreed { t0, batch, batch_src, results })
+}
+
+/// Records the agreed batch's new cache lengths in `seqs` (after the forward, or at the
+/// agreement for pipelined steps) and in the answers.
+pub(super) fn advance(seqs: &mut SeqTable, req: &pb::StepRequest, agreed: &mut Agreed) {
+    for (bi, &i) in agreed.batch_src.iter().enumerate() {
+        let s = &req.seqs[i];
+        seqs.advance(s.seq_id, s.expected_cache_len, s.tokens.len() as u32, bi == 0);
+        agreed.results[i].cache_len = seqs.len(s.seq_id);
+    }
+    if !agreed.batch.seqs.is_empty() {
+        seqs.step_done();
+    }
+}
+
+impl Engine {
+    /// Runs one step (blocking; the caller holds the engine and the sequence table).
+    pub fn step(&mut self, seqs: &mut SeqTable, req: &pb::StepRequest) -> Result<pb::StepResponse, StepError> {
+        let geometry = (self.kv.page_size as u32, self.kv.n_pages as u32);
+        let backend = &self.backend;
+        let world = self.world.as_ref().map(|w| &*w.transport);
+        let mut agreed = agree_step(seqs, &|b| backend.validate(b), world, self.rank, geometry, req)?;
+        let out = forward_agreed(&mut self.backend, &self.part, self.parallelism, world, self.head, &agreed)?;
+        advance(seqs, req, &mut agreed);
+        answer(self.rank, self.head, &mut self.replay, req, agreed, out)
+    }
+
+    /// Computes an agreed step whose cache lengths were already advanced (pipelined steps).
+    pub(super) fn compute(&mut self, req: &pb::StepRequest, agreed: Agreed) -> Result<pb::StepResponse, StepError> {
+        let world = self.world.as_ref().map(|w| &*w.transport);
+        let out = forward_agreed(&mut self.backend, &self.part, self.parallelism, world, self.head, &agreed)?;
+        answer(self.rank, self.head, &mut self.replay, req, agreed, out)
+    }
+}
+
+/// The answer to a step whose agreement left nothing to compute.
+pub(super) fn unanswered(rank: u32, req: &pb::StepRequest, agreed: Agreed) -> pb::StepResponse {
+    pb::StepResponse { rank, step_id: req.step_id, seqs: agreed.results, compute_ms: agreed.t0.elapsed().as_secs_f32() * 1e3 }
+}
+
+/// Step 4: the forward of the agreed batch (nothing when it is empty).
+fn forward_agreed<'m>(
+    backend: &'m mut crate::backend::Backend,
+    part: &crate::partition::Partition,
+    par: crate::backend::Parallelism,
+    world: Option<&TestTransport>,
+    head: bool,
+    agreed: &Agreed,
+) -> Result<Option<StepOut<'m>>, StepError> {
+    if agreed.batch.seqs.is_empty() {
+        return Ok(None);
+    }
+    die_if_asked();
+    forward(backend, &agreed.batch, part, par, world, head).map_err(|e| {
+        if e.is_comm() { StepError::Comm(crate::comm::CommError { op: "step", detail: e.to_string() }) } else { StepError::Backend(e.to_string()) }
+    })
+}
+
+/// Step 5: the answer, with the head rank's row reductions.
+fn answer(rank: u32, head: bool, replay: &mut Option<crate::replay::Replay>, req: &pb::StepRequest, agreed: Agreed, out: Option<StepOut<'_>>) -> Result<pb::StepResponse, StepError> {
+    let Agreed { t0, batch, batch_src, mut results } = agreed;
+    if let Some(r) = replay.as_mut() {
+        for &i in &batch_src {
+            let s = &req.seqs[i];
+            r.observe(s.seq_id, &s.page_table, s.expected_cache_len, &s.tokens);
+        }
+    }
+    // 5. Row reductions, head rank only.
+    if head
+        && let Some(out) = out
+    {
+        // Every row's spec and target, then one reduction call (on the GPU for CUDA).
+        let mut row_in_seq = vec![0usize; batch.seqs.len()];
+        let jobs: Vec<(sampling::SamplingSpec, Option<u32>)> = out
+            .rows()
+            .iter()
+            .map(|row| {
+                let s = &req.seqs[batch_src[row.seq]];
+                let k = row_in_seq[row.seq];
+                row_in_seq[row.seq] += 1;
+                (pb::sampling_spec(s.sampling.as_ref()), s.score_targets.get(k).copied())
+            })
+            .collect();
+        let mut reds = reduce_rows(&out, &jobs)?.into_iter();
+        for (ri, row) in out.rows().iter().enumerate() {
+            let i = batch_src[row.seq];
+            let s = &req.seqs[i];
+            let spec = &jobs[ri].0;
+            let red = reds
+                .next()
+                .expect("one reduction per row")
+                .map_err(|e| StepError::Invalid(format!("sequence {}: sampling: {e}", s.seq_id)))?;
+            results[i].rows.push(pb::row_output(row.position as u32, red));
+            // TEST ONLY (--test-replay): one candidate, the scripted token.
+            if s.logits == pb::LogitsMode::Last as i32
+                && let Some(f) = replay.as_mut().and_then(|r| r.forced(s.seq_id, &s.page_table, row.position as u32))
+            {
+                let ro = results[i].rows.last_mut().expect("just pushed");
+                ro.candidate_ids = vec![f.token];
+                ro.candidate_logits = vec![0.0];
+                ro.candidate_raw_logits = vec![0.0];
+                ro.raw_logsumexp = 0.0;
+                ro.top_ids = vec![f.token];
+                ro.top_logprobs = vec![0.0];
+                ro.top_ids.truncate(spec.top_logprobs as usize);
+                ro.top_logprobs.truncate(spec.top_logprobs as usize);
+            }
+        }
+    }
+    Ok(pb::StepResponse { rank, step_id: req.step_id, seqs: results, compute_ms: t0.elapsed().as_secs_f32() * 1e3 })
 }
 
 /// TEST ONLY: `MINIMAX_TEST_DIE_IN_STEP=N` (with `MINIMAX_ALLOW_TEST_HOOKS=1`) makes this rank

@@ -138,7 +138,7 @@ pub fn to_pb(s: &SeqStep) -> pb::SeqStep {
 /// Sends `batch` as step `step_id` to every rank at once; each rank's response (a rank that
 /// errors or takes more than 120 s fails the test).
 pub async fn step_responses(clients: &[Client], step_id: u64, batch: &ForwardBatch) -> Vec<pb::StepResponse> {
-    let req = pb::StepRequest { step_id, seqs: batch.seqs.iter().map(to_pb).collect() };
+    let req = pb::StepRequest { after_step_id: 0, step_id, seqs: batch.seqs.iter().map(to_pb).collect() };
     let hs: Vec<_> = clients
         .iter()
         .map(|c| {
