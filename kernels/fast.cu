@@ -591,6 +591,194 @@ MVQS_INST(1, l, 4, 24)
 MVQS_INST(4, l, 4, 24)
 MVQS_INST(8, l, 4, 24)
 
+// ------------------------------------------- Q8_0 dense products on tensor cores -------
+// For steps of several tokens (batched decode). mvqs_* re-reads every token's q8 activations
+// for every weight row (32 tokens x 3072 columns x 8192 rows: 0.9 GB of L1/L2 reads for one
+// q/k/v product) and is bound by that, not by the weights (334 us vs 6 us of weight bytes, H200).
+// Here the step's tokens are the M side of mma.sync m16n8k32 (s8 x s8 -> s32, exact) and the
+// weight rows the N side; one MMA per 32-column Q8_0 block, its sums scaled in f32 by (token's
+// q8 scale x block's f16 scale) and added over the blocks in order.
+// Block (128 threads): 16 weight rows (two n8 tiles) x 32 tokens (two m16 tiles); warp w takes
+// the K quarter w (chunks [w n / 4, (w + 1) n / 4), a chunk = 8 Q8_0 blocks = 272 bytes a row)
+// and streams its 16 rows' chunks through a ring of MM8_NB one-chunk shared buffers with
+// cp.async (MM8_NB - 1 chunks in flight while one is multiplied). The quarters are added in
+// shared memory in a fixed order, then stored like mvqs_* (y (+)= ...). Same arguments as
+// mvqs_*; grid (ceil(total_rows / 16), ceil(nv / 32)), block 128, MM8_SMEM bytes of dynamic
+// shared memory.
+#define MM8_NB 4
+#define MM8_BUF (16 * CH)  // 16 rows x 272 bytes: a row is 68 words, so rows g = 0..7 start on banks 4g
+#define MM8_SMEM (4 * MM8_NB * MM8_BUF + 3 * 16 * 32 * 4)
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+
+// Row r of the launch (segment 0, then 1, then 2) as (row pointer, output column, y, ys);
+// false past the last row.
+__device__ __forceinline__ bool mv_seg_row(int r, const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1,
+                                           i64 rb1, int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2,
+                                           float* y2, i64 ys2, const u8*& w, int& rr, float*& y, i64& ys) {
+    if (r < rows0) {
+        w = W0 + r * rb0, rr = r, y = y0, ys = ys0;
+    } else if (r < rows0 + rows1) {
+        rr = r - rows0, w = W1 + rr * rb1, y = y1, ys = ys1;
+    } else if (r < rows0 + rows1 + rows2) {
+        rr = r - rows0 - rows1, w = W2 + rr * rb2, y = y2, ys = ys2;
+    } else {
+        return false;
+    }
+    return true;
+}
+
+__device__ __forceinline__ void mma_s8_16832(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
+        : "=r"(c[0]), "=r"(c[1]), "=r"(c[2]), "=r"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
+}
+
+extern "C" __global__ void __launch_bounds__(128) mvmma_q8_0(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0,
+                                                             const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
+                                                             const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2,
+                                                             int nchunks, const i8* xq, const float* xd, int ncol,
+                                                             int nv, int accumulate) {
+    pdl_enter();
+    extern __shared__ __align__(16) u8 dyn_smem[];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int g = lane >> 2, t = lane & 3;
+    int r0 = blockIdx.x * 16;
+    int v0 = blockIdx.y * 32;
+    u8* ring = dyn_smem + warp * (MM8_NB * MM8_BUF);
+    float* red = (float*)(dyn_smem + 4 * MM8_NB * MM8_BUF);  // [3][16][32]
+    int c_beg = warp * nchunks / 4, c_end = (warp + 1) * nchunks / 4;
+    int n = c_end - c_beg;
+    // Piece p (16 bytes) of a chunk belongs to row p / 17; the row's source, once per lane.
+    const u8* src[9];
+#pragma unroll
+    for (int k = 0; k < 9; k++) {
+        int p = lane + 32 * k;
+        const u8* w = nullptr;
+        int rr;
+        float* y;
+        i64 ys;
+        if (p < 16 * CH16 && mv_seg_row(r0 + p / CH16, W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2,
+                                        y2, ys2, w, rr, y, ys))
+            w += (p % CH16) * 16;
+        else
+            w = nullptr;
+        src[k] = w;
+    }
+    auto issue = [&](int i) {  // chunk i of this warp into buffer i % MM8_NB (always one group)
+        if (i < n) {
+            u8* b = ring + (i % MM8_NB) * MM8_BUF;
+            i64 off = (i64)(c_beg + i) * CH;
+#pragma unroll
+            for (int k = 0; k < 9; k++) {
+                int p = lane + 32 * k;
+                if (src[k]) cp_async16(b + p * 16, src[k] + off);
+            }
+        }
+        cp_async_commit();
+    };
+    int tok[4];
+    bool tv[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        tok[i] = v0 + (i >> 1) * 16 + (i & 1) * 8 + g;  // m tile i >> 1, A row g or g + 8
+        tv[i] = tok[i] < nv;
+    }
+    float acc[2][2][4];  // [m tile][n tile][c register]
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int q = 0; q < 2; q++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) acc[m][q][i] = 0.f;
+#pragma unroll
+    for (int i = 0; i < MM8_NB - 1; i++) issue(i);
+    for (int i = 0; i < n; i++) {
+        issue(i + MM8_NB - 1);
+        cp_async_wait<MM8_NB - 1>();  // chunk i has landed (this lane's pieces)
+        __syncwarp();                 // ... and every lane's
+        const u8* b = ring + (i % MM8_NB) * MM8_BUF;
+        int kb0 = (c_beg + i) * 8;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            int kb = kb0 + j;
+            u32 a[2][4];
+            float dx[2][2];
+#pragma unroll
+            for (int m = 0; m < 2; m++)
+#pragma unroll
+                for (int h = 0; h < 2; h++) {
+                    int ti = 2 * m + h;
+                    const i8* xr = xq + (i64)tok[ti] * ncol + kb * 32;
+                    a[m][h] = tv[ti] ? *(const u32*)(xr + 4 * t) : 0u;
+                    a[m][2 + h] = tv[ti] ? *(const u32*)(xr + 16 + 4 * t) : 0u;
+                    dx[m][h] = tv[ti] ? xd[(i64)tok[ti] * (ncol / 32) + kb] : 0.f;
+                }
+#pragma unroll
+            for (int q = 0; q < 2; q++) {
+                const u8* blk = b + (q * 8 + g) * CH + j * 34;
+                u32 b0, b1;
+                if (j & 1) {  // the block starts 2 bytes into a word: its quants are word-aligned
+                    b0 = *(const u32*)(blk + 2 + 4 * t);
+                    b1 = *(const u32*)(blk + 18 + 4 * t);
+                } else {
+                    const u32* wp = (const u32*)blk;
+                    b0 = __byte_perm(wp[t], wp[t + 1], 0x5432);
+                    b1 = __byte_perm(wp[4 + t], wp[5 + t], 0x5432);
+                }
+                // This lane's output columns: rows q * 8 + 2t and + 1.
+                float dw0 = f16_to_f32(*(const u16*)(b + (q * 8 + 2 * t) * CH + j * 34));
+                float dw1 = f16_to_f32(*(const u16*)(b + (q * 8 + 2 * t + 1) * CH + j * 34));
+#pragma unroll
+                for (int m = 0; m < 2; m++) {
+                    int cr[4];
+                    mma_s8_16832(cr, a[m], b0, b1);
+                    acc[m][q][0] += dx[m][0] * dw0 * (float)cr[0];
+                    acc[m][q][1] += dx[m][0] * dw1 * (float)cr[1];
+                    acc[m][q][2] += dx[m][1] * dw0 * (float)cr[2];
+                    acc[m][q][3] += dx[m][1] * dw1 * (float)cr[3];
+                }
+            }
+        }
+        __syncwarp();  // every lane is done with this buffer before it is refilled
+    }
+    cp_async_wait<0>();
+    // Quarters 1..3 hand their sums to quarter 0, which adds them in order and stores.
+    if (warp > 0) {
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+#pragma unroll
+            for (int q = 0; q < 2; q++)
+#pragma unroll
+                for (int i = 0; i < 4; i++) red[((warp - 1) * 16 + m * 8 + q * 4 + i) * 32 + lane] = acc[m][q][i];
+    }
+    __syncthreads();
+    if (warp > 0) return;
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int q = 0; q < 2; q++)
+#pragma unroll
+            for (int i = 0; i < 4; i++) {
+                float v = acc[m][q][i];
+#pragma unroll
+                for (int w = 0; w < 3; w++) v += red[(w * 16 + m * 8 + q * 4 + i) * 32 + lane];
+                int ti = 2 * m + (i >> 1);  // token g or g + 8 of m tile m
+                int r = r0 + q * 8 + 2 * t + (i & 1);
+                const u8* wr;
+                int rr;
+                float* y;
+                i64 ys;
+                if (tv[ti] && mv_seg_row(r, W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2,
+                                         wr, rr, y, ys)) {
+                    float* yp = y + (i64)tok[ti] * ys + rr;
+                    *yp = accumulate ? *yp + v : v;
+                }
+            }
+}
+
 // ------------------------------------------------------------- MoE (decode) -------------
 
 // Pair p = blockIdx.y (token p / k, expert ids[p]): act[p][r] = silu(gate_r . x) * (up_r . x)

@@ -7,7 +7,7 @@
 mod common;
 
 use common::gpu::{Rng, TYPES, bits, gpu, poisoned, q8_deq, q8_host, random_rows, upload_mat};
-use minimax_rank::cuda::fast::{DownKind, GateUpKind, MvqKind};
+use minimax_rank::cuda::fast::{self, DownKind, GateUpKind, MvqKind};
 use minimax_rank::cuda::{Arg, AttnArgs, KvDtype};
 use minimax_shared::model::GatingFunc;
 use minimax_shared::quant::{self, GgmlType};
@@ -414,14 +414,16 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
     assert_eq!(g.download(&qb).unwrap(), hq, "q8 quantization");
     assert_eq!(g.download(&db).unwrap(), hd, "q8 scales");
     eprintln!("q8 quantize {nr}x{n}: bit-exact");
-    // Dense products (three segments, 1..13 vectors, accumulate) for Q8_0 and IQ4_XS, every
-    // kernel kind: Q8_0 at 13 chunks per row (staged: 2 phases of 8; whole-row: one 24-chunk
-    // phase, or 12 + 1 for WholeShort) and at 25 chunks (whole-row: 24 + 1), IQ4_XS at 9.
+    // Dense products (three segments of 37 + 8 + 21 rows, 1..37 vectors, accumulate) for Q8_0
+    // and IQ4_XS, every kernel kind: Q8_0 at 13 chunks per row (staged: 2 phases of 8;
+    // whole-row: one 24-chunk phase, or 12 + 1 for WholeShort; MMA: K halves of 7 + 6 chunks in
+    // phases of 2, 66 rows = 4 full 16-row tiles + 2, 37 tokens = a full and a partial
+    // 32-token tile) and at 25 chunks (whole-row: 24 + 1), IQ4_XS at 9.
     for (ty, cols) in [(GgmlType::Q8_0, 256 * 13), (GgmlType::Q8_0, 256 * 25), (GgmlType::IQ4_XS, 512 * 9)] {
         let rows = [37usize, 8, 21];
         let mats: Vec<Vec<u8>> = rows.iter().map(|&r| random_rows(&mut rng, ty, r, cols)).collect();
         let up: Vec<_> = mats.iter().zip(rows).map(|(b, r)| upload_mat(&g, ty, b, r, cols, 0)).collect();
-        for nv in [1usize, 3, 8, 13] {
+        for nv in [1usize, 3, 8, 13, 32, 37] {
             let x = rng.vec(nv * cols, 2.0);
             let (hq, hd) = q8_host(&x);
             let xdq = q8_deq(&hq, &hd);
@@ -429,7 +431,7 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
             for acc in [false, true] {
                 let ys: Vec<usize> = rows.iter().map(|r| r + 2).collect();
                 let y0: Vec<Vec<f32>> = ys.iter().map(|s| rng.vec(nv * s, 1.0)).collect();
-                for kind in [MvqKind::Staged, MvqKind::Whole, MvqKind::WholeShort] {
+                for kind in [MvqKind::Staged, MvqKind::Whole, MvqKind::WholeShort, MvqKind::Mma] {
                     let yb: Vec<_> = (0..3).map(|i| if acc { g.upload(&y0[i]).unwrap() } else { poisoned(&g, nv * ys[i]) }).collect();
                     let segs: Vec<_> = (0..3).map(|i| (&up[i].1, g.ptr(&yb[i]), ys[i])).collect();
                     g.matvec_q8_with(kind, &segs, g.ptr(&qb), g.ptr(&db), cols, nv, acc).unwrap();
@@ -454,8 +456,8 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
                             }
                         }
                     }
-                    if nv == 13 && acc {
-                        eprintln!("mvq     {ty:<7} {kind:?} 3 segs x {cols} nv<=13: max |diff| / sum|w x| {worst:.2e}");
+                    if nv == 37 && acc {
+                        eprintln!("mvq     {ty:<7} {kind:?} 3 segs x {cols} nv<=37: max |diff| / sum|w x| {worst:.2e}");
                     }
                 }
             }
@@ -870,6 +872,196 @@ fn fast_attention_merge_in_last_block_is_bit_identical() {
             assert_eq!(g.download(&cnt).unwrap(), vec![0; nt * kvh], "attn_dec6m: counters left non-zero");
         }
         eprintln!("attn_dec6m_f16, {nsplit} splits, contexts {pos:?}: bit-identical to attn_dec6 + attn_merge6");
+    }
+}
+
+/// Pages of each token's own sequence, scrambled over a pool: (pages, offsets, pool size).
+fn scrambled_pages(rng: &mut Rng, ctx: &[usize], ps: usize) -> (Vec<u32>, Vec<i32>, usize) {
+    let n_pages = ctx.iter().map(|&n| n.div_ceil(ps)).sum::<usize>() + 5;
+    let mut pool: Vec<u32> = (0..n_pages as u32).collect();
+    for i in (1..pool.len()).rev() {
+        pool.swap(i, rng.below(i + 1));
+    }
+    let (mut pts, mut pt_off) = (Vec::new(), Vec::new());
+    for &n in ctx {
+        pt_off.push(pts.len() as i32);
+        pts.extend(pool.drain(..n.div_ceil(ps)));
+    }
+    (pts, pt_off, n_pages)
+}
+
+/// Split-K decode attention, both kernels (tensor-core `attn_dec6t_*` and SIMT `attn_dec6_*`),
+/// merged by `attn_merge6` and in the last split block, against an f64 softmax over the
+/// cache's exact values: contexts of 1, 17, 4,097 and 32,768 positions in one launch, 32
+/// tokens of different lengths, 4 KV heads (a tensor-2 rank) with a bf16 cache and pages of 7
+/// positions (tiles straddle pages), soft and peaked attention (query scales 1 and 6); split
+/// counts 1, 7, the default choice and 128. |err| <= 5e-5 (sum p |v| / sum p) + 1e-6; the
+/// q8 copy is the host quantization of the f32 output; outputs NaN-poisoned (the stride's pad
+/// must stay NaN); merged in the last block is bit-identical to `attn_merge6`.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_decode_attention_matches_f64() {
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0007);
+    let hd = 128usize;
+    let many: Vec<usize> = (0..32).map(|i| 1 + (i * 977 + i * i * 31) % 2100).collect();
+    // (cache type, KV heads, page size, context lengths)
+    let cases: [(&str, usize, usize, Vec<usize>); 3] = [("f16", 2, 16, vec![1, 17, 4097, 32768]), ("bf16", 4, 7, vec![300, 1, 2049, 16, 33]), ("f16", 1, 16, many)];
+    for (kv, kvh, ps, ctx) in cases {
+        let nt = ctx.len();
+        let heads = 6 * kvh;
+        let (qw, kw) = (heads * hd, kvh * hd);
+        let (pts, pt_off, n_pages) = scrambled_pages(&mut rng, &ctx, ps);
+        let seq: Vec<i32> = (0..nt as i32).collect();
+        let pos: Vec<i32> = ctx.iter().map(|&n| n as i32 - 1).collect();
+        let ty = if kv == "bf16" { GgmlType::BF16 } else { GgmlType::F16 };
+        let (kc, vc) = (g.zeros::<u16>(n_pages * ps * kw).unwrap(), g.zeros::<u16>(n_pages * ps * kw).unwrap());
+        g.fill_synthetic(g.ptr(&kc), ty, n_pages * ps * kw, 31, -2.0, 2.0).unwrap();
+        g.fill_synthetic(g.ptr(&vc), ty, n_pages * ps * kw, 32, -2.0, 2.0).unwrap();
+        let h2f = |b: u16| if kv == "bf16" { f32::from_bits((b as u32) << 16) } else { quant::f16_to_f32(b) };
+        let kh: Vec<f32> = g.download(&kc).unwrap().into_iter().map(h2f).collect();
+        let vh: Vec<f32> = g.download(&vc).unwrap().into_iter().map(h2f).collect();
+        let mut q = Vec::with_capacity(nt * qw);
+        for t in 0..nt {
+            q.extend(rng.vec(qw, if t % 2 == 0 { 1.0 } else { 6.0 }));
+        }
+        let scale = 1.0 / (hd as f32).sqrt();
+        // f64 reference (from q * scale rounded to f32, as the kernels scale it) and the
+        // scale of each output, sum p |v| / sum p.
+        let (mut want, mut mag) = (vec![0f64; nt * qw], vec![0f64; nt * qw]);
+        for t in 0..nt {
+            let slot = |p: usize| pts[pt_off[t] as usize + p / ps] as usize * ps + p % ps;
+            for h in 0..heads {
+                let kv_h = h / 6;
+                let qh: Vec<f64> = (0..hd).map(|d| (q[t * qw + h * hd + d] * scale) as f64).collect();
+                let s: Vec<f64> = (0..ctx[t])
+                    .map(|p| {
+                        let kr = &kh[(slot(p) * kvh + kv_h) * hd..][..hd];
+                        (0..hd).map(|d| qh[d] * kr[d] as f64).sum::<f64>()
+                    })
+                    .collect();
+                let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                let (o, a) = (&mut want[t * qw + h * hd..][..hd], &mut mag[t * qw + h * hd..][..hd]);
+                for (p, ep) in e.iter().enumerate() {
+                    let vr = &vh[(slot(p) * kvh + kv_h) * hd..][..hd];
+                    for d in 0..hd {
+                        o[d] += ep * vr[d] as f64;
+                        a[d] += ep * (vr[d] as f64).abs();
+                    }
+                }
+                for d in 0..hd {
+                    o[d] /= sum;
+                    a[d] /= sum;
+                }
+            }
+        }
+        let qb = g.upload(&q).unwrap();
+        let (pb, sb, ob, tb) = (g.upload(&pos).unwrap(), g.upload(&seq).unwrap(), g.upload(&pt_off).unwrap(), g.upload(&pts).unwrap());
+        let meta = (g.ptr(&pb), g.ptr(&sb), g.ptr(&ob), g.ptr(&tb));
+        let cnt = g.zeros::<u32>(nt * kvh).unwrap();
+        let os = qw + 3;
+        let part = poisoned(&g, nt * kvh * 128 * 6 * (hd + 2));
+        for mma in [true, false] {
+            let auto = g.attn_splits(mma, kvh, fast::nsplit_for(nt), nt).unwrap();
+            for ns in [1usize, 7, auto, 128] {
+                let run = |fused: bool| {
+                    let out = poisoned(&g, nt * os);
+                    let (aq, ad) = (g.zeros::<i8>(nt * qw).unwrap(), poisoned(&g, nt * qw / 32));
+                    g.fill_u32(g.ptr(&aq), nt * qw / 4, 0x7f7f_7f7f).unwrap();
+                    let c = if fused { Some(g.ptr(&cnt)) } else { None };
+                    g.attn_decode_with(mma, kv, g.ptr(&qb), qw, g.ptr(&kc), g.ptr(&vc), meta, ps, kvh, ns, scale, g.ptr(&part), g.ptr(&out), os, g.ptr(&aq), g.ptr(&ad), c, nt).unwrap();
+                    (g.download(&out).unwrap(), g.download(&aq).unwrap(), g.download(&ad).unwrap())
+                };
+                let what = format!("{} {kv}, {kvh} KV heads, pages of {ps}, {ns} splits", if mma { "attn_dec6t" } else { "attn_dec6" });
+                let (out, aq, ad) = run(false);
+                let mut rows = Vec::with_capacity(nt * qw);
+                let mut worst = 0f64;
+                for t in 0..nt {
+                    let r = &out[t * os..][..os];
+                    assert!(r[qw..].iter().all(|v| v.is_nan()), "{what}: wrote past the heads (t {t})");
+                    for i in 0..qw {
+                        let (gv, wv, a) = (r[i] as f64, want[t * qw + i], mag[t * qw + i]);
+                        let err = (gv - wv).abs();
+                        assert!(gv.is_finite() && err <= 5e-5 * a + 1e-6, "{what}: token {t} (context {}) [{i}]: {gv} vs {wv} (scale {a})", ctx[t]);
+                        worst = worst.max(err / (a + 1e-6));
+                    }
+                    rows.extend_from_slice(&r[..qw]);
+                }
+                let (hq, hdq) = q8_host(&rows);
+                assert_eq!(aq, hq, "{what}: q8");
+                assert_eq!(bits(&ad), bits(&hdq), "{what}: q8 scales");
+                if ns <= fast::ATTN_FUSE_MAX_SPLIT {
+                    let f = run(true);
+                    assert_eq!(bits(&f.0), bits(&out), "{what}: merged in the last block, output");
+                    assert_eq!((f.1, bits(&f.2)), (aq, bits(&ad)), "{what}: merged in the last block, q8");
+                    assert_eq!(g.download(&cnt).unwrap(), vec![0; nt * kvh], "{what}: counters left non-zero");
+                }
+                eprintln!("{what}, contexts {}..{} ({nt} tokens): max |err| / scale {worst:.2e}", ctx.iter().min().unwrap(), ctx.iter().max().unwrap());
+            }
+        }
+    }
+    // Bad arguments: typed errors.
+    let z = (0, 0, 0, 0);
+    assert!(g.attn_decode_with(true, "f32", 0, 0, 0, 0, z, 16, 1, 1, 1.0, 0, 0, 0, 0, 0, None, 1).is_err(), "f32 cache");
+    assert!(g.attn_decode_with(true, "f16", 0, 0, 0, 0, z, 0, 1, 1, 1.0, 0, 0, 0, 0, 0, None, 1).is_err(), "page size 0");
+    assert!(g.attn_decode_with(true, "f16", 0, 0, 0, 0, z, 16, 1, 0, 1.0, 0, 0, 0, 0, 0, None, 1).is_err(), "0 splits");
+    assert!(g.attn_decode_with(true, "f16", 0, 0, 0, 0, z, 16, 1, 129, 1.0, 0, 0, 0, 0, 0, Some(0), 1).is_err(), "129 splits merged in the last block");
+    assert!(g.attn_splits(true, 0, 16, 1).is_err(), "0 KV heads");
+}
+
+/// Decode attention speed at 32k context (no assertion on speed; prints): 62 launches over 8
+/// distinct layer caches of 8 KV heads (1 GiB, past L2), one token, each kernel and split
+/// count; and one token at context 105 (launch-bound here: graphs decide, see minimax-bench).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_decode_attention_speed() {
+    let g = gpu();
+    let (kvh, hd, ps, layers) = (8usize, 128usize, 16usize, 8usize);
+    let (qw, kw) = (6 * kvh * hd, kvh * hd);
+    let slots = 32768 + 256;
+    let caches: Vec<_> = (0..2 * layers)
+        .map(|i| {
+            let c = g.zeros::<u16>(slots * kw).unwrap();
+            g.fill_synthetic(g.ptr(&c), GgmlType::F16, slots * kw, 40 + i as u64, -2.0, 2.0).unwrap();
+            c
+        })
+        .collect();
+    let mut rng = Rng(0x5eed_0fa5_7000_0008);
+    let qb = g.upload(&rng.vec(qw, 2.0)).unwrap();
+    let pts: Vec<u32> = (0..(slots / ps) as u32).collect();
+    let (sb, ob, tb) = (g.upload(&[0i32]).unwrap(), g.upload(&[0i32]).unwrap(), g.upload(&pts).unwrap());
+    let part = g.zeros::<f32>(kvh * 128 * 6 * (hd + 2)).unwrap();
+    let out = g.zeros::<f32>(qw).unwrap();
+    let (aq, ad) = (g.zeros::<i8>(qw).unwrap(), g.zeros::<f32>(qw / 32).unwrap());
+    let cnt = g.zeros::<u32>(kvh).unwrap();
+    let auto = g.attn_splits(true, kvh, fast::nsplit_for(1), 1).unwrap();
+    for ctx in [32769usize, 8193, 105] {
+        let pb = g.upload(&[ctx as i32 - 1]).unwrap();
+        let meta = (g.ptr(&pb), g.ptr(&sb), g.ptr(&ob), g.ptr(&tb));
+        let mut variants = vec![(false, 128, false), (false, 128, true), (true, auto, false), (true, auto, true)];
+        variants.extend([8usize, 12, 16, 17, 24, 33, 48, 128].into_iter().filter(|&n| n != auto).map(|n| (true, n, false)));
+        for (mma, ns, fused) in variants {
+            let launch = |l: usize| {
+                let c = if fused { Some(g.ptr(&cnt)) } else { None };
+                let (k, v) = (&caches[2 * (l % layers)], &caches[2 * (l % layers) + 1]);
+                g.attn_decode_with(mma, "f16", g.ptr(&qb), qw, g.ptr(k), g.ptr(v), meta, ps, kvh, ns, 0.088, g.ptr(&part), g.ptr(&out), qw, g.ptr(&aq), g.ptr(&ad), c, 1).unwrap();
+            };
+            for l in 0..16 {
+                launch(l);
+            }
+            g.sync().unwrap();
+            let reps = 5;
+            let t0 = std::time::Instant::now();
+            for l in 0..62 * reps {
+                launch(l);
+            }
+            g.sync().unwrap();
+            let per_tok = t0.elapsed().as_secs_f64() * 1e3 / reps as f64;
+            let gbs = (ctx * kvh * hd * 2 * 2 * 62) as f64 / (per_tok * 1e-3) / 1e9;
+            eprintln!("attention speed: context {ctx}, {} {ns} splits, merge {}: {per_tok:.3} ms per token (62 layers) = {:.1} us per layer, K/V at {gbs:.0} GB/s", if mma { "attn_dec6t" } else { "attn_dec6 " }, if fused { "in last block" } else { "attn_merge6  " }, per_tok * 1e3 / 62.0);
+        }
     }
 }
 

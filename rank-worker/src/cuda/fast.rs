@@ -106,18 +106,30 @@ const PST_GU_UNITS: usize = 96;
 const PST_DN_UNITS: usize = 384;
 
 /// Q8_0 dense product kernel of [`Gpu::matvec_q8`]: the staged `mvq_*` (software-pipelined
-/// shared-memory phases of 8 chunks) or the whole-row `mvqs_*` (cp.async of up to 12 / 24
-/// chunks at once, conflict-free block-pair reads). IQ4_XS matrices always take `mvq_*`.
+/// shared-memory phases of 8 chunks), the whole-row `mvqs_*` (cp.async of up to 12 / 24
+/// chunks at once, conflict-free block-pair reads) or the tensor-core `mvmma_q8_0` (int8 MMA
+/// with the step's tokens as M: each token's activations are read once per 8 weight rows, not
+/// once per row). IQ4_XS matrices always take `mvq_*`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MvqKind {
     /// `mvq_*` (run-4 kernel; `MINIMAX_MVQ=0`).
     Staged,
     /// `mvqs_*`: 8 warps x 12-chunk phases for rows of up to 12 chunks, else 4 warps x 24
-    /// (the default).
+    /// (`MINIMAX_MVQ=w`; the default before `mvmma_q8_0`).
     Whole,
     /// `mvqs_*` with 8 warps x 12-chunk phases for every row (`MINIMAX_MVQ=s`).
     WholeShort,
+    /// `mvmma_q8_0` for every step (`MINIMAX_MVQ=m`).
+    Mma,
+    /// `Whole` below [`MMA_MIN_TOKENS`] tokens, `Mma` from there (the default).
+    Auto,
 }
+
+/// Tokens from which [`MvqKind::Auto`] takes the tensor-core Q8_0 kernel.
+pub const MMA_MIN_TOKENS: usize = 4;
+/// Dynamic shared memory of `mvmma_q8_0` (`MM8_SMEM`: 4 warps x a ring of 4 one-chunk buffers
+/// of 16 rows, plus the K quarters' partial sums).
+const MVMMA_SMEM: usize = 4 * 4 * 16 * CH + 3 * 16 * 32 * 4;
 
 impl MvqKind {
     /// The kind in force: [`set_kernel_overrides`] if set, else `MINIMAX_MVQ` (read once).
@@ -126,13 +138,17 @@ impl MvqKind {
             1 => return MvqKind::Staged,
             2 => return MvqKind::Whole,
             3 => return MvqKind::WholeShort,
+            4 => return MvqKind::Mma,
+            5 => return MvqKind::Auto,
             _ => {}
         }
         static V: std::sync::OnceLock<MvqKind> = std::sync::OnceLock::new();
         *V.get_or_init(|| match std::env::var("MINIMAX_MVQ").as_deref() {
             Ok("0") => MvqKind::Staged,
             Ok("s") => MvqKind::WholeShort,
-            _ => MvqKind::Whole,
+            Ok("w") => MvqKind::Whole,
+            Ok("m") => MvqKind::Mma,
+            _ => MvqKind::Auto,
         })
     }
 }
@@ -152,6 +168,8 @@ pub fn set_kernel_overrides(mvq: Option<MvqKind>, down: Option<DownKind>, route_
             Some(MvqKind::Staged) => 1,
             Some(MvqKind::Whole) => 2,
             Some(MvqKind::WholeShort) => 3,
+            Some(MvqKind::Mma) => 4,
+            Some(MvqKind::Auto) => 5,
         },
         Ordering::Relaxed,
     );
@@ -259,7 +277,8 @@ static ATTN_FUSE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINI
 /// Whether decode attention merges its splits in the last split block (`attn_dec6m_*`,
 /// `MINIMAX_ATTN_FUSE=1`) instead of a separate `attn_merge6` launch (the default);
 /// bit-identical. Measured (H200, M2.7 IQ4_XS, batch 1): 0.4 ms per step slower at short
-/// context, 0.75 ms faster at 32k (docs/CUDA.md).
+/// context; at 32k 0.75 ms faster with the SIMT kernel, 0.05 ms slower with the tensor-core
+/// one (docs/CUDA.md).
 pub fn attn_fusion() -> bool {
     ATTN_FUSE.get()
 }
@@ -480,11 +499,19 @@ impl Gpu {
             8
         };
         let (args, rows) = mv_args(segs, nchunks, xq, xd, ncol, nv, accumulate);
+        let mma = ty == GgmlType::Q8_0 && (kind == MvqKind::Mma || (kind == MvqKind::Auto && nv >= MMA_MIN_TOKENS));
+        if mma {
+            // Per call: the attribute belongs to this GPU's module (a driver call, not a stream
+            // operation, so it is allowed while a graph is captured).
+            use cudarc::driver::sys::CUfunction_attribute;
+            self.func("mvmma_q8_0")?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, MVMMA_SMEM as i32)?;
+            return self.launch_pdl("mvmma_q8_0", (ceil_div(rows, 16), ceil_div(nv, 32), 1), 128, MVMMA_SMEM as u32, &args);
+        }
         let (name, warps) = match kind {
             _ if ty != GgmlType::Q8_0 => (format!("mvq_{}_{nt}", tn(ty)), 8),
             MvqKind::Staged => (format!("mvq_q8_0_{nt}"), 8),
-            MvqKind::Whole if nchunks > 12 => (format!("mvqs_q8_0_{nt}l"), 4),
-            MvqKind::Whole | MvqKind::WholeShort => (format!("mvqs_q8_0_{nt}s"), 8),
+            MvqKind::Whole | MvqKind::Auto | MvqKind::Mma if nchunks > 12 => (format!("mvqs_q8_0_{nt}l"), 4),
+            MvqKind::Whole | MvqKind::Auto | MvqKind::Mma | MvqKind::WholeShort => (format!("mvqs_q8_0_{nt}s"), 8),
         };
         self.launch_pdl(&name, (ceil_div(rows, warps), ceil_div(nv, nt), 1), 32 * warps as u32, 0, &args)
     }
@@ -671,17 +698,18 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub fn attn_decode(&self, kv: &str, q: u64, qs: usize, kc: u64, vc: u64, meta: (u64, u64, u64, u64), page_size: usize, kv_heads: usize, nsplit: usize, scale: f32, part: u64, out: u64, os: usize, aq: u64, ad: u64, cnt: Option<u64>, nt: usize) -> Result<(), CudaError> {
         let mma = attn_mma();
-        let ns = self.attn_splits(mma, kv, kv_heads, nsplit, nt)?;
+        let ns = self.attn_splits(mma, kv_heads, nsplit, nt)?;
         self.attn_decode_with(mma, kv, q, qs, kc, vc, meta, page_size, kv_heads, ns, scale, part, out, os, aq, ad, cnt, nt)
     }
 
     /// Split count of decode attention for `nt` tokens, at most `nsplit` (the caller's
-    /// [`nsplit_for`], what `part` holds). SIMT kernel: `nsplit`. Tensor-core kernel: enough
-    /// blocks to fill the device once (SMs x resident blocks / (KV heads x tokens), at least 1;
-    /// `MINIMAX_ATTN_SPLITS=N` fixes it): each block streams a long run of positions through its
-    /// cp.async ring instead of ramping up four times per launch, and the merge reads fewer
-    /// partials. Fixed per step size (graphs); short contexts leave the later splits empty.
-    pub fn attn_splits(&self, mma: bool, kv: &str, kv_heads: usize, nsplit: usize, nt: usize) -> Result<usize, CudaError> {
+    /// [`nsplit_for`], what `part` holds). SIMT kernel: `nsplit`. Tensor-core kernel: one block
+    /// per SM (SMs / (KV heads x tokens), at least 1; `MINIMAX_ATTN_SPLITS=N` fixes it): each
+    /// block streams a long run of positions through its cp.async ring, and the merge reads
+    /// few partials. Measured at 32k (H200, 8 KV heads, one token): 16 splits 2.62 ms of
+    /// attention per token, 24: 2.70, 33 (two blocks per SM): 2.76, 8: 3.75, 128: 5.20; at 8k
+    /// 12-17 best. Fixed per step size (graphs); short contexts leave the later splits empty.
+    pub fn attn_splits(&self, mma: bool, kv_heads: usize, nsplit: usize, nt: usize) -> Result<usize, CudaError> {
         if nsplit == 0 || kv_heads == 0 || nt == 0 {
             return Err(CudaError::Shape(format!("attention: {nsplit} splits, {kv_heads} KV heads, {nt} tokens")));
         }
@@ -692,22 +720,9 @@ impl Gpu {
         if let Some(n) = *FIXED.get_or_init(|| std::env::var("MINIMAX_ATTN_SPLITS").ok().and_then(|v| v.parse().ok()).filter(|&n: &usize| n > 0)) {
             return Ok(n.min(nsplit));
         }
-        // Resident blocks per device, cached per (device, cache type).
-        static CACHE: std::sync::Mutex<Option<HashMap<(usize, String), usize>>> = std::sync::Mutex::new(None);
-        let key = (self.ctx.ordinal(), kv.to_string());
-        let cached = CACHE.lock().unwrap().get_or_insert_with(HashMap::new).get(&key).copied();
-        let resident = match cached {
-            Some(v) => v,
-            None => {
-                use cudarc::driver::sys::CUdevice_attribute;
-                let f = self.attn_mma_func(&format!("attn_dec6t_{kv}"))?;
-                let sms = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
-                let v = sms * f.occupancy_max_active_blocks_per_multiprocessor(128, ATTN_MMA_SMEM, None)?.max(1) as usize;
-                CACHE.lock().unwrap().get_or_insert_with(HashMap::new).insert(key, v);
-                v
-            }
-        };
-        Ok((resident / (kv_heads * nt)).clamp(1, nsplit))
+        use cudarc::driver::sys::CUdevice_attribute;
+        let sms = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
+        Ok((sms / (kv_heads * nt)).clamp(1, nsplit))
     }
 
     /// The tensor-core attention kernel `name` with its dynamic shared memory allowed.
