@@ -1495,6 +1495,102 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_grp_iq4_xs(const u8* 
     }
 }
 
+// Grouped IQ4_XS down on tensor cores (the default): the slot's pairs are the M side of
+// mma.sync m16n8k32 (s8, exact per 32-column unit; up to 32 pairs = two m16 tiles), 8 weight
+// rows a warp the N side. A lane loads one 4-byte word of its row's unit codes, whose low and
+// high nibbles are exactly the B fragment's two registers after the codebook lookup; the unit's
+// scale d (ls - 32) comes from the row's owner lane by shuffle. Sums are scaled in f32 (pair's
+// q8 scale x unit scale) and added over the units in order. moe_down_grp_iq4_xs re-reads each
+// pair's activations for every row and reduces every (row, pair) across the warp, which bounds
+// it far below the weight bandwidth at 32 tokens. Same arguments and output as
+// moe_down_grp_iq4_xs; grid (ceil(rows / 32), max slots), block 128.
+#define DGM_UN 4  // units per round (their loads issued together)
+extern "C" __global__ void __launch_bounds__(128) moe_down_grpm_iq4_xs(const u8* W, i64 rb, i64 es, int rows,
+                                                                       const int* grp, int E, const i8* aq,
+                                                                       const float* ad, int ff, float* dpart) {
+    pdl_enter();
+    int slot = blockIdx.y;
+    if (slot >= grp[0]) return;
+    int e = grp[1 + slot], c = min(grp[1 + 2 * E + slot], GG_MAXC);
+    const int* pairs = grp + 1 + 3 * E + grp[1 + E + slot];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int g = lane >> 2, t = lane & 3;
+    int r0 = blockIdx.x * 32 + warp * 8;
+    if (r0 >= rows) return;
+    int upe = ff >> 5;
+    bool rv = r0 + g < rows;
+    const u8* wrow = W + (i64)e * es + (i64)(rv ? r0 + g : r0) * rb;
+    int pi[4];
+    bool pv[4];
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        int ci = (i >> 1) * 16 + (i & 1) * 8 + g;
+        pv[i] = ci < c;
+        pi[i] = pv[i] ? pairs[ci] : 0;
+    }
+    const int nm = c > 16 ? 2 : 1;
+    float acc[2][4];
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) acc[m][i] = 0.f;
+    for (int u0 = 0; u0 < upe; u0 += DGM_UN) {
+        uint2 h[DGM_UN];
+        u32 q[DGM_UN];
+        u32 a[DGM_UN][2][4];
+        float dx[DGM_UN][2][2];
+#pragma unroll
+        for (int j = 0; j < DGM_UN; j++) {
+            int u = u0 + j;
+            bool ok = u < upe;
+            const u8* b = wrow + (u >> 3) * 136;
+            h[j] = ok ? ldg_u2(b) : make_uint2(0, 0);
+            q[j] = ok ? *(const u32*)(b + 8 + 16 * (u & 7) + 4 * t) : 0u;
+#pragma unroll
+            for (int m = 0; m < 2; m++)
+#pragma unroll
+                for (int hh = 0; hh < 2; hh++) {
+                    int i = 2 * m + hh;
+                    bool v = ok && pv[i] && m < nm;
+                    const i8* xr = aq + (i64)pi[i] * ff + u * 32;
+                    a[j][m][hh] = v ? *(const u32*)(xr + 4 * t) : 0u;
+                    a[j][m][2 + hh] = v ? *(const u32*)(xr + 16 + 4 * t) : 0u;
+                    dx[j][m][hh] = v ? ad[(i64)pi[i] * upe + u] : 0.f;
+                }
+        }
+#pragma unroll
+        for (int j = 0; j < DGM_UN; j++) {
+            int u = u0 + j;
+            if (u >= upe) break;
+            int sb = u & 7;
+            int ls = ((h[j].y >> (4 * sb)) & 15) | (((h[j].x >> (16 + 2 * sb)) & 3) << 4);
+            float sw = f16_to_f32((u16)(h[j].x & 0xffffu)) * (float)(ls - 32);
+            float s0 = __shfl_sync(0xffffffffu, sw, 8 * t), s1 = __shfl_sync(0xffffffffu, sw, 8 * t + 4);
+            u32 lo, hi;
+            iq4_lookup(q[j], lo, hi);
+#pragma unroll
+            for (int m = 0; m < 2; m++) {
+                if (m < nm) {
+                    int cr[4];
+                    mma_s8_16832(cr, a[j][m], lo, hi);
+                    acc[m][0] += dx[j][m][0] * s0 * (float)cr[0];
+                    acc[m][1] += dx[j][m][0] * s1 * (float)cr[1];
+                    acc[m][2] += dx[j][m][1] * s0 * (float)cr[2];
+                    acc[m][3] += dx[j][m][1] * s1 * (float)cr[3];
+                }
+            }
+        }
+    }
+#pragma unroll
+    for (int m = 0; m < 2; m++)
+#pragma unroll
+        for (int i = 0; i < 4; i++) {
+            int pj = 2 * m + (i >> 1);
+            int r = r0 + 2 * t + (i & 1);
+            if (m < nm && pv[pj] && r < rows) dpart[(i64)pi[pj] * rows + r] = acc[m][i];
+        }
+}
+
 // hidden[t][r] += sum_j wts[t k + j] * dpart[t k + j][r] (j in order: deterministic).
 // grid (ceil(rows / 256), nt), block 256.
 extern "C" __global__ void __launch_bounds__(256) moe_combine_grp(const float* dpart, const float* wts, int k, int rows,

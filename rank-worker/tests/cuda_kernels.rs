@@ -815,6 +815,49 @@ fn fast_grouped_moe_matches_cpu() {
     eprintln!("moe grouped IQ4_XS {nt} tokens x top-{k} of {e}: gate/up max |diff| {worst:.2e} (q8 output), down+combine max rel {worst_d:.2e}");
 }
 
+/// Grouped IQ4_XS down, both kernels (tensor-core `moe_down_grpm_iq4_xs` and dp4a
+/// `moe_down_grp_iq4_xs`) against the f64 product of the dequantized weights and q8
+/// activations: 24 tokens x top-2 over 5 experts, expert 1 taking all 24 (two m16 tiles of
+/// pairs, the second partial), the others 6 each; 43 rows (a partial 32-row tile); every
+/// written element checked, the output poisoned first.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_grouped_down_kernels_match_cpu() {
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0007);
+    let ty = GgmlType::IQ4_XS;
+    let (e, k, nt, ff, hrows) = (5usize, 2usize, 24usize, 256 * 5, 43usize);
+    let down = random_rows(&mut rng, ty, e * hrows, ff);
+    let (_d, dm) = upload_mat(&g, ty, &down, hrows, ff, e);
+    let ids: Vec<i32> = (0..nt).flat_map(|t| [1, [0, 2, 3, 4][t % 4]]).collect();
+    let act = rng.vec(nt * k * ff, 2.0);
+    let (aq, ad) = q8_host(&act);
+    let adq = q8_deq(&aq, &ad);
+    let (aqb, adb, ib) = (g.upload(&aq).unwrap(), g.upload(&ad).unwrap(), g.upload(&ids).unwrap());
+    let grp = g.zeros::<i32>(1 + 3 * e + nt * k).unwrap();
+    g.moe_group(g.ptr(&ib), nt * k, e, g.ptr(&grp)).unwrap();
+    let ddeq = quant::dequantize_to_vec(ty, &down, e * hrows * ff).unwrap();
+    for mma in [true, false] {
+        let dpart = poisoned(&g, nt * k * hrows);
+        g.moe_down_grp_with(mma, &dm, g.ptr(&grp), e, e, g.ptr(&aqb), g.ptr(&adb), g.ptr(&dpart)).unwrap();
+        let got = g.download(&dpart).unwrap();
+        let mut worst = 0f64;
+        for p in 0..nt * k {
+            let ex = ids[p] as usize;
+            for r in 0..hrows {
+                let w = &ddeq[(ex * hrows + r) * ff..(ex * hrows + r + 1) * ff];
+                let a = &adq[p * ff..(p + 1) * ff];
+                let want: f64 = w.iter().zip(a).map(|(x, y)| *x as f64 * *y as f64).sum();
+                let scale: f64 = w.iter().zip(a).map(|(x, y)| (*x as f64 * *y as f64).abs()).sum::<f64>() + 1e-6;
+                let gv = got[p * hrows + r] as f64;
+                assert!(gv.is_finite() && (gv - want).abs() <= 1e-5 * scale, "down_grp mma {mma} pair {p} (expert {ex}) row {r}: got {gv} want {want}");
+                worst = worst.max((gv - want).abs() / scale);
+            }
+        }
+        eprintln!("grouped down IQ4_XS (mma {mma}) {nt} tokens x top-{k}, 24 pairs on one expert: max |diff| / sum|w a| {worst:.2e}");
+    }
+}
+
 /// Decode attention with the split merge in the last split block (`attn_dec6m_f16`) against
 /// `attn_dec6_f16` + `attn_merge6`: merged f32 output and its q8 bit-identical, for contexts of
 /// one page to several thousand positions (empty and full splits), 3 tokens of 3 sequences over

@@ -80,6 +80,38 @@ fn profile_step(m: &mut CudaModel, nt: usize) -> anyhow::Result<Vec<(String, f32
     Ok(prof)
 }
 
+/// `--nsys-replay NT`: `nt` sequences with a 5-token prompt, three steps (the graph is captured),
+/// then 20 graph replays of the `nt`-token step inside a profiler range, so
+/// `nsys profile -c cudaProfilerApi --cuda-graph-trace=node` records exactly the replayed
+/// kernels (their real durations and the gaps between them, which CUDA events cannot show).
+fn nsys_replay(m: &mut CudaModel, pages: &mut Pages, nt: usize) -> anyhow::Result<()> {
+    anyhow::ensure!((1..=32).contains(&nt), "--nsys-replay: 1..=32 tokens, got {nt}");
+    let pts: Vec<Vec<u32>> = (0..nt).map(|_| pages.take(2)).collect();
+    let mut toks = vec![0u32; nt];
+    for (i, p) in pts.iter().enumerate() {
+        let o = m.forward(&ForwardBatch { seqs: vec![step(100 + i as u64, p, 0, vec![1, 2 + i as u32, 3, 4, 5], LogitsWanted::Last)] })?;
+        toks[i] = argmax(o.row(0));
+    }
+    for s in 0..3 {
+        let seqs = (0..nt).map(|i| step(100 + i as u64, &pts[i], 5 + s, vec![toks[i]], LogitsWanted::Last)).collect();
+        let o = m.forward(&ForwardBatch { seqs })?;
+        for (i, t) in toks.iter_mut().enumerate() {
+            *t = stream_token(i, s, argmax(o.row(i)));
+        }
+    }
+    m.gpu().sync()?;
+    let t = Instant::now();
+    {
+        let _range = cudarc::driver::Profiler::new()?;
+        for _ in 0..20 {
+            m.replay_fast_step(nt)?;
+        }
+        m.gpu().sync()?;
+    }
+    println!("nsys replay: 20 replays of the {nt}-token step, {:.3} ms each (incl. profiler overhead)", ms(t) / 20.0);
+    Ok(())
+}
+
 /// Prints a profiled step's kernel time by kernel family (dtype suffixes merged), largest first,
 /// so the next thing to speed up is the first line.
 fn print_split(prof: &[(String, f32)], what: &str) {
@@ -315,6 +347,9 @@ fn main() -> anyhow::Result<()> {
     let bw = copy_bandwidth(&m)?;
     println!("device copy bandwidth {:.0} GB/s (read + write)", bw / 1e9);
     let mut pages = Pages(0);
+    if let Some(nt) = arg("--nsys-replay").and_then(|s| s.parse::<usize>().ok()) {
+        return nsys_replay(&mut m, &mut pages, nt);
+    }
     let mut table: Vec<(String, String)> = Vec::new();
 
     // --prefill-only: skip every decode measurement (the prefill section below stands alone).
@@ -418,13 +453,16 @@ fn main() -> anyhow::Result<()> {
         }
         let per = ms(t) / (steps - 2) as f64;
         println!("decode at 32k context, batch 1: {per:.2} ms/token = {:.1} tok/s (bound {:.0}), finite {fin}", 1e3 / per, bound(long_ctx));
-        // The same step with the attention merge folded in / separate (the other choice).
-        for fuse in [!minimax_rank::cuda::fast::attn_fusion(), minimax_rank::cuda::fast::attn_fusion()] {
+        // The same step with the attention merge folded in / separate, on the SIMT and the
+        // tensor-core attention kernel (MINIMAX_ATTN_MMA).
+        for (mma, fuse) in [(false, false), (false, true), (true, true), (true, false)] {
+            minimax_rank::cuda::fast::set_attn_mma(Some(mma));
             minimax_rank::cuda::fast::set_attn_fusion(Some(fuse));
             m.clear_graphs();
             m.forward(&ForwardBatch { seqs: vec![step(9, &pt, long_ctx + steps, vec![tok], LogitsWanted::Last)] })?;
-            println!("decode at 32k context, graph replay, attention merge folded {fuse}: {:.3} ms/token", replay_ms(&mut m, 1, 10)?);
+            println!("decode at 32k context, graph replay, tensor-core attention {mma}, merge folded {fuse}: {:.3} ms/token", replay_ms(&mut m, 1, 10)?);
         }
+        minimax_rank::cuda::fast::set_attn_mma(None);
         minimax_rank::cuda::fast::set_attn_fusion(None);
         m.clear_graphs();
         table.push(("decode tok/s at 32k context, batch 1 / bound".into(), format!("{:.1} / {:.0}", 1e3 / per, bound(long_ctx))));
@@ -439,7 +477,7 @@ fn main() -> anyhow::Result<()> {
     let prefill_sizes: &[usize] = if flag("--no-prefill") { &[] } else { &[512, 513] };
     if !prefill_sizes.is_empty() {
         let prec = gemm_precision();
-        let other = if prec == GemmPrecision::Bf16 { GemmPrecision::Bf16x3 } else { GemmPrecision::Bf16 };
+        let other = if prec == GemmPrecision::Bf16x3 { GemmPrecision::Bf16 } else { GemmPrecision::Bf16x3 };
         for p in [other, prec] {
             set_gemm_precision(p);
             let pt = pages.take(40usize.div_ceil(PAGE));
@@ -510,6 +548,20 @@ fn main() -> anyhow::Result<()> {
         for (n, t, k) in &phase {
             println!("  {n:<62} {t:>8.2} ms {:>5.1}% {k:>6} launches", 100.0 * t / tot.max(1e-9));
             table.push((format!("prefill 512 split: {n} ms"), format!("{t:.2}")));
+        }
+        // The kernels that took longest in that prefill (name, ms, launches).
+        let mut per: Vec<(&str, f32, usize)> = Vec::new();
+        for (name, t) in &prof {
+            if let Some(p) = per.iter_mut().find(|p| p.0 == name.as_str()) {
+                p.1 += t;
+                p.2 += 1;
+            } else {
+                per.push((name.as_str(), *t, 1));
+            }
+        }
+        per.sort_by(|a, b| b.1.total_cmp(&a.1));
+        for (n, t, k) in per.iter().take(14) {
+            println!("    {n:<40} {t:>8.2} ms {k:>5} launches");
         }
     }
     for &n in prefill_sizes {

@@ -125,6 +125,13 @@ pub enum MvqKind {
     Auto,
 }
 
+/// Whether the grouped IQ4_XS expert kernels run on tensor cores (`MINIMAX_GRP_MMA`, default
+/// on; `0` = the dp4a kernels, which re-read every pair's activations for every row).
+pub fn grp_mma() -> bool {
+    static V: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_GRP_MMA", true);
+    V.get()
+}
+
 /// Tokens from which [`MvqKind::Auto`] takes the tensor-core Q8_0 kernel.
 pub const MMA_MIN_TOKENS: usize = 4;
 /// Dynamic shared memory of `mvmma_q8_0` (`MM8_SMEM`: 4 warps x a ring of 4 one-chunk buffers
@@ -670,13 +677,21 @@ impl Gpu {
     /// of `grp` (f32 `[npairs][down.rows]`); [`Gpu::moe_combine_grp`] adds them to the residual.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down_grp(&self, down: &DevMat, grp: u64, e: usize, nslots: usize, aq: u64, ad: u64, dpart: u64) -> Result<(), CudaError> {
+        self.moe_down_grp_with(grp_mma(), down, grp, e, nslots, aq, ad, dpart)
+    }
+
+    /// [`Gpu::moe_down_grp`] with the kernel given: `mma` = `moe_down_grpm_iq4_xs` (tensor
+    /// cores, the default), else `moe_down_grp_iq4_xs` (dp4a; tests and A/B runs).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down_grp_with(&self, mma: bool, down: &DevMat, grp: u64, e: usize, nslots: usize, aq: u64, ad: u64, dpart: u64) -> Result<(), CudaError> {
         if down.ty != GgmlType::IQ4_XS || !fast_mat(down) || down.cols % 256 != 0 {
             return Err(CudaError::Shape(format!("moe_down_grp: {:?} {}x{}", down.ty, down.rows, down.cols)));
         }
+        let (name, rows_per_block, threads) = if mma { ("moe_down_grpm_iq4_xs", 32, 128) } else { ("moe_down_grp_iq4_xs", 16, 256) };
         self.launch_pdl(
-            "moe_down_grp_iq4_xs",
-            (ceil_div(down.rows, 16), nslots as u32, 1),
-            256,
+            name,
+            (ceil_div(down.rows, rows_per_block), nslots as u32, 1),
+            threads,
             0,
             &down_args(down, &[Arg::P(grp), Arg::I(e as i32)], aq, ad, &[Arg::P(dpart)]),
         )
