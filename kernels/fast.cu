@@ -1495,7 +1495,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_grp_iq4_xs(const u8* 
     }
 }
 
-// Grouped IQ4_XS down on tensor cores (the default): the slot's pairs are the M side of
+// Grouped IQ4_XS down on tensor cores (opt-in, MINIMAX_GRP_MMA=1: measured only slightly faster
+// at 32 tokens and slower at 4-16, where slots hold 1-2 pairs): the slot's pairs are the M side of
 // mma.sync m16n8k32 (s8, exact per 32-column unit; up to 32 pairs = two m16 tiles), 8 weight
 // rows a warp the N side. A lane loads one 4-byte word of its row's unit codes, whose low and
 // high nibbles are exactly the B fragment's two registers after the codebook lookup; the unit's

@@ -826,7 +826,7 @@ fn fast_grouped_down_kernels_match_cpu() {
     let g = gpu();
     let mut rng = Rng(0x5eed_0fa5_7000_0007);
     let ty = GgmlType::IQ4_XS;
-    let (e, k, nt, ff, hrows) = (5usize, 2usize, 24usize, 256 * 5, 43usize);
+    let (e, k, nt, ff, hrows) = (5usize, 2usize, 24usize, 512 * 3, 43usize);
     let down = random_rows(&mut rng, ty, e * hrows, ff);
     let (_d, dm) = upload_mat(&g, ty, &down, hrows, ff, e);
     let ids: Vec<i32> = (0..nt).flat_map(|t| [1, [0, 2, 3, 4][t % 4]]).collect();

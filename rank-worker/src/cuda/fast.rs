@@ -125,10 +125,11 @@ pub enum MvqKind {
     Auto,
 }
 
-/// Whether the grouped IQ4_XS expert kernels run on tensor cores (`MINIMAX_GRP_MMA`, default
-/// on; `0` = the dp4a kernels, which re-read every pair's activations for every row).
+/// Whether the grouped IQ4_XS expert down runs on tensor cores (`MINIMAX_GRP_MMA=1`; off by
+/// default: on a 16-layer M2.7, H200, graph replay, it gave batch 32 2,917 -> 3,002 tok/s but
+/// batch 4 1,315 -> 1,147 and batch 16 2,422 -> 2,334, latency-bound with few pairs a slot).
 pub fn grp_mma() -> bool {
-    static V: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_GRP_MMA", true);
+    static V: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_GRP_MMA", false);
     V.get()
 }
 
@@ -681,7 +682,7 @@ impl Gpu {
     }
 
     /// [`Gpu::moe_down_grp`] with the kernel given: `mma` = `moe_down_grpm_iq4_xs` (tensor
-    /// cores, the default), else `moe_down_grp_iq4_xs` (dp4a; tests and A/B runs).
+    /// cores, opt-in), else `moe_down_grp_iq4_xs` (dp4a, the default; tests and A/B runs).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down_grp_with(&self, mma: bool, down: &DevMat, grp: u64, e: usize, nslots: usize, aq: u64, ad: u64, dpart: u64) -> Result<(), CudaError> {
         if down.ty != GgmlType::IQ4_XS || !fast_mat(down) || down.cols % 256 != 0 {
