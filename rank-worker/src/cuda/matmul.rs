@@ -34,29 +34,39 @@ pub enum GemmPrecision {
     /// significant bits, within ~1e-5 relative of the f32 matvec. The default: router
     /// near-ties of small models re-route under plain bf16.
     Bf16x3,
+    /// IQ4_XS and Q8_0 weights as int8 with X quantized to int8 per 32 columns (f32 scale, as
+    /// the decode path's activations): one int8 MMA per 32 columns, ~4e-3 relative per product.
+    /// Other types take the `Bf16x3` kernels.
+    Int8,
 }
+
+/// `passes` value of the int8 kernels (`mm_i8_*`, `mmg_i8_*`) in the fast-path functions.
+pub const INT8_PASSES: usize = 8;
 
 impl GemmPrecision {
     fn passes(self) -> usize {
         match self {
             GemmPrecision::Bf16 => 1,
             GemmPrecision::Bf16x3 => 3,
+            GemmPrecision::Int8 => INT8_PASSES,
         }
     }
 }
 
-/// 0: not chosen yet (read `MINIMAX_GEMM` on first use), else the passes (1 or 3).
+/// 0: not chosen yet (read `MINIMAX_GEMM` on first use), else the passes (1, 3 or 8 = int8).
 static PRECISION: AtomicU8 = AtomicU8::new(0);
 
-/// The process-wide GEMM precision: `MINIMAX_GEMM=bf16` or `bf16x3` (default), or what
-/// [`set_gemm_precision`] set.
+/// The process-wide GEMM precision: `MINIMAX_GEMM=bf16`, `bf16x3` (default) or `int8`, or
+/// what [`set_gemm_precision`] set.
 pub fn gemm_precision() -> GemmPrecision {
     match PRECISION.load(Ordering::Relaxed) {
         1 => GemmPrecision::Bf16,
         3 => GemmPrecision::Bf16x3,
+        8 => GemmPrecision::Int8,
         _ => {
             let p = match std::env::var("MINIMAX_GEMM").as_deref() {
                 Ok("bf16") => GemmPrecision::Bf16,
+                Ok("int8") => GemmPrecision::Int8,
                 _ => GemmPrecision::Bf16x3,
             };
             PRECISION.store(p.passes() as u8, Ordering::Relaxed);
@@ -143,6 +153,53 @@ fn fast_geom(ty: GgmlType) -> Option<FastGeom> {
 /// Token tiles of the fast path and their (m16 tiles per warp, stages) (`MQ_INST`).
 const FAST_TILES: [(usize, usize, usize); 3] = [(16, 1, 2), (32, 1, 3), (64, 2, 2)];
 
+/// Stage count of the int8 kernels forced by `MINIMAX_I8_STAGES` (2..4; 0: the default choice).
+static I8_STAGES: AtomicU8 = AtomicU8::new(u8::MAX);
+
+/// Forces the int8 kernels' stage count (`Some(2..=4)`) or restores the default (`None`); for
+/// benchmarks. `MINIMAX_I8_STAGES` sets it at start.
+pub fn set_int8_stages(st: Option<usize>) {
+    I8_STAGES.store(st.filter(|s| (2..=4).contains(s)).unwrap_or(0) as u8, Ordering::Relaxed);
+}
+
+/// Stages of the int8 kernels (`mm_i8_*`, a kernel argument) at token tile `bm`: IQ4_XS at 64
+/// tokens 2 (two blocks an SM), else 3, unless forced; `None`: no such tile or type.
+fn int8_stages(ty: GgmlType, bm: usize) -> Option<usize> {
+    let forced = match I8_STAGES.load(Ordering::Relaxed) {
+        u8::MAX => {
+            let v = std::env::var("MINIMAX_I8_STAGES").ok().and_then(|v| v.parse::<usize>().ok()).filter(|s| (2..=4).contains(s)).unwrap_or(0);
+            I8_STAGES.store(v as u8, Ordering::Relaxed);
+            v
+        }
+        v => v as usize,
+    };
+    match (ty, bm) {
+        (GgmlType::IQ4_XS | GgmlType::Q8_0, 16 | 32 | 64) if forced > 0 => Some(forced),
+        (GgmlType::IQ4_XS, 64) => Some(2),
+        (GgmlType::IQ4_XS | GgmlType::Q8_0, 16 | 32 | 64) => Some(3),
+        _ => None,
+    }
+}
+
+/// Dynamic shared memory of one int8 block (`mi_smem`): stages of raw rows, int8 X tile and
+/// X scales, per-warp weight scales, row maps.
+fn int8_smem(g: FastGeom, bm: usize, st: usize) -> usize {
+    let sb = g.ks / g.be * g.bb;
+    let sp = 16 * (((sb + 15) / 16 + 1) | 1);
+    let stage = BN * sp + bm * g.ks + bm * (g.ks / 32) * 8;
+    st * stage + 8 * (g.ks / 32) * 8 * 8 + 2 * bm * 4
+}
+
+/// Dynamic shared memory of one fast-path block for `passes` (1 / 3: `mq_smem` with X in 1 or
+/// 2 bf16 planes; [`INT8_PASSES`]: `mi_smem`).
+fn fast_smem_for(ty: GgmlType, g: FastGeom, bm: usize, passes: usize) -> Option<usize> {
+    if passes == INT8_PASSES {
+        int8_stages(ty, bm).map(|st| int8_smem(g, bm, st))
+    } else {
+        Some(fast_smem(g, bm, if passes == 1 { 1 } else { 2 }))
+    }
+}
+
 /// Dynamic shared memory of one fast-path block (`mq_smem`), X in `planes` bf16 planes.
 fn fast_smem(g: FastGeom, bm: usize, planes: usize) -> usize {
     let compact = bm == 32 && gemm_compact();
@@ -156,7 +213,9 @@ fn fast_smem(g: FastGeom, bm: usize, planes: usize) -> usize {
 }
 
 /// X converted for the fast path (`mm_x_pP`): `rows` rows of bf16 planes `pitch` bytes apart,
-/// and (types with mins) f32 sums of every 32 columns, `spitch` floats apart.
+/// and (types with mins) f32 sums of every 32 columns, `spitch` floats apart; for the int8
+/// kernels (`mm_x_i8`, `passes` = [`INT8_PASSES`]) rows of int8 in MMA fragment order and
+/// `sums` = (scale, -1.5·2^23·scale) per 32 columns.
 pub struct FastX {
     xc: CudaSlice<u8>,
     pitch: usize,
@@ -219,7 +278,13 @@ impl Gpu {
 
     fn gemm_passes(&self, ty: GgmlType) -> usize {
         // F32 weights (the router, f32 checkpoints) are there for precision: always 3 passes.
-        if ty == GgmlType::F32 { 3 } else { gemm_precision().passes() }
+        // int8 exists for IQ4_XS and Q8_0 only; other types keep the 3-pass kernels.
+        match (ty, gemm_precision()) {
+            (GgmlType::F32, _) => 3,
+            (GgmlType::IQ4_XS | GgmlType::Q8_0, GemmPrecision::Int8) => INT8_PASSES,
+            (_, GemmPrecision::Int8) => 3,
+            (_, p) => p.passes(),
+        }
     }
 
     fn gemm_func(&self, name: &str, bytes: usize) -> Result<(), CudaError> {
@@ -240,7 +305,35 @@ impl Gpu {
             return Err(CudaError::Shape(format!("matmul: {why}")));
         }
         let rt = w.rows.div_ceil(BN);
-        let passes = self.gemm_passes(w.ty);
+        let mut passes = self.gemm_passes(w.ty);
+        if passes == INT8_PASSES {
+            // 64-token tiles (two blocks an SM), K split in up to 4 parts of at least 4 stages
+            // where that fills the last wave better (measured at 512 tokens: 64-token tiles for q
+            // and o and 16 for k and v, unsplit: dense GEMMs 37.6 ms).
+            let bm = match DENSE_TILE.load(Ordering::Relaxed) {
+                1 => 16,
+                2 => 32,
+                _ => 64,
+            };
+            if self.gemm_fast_unfit(w, x, xs, bm, passes).is_none() {
+                let slots = 2 * self.sm_count();
+                let blocks = rt * n.div_ceil(bm);
+                let stages = fast_geom(w.ty).map(|g| w.cols.div_ceil(g.ks)).unwrap_or(1);
+                let mut best = (f64::MAX, 1usize);
+                for s in 1..=4usize {
+                    if s > 1 && stages < 4 * s {
+                        break;
+                    }
+                    // Waves of full-K block times; a split pays ~0.1 of one for its reduction.
+                    let cost = (blocks * s).div_ceil(slots) as f64 / s as f64 + if s > 1 { 0.1 } else { 0.0 };
+                    if cost < best.0 - 1e-9 {
+                        best = (cost, s);
+                    }
+                }
+                return self.matmul_fast_split_with(w, x, xs, y, ys, n, accumulate, bm, passes, best.1);
+            }
+            passes = 3;
+        }
         if self.gemm_fast_unfit(w, x, xs, 64, passes).is_none() {
             // Fast path: the largest token tile that still gives every SM a block (16-token
             // tiles run two blocks an SM).
@@ -261,18 +354,32 @@ impl Gpu {
         }
         // Big products: 128-token tiles (weights reused 4x more); else 32-token tiles so that
         // e.g. a 3072→1024 projection of 512 tokens still has enough blocks.
+        let sms = self.sm_count();
         let nt = match DENSE_TILE.load(Ordering::Relaxed) {
-            0 if rt * n.div_ceil(128) >= 2 * self.sm_count() => 8,
+            0 if rt * n.div_ceil(128) >= 2 * sms => 8,
             8 => 8,
             _ => 2,
         };
-        self.matmul_with(w, x, xs, y, ys, n, accumulate, nt, self.gemm_passes(w.ty))
+        // Fewer blocks than SMs (the F32 router: 256 rows): split K so that about two blocks
+        // an SM run (measured: M2.7's router at 512 tokens took 296 µs a layer on 32 blocks).
+        let blocks = rt * n.div_ceil(16 * nt);
+        let unit = if w.ty.block_elems() == 256 { 256 } else { 64 };
+        let splits = if blocks < sms { (2 * sms).div_ceil(blocks).min(16).min(w.cols / unit) } else { 1 };
+        self.matmul_split_with(w, x, xs, y, ys, n, accumulate, nt, passes, splits.max(1))
     }
 
     /// [`Gpu::matmul`] with the token tile (`nt` × 16 tokens, nt 2 or 8) and the bf16
     /// passes (1 or 3) chosen by the caller (tests cover every variant).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_with(&self, w: &DevMat, x: u64, xs: usize, y: u64, ys: usize, n: usize, accumulate: bool, nt: usize, passes: usize) -> Result<(), CudaError> {
+        self.matmul_split_with(w, x, xs, y, ys, n, accumulate, nt, passes, 1)
+    }
+
+    /// [`Gpu::matmul_with`] with K split in up to `splits` parts of whole 64-column steps (and
+    /// whole blocks of the type), run side by side (grid z) into a scratch buffer and added in
+    /// order by `mm_sum_parts`: for products with fewer row × token tiles than SMs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_split_with(&self, w: &DevMat, x: u64, xs: usize, y: u64, ys: usize, n: usize, accumulate: bool, nt: usize, passes: usize, splits: usize) -> Result<(), CudaError> {
         if let Some(why) = self.gemm_unfit(w, x, xs) {
             return Err(CudaError::Shape(format!("matmul: {why}")));
         }
@@ -285,15 +392,34 @@ impl Gpu {
         if n.div_ceil(16 * nt) > 65535 {
             return Err(CudaError::Shape(format!("matmul: {n} rows of X in tiles of {}", 16 * nt)));
         }
+        if splits == 0 || splits > 64 {
+            return Err(CudaError::Shape(format!("matmul: K in {splits} parts")));
+        }
         let name = format!("mm_{}_{nt}_p{passes}", w.ty.name().to_ascii_lowercase());
         let sm = smem(nt, passes);
         self.gemm_func(&name, sm)?;
+        let grid = (w.rows.div_ceil(BN) as u32, n.div_ceil(16 * nt) as u32);
+        // Columns a part: whole 64-column steps and whole blocks (256 for the K-quants).
+        let unit = if w.ty.block_elems() == 256 { 256 } else { 64 };
+        let kz = w.cols.div_ceil(unit).div_ceil(splits) * unit;
+        let parts = w.cols.div_ceil(kz.max(1));
+        if parts <= 1 {
+            let mut args = mat_args(w, x, xs, y, ys, n, accumulate).to_vec();
+            args.extend([Arg::I(w.cols as i32), Arg::L(0)]);
+            return self.launch(&name, (grid.0, grid.1, 1), 256, sm as u32, &args);
+        }
+        let part = n * w.rows;
+        // Every element of every part is written by its blocks before the sum reads it.
+        let p = unsafe { self.stream.alloc::<f32>(parts * part)? };
+        let mut args = mat_args(w, x, xs, self.ptr(&p), w.rows, n, false).to_vec();
+        args.extend([Arg::I(kz as i32), Arg::L(part as i64)]);
+        self.launch(&name, (grid.0, grid.1, parts as u32), 256, sm as u32, &args)?;
         self.launch(
-            &name,
-            (w.rows.div_ceil(BN) as u32, n.div_ceil(16 * nt) as u32, 1),
+            "mm_sum_parts",
+            (part.div_ceil(256) as u32, 1, 1),
             256,
-            sm as u32,
-            &mat_args(w, x, xs, y, ys, n, accumulate),
+            0,
+            &[Arg::P(self.ptr(&p)), Arg::L(part as i64), Arg::I(parts as i32), Arg::P(y), Arg::L(ys as i64), Arg::I(w.rows as i32), Arg::I(n as i32), Arg::I(accumulate as i32)],
         )
     }
 
@@ -303,7 +429,8 @@ impl Gpu {
     }
 
     /// Why the integer fast path cannot take `w` with input `x` (`xs` apart) at token tile
-    /// `bm` and `passes`, or `None` when it can (and [`gemm_fast`] is on).
+    /// `bm` and `passes` (1, 3, or [`INT8_PASSES`] for the int8 kernels of IQ4_XS / Q8_0), or
+    /// `None` when it can (and [`gemm_fast`] is on).
     pub fn gemm_fast_unfit(&self, w: &DevMat, x: u64, xs: usize, bm: usize, passes: usize) -> Option<String> {
         if !gemm_fast() {
             return Some("fast path off".into());
@@ -316,10 +443,10 @@ impl Gpu {
         if w.ptr % g.align as u64 != 0 || w.row_bytes % g.align != 0 || es % g.align != 0 || w.cols % g.be != 0 {
             return Some(format!("weights {:#x} (row {} bytes) not {}-byte aligned", w.ptr, w.row_bytes, g.align));
         }
-        if !FAST_TILES.iter().any(|t| t.0 == bm) || !matches!(passes, 1 | 3) {
+        if !FAST_TILES.iter().any(|t| t.0 == bm) || !matches!(passes, 1 | 3 | INT8_PASSES) {
             return Some(format!("token tile {bm}, {passes} passes"));
         }
-        let sm = fast_smem(g, bm, if passes == 1 { 1 } else { 2 });
+        let Some(sm) = fast_smem_for(w.ty, g, bm, passes) else { return Some(format!("type {} has no int8 kernels", w.ty.name())) };
         if sm > self.smem_optin() {
             return Some(format!("{sm} bytes of shared memory (device max {})", self.smem_optin()));
         }
@@ -331,6 +458,27 @@ impl Gpu {
     /// or "mmg_x" (the same kernel, named for the benchmark's dense / MoE split).
     #[allow(clippy::too_many_arguments)]
     fn fast_x(&self, kernel: &str, x: u64, xs: usize, u: Option<u64>, rows: usize, cols: usize, passes: usize, sums: bool) -> Result<FastX, CudaError> {
+        if passes == INT8_PASSES {
+            // int8 in 64-column groups (the last one padded), (scale, correction) per 32 columns.
+            if cols % 32 != 0 {
+                return Err(CudaError::Shape(format!("int8 X conversion: {cols} columns")));
+            }
+            let pitch = cols.next_multiple_of(64);
+            let spitch = 2 * (cols / 32);
+            // Every byte the products use is written first (the padding's products are skipped).
+            let xc = unsafe { self.stream.alloc::<u8>((rows * pitch).max(16))? };
+            let s = unsafe { self.stream.alloc::<f32>((rows * spitch).max(4))? };
+            if rows > 0 && cols > 0 {
+                self.launch(
+                    &format!("{kernel}_i8"),
+                    (rows as u32, cols.div_ceil(128) as u32, 1),
+                    32,
+                    0,
+                    &[Arg::P(x), Arg::L(xs as i64), Arg::P(u.unwrap_or(0)), Arg::I(cols as i32), Arg::P(self.ptr(&xc)), Arg::L(pitch as i64), Arg::P(self.ptr(&s)), Arg::L(spitch as i64)],
+                )?;
+            }
+            return Ok(FastX { xc, pitch, sums: Some(s), spitch, rows, cols, passes });
+        }
         let planes = if passes == 1 { 1 } else { 2 };
         let pitch = (cols * 2 * planes).next_multiple_of(16);
         let spitch = (cols / 32).next_multiple_of(4);
@@ -351,9 +499,20 @@ impl Gpu {
     }
 
     /// The fast path's dense product `Y[n × rows] (+)= X[n × cols] · Wᵀ` with token tile `bm`
-    /// (16, 32 or 64) and `passes` (1: X's bf16 hi part, 3: hi + lo; W exact either way).
+    /// (16, 32 or 64) and `passes` (1: X's bf16 hi part, 3: hi + lo; W exact either way;
+    /// [`INT8_PASSES`]: X as int8 per 32 columns, IQ4_XS / Q8_0 only).
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_fast_with(&self, w: &DevMat, x: u64, xs: usize, y: u64, ys: usize, n: usize, accumulate: bool, bm: usize, passes: usize) -> Result<(), CudaError> {
+        self.matmul_fast_split_with(w, x, xs, y, ys, n, accumulate, bm, passes, 1)
+    }
+
+    /// [`Gpu::matmul_fast_with`] with K split in up to `splits` parts of whole stages (int8
+    /// kernels only; grid z into a scratch buffer, `mm_sum_parts` adds the parts in order).
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_fast_split_with(&self, w: &DevMat, x: u64, xs: usize, y: u64, ys: usize, n: usize, accumulate: bool, bm: usize, passes: usize, splits: usize) -> Result<(), CudaError> {
+        if splits == 0 || splits > 64 || (splits > 1 && passes != INT8_PASSES) {
+            return Err(CudaError::Shape(format!("matmul_fast: K in {splits} parts with {passes} passes")));
+        }
         if let Some(why) = self.gemm_fast_unfit(w, x, xs, bm, passes) {
             return Err(CudaError::Shape(format!("matmul_fast: {why}")));
         }
@@ -365,21 +524,43 @@ impl Gpu {
         }
         let g = fast_geom(w.ty).expect("checked");
         let fx = self.fast_x("mm_x", x, xs, None, n, w.cols, passes, g.min)?;
-        self.launch_fast(w, &fx, y, ys, bm, None, n, accumulate)
+        // Columns a part: whole stages.
+        let kz = w.cols.div_ceil(g.ks).div_ceil(splits) * g.ks;
+        let parts = w.cols.div_ceil(kz);
+        if parts <= 1 {
+            return self.launch_fast(w, &fx, y, ys, bm, None, n, accumulate, None);
+        }
+        let part = n * w.rows;
+        // Every element of every part is written by its blocks before the sum reads it.
+        let p = unsafe { self.stream.alloc::<f32>(parts * part)? };
+        self.launch_fast(w, &fx, self.ptr(&p), w.rows, bm, None, n, false, Some((kz, parts)))?;
+        self.launch(
+            "mm_sum_parts",
+            (part.div_ceil(256) as u32, 1, 1),
+            256,
+            0,
+            &[Arg::P(self.ptr(&p)), Arg::L(part as i64), Arg::I(parts as i32), Arg::P(y), Arg::L(ys as i64), Arg::I(w.rows as i32), Arg::I(n as i32), Arg::I(accumulate as i32)],
+        )
     }
 
-    /// One fast-path launch over converted X: dense (`groups` None: `n` tokens) or grouped.
+    /// One fast-path launch over converted X: dense (`groups` None: `n` tokens) or grouped;
+    /// `split` = (columns a part, parts): int8 dense split K, parts `n · rows` floats apart in `y`.
     #[allow(clippy::too_many_arguments)]
-    fn launch_fast(&self, w: &DevMat, fx: &FastX, y: u64, ys: usize, bm: usize, groups: Option<(&ExpertGroups, usize)>, n: usize, accumulate: bool) -> Result<(), CudaError> {
+    fn launch_fast(&self, w: &DevMat, fx: &FastX, y: u64, ys: usize, bm: usize, groups: Option<(&ExpertGroups, usize)>, n: usize, accumulate: bool, split: Option<(usize, usize)>) -> Result<(), CudaError> {
         let g = fast_geom(w.ty).ok_or_else(|| CudaError::Shape(format!("type {} has no fast path", w.ty.name())))?;
         if fx.cols != w.cols || (g.min && fx.sums.is_none()) {
             return Err(CudaError::Shape(format!("fast product: X of {} columns (sums {}) for {} x {} {}", fx.cols, fx.sums.is_some(), w.rows, w.cols, w.ty.name())));
         }
         let passes = fx.passes;
-        let sm = fast_smem(g, bm, if passes == 1 { 1 } else { 2 });
+        let kind = if groups.is_some() { "mmg" } else { "mm" };
         let ty = w.ty.name().to_ascii_lowercase();
-        let suffix = if bm == 32 && gemm_compact() { "c" } else { "" };
-        let name = format!("{}_f_{ty}_{bm}{suffix}_p{passes}", if groups.is_some() { "mmg" } else { "mm" });
+        let Some(sm) = fast_smem_for(w.ty, g, bm, passes) else { return Err(CudaError::Shape(format!("{kind}: no int8 kernel for {ty} at {bm} tokens"))) };
+        let name = if passes == INT8_PASSES {
+            format!("{kind}_i8_{ty}_{bm}")
+        } else {
+            let suffix = if bm == 32 && gemm_compact() { "c" } else { "" };
+            format!("{kind}_f_{ty}_{bm}{suffix}_p{passes}")
+        };
         if sm > self.smem_optin() {
             return Err(CudaError::Shape(format!("{name}: {sm} bytes of shared memory")));
         }
@@ -388,10 +569,19 @@ impl Gpu {
         }
         let sums = fx.sums.as_ref().map(|b| self.ptr(b)).unwrap_or(0);
         let rt = w.rows.div_ceil(BN) as u32;
+        // The int8 kernels take their stage count as an argument (dense ones then the split).
+        let (kz, parts) = split.unwrap_or((w.cols, 1));
+        if parts > 1 && (passes != INT8_PASSES || groups.is_some()) {
+            return Err(CudaError::Shape(format!("{name}: no split K")));
+        }
+        let mut st: Vec<Arg> = if passes == INT8_PASSES { vec![Arg::I(int8_stages(w.ty, bm).unwrap_or(3) as i32)] } else { Vec::new() };
+        if passes == INT8_PASSES && groups.is_none() {
+            st.extend([Arg::I(kz as i32), Arg::L((n * w.rows) as i64)]);
+        }
         match groups {
             None => self.launch(
                 &name,
-                (rt, n.div_ceil(bm) as u32, 1),
+                (rt, n.div_ceil(bm) as u32, parts as u32),
                 256,
                 sm as u32,
                 &[
@@ -407,7 +597,10 @@ impl Gpu {
                     Arg::L(ys as i64),
                     Arg::I(n as i32),
                     Arg::I(accumulate as i32),
-                ],
+                ]
+                .into_iter()
+                .chain(st)
+                .collect::<Vec<_>>(),
             ),
             Some((grp, x_div)) => {
                 if grp.npairs.div_ceil(x_div) > fx.rows || 16 * grp.nt != bm {
@@ -434,7 +627,10 @@ impl Gpu {
                         Arg::P(self.ptr(&grp.tiles)),
                         Arg::P(self.ptr(&grp.ntiles)),
                         Arg::P(self.ptr(&grp.list)),
-                    ],
+                    ]
+                    .into_iter()
+                    .chain(st)
+                    .collect::<Vec<_>>(),
                 )
             }
         }
@@ -459,7 +655,16 @@ impl Gpu {
     /// The fast path's grouping: tiles of 16 pairs below 8 pairs per expert on average, 32
     /// below 24 (one tile for nearly every expert of a 512-token M2.7 prefill), else 64.
     pub fn group_experts_fast(&self, ids: u64, npairs: usize, n_experts: usize) -> Result<ExpertGroups, CudaError> {
+        self.group_experts_fast_for(ids, npairs, n_experts, false)
+    }
+
+    /// [`Gpu::group_experts_fast`] for the int8 kernels when `int8`: tiles of 64 pairs from 4
+    /// pairs per expert on average (tiles at most half or a quarter full run half or a quarter
+    /// of the MMAs), else 16.
+    pub fn group_experts_fast_for(&self, ids: u64, npairs: usize, n_experts: usize, int8: bool) -> Result<ExpertGroups, CudaError> {
         let nt = match GROUP_TILE.load(Ordering::Relaxed) {
+            0 if int8 && npairs >= 4 * n_experts => 4,
+            0 if int8 => 1,
             0 if npairs < 8 * n_experts => 1,
             0 if npairs < 24 * n_experts => 2,
             0 => 4,
@@ -499,10 +704,11 @@ impl Gpu {
         self.matmul_experts_with(w, groups, x, xs, x_div, y, ys, self.gemm_passes(w.ty))
     }
 
-    /// [`Gpu::matmul_experts`] with the bf16 passes (1 or 3) chosen by the caller.
+    /// [`Gpu::matmul_experts`] with the bf16 passes (1 or 3, or [`INT8_PASSES`]: the int8
+    /// kernels where they fit, else 3) chosen by the caller.
     #[allow(clippy::too_many_arguments)]
     pub fn matmul_experts_with(&self, w: &DevMat, groups: &ExpertGroups, x: u64, xs: usize, x_div: usize, y: u64, ys: usize, passes: usize) -> Result<(), CudaError> {
-        if !matches!(passes, 1 | 3) {
+        if !matches!(passes, 1 | 3 | INT8_PASSES) {
             return Err(CudaError::Shape(format!("matmul_experts: {passes} passes")));
         }
         if let Some(why) = self.gemm_unfit(w, x, xs) {
@@ -517,7 +723,13 @@ impl Gpu {
         if self.gemm_fast_unfit(w, x, xs, 16 * groups.nt, passes).is_none() {
             let g = fast_geom(w.ty).expect("checked");
             let fx = self.fast_x("mmg_x", x, xs, None, groups.npairs.div_ceil(x_div), w.cols, passes, g.min)?;
-            return self.launch_fast(w, &fx, y, ys, 16 * groups.nt, Some((groups, x_div)), 0, false);
+            return self.launch_fast(w, &fx, y, ys, 16 * groups.nt, Some((groups, x_div)), 0, false, None);
+        }
+        let passes = if passes == INT8_PASSES { 3 } else { passes };
+        if passes == 3 && self.gemm_fast_unfit(w, x, xs, 16 * groups.nt, 3).is_none() {
+            let g = fast_geom(w.ty).expect("checked");
+            let fx = self.fast_x("mmg_x", x, xs, None, groups.npairs.div_ceil(x_div), w.cols, 3, g.min)?;
+            return self.launch_fast(w, &fx, y, ys, 16 * groups.nt, Some((groups, x_div)), 0, false, None);
         }
         let nt = groups.nt;
         if !matches!(nt, 1 | 4) {
@@ -569,26 +781,29 @@ impl Gpu {
             && self.gemm_unfit(gate, x, xs).is_none()
             && self.gemm_unfit(up, x, xs).is_none()
             && self.gemm_unfit(down, act, ff).is_none();
-        let passes = self.gemm_passes(gate.ty);
-        let fast = grouped
-            && passes == self.gemm_passes(up.ty)
-            && passes == self.gemm_passes(down.ty)
-            && [16, 32, 64].iter().all(|&bm| {
-                self.gemm_fast_unfit(gate, x, xs, bm, passes).is_none()
-                    && self.gemm_fast_unfit(up, x, xs, bm, passes).is_none()
-                    && self.gemm_fast_unfit(down, act, ff, bm, passes).is_none()
-            });
+        // gate and up share one conversion (same passes); down has its own (int8 or not). An
+        // int8 product that does not fit takes the 3-pass kernels.
+        let fits = |w: &DevMat, xp: u64, xsp: usize, p: usize| [16, 32, 64].iter().all(|&bm| self.gemm_fast_unfit(w, xp, xsp, bm, p).is_none());
+        let pick = |w: &DevMat, xp: u64, xsp: usize| {
+            let p = self.gemm_passes(w.ty);
+            if p == INT8_PASSES && !fits(w, xp, xsp, p) { 3 } else { p }
+        };
+        let (mut pg, pu, pd) = (pick(gate, x, xs), pick(up, x, xs), pick(down, act, ff));
+        if pg != pu {
+            pg = 3;
+        }
+        let fast = grouped && fits(gate, x, xs, pg) && fits(up, x, xs, pg) && fits(down, act, ff, pd);
         if fast {
             // One conversion of x for gate and up; SiLU(gate)·up fused into the conversion of
             // down's input.
-            let grp = self.group_experts_fast(ids, npairs, gate.n_experts)?;
+            let grp = self.group_experts_fast_for(ids, npairs, gate.n_experts, pg == INT8_PASSES && pd == INT8_PASSES)?;
             let bm = 16 * grp.nt;
             let mins = |w: &DevMat| fast_geom(w.ty).map(|g| g.min).unwrap_or(false);
-            let xa = self.fast_x("mmg_x", x, xs, None, npairs.div_ceil(k), gate.cols, passes, mins(gate) || mins(up))?;
-            self.launch_fast(gate, &xa, act, ff, bm, Some((&grp, k)), 0, false)?;
-            self.launch_fast(up, &xa, ub, ff, bm, Some((&grp, k)), 0, false)?;
-            let xd = self.fast_x("mmg_x", act, ff, Some(ub), npairs, ff, passes, mins(down))?;
-            return self.launch_fast(down, &xd, out, h, bm, Some((&grp, 1)), 0, false);
+            let xa = self.fast_x("mmg_x", x, xs, None, npairs.div_ceil(k), gate.cols, pg, mins(gate) || mins(up))?;
+            self.launch_fast(gate, &xa, act, ff, bm, Some((&grp, k)), 0, false, None)?;
+            self.launch_fast(up, &xa, ub, ff, bm, Some((&grp, k)), 0, false, None)?;
+            let xd = self.fast_x("mmg_x", act, ff, Some(ub), npairs, ff, pd, mins(down))?;
+            return self.launch_fast(down, &xd, out, h, bm, Some((&grp, 1)), 0, false, None);
         }
         if grouped {
             let grp = self.group_experts(ids, npairs, gate.n_experts)?;
