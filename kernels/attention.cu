@@ -138,29 +138,6 @@ ATT_INST(f32, KV_F32)
 #define FA_BM (16 * FA_WARPS)
 #define FA_BN 64
 
-__device__ __forceinline__ u32 fa_smem(const void* p) {
-    u32 r;
-    asm("{ .reg .u64 t; cvta.to.shared.u64 t, %1; cvt.u32.u64 %0, t; }" : "=r"(r) : "l"(p));
-    return r;
-}
-// 16-byte async copy global -> shared; bytes 0 zero-fills the destination without reading.
-__device__ __forceinline__ void fa_cp16(u32 dst, const void* src, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void fa_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void fa_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void fa_ldsm(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(a)
-                 : "memory");
-}
-__device__ __forceinline__ void fa_ldsm_t(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(a)
-                 : "memory");
-}
 __device__ __forceinline__ float fa_exp2(float x) {
     float y;
     asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -210,7 +187,7 @@ __device__ __forceinline__ void fa_load_tile(u16* dst, const u16* src, int k0, i
             g = src + (slot * kv_heads + kvh) * D + ch * 8;
             bytes = 16;
         }
-        fa_cp16(fa_smem(dst + r * LD + ch * 8), g, bytes);
+        cp_async16z(smem_addr(dst + r * LD + ch * 8), g, bytes);
     }
 }
 
@@ -280,7 +257,7 @@ __device__ __forceinline__ void flash_impl(const float* q, i64 qs, const u16* kc
     float m[2] = {NEG_INF, NEG_INF}, l[2] = {0.f, 0.f};
 
     // ldmatrix row addresses (per lane) within a tile.
-    const u32 sk0 = fa_smem(sk), sv0 = fa_smem(sv);
+    const u32 sk0 = smem_addr(sk), sv0 = smem_addr(sv);
     // K (non-transposed x4): matrices (keys n..n+7 | n+8..n+15) x (dims d..d+7 | d+8..d+15).
     const u32 k_lane = sk0 + (((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8) * 2;
     // V (transposed x4): matrices (keys j..j+7 | j+8..j+15) x (dims n..n+7 | n+8..n+15).
@@ -288,13 +265,13 @@ __device__ __forceinline__ void flash_impl(const float* q, i64 qs, const u16* kc
 
     const int n_kt = (kv_len + FA_BN - 1) / FA_BN;
     fa_load_tile<D, LD>(sk, kc, 0, kv_len, pt, page_size, kv_heads, kvh);
-    fa_commit();
+    cp_async_commit();
     for (int kt = 0; kt < n_kt; kt++) {
         const int k0 = kt * FA_BN;
-        fa_wait<0>();
+        cp_async_wait<0>();
         __syncthreads();  // K(kt) landed for everyone; every warp is done with V(kt-1)
         fa_load_tile<D, LD>(sv, vc, k0, kv_len, pt, page_size, kv_heads, kvh);
-        fa_commit();
+        cp_async_commit();
         const bool active = k0 <= wl;  // some row of this warp sees a key of this tile
         float sc[NB][4];
         if (active) {
@@ -305,7 +282,7 @@ __device__ __forceinline__ void flash_impl(const float* q, i64 qs, const u16* kc
 #pragma unroll
                 for (int n2 = 0; n2 < NB / 2; n2++) {
                     u32 b0, b1, b2, b3;
-                    fa_ldsm(k_lane + (n2 * 16 * LD + kk * 16) * 2, b0, b1, b2, b3);
+                    ldsm_x4(k_lane + (n2 * 16 * LD + kk * 16) * 2, b0, b1, b2, b3);
                     fa_mma<KV>(sc[2 * n2], qf[kk], b0, b1);
                     fa_mma<KV>(sc[2 * n2 + 1], qf[kk], b2, b3);
                 }
@@ -350,8 +327,8 @@ __device__ __forceinline__ void flash_impl(const float* q, i64 qs, const u16* kc
         }
         __syncthreads();  // every warp is done reading K(kt)
         if (kt + 1 < n_kt) fa_load_tile<D, LD>(sk, kc, k0 + FA_BN, kv_len, pt, page_size, kv_heads, kvh);
-        fa_commit();
-        fa_wait<1>();
+        cp_async_commit();
+        cp_async_wait<1>();
         __syncthreads();  // V(kt) landed for everyone
         if (active) {
 #pragma unroll
@@ -364,7 +341,7 @@ __device__ __forceinline__ void flash_impl(const float* q, i64 qs, const u16* kc
 #pragma unroll
                 for (int n2 = 0; n2 < ND / 2; n2++) {
                     u32 b0, b1, b2, b3;
-                    fa_ldsm_t(v_lane + (j * 16 * LD + n2 * 16) * 2, b0, b1, b2, b3);
+                    ldsm_x4_t(v_lane + (j * 16 * LD + n2 * 16) * 2, b0, b1, b2, b3);
                     fa_mma<KV>(o[2 * n2], a, b0, b1);
                     fa_mma<KV>(o[2 * n2 + 1], a, b2, b3);
                 }
@@ -456,7 +433,7 @@ __device__ __forceinline__ void fb_load_tile(u16* dst, const u16* src, int k0, i
         const int r = warp * RW + lane / CPR + i * RPP;
         const bool ok = idx != ~0u;
         const u16* g = ok ? src + (i64)idx * D + ch * 8 : src;
-        fa_cp16(fa_smem(dst + r * LD + ch * 8), g, ok ? 16 : 0);
+        cp_async16z(smem_addr(dst + r * LD + ch * 8), g, ok ? 16 : 0);
     }
 }
 
@@ -508,7 +485,7 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
 
     const int n_kt = (kv_len + FB_BN - 1) / FB_BN;
     fb_load_tile<D, LD, FB_BN, NT>(sk, kc, 0, kv_len, pt, page_size, kv_heads, kvh);
-    fa_commit();
+    cp_async_commit();
 
     // Q rows of the block -> shared, rounded to the cache type (rows past the sequence: zeros).
     {
@@ -544,16 +521,16 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
 
     // ldmatrix lane addresses. Q (x4, A fragment of m16 tile 0; tile 1 is 16 rows on):
     // matrices (rows 0-7 | 8-15) x (dims 0-7 | 8-15).
-    const u32 q_lane = fa_smem(sq) + ((warp * 32 + (lane & 15)) * LD + (lane >> 4) * 8) * 2;
-    const u32 k_lane = fa_smem(sk) + (((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8) * 2;
-    const u32 v_lane = fa_smem(sv) + ((lane & 15) * LD + (lane >> 4) * 8) * 2;
+    const u32 q_lane = smem_addr(sq) + ((warp * 32 + (lane & 15)) * LD + (lane >> 4) * 8) * 2;
+    const u32 k_lane = smem_addr(sk) + (((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8) * 2;
+    const u32 v_lane = smem_addr(sv) + ((lane & 15) * LD + (lane >> 4) * 8) * 2;
 
     for (int kt = 0; kt < n_kt; kt++) {
         const int k0 = kt * FB_BN;
-        fa_wait<0>();
+        cp_async_wait<0>();
         __syncthreads();  // K(kt) (and Q) landed for everyone; every warp is done with V(kt-1)
         fb_load_tile<D, LD, FB_BN, NT>(sv, vc, k0, kv_len, pt, page_size, kv_heads, kvh);
-        fa_commit();
+        cp_async_commit();
         const bool active = k0 <= wl;  // some row of this warp sees a key of this tile
         u32 pa[2][FB_BN / 16][4];  // P as A fragments (rounded to the cache type)
         if (active) {
@@ -565,12 +542,12 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
 #pragma unroll
             for (int kk = 0; kk < KC; kk++) {
                 u32 a0[4], a1[4];
-                fa_ldsm(q_lane + kk * 32, a0[0], a0[1], a0[2], a0[3]);
-                fa_ldsm(q_lane + (16 * LD + kk * 16) * 2, a1[0], a1[1], a1[2], a1[3]);
+                ldsm_x4(q_lane + kk * 32, a0[0], a0[1], a0[2], a0[3]);
+                ldsm_x4(q_lane + (16 * LD + kk * 16) * 2, a1[0], a1[1], a1[2], a1[3]);
 #pragma unroll
                 for (int n2 = 0; n2 < NB / 2; n2++) {
                     u32 b0, b1, b2, b3;
-                    fa_ldsm(k_lane + (n2 * 16 * LD + kk * 16) * 2, b0, b1, b2, b3);
+                    ldsm_x4(k_lane + (n2 * 16 * LD + kk * 16) * 2, b0, b1, b2, b3);
                     fa_mma<KV>(sc[0][2 * n2], a0, b0, b1);
                     fa_mma<KV>(sc[0][2 * n2 + 1], a0, b2, b3);
                     fa_mma<KV>(sc[1][2 * n2], a1, b0, b1);
@@ -628,8 +605,8 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
         }
         __syncthreads();  // every warp is done reading K(kt)
         if (kt + 1 < n_kt) fb_load_tile<D, LD, FB_BN, NT>(sk, kc, k0 + FB_BN, kv_len, pt, page_size, kv_heads, kvh);
-        fa_commit();
-        fa_wait<1>();
+        cp_async_commit();
+        cp_async_wait<1>();
         __syncthreads();  // V(kt) landed for everyone
         if (active) {
 #pragma unroll
@@ -637,7 +614,7 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
 #pragma unroll
                 for (int n2 = 0; n2 < ND / 2; n2++) {
                     u32 b0, b1, b2, b3;
-                    fa_ldsm_t(v_lane + (jk * 16 * LD + n2 * 16) * 2, b0, b1, b2, b3);
+                    ldsm_x4_t(v_lane + (jk * 16 * LD + n2 * 16) * 2, b0, b1, b2, b3);
                     fa_mma<KV>(o[0][2 * n2], pa[0][jk], b0, b1);
                     fa_mma<KV>(o[0][2 * n2 + 1], pa[0][jk], b2, b3);
                     fa_mma<KV>(o[1][2 * n2], pa[1][jk], b0, b1);

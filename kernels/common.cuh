@@ -146,3 +146,55 @@ template <int KV> __device__ __forceinline__ typename KvT<KV>::T kv_store(float 
 template <> __device__ __forceinline__ u16 kv_store<KV_F16>(float f) { return f32_to_f16(f); }
 template <> __device__ __forceinline__ u16 kv_store<KV_BF16>(float f) { return f32_to_bf16(f); }
 template <> __device__ __forceinline__ float kv_store<KV_F32>(float f) { return f; }
+
+// ---------------------------------------------------------------------------------------------
+// Tensor-core plumbing shared by attention.cu, fast.cu and quant_matmul.cu (sm_80 and newer).
+
+// Shared-memory address of a generic pointer (the operand cp.async and ldmatrix take).
+__device__ __forceinline__ u32 smem_addr(const void* p) {
+    u32 s;
+    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
+    return s;
+}
+// 16 bytes global -> shared, asynchronously; bytes = 0 writes zeros and reads nothing.
+__device__ __forceinline__ void cp_async16z(u32 dst, const void* src, int bytes) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
+// Waits until at most N of this thread's committed groups are still in flight.
+template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
+// Four 8x8 b16 tiles from shared memory (lane l gives the address of row l % 8 of tile l / 8).
+__device__ __forceinline__ void ldsm_x4(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a)
+                 : "memory");
+}
+// The same, each tile transposed.
+__device__ __forceinline__ void ldsm_x4_t(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
+                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
+                 : "r"(a)
+                 : "memory");
+}
+
+// IQ4_NL/XS codebook as packed int8: {-127,-104,-83,-65 | -49,-35,-22,-10 | 1,13,25,38 | 53,69,89,113}
+#define IQ4_T0 0xBFAD9881u
+#define IQ4_T1 0xF6EADDCFu
+#define IQ4_T2 0x26190D01u
+#define IQ4_T3 0x71594535u
+
+// The 8 nibbles of w through the codebook: lo = values of the low nibbles of bytes 0..3, hi =
+// values of their high nibbles (as 4 packed int8 each).
+__device__ __forceinline__ void iq4_lookup(u32 w, u32& lo, u32& hi) {
+    u32 r[2];
+#pragma unroll
+    for (int i = 0; i < 2; i++) {
+        u32 s = w >> (16 * i);
+        u32 a = __byte_perm(IQ4_T0, IQ4_T1, s & 0x7777u);
+        u32 b = __byte_perm(IQ4_T2, IQ4_T3, s & 0x7777u);
+        r[i] = __byte_perm(a, b, 0x3210u | ((s & 0x8888u) >> 1));
+    }
+    lo = __byte_perm(r[0], r[1], 0x6420u);
+    hi = __byte_perm(r[0], r[1], 0x7531u);
+}

@@ -366,26 +366,6 @@ __device__ __forceinline__ void stage_st(u8* sm, const int4 (&v)[MAXL], int tota
     __syncwarp();
 }
 
-// IQ4_NL/XS codebook as packed int8: {-127,-104,-83,-65 | -49,-35,-22,-10 | 1,13,25,38 | 53,69,89,113}
-#define IQ4_T0 0xBFAD9881u
-#define IQ4_T1 0xF6EADDCFu
-#define IQ4_T2 0x26190D01u
-#define IQ4_T3 0x71594535u
-
-// The 8 nibbles of w through the codebook: lo = values of the low nibbles of bytes 0..3, hi =
-// values of their high nibbles (as 4 packed int8 each).
-__device__ __forceinline__ void iq4_lookup(u32 w, u32& lo, u32& hi) {
-    u32 r[2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        u32 s = w >> (16 * i);
-        u32 a = __byte_perm(IQ4_T0, IQ4_T1, s & 0x7777u);
-        u32 b = __byte_perm(IQ4_T2, IQ4_T3, s & 0x7777u);
-        r[i] = __byte_perm(a, b, 0x3210u | ((s & 0x8888u) >> 1));
-    }
-    lo = __byte_perm(r[0], r[1], 0x6420u);
-    hi = __byte_perm(r[0], r[1], 0x7531u);
-}
 
 template <int T> struct FastT;
 template <> struct FastT<T_Q8_0> { static const int UPC = 32; };   // units per chunk (8 values each)
@@ -609,8 +589,6 @@ MVQS_INST(8, l, 4, 24)
 #define MM8_BUF (16 * CH)  // 16 rows x 272 bytes: a row is 68 words, so rows g = 0..7 start on banks 4g
 #define MM8_SMEM (4 * MM8_NB * MM8_BUF + 3 * 16 * 32 * 4)
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
 // Row r of the launch (segment 0, then 1, then 2) as (row pointer, output column, y, ys);
 // false past the last row.
@@ -2054,29 +2032,6 @@ extern "C" __global__ void __launch_bounds__(128)
 #define AT_WBYTES (AT_NST * AT_STAGE)           // one warp's ring
 #define AT_SMEM (AD_WARPS * AT_WBYTES)          // 98304
 
-__device__ __forceinline__ u32 at_saddr(const void* p) {
-    u32 s;
-    asm("{ .reg .u64 a; cvta.to.shared.u64 a, %1; cvt.u32.u64 %0, a; }" : "=r"(s) : "l"(p));
-    return s;
-}
-// 16 bytes global -> shared; bytes = 0 writes zeros and reads nothing.
-__device__ __forceinline__ void at_cp16(u32 s, const void* g, int bytes) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(s), "l"(g), "r"(bytes) : "memory");
-}
-__device__ __forceinline__ void at_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
-template <int N> __device__ __forceinline__ void at_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
-__device__ __forceinline__ void at_ldsm4(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(a)
-                 : "memory");
-}
-__device__ __forceinline__ void at_ldsm4t(u32 a, u32& r0, u32& r1, u32& r2, u32& r3) {
-    asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];"
-                 : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3)
-                 : "r"(a)
-                 : "memory");
-}
 // c += A B, m16n8k16, f32 accumulators; BF: bf16 inputs, else f16.
 template <int BF> __device__ __forceinline__ void at_mma(float* c, const u32* a, u32 b0, u32 b1) {
     if (BF)
@@ -2133,7 +2088,7 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
     int my_n = ntiles > warp ? (ntiles - warp + AD_WARPS - 1) / AD_WARPS : 0;
     const u32* pt = pts + pt_off[seq[t]];
     u8* ring = at_sm + warp * AT_WBYTES;
-    u32 ring_s = at_saddr(ring);
+    u32 ring_s = smem_addr(ring);
     const i64 sstride = (i64)kv_heads * AD_HD;  // elements from one slot to the next
     const u16* kb = kc + (i64)kvh * AD_HD + (lane & 15) * 8;
     const u16* vb = vc + (i64)kvh * AD_HD + (lane & 15) * 8;
@@ -2152,16 +2107,16 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
             i64 sl = __shfl_sync(0xffffffffu, slot, r);
             int bytes = base + r < end ? 16 : 0;
             u32 so = r * 256 + ((pc ^ (r & 7)) << 4);
-            at_cp16(ks + so, kb + sl * sstride, bytes);
-            at_cp16(ks + AT_TILE * AD_HD * 2 + so, vb + sl * sstride, bytes);
+            cp_async16z(ks + so, kb + sl * sstride, bytes);
+            cp_async16z(ks + AT_TILE * AD_HD * 2 + so, vb + sl * sstride, bytes);
         }
     };
     if (my_n > 0) issue(0, 0, slot_of(0));
-    at_commit();
+    cp_async_commit();
 #pragma unroll
     for (int s = 1; s < AT_NST - 1; s++) {
         if (s < my_n) issue(s, s, slot_of(s));
-        at_commit();
+        cp_async_commit();
     }
     i64 nslot = AT_NST - 1 < my_n ? slot_of(AT_NST - 1) : 0;
     // Q fragments (A of S = Q K^T), k-step kk: reg 0 / 2 = hi of head gr, dims 16 kk + 2 tq
@@ -2196,9 +2151,9 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
                 issue(jn, jn % AT_NST, nslot);
                 if (jn + 1 < my_n) nslot = slot_of(jn + 1);
             }
-            at_commit();
+            cp_async_commit();
         }
-        at_wait<AT_NST - 1>();
+        cp_async_wait<AT_NST - 1>();
         __syncwarp();
         u32 ks = ring_s + (j % AT_NST) * AT_STAGE, vs = ks + AT_TILE * AD_HD * 2;
         // S: two n-tiles (positions 0-7, 8-15), two accumulator chains each (even / odd kk).
@@ -2210,7 +2165,7 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
 #pragma unroll
         for (int kk = 0; kk < 8; kk++) {
             u32 b0, b1, b2, b3;
-            at_ldsm4(ks + kr * 256 + (((2 * kk + kpc) ^ (kr & 7)) << 4), b0, b1, b2, b3);
+            ldsm_x4(ks + kr * 256 + (((2 * kk + kpc) ^ (kr & 7)) << 4), b0, b1, b2, b3);
             at_mma<BF>(s[0][kk & 1], qa[kk], b0, b1);
             at_mma<BF>(s[1][kk & 1], qa[kk], b2, b3);
         }
@@ -2247,12 +2202,12 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
 #pragma unroll
         for (int jj = 0; jj < 8; jj++) {
             u32 b0, b1, b2, b3;
-            at_ldsm4t(vs + vr * 256 + (((2 * jj + vpc) ^ (vr & 7)) << 4), b0, b1, b2, b3);
+            ldsm_x4_t(vs + vr * 256 + (((2 * jj + vpc) ^ (vr & 7)) << 4), b0, b1, b2, b3);
             at_mma<BF>(o[2 * jj], pa, b0, b1);
             at_mma<BF>(o[2 * jj + 1], pa, b2, b3);
         }
     }
-    at_wait<0>();
+    cp_async_wait<0>();
     l += __shfl_xor_sync(0xffffffffu, l, 1);
     l += __shfl_xor_sync(0xffffffffu, l, 2);
     __syncwarp();

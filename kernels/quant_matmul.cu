@@ -830,34 +830,14 @@ __device__ __forceinline__ void mi_mma(u32* d, const u32* a, u32 b0, u32 b1) {
           "r"(MI_MAGIC));
 }
 
-// IQ4_NL/XS codebook as packed int8: {-127,-104,-83,-65 | -49,-35,-22,-10 | 1,13,25,38 | 53,69,89,113}.
-#define MI_IQ4_T0 0xBFAD9881u
-#define MI_IQ4_T1 0xF6EADDCFu
-#define MI_IQ4_T2 0x26190D01u
-#define MI_IQ4_T3 0x71594535u
-
-// The 8 nibbles of w through the codebook: lo = the values of the low nibbles of bytes 0..3,
-// hi = of their high nibbles, 4 packed int8 each.
-__device__ __forceinline__ void mi_iq4(u32 w, u32* lo, u32* hi) {
-    u32 r[2];
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        u32 s = w >> (16 * i);
-        u32 a = __byte_perm(MI_IQ4_T0, MI_IQ4_T1, s & 0x7777u);
-        u32 b = __byte_perm(MI_IQ4_T2, MI_IQ4_T3, s & 0x7777u);
-        r[i] = __byte_perm(a, b, 0x3210u | ((s & 0x8888u) >> 1));
-    }
-    *lo = __byte_perm(r[0], r[1], 0x6420u);
-    *hi = __byte_perm(r[0], r[1], 0x7531u);
-}
 
 // int8 A fragments of chunk c (32 columns) of rows g (p0) and g + 8 (p1): a[0] = row g, columns
 // 4t..4t+3; a[1] = row g + 8, same; a[2] / a[3] columns 16 + 4t.. of rows g / g + 8.
 template <int T> __device__ __forceinline__ void mi_dq(const u8* p0, const u8* p1, int c, int t, u32* a);
 template <> __device__ __forceinline__ void mi_dq<T_IQ4_XS>(const u8* p0, const u8* p1, int c, int t, u32* a) {
     // One u32 of a sub-block's qs: low nibbles = values 4t..4t+3, high = 16+4t..16+4t+3.
-    mi_iq4(*(const u32*)(p0 + 8 + 16 * c + 4 * t), &a[0], &a[2]);
-    mi_iq4(*(const u32*)(p1 + 8 + 16 * c + 4 * t), &a[1], &a[3]);
+    iq4_lookup(*(const u32*)(p0 + 8 + 16 * c + 4 * t), a[0], a[2]);
+    iq4_lookup(*(const u32*)(p1 + 8 + 16 * c + 4 * t), a[1], a[3]);
 }
 template <> __device__ __forceinline__ void mi_dq<T_Q8_0>(const u8* p0, const u8* p1, int c, int t, u32* a) {
     int off = 34 * c + 2 + 4 * t;
