@@ -337,7 +337,7 @@ fn main() -> anyhow::Result<()> {
     let spec = SyntheticSpec::parse(&spec_s)?;
     let long_ctx = 32768usize;
     // + 520: the prefill section's warm-ups, precision/tile runs and profiled run.
-    let n_pages = long_ctx / PAGE + 64 + 32 * 8 + 8 + 2 * 8192 / PAGE + 16 + 520;
+    let n_pages = long_ctx / PAGE + 64 + 32 * 8 + 8 + 3 * 8192 / PAGE + 16 + 520 + 3 * 512 / PAGE + 8;
     let kv = KvSpec { page_size: PAGE, n_pages };
     let t = Instant::now();
     let mut m = CudaModel::synthetic(&spec, kv, CudaOptions::default(), 42)?;
@@ -478,14 +478,19 @@ fn main() -> anyhow::Result<()> {
     if !prefill_sizes.is_empty() {
         let prec = gemm_precision();
         let other = if prec == GemmPrecision::Bf16x3 { GemmPrecision::Bf16 } else { GemmPrecision::Bf16x3 };
-        for p in [other, prec] {
+        // The opt-in int8 GEMMs (MINIMAX_GEMM=int8) are timed beside the default as well.
+        let mut precs = vec![prec, other];
+        if !precs.contains(&GemmPrecision::Int8) {
+            precs.push(GemmPrecision::Int8);
+        }
+        for &p in precs.iter().rev() {
             set_gemm_precision(p);
             let pt = pages.take(40usize.div_ceil(PAGE));
             m.forward(&ForwardBatch { seqs: vec![step(40, &pt, 0, (0..40).collect(), LogitsWanted::Last)] })?;
         }
         m.gpu().sync()?;
-        // Both precisions x both grouped-expert tiles (16 / 64 pairs), one 512-token prefill each.
-        for p in [prec, other] {
+        // Each precision x the grouped-expert tiles (16 / 32 / 64 pairs), one 512-token prefill each.
+        for &p in &precs {
             for gt in [1usize, 2, 4] {
                 set_gemm_precision(p);
                 set_group_tile(Some(gt));
@@ -588,6 +593,22 @@ fn main() -> anyhow::Result<()> {
         let e = ms(t);
         println!("prefill {n} (2 chunks of 4096): {e:.1} ms = {:.0} tok/s, finite {}", n as f64 * 1e3 / e, finite(last.as_ref().unwrap()));
         table.push((format!("prefill ms at {n} tokens (tok/s)"), format!("{e:.1} ({:.0})", n as f64 * 1e3 / e)));
+        // The same with the opt-in int8 GEMMs, unless they are the default already.
+        let prec = gemm_precision();
+        if prec != GemmPrecision::Int8 {
+            set_gemm_precision(GemmPrecision::Int8);
+            let pt = pages.take(n / PAGE);
+            let t = Instant::now();
+            let mut last = None;
+            for c0 in (0..n).step_by(4096) {
+                let toks: Vec<u32> = (c0 as u32..c0 as u32 + 4096).map(|i| (i * 7919) % 200_000).collect();
+                last = Some(m.forward(&ForwardBatch { seqs: vec![step(31, &pt, c0, toks, LogitsWanted::Last)] })?);
+            }
+            let e = ms(t);
+            set_gemm_precision(prec);
+            println!("prefill {n}, GEMM Int8 (2 chunks of 4096): {e:.1} ms = {:.0} tok/s, finite {}", n as f64 * 1e3 / e, finite(last.as_ref().unwrap()));
+            table.push((format!("prefill ms at {n} tokens, GEMM Int8 (tok/s)"), format!("{e:.1} ({:.0})", n as f64 * 1e3 / e)));
+        }
     } else {
         table.push(("prefill ms at 8192 tokens".into(), format!("skipped (512 took {t512:.0} ms)")));
     }
