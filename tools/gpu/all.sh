@@ -2,7 +2,8 @@
 # The whole GPU check on a 2-GPU machine in one go, from prebuilt binaries: every CUDA test,
 # the one-GPU rank benchmark, the HTTP benchmark through a real gateway, then the two-GPU tests
 # and the tensor/pipeline benchmarks. Work that needs one GPU runs on GPU 0 and GPU 1 side by
-# side to save machine time.
+# side to save machine time; on a one-GPU machine it runs one after the other and the two-GPU
+# phase is skipped.
 #   tools/gpu/all.sh BIN_DIR
 # BIN_DIR holds the cuda_* test binaries, minimax-rank, minimax-bench and minimax-gateway
 # (tools/gpu/collect.sh), optionally kcache/ (a prebuilt kernel cache: minimax-rank
@@ -37,21 +38,34 @@ ln -sf "$bin/minimax-rank" /tmp/t2/minimax-rank
 
 T1=${T1:-200}
 T2=${T2:-200}
-echo "== phase 1: one-GPU tests on GPU 0 | one-GPU benchmark, then HTTP benchmark, on GPU 1 =="
-(CUDA_VISIBLE_DEVICES=0 OUT="$logs/t1" timeout "$T1" bash tools/gpu/run_tests.sh /tmp/t1 >"$logs/t1/table.log" 2>&1) &
-p_tests=$!
-(
-  export CUDA_VISIBLE_DEVICES=1
+ngpu=$(nvidia-smi -L | wc -l)
+bench_one() {
   timeout $((T1 * 6 / 10)) "$bin/minimax-bench" --synthetic m2.7:iq4xs ${BENCH_ARGS:-} >"$logs/bench1.log" 2>&1
   OUT="$logs/http" timeout $((T1 * 4 / 10)) bash tools/gpu/http_bench.sh "$bin" --prefill "${HTTP_PREFILL:-512,8192}" --stream-tokens 32 >"$logs/http.log" 2>&1
-) &
-p_bench=$!
-wait $p_tests $p_bench
+}
+if [ "$ngpu" -ge 2 ]; then
+  echo "== phase 1: one-GPU tests on GPU 0 | one-GPU benchmark, then HTTP benchmark, on GPU 1 =="
+  (CUDA_VISIBLE_DEVICES=0 OUT="$logs/t1" timeout "$T1" bash tools/gpu/run_tests.sh /tmp/t1 >"$logs/t1/table.log" 2>&1) &
+  p_tests=$!
+  (CUDA_VISIBLE_DEVICES=1 bench_one) &
+  p_bench=$!
+  wait $p_tests $p_bench
+else
+  # One GPU: the same work one after the other, then stop (the two-GPU phase needs two).
+  echo "== phase 1 (one GPU): one-GPU tests, then the one-GPU and HTTP benchmarks =="
+  OUT="$logs/t1" timeout "$T1" bash tools/gpu/run_tests.sh /tmp/t1 >"$logs/t1/table.log" 2>&1
+  bench_one
+fi
 {
   echo "--- GPU tests, one GPU ---"; sed -n '/== GPU test results ==/,$p' "$logs/t1/table.log"
   echo "--- minimax-bench, one GPU ---"; grep -v ' INFO ' "$logs/bench1.log" | tail -n 60
   echo "--- HTTP benchmark, one GPU ---"; tail -n 40 "$logs/http.log"
 } >>"$summary"
+if [ "$ngpu" -lt 2 ]; then
+  tar -C "$logs" -cJf "$out/logs.tar.xz" . 2>/dev/null
+  cat "$summary"
+  exit 0
+fi
 
 echo "== phase 2: two-GPU tests, then tensor-2 and pipeline-2 benchmarks =="
 OUT="$logs/t2" timeout $((T2 * 45 / 100)) bash tools/gpu/run_tests.sh /tmp/t2 >"$logs/t2/table.log" 2>&1
