@@ -3,33 +3,19 @@
 //! thread that restarts every rank process that exits, like `Restart=always`) brings them
 //! back. Real `minimax-rank serve` processes on the m2-small fixture; every wait is bounded.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use common::{rank_binary, root};
 use minimax_gateway::engine::{Engine, EngineConfig, FinishReason, GenEvent, GenerationRequest, SamplingParams};
 use minimax_gateway::ranks::client::RankAddr;
 use minimax_gateway::ranks::supervisor::{WorldConfig, WorldMode};
 use minimax_gateway::sched::SchedConfig;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn rank_binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("MINIMAX_RANK_BINARY") {
-        return PathBuf::from(p);
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"));
-    let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-    let st = Command::new(cargo).args(["build", "-q", "-p", "minimax-rank", "--bin", "minimax-rank"]).current_dir(root()).status().expect("cargo build");
-    if !st.success() {
-        eprintln!("warning: cargo build -p minimax-rank failed; using the existing binary if any");
-    }
-    target.join("debug/minimax-rank")
-}
 
 /// A tiny systemd: keeps one process per rank running until dropped.
 struct Units {

@@ -6,67 +6,17 @@
 //! The rank binary: `$MINIMAX_RANK_BINARY`, else `target/debug/minimax-rank` (built with
 //! `cargo build -p minimax-rank` when missing). Every wait is bounded.
 
+mod common;
+
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::Duration;
 
-use minimax_gateway::engine::{Engine, EngineConfig, EngineError, FinishReason, GenEvent, GenerationRequest, SamplingParams, Usage};
-use minimax_gateway::ranks::supervisor::{SpawnConfig, WorldConfig, WorldMode};
+use common::{end_event, greedy_req, prompt, rank_pids, stop, tokens_and_end};
+use minimax_gateway::engine::{Engine, EngineConfig, EngineError, FinishReason, GenEvent, GenerationRequest, Usage};
 use minimax_gateway::sched::SchedConfig;
 
-const PAGE: u32 = 16;
-
-fn root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("..")
-}
-
-fn rank_binary() -> PathBuf {
-    if let Some(p) = std::env::var_os("MINIMAX_RANK_BINARY") {
-        return PathBuf::from(p);
-    }
-    let target = std::env::var_os("CARGO_TARGET_DIR").map(PathBuf::from).unwrap_or_else(|| root().join("target"));
-    let bin = target.join("debug/minimax-rank");
-    static BUILD: std::sync::Once = std::sync::Once::new();
-    BUILD.call_once(|| {
-        let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
-        let st = std::process::Command::new(cargo).args(["build", "-q", "-p", "minimax-rank", "--bin", "minimax-rank"]).current_dir(root()).status().expect("running cargo build -p minimax-rank");
-        if !st.success() {
-            eprintln!("warning: cargo build -p minimax-rank failed; using the existing binary if any");
-        }
-    });
-    assert!(bin.is_file(), "{} not found", bin.display());
-    bin
-}
-
-static RUN: AtomicU32 = AtomicU32::new(0);
-
-fn run_dir() -> PathBuf {
-    let d = std::env::temp_dir().join(format!("mmx-eng-{}-{}", std::process::id(), RUN.fetch_add(1, Ordering::SeqCst)));
-    let _ = std::fs::remove_dir_all(&d);
-    d
-}
-
 fn config(world: usize, parallelism: &str, rank_args: Vec<(u32, Vec<String>)>) -> (EngineConfig, PathBuf) {
-    let dir = run_dir();
-    let spawn = SpawnConfig {
-        rank_binary: rank_binary(),
-        model: root().join("fixtures/m2-small/q8_0.gguf"),
-        synthetic: None,
-        devices: vec!["cpu".into(); world],
-        parallelism: parallelism.into(),
-        page_size: PAGE,
-        kv_pages: Some(64),
-        run_dir: dir.clone(),
-        extra_args: vec![],
-        rank_args,
-        env: vec![("RUST_LOG".into(), "warn".into())],
-    };
-    let mut w = WorldConfig::new(WorldMode::Spawn(spawn));
-    w.load_timeout = Duration::from_secs(60);
-    w.collective_timeout = Duration::from_secs(30);
-    w.step_timeout = Duration::from_secs(30);
-    w.health_interval = Duration::from_millis(200);
-    w.restart_backoff_initial = Duration::from_millis(200);
+    let (mut w, dir) = common::spawn_world("mmx-eng", world, parallelism, 64, rank_args);
     w.max_restart_attempts = 5;
     (EngineConfig { sched: SchedConfig { prefill_chunk: 24, ..Default::default() }, world: w }, dir)
 }
@@ -78,14 +28,6 @@ async fn start(world: usize, parallelism: &str, rank_args: Vec<(u32, Vec<String>
     (engine, dir)
 }
 
-fn prompt(n: usize, salt: u32) -> Vec<u32> {
-    (0..n as u32).map(|i| (i * 37 + salt * 101 + 11) % 997 + 1).collect()
-}
-
-fn greedy_req(id: &str, prompt: Vec<u32>, max_tokens: u32) -> GenerationRequest {
-    GenerationRequest { request_id: id.into(), prompt, max_tokens, sampling: SamplingParams { temperature: 0.0, ..Default::default() }, stop_token_ids: vec![] }
-}
-
 struct Outcome {
     tokens: Vec<u32>,
     finish: Result<(FinishReason, Usage), EngineError>,
@@ -94,22 +36,8 @@ struct Outcome {
 async fn run(engine: &Engine, req: GenerationRequest) -> Outcome {
     let stream = engine.generate(req).expect("accepted");
     let events = tokio::time::timeout(Duration::from_secs(120), stream.collect_all()).await.expect("generation finished in time");
-    let mut tokens = vec![];
-    let mut finish = Err(EngineError::Internal("no terminal event".into()));
-    for e in events {
-        match e {
-            GenEvent::Started { .. } => {}
-            GenEvent::Token { id, .. } => tokens.push(id),
-            GenEvent::Finished { reason, usage, .. } => finish = Ok((reason, usage)),
-            GenEvent::Failed(e) => finish = Err(e),
-        }
-    }
+    let (tokens, finish) = tokens_and_end(events);
     Outcome { tokens, finish }
-}
-
-async fn stop(engine: Engine, dir: PathBuf) {
-    tokio::time::timeout(Duration::from_secs(30), engine.shutdown()).await.expect("shutdown in time");
-    let _ = std::fs::remove_dir_all(dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -142,25 +70,6 @@ async fn prefix_reuse_gives_identical_outputs() {
     stop(engine, dir).await;
 }
 
-/// PIDs of the rank processes serving sockets under `dir`.
-fn rank_pids(dir: &std::path::Path) -> Vec<(u32, i32)> {
-    let mut out = vec![];
-    let needle = dir.to_string_lossy().to_string();
-    for e in std::fs::read_dir("/proc").unwrap().flatten() {
-        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else { continue };
-        let Ok(cmd) = std::fs::read(format!("/proc/{pid}/cmdline")) else { continue };
-        let args: Vec<String> = cmd.split(|&b| b == 0).map(|a| String::from_utf8_lossy(a).to_string()).collect();
-        if args.iter().any(|a| a.contains(&needle))
-            && args.iter().any(|a| a == "serve")
-            && let Some(i) = args.iter().position(|a| a == "--rank")
-        {
-            out.push((args[i + 1].parse().unwrap(), pid));
-        }
-    }
-    out.sort();
-    out
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_9_of_a_rank_fails_the_request_and_the_world_comes_back() {
     let (engine, dir) = start(2, "pipeline", vec![]).await;
@@ -175,16 +84,7 @@ async fn kill_9_of_a_rank_fails_the_request_and_the_world_comes_back() {
     unsafe {
         libc::kill(before[1].1, libc::SIGKILL);
     }
-    let ended = tokio::time::timeout(Duration::from_secs(30), async {
-        loop {
-            match stream.recv().await {
-                Some(GenEvent::Token { .. }) => continue,
-                other => return other,
-            }
-        }
-    })
-    .await
-    .expect("the request ended in time");
+    let ended = end_event(&mut stream, Duration::from_secs(30), "the request ended in time").await;
     match ended {
         Some(GenEvent::Failed(EngineError::RankFailure(msg))) => assert!(msg.contains("rank"), "{msg}"),
         other => panic!("expected RankFailure, got {other:?}"),

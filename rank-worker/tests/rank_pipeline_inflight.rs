@@ -6,16 +6,13 @@
 
 mod common;
 
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::rank_procs::{Client, RankProc, StepAnswer, WorldSpec, full_row, send_step, start_cpu_world, step_answers, to_pb};
 use common::{fixtures_dir, max_diff};
-use hyper_util::rt::TokioIo;
 use minimax_proto::v1 as pb;
-use minimax_proto::v1::rank_client::RankClient;
-use tonic::transport::{Channel, Endpoint};
 use minimax_rank::comm::Solo;
 use minimax_rank::cpu::{CpuModel, KvSpec};
 use minimax_rank::partition::Partition;
@@ -26,69 +23,6 @@ use minimax_shared::model::ModelConfig;
 const PAGE: u32 = 16;
 const N_PAGES: u32 = 64;
 const WORLD: usize = 2;
-
-type Client = RankClient<Channel>;
-
-/// A rank process, killed when dropped.
-struct RankProc {
-    child: Child,
-    listen: String,
-}
-
-impl Drop for RankProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-async fn connect(listen: &str) -> Client {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    let path = PathBuf::from(listen.strip_prefix("unix://").unwrap());
-    loop {
-        let p = path.clone();
-        let res = Endpoint::from_static("http://rank.invalid")
-            .connect_with_connector(tower::service_fn(move |_| {
-                let p = p.clone();
-                async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(p).await?)) }
-            }))
-            .await;
-        match res {
-            Ok(ch) => return RankClient::new(ch).max_decoding_message_size(256 << 20),
-            Err(e) => {
-                assert!(Instant::now() < deadline, "cannot connect to {listen}: {e}");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        }
-    }
-}
-
-async fn wait_state(c: &mut Client, want: pb::RankState) {
-    let deadline = Instant::now() + Duration::from_secs(120);
-    loop {
-        let d = c.describe(pb::DescribeRequest {}).await.unwrap().into_inner();
-        if d.state == want as i32 {
-            return;
-        }
-        assert_ne!(d.state, pb::RankState::Failed as i32, "rank failed: {}", d.error);
-        assert!(Instant::now() < deadline, "rank {} stuck in state {} ({})", d.rank, d.state, d.error);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
-/// A step entry asking for the whole vocabulary's raw logits (temperature 1, no cuts).
-fn to_pb(s: &SeqStep) -> pb::SeqStep {
-    pb::SeqStep {
-        seq_id: s.seq_id,
-        page_table: s.page_table.clone(),
-        expected_cache_len: s.cached_len as u32,
-        tokens: s.tokens.clone(),
-        logits: pb::LogitsMode::Last as i32,
-        sampling: Some(pb::SamplingSpec { temperature: 1.0, top_p: 1.0, ..Default::default() }),
-        score_targets: vec![],
-        adopt_prefix: false,
-    }
-}
 
 /// The text of a log without its terminal colour codes (`ESC [ ... m`).
 fn strip_ansi(s: &str) -> String {
@@ -108,79 +42,19 @@ fn strip_ansi(s: &str) -> String {
     out
 }
 
-fn full_row(row: &pb::RowOutput, vocab: usize) -> Vec<f32> {
-    assert_eq!(row.candidate_ids.len(), vocab, "whole vocabulary expected");
-    let mut out = vec![f32::NAN; vocab];
-    for (&i, &v) in row.candidate_ids.iter().zip(&row.candidate_raw_logits) {
-        out[i as usize] = v;
-    }
-    out
-}
-
 async fn start(dir: &Path, gguf: &Path) -> (Vec<RankProc>, Vec<Client>) {
-    let procs: Vec<RankProc> = (0..WORLD)
-        .map(|r| {
-            let listen = format!("unix://{}/rank-{r}.sock", dir.display());
-            let mut cmd = Command::new(env!("CARGO_BIN_EXE_minimax-rank"));
-            cmd.args(["serve", "--rank", &r.to_string(), "--world-size", &WORLD.to_string(), "--listen", &listen])
-                .arg("--model")
-                .arg(gguf)
-                .args(["--device", "cpu", "--parallelism", "pipeline"])
-                .args(["--page-size", &PAGE.to_string(), "--kv-pages", &N_PAGES.to_string(), "--collective-timeout-ms", "3000"])
-                .env("RUST_LOG", "info")
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(dir.join(format!("rank-{r}.log"))).unwrap());
-            RankProc { child: cmd.spawn().expect("spawn minimax-rank"), listen }
-        })
-        .collect();
-    let mut clients = Vec::new();
-    for p in &procs {
-        let mut c = connect(&p.listen).await;
-        wait_state(&mut c, pb::RankState::Loaded).await;
-        clients.push(c);
-    }
-    let id = clients[0]
-        .collective(pb::CollectiveRequest { phase: pb::collective_request::Phase::Create as i32, ..Default::default() })
-        .await
-        .unwrap()
-        .into_inner()
-        .unique_id;
-    let peers: Vec<String> = (0..WORLD).map(|r| format!("unix://{}/coll-{r}.sock", dir.display())).collect();
-    let joins: Vec<_> = clients
-        .iter()
-        .map(|c| {
-            let mut c = c.clone();
-            let req = pb::CollectiveRequest { phase: pb::collective_request::Phase::Join as i32, unique_id: id.clone(), peer_addrs: peers.clone(), timeout_ms: 20_000 };
-            tokio::spawn(async move { c.collective(req).await })
-        })
-        .collect();
-    for j in joins {
-        assert_eq!(j.await.unwrap().unwrap().into_inner().self_test_sum, 3.0);
-    }
-    for c in &mut clients {
-        wait_state(c, pb::RankState::Ready).await;
-    }
+    let spec = WorldSpec { model: gguf, world: WORLD, parallelism: "pipeline", page_size: PAGE, kv_pages: N_PAGES, collective_timeout_ms: 3000, tcp: false, extra: vec![] };
+    let (procs, clients, _, _) = start_cpu_world(dir, &spec, Duration::from_secs(120)).await;
     (procs, clients)
 }
 
 /// Sends `req` to every rank (without waiting): one task per rank.
-fn send(clients: &[Client], req: pb::StepRequest) -> Vec<tokio::task::JoinHandle<Result<pb::StepResponse, tonic::Status>>> {
-    clients
-        .iter()
-        .map(|c| {
-            let mut c = c.clone();
-            let req = req.clone();
-            tokio::spawn(async move { c.step(req).await.map(|r| r.into_inner()) })
-        })
-        .collect()
+fn send(clients: &[Client], req: pb::StepRequest) -> Vec<tokio::task::JoinHandle<StepAnswer>> {
+    send_step(clients, &req)
 }
 
-async fn answers(hs: Vec<tokio::task::JoinHandle<Result<pb::StepResponse, tonic::Status>>>) -> Vec<Result<pb::StepResponse, tonic::Status>> {
-    let mut out = vec![];
-    for h in hs {
-        out.push(tokio::time::timeout(Duration::from_secs(60), h).await.expect("step hung").unwrap());
-    }
-    out
+async fn answers(hs: Vec<tokio::task::JoinHandle<StepAnswer>>) -> Vec<StepAnswer> {
+    step_answers(hs, Duration::from_secs(60)).await
 }
 
 fn seq(seq_id: u64, first_page: u32, tokens: Vec<u32>, cached_len: usize) -> SeqStep {
@@ -192,7 +66,7 @@ fn req(step_id: u64, after_step_id: u64, batch: &ForwardBatch) -> pb::StepReques
 }
 
 /// The head rank's rows of a step vs the reference's, ≤ 1e-4.
-fn check(resps: &[Result<pb::StepResponse, tonic::Status>], batch: &ForwardBatch, want: &ForwardOutput, vocab: usize, what: &str) {
+fn check(resps: &[StepAnswer], batch: &ForwardBatch, want: &ForwardOutput, vocab: usize, what: &str) {
     for (r, resp) in resps.iter().enumerate() {
         let resp = resp.as_ref().unwrap_or_else(|e| panic!("{what}: rank {r}: {e}"));
         for (s, res) in batch.seqs.iter().zip(&resp.seqs) {

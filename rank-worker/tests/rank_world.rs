@@ -7,186 +7,39 @@
 mod common;
 
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use common::rank_procs::{Client, RankProc, StepAnswer, WorldSpec, connect, full_row, send_step, start_cpu_world, step_answers, to_pb, wait_state_within};
 use common::{fixtures_dir, max_diff};
-use hyper_util::rt::TokioIo;
 use minimax_proto::v1 as pb;
-use minimax_proto::v1::rank_client::RankClient;
 use minimax_rank::comm::Solo;
 use minimax_rank::cpu::{CpuModel, KvSpec};
 use minimax_rank::partition::Partition;
 use minimax_shared::forward::{ForwardBatch, LogitsWanted, SeqStep};
 use minimax_shared::gguf::GgufModel;
 use minimax_shared::model::ModelConfig;
-use tonic::transport::{Channel, Endpoint};
 
 const PAGE: u32 = 16;
 const N_PAGES: u32 = 64;
 const TOL: f32 = 1e-4;
 
-type Client = RankClient<Channel>;
-
-/// A rank process, killed when dropped.
-struct RankProc {
-    child: Child,
-    listen: String,
-}
-
-impl Drop for RankProc {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-struct WorldSpec<'a> {
-    model: &'a Path,
-    world: usize,
-    parallelism: &'a str,
-    /// gRPC and transport over TCP instead of Unix sockets.
-    tcp: bool,
-    /// Extra flags per rank.
-    extra: Vec<Vec<String>>,
-}
-
-fn free_port() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().to_string()
-}
-
-fn spawn_world(dir: &Path, spec: &WorldSpec) -> Vec<RankProc> {
-    (0..spec.world)
-        .map(|r| {
-            let listen = if spec.tcp { free_port() } else { format!("unix://{}/rank-{r}.sock", dir.display()) };
-            let mut cmd = Command::new(env!("CARGO_BIN_EXE_minimax-rank"));
-            cmd.args(["serve", "--rank", &r.to_string(), "--world-size", &spec.world.to_string(), "--listen", &listen])
-                .arg("--model")
-                .arg(spec.model)
-                .args(["--device", "cpu", "--parallelism", spec.parallelism])
-                .args(["--page-size", &PAGE.to_string(), "--kv-pages", &N_PAGES.to_string(), "--collective-timeout-ms", "20000"])
-                .args(spec.extra.get(r).cloned().unwrap_or_default())
-                .env("RUST_LOG", "info")
-                .stdout(Stdio::null())
-                .stderr(std::fs::File::create(dir.join(format!("rank-{r}.log"))).unwrap());
-            RankProc { child: cmd.spawn().expect("spawn minimax-rank"), listen }
-        })
-        .collect()
-}
-
-async fn connect(listen: &str) -> Client {
-    let deadline = Instant::now() + Duration::from_secs(30);
-    loop {
-        let res = if let Some(path) = listen.strip_prefix("unix://") {
-            let path = PathBuf::from(path);
-            Endpoint::from_static("http://rank.invalid")
-                .connect_with_connector(tower::service_fn(move |_| {
-                    let p = path.clone();
-                    async move { Ok::<_, std::io::Error>(TokioIo::new(tokio::net::UnixStream::connect(p).await?)) }
-                }))
-                .await
-        } else {
-            Endpoint::from_shared(format!("http://{listen}")).unwrap().connect().await
-        };
-        match res {
-            Ok(ch) => return RankClient::new(ch).max_decoding_message_size(256 << 20),
-            Err(e) if Instant::now() < deadline => {
-                let _ = e;
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-            Err(e) => panic!("cannot connect to {listen}: {e}"),
-        }
-    }
-}
-
-async fn wait_state(c: &mut Client, want: pb::RankState) -> pb::DescribeResponse {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    loop {
-        let d = c.describe(pb::DescribeRequest {}).await.unwrap().into_inner();
-        if d.state == want as i32 {
-            return d;
-        }
-        assert_ne!(d.state, pb::RankState::Failed as i32, "rank failed: {}", d.error);
-        assert!(Instant::now() < deadline, "rank {} stuck in state {} ({})", d.rank, d.state, d.error);
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
-}
-
 /// Starts a world and joins it; returns processes, clients and the Describe of each rank.
 async fn start_world(dir: &Path, spec: &WorldSpec<'_>) -> (Vec<RankProc>, Vec<Client>, Vec<pb::DescribeResponse>) {
-    let procs = spawn_world(dir, spec);
-    let mut clients = Vec::new();
-    for p in &procs {
-        let mut c = connect(&p.listen).await;
-        wait_state(&mut c, pb::RankState::Loaded).await;
-        clients.push(c);
-    }
-    let id = clients[0]
-        .collective(pb::CollectiveRequest { phase: pb::collective_request::Phase::Create as i32, ..Default::default() })
-        .await
-        .unwrap()
-        .into_inner()
-        .unique_id;
+    let (procs, clients, descs, id) = start_cpu_world(dir, spec, Duration::from_secs(60)).await;
     assert_eq!(id.len(), 16);
-    let peers: Vec<String> = (0..spec.world)
-        .map(|r| if spec.tcp { free_port() } else { format!("unix://{}/coll-{r}.sock", dir.display()) })
-        .collect();
-    let joins: Vec<_> = clients
-        .iter()
-        .map(|c| {
-            let mut c = c.clone();
-            let req = pb::CollectiveRequest {
-                phase: pb::collective_request::Phase::Join as i32,
-                unique_id: id.clone(),
-                peer_addrs: if spec.world > 1 { peers.clone() } else { vec![] },
-                timeout_ms: 20_000,
-            };
-            tokio::spawn(async move { c.collective(req).await })
-        })
-        .collect();
-    let want = (spec.world * (spec.world + 1) / 2) as f32;
-    for j in joins {
-        let r = j.await.unwrap().unwrap().into_inner();
-        assert_eq!(r.self_test_sum, want);
-    }
-    let mut descs = Vec::new();
-    for c in &mut clients {
-        descs.push(wait_state(c, pb::RankState::Ready).await);
-    }
     (procs, clients, descs)
 }
 
+/// Polls the rank until it reports `want` (at most 60 s).
+async fn wait_state(c: &mut Client, want: pb::RankState) -> pb::DescribeResponse {
+    wait_state_within(c, want, Duration::from_secs(60)).await
+}
+
 /// Sends the same step to every rank concurrently.
-async fn step_all(clients: &[Client], req: &pb::StepRequest) -> Vec<Result<pb::StepResponse, tonic::Status>> {
-    let hs: Vec<_> = clients
-        .iter()
-        .map(|c| {
-            let mut c = c.clone();
-            let req = req.clone();
-            tokio::spawn(async move { c.step(req).await.map(|r| r.into_inner()) })
-        })
-        .collect();
-    let mut out = Vec::new();
-    for h in hs {
-        out.push(tokio::time::timeout(Duration::from_secs(120), h).await.expect("step hung").unwrap());
-    }
-    out
-}
-
-fn full_spec() -> pb::SamplingSpec {
-    pb::SamplingSpec { temperature: 1.0, top_p: 1.0, ..Default::default() }
-}
-
-/// Rebuilds a full logits row from a whole-vocabulary reduction.
-fn full_row(row: &pb::RowOutput, vocab: usize) -> Vec<f32> {
-    assert_eq!(row.candidate_ids.len(), vocab, "whole vocabulary expected");
-    let mut out = vec![f32::NAN; vocab];
-    for (&i, &v) in row.candidate_ids.iter().zip(&row.candidate_raw_logits) {
-        out[i as usize] = v;
-    }
-    out
+async fn step_all(clients: &[Client], req: &pb::StepRequest) -> Vec<StepAnswer> {
+    step_answers(send_step(clients, req), Duration::from_secs(120)).await
 }
 
 fn seqs_of(model: &str) -> Vec<Vec<u32>> {
@@ -198,23 +51,6 @@ fn load_reference(path: &Path) -> CpuModel {
     let m = Arc::new(GgufModel::open(path).unwrap());
     let cfg = ModelConfig::from_gguf(&m).unwrap();
     CpuModel::load(m, Partition::whole(&cfg), KvSpec { page_size: PAGE as usize, n_pages: N_PAGES as usize }).unwrap()
-}
-
-fn to_pb(s: &SeqStep) -> pb::SeqStep {
-    pb::SeqStep {
-        seq_id: s.seq_id,
-        page_table: s.page_table.clone(),
-        expected_cache_len: s.cached_len as u32,
-        tokens: s.tokens.clone(),
-        logits: match s.logits {
-            LogitsWanted::None => pb::LogitsMode::None,
-            LogitsWanted::Last => pb::LogitsMode::Last,
-            LogitsWanted::All => pb::LogitsMode::All,
-        } as i32,
-        sampling: Some(full_spec()),
-        score_targets: vec![],
-        adopt_prefix: false,
-    }
 }
 
 /// A schedule mixing prefill chunks and decode steps of four sequences over scrambled pages,
@@ -257,7 +93,7 @@ async fn world_matches_reference(model: &str, world: usize, parallelism: &str, t
     let t0 = Instant::now();
     let dir = tempfile::tempdir().unwrap();
     let gguf = fixtures_dir().join(model).join("f32.gguf");
-    let spec = WorldSpec { model: &gguf, world, parallelism, tcp, extra: vec![] };
+    let spec = WorldSpec { model: &gguf, world, parallelism, page_size: PAGE, kv_pages: N_PAGES, collective_timeout_ms: 20_000, tcp, extra: vec![] };
     let (_procs, clients, descs) = start_world(dir.path(), &spec).await;
     let heads: Vec<usize> = descs.iter().enumerate().filter(|(_, d)| d.head).map(|(r, _)| r).collect();
     assert_eq!(heads.len(), 1, "exactly one head rank");
@@ -364,7 +200,7 @@ async fn wrong_cache_length_is_detected_and_the_sequence_dropped_on_all_ranks() 
     let dir = tempfile::tempdir().unwrap();
     let gguf = fixtures_dir().join("m2-small").join("f32.gguf");
     let extra = vec![vec![], vec!["--test-fault".to_string(), "wrong-cache-len:5".to_string()]];
-    let spec = WorldSpec { model: &gguf, world: 2, parallelism: "tensor", tcp: false, extra };
+    let spec = WorldSpec { model: &gguf, world: 2, parallelism: "tensor", page_size: PAGE, kv_pages: N_PAGES, collective_timeout_ms: 20_000, tcp: false, extra };
     let (_procs, clients, _) = start_world(dir.path(), &spec).await;
     let log = std::fs::read_to_string(dir.path().join("rank-1.log")).unwrap();
     assert!(log.contains("TEST FAULT HOOK ENABLED"), "loud warning missing: {log}");
@@ -432,7 +268,7 @@ async fn wrong_cache_length_is_detected_and_the_sequence_dropped_on_all_ranks() 
 async fn kill_9_of_a_rank_fails_the_survivors_step_quickly() {
     let dir = tempfile::tempdir().unwrap();
     let gguf = fixtures_dir().join("m2-small").join("f32.gguf");
-    let spec = WorldSpec { model: &gguf, world: 3, parallelism: "pipeline", tcp: false, extra: vec![] };
+    let spec = WorldSpec { model: &gguf, world: 3, parallelism: "pipeline", page_size: PAGE, kv_pages: N_PAGES, collective_timeout_ms: 20_000, tcp: false, extra: vec![] };
     let (mut procs, clients, _) = start_world(dir.path(), &spec).await;
     let toks = &seqs_of("m2-small")[2];
     let mut s = decode(1, &[0, 1], 0, 0);

@@ -217,20 +217,41 @@ async fn cache_length_disagreement_drops_only_that_sequence() {
     assert_eq!(s.kv().used_pages(), 0);
 }
 
+/// A fake world of `n_pages` pages of 4 tokens (context 256) and a scheduler on it that keeps
+/// two steps in flight.
+fn two_in_flight(n_pages: u32, cfg: SchedConfig) -> (FakeWorld, Scheduler) {
+    let w = world(4, n_pages, 256);
+    let mut s = sched(&w, cfg);
+    s.set_steps_in_flight(2);
+    (w, s)
+}
+
+/// The memory-pressure scenario's load: three 10-token prompts, 12 greedy tokens each;
+/// returns the prompts and their event receivers.
+fn submit_pressure(s: &mut Scheduler) -> (Vec<Vec<u32>>, Vec<mpsc::UnboundedReceiver<GenEvent>>) {
+    let prompts: Vec<Vec<u32>> = (0..3).map(|i| (0..10).map(|t| t + 10 * i + 1).collect()).collect();
+    let rxs: Vec<_> = prompts.iter().enumerate().map(|(i, p)| submit(s, req(&format!("p{i}"), p.clone(), 12, greedy()))).collect();
+    (prompts, rxs)
+}
+
+/// Every generation of `submit_pressure` ended with Length and exactly the reference tokens.
+fn assert_pressure_outputs(w: &FakeWorld, prompts: &[Vec<u32>], rxs: &mut [mpsc::UnboundedReceiver<GenEvent>]) {
+    for (i, rx) in rxs.iter_mut().enumerate() {
+        let (toks, reason, _, err) = outcome(rx);
+        assert_eq!(err, None, "seq {i}");
+        assert_eq!(reason, Some(FinishReason::Length));
+        assert_eq!(toks, reference_greedy(w, &prompts[i], 12), "seq {i}");
+    }
+}
+
 #[tokio::test]
 async fn memory_pressure_preempts_and_outputs_stay_exact() {
     // 12 pages of 4 tokens = 48 slots; three sequences that each grow to 22 tokens.
     let w = world(4, 12, 256);
     let mut s = sched(&w, SchedConfig::default());
-    let prompts: Vec<Vec<u32>> = (0..3).map(|i| (0..10).map(|t| t + 10 * i + 1).collect()).collect();
-    let mut rxs: Vec<_> = prompts.iter().enumerate().map(|(i, p)| submit(&mut s, req(&format!("p{i}"), p.clone(), 12, greedy()))).collect();
+    let (prompts, mut rxs) = submit_pressure(&mut s);
     drive(&mut s, &w).await;
-    for (i, rx) in rxs.iter_mut().enumerate() {
-        let (toks, reason, _, err) = outcome(rx);
-        assert_eq!(err, None, "seq {i}");
-        assert_eq!(reason, Some(FinishReason::Length));
-        assert_eq!(toks, reference_greedy(&w, &prompts[i], 12), "seq {i}");
-    }
+    assert_pressure_outputs(&w, &prompts, &mut rxs);
     assert_eq!(s.kv().used_pages(), 0);
     assert!(s.metrics.preemptions.load(std::sync::atomic::Ordering::Relaxed) > 0, "the scenario must preempt");
 }
@@ -354,9 +375,7 @@ async fn drive_in_flight(s: &mut Scheduler, w: &FakeWorld, depth: usize) -> usiz
 
 #[tokio::test]
 async fn steps_in_flight_take_disjoint_groups_and_give_the_same_tokens() {
-    let w = world(4, 64, 256);
-    let mut s = sched(&w, SchedConfig { prefill_chunk: 5, ..Default::default() });
-    s.set_steps_in_flight(2);
+    let (w, mut s) = two_in_flight(64, SchedConfig { prefill_chunk: 5, ..Default::default() });
     let prompts: Vec<Vec<u32>> = (0..5u32).map(|i| (1..8 + i).map(|t| t * (i + 3) % 90 + 1).collect()).collect();
     let mut rxs: Vec<_> = prompts.iter().enumerate().map(|(i, p)| submit(&mut s, req(&format!("r{i}"), p.clone(), 6, greedy()))).collect();
     // Five sequences, two steps in flight: the first takes three, the second the other two,
@@ -388,9 +407,7 @@ async fn steps_in_flight_take_disjoint_groups_and_give_the_same_tokens() {
 
 #[tokio::test]
 async fn a_cancelled_sequence_in_flight_keeps_its_pages_until_its_step_completes() {
-    let w = world(4, 64, 256);
-    let mut s = sched(&w, SchedConfig::default());
-    s.set_steps_in_flight(2);
+    let (w, mut s) = two_in_flight(64, SchedConfig::default());
     let mut keep = submit(&mut s, req("keep", (1..10).collect(), 4, greedy()));
     let gone = submit(&mut s, req("gone", (20..30).collect(), 4, greedy()));
     let p1 = s.plan().unwrap();
@@ -416,9 +433,7 @@ async fn a_cancelled_sequence_in_flight_keeps_its_pages_until_its_step_completes
 
 #[tokio::test]
 async fn a_refused_plan_fails_only_its_sequences() {
-    let w = world(4, 64, 256);
-    let mut s = sched(&w, SchedConfig::default());
-    s.set_steps_in_flight(2);
+    let (w, mut s) = two_in_flight(64, SchedConfig::default());
     let mut a = submit(&mut s, req("a", (1..10).collect(), 3, greedy()));
     let mut b = submit(&mut s, req("b", (20..30).collect(), 3, greedy()));
     let pa = s.plan().unwrap();
@@ -453,18 +468,10 @@ async fn one_step_in_flight_plans_every_running_sequence() {
 async fn memory_pressure_with_steps_in_flight_never_touches_a_sequence_in_flight() {
     // The memory-pressure scenario above with two steps in flight (completed newest first):
     // preemption only picks sequences outside every step in flight, outputs stay exact.
-    let w = world(4, 12, 256);
-    let mut s = sched(&w, SchedConfig::default());
-    s.set_steps_in_flight(2);
-    let prompts: Vec<Vec<u32>> = (0..3).map(|i| (0..10).map(|t| t + 10 * i + 1).collect()).collect();
-    let mut rxs: Vec<_> = prompts.iter().enumerate().map(|(i, p)| submit(&mut s, req(&format!("p{i}"), p.clone(), 12, greedy()))).collect();
+    let (w, mut s) = two_in_flight(12, SchedConfig::default());
+    let (prompts, mut rxs) = submit_pressure(&mut s);
     drive_in_flight(&mut s, &w, 2).await;
-    for (i, rx) in rxs.iter_mut().enumerate() {
-        let (toks, reason, _, err) = outcome(rx);
-        assert_eq!(err, None, "seq {i}");
-        assert_eq!(reason, Some(FinishReason::Length));
-        assert_eq!(toks, reference_greedy(&w, &prompts[i], 12), "seq {i}");
-    }
+    assert_pressure_outputs(&w, &prompts, &mut rxs);
     assert_eq!(s.kv().used_pages(), 0);
     // A lone sequence that outgrows memory still ends with Length.
     let mut rx = submit(&mut s, req("a", (1..11).collect(), 100, greedy()));

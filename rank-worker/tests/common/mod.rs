@@ -3,7 +3,6 @@
 
 #[cfg(feature = "cuda")]
 pub mod gpu;
-#[cfg(feature = "cuda")]
 pub mod rank_procs;
 
 use std::path::PathBuf;
