@@ -337,7 +337,7 @@ fn main() -> anyhow::Result<()> {
     let spec = SyntheticSpec::parse(&spec_s)?;
     let long_ctx = 32768usize;
     // + 520: the prefill section's warm-ups, precision/tile runs and profiled run.
-    let n_pages = long_ctx / PAGE + 64 + 32 * 8 + 8 + 3 * 8192 / PAGE + 16 + 520 + 3 * 512 / PAGE + 8;
+    let n_pages = long_ctx / PAGE + 64 + 32 * 8 + 8 + 2 * 8192 / PAGE + 16 + 520;
     let kv = KvSpec { page_size: PAGE, n_pages };
     let t = Instant::now();
     let mut m = CudaModel::synthetic(&spec, kv, CudaOptions::default(), 42)?;
@@ -489,12 +489,14 @@ fn main() -> anyhow::Result<()> {
             m.forward(&ForwardBatch { seqs: vec![step(40, &pt, 0, (0..40).collect(), LogitsWanted::Last)] })?;
         }
         m.gpu().sync()?;
-        // Each precision x the grouped-expert tiles (16 / 32 / 64 pairs), one 512-token prefill each.
+        // Each precision x the grouped-expert tiles (16 / 32 / 64 pairs), one 512-token prefill each,
+        // all over the same pages (each run writes every position it reads).
+        let pt512 = pages.take(512 / PAGE);
         for &p in &precs {
             for gt in [1usize, 2, 4] {
                 set_gemm_precision(p);
                 set_group_tile(Some(gt));
-                let pt = pages.take(512 / PAGE);
+                let pt = &pt512;
                 let t = Instant::now();
                 let o = m.forward(&ForwardBatch { seqs: vec![step(41 + gt as u64, &pt, 0, (0..512u32).map(|i| (i * 7919) % 200_000).collect(), LogitsWanted::Last)] })?;
                 let e = ms(t);
@@ -597,7 +599,6 @@ fn main() -> anyhow::Result<()> {
         let prec = gemm_precision();
         if prec != GemmPrecision::Int8 {
             set_gemm_precision(GemmPrecision::Int8);
-            let pt = pages.take(n / PAGE);
             let t = Instant::now();
             let mut last = None;
             for c0 in (0..n).step_by(4096) {
