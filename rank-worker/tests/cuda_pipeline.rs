@@ -44,6 +44,7 @@ fn spawn_world(dir: &Path, model: &Path, tag: &str, world: usize) -> Vec<RankPro
         .map(|r| {
             let listen = format!("unix://{}/rank-{r}.sock", dir.display());
             let mut cmd = Command::new(rank_bin());
+            cmd.env("MINIMAX_GEMM", common::fixture_gemm());
             cmd.args(["serve", "--rank", &r.to_string(), "--world-size", &world.to_string(), "--listen", &listen])
                 .arg("--model")
                 .arg(model)

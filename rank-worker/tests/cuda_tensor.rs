@@ -62,6 +62,7 @@ fn spawn_world(dir: &Path, model: &Path, world: usize) -> Vec<RankProc> {
 fn spawn_rank(dir: &Path, model: &Path, world: usize, r: usize, env: &[(&str, &str)], tag: &str) -> RankProc {
     let listen = format!("unix://{}/rank-{r}.sock", dir.display());
     let mut cmd = Command::new(rank_bin());
+    cmd.env("MINIMAX_GEMM", common::fixture_gemm());
     cmd.envs(env.iter().copied());
     cmd.args(["serve", "--rank", &r.to_string(), "--world-size", &world.to_string(), "--listen", &listen])
         .arg("--model")

@@ -37,7 +37,10 @@ pub fn gpu_count() -> usize {
     Command::new("nvidia-smi").arg("-L").output().map(|o| String::from_utf8_lossy(&o.stdout).lines().filter(|l| l.starts_with("GPU ")).count()).unwrap_or(0)
 }
 
+/// GPU 0, with the prefill GEMMs pinned to the exact `bf16x3` precision: kernel tests that
+/// want another precision (int8, plain bf16) set it themselves after this.
 pub fn gpu() -> Gpu {
+    minimax_rank::cuda::set_gemm_precision(minimax_rank::cuda::GemmPrecision::Bf16x3);
     Gpu::new(0).expect("CUDA device 0 with NVRTC")
 }
 
