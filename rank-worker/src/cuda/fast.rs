@@ -509,17 +509,15 @@ impl Gpu {
         let (args, rows) = mv_args(segs, nchunks, xq, xd, ncol, nv, accumulate);
         let mma = ty == GgmlType::Q8_0 && (kind == MvqKind::Mma || (kind == MvqKind::Auto && nv >= MMA_MIN_TOKENS));
         if mma {
-            // Per call: the attribute belongs to this GPU's module (a driver call, not a stream
-            // operation, so it is allowed while a graph is captured).
-            use cudarc::driver::sys::CUfunction_attribute;
-            self.func("mvmma_q8_0")?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, MVMMA_SMEM as i32)?;
             return self.launch_pdl("mvmma_q8_0", (ceil_div(rows, 16), ceil_div(nv, 32), 1), 128, MVMMA_SMEM as u32, &args);
         }
         let (name, warps) = match kind {
             _ if ty != GgmlType::Q8_0 => (format!("mvq_{}_{nt}", tn(ty)), 8),
             MvqKind::Staged => (format!("mvq_q8_0_{nt}"), 8),
-            MvqKind::Whole | MvqKind::Auto | MvqKind::Mma if nchunks > 12 => (format!("mvqs_q8_0_{nt}l"), 4),
-            MvqKind::Whole | MvqKind::Auto | MvqKind::Mma | MvqKind::WholeShort => (format!("mvqs_q8_0_{nt}s"), 8),
+            MvqKind::WholeShort => (format!("mvqs_q8_0_{nt}s"), 8),
+            // Whole, and Auto below MMA_MIN_TOKENS (Mma returned above).
+            _ if nchunks > 12 => (format!("mvqs_q8_0_{nt}l"), 4),
+            _ => (format!("mvqs_q8_0_{nt}s"), 8),
         };
         self.launch_pdl(&name, (ceil_div(rows, warps), ceil_div(nv, nt), 1), 32 * warps as u32, 0, &args)
     }
@@ -741,14 +739,6 @@ impl Gpu {
         Ok((sms / (kv_heads * nt)).clamp(1, nsplit))
     }
 
-    /// The tensor-core attention kernel `name` with its dynamic shared memory allowed.
-    fn attn_mma_func(&self, name: &str) -> Result<cudarc::driver::CudaFunction, CudaError> {
-        use cudarc::driver::sys::CUfunction_attribute;
-        let f = self.func(name)?;
-        f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, ATTN_MMA_SMEM as i32)?;
-        Ok(f)
-    }
-
     /// [`Gpu::attn_decode`] with the kernel (`mma`: `attn_dec6t_*` / `attn_dec6tm_*`, else
     /// `attn_dec6_*` / `attn_dec6m_*`) and the split count `nsplit` given (tests and A/B runs;
     /// `part` must hold `nt x kv_heads x nsplit` partials). Both kernels chunk the positions
@@ -784,9 +774,6 @@ impl Gpu {
             (false, false) => (format!("attn_dec6_{kv}"), 0),
             (false, true) => (format!("attn_dec6m_{kv}"), 0),
         };
-        if mma {
-            self.attn_mma_func(&name)?;
-        }
         match cnt {
             Some(c) => {
                 if nsplit > ATTN_FUSE_MAX_SPLIT {

@@ -6,7 +6,6 @@
 use super::env_flag::EnvFlag;
 use super::error::CudaError;
 use super::gpu::{Arg, AttnArgs, Gpu, KvDtype};
-use cudarc::driver::sys::CUfunction_attribute;
 
 /// Query rows ((token, head) pairs of one KV-head group) per block of the main kernel
 /// (`flash_*`: 4 warps x two m16 tiles); the grid's x extent is rows / this.
@@ -122,9 +121,6 @@ impl Gpu {
             FlashKernel::Rows64 => format!("flash64_{}_{}", dt.suffix(), a.hd),
         };
         let smem = k.smem(a.hd);
-        if smem > 48 * 1024 {
-            self.func(&name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
-        }
         self.launch(
             &name,
             (n_tiles as u32, a.kv_heads as u32, a.n_seqs as u32),

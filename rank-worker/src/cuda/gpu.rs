@@ -114,6 +114,9 @@ pub struct Gpu {
     pub build: BuildReport,
     modules: Vec<(&'static str, Arc<CudaModule>)>,
     funcs: Mutex<HashMap<String, CudaFunction>>,
+    /// Dynamic shared memory each kernel has been allowed above the default 48 KB (see
+    /// [`Gpu::launch_func`]).
+    smem_allowed: Mutex<HashMap<String, u32>>,
     /// When set, every launch is bracketed by timing events (kernel name, start, end): the
     /// benchmark's per-kernel split. Never set while a graph is being captured.
     prof: Mutex<Option<Vec<(String, CudaEvent, CudaEvent)>>>,
@@ -173,7 +176,7 @@ impl Gpu {
             _ => 4,
         };
         let pdl = arch >= 90 && std::env::var("MINIMAX_PDL").map(|v| v != "0").unwrap_or(true);
-        Ok(Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), prof: Mutex::new(None), pdl, gu_rows })
+        Ok(Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), smem_allowed: Mutex::new(HashMap::new()), prof: Mutex::new(None), pdl, gu_rows })
     }
 
     /// The kernel `name`, looked up once in the loaded modules.
@@ -191,12 +194,29 @@ impl Gpu {
         Err(CudaError::MissingKernel(name.to_string()))
     }
 
-    /// Launches kernel `name` on the stream.
+    /// The kernel `name`, allowed `smem` bytes of dynamic shared memory: a launch above the
+    /// default 48 KB needs the function's limit raised first, done here once per kernel (the
+    /// attribute persists) so that callers only pass the size. A driver call, not a stream
+    /// operation: allowed while a graph is captured.
+    fn launch_func(&self, name: &str, smem: u32) -> Result<CudaFunction, CudaError> {
+        use cudarc::driver::sys::CUfunction_attribute;
+        let f = self.func(name)?;
+        if smem > 48 * 1024 {
+            let mut allowed = self.smem_allowed.lock().unwrap();
+            if allowed.get(name).is_none_or(|&s| s < smem) {
+                f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32)?;
+                allowed.insert(name.to_string(), smem);
+            }
+        }
+        Ok(f)
+    }
+
+    /// Launches kernel `name` on the stream (`smem` bytes of dynamic shared memory).
     pub fn launch(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<(), CudaError> {
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
-        let f = self.func(name)?;
+        let f = self.launch_func(name, smem)?;
         let mut b = self.stream.launch_builder(&f);
         for a in args {
             match a {
@@ -234,7 +254,7 @@ impl Gpu {
             return Ok(());
         }
         use cudarc::driver::sys;
-        let f = self.func(name)?;
+        let f = self.launch_func(name, smem)?;
         self.ctx.bind_to_thread()?;
         let mut vals: Vec<u64> = args
             .iter()

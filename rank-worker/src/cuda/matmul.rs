@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use super::env_flag::EnvFlag;
 
 use cudarc::driver::CudaSlice;
-use cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use cudarc::driver::sys::CUdevice_attribute;
 use minimax_shared::quant::GgmlType;
 
 use super::error::CudaError;
@@ -289,12 +289,11 @@ impl Gpu {
         }
     }
 
-    fn gemm_func(&self, name: &str, bytes: usize) -> Result<(), CudaError> {
+    /// Refuses a generic GEMM tile that needs more shared memory than any card here allows
+    /// (the launch itself raises the kernel's limit, [`Gpu::launch`]).
+    fn gemm_smem_check(&self, name: &str, bytes: usize) -> Result<(), CudaError> {
         if bytes > MAX_SMEM {
             return Err(CudaError::Shape(format!("{name}: {bytes} bytes of shared memory (max {MAX_SMEM})")));
-        }
-        if bytes > 48 * 1024 {
-            self.func(name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, bytes as i32)?;
         }
         Ok(())
     }
@@ -399,7 +398,7 @@ impl Gpu {
         }
         let name = format!("mm_{}_{nt}_p{passes}", w.ty.name().to_ascii_lowercase());
         let sm = smem(nt, passes);
-        self.gemm_func(&name, sm)?;
+        self.gemm_smem_check(&name, sm)?;
         let grid = (w.rows.div_ceil(BN) as u32, n.div_ceil(16 * nt) as u32);
         // Columns a part: whole 64-column steps and whole blocks (256 for the K-quants).
         let unit = if w.ty.block_elems() == 256 { 256 } else { 64 };
@@ -565,9 +564,6 @@ impl Gpu {
         };
         if sm > self.smem_optin() {
             return Err(CudaError::Shape(format!("{name}: {sm} bytes of shared memory")));
-        }
-        if sm > 48 * 1024 {
-            self.func(&name)?.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, sm as i32)?;
         }
         let sums = fx.sums.as_ref().map(|b| self.ptr(b)).unwrap_or(0);
         let rt = w.rows.div_ceil(BN) as u32;
@@ -739,7 +735,7 @@ impl Gpu {
         }
         let name = format!("mmg_{}_{nt}_p{passes}", w.ty.name().to_ascii_lowercase());
         let sm = smem(nt, passes);
-        self.gemm_func(&name, sm)?;
+        self.gemm_smem_check(&name, sm)?;
         self.launch(
             &name,
             (w.rows.div_ceil(BN) as u32, groups.max_tiles as u32, 1),
