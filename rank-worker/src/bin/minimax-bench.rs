@@ -87,17 +87,9 @@ fn profile_step(m: &mut CudaModel, nt: usize) -> anyhow::Result<Vec<(String, f32
 fn nsys_replay(m: &mut CudaModel, pages: &mut Pages, nt: usize) -> anyhow::Result<()> {
     anyhow::ensure!((1..=32).contains(&nt), "--nsys-replay: 1..=32 tokens, got {nt}");
     let pts: Vec<Vec<u32>> = (0..nt).map(|_| pages.take(2)).collect();
-    let mut toks = vec![0u32; nt];
-    for (i, p) in pts.iter().enumerate() {
-        let o = m.forward(&ForwardBatch { seqs: vec![step(100 + i as u64, p, 0, vec![1, 2 + i as u32, 3, 4, 5], LogitsWanted::Last)] })?;
-        toks[i] = argmax(o.row(0));
-    }
+    let mut toks = start_streams(m, &pts)?;
     for s in 0..3 {
-        let seqs = (0..nt).map(|i| step(100 + i as u64, &pts[i], 5 + s, vec![toks[i]], LogitsWanted::Last)).collect();
-        let o = m.forward(&ForwardBatch { seqs })?;
-        for (i, t) in toks.iter_mut().enumerate() {
-            *t = stream_token(i, s, argmax(o.row(i)));
-        }
+        stream_step(m, &pts, &mut toks, s)?;
     }
     m.gpu().sync()?;
     let t = Instant::now();
@@ -110,6 +102,28 @@ fn nsys_replay(m: &mut CudaModel, pages: &mut Pages, nt: usize) -> anyhow::Resul
     }
     println!("nsys replay: 20 replays of the {nt}-token step, {:.3} ms each (incl. profiler overhead)", ms(t) / 20.0);
     Ok(())
+}
+
+/// Stream `i` (sequence 100 + i over pages `pts[i]`) gets its 5-token prompt; returns each
+/// stream's first token.
+fn start_streams(m: &mut CudaModel, pts: &[Vec<u32>]) -> anyhow::Result<Vec<u32>> {
+    let mut toks = Vec::with_capacity(pts.len());
+    for (i, p) in pts.iter().enumerate() {
+        let o = m.forward(&ForwardBatch { seqs: vec![step(100 + i as u64, p, 0, vec![1, 2 + i as u32, 3, 4, 5], LogitsWanted::Last)] })?;
+        toks.push(argmax(o.row(0)));
+    }
+    Ok(toks)
+}
+
+/// Decode step `s` of every stream of [`start_streams`] in one batch: feeds `toks`, leaves the
+/// next tokens there (`stream_token`); returns whether every logit was finite.
+fn stream_step(m: &mut CudaModel, pts: &[Vec<u32>], toks: &mut [u32], s: usize) -> anyhow::Result<bool> {
+    let seqs = (0..pts.len()).map(|i| step(100 + i as u64, &pts[i], 5 + s, vec![toks[i]], LogitsWanted::Last)).collect();
+    let o = m.forward(&ForwardBatch { seqs })?;
+    for (i, t) in toks.iter_mut().enumerate() {
+        *t = stream_token(i, s, argmax(o.row(i)));
+    }
+    Ok(finite(&o))
 }
 
 /// Prints a profiled step's kernel time by kernel family (dtype suffixes merged), largest first,
@@ -434,26 +448,13 @@ fn main() -> anyhow::Result<()> {
     for b in [4usize, 16, 32] {
         let steps: usize = 20;
         let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take((5 + steps + 3).div_ceil(PAGE))).collect();
-        let mut toks = vec![0u32; b];
-        for (i, p) in pts.iter().enumerate() {
-            let o = m.forward(&ForwardBatch { seqs: vec![step(100 + i as u64, p, 0, vec![1, 2 + i as u32, 3, 4, 5], LogitsWanted::Last)] })?;
-            toks[i] = argmax(o.row(0));
-        }
+        let mut toks = start_streams(&mut m, &pts)?;
         let mut fin = true;
-        let mut run = |m: &mut CudaModel, toks: &mut Vec<u32>, s: usize| -> anyhow::Result<()> {
-            let seqs = (0..b).map(|i| step(100 + i as u64, &pts[i], 5 + s, vec![toks[i]], LogitsWanted::Last)).collect();
-            let o = m.forward(&ForwardBatch { seqs })?;
-            fin &= finite(&o);
-            for (i, t) in toks.iter_mut().enumerate() {
-                *t = stream_token(i, s, argmax(o.row(i)));
-            }
-            Ok(())
-        };
-        run(&mut m, &mut toks, 0)?;
-        run(&mut m, &mut toks, 1)?;
+        fin &= stream_step(&mut m, &pts, &mut toks, 0)?;
+        fin &= stream_step(&mut m, &pts, &mut toks, 1)?;
         let t = Instant::now();
         for s in 2..steps {
-            run(&mut m, &mut toks, s)?;
+            fin &= stream_step(&mut m, &pts, &mut toks, s)?;
         }
         let per = ms(t) / (steps - 2) as f64;
         let t = Instant::now();
