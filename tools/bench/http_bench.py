@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 import urllib.parse
+import urllib.request
 
 
 def stream_completion(url, api_key, prompt, max_tokens, timeout):
@@ -79,6 +80,35 @@ def prompt_ids(rng, n, vocab, salt):
     return ids
 
 
+STEP_COUNTERS = ("minimax_steps_total", "minimax_step_tokens_total", "minimax_step_seconds_total",
+                 "minimax_step_rank_compute_seconds_total", "minimax_step_gap_seconds_total")
+
+
+def step_counters(url, api_key):
+    """The gateway's step-time counters (zeros if it does not export them)."""
+    req = urllib.request.Request(url + "/metrics", headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        text = r.read().decode()
+    vals = {}
+    for line in text.splitlines():
+        parts = line.split()
+        if len(parts) == 2 and parts[0] in STEP_COUNTERS:
+            vals[parts[0]] = float(parts[1])
+    return [vals.get(k, 0.0) for k in STEP_COUNTERS]
+
+
+def step_row(label, before, after):
+    """Where the served steps' time went between two scrapes: per step, the rank's compute,
+    the rest of the round trip (gRPC, agreement) and the engine's own serial work."""
+    d = [b - a for a, b in zip(before, after)]
+    steps = d[0]
+    if steps <= 0:
+        return None
+    ms = lambda x: x / steps * 1000
+    return (f"{label}: steps, tokens/step, ms/step rank compute / rest of round trip / engine gap",
+            f"{steps:.0f}, {d[1] / steps:.1f}, {ms(d[3]):.2f} / {ms(d[2] - d[3]):.2f} / {ms(d[4]):.2f}")
+
+
 def pct(xs, p):
     if not xs:
         return float("nan")
@@ -113,11 +143,15 @@ def main():
     # Warm-up (kernel compilation, graph capture).
     stream_completion(a.url, a.api_key, next_prompt(5), 8, a.timeout)
 
+    c0 = step_counters(a.url, a.api_key)
     t0, arr = stream_completion(a.url, a.api_key, next_prompt(5), a.decode_tokens, a.timeout)
+    r = step_row("batch 1", c0, step_counters(a.url, a.api_key))
     if len(arr) >= 2:
         rate = (len(arr) - 1) / (arr[-1] - arr[0])
         rows.append((f"decode tok/s, batch 1, 5-token prompt, {a.decode_tokens} tokens", f"{rate:.1f}"))
         rows.append(("TTFT, 5-token prompt (ms)", f"{(arr[0] - t0) * 1000:.1f}"))
+    if r:
+        rows.append(r)
 
     for n in [int(x) for x in a.prefill.split(",") if x]:
         if n + 2 > ctx:
@@ -139,6 +173,7 @@ def main():
 
         prompts = [next_prompt(5) for _ in range(s)]
         threads = [threading.Thread(target=worker, args=(i, prompts[i])) for i in range(s)]
+        c0 = step_counters(a.url, a.api_key)
         start = time.perf_counter()
         for t in threads:
             t.start()
@@ -155,6 +190,9 @@ def main():
         itl = [b - a_ for r in results for a_, b in zip(r[1], r[1][1:])]
         rows.append((f"{s} streams: aggregate tok/s, ITL p50 / p99 (ms)",
                      f"{tokens / (end - start):.1f}, {pct(itl, 50) * 1000:.1f} / {pct(itl, 99) * 1000:.1f}"))
+        r = step_row(f"{s} streams", c0, step_counters(a.url, a.api_key))
+        if r:
+            rows.append(r)
 
     print_table(info, ctx, a.url, rows)
 

@@ -26,6 +26,8 @@ pub struct EngineStats {
     /// Steps sent to the ranks and not answered yet, and the most at once (pipeline worlds).
     pub steps_in_flight: u64,
     pub steps_in_flight_max: u64,
+    /// Where served step time goes (sums since the start).
+    pub step_times: crate::engine::metrics::StepTimes,
 }
 
 impl EngineStats {

@@ -179,6 +179,18 @@ impl Metrics {
         let _ = writeln!(o, "minimax_steps_in_flight {}", e.steps_in_flight);
         head(&mut o, "minimax_steps_in_flight_max", "gauge", "The most steps in flight at once since the start.");
         let _ = writeln!(o, "minimax_steps_in_flight_max {}", e.steps_in_flight_max);
+        let t = &e.step_times;
+        head(&mut o, "minimax_steps_total", "counter", "Steps sent to the ranks.");
+        let _ = writeln!(o, "minimax_steps_total {}", t.steps);
+        head(&mut o, "minimax_step_tokens_total", "counter", "Tokens the steps carried (prompt chunks and decoded tokens).");
+        let _ = writeln!(o, "minimax_step_tokens_total {}", t.tokens);
+        let secs = |us: u64| us as f64 / 1e6;
+        head(&mut o, "minimax_step_seconds_total", "counter", "Step round trips, send to the last rank's answer.");
+        let _ = writeln!(o, "minimax_step_seconds_total {}", secs(t.wall_us));
+        head(&mut o, "minimax_step_rank_compute_seconds_total", "counter", "The head rank's compute time of the answered steps (forward and sampling reductions).");
+        let _ = writeln!(o, "minimax_step_rank_compute_seconds_total {}", secs(t.rank_us));
+        head(&mut o, "minimax_step_gap_seconds_total", "counter", "Engine time between an answer and the next step while no step was in flight.");
+        let _ = writeln!(o, "minimax_step_gap_seconds_total {}", secs(t.gap_us));
         o
     }
 }

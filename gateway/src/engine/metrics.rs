@@ -30,6 +30,11 @@ pub struct Metrics {
     /// Steps sent to the ranks and not answered yet, and the most seen at once.
     pub steps_in_flight: AtomicU64,
     pub steps_in_flight_max: AtomicU64,
+    /// Where served step time goes (see [`StepTimes`]).
+    pub step_tokens: AtomicU64,
+    pub step_wall_us: AtomicU64,
+    pub step_rank_us: AtomicU64,
+    pub step_gap_us: AtomicU64,
 }
 
 impl Metrics {
@@ -72,9 +77,27 @@ pub struct MetricsSnapshot {
     pub steps_in_flight: u64,
     /// The most steps in flight at once since the start.
     pub steps_in_flight_max: u64,
+    pub step_times: StepTimes,
     pub rank_restarts: u64,
     pub ranks_ready: u64,
     pub world_size: u64,
+}
+
+/// Sums over the steps sent so far that say where a served step's time goes: the ranks'
+/// own compute (forward + sampling reductions, as the head rank reports it), the rest of the
+/// round trip (gRPC, agreement), and the engine's own work between an answer and the next
+/// step when nothing else was in flight (scheduling, sampling, streaming out).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct StepTimes {
+    pub steps: u64,
+    /// Tokens the steps carried (prompt chunks and decoded tokens).
+    pub tokens: u64,
+    /// Send to last answer, per step.
+    pub wall_us: u64,
+    /// The head rank's `compute_ms` of each answered step.
+    pub rank_us: u64,
+    /// Answer to the next send while no step was in flight (the engine's serial overhead).
+    pub gap_us: u64,
 }
 
 impl MetricsSnapshot {
@@ -106,6 +129,13 @@ impl MetricsSnapshot {
             steps: m.steps.load(Relaxed),
             steps_in_flight: m.steps_in_flight.load(Relaxed),
             steps_in_flight_max: m.steps_in_flight_max.load(Relaxed),
+            step_times: StepTimes {
+                steps: m.steps.load(Relaxed),
+                tokens: m.step_tokens.load(Relaxed),
+                wall_us: m.step_wall_us.load(Relaxed),
+                rank_us: m.step_rank_us.load(Relaxed),
+                gap_us: m.step_gap_us.load(Relaxed),
+            },
             rank_restarts: 0,
             ranks_ready: 0,
             world_size: 0,

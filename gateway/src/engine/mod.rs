@@ -45,7 +45,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -60,7 +60,7 @@ use futures_util::stream::FuturesUnordered;
 use metrics::Metrics;
 
 /// One step in flight: its plan and, once every rank answered, the answers.
-type StepFuture = BoxFuture<'static, (Plan, Result<Vec<minimax_proto::v1::StepResponse>, WorldError>)>;
+type StepFuture = BoxFuture<'static, (Plan, Result<Vec<minimax_proto::v1::StepResponse>, WorldError>, Duration)>;
 
 /// Everything the engine needs to start.
 #[derive(Clone, Debug)]
@@ -313,6 +313,8 @@ async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::Unbo
         // The steps sent and not answered yet, with their plans.
         let mut inflight: FuturesUnordered<StepFuture> = FuturesUnordered::new();
         let mut last_sent = 0u64;
+        // When the last answer arrived, while no other step was in flight (for `step_gap_us`).
+        let mut idle_since: Option<Instant> = None;
         loop {
             // New requests.
             while let Ok(Cmd::Submit(seq)) = cmd_rx.try_recv() {
@@ -341,15 +343,25 @@ async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::Unbo
                 plan.request.after_step_id = if inflight.is_empty() { 0 } else { last_sent };
                 last_sent = plan.request.step_id;
                 metrics.steps.fetch_add(1, Ordering::Relaxed);
+                let tokens: usize = plan.request.seqs.iter().map(|q| q.tokens.len()).sum();
+                metrics.step_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
+                if let Some(t) = idle_since.take() {
+                    metrics.step_gap_us.fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);
+                }
                 let w = world.clone();
                 let req = plan.request.clone();
-                inflight.push(Box::pin(async move { (plan, w.step(generation, req).await) }));
+                inflight.push(Box::pin(async move {
+                    let t = Instant::now();
+                    let r = w.step(generation, req).await;
+                    (plan, r, t.elapsed())
+                }));
                 metrics.steps_in_flight.store(inflight.len() as u64, Ordering::Relaxed);
                 metrics.steps_in_flight_max.fetch_max(inflight.len() as u64, Ordering::Relaxed);
             }
             sync_queue(s, 0);
             release(&world, generation, s.take_releases());
             if inflight.is_empty() {
+                idle_since = None;
                 // Idle: wait for work or a world change. Waiting requests whose client left are
                 // reaped on the next pass.
                 tokio::select! {
@@ -364,7 +376,7 @@ async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::Unbo
             }
             // Wait for the first step to complete; with a free slot, new work may fill it
             // meanwhile (and clients that left are reaped every 100 ms).
-            let (plan, result) = tokio::select! {
+            let (plan, result, wall) = tokio::select! {
                 done = inflight.next() => done.expect("steps in flight"),
                 cmd = cmd_rx.recv(), if inflight.len() < depth => {
                     match cmd {
@@ -376,8 +388,15 @@ async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::Unbo
                 _ = tokio::time::sleep(Duration::from_millis(100)), if inflight.len() < depth => continue,
             };
             metrics.steps_in_flight.store(inflight.len() as u64, Ordering::Relaxed);
+            metrics.step_wall_us.fetch_add(wall.as_micros() as u64, Ordering::Relaxed);
+            if inflight.is_empty() {
+                idle_since = Some(Instant::now());
+            }
             match result {
                 Ok(responses) => {
+                    if let Some(r) = responses.iter().find(|r| r.rank as usize == head).or(responses.first()) {
+                        metrics.step_rank_us.fetch_add((r.compute_ms.max(0.0) * 1e3) as u64, Ordering::Relaxed);
+                    }
                     s.complete(plan, &responses, head);
                     sync_queue(s, 0);
                     release(&world, generation, s.take_releases());

@@ -208,3 +208,18 @@ async fn a_refused_step_fails_only_its_sequences() {
     assert_eq!(e.metrics().rank_restarts, 0);
     assert!(e.ready());
 }
+
+#[tokio::test]
+async fn step_times_say_where_served_time_goes() {
+    let delay = Duration::from_millis(15);
+    let (e, _w) = engine(FakeConfig { step_delay: delay, ..Default::default() }, SchedConfig::default());
+    let ev = finish(e.generate(greedy("t", (1..10).collect(), 5)).unwrap()).await;
+    assert!(matches!(ev.last(), Some(GenEvent::Finished { .. })));
+    let t = e.metrics().step_times;
+    // One prompt step of 9 tokens, then 4 steps of one fed-back token each.
+    assert_eq!(t.steps, 5, "{t:?}");
+    assert_eq!(t.tokens, 9 + 4, "{t:?}");
+    assert!(t.wall_us >= t.steps * delay.as_micros() as u64, "every round trip waited the fake's step delay: {t:?}");
+    assert!(t.gap_us < t.wall_us, "the engine's own work is far below the round trips: {t:?}");
+    assert_eq!(t.rank_us, 0, "the fake ranks report no compute time: {t:?}");
+}
