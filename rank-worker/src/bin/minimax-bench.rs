@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--pdl-ab] [--moe-ab]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -116,14 +116,23 @@ fn start_streams(m: &mut CudaModel, pts: &[Vec<u32>]) -> anyhow::Result<Vec<u32>
 }
 
 /// Decode step `s` of every stream of [`start_streams`] in one batch: feeds `toks`, leaves the
-/// next tokens there (`stream_token`); returns whether every logit was finite.
+/// next tokens there (`stream_token`); returns whether every greedy pick was a real token.
+/// Like a served step, the logits stay on the device and the greedy reduction runs there
+/// (`forward_stage_lazy` + `StepLogits::reduce`): nothing but the picks comes back.
 fn stream_step(m: &mut CudaModel, pts: &[Vec<u32>], toks: &mut [u32], s: usize) -> anyhow::Result<bool> {
     let seqs = (0..pts.len()).map(|i| step(100 + i as u64, &pts[i], 5 + s, vec![toks[i]], LogitsWanted::Last)).collect();
-    let o = m.forward(&ForwardBatch { seqs })?;
-    for (i, t) in toks.iter_mut().enumerate() {
-        *t = stream_token(i, s, argmax(o.row(i)));
+    let vocab = m.config().vocab_size as u32;
+    let out = m.forward_stage_lazy(&ForwardBatch { seqs })?.ok_or_else(|| anyhow::anyhow!("no logits from a one-stage model"))?;
+    let greedy = minimax_shared::sampling::SamplingSpec { temperature: 0.0, ..Default::default() };
+    let jobs = vec![(greedy, None); toks.len()];
+    let (reds, _) = out.reduce(&jobs)?;
+    let mut ok = true;
+    for (i, (t, r)) in toks.iter_mut().zip(reds).enumerate() {
+        let pick = r.map_err(|e| anyhow::anyhow!("greedy reduction of stream {i}: {e}"))?.candidate_ids.first().copied();
+        ok &= pick.is_some_and(|p| p < vocab);
+        *t = stream_token(i, s, pick.unwrap_or(0));
     }
-    Ok(finite(&o))
+    Ok(ok)
 }
 
 /// Prints a profiled step's kernel time by kernel family (dtype suffixes merged), largest first,
@@ -369,6 +378,83 @@ fn decode_fusion_ab(m: &mut CudaModel, pts: &[Vec<u32>], pos: usize) -> anyhow::
     Ok(())
 }
 
+/// `--pdl-ab`: graph replay at batch 1 / 4 / 16 / 32 with the pre-wait weight loads
+/// (`fast::set_pdl_prefetch`) and the early trigger of the small kernels (`set_pdl_early`) off
+/// and on, in one process (bit-identical kernels; tests check that). The first setting is run
+/// again last to show drift. Then exits.
+fn pdl_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
+    use minimax_rank::cuda::fast::{set_pdl_early, set_pdl_prefetch};
+    let bs = [1usize, 4, 16, 32];
+    let pts: Vec<Vec<u32>> = (0..32).map(|_| pages.take(4)).collect();
+    let mut toks = start_streams(m, &pts)?;
+    let rows = [("plain", false, false), ("prefetch", true, false), ("early trigger", false, true), ("prefetch + early", true, true), ("plain (again)", false, false), ("prefetch + early (again)", true, true)];
+    println!("\nPDL A/B (graph replay, ms per step; tok/s in brackets):");
+    println!("{:<26} {:>18} {:>18} {:>18} {:>18}", "kernels", "b1", "b4", "b16", "b32");
+    // Each stream's next position (5-token prompts; a stream advances only when stepped).
+    let mut pos = vec![5usize; pts.len()];
+    for (name, pre, early) in rows {
+        set_pdl_prefetch(Some(pre));
+        set_pdl_early(Some(early));
+        m.clear_graphs();
+        let mut line = format!("{name:<26}");
+        for &b in &bs {
+            let seqs = (0..b).map(|i| step(100 + i as u64, &pts[i], pos[i], vec![toks[i]], LogitsWanted::Last)).collect();
+            let o = m.forward(&ForwardBatch { seqs })?;
+            anyhow::ensure!(finite(&o), "{name}: non-finite logits at batch {b}");
+            for i in 0..b {
+                toks[i] = stream_token(i, pos[i], argmax(o.row(i)));
+                pos[i] += 1;
+            }
+            let r = replay_ms(m, b, if b == 1 { 100 } else { 20 })?;
+            line += &format!(" {:>9.3} ({:>6.0})", r, b as f64 * 1e3 / r);
+        }
+        println!("{line}");
+    }
+    set_pdl_prefetch(None);
+    set_pdl_early(None);
+    m.clear_graphs();
+    Ok(())
+}
+
+/// `--moe-ab`: batch-1 (and batch-32) graph replay with the per-pair expert kernels of
+/// session 4 (`moe_gate_up_pst`, `moe_down_reg4`) and session 5 (`psx` gate/up: interleaved
+/// activations and the cheaper IQ4 decode; `rx4` down: weights loaded before the PDL wait), in
+/// one process, alternating so drift shows; the kernels are bit-identical (tests check that).
+/// Batch 32 runs the grouped MoE, so it sees neither. Then exits.
+fn moe_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
+    use minimax_rank::cuda::fast::{DownKind, GateUpKind, set_gate_up_kind, set_kernel_overrides};
+    let pts: Vec<Vec<u32>> = (0..32).map(|_| pages.take(4)).collect();
+    let mut toks = start_streams(m, &pts)?;
+    let rows = [
+        ("pst + reg4 (session 4)", GateUpKind::Persist, DownKind::Reg4),
+        ("psx + reg4", GateUpKind::PersistIl, DownKind::Reg4),
+        ("pst + rx4", GateUpKind::Persist, DownKind::Reg4Pre),
+        ("psx + rx4 (default)", GateUpKind::PersistIl, DownKind::Reg4Pre),
+        ("pst + reg4 (again)", GateUpKind::Persist, DownKind::Reg4),
+        ("psx + rx4 (again)", GateUpKind::PersistIl, DownKind::Reg4Pre),
+    ];
+    println!("\nexpert kernels A/B (graph replay, ms per step; tok/s in brackets):");
+    println!("{:<26} {:>18} {:>18}", "kernels", "b1", "b32");
+    let mut s = 0;
+    for (name, gu, dn) in rows {
+        set_gate_up_kind(Some(gu));
+        set_kernel_overrides(None, Some(dn), None);
+        m.clear_graphs();
+        let mut line = format!("{name:<26}");
+        for b in [1usize, 32] {
+            anyhow::ensure!(stream_step(m, &pts[..b], &mut toks[..b], s)?, "{name}: bad logits at batch {b}");
+            s += 1;
+            let r = replay_ms(m, b, if b == 1 { 100 } else { 20 })?;
+            line += &format!(" {:>9.3} ({:>6.0})", r, b as f64 * 1e3 / r);
+        }
+        println!("{line}");
+    }
+    set_gate_up_kind(None);
+    set_kernel_overrides(None, None, None);
+    m.clear_graphs();
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_max_level(tracing::Level::INFO).init();
     if world::requested() {
@@ -397,6 +483,12 @@ fn main() -> anyhow::Result<()> {
     let mut pages = Pages(0);
     if let Some(nt) = arg("--nsys-replay").and_then(|s| s.parse::<usize>().ok()) {
         return nsys_replay(&mut m, &mut pages, nt);
+    }
+    if flag("--moe-ab") {
+        return moe_ab(&mut m, &mut pages);
+    }
+    if flag("--pdl-ab") {
+        return pdl_ab(&mut m, &mut pages);
     }
     let mut table: Vec<(String, String)> = Vec::new();
 
@@ -443,9 +535,10 @@ fn main() -> anyhow::Result<()> {
     println!("bytes per decoded token: weights {:.3} GB + KV(105) {:.4} GB; bound {:.0} tok/s; ours {:.1}% (graph replay)", wb / 1e9, kv_tok(105) / 1e9, bound(105), 100.0 * (1e3 / step_ms) / bound(105));
     table.push(("bandwidth bound tok/s (ctx ~100) / our fraction".into(), format!("{:.0} / {:.0}%", bound(105), 100.0 * (1e3 / step_ms) / bound(105))));
 
-    // Aggregate decode at batch 4, 16, 32: each sequence gets a 5-token prompt, then 20 steps
+    // Aggregate decode at batch 1, 4, 16, 32 (greedy picks on the device, as served): each
+    // sequence gets a 5-token prompt, then 20 steps
     // (tokens: `stream_token`).
-    for b in [4usize, 16, 32] {
+    for b in [1usize, 4, 16, 32] {
         let steps: usize = 20;
         let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take((5 + steps + 3).div_ceil(PAGE))).collect();
         let mut toks = start_streams(&mut m, &pts)?;
@@ -540,6 +633,17 @@ fn main() -> anyhow::Result<()> {
             }
         }
         set_group_tile(None);
+        // The int8 kernels' warp layouts (m16 tiles a warp: MINIMAX_I8_MI), automatic tiles.
+        set_gemm_precision(GemmPrecision::Int8);
+        for mi in [1usize, 2, 4] {
+            minimax_rank::cuda::matmul::set_int8_mi(Some(mi));
+            let t = Instant::now();
+            let o = m.forward(&ForwardBatch { seqs: vec![step(70 + mi as u64, &pt512, 0, (0..512u32).map(|i| (i * 7919) % 200_000).collect(), LogitsWanted::Last)] })?;
+            let e = ms(t);
+            println!("prefill 512, GEMM Int8, warp m16 tiles {mi}: {e:.1} ms = {:.0} tok/s, finite {}", 512e3 / e, finite(&o));
+            table.push((format!("prefill ms at 512 tokens, GEMM Int8, warp m16 tiles {mi}"), format!("{e:.1}")));
+        }
+        minimax_rank::cuda::matmul::set_int8_mi(None);
         set_gemm_precision(prec);
         // The integer fast path (mm_f_* / mmg_f_*) against the previous kernels (MINIMAX_GEMM_FAST=0).
         // Compact: the 32-token tiles' 2-stage variant that fits two blocks an SM (the default;
@@ -644,6 +748,25 @@ fn main() -> anyhow::Result<()> {
             println!("prefill {n}, GEMM Int8 (2 chunks of 4096): {e:.1} ms = {:.0} tok/s, finite {fin}", n as f64 * 1e3 / e);
             table.push((format!("prefill ms at {n} tokens, GEMM Int8 (tok/s)"), format!("{e:.1} ({:.0})", n as f64 * 1e3 / e)));
         }
+        // int8 warp layouts (m16 tiles a warp), then the kernels of one int8 4096-token chunk
+        // (the second: 4096 cached positions) with events around each launch.
+        set_gemm_precision(GemmPrecision::Int8);
+        for mi in [1usize, 2, 4] {
+            minimax_rank::cuda::matmul::set_int8_mi(Some(mi));
+            let r = run_8k(&mut m, 32 + mi as u64);
+            let (e, fin) = r?;
+            println!("prefill {n}, GEMM Int8, warp m16 tiles {mi}: {e:.1} ms = {:.0} tok/s, finite {fin}", n as f64 * 1e3 / e);
+            table.push((format!("prefill ms at {n} tokens, GEMM Int8, warp m16 tiles {mi} (tok/s)"), format!("{e:.1} ({:.0})", n as f64 * 1e3 / e)));
+        }
+        minimax_rank::cuda::matmul::set_int8_mi(None);
+        run_8k(&mut m, 36)?;
+        m.gpu().sync()?;
+        m.gpu().profile_begin();
+        let toks: Vec<u32> = (4096u32..8192).map(|i| (i * 7919) % 200_000).collect();
+        m.forward(&ForwardBatch { seqs: vec![step(36, &pt, 4096, toks, LogitsWanted::Last)] })?;
+        let prof = m.gpu().profile_end()?;
+        print_split(&prof, "int8 prefill chunk 4096..8192");
+        set_gemm_precision(prec);
     } else {
         table.push(("prefill ms at 8192 tokens".into(), format!("skipped (512 took {t512:.0} ms)")));
     }
