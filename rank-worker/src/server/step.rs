@@ -135,9 +135,17 @@ impl Engine {
         let backend = &self.backend;
         let world = self.world.as_ref().map(|w| &*w.transport);
         let mut agreed = agree_step(seqs, &|b| backend.validate(b), world, self.rank, geometry, req)?;
+        let t_agreed = agreed.t0.elapsed();
+        let tokens = agreed.batch.n_tokens();
         let out = forward_agreed(&mut self.backend, &self.part, self.parallelism, world, self.head, &agreed)?;
+        let t_forward = agreed.t0.elapsed();
         advance(seqs, req, &mut agreed);
-        answer(self.rank, self.head, &mut self.replay, req, agreed, out)
+        let r = answer(self.rank, self.head, &mut self.replay, req, agreed, out);
+        if let Ok(a) = &r {
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+            tracing::debug!(target: "minimax::step", step = req.step_id, tokens, agree_ms = ms(t_agreed), forward_ms = ms(t_forward - t_agreed), answer_ms = a.compute_ms as f64 - ms(t_forward), "step");
+        }
+        r
     }
 
     /// Computes an agreed step whose cache lengths were already advanced (pipelined steps).
