@@ -23,6 +23,23 @@ __device__ __forceinline__ void pdl_enter() {
     asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 #endif
 }
+// The two halves of pdl_enter, for kernels that do work before the wait (the "p" / "e"
+// variants; host: fast::pdl_prefetch / pdl_early). Before pdl_wait() a kernel may only read
+// memory that no kernel of the step writes (weights, norm weights, the step's metadata, which
+// the host uploads before the step's first kernel) and write its own shared memory / registers.
+// pdl_trigger() before pdl_wait() (the "early trigger" of small kernels) lets the next kernel
+// start its own pre-wait loads while this one still waits: the next kernel's pdl_wait still
+// returns only after this kernel, hence everything before it, has completed.
+__device__ __forceinline__ void pdl_wait() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void pdl_trigger() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
 
 #define CH 272
 #define CH16 17
@@ -132,6 +149,16 @@ __device__ __forceinline__ void cp_async_wait_all() { asm volatile("cp.async.wai
 extern "C" __global__ void __launch_bounds__(1024) norm_q8(const float* x, i64 xs, const float* w, int n, float eps,
                                                            float* y, i64 ys, i8* q, float* d) {
     pdl_enter();
+    __shared__ float part[32];
+    norm_q8_row<NQ_MAXV>(x + blockIdx.x * xs, w, n, eps, y ? y + blockIdx.x * ys : nullptr, q + (i64)blockIdx.x * n,
+                         d + (i64)blockIdx.x * (n / 32), part);
+}
+// norm_q8 with the early trigger (pdl_trigger before pdl_wait): the next kernel (q/k/v, the
+// router, lm_head) may start its weight loads while this one waits for the previous kernel.
+extern "C" __global__ void __launch_bounds__(1024) norm_q8e(const float* x, i64 xs, const float* w, int n, float eps,
+                                                            float* y, i64 ys, i8* q, float* d) {
+    pdl_trigger();
+    pdl_wait();
     __shared__ float part[32];
     norm_q8_row<NQ_MAXV>(x + blockIdx.x * xs, w, n, eps, y ? y + blockIdx.x * ys : nullptr, q + (i64)blockIdx.x * n,
                          d + (i64)blockIdx.x * (n / 32), part);
@@ -297,6 +324,62 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32(const float* W
     __shared__ int last;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y;
     router_row(W, rows, n, x, xs, y, ys, blockIdx.x * 4 + warp, t, lane, true);
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&cnt[t], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (last && warp == 0) {
+        __threadfence();
+        route_topk_warp(y + (i64)t * ys, bias, rows, k, gating, ids + t * k, w + t * k, lane);
+        if (lane == 0) cnt[t] = 0;
+    }
+}
+
+// router_topk_f32 with the weight row loaded into registers before pdl_wait (RT_PRE float4
+// per lane: rows of at most 32 * RT_PRE * 4 = 3072 floats; the host checks), so the router's
+// 3 MB overlap the previous kernel. Then x in rounds of RT_UNR and the same sums in the same
+// order as router_row (bit-identical). Same arguments and grid as router_topk_f32.
+#define RT_PRE 24
+extern "C" __global__ void __launch_bounds__(128) router_topk_f32p(const float* W, int rows, int n, const float* x,
+                                                                   i64 xs, float* y, i64 ys, const float* bias, int k,
+                                                                   int gating, int* ids, float* w, u32* cnt) {
+    __shared__ int last;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y;
+    int r = blockIdx.x * 4 + warp, n4 = n >> 2;
+    bool live = r < rows;
+    const float4* wr = (const float4*)(W + (i64)(live ? r : 0) * n);
+    float4 wv[RT_PRE];
+#pragma unroll
+    for (int i = 0; i < RT_PRE; i++) {
+        int idx = lane + 32 * i;
+        if (live && idx < n4) wv[i] = __ldg(wr + idx);
+    }
+    pdl_wait();
+    pdl_trigger();
+    if (live) {
+        const float4* xt = (const float4*)(x + (i64)t * xs);
+        float acc = 0.f;
+#pragma unroll
+        for (int b = 0; b < RT_PRE; b += RT_UNR) {
+            float4 xv[RT_UNR];
+#pragma unroll
+            for (int i = 0; i < RT_UNR; i++) {
+                int idx = lane + 32 * (b + i);
+                if (idx < n4) xv[i] = xt[idx];
+            }
+#pragma unroll
+            for (int i = 0; i < RT_UNR; i++) {
+                int idx = lane + 32 * (b + i);
+                if (idx < n4)
+                    acc += wv[b + i].x * xv[i].x + wv[b + i].y * xv[i].y + wv[b + i].z * xv[i].z +
+                           wv[b + i].w * xv[i].w;
+            }
+        }
+        acc = warp_sum(acc);
+        if (lane == 0) {
+            y[(i64)t * ys + r] = acc;
+            __threadfence();
+        }
+    }
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(&cnt[t], 1u) == gridDim.x - 1;
     __syncthreads();
@@ -486,7 +569,52 @@ __device__ __forceinline__ void mvq_dense(const u8* W0, i64 rb0, int rows0, floa
 // lanes hit 32 different banks). Block 0 of a pair starts 2 bytes into a word: its quants are
 // realigned with one prmt per 4 values. Same arguments and grid as mvq_dense (WARPS rows per
 // block); rows longer than MAXCH chunks take several phases.
-template <int NT, int WARPS, int MAXCH>
+// One phase of mvqs_q8: the warp's nch staged chunks (chunk c0 of the row onwards) dotted with
+// the NT vectors, each lane a pair of Q8_0 blocks at a time (see mvqs_q8).
+template <int NT>
+__device__ __forceinline__ void mvqs_dot(const u8* sm, int nch, int c0, const i8* xqv, const float* xdv, int ncol,
+                                         int nv_here, float (&acc)[NT], int lane) {
+    for (int pp = lane; pp < nch * 4; pp += 32) {
+        const u32* wp = (const u32*)(sm + pp * 68);
+        u32 w[17];
+#pragma unroll
+        for (int i = 0; i < 17; i++) w[i] = wp[i];
+        int kb = c0 * 8 + 2 * pp;  // the pair's first block, in q8 groups of the row
+        float d0 = f16_to_f32((u16)(w[0] & 0xffffu)), d1 = f16_to_f32((u16)(w[8] >> 16));
+        int q0[8];
+#pragma unroll
+        for (int j = 0; j < 8; j++) q0[j] = (int)__byte_perm(w[j], w[j + 1], 0x5432);
+#pragma unroll
+        for (int t = 0; t < NT; t++) {
+            if (t < nv_here) {
+                const int4* xp = (const int4*)(xqv + (i64)t * ncol + kb * 32);
+                int4 a = xp[0], b = xp[1], c = xp[2], d = xp[3];
+                float2 s = *(const float2*)(xdv + (i64)t * (ncol / 32) + kb);
+                int s0 = __dp4a(q0[0], a.x, 0);
+                s0 = __dp4a(q0[1], a.y, s0);
+                s0 = __dp4a(q0[2], a.z, s0);
+                s0 = __dp4a(q0[3], a.w, s0);
+                s0 = __dp4a(q0[4], b.x, s0);
+                s0 = __dp4a(q0[5], b.y, s0);
+                s0 = __dp4a(q0[6], b.z, s0);
+                s0 = __dp4a(q0[7], b.w, s0);
+                int s1 = __dp4a((int)w[9], c.x, 0);
+                s1 = __dp4a((int)w[10], c.y, s1);
+                s1 = __dp4a((int)w[11], c.z, s1);
+                s1 = __dp4a((int)w[12], c.w, s1);
+                s1 = __dp4a((int)w[13], d.x, s1);
+                s1 = __dp4a((int)w[14], d.y, s1);
+                s1 = __dp4a((int)w[15], d.z, s1);
+                s1 = __dp4a((int)w[16], d.w, s1);
+                acc[t] += d0 * s.x * (float)s0 + d1 * s.y * (float)s1;
+            }
+        }
+    }
+}
+
+// PRE: the first phase's cp.async copies are issued before pdl_wait (the "p" kernels; weights
+// only, so they overlap the previous kernel), the activations are read after it.
+template <int NT, int WARPS, int MAXCH, bool PRE = false>
 __device__ __forceinline__ void mvqs_q8(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1,
                                         int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2, float* y2,
                                         i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol, int nv,
@@ -504,57 +632,30 @@ __device__ __forceinline__ void mvqs_q8(const u8* W0, i64 rb0, int rows0, float*
     float acc[NT];
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.f;
+    if (PRE) {
+        int n16 = min(MAXCH, nchunks) * CH16;
+        for (int i = lane; i < n16; i += 32) cp_async16(sm + 16 * i, (const int4*)row + i);
+        pdl_wait();
+        pdl_trigger();
+    }
     for (int c0 = 0; c0 < nchunks; c0 += MAXCH) {
         int nch = min(MAXCH, nchunks - c0);
         int n16 = nch * CH16;
-        __syncwarp();  // every lane is done reading the previous phase
-        const int4* src = (const int4*)(row + (i64)c0 * CH);
-        for (int i = lane; i < n16; i += 32) cp_async16(sm + 16 * i, src + i);
+        if (!PRE || c0 > 0) {
+            __syncwarp();  // every lane is done reading the previous phase
+            const int4* src = (const int4*)(row + (i64)c0 * CH);
+            for (int i = lane; i < n16; i += 32) cp_async16(sm + 16 * i, src + i);
+        }
         cp_async_wait_all();
         __syncwarp();
-        for (int pp = lane; pp < nch * 4; pp += 32) {
-            const u32* wp = (const u32*)(sm + pp * 68);
-            u32 w[17];
-#pragma unroll
-            for (int i = 0; i < 17; i++) w[i] = wp[i];
-            int kb = c0 * 8 + 2 * pp;  // the pair's first block, in q8 groups of the row
-            float d0 = f16_to_f32((u16)(w[0] & 0xffffu)), d1 = f16_to_f32((u16)(w[8] >> 16));
-            int q0[8];
-#pragma unroll
-            for (int j = 0; j < 8; j++) q0[j] = (int)__byte_perm(w[j], w[j + 1], 0x5432);
-#pragma unroll
-            for (int t = 0; t < NT; t++) {
-                if (t < nv_here) {
-                    const int4* xp = (const int4*)(xqv + (i64)t * ncol + kb * 32);
-                    int4 a = xp[0], b = xp[1], c = xp[2], d = xp[3];
-                    float2 s = *(const float2*)(xdv + (i64)t * (ncol / 32) + kb);
-                    int s0 = __dp4a(q0[0], a.x, 0);
-                    s0 = __dp4a(q0[1], a.y, s0);
-                    s0 = __dp4a(q0[2], a.z, s0);
-                    s0 = __dp4a(q0[3], a.w, s0);
-                    s0 = __dp4a(q0[4], b.x, s0);
-                    s0 = __dp4a(q0[5], b.y, s0);
-                    s0 = __dp4a(q0[6], b.z, s0);
-                    s0 = __dp4a(q0[7], b.w, s0);
-                    int s1 = __dp4a((int)w[9], c.x, 0);
-                    s1 = __dp4a((int)w[10], c.y, s1);
-                    s1 = __dp4a((int)w[11], c.z, s1);
-                    s1 = __dp4a((int)w[12], c.w, s1);
-                    s1 = __dp4a((int)w[13], d.x, s1);
-                    s1 = __dp4a((int)w[14], d.y, s1);
-                    s1 = __dp4a((int)w[15], d.z, s1);
-                    s1 = __dp4a((int)w[16], d.w, s1);
-                    acc[t] += d0 * s.x * (float)s0 + d1 * s.y * (float)s1;
-                }
-            }
-        }
+        mvqs_dot<NT>(sm, nch, c0, xqv, xdv, ncol, nv_here, acc, lane);
     }
     mv_store<NT>(acc, y, ys, r, v0, nv_here, lane, accumulate);
 }
 
 // Instances: NT vectors per block; "s" = 8 warps x 12-chunk phases (rows of <= 12 chunks:
 // q/k/v, lm_head at hidden 3072), "l" = 4 warps x 24-chunk phases (the o-projection's 6144
-// columns in one phase); 26 KB of shared memory each.
+// columns in one phase); 26 KB of shared memory each. Suffix "p": the PRE variant.
 #define MVQS_INST(nt, sfx, warps, maxch)                                                                         \
     extern "C" __global__ void __launch_bounds__(32 * warps) mvqs_q8_0_##nt##sfx(                                \
         const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, \
@@ -563,6 +664,13 @@ __device__ __forceinline__ void mvqs_q8(const u8* W0, i64 rb0, int rows0, float*
         pdl_enter();                                                                                             \
         mvqs_q8<nt, warps, maxch>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, \
                                   xq, xd, ncol, nv, acc);                                                        \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * warps) mvqs_q8_0_##nt##sfx##p(                             \
+        const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, \
+        const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,  \
+        int nv, int acc) {                                                                                       \
+        mvqs_q8<nt, warps, maxch, true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2,   \
+                                        nchunks, xq, xd, ncol, nv, acc);                                         \
     }
 MVQS_INST(1, s, 8, 12)
 MVQS_INST(4, s, 8, 12)
@@ -607,6 +715,66 @@ __device__ __forceinline__ bool mv_seg_row(int r, const u8* W0, i64 rb0, int row
     return true;
 }
 
+// mvqs_q8 (PRE) with RPW rows per warp, for rows of at most MAXCH chunks (one phase; the host
+// checks): every copy of the warp's RPW rows is issued before pdl_wait, so a grid of
+// rows / (WARPS RPW) blocks can be resident at once beside the previous kernel (q/k/v at
+// hidden 3072: 8192 rows, 1024 blocks of 4 warps x 2 rows, 26 KB; the 8-warp mvqs_q8_0_1sp
+// fits ~6 blocks of 8 rows an SM by registers, so a quarter of its blocks start after the
+// wait). Per row the same arithmetic as mvqs_q8 (bit-identical). grid
+// (ceil(total_rows / (WARPS RPW)), ceil(nv / NT)), block 32 WARPS.
+template <int NT, int WARPS, int MAXCH, int RPW>
+__device__ __forceinline__ void mvqs_q8_rows(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1,
+                                             i64 rb1, int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2,
+                                             float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,
+                                             int nv, int accumulate) {
+    __shared__ __align__(16) u8 sm_all[WARPS][RPW][MAXCH * CH];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int r0 = (blockIdx.x * WARPS + warp) * RPW;
+    int v0 = blockIdx.y * NT;
+    const u8* wr[RPW];
+    float* yr[RPW];
+    i64 ysr[RPW];
+    int rr[RPW];
+    bool ok[RPW];
+    int n16 = nchunks * CH16;
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+        ok[j] = mv_seg_row(r0 + j, W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, wr[j],
+                           rr[j], yr[j], ysr[j]);
+        if (ok[j])
+            for (int i = lane; i < n16; i += 32) cp_async16(sm_all[warp][j] + 16 * i, (const int4*)wr[j] + i);
+    }
+    if (!ok[0]) return;
+    pdl_wait();
+    pdl_trigger();
+    int nv_here = min(NT, nv - v0);
+    const i8* xqv = xq + (i64)v0 * ncol;
+    const float* xdv = xd + (i64)v0 * (ncol / 32);
+    cp_async_wait_all();
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+        if (ok[j]) {
+            float acc[NT];
+#pragma unroll
+            for (int t = 0; t < NT; t++) acc[t] = 0.f;
+            mvqs_dot<NT>(sm_all[warp][j], nchunks, 0, xqv, xdv, ncol, nv_here, acc, lane);
+            mv_store<NT>(acc, yr[j], ysr[j], rr[j], v0, nv_here, lane, accumulate);
+        }
+    }
+}
+// "s2p": 4 warps x 2 rows of up to 12 chunks (26 KB), PRE.
+#define MVQS2_INST(nt)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(128) mvqs_q8_0_##nt##s2p(                                       \
+        const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, \
+        const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,  \
+        int nv, int acc) {                                                                                       \
+        mvqs_q8_rows<nt, 4, 12, 2>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, \
+                                   xq, xd, ncol, nv, acc);                                                       \
+    }
+MVQS2_INST(1)
+MVQS2_INST(4)
+
 __device__ __forceinline__ void mma_s8_16832(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
@@ -614,12 +782,12 @@ __device__ __forceinline__ void mma_s8_16832(int (&c)[4], const u32 (&a)[4], u32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
 }
 
-extern "C" __global__ void __launch_bounds__(128) mvmma_q8_0(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0,
-                                                             const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
-                                                             const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2,
-                                                             int nchunks, const i8* xq, const float* xd, int ncol,
-                                                             int nv, int accumulate) {
-    pdl_enter();
+// PRE: the first MM8_NB - 1 ring chunks (weights) are issued before pdl_wait (mvmma_q8_0p).
+template <bool PRE>
+__device__ __forceinline__ void mvmma_q8_0_impl(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1,
+                                                i64 rb1, int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2,
+                                                int rows2, float* y2, i64 ys2, int nchunks, const i8* xq,
+                                                const float* xd, int ncol, int nv, int accumulate) {
     extern __shared__ __align__(16) u8 dyn_smem[];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int g = lane >> 2, t = lane & 3;
@@ -673,6 +841,10 @@ extern "C" __global__ void __launch_bounds__(128) mvmma_q8_0(const u8* W0, i64 r
             for (int i = 0; i < 4; i++) acc[m][q][i] = 0.f;
 #pragma unroll
     for (int i = 0; i < MM8_NB - 1; i++) issue(i);
+    if (PRE) {
+        pdl_wait();
+        pdl_trigger();
+    }
     for (int i = 0; i < n; i++) {
         issue(i + MM8_NB - 1);
         cp_async_wait<MM8_NB - 1>();  // chunk i has landed (this lane's pieces)
@@ -755,6 +927,24 @@ extern "C" __global__ void __launch_bounds__(128) mvmma_q8_0(const u8* W0, i64 r
                     *yp = accumulate ? *yp + v : v;
                 }
             }
+}
+
+extern "C" __global__ void __launch_bounds__(128) mvmma_q8_0(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0,
+                                                             const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
+                                                             const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2,
+                                                             int nchunks, const i8* xq, const float* xd, int ncol,
+                                                             int nv, int accumulate) {
+    pdl_enter();
+    mvmma_q8_0_impl<false>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq, xd,
+                           ncol, nv, accumulate);
+}
+extern "C" __global__ void __launch_bounds__(128) mvmma_q8_0p(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0,
+                                                              const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
+                                                              const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2,
+                                                              int nchunks, const i8* xq, const float* xd, int ncol,
+                                                              int nv, int accumulate) {
+    mvmma_q8_0_impl<true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq, xd,
+                          ncol, nv, accumulate);
 }
 
 // ------------------------------------------------------------- MoE (decode) -------------
@@ -946,6 +1136,98 @@ extern "C" __global__ void __launch_bounds__(512) moe_gate_up_reg2n_iq4_xs(
     moe_gate_up_reg_iq4<2, 0>(G, U, rb, es, ids, k, xq, xd, ncol, aq, ad, ff);
 }
 
+// Cheaper IQ4 decode for the expert kernels (session 5). iq4_lookup (common.cuh) spends ~15
+// instructions on 8 nibbles: per 16-bit half a mask, two table prmts, the select word and the
+// select prmt, then two prmts to regroup the bytes into low / high nibbles. Here the mask and
+// the select word are computed once per 32-bit word (sel nibble j = j, + 4 when nibble j has
+// bit 3 set: byte j of the upper table), the upper half's by one shift each, and the
+// regrouping is left out: r0 = values of nibbles (b0 lo, b0 hi, b1 lo, b1 hi), r1 = (b2 lo,
+// b2 hi, b3 lo, b3 hi), i.e. elements (4i, 4i+16, 4i+1, 4i+17) / (4i+2, 4i+18, 4i+3, 4i+19) of
+// word i of a unit. The activations are interleaved to match (iq4_x_il: x0, x16, x1, x17, ..),
+// once per token in registers, so the dp4a sums are the same integers. prmt's selector uses
+// bits 15:0 only, and every selector nibble here has bit 3 clear (no sign replication).
+__device__ __forceinline__ u32 iq4_prmt(u32 a, u32 b, u32 s) {
+    u32 r;
+    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
+    return r;
+}
+// t0 / t2 = IQ4_T0 / IQ4_T2 (a table prmt needs one table word in a register; passed in so a
+// kernel can pin them in registers with iq4_pin: given as literals, ptxas re-materializes them
+// before every prmt, 4 extra instructions per word).
+__device__ __forceinline__ void iq4_lookup_il(u32 w, u32& r0, u32& r1, u32 t0 = IQ4_T0, u32 t2 = IQ4_T2) {
+    u32 m = w & 0x77777777u;
+    u32 sel = ((w & 0x88888888u) >> 1) + 0x32103210u;  // bits do not overlap: + is |
+    u32 mh = m >> 16, sh = sel >> 16;
+    r0 = iq4_prmt(iq4_prmt(t0, IQ4_T1, m), iq4_prmt(t2, IQ4_T3, m), sel);
+    r1 = iq4_prmt(iq4_prmt(t0, IQ4_T1, mh), iq4_prmt(t2, IQ4_T3, mh), sh);
+}
+// The codebook words t0 / t2 for iq4_lookup_il as values ptxas cannot see through, so they stay
+// in two registers: z must be 0 at run time but unknown to the compiler (an empty asm or a
+// shuffle of the literal is folded back into the constant) and per thread (a uniform z puts
+// them in uniform registers, copied out before every use). Callers pass (row_bytes >> 62) &
+// threadIdx.x.
+__device__ __forceinline__ void iq4_pin(u32 z, u32& t0, u32& t2) {
+    t0 = IQ4_T0 ^ z;
+    t2 = IQ4_T2 ^ z;
+}
+// iq4_lookup's result (lo / hi nibbles of bytes 0..3) from iq4_lookup_il's: two prmts.
+__device__ __forceinline__ void iq4_lookup_lh(u32 w, u32& lo, u32& hi, u32 t0 = IQ4_T0, u32 t2 = IQ4_T2) {
+    u32 r0, r1;
+    iq4_lookup_il(w, r0, r1, t0, t2);
+    lo = iq4_prmt(r0, r1, 0x6420u);
+    hi = iq4_prmt(r0, r1, 0x7531u);
+}
+// A unit's activations (xa = elements 0..15, xb = 16..31) into iq4_lookup_il's order: word 2i
+// = (x[4i], x[4i+16], x[4i+1], x[4i+17]), word 2i+1 = (x[4i+2], x[4i+18], x[4i+3], x[4i+19]).
+__device__ __forceinline__ void iq4_x_il(int4& xa, int4& xb) {
+    int4 a = xa, b = xb;
+    xa = make_int4((int)iq4_prmt(a.x, b.x, 0x5140u), (int)iq4_prmt(a.x, b.x, 0x7362u),
+                   (int)iq4_prmt(a.y, b.y, 0x5140u), (int)iq4_prmt(a.y, b.y, 0x7362u));
+    xb = make_int4((int)iq4_prmt(a.z, b.z, 0x5140u), (int)iq4_prmt(a.z, b.z, 0x7362u),
+                   (int)iq4_prmt(a.w, b.w, 0x5140u), (int)iq4_prmt(a.w, b.w, 0x7362u));
+}
+// iq4_unit_reg with interleaved activations (iq4_x_il): the same integer dot product (as two
+// chains of 4 dp4a, added: exact) and the same f32 expression, so bit-identical.
+__device__ __forceinline__ float iq4_unit_il(uint2 h, uint2 qa, uint2 qb, int sb, int4 xa, int4 xb,
+                                             u32 t0 = IQ4_T0, u32 t2 = IQ4_T2) {
+    float d = f16_to_f32((u16)(h.x & 0xffffu));
+    int ls = ((h.y >> (4 * sb)) & 15) | (((h.x >> (16 + 2 * sb)) & 3) << 4);
+    u32 r[8];
+    iq4_lookup_il(qa.x, r[0], r[1], t0, t2);
+    iq4_lookup_il(qa.y, r[2], r[3], t0, t2);
+    iq4_lookup_il(qb.x, r[4], r[5], t0, t2);
+    iq4_lookup_il(qb.y, r[6], r[7], t0, t2);
+    int s0 = __dp4a((int)r[0], xa.x, 0);
+    int s1 = __dp4a((int)r[4], xb.x, 0);
+    s0 = __dp4a((int)r[1], xa.y, s0);
+    s1 = __dp4a((int)r[5], xb.y, s1);
+    s0 = __dp4a((int)r[2], xa.z, s0);
+    s1 = __dp4a((int)r[6], xb.z, s1);
+    s0 = __dp4a((int)r[3], xa.w, s0);
+    s1 = __dp4a((int)r[7], xb.w, s1);
+    return d * (float)(ls - 32) * (float)(s0 + s1);
+}
+// iq4_unit_reg with natural-order activations through iq4_lookup_lh (two dp4a chains).
+__device__ __forceinline__ float iq4_unit_lh(uint2 h, uint2 qa, uint2 qb, int sb, int4 xa, int4 xb,
+                                             u32 t0 = IQ4_T0, u32 t2 = IQ4_T2) {
+    float d = f16_to_f32((u16)(h.x & 0xffffu));
+    int ls = ((h.y >> (4 * sb)) & 15) | (((h.x >> (16 + 2 * sb)) & 3) << 4);
+    u32 lo[4], hi[4];
+    iq4_lookup_lh(qa.x, lo[0], hi[0], t0, t2);
+    iq4_lookup_lh(qa.y, lo[1], hi[1], t0, t2);
+    iq4_lookup_lh(qb.x, lo[2], hi[2], t0, t2);
+    iq4_lookup_lh(qb.y, lo[3], hi[3], t0, t2);
+    int s0 = __dp4a((int)lo[0], xa.x, 0);
+    int s1 = __dp4a((int)hi[0], xb.x, 0);
+    s0 = __dp4a((int)lo[1], xa.y, s0);
+    s1 = __dp4a((int)hi[1], xb.y, s1);
+    s0 = __dp4a((int)lo[2], xa.z, s0);
+    s1 = __dp4a((int)hi[2], xb.z, s1);
+    s0 = __dp4a((int)lo[3], xa.w, s0);
+    s1 = __dp4a((int)hi[3], xb.w, s1);
+    return d * (float)(ls - 32) * (float)(s0 + s1);
+}
+
 // Persistent IQ4_XS gate/up (the default for inputs of at most 96 units, i.e. 3072 columns):
 // the same per-row arithmetic as moe_gate_up_reg2 (bit-identical), but the grid is one wave
 // (the host launches SMs x resident blocks) and each block walks the (pair, 32-row group) tasks
@@ -961,12 +1243,10 @@ __device__ __forceinline__ void gr_x_load(const i8* xq, const float* xd, int t, 
                                           int4 (&xa)[GR_XU], int4 (&xb)[GR_XU], float (&xs)[GR_XU]) {
     gr_x_load_at(xq + (i64)t * ncol, xd + (i64)t * (ncol / 32), 0, lane, nu, xa, xb, xs);
 }
-extern "C" __global__ void __launch_bounds__(512) moe_gate_up_pst_iq4_xs(const u8* G, const u8* U, i64 rb, i64 es,
-                                                                         int nchunks, const int* ids, int k,
-                                                                         const i8* xq, const float* xd, int ncol,
-                                                                         i8* aq, float* ad, int ff, int npairs,
-                                                                         int grows) {
-    pdl_enter();
+template <bool IL>
+__device__ __forceinline__ void moe_gate_up_pst_impl(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k,
+                                                     const i8* xq, const float* xd, int ncol, i8* aq, float* ad,
+                                                     int ff, int npairs, int grows) {
     __shared__ float act[2][32];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int nu = ncol >> 5, nrg = grows >> 5, ntask = npairs * nrg;
@@ -989,6 +1269,10 @@ extern "C" __global__ void __launch_bounds__(512) moe_gate_up_pst_iq4_xs(const u
         int e_nxt = ntk < ntask ? ids[ntk / nrg] : 0;
         if (t != t_x) {
             gr_x_load(xq, xd, t, ncol, lane, nu, xa, xb, xs);
+            if (IL) {
+#pragma unroll
+                for (int j = 0; j < GR_XU; j++) iq4_x_il(xa[j], xb[j]);
+            }
             t_x = t;
         }
         float ag[2], au[2];
@@ -1008,8 +1292,13 @@ extern "C" __global__ void __launch_bounds__(512) moe_gate_up_pst_iq4_xs(const u
                 int un = lane + 32 * j;
                 if (un < nu) {
                     int sb = un & 7;
-                    ag[i] += xs[j] * iq4_unit_reg(cur.gh[j], cur.ga[j], cur.gb[j], sb, xa[j], xb[j]);
-                    au[i] += xs[j] * iq4_unit_reg(cur.uh[j], cur.ua[j], cur.ub[j], sb, xa[j], xb[j]);
+                    if (IL) {
+                        ag[i] += xs[j] * iq4_unit_il(cur.gh[j], cur.ga[j], cur.gb[j], sb, xa[j], xb[j]);
+                        au[i] += xs[j] * iq4_unit_il(cur.uh[j], cur.ua[j], cur.ub[j], sb, xa[j], xb[j]);
+                    } else {
+                        ag[i] += xs[j] * iq4_unit_reg(cur.gh[j], cur.ga[j], cur.gb[j], sb, xa[j], xb[j]);
+                        au[i] += xs[j] * iq4_unit_reg(cur.uh[j], cur.ua[j], cur.ub[j], sb, xa[j], xb[j]);
+                    }
                 }
             }
             cur = nxt;
@@ -1017,6 +1306,123 @@ extern "C" __global__ void __launch_bounds__(512) moe_gate_up_pst_iq4_xs(const u
 #pragma unroll
         for (int i = 0; i < 2; i++) {
             float g = warp_sum(ag[i]), u = warp_sum(au[i]);
+            if (lane == 0) act[buf][warp * 2 + i] = silu_times(g, u);
+        }
+        __syncthreads();
+        if (warp == 0) {
+            int rg = task % nrg;
+            int q = q8_lane(act[buf][lane], ad + (i64)p * (ff / 32) + rg);
+            aq[(i64)p * ff + rg * 32 + lane] = (i8)q;
+        }
+        buf ^= 1;
+        e_cur = e_nxt;
+    }
+}
+extern "C" __global__ void __launch_bounds__(512) moe_gate_up_pst_iq4_xs(const u8* G, const u8* U, i64 rb, i64 es,
+                                                                         int nchunks, const int* ids, int k,
+                                                                         const i8* xq, const float* xd, int ncol,
+                                                                         i8* aq, float* ad, int ff, int npairs,
+                                                                         int grows) {
+    pdl_enter();
+    moe_gate_up_pst_impl<false>(G, U, rb, es, ids, k, xq, xd, ncol, aq, ad, ff, npairs, grows);
+}
+// moe_gate_up_pst with the activations interleaved in registers once per token (iq4_x_il) and
+// the weights decoded by iq4_lookup_il (no lo/hi reordering): same integer sums, same f32
+// arithmetic, bit-identical. The default (host GateUpKind::PersistIl); M2.7 layer on one H200:
+// 22.6 -> 20.2 us. Keeps pdl_enter's wait-before-trigger: moe_down_rx4 relies on it.
+extern "C" __global__ void __launch_bounds__(512) moe_gate_up_psx_iq4_xs(const u8* G, const u8* U, i64 rb, i64 es,
+                                                                         int nchunks, const int* ids, int k,
+                                                                         const i8* xq, const float* xd, int ncol,
+                                                                         i8* aq, float* ad, int ff, int npairs,
+                                                                         int grows) {
+    pdl_enter();
+    moe_gate_up_pst_impl<true>(G, U, rb, es, ids, k, xq, xd, ncol, aq, ad, ff, npairs, grows);
+}
+
+// moe_gate_up_psx at two blocks per SM (32 warps instead of 16; Nsight: pst / psx issue from
+// ~1.3 eligible warps per scheduler, 127 registers, so the codebook constants are even
+// re-materialized per use). The token's interleaved activations live in shared memory (loaded
+// by the block when the token changes, read back per unit: 2 LDS.128 + 1 LDS), and a step is
+// one matrix row (gate row 2w, up row 2w, gate 2w + 1, up 2w + 1), the next step's weights
+// in flight (3 units x 24 bytes per lane). Same units, same f32 expressions and order as
+// pst / psx: bit-identical. Wait before trigger (pdl_enter), as moe_down_rx4 requires.
+// Measured slower than psx (23.9 vs 20.2 us per M2.7 layer; Nsight: twice the eligible warps
+// but the same issue rate, ~0.5 per scheduler, 64 registers with some spills): opt-in only
+// (MINIMAX_GU_REG=y).
+// grid (min(tasks, SMs x 2)), block 512.
+struct GuW {
+    uint2 h[GR_XU], a[GR_XU], b[GR_XU];
+};
+__device__ __forceinline__ void gu_wload(GuW& w, const u8* m, int lane, int nu) {
+#pragma unroll
+    for (int i = 0; i < GR_XU; i++) {
+        int un = lane + 32 * i;
+        if (un < nu) {
+            int off = (un >> 3) * 136, qo = off + 8 + 16 * (un & 7);
+            w.h[i] = ldg_u2(m + off);
+            w.a[i] = ldg_u2(m + qo);
+            w.b[i] = ldg_u2(m + qo + 8);
+        }
+    }
+}
+extern "C" __global__ void __launch_bounds__(512, 2) moe_gate_up_psy_iq4_xs(const u8* G, const u8* U, i64 rb, i64 es,
+                                                                            int nchunks, const int* ids, int k,
+                                                                            const i8* xq, const float* xd, int ncol,
+                                                                            i8* aq, float* ad, int ff, int npairs,
+                                                                            int grows) {
+    pdl_enter();
+    __shared__ int4 sxa[GR_XU * 32], sxb[GR_XU * 32];
+    __shared__ float sxd[GR_XU * 32];
+    __shared__ float act[2][32];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int nu = ncol >> 5, nrg = grows >> 5, ntask = npairs * nrg;
+    int task = blockIdx.x;
+    if (task >= ntask) return;  // block-uniform
+    // Step s of a task: matrix s & 1 (gate, up), row (task % nrg) * 32 + 2 warp + (s >> 1).
+    auto woff = [&](int tk, int e, int s) { return (i64)e * es + (i64)((tk % nrg) * 32 + warp * 2 + (s >> 1)) * rb; };
+    int e_cur = ids[task / nrg];
+    u32 t0, t2;
+    iq4_pin((u32)(rb >> 62) & threadIdx.x, t0, t2);
+    GuW cur, nxt;
+    gu_wload(cur, G + woff(task, e_cur, 0), lane, nu);
+    int t_x = -1, buf = 0;
+    for (; task < ntask; task += gridDim.x) {
+        int p = task / nrg, t = p / k;
+        int ntk = task + gridDim.x;
+        int e_nxt = ntk < ntask ? ids[ntk / nrg] : 0;
+        if (t != t_x) {  // block-uniform
+            __syncthreads();  // every warp is done with the previous token's activations
+            for (int u = threadIdx.x; u < nu; u += blockDim.x) {
+                const int4* xp = (const int4*)(xq + (i64)t * ncol + u * 32);
+                int4 a = xp[0], b = xp[1];
+                iq4_x_il(a, b);
+                sxa[u] = a;
+                sxb[u] = b;
+                sxd[u] = xd[(i64)t * (ncol / 32) + u];
+            }
+            __syncthreads();
+            t_x = t;
+        }
+        float acc[4];
+#pragma unroll
+        for (int s = 0; s < 4; s++) {
+            if (s < 3) {
+                gu_wload(nxt, ((s + 1) & 1 ? U : G) + woff(task, e_cur, s + 1), lane, nu);
+            } else if (ntk < ntask) {
+                gu_wload(nxt, G + woff(ntk, e_nxt, 0), lane, nu);
+            }
+            float a = 0.f;
+#pragma unroll
+            for (int j = 0; j < GR_XU; j++) {
+                int un = lane + 32 * j;
+                if (un < nu) a += sxd[un] * iq4_unit_il(cur.h[j], cur.a[j], cur.b[j], un & 7, sxa[un], sxb[un], t0, t2);
+            }
+            acc[s] = a;
+            cur = nxt;
+        }
+#pragma unroll
+        for (int i = 0; i < 2; i++) {
+            float g = warp_sum(acc[2 * i]), u = warp_sum(acc[2 * i + 1]);
             if (lane == 0) act[buf][warp * 2 + i] = silu_times(g, u);
         }
         __syncthreads();
@@ -1253,6 +1659,101 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_reg4_iq4_xs(const u8*
                                                                        float* hidden, i64 hs) {
     pdl_enter();
     moe_down_reg_iq4<4, 3>(W, rb, es, rows, ids, wts, k, aq, ad, ff, hidden, hs);
+}
+// moe_down_reg4 with its weight stream started before the PDL wait (the default; MINIMAX_DN=4
+// = reg4): the expert ids and routing weights are read and the first round's weight loads
+// issued, then pdl_wait(), then the gate/up activations. Same units, same order of sums, and
+// iq4_unit_lh gives iq4_unit_reg's numbers: bit-identical to reg4.
+// Why reading ids / wts before the wait is safe although this step writes them: they come from
+// the router, and the kernel launched right before this one is an expert gate/up kernel (on a
+// tensor-parallel non-lead rank a cuMemsetD32Async sits in between, which is not a kernel and
+// so is fully ordered). Every gate/up kernel starts with pdl_enter(): griddepcontrol.wait, and
+// only then launch_dependents. This grid cannot be scheduled before every gate/up block has
+// executed launch_dependents (or exited), i.e. after each returned from its wait, which
+// returns only once the prerequisite grids (the router, and transitively everything before
+// it: each waited before completing) have completed and their memory operations are performed
+// and visible (PTX ISA, griddepcontrol). The router's writes are therefore in L2 before this
+// grid's first instruction; they are read with ld.global.cg (L2, not a possibly stale L1
+// line). Weights are never written. Nothing is written, and nothing the gate/up kernel writes
+// (aq, ad) is read, before pdl_wait(). Launching this kernel right after the router (or after a
+// gate/up kernel that triggers before its wait) would break this.
+// grid (ceil(rows / 2), nt), block 256; k <= 32.
+extern "C" __global__ void __launch_bounds__(256) moe_down_rx4_iq4_xs(const u8* W, i64 rb, i64 es, int rows,
+                                                                      int nchunks, const int* ids, const float* wts,
+                                                                      int k, const i8* aq, const float* ad, int ff,
+                                                                      float* hidden, i64 hs) {
+    const int SPLIT = 4, DU = 3, STEP = 32 * SPLIT * DU;
+    __shared__ int s_e[32];
+    __shared__ float s_w[32];
+    __shared__ float part[8];
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    int s = warp % SPLIT;
+    int r = blockIdx.x * (8 / SPLIT) + warp / SPLIT;
+    int t = blockIdx.y;
+    if (threadIdx.x < k) {
+        s_e[threadIdx.x] = __ldcg(ids + t * k + threadIdx.x);
+        s_w[threadIdx.x] = __ldcg(wts + t * k + threadIdx.x);
+    }
+    __syncthreads();
+    bool valid = r < rows;
+    int upe = ff >> 5, nu = k * upe;
+    const u8* wrow = W + (i64)r * rb;
+    uint2 h[DU], qa[DU], qb[DU];
+    int jj[DU], uus[DU];
+    auto wload = [&](int u0) {
+#pragma unroll
+        for (int i = 0; i < DU; i++) {
+            int un = u0 + lane + 32 * SPLIT * i;
+            jj[i] = 0;
+            uus[i] = 0;
+            if (valid && un < nu) {
+                int j = un / upe, uu = un - j * upe;
+                jj[i] = j;
+                uus[i] = uu;
+                const u8* b = wrow + (i64)s_e[j] * es + (uu >> 3) * 136;
+                h[i] = ldg_u2(b);
+                qa[i] = ldg_u2(b + 8 + 16 * (uu & 7));
+                qb[i] = ldg_u2(b + 16 + 16 * (uu & 7));
+            }
+        }
+    };
+    wload(s * 32);
+    pdl_wait();
+    pdl_trigger();
+    u32 t0, t2;
+    iq4_pin((u32)(rb >> 62) & threadIdx.x, t0, t2);
+    float total = 0.f;
+    for (int u0 = s * 32; u0 < nu; u0 += STEP) {
+        int4 xa[DU], xb[DU];
+        float xs[DU];
+#pragma unroll
+        for (int i = 0; i < DU; i++) {
+            int un = u0 + lane + 32 * SPLIT * i;
+            xs[i] = 0.f;
+            if (valid && un < nu) {
+                i64 p = (i64)t * k + jj[i];
+                const int4* xp = (const int4*)(aq + p * ff + uus[i] * 32);
+                xa[i] = xp[0];
+                xb[i] = xp[1];
+                xs[i] = ad[p * upe + uus[i]] * s_w[jj[i]];
+            }
+        }
+#pragma unroll
+        for (int i = 0; i < DU; i++) {
+            int un = u0 + lane + 32 * SPLIT * i;
+            if (valid && un < nu) total += xs[i] * iq4_unit_lh(h[i], qa[i], qb[i], uus[i] & 7, xa[i], xb[i], t0, t2);
+        }
+        if (u0 + STEP < nu) wload(u0 + STEP);
+    }
+    total = warp_sum(total);
+    if (lane == 0) part[warp] = total;
+    __syncthreads();
+    if (valid && s == 0 && lane == 0) {
+        float sum = 0.f;
+#pragma unroll
+        for (int i = 0; i < SPLIT; i++) sum += part[warp + i];
+        hidden[(i64)t * hs + r] += sum;
+    }
 }
 extern "C" __global__ void __launch_bounds__(256) moe_down_reg2_iq4_xs(const u8* W, i64 rb, i64 es, int rows,
                                                                        int nchunks, const int* ids, const float* wts,
@@ -1640,7 +2141,9 @@ FAST_INST(iq4_xs, T_IQ4_XS)
 // partial NeoX RoPE per head); 1: the key row likewise over kw, then K and V are stored at
 // cache slot slots[t]. In place on q and k. block 256.
 #define QK_MAXV 8   // values per thread (block 1024: widths up to 8192)
-template <int KV>
+// PRE (qk_norm_rope_store_p_*): the norm weights and the RoPE angles (pos is step metadata)
+// before pdl_wait, the q / k row after it; same arithmetic (bit-identical).
+template <int KV, bool PRE = false>
 __device__ __forceinline__ void qk_norm_rope_store_impl(float* q, i64 qs, float* k, const float* v, i64 kvs,
                                                         const float* qn, const float* kn, int qw, int kw, int vw,
                                                         int hd, int rot, const int* pos, float theta, float eps,
@@ -1659,11 +2162,19 @@ __device__ __forceinline__ void qk_norm_rope_store_impl(float* q, i64 qs, float*
     // All loads first (registers), then the RoPE angles while they are in flight: the angle
     // depends on the pair index only (one f64 sincos per pair index, as the CPU twin).
     float xv[QK_MAXV], wv[QK_MAXV];
+    if (PRE) {
 #pragma unroll
-    for (int i = 0; i < QK_MAXV; i++) {
-        int idx = threadIdx.x + i * blockDim.x;
-        xv[i] = idx < n ? x[idx] : 0.f;
-        wv[i] = idx < n ? w[idx] : 0.f;
+        for (int i = 0; i < QK_MAXV; i++) {
+            int idx = threadIdx.x + i * blockDim.x;
+            wv[i] = idx < n ? w[idx] : 0.f;
+        }
+    } else {
+#pragma unroll
+        for (int i = 0; i < QK_MAXV; i++) {
+            int idx = threadIdx.x + i * blockDim.x;
+            xv[i] = idx < n ? x[idx] : 0.f;
+            wv[i] = idx < n ? w[idx] : 0.f;
+        }
     }
     int half = rot / 2;
     if (threadIdx.x < half) {
@@ -1672,6 +2183,15 @@ __device__ __forceinline__ void qk_norm_rope_store_impl(float* q, i64 qs, float*
         double a = p * inv_freq;
         cs[threadIdx.x] = (float)cos(a);
         sn[threadIdx.x] = (float)sin(a);
+    }
+    if (PRE) {
+        pdl_wait();
+        pdl_trigger();
+#pragma unroll
+        for (int i = 0; i < QK_MAXV; i++) {
+            int idx = threadIdx.x + i * blockDim.x;
+            xv[i] = idx < n ? x[idx] : 0.f;
+        }
     }
     float ss = 0.f;
 #pragma unroll
@@ -1973,6 +2493,12 @@ __device__ __forceinline__ void attn_dec_impl(const float* q, i64 qs, const u16*
         qk_norm_rope_store_impl<KV>(q, qs, k, v, kvs, qn, kn, qw, kw, vw, hd, rot, pos, theta, eps, slots, kc,  \
                                     vc);                                                                         \
     }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(1024) qk_norm_rope_store_p_##name(                               \
+        float* q, i64 qs, float* k, const float* v, i64 kvs, const float* qn, const float* kn, int qw, int kw,   \
+        int vw, int hd, int rot, const int* pos, float theta, float eps, const int* slots, void* kc, void* vc) { \
+        qk_norm_rope_store_impl<KV, true>(q, qs, k, v, kvs, qn, kn, qw, kw, vw, hd, rot, pos, theta, eps, slots, \
+                                          kc, vc);                                                               \
+    }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(1024) qk_norm_rope_store_tp_##name(                              \
         float* q, i64 qs, float* k, const float* v, i64 kvs, const float* qn, const float* kn, int qw, int kw,   \
         int vw, int hd, int rot, const int* pos, float theta, float eps, const int* slots, void* kc, void* vc,   \
@@ -2002,6 +2528,14 @@ ATTD_INST(bf16, KV_BF16, 1)
 extern "C" __global__ void __launch_bounds__(128)
     attn_merge6(const float* part, int kv_heads, int nsplit, float* out, i64 os, i8* aq, float* ad, const int* pos) {
     pdl_enter();
+    attn_merge_impl<6>(part, kv_heads, nsplit, out, os, aq, ad, pos);
+}
+// attn_merge6 with the early trigger: the o-projection after it (mvqs_*p) starts its weight
+// copies while attention and this merge run.
+extern "C" __global__ void __launch_bounds__(128)
+    attn_merge6e(const float* part, int kv_heads, int nsplit, float* out, i64 os, i8* aq, float* ad, const int* pos) {
+    pdl_trigger();
+    pdl_wait();
     attn_merge_impl<6>(part, kv_heads, nsplit, out, os, aq, ad, pos);
 }
 

@@ -813,9 +813,10 @@ MQ_INST(q8_0, T_Q8_0)
 template <int T, int BM> __host__ __device__ constexpr int mi_stage() {
     return MQ_BR * mq_sp<T>() + BM * MQT<T>::KS + BM * (MQT<T>::KS / 32) * 8;
 }
-// Whole dynamic shared memory: ST stages, per-warp weight scales, X / Y row maps.
-template <int T, int BM> __host__ __device__ constexpr int mi_smem(int st) {
-    return st * mi_stage<T, BM>() + 8 * (MQT<T>::KS / 32) * 8 * 8 + 2 * BM * 4;
+// Whole dynamic shared memory: ST stages, per-warp weight scales (MI m16 tiles a warp), X / Y
+// row maps.
+template <int T, int BM, int MI> __host__ __device__ constexpr int mi_smem(int st) {
+    return st * mi_stage<T, BM>() + 8 * MI * (MQT<T>::KS / 32) * 8 * 8 + 2 * BM * 4;
 }
 
 __device__ __forceinline__ void mi_cp8(void* dst, const void* src) {
@@ -847,27 +848,36 @@ template <> __device__ __forceinline__ void mi_dq<T_Q8_0>(const u8* p0, const u8
     a[3] = mq_ld4a2(p1 + off + 16);
 }
 
-// The products of chunk c for the first NX n8 tiles: acc[ni] += w_scale · x_scale · (A · B).
-template <int T, int BM, int NI, int NX>
-__device__ __forceinline__ void mi_chunk(float (*acc)[4], const u32* a, const uint4* b, int h, const float2* scw, const u8* xss,
-                                         int c, int g, int t) {
-    float2 w = scw[c * 8 + g];
+// The products of chunk c for the first NX n8 tiles of the warp's MI m16 tiles:
+// acc[mi][ni] += w_scale · x_scale · (A · B); the warp's tokens start at column j0.
+template <int T, int BM, int MI, int NI, int NX>
+__device__ __forceinline__ void mi_chunk(float (*acc)[NI][4], const u32 (*a)[4], const uint4* b, int h, const float2* scw,
+                                         const u8* xss, int c, int j0, int g, int t) {
+    constexpr int NCH = MQT<T>::KS / 32;
+    float2 w[MI];
+#pragma unroll
+    for (int mi = 0; mi < MI; mi++) w[mi] = scw[(mi * NCH + c) * 8 + g];
 #pragma unroll
     for (int ni = 0; ni < NX; ni++) {
-        float4 s = *(const float4*)(xss + (c * BM + ni * 8 + 2 * t) * 8);
-        u32 d[4];
-        mi_mma(d, a, h ? b[ni].z : b[ni].x, h ? b[ni].w : b[ni].y);
-        acc[ni][0] = fmaf(fmaf(__uint_as_float(d[0]), s.x, s.y), w.x, acc[ni][0]);
-        acc[ni][1] = fmaf(fmaf(__uint_as_float(d[1]), s.z, s.w), w.x, acc[ni][1]);
-        acc[ni][2] = fmaf(fmaf(__uint_as_float(d[2]), s.x, s.y), w.y, acc[ni][2]);
-        acc[ni][3] = fmaf(fmaf(__uint_as_float(d[3]), s.z, s.w), w.y, acc[ni][3]);
+        float4 s = *(const float4*)(xss + (c * BM + j0 + ni * 8 + 2 * t) * 8);
+        const u32 b0 = h ? b[ni].z : b[ni].x, b1 = h ? b[ni].w : b[ni].y;
+#pragma unroll
+        for (int mi = 0; mi < MI; mi++) {
+            u32 d[4];
+            mi_mma(d, a[mi], b0, b1);
+            acc[mi][ni][0] = fmaf(fmaf(__uint_as_float(d[0]), s.x, s.y), w[mi].x, acc[mi][ni][0]);
+            acc[mi][ni][1] = fmaf(fmaf(__uint_as_float(d[1]), s.z, s.w), w[mi].x, acc[mi][ni][1]);
+            acc[mi][ni][2] = fmaf(fmaf(__uint_as_float(d[2]), s.x, s.y), w[mi].y, acc[mi][ni][2]);
+            acc[mi][ni][3] = fmaf(fmaf(__uint_as_float(d[3]), s.z, s.w), w[mi].y, acc[mi][ni][3]);
+        }
     }
 }
 
-// The products of one stage for the first NX n8 tiles.
-template <int T, int BM, int NI, int NX>
-__device__ __forceinline__ void mi_stage_mma(float (*acc)[4], const u8* p0, const u8* p1, const u8* xsm, const u8* xss,
-                                             const float2* scw, int nc, int g, int t) {
+// The products of one stage for the first NX n8 tiles. p[2·mi] / p[2·mi + 1]: the raw rows g and
+// g + 8 of m16 tile mi.
+template <int T, int BM, int MI, int NI, int NX>
+__device__ __forceinline__ void mi_stage_mma(float (*acc)[NI][4], const u8* const* p, const u8* xsm, const u8* xss,
+                                             const float2* scw, int nc, int j0, int g, int t) {
     constexpr int NCH = MQT<T>::KS / 32;
 #pragma unroll
     for (int cp = 0; cp < NCH / 2; cp++) {
@@ -875,28 +885,43 @@ __device__ __forceinline__ void mi_stage_mma(float (*acc)[4], const u8* p0, cons
             uint4 b[NX];
 #pragma unroll
             for (int ni = 0; ni < NX; ni++)
-                b[ni] = *(const uint4*)(xsm + (ni * 8 + g) * MQT<T>::KS + ((cp ^ (g & 1)) << 6) + 16 * t);
-            u32 a[2][4];
-            mi_dq<T>(p0, p1, 2 * cp, t, a[0]);
-            mi_dq<T>(p0, p1, 2 * cp + 1, t, a[1]);
-            mi_chunk<T, BM, NI, NX>(acc, a[0], b, 0, scw, xss, 2 * cp, g, t);
-            if (2 * cp + 1 < nc) mi_chunk<T, BM, NI, NX>(acc, a[1], b, 1, scw, xss, 2 * cp + 1, g, t);
+                b[ni] = *(const uint4*)(xsm + (j0 + ni * 8 + g) * MQT<T>::KS + ((cp ^ (g & 1)) << 6) + 16 * t);
+            u32 a[2][MI][4];
+#pragma unroll
+            for (int mi = 0; mi < MI; mi++) {
+                mi_dq<T>(p[2 * mi], p[2 * mi + 1], 2 * cp, t, a[0][mi]);
+                mi_dq<T>(p[2 * mi], p[2 * mi + 1], 2 * cp + 1, t, a[1][mi]);
+            }
+            mi_chunk<T, BM, MI, NI, NX>(acc, a[0], b, 0, scw, xss, 2 * cp, j0, g, t);
+            if (2 * cp + 1 < nc) mi_chunk<T, BM, MI, NI, NX>(acc, a[1], b, 1, scw, xss, 2 * cp + 1, j0, g, t);
         }
     }
 }
 
 // One output tile: rows r0.. of W (expert applied), token column j = Xq row xr[j], Y row yr[j]
-// (-1: none); columns from nvalid on are all -1.
-template <int T, int NI>
+// (-1: none); columns from nvalid on are all -1. Warps: 8 / MI along the rows (16·MI rows each)
+// x MI along the tokens (8·NI each): BM = 8·NI·MI.
+template <int T, int NI, int MI>
 __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols, const u8* Xq, i64 xqp, const float* Xs,
                                         i64 xsp, float* Y, i64 ys, int r0, const int* xr, const int* yr, int nvalid,
                                         int accumulate, int ST, u8* sm) {
-    constexpr int BM = 8 * NI, KS = MQT<T>::KS, BE = Q<T>::BE, BB = Q<T>::BB, NCH = KS / 32;
+    const bool wlin = ST & 16;  // bit 4 of the stage argument: linear weight copies
+    ST &= 15;
+    constexpr int WR = 8 / MI, BM = 8 * NI * MI, KS = MQT<T>::KS, BE = Q<T>::BE, BB = Q<T>::BB, NCH = KS / 32;
     constexpr int SP = mq_sp<T>(), WSZ = MQ_BR * SP, XSZ = BM * KS, STB = mi_stage<T, BM>();
     constexpr int WCH = SP / 16, XCH = KS / 16;
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    float2* scw = (float2*)(sm + ST * STB) + warp * (NCH * 8);
+    const int wr = warp % WR, j0 = (warp / WR) * (8 * NI), rw = wr * 16 * MI;
+    const int nvw = nvalid - j0;  // valid token columns of this warp (may be <= 0)
+    float2* scw = (float2*)(sm + ST * STB) + warp * (MI * NCH * 8);
     const int nk = (cols + KS - 1) / KS;
+    // Raw rows, unless linear (st bit 4): two threads a row (row tid / 2 takes the even or odd
+    // 16-byte pieces of its aligned span), the row's start computed once: ~6 instructions a
+    // copy, but 16 separate 32-byte segments a warp copy (MINIMAX_I8_WLOAD_LINEAR=0).
+    static_assert(MQ_THREADS == 2 * MQ_BR, "two threads a weight row");
+    const int lr = tid >> 1, lh = tid & 1;
+    const bool lr_ok = r0 + lr < rows;
+    const u8* lrow = W + (i64)(r0 + lr) * rb;
 
     auto load = [&](int ks, int slot) {
         if (ks < nk) {
@@ -904,15 +929,28 @@ __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols,
             int nv = min(KS, cols - k0);
             int nbytes = nv / BE * BB;
             u8* ws = sm + slot * STB;
-            const u8* wk = W + (i64)(k0 / BE) * BB;
-            for (int i = tid; i < MQ_BR * WCH; i += MQ_THREADS) {
-                int r = i / WCH, ch = i - r * WCH;
-                if (r0 + r < rows) {
-                    u64 s = (u64)(wk + (i64)(r0 + r) * rb);
-                    u64 a = s & ~(u64)15;
-                    int nch = (int)((s + nbytes - a + 15) >> 4);
-                    if (ch < nch) mq_cp16(ws + r * SP + 16 * ch, (const void*)(a + 16 * ch));
+            if (wlin) {
+                // Linear (the default): consecutive threads take consecutive 16-byte pieces of
+                // the whole tile, rows recomputed per piece (~45 instructions a copy, but each
+                // warp copy covers ~3 contiguous rows: measured faster than the pairs below).
+                const u8* wk = W + (i64)(k0 / BE) * BB;
+                for (int i = tid; i < MQ_BR * WCH; i += MQ_THREADS) {
+                    int r = i / WCH, ch = i - r * WCH;
+                    if (r0 + r < rows) {
+                        u64 s = (u64)(wk + (i64)(r0 + r) * rb);
+                        u64 a = s & ~(u64)15;
+                        int nch = (int)((s + nbytes - a + 15) >> 4);
+                        if (ch < nch) mq_cp16(ws + r * SP + 16 * ch, (const void*)(a + 16 * ch));
+                    }
                 }
+            } else if (lr_ok) {
+                u64 s = (u64)(lrow + (i64)(k0 / BE) * BB);
+                u64 a = s & ~(u64)15;
+                int nch = (int)((s + nbytes - a + 15) >> 4);
+                u8* d = ws + lr * SP;
+#pragma unroll
+                for (int ch = 0; ch < WCH; ch += 2)
+                    if (ch + lh < nch) mq_cp16(d + 16 * (ch + lh), (const void*)(a + 16 * (ch + lh)));
             }
             u8* xsm = ws + WSZ;
             int xch = (nv + 63) / 64 * 4;
@@ -932,11 +970,13 @@ __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols,
         mq_commit();
     };
 
-    float acc[NI][4];
+    float acc[MI][NI][4];
 #pragma unroll
-    for (int ni = 0; ni < NI; ni++)
+    for (int mi = 0; mi < MI; mi++)
 #pragma unroll
-        for (int q = 0; q < 4; q++) acc[ni][q] = 0.f;
+        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[mi][ni][q] = 0.f;
 
     for (int s = 0; s < ST - 1; s++) load(s, s);
 
@@ -953,49 +993,56 @@ __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols,
         const int k0 = ks * KS;
         const u8* ws = sm + slot * STB;
         slot = slot + 1 == ST ? 0 : slot + 1;
+        if (nvw <= 0) continue;  // no valid token in this warp's columns: nothing to multiply
         const u8* xsm = ws + WSZ;
         const u8* xss = xsm + XSZ;
         const u8* wk = W + (i64)(k0 / BE) * BB;
-        const int rg = warp * 16 + g;
-        const u8* p0 = ws + rg * SP + (int)((u64)(wk + (i64)(r0 + rg) * rb) & 15);
-        const u8* p1 = ws + (rg + 8) * SP + (int)((u64)(wk + (i64)(r0 + rg + 8) * rb) & 15);
-        // Scales of the warp's rows for this stage: [chunk][g] = {row g, row g + 8}.
-        for (int e = lane; e < NCH * 16; e += 32) {
-            int i = e >> 4, h = (e >> 3) & 1, gg = e & 7;
-            int r = warp * 16 + 8 * h + gg;
+        const u8* p[2 * MI];
+#pragma unroll
+        for (int h = 0; h < 2 * MI; h++) {
+            const int r = rw + 8 * h + g;
+            p[h] = ws + r * SP + (int)((u64)(wk + (i64)(r0 + r) * rb) & 15);
+        }
+        // Scales of the warp's rows for this stage: [mi][chunk][g] = {row g, row g + 8} of tile mi.
+        for (int e = lane; e < MI * NCH * 16; e += 32) {
+            int m = e / (NCH * 16), f = e - m * (NCH * 16);
+            int i = f >> 4, h = (f >> 3) & 1, gg = f & 7;
+            int r = rw + 16 * m + 8 * h + gg;
             const u8* row = ws + r * SP + (int)((u64)(wk + (i64)(r0 + r) * rb) & 15);
             float sc, mn;
             mq_scale<T>(row, i, &sc, &mn);
-            ((float*)scw)[(i * 8 + gg) * 2 + h] = sc;
+            ((float*)scw)[((m * NCH + i) * 8 + gg) * 2 + h] = sc;
         }
         __syncwarp();
         const int nc = min(KS, cols - k0) / 32;
-        if (NI >= 4 && nvalid <= BM / 4)
-            mi_stage_mma<T, BM, NI, (NI >= 4 ? NI / 4 : NI)>(acc, p0, p1, xsm, xss, scw, nc, g, t);
-        else if (nvalid <= BM / 2)
-            mi_stage_mma<T, BM, NI, NI / 2>(acc, p0, p1, xsm, xss, scw, nc, g, t);
+        if (NI >= 4 && nvw <= 2 * NI)
+            mi_stage_mma<T, BM, MI, NI, (NI >= 4 ? NI / 4 : NI)>(acc, p, xsm, xss, scw, nc, j0, g, t);
+        else if (NI >= 2 && nvw <= 4 * NI)
+            mi_stage_mma<T, BM, MI, NI, (NI >= 2 ? NI / 2 : NI)>(acc, p, xsm, xss, scw, nc, j0, g, t);
         else
-            mi_stage_mma<T, BM, NI, NI>(acc, p0, p1, xsm, xss, scw, nc, g, t);
+            mi_stage_mma<T, BM, MI, NI, NI>(acc, p, xsm, xss, scw, nc, j0, g, t);
     }
     mq_wait<0>();
     // Epilogue: c0/c1 at (row g, tokens 2t, 2t+1), c2/c3 at row g + 8.
 #pragma unroll
-    for (int ni = 0; ni < NI; ni++)
+    for (int mi = 0; mi < MI; mi++)
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            int r = r0 + warp * 16 + g + 8 * (q >> 1);
-            int j = ni * 8 + 2 * t + (q & 1);
-            int yrow = yr[j];
-            if (r < rows && yrow >= 0) {
-                float* yp = Y + (i64)yrow * ys + r;
-                *yp = accumulate ? *yp + acc[ni][q] : acc[ni][q];
+        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                int r = r0 + rw + 16 * mi + g + 8 * (q >> 1);
+                int j = j0 + ni * 8 + 2 * t + (q & 1);
+                int yrow = yr[j];
+                if (r < rows && yrow >= 0) {
+                    float* yp = Y + (i64)yrow * ys + r;
+                    *yp = accumulate ? *yp + acc[mi][ni][q] : acc[mi][ni][q];
+                }
             }
-        }
 }
 
 // Split K as mm_dense (gridDim.z > 1: columns [z·kz, z·kz + kz), kz a multiple of the stage,
 // partial product to Y + z·ypart, summed by mm_sum_parts).
-template <int T, int NI>
+template <int T, int NI, int MI>
 __device__ __forceinline__ void mi_dense(const u8* W, i64 rb, int rows, int cols, const u8* Xq, i64 xqp, const float* Xs, i64 xsp,
                                          float* Y, i64 ys, int n, int accumulate, int st, int kz, i64 ypart) {
     extern __shared__ __align__(16) u8 mi_sm[];
@@ -1008,24 +1055,24 @@ __device__ __forceinline__ void mi_dense(const u8* W, i64 rb, int rows, int cols
         Y += blockIdx.z * ypart;
         accumulate = 0;
     }
-    constexpr int BM = 8 * NI;
-    int* cm = (int*)(mi_sm + st * mi_stage<T, BM>() + 8 * (MQT<T>::KS / 32) * 8 * 8);
+    constexpr int BM = 8 * NI * MI;
+    int* cm = (int*)(mi_sm + mi_smem<T, BM, MI>(st & 15) - 2 * BM * 4);
     int n0 = blockIdx.y * BM;
     for (int j = threadIdx.x; j < BM; j += MQ_THREADS) cm[j] = n0 + j < n ? n0 + j : -1;
     __syncthreads();
-    mi_tile<T, NI>(W, rb, rows, cols, Xq, xqp, Xs, xsp, Y, ys, blockIdx.x * MQ_BR, cm, cm, min(BM, n - n0), accumulate, st, mi_sm);
+    mi_tile<T, NI, MI>(W, rb, rows, cols, Xq, xqp, Xs, xsp, Y, ys, blockIdx.x * MQ_BR, cm, cm, min(BM, n - n0), accumulate, st, mi_sm);
 }
 
-template <int T, int NI>
+template <int T, int NI, int MI>
 __device__ __forceinline__ void mi_grouped(const u8* W, i64 rb, i64 es, int rows, int cols, const u8* Xq, i64 xqp, const float* Xs,
                                            i64 xsp, int x_div, float* Y, i64 ys, const int* tiles, const int* ntiles, const int* list,
                                            int st) {
     extern __shared__ __align__(16) u8 mi_sm[];
-    constexpr int BM = 8 * NI;
+    constexpr int BM = 8 * NI * MI;
     int tile = blockIdx.y;
     if (tile >= *ntiles) return;
     int e = tiles[3 * tile], s = tiles[3 * tile + 1], c = tiles[3 * tile + 2];
-    int* xr = (int*)(mi_sm + st * mi_stage<T, BM>() + 8 * (MQT<T>::KS / 32) * 8 * 8);
+    int* xr = (int*)(mi_sm + mi_smem<T, BM, MI>(st & 15) - 2 * BM * 4);
     int* yr = xr + BM;
     for (int j = threadIdx.x; j < BM; j += MQ_THREADS) {
         int p = j < c ? list[s + j] : -1;
@@ -1033,7 +1080,7 @@ __device__ __forceinline__ void mi_grouped(const u8* W, i64 rb, i64 es, int rows
         yr[j] = p;
     }
     __syncthreads();
-    mi_tile<T, NI>(W + (i64)e * es, rb, rows, cols, Xq, xqp, Xs, xsp, Y, ys, blockIdx.x * MQ_BR, xr, yr, c, 0, st, mi_sm);
+    mi_tile<T, NI, MI>(W + (i64)e * es, rb, rows, cols, Xq, xqp, Xs, xsp, Y, ys, blockIdx.x * MQ_BR, xr, yr, c, 0, st, mi_sm);
 }
 
 // X conversion to int8 (see above): grid (rows, ceil(cols / 128)), block 32; lane l quantizes
@@ -1081,24 +1128,31 @@ extern "C" __global__ void mmg_x_i8(const float* X, i64 xs, const float* U, int 
     mi_x(X, xs, U, cols, Xq, xqp, S, sp);
 }
 
-// Configurations: BM = 8·NI tokens; the stage count st (2..4) and the matching dynamic shared
-// memory (mi_smem, int8_smem in matmul.rs) come from the host.
-#define MI_INST_CFG(name, T, BM, NI)                                                                                  \
-    extern "C" __global__ void __launch_bounds__(MQ_THREADS, 2) mm_i8_##name##_##BM(                                 \
+// Configurations: BM = 8·NI·MI tokens, warps 8/MI along the rows (16·MI rows each) x MI along the
+// tokens; the stage count st (2..4; + 16: linear weight copies) and the matching dynamic shared
+// memory (mi_smem, int8_smem in matmul.rs) come from the host. Names: mm_i8_TY_BM (MI 1: every warp all tokens),
+// mm_i8m2_TY_BM (MI 2), mm_i8m4_TY_BM (MI 4); mmg_ likewise.
+#define MI_INST_CFG(name, T, BM, NI, MI, tag)                                                                         \
+    extern "C" __global__ void __launch_bounds__(MQ_THREADS, 2) mm_i8##tag##_##name##_##BM(                          \
         const u8* W, i64 rb, int rows, int cols, const u8* Xq, i64 xqp, const float* Xs, i64 xsp, float* Y, i64 ys,   \
         int n, int acc, int st, int kz, i64 ypart) {                                                                  \
-        mi_dense<T, NI>(W, rb, rows, cols, Xq, xqp, Xs, xsp, Y, ys, n, acc, st, kz, ypart);                           \
+        mi_dense<T, NI, MI>(W, rb, rows, cols, Xq, xqp, Xs, xsp, Y, ys, n, acc, st, kz, ypart);                       \
     }                                                                                                                 \
-    extern "C" __global__ void __launch_bounds__(MQ_THREADS, 2) mmg_i8_##name##_##BM(                                \
+    extern "C" __global__ void __launch_bounds__(MQ_THREADS, 2) mmg_i8##tag##_##name##_##BM(                         \
         const u8* W, i64 rb, i64 es, int rows, int cols, const u8* Xq, i64 xqp, const float* Xs, i64 xsp, int x_div,  \
         float* Y, i64 ys, const int* tiles, const int* ntiles, const int* list, int st) {                             \
-        mi_grouped<T, NI>(W, rb, es, rows, cols, Xq, xqp, Xs, xsp, x_div, Y, ys, tiles, ntiles, list, st);            \
+        mi_grouped<T, NI, MI>(W, rb, es, rows, cols, Xq, xqp, Xs, xsp, x_div, Y, ys, tiles, ntiles, list, st);        \
     }
-MI_INST_CFG(iq4_xs, T_IQ4_XS, 16, 2)
-MI_INST_CFG(iq4_xs, T_IQ4_XS, 32, 4)
-MI_INST_CFG(iq4_xs, T_IQ4_XS, 64, 8)
-MI_INST_CFG(q8_0, T_Q8_0, 16, 2)
-MI_INST_CFG(q8_0, T_Q8_0, 32, 4)
-MI_INST_CFG(q8_0, T_Q8_0, 64, 8)
+#define MI_INST(name, T)                 \
+    MI_INST_CFG(name, T, 16, 2, 1, )     \
+    MI_INST_CFG(name, T, 32, 4, 1, )     \
+    MI_INST_CFG(name, T, 64, 8, 1, )     \
+    MI_INST_CFG(name, T, 16, 1, 2, m2)   \
+    MI_INST_CFG(name, T, 32, 2, 2, m2)   \
+    MI_INST_CFG(name, T, 64, 4, 2, m2)   \
+    MI_INST_CFG(name, T, 32, 1, 4, m4)   \
+    MI_INST_CFG(name, T, 64, 2, 4, m4)
+MI_INST(iq4_xs, T_IQ4_XS)
+MI_INST(q8_0, T_Q8_0)
 
 #endif  // MM_PASSES == 1

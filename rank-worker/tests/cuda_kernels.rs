@@ -507,7 +507,7 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
             }
         }
         let hid0 = rng.vec(nt * (hrows + 1), 1.0);
-        for kind in [DownKind::Staged, DownKind::Reg4, DownKind::Reg2] {
+        for kind in [DownKind::Staged, DownKind::Reg4, DownKind::Reg2, DownKind::Reg4Pre] {
             let hb = g.upload(&hid0).unwrap();
             g.moe_down_q8_with(kind, &dm, g.ptr(&ib), g.ptr(&wb), k, g.ptr(&aq), g.ptr(&ad), g.ptr(&hb), hrows + 1, nt).unwrap();
             let got = g.download(&hb).unwrap();
@@ -1143,9 +1143,11 @@ fn fast_persistent_moe_kernels_match_register_kernels() {
         assert!(want.0[p * ld + ff..(p + 1) * ld].iter().all(|&q| q == 0x7f), "reg2 wrote the pad of pair {p}");
     }
     for rep in 0..2 {
-        let got = run(GateUpKind::Persist);
-        assert_eq!(got.0, want.0, "gate/up persistent q8 (rep {rep})");
-        assert_eq!(bits(&got.1), bits(&want.1), "gate/up persistent scales (rep {rep})");
+        for kind in [GateUpKind::Persist, GateUpKind::PersistIl, GateUpKind::PersistSm] {
+            let got = run(kind);
+            assert_eq!(got.0, want.0, "gate/up {kind:?} q8 (rep {rep})");
+            assert_eq!(bits(&got.1), bits(&want.1), "gate/up {kind:?} scales (rep {rep})");
+        }
     }
     eprintln!("moe_gate_up_pst_iq4_xs {} pairs x {ff} rows x {h}: bit-identical to reg2", nt * k);
     // Down: 3 tokens x top-5 of 7 experts, rows of 1536 (5 x 48 = 240 units per output row).
@@ -1172,7 +1174,153 @@ fn fast_persistent_moe_kernels_match_register_kernels() {
         assert_ne!(bits(&want), bits(&hid0), "reg4 down changed nothing");
         for rep in 0..2 {
             assert_eq!(bits(&run(DownKind::Persist)), bits(&want), "down persistent, {rows} rows (rep {rep})");
+            assert_eq!(bits(&run(DownKind::Reg4Pre)), bits(&want), "down rx4 (pre-wait loads), {rows} rows (rep {rep})");
         }
         eprintln!("moe_down_pst_iq4_xs {nt} tokens x top-{k}, {rows} rows: bit-identical to reg4");
     }
+}
+
+/// MiniMax-M2.7-sized expert kernels of a batch-1 step (64 IQ4_XS experts of 1536 x 3072 per
+/// matrix, top-8, ids rotating over all 64 so nothing stays in L2): the new kernels
+/// (`PersistIl` gate/up, `Reg4Pre` down) bit-identical to the ones they replace at this shape,
+/// then the time per layer of gate/up alone, down alone and the gate/up + down pair, launched
+/// back to back with PDL as in a step (62 layers x 5).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_moe_expert_kernels_speed() {
+    use minimax_rank::cuda::DevMat;
+    let g = gpu();
+    let (e, k, h, ff) = (64usize, 8usize, 3072usize, 1536usize);
+    let ty = GgmlType::IQ4_XS;
+    let mk = |rows: usize, cols: usize, seed: u64| {
+        let rb = cols / 256 * ty.block_bytes();
+        let buf = g.zeros::<u8>(e * rows * rb).unwrap();
+        g.fill_synthetic(g.ptr(&buf), ty, e * rows * cols, seed, -1.0, 1.0).unwrap();
+        let m = DevMat { ptr: g.ptr(&buf), ty, rows, cols, row_bytes: rb, n_experts: e, expert_stride: rows * rb };
+        (buf, m)
+    };
+    let ((_gb, gm), (_ub, um), (_db, dm)) = (mk(ff, h, 11), mk(ff, h, 12), mk(h, ff, 13));
+    let mut rng = Rng(0x5eed_0fa5_7000_0009);
+    let x = rng.vec(h, 2.0);
+    let (hq, hd) = q8_host(&x);
+    let (qb, db) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
+    let idsets: Vec<_> = (0..8).map(|l| g.upload(&(0..k).map(|j| ((l * k + j * 5) % e) as i32).collect::<Vec<_>>()).unwrap()).collect();
+    let wb = g.upload(&rng.vec(k, 0.5)).unwrap();
+    let aq = g.zeros::<i8>(k * ff).unwrap();
+    let ad = poisoned(&g, k * ff / 32);
+    let hid0 = rng.vec(h, 1.0);
+    let hb = g.upload(&hid0).unwrap();
+    let gu = |kind: GateUpKind, l: usize| g.moe_gate_up_q8_with(kind, &gm, &um, g.ptr(&idsets[l % 8]), k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), k, ff).unwrap();
+    let dn = |kind: DownKind, l: usize| g.moe_down_q8_with(kind, &dm, g.ptr(&idsets[l % 8]), g.ptr(&wb), k, g.ptr(&aq), g.ptr(&ad), g.ptr(&hb), h, 1).unwrap();
+    // Bit-identity at the real shape.
+    gu(GateUpKind::Persist, 3);
+    let want = (g.download(&aq).unwrap(), g.download(&ad).unwrap());
+    assert!(want.1.iter().all(|v| v.is_finite()), "gate/up scales");
+    for kind in [GateUpKind::PersistIl, GateUpKind::PersistSm] {
+        g.fill_u32(g.ptr(&ad), k * ff / 32, 0x7fc0_0000).unwrap();
+        g.fill_u32(g.ptr(&aq), k * ff / 4, 0x7f7f_7f7f).unwrap();
+        gu(kind, 3);
+        assert_eq!(g.download(&aq).unwrap(), want.0, "{kind:?} q8 at M2.7 shape");
+        assert_eq!(bits(&g.download(&ad).unwrap()), bits(&want.1), "{kind:?} scales at M2.7 shape");
+    }
+    let mut outs = Vec::new();
+    for kind in [DownKind::Reg4, DownKind::Reg4Pre] {
+        let hb2 = g.upload(&hid0).unwrap();
+        g.moe_down_q8_with(kind, &dm, g.ptr(&idsets[3]), g.ptr(&wb), k, g.ptr(&aq), g.ptr(&ad), g.ptr(&hb2), h, 1).unwrap();
+        outs.push(bits(&g.download(&hb2).unwrap()));
+    }
+    assert_eq!(outs[0], outs[1], "rx4 down at M2.7 shape");
+    assert_ne!(outs[0], bits(&hid0), "down changed nothing");
+    eprintln!("M2.7 expert shapes: psx / psy gate/up and rx4 down bit-identical to pst / reg4");
+    let reps = 62 * 5;
+    let time = |f: &dyn Fn(usize)| {
+        for l in 0..16 {
+            f(l);
+        }
+        g.sync().unwrap();
+        let t0 = std::time::Instant::now();
+        for l in 0..reps {
+            f(l);
+        }
+        g.sync().unwrap();
+        t0.elapsed().as_secs_f64() * 1e6 / reps as f64
+    };
+    let wbytes = (2 * k * ff * gm.row_bytes) as f64;
+    for gk in [GateUpKind::Persist, GateUpKind::PersistIl, GateUpKind::PersistSm] {
+        let us = time(&|l| gu(gk, l));
+        eprintln!("expert speed: gate/up {gk:?} alone {us:.2} us per layer ({:.0} GB/s)", wbytes / us / 1e3);
+    }
+    for dk in [DownKind::Reg4, DownKind::Reg4Pre] {
+        let us = time(&|l| dn(dk, l));
+        eprintln!("expert speed: down {dk:?} alone {us:.2} us per layer ({:.0} GB/s)", wbytes / 2.0 / us / 1e3);
+    }
+    for (gk, dk) in [(GateUpKind::Persist, DownKind::Reg4), (GateUpKind::PersistIl, DownKind::Reg4), (GateUpKind::PersistSm, DownKind::Reg4), (GateUpKind::PersistIl, DownKind::Reg4Pre), (GateUpKind::PersistSm, DownKind::Reg4Pre)] {
+        let us = time(&|l| {
+            gu(gk, l);
+            dn(dk, l);
+        });
+        eprintln!("expert speed: gate/up {gk:?} + down {dk:?}: {us:.2} us per layer");
+    }
+}
+
+/// The PDL pre-wait dense products (`mvqs_*p`, the 2-rows-per-warp `mvqs_*s2p`) against the
+/// CPU twin and bit for bit against the plain `mvqs_*`: rows of 5 and 12 chunks (one phase,
+/// where s2p applies) and 24 (`mvqs_*lp`), three segments of 37 + 8 + 21 rows (a warp's row
+/// pair straddles segments 0 and 1), 1 to 3 vectors, NaN-poisoned outputs or accumulation.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_pdl_prewait_products_match_plain_and_cpu() {
+    use minimax_rank::cuda::fast::{PDL_MVQS, PDL_MVQS2, set_pdl_parts};
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_00d1);
+    let ty = GgmlType::Q8_0;
+    for cols in [256 * 5, 256 * 12, 256 * 24] {
+        let rows = [37usize, 8, 21];
+        let mats: Vec<Vec<u8>> = rows.iter().map(|&r| random_rows(&mut rng, ty, r, cols)).collect();
+        let up: Vec<_> = mats.iter().zip(rows).map(|(b, r)| upload_mat(&g, ty, b, r, cols, 0)).collect();
+        let deq: Vec<Vec<f32>> = (0..3).map(|i| quant::dequantize_to_vec(ty, &mats[i], rows[i] * cols).unwrap()).collect();
+        for nv in [1usize, 2, 3] {
+            let x = rng.vec(nv * cols, 2.0);
+            let (hq, hd) = q8_host(&x);
+            let xdq = q8_deq(&hq, &hd);
+            let (qb, db) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
+            for acc in [false, true] {
+                let ys: Vec<usize> = rows.iter().map(|r| r + 2).collect();
+                let y0: Vec<Vec<f32>> = ys.iter().map(|s| rng.vec(nv * s, 1.0)).collect();
+                let mut outs: Vec<Vec<Vec<f32>>> = Vec::new();
+                for parts in [0, PDL_MVQS, PDL_MVQS | PDL_MVQS2] {
+                    set_pdl_parts(Some(parts));
+                    let yb: Vec<_> = (0..3).map(|i| if acc { g.upload(&y0[i]).unwrap() } else { poisoned(&g, nv * ys[i]) }).collect();
+                    let segs: Vec<_> = (0..3).map(|i| (&up[i].1, g.ptr(&yb[i]), ys[i])).collect();
+                    let r = g.matvec_q8_with(MvqKind::Whole, &segs, g.ptr(&qb), g.ptr(&db), cols, nv, acc);
+                    set_pdl_parts(None);
+                    r.unwrap();
+                    let got: Vec<Vec<f32>> = yb.iter().map(|b| g.download(b).unwrap()).collect();
+                    for i in 0..3 {
+                        for v in 0..nv {
+                            for r in 0..rows[i] {
+                                let w = &deq[i][r * cols..(r + 1) * cols];
+                                let xv = &xdq[v * cols..(v + 1) * cols];
+                                let want: f64 = w.iter().zip(xv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>() + if acc { y0[i][v * ys[i] + r] as f64 } else { 0.0 };
+                                let scale: f64 = w.iter().zip(xv).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>() + 1e-6;
+                                let gv = got[i][v * ys[i] + r];
+                                assert!(gv.is_finite() && (gv as f64 - want).abs() <= 1e-5 * scale + 1e-6, "parts {parts} cols {cols} seg {i} nv {nv} acc {acc} [{v},{r}]: got {gv} want {want}");
+                            }
+                            for r in rows[i]..ys[i] {
+                                let gv = got[i][v * ys[i] + r];
+                                assert!(if acc { gv == y0[i][v * ys[i] + r] } else { gv.is_nan() }, "parts {parts} cols {cols}: wrote past the rows");
+                            }
+                        }
+                    }
+                    outs.push(got);
+                }
+                for (p, o) in outs.iter().enumerate().skip(1) {
+                    for i in 0..3 {
+                        assert_eq!(bits(&o[i]), bits(&outs[0][i]), "variant {p} cols {cols} seg {i} nv {nv} acc {acc}: not bit-identical to mvqs_*");
+                    }
+                }
+            }
+        }
+    }
+    eprintln!("mvqs_*p / mvqs_*s2p: within 1e-5 of sum |w x| and bit-identical to mvqs_* (5 / 12 / 24 chunks, 1-3 vectors)");
 }

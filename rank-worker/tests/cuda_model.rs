@@ -326,3 +326,66 @@ fn fast_path_fused_launches_are_bit_identical() {
     }
     eprintln!("m2.7:iq4xs:2 fast path: fused / fused + graphs / separate + graphs bit-identical to separate launches over {} steps", runs[0].len());
 }
+
+/// The PDL variants (weights loaded before `griddepcontrol.wait`: `mvqs_*p`, `mvqs_*s2p`, `mvmma_q8_0p`,
+/// `router_topk_f32p`, `qk_norm_rope_store_p_*`; `norm_q8e` / `attn_merge6e` triggering the
+/// next launch before their wait) give logits bit-identical to the plain kernels at M2.7
+/// dimensions (2 layers), directly and from the step graphs, for steps of 1, 2, 5 (tensor-core
+/// q/k/v) and 8 tokens. A race (a dependent value read before the wait) would show as a
+/// difference.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_path_pdl_prefetch_is_bit_identical() {
+    use minimax_rank::cuda::fast::{PDL_ALL_PARTS, PDL_EARLY_PARTS, PDL_MVQS2, PDL_PREFETCH_PARTS, PDL_ROUTER, set_pdl_parts};
+    use minimax_shared::model::synthetic::SyntheticSpec;
+    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
+    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 160 }, CudaOptions::default(), 11).unwrap();
+    assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
+    let prompt: Vec<u32> = vec![1, 17, 4242, 99_999, 200_000];
+    let all = PDL_ALL_PARTS;
+    // (parts, graphs): the 2-rows-per-warp and the 1-row mvqs_*p both, early triggers alone.
+    let settings = [(0, false), (all, false), (all, true), (PDL_PREFETCH_PARTS, true), ((PDL_PREFETCH_PARTS & !PDL_MVQS2) | PDL_ROUTER, true), (PDL_EARLY_PARTS, true), (0, true)];
+    let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
+    let mut base = 0u32;
+    for (parts, graphs) in settings {
+        set_pdl_parts(Some(parts));
+        m.clear_graphs();
+        m.set_fast(true, graphs);
+        // Five sequences over their own pages.
+        let pts: Vec<Vec<u32>> = (0..5).map(|i| (base + 4 * i..base + 4 * i + 4).collect()).collect();
+        base += 20;
+        let step = |seq: usize, cached: usize, tokens: Vec<u32>| SeqStep { seq_id: seq as u64, page_table: pts[seq].clone(), cached_len: cached, tokens, logits: LogitsWanted::Last };
+        let mut out = Vec::new();
+        // Prompts: 5 + 3 tokens in one step (8 tokens), then three more sequences.
+        let o = m.forward(&ForwardBatch { seqs: vec![step(0, 0, prompt.clone()), step(1, 0, prompt[..3].to_vec())] }).unwrap();
+        out.push(o.logits.clone());
+        let mut tok = vec![argmax(o.row(0)).0, argmax(o.row(1)).0, 0, 0, 0];
+        let mut cached = vec![5usize, 3, 0, 0, 0];
+        let o = m.forward(&ForwardBatch { seqs: (2..5).map(|i| step(i, 0, prompt[..i].to_vec())).collect() }).unwrap();
+        out.push(o.logits.clone());
+        for i in 2..5 {
+            tok[i] = argmax(o.row(i - 2)).0;
+            cached[i] = i;
+        }
+        // One-token steps of sequence 0, a two-token step, a five-token step, one-token steps.
+        for nseq in [1usize, 1, 2, 5, 1, 5, 1] {
+            let o = m.forward(&ForwardBatch { seqs: (0..nseq).map(|i| step(i, cached[i], vec![tok[i]])).collect() }).unwrap();
+            for i in 0..nseq {
+                tok[i] = argmax(o.row(i)).0;
+                cached[i] += 1;
+            }
+            out.push(o.logits.clone());
+        }
+        assert!(out.iter().all(|l| l.iter().all(|x| x.is_finite())), "parts {parts:#x} graphs {graphs}: non-finite logits");
+        runs.push(out);
+    }
+    set_pdl_parts(None);
+    m.set_fast(true, true);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (i, (parts, graphs)) in settings.iter().enumerate().skip(1) {
+        for (s, (a, b)) in runs[0].iter().zip(&runs[i]).enumerate() {
+            assert!(bits(a) == bits(b), "parts {parts:#x} graphs {graphs}, step {s}: logits differ from the plain kernels (max |diff| {})", max_diff(a, b));
+        }
+    }
+    eprintln!("m2.7:iq4xs:2 fast path: PDL prefetch / early-trigger variants bit-identical to the plain kernels over {} steps x {} settings", runs[0].len(), settings.len() - 1);
+}

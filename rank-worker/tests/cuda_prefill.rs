@@ -13,7 +13,7 @@ use common::gpu::{NAN, Rng, TYPES, gpu, random_rows, upload_mat};
 use minimax_rank::comm::Solo;
 use minimax_rank::cpu::{CpuModel, KvSpec};
 use cudarc::driver::CudaSlice;
-use minimax_rank::cuda::matmul::{INT8_PASSES, set_int8_stages};
+use minimax_rank::cuda::matmul::{INT8_PASSES, set_int8_linear_copies, set_int8_mi, set_int8_stages};
 use minimax_rank::cuda::{CudaModel, CudaOptions, DevMat, GemmPrecision, Gpu, KvDtype, set_gemm_compact, set_gemm_fast, set_gemm_precision};
 use minimax_rank::partition::Partition;
 use minimax_shared::forward::{ForwardBatch, LogitsWanted, SeqStep};
@@ -286,7 +286,8 @@ impl Int8Check {
 /// (default) and 4 pipeline stages, accumulate on and off, strided X
 /// and Y, rows starting 4 bytes past 16-byte boundaries, rows and tokens off the tiles, K off
 /// the 128-column stage with an odd number of 32-column chunks (Q8_0), NaN-poisoned outputs
-/// whose padding must stay NaN; then bad arguments as errors.
+/// whose padding must stay NaN, for each warp layout (1, 2, 4 m16 tiles a warp: `set_int8_mi`);
+/// then bad arguments as errors.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn int8_gemm_matches_q8_twin_for_every_tile() {
@@ -294,7 +295,11 @@ fn int8_gemm_matches_q8_twin_for_every_tile() {
     set_gemm_fast(true);
     let g = gpu();
     let mut rng = Rng(0x5eed_0018);
-    for ty in [GgmlType::IQ4_XS, GgmlType::Q8_0] {
+    for (ty, mi) in [GgmlType::IQ4_XS, GgmlType::Q8_0].into_iter().flat_map(|ty| [1usize, 2, 4, 0].map(|mi| (ty, mi))) {
+        // mi 1, 2, 4: weight rows copied two threads a row (MINIMAX_I8_WLOAD_LINEAR=0); mi 0:
+        // the default layout (1) with the default linear copies.
+        set_int8_mi(Some(mi.max(1)));
+        set_int8_linear_copies(Some(mi == 0));
         let cols = cols_for(ty);
         let rows = 261;
         let w = random_rows(&mut rng, ty, rows, cols);
@@ -352,10 +357,10 @@ fn int8_gemm_matches_q8_twin_for_every_tile() {
                         }
                     }
                 }
-                let (twin, exact) = chk.finish(&format!("int8 {ty:?} n {n} tile {bm} stages {st:?} K parts {splits} acc {accumulate}"));
+                let (twin, exact) = chk.finish(&format!("int8 {ty:?} n {n} tile {bm} warp m16 tiles {mi} stages {st:?} K parts {splits} acc {accumulate}"));
                 if !accumulate {
                     eprintln!(
-                        "int8 {ty:?} {rows}x{cols} n {n} tile {bm} stages {st:?} K parts {splits}: vs twin worst {:.2e} rms {twin:.2e} (of Σ|w·x_q|); vs exact f32 product worst {:.2e} rms {exact:.2e}",
+                        "int8 {ty:?} {rows}x{cols} n {n} tile {bm} mi {mi} stages {st:?} K parts {splits}: vs twin worst {:.2e} rms {twin:.2e} (of Σ|w·x_q|); vs exact f32 product worst {:.2e} rms {exact:.2e}",
                         chk.worst_twin, chk.worst_exact
                     );
                 }
@@ -363,6 +368,8 @@ fn int8_gemm_matches_q8_twin_for_every_tile() {
         }
     }
     set_int8_stages(None);
+    set_int8_mi(None);
+    set_int8_linear_copies(None);
     // The dispatcher under MINIMAX_GEMM=int8: Q8_0, 261 rows, 77 tokens (6 tiles: K split).
     set_gemm_precision(GemmPrecision::Int8);
     let (ty, rows, cols, n) = (GgmlType::Q8_0, 261usize, 1184usize, 77usize);
@@ -435,7 +442,10 @@ fn int8_grouped_gemm_matches_q8_twin() {
         let xd = g.upload(&x).unwrap();
         let ys = rows + 1;
         let yd = g.zeros::<f32>(np * ys).unwrap();
-        for nt in [1usize, 2, 4] {
+        for (nt, mi) in [1usize, 2, 4].into_iter().flat_map(|nt| [1usize, 2, 4].map(|mi| (nt, mi))) {
+            set_int8_mi(Some(mi));
+            // Layout 1 with the default linear weight copies, 2 and 4 with two threads a row.
+            set_int8_linear_copies(Some(mi == 1));
             let grp = g.group_experts_with(g.ptr(&idd), np, ne, nt).unwrap();
             g.fill_u32(g.ptr(&yd), np * ys, NAN).unwrap();
             g.matmul_experts_with(&m, &grp, g.ptr(&xd), xs, k, g.ptr(&yd), ys, INT8_PASSES).unwrap();
@@ -451,10 +461,83 @@ fn int8_grouped_gemm_matches_q8_twin() {
                 }
                 assert!(y[p * ys + rows].is_nan(), "int8 grouped {ty:?}: wrote past the rows of pair {p}");
             }
-            let (twin, exact) = chk.finish(&format!("int8 grouped {ty:?} tile {}", 16 * nt));
-            eprintln!("int8 grouped {ty:?} tile {}: vs twin worst {:.2e} rms {twin:.2e}; vs exact worst {:.2e} rms {exact:.2e}", 16 * nt, chk.worst_twin, chk.worst_exact);
+            let (twin, exact) = chk.finish(&format!("int8 grouped {ty:?} tile {} warp m16 tiles {mi}", 16 * nt));
+            eprintln!("int8 grouped {ty:?} tile {} mi {mi}: vs twin worst {:.2e} rms {twin:.2e}; vs exact worst {:.2e} rms {exact:.2e}", 16 * nt, chk.worst_twin, chk.worst_exact);
         }
     }
+    set_int8_mi(None);
+    set_int8_linear_copies(None);
+}
+
+/// Throughput of the int8 GEMMs at M2.7 shapes (IQ4_XS experts 1536 x 3072 with 16 and 128
+/// pairs per expert, as a 512-token prefill and a 4096-token chunk route them uniformly; a
+/// Q8_0 6144 x 3072 dense product of 4096 tokens) for every warp layout and stage count: the
+/// A/B and profiling harness of the int8 kernels (`ncu -k regex:mmg_i8`). Checks finiteness
+/// only (correctness: the tests above).
+#[test]
+#[ignore = "needs a CUDA GPU; timing"]
+fn int8_gemm_speed() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    set_gemm_fast(true);
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0030);
+    let (ne, rows, cols, k) = (64usize, 1536usize, 3072usize, 8usize);
+    let w = random_rows(&mut rng, GgmlType::IQ4_XS, ne * rows, cols);
+    let (_wb, m) = upload_mat(&g, GgmlType::IQ4_XS, &w, rows, cols, ne);
+    let time = |f: &mut dyn FnMut()| -> f64 {
+        for _ in 0..3 {
+            f();
+        }
+        g.sync().unwrap();
+        let t = std::time::Instant::now();
+        for _ in 0..10 {
+            f();
+        }
+        g.sync().unwrap();
+        t.elapsed().as_secs_f64() / 10.0
+    };
+    for tokens in [128usize, 1024] {
+        let ids = random_routing(&mut rng, tokens, k, ne, &[]);
+        let np = ids.len();
+        let idd = g.upload(&ids).unwrap();
+        let x = rng.vec(tokens * cols, 1.0);
+        let xd = g.upload(&x).unwrap();
+        let yd = g.zeros::<f32>(np * rows).unwrap();
+        let grp = g.group_experts_fast_for(g.ptr(&idd), np, ne, true).unwrap();
+        for (mi, st, lin) in [(1usize, None, false), (1, None, true), (1, Some(3), false), (2, None, false), (2, None, true), (4, None, false)] {
+            {
+                set_int8_mi(Some(mi));
+                set_int8_stages(st);
+                set_int8_linear_copies(Some(lin));
+                let mut run = || g.matmul_experts_with(&m, &grp, g.ptr(&xd), cols, k, g.ptr(&yd), rows, INT8_PASSES).unwrap();
+                let t = time(&mut run);
+                let y = g.download(&yd).unwrap();
+                assert!(y.iter().all(|v| v.is_finite()), "non-finite output");
+                eprintln!(
+                    "int8 speed grouped IQ4_XS {rows}x{cols}, {} pairs an expert (tile {}), mi {mi} stages {st:?} linear copies {lin}: {:.1} us = {:.0} TOPS",
+                    np / ne,
+                    16 * grp.nt,
+                    t * 1e6,
+                    2.0 * (np * rows * cols) as f64 / t / 1e12
+                );
+            }
+        }
+    }
+    let (rows, n) = (6144usize, 4096usize);
+    let w = random_rows(&mut rng, GgmlType::Q8_0, rows, cols);
+    let (_wb, m) = upload_mat(&g, GgmlType::Q8_0, &w, rows, cols, 0);
+    let xd = g.upload(&rng.vec(n * cols, 1.0)).unwrap();
+    let yd = g.zeros::<f32>(n * rows).unwrap();
+    for (mi, lin) in [(1usize, false), (1, true), (2, false), (2, true), (4, false)] {
+        set_int8_mi(Some(mi));
+        set_int8_linear_copies(Some(lin));
+        let mut run = || g.matmul_fast_with(&m, g.ptr(&xd), cols, g.ptr(&yd), rows, n, false, 64, INT8_PASSES).unwrap();
+        let t = time(&mut run);
+        eprintln!("int8 speed dense Q8_0 {rows}x{cols}, {n} tokens, tile 64, mi {mi} linear copies {lin}: {:.1} us = {:.0} TOPS", t * 1e6, 2.0 * (n * rows * cols) as f64 / t / 1e12);
+    }
+    set_int8_mi(None);
+    set_int8_stages(None);
+    set_int8_linear_copies(None);
 }
 
 /// Split K (`matmul_split_with`: grid z parts into scratch, `mm_sum_parts` adds them in order)

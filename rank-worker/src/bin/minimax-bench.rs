@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--pdl-ab] [--moe-ab]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -50,6 +50,11 @@ fn stream_token(i: usize, s: usize, greedy: u32) -> u32 {
     if *GREEDY.get_or_init(|| flag("--greedy-streams")) {
         return greedy;
     }
+    pseudo_token(i, s)
+}
+
+/// A pseudo-random token id below 200,000 for (stream, index) (splitmix64).
+fn pseudo_token(i: usize, s: usize) -> u32 {
     let mut x = ((i as u64) << 32 | s as u64).wrapping_add(0x9E37_79B9_7F4A_7C15);
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
     x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
@@ -105,11 +110,18 @@ fn nsys_replay(m: &mut CudaModel, pages: &mut Pages, nt: usize) -> anyhow::Resul
 }
 
 /// Stream `i` (sequence 100 + i over pages `pts[i]`) gets its 5-token prompt; returns each
-/// stream's first token.
+/// stream's first token. The prompts are pseudo-random ids, like the HTTP benchmark's: with
+/// near-identical prompts (session 4 used `[1, 2 + i, 3, 4, 5]`) the random model's attention
+/// output is nearly the same in every stream and a 32-token step routes to only ~45 experts a
+/// layer, against ~160 for distinct contexts (and for served traffic), which made the batched
+/// figures optimistic (839 against 590 tok/s served at 32 streams). `--similar-prompts` brings
+/// the old prompts back.
 fn start_streams(m: &mut CudaModel, pts: &[Vec<u32>]) -> anyhow::Result<Vec<u32>> {
     let mut toks = Vec::with_capacity(pts.len());
+    let similar = flag("--similar-prompts");
     for (i, p) in pts.iter().enumerate() {
-        let o = m.forward(&ForwardBatch { seqs: vec![step(100 + i as u64, p, 0, vec![1, 2 + i as u32, 3, 4, 5], LogitsWanted::Last)] })?;
+        let prompt: Vec<u32> = if similar { vec![1, 2 + i as u32, 3, 4, 5] } else { (0..5).map(|j| pseudo_token(i, 1_000_000 + j)).collect() };
+        let o = m.forward(&ForwardBatch { seqs: vec![step(100 + i as u64, p, 0, prompt, LogitsWanted::Last)] })?;
         toks.push(argmax(o.row(0)));
     }
     Ok(toks)
@@ -248,7 +260,7 @@ fn check_fast_vs_exact(spec_s: &str, layers: usize) -> anyhow::Result<()> {
     }
     println!("check exact path finite: {}", outs[0].iter().all(finite));
     // Prefill precision at real size: a 100-token prompt (tensor-core GEMMs), every position's
-    // logits under the opt-in int8 GEMMs against the default bf16x3 (~f32 activations).
+    // logits under the int8 GEMMs (the default) against bf16x3 (~f32 activations).
     let n = 100usize;
     let toks: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 13) % 200_000).collect();
     let mut by_prec = Vec::new();
@@ -347,7 +359,7 @@ fn decode_fusion_ab(m: &mut CudaModel, pts: &[Vec<u32>], pos: usize) -> anyhow::
     use minimax_rank::cuda::fast::{DownKind, GateUpKind, set_attn_fusion, set_gate_up_kind, set_kernel_overrides};
     let rows = [
         ("session 2: reg2 gate/up, reg4 down", false, DownKind::Reg4, GateUpKind::Reg(2, true)),
-        ("persistent gate/up, reg4 down (default)", false, DownKind::Reg4, GateUpKind::Persist),
+        ("persistent gate/up, reg4 down (session 4)", false, DownKind::Reg4, GateUpKind::Persist),
         ("persistent gate/up + down", false, DownKind::Persist, GateUpKind::Persist),
         ("default + attention merge folded", true, DownKind::Reg4, GateUpKind::Persist),
     ];
@@ -378,47 +390,58 @@ fn decode_fusion_ab(m: &mut CudaModel, pts: &[Vec<u32>], pos: usize) -> anyhow::
     Ok(())
 }
 
-/// `--pdl-ab`: graph replay at batch 1 / 4 / 16 / 32 with the pre-wait weight loads
-/// (`fast::set_pdl_prefetch`) and the early trigger of the small kernels (`set_pdl_early`) off
-/// and on, in one process (bit-identical kernels; tests check that). The first setting is run
-/// again last to show drift. Then exits.
+/// `--pdl-ab`: graph replay at batch 1 / 4 / 16 / 32 for sets of the PDL pre-wait parts
+/// (`fast::set_pdl_parts`: weight loads before the wait, early triggers of the small kernels),
+/// in one process, three passes (bit-identical kernels; the tests check that). Then exits.
 fn pdl_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
-    use minimax_rank::cuda::fast::{set_pdl_early, set_pdl_prefetch};
+    use minimax_rank::cuda::fast::*;
+    for (name, threads) in [("mvqs_q8_0_1sp", 256), ("mvqs_q8_0_1s2p", 128), ("mvqs_q8_0_1lp", 128), ("router_topk_f32p", 128), ("qk_norm_rope_store_p_f16", 1024)] {
+        println!("resident blocks on the device, {name} ({threads} threads): {}", m.gpu().resident_blocks(name, threads)?);
+    }
     let bs = [1usize, 4, 16, 32];
-    let pts: Vec<Vec<u32>> = (0..32).map(|_| pages.take(4)).collect();
+    let pts: Vec<Vec<u32>> = (0..32).map(|_| pages.take(8)).collect();
     let mut toks = start_streams(m, &pts)?;
-    let rows = [("plain", false, false), ("prefetch", true, false), ("early trigger", false, true), ("prefetch + early", true, true), ("plain (again)", false, false), ("prefetch + early (again)", true, true)];
+    // The default parts (PDL_PREFETCH_PARTS) against the plain kernels and every part.
+    let rows = [
+        ("plain", 0),
+        ("default", PDL_PREFETCH_PARTS),
+        ("default + router", PDL_PREFETCH_PARTS | PDL_ROUTER),
+        ("default + norm early", PDL_PREFETCH_PARTS | PDL_NORM_EARLY),
+        ("default + merge early", PDL_PREFETCH_PARTS | PDL_MERGE_EARLY),
+        ("all parts", PDL_ALL_PARTS),
+    ];
     println!("\nPDL A/B (graph replay, ms per step; tok/s in brackets):");
-    println!("{:<26} {:>18} {:>18} {:>18} {:>18}", "kernels", "b1", "b4", "b16", "b32");
+    println!("{:<26} {:>18} {:>18} {:>18} {:>18}", "parts", "b1", "b4", "b16", "b32");
     // Each stream's next position (5-token prompts; a stream advances only when stepped).
     let mut pos = vec![5usize; pts.len()];
-    for (name, pre, early) in rows {
-        set_pdl_prefetch(Some(pre));
-        set_pdl_early(Some(early));
-        m.clear_graphs();
-        let mut line = format!("{name:<26}");
-        for &b in &bs {
-            let seqs = (0..b).map(|i| step(100 + i as u64, &pts[i], pos[i], vec![toks[i]], LogitsWanted::Last)).collect();
-            let o = m.forward(&ForwardBatch { seqs })?;
-            anyhow::ensure!(finite(&o), "{name}: non-finite logits at batch {b}");
-            for i in 0..b {
-                toks[i] = stream_token(i, pos[i], argmax(o.row(i)));
-                pos[i] += 1;
+    for pass in 0..3 {
+        for (name, parts) in rows {
+            set_pdl_parts(Some(parts));
+            m.clear_graphs();
+            let mut line = format!("{:<26}", format!("{pass} {name}"));
+            for &b in &bs {
+                let seqs = (0..b).map(|i| step(100 + i as u64, &pts[i], pos[i], vec![toks[i]], LogitsWanted::Last)).collect();
+                let o = m.forward(&ForwardBatch { seqs })?;
+                anyhow::ensure!(finite(&o), "{name}: non-finite logits at batch {b}");
+                for i in 0..b {
+                    toks[i] = stream_token(i, pos[i], argmax(o.row(i)));
+                    pos[i] += 1;
+                }
+                let r = replay_ms(m, b, if b == 1 { 200 } else { 20 })?;
+                line += &format!(" {:>9.3} ({:>6.0})", r, b as f64 * 1e3 / r);
             }
-            let r = replay_ms(m, b, if b == 1 { 100 } else { 20 })?;
-            line += &format!(" {:>9.3} ({:>6.0})", r, b as f64 * 1e3 / r);
+            println!("{line}");
         }
-        println!("{line}");
     }
-    set_pdl_prefetch(None);
-    set_pdl_early(None);
+    set_pdl_parts(None);
     m.clear_graphs();
     Ok(())
 }
 
 /// `--moe-ab`: batch-1 (and batch-32) graph replay with the per-pair expert kernels of
 /// session 4 (`moe_gate_up_pst`, `moe_down_reg4`) and session 5 (`psx` gate/up: interleaved
-/// activations and the cheaper IQ4 decode; `rx4` down: weights loaded before the PDL wait), in
+/// activations and the cheaper IQ4 decode; `psy`: the same at two blocks per SM, slower;
+/// `rx4` down: weights loaded before the PDL wait), in
 /// one process, alternating so drift shows; the kernels are bit-identical (tests check that).
 /// Batch 32 runs the grouped MoE, so it sees neither. Then exits.
 fn moe_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
@@ -430,6 +453,7 @@ fn moe_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
         ("psx + reg4", GateUpKind::PersistIl, DownKind::Reg4),
         ("pst + rx4", GateUpKind::Persist, DownKind::Reg4Pre),
         ("psx + rx4 (default)", GateUpKind::PersistIl, DownKind::Reg4Pre),
+        ("psy + rx4", GateUpKind::PersistSm, DownKind::Reg4Pre),
         ("pst + reg4 (again)", GateUpKind::Persist, DownKind::Reg4),
         ("psx + rx4 (again)", GateUpKind::PersistIl, DownKind::Reg4Pre),
     ];
@@ -538,7 +562,8 @@ fn main() -> anyhow::Result<()> {
     // Aggregate decode at batch 1, 4, 16, 32 (greedy picks on the device, as served): each
     // sequence gets a 5-token prompt, then 20 steps
     // (tokens: `stream_token`).
-    for b in [1usize, 4, 16, 32] {
+    let batches: Vec<usize> = arg("--batches").map(|v| v.split(',').filter_map(|x| x.parse().ok()).filter(|&b| (1..=32).contains(&b)).collect()).unwrap_or_else(|| vec![1, 4, 16, 32]);
+    for b in batches {
         let steps: usize = 20;
         let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take((5 + steps + 3).div_ceil(PAGE))).collect();
         let mut toks = start_streams(&mut m, &pts)?;
@@ -564,7 +589,7 @@ fn main() -> anyhow::Result<()> {
     }
 
     // Decode at 32k context: K/V of 32768 cached positions filled randomly (no prefill).
-    {
+    if !flag("--no-32k") {
         m.fill_kv_random(5)?;
         let steps = 12;
         let pt = pages.take((long_ctx + steps + 2).div_ceil(PAGE));
@@ -599,14 +624,14 @@ fn main() -> anyhow::Result<()> {
     }
 
     // Prefill (exact path: steps over 32 tokens): 512, 513, then 8192 if it looks affordable.
-    // Tensor-core GEMMs in the default precision (MINIMAX_GEMM, bf16x3 unless set); a 40-token
+    // Tensor-core GEMMs in the default precision (MINIMAX_GEMM, int8 unless set); a 40-token
     // warm-up first loads the prefill kernels, and 512 is also timed with plain bf16.
     let mut t512 = 0.0;
     let prefill_sizes: &[usize] = if flag("--no-prefill") { &[] } else { &[512, 513] };
     if !prefill_sizes.is_empty() {
         let prec = gemm_precision();
         let other = if prec == GemmPrecision::Bf16x3 { GemmPrecision::Bf16 } else { GemmPrecision::Bf16x3 };
-        // The opt-in int8 GEMMs (MINIMAX_GEMM=int8) are timed beside the default as well.
+        // The default, bf16x3 (bf16 when bf16x3 is the default) and int8 are timed.
         let mut precs = vec![prec, other];
         if !precs.contains(&GemmPrecision::Int8) {
             precs.push(GemmPrecision::Int8);
@@ -635,15 +660,17 @@ fn main() -> anyhow::Result<()> {
         set_group_tile(None);
         // The int8 kernels' warp layouts (m16 tiles a warp: MINIMAX_I8_MI), automatic tiles.
         set_gemm_precision(GemmPrecision::Int8);
-        for mi in [1usize, 2, 4] {
+        for (mi, lin) in [(1usize, false), (1, true), (2, false), (4, false)] {
             minimax_rank::cuda::matmul::set_int8_mi(Some(mi));
+            minimax_rank::cuda::matmul::set_int8_linear_copies(Some(lin));
             let t = Instant::now();
             let o = m.forward(&ForwardBatch { seqs: vec![step(70 + mi as u64, &pt512, 0, (0..512u32).map(|i| (i * 7919) % 200_000).collect(), LogitsWanted::Last)] })?;
             let e = ms(t);
-            println!("prefill 512, GEMM Int8, warp m16 tiles {mi}: {e:.1} ms = {:.0} tok/s, finite {}", 512e3 / e, finite(&o));
-            table.push((format!("prefill ms at 512 tokens, GEMM Int8, warp m16 tiles {mi}"), format!("{e:.1}")));
+            println!("prefill 512, GEMM Int8, warp m16 tiles {mi}, linear weight copies {lin}: {e:.1} ms = {:.0} tok/s, finite {}", 512e3 / e, finite(&o));
+            table.push((format!("prefill ms at 512 tokens, GEMM Int8, warp m16 tiles {mi}, linear copies {lin}"), format!("{e:.1}")));
         }
         minimax_rank::cuda::matmul::set_int8_mi(None);
+        minimax_rank::cuda::matmul::set_int8_linear_copies(None);
         set_gemm_precision(prec);
         // The integer fast path (mm_f_* / mmg_f_*) against the previous kernels (MINIMAX_GEMM_FAST=0).
         // Compact: the 32-token tiles' 2-stage variant that fits two blocks an SM (the default;
@@ -726,7 +753,7 @@ fn main() -> anyhow::Result<()> {
         let n = 8192;
         let pt = pages.take(n / PAGE);
         // One 8k prefill in chunks of 4096 over `pt` (ms, finite): the default precision, then
-        // the opt-in int8 GEMMs over the same pages unless they are the default already.
+        // the int8 GEMMs over the same pages unless they are the default already.
         let run_8k = |m: &mut CudaModel, seq: u64| -> anyhow::Result<(f64, bool)> {
             let t = Instant::now();
             let mut fin = true;
@@ -751,14 +778,16 @@ fn main() -> anyhow::Result<()> {
         // int8 warp layouts (m16 tiles a warp), then the kernels of one int8 4096-token chunk
         // (the second: 4096 cached positions) with events around each launch.
         set_gemm_precision(GemmPrecision::Int8);
-        for mi in [1usize, 2, 4] {
+        for (mi, lin) in [(1usize, false), (1, true), (2, false), (4, false)] {
             minimax_rank::cuda::matmul::set_int8_mi(Some(mi));
+            minimax_rank::cuda::matmul::set_int8_linear_copies(Some(lin));
             let r = run_8k(&mut m, 32 + mi as u64);
             let (e, fin) = r?;
-            println!("prefill {n}, GEMM Int8, warp m16 tiles {mi}: {e:.1} ms = {:.0} tok/s, finite {fin}", n as f64 * 1e3 / e);
-            table.push((format!("prefill ms at {n} tokens, GEMM Int8, warp m16 tiles {mi} (tok/s)"), format!("{e:.1} ({:.0})", n as f64 * 1e3 / e)));
+            println!("prefill {n}, GEMM Int8, warp m16 tiles {mi}, linear weight copies {lin}: {e:.1} ms = {:.0} tok/s, finite {fin}", n as f64 * 1e3 / e);
+            table.push((format!("prefill ms at {n} tokens, GEMM Int8, warp m16 tiles {mi}, linear copies {lin} (tok/s)"), format!("{e:.1} ({:.0})", n as f64 * 1e3 / e)));
         }
         minimax_rank::cuda::matmul::set_int8_mi(None);
+        minimax_rank::cuda::matmul::set_int8_linear_copies(None);
         run_8k(&mut m, 36)?;
         m.gpu().sync()?;
         m.gpu().profile_begin();

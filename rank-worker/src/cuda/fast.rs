@@ -57,8 +57,17 @@ pub enum GateUpKind {
     Reg(usize, bool),
     /// `moe_gate_up_pst_iq4_xs`: one wave of persistent blocks walking the (pair, 32-row)
     /// tasks with the next row always in flight (the default; inputs of at most 3072 columns,
-    /// else `Reg(2, true)`). Bit-identical to `Reg(2, true)`.
+    /// else `Reg(2, true)`). Bit-identical to `Reg(2, true)`. `MINIMAX_GU_REG=p`.
     Persist,
+    /// `moe_gate_up_psx_iq4_xs` (the default): `Persist` with the activations interleaved in
+    /// registers once per token and the cheaper codebook decode `iq4_lookup_il`
+    /// (kernels/fast.cu); bit-identical to `Persist`, 22.6 -> 20.2 us per M2.7 layer. Same
+    /// fallback.
+    PersistIl,
+    /// `moe_gate_up_psy_iq4_xs` (`MINIMAX_GU_REG=y`): `PersistIl` at two blocks per SM, the
+    /// token's activations in shared memory and one matrix row in flight per warp;
+    /// bit-identical, measured slower (23.9 us). Same fallback.
+    PersistSm,
 }
 
 static GU_OVR: AtomicU8 = AtomicU8::new(0);
@@ -71,6 +80,8 @@ impl GateUpKind {
             2 => return GateUpKind::Reg(2, true),
             3 => return GateUpKind::Reg(4, true),
             4 => return GateUpKind::Persist,
+            5 => return GateUpKind::PersistIl,
+            6 => return GateUpKind::PersistSm,
             _ => {}
         }
         static V: std::sync::OnceLock<GateUpKind> = std::sync::OnceLock::new();
@@ -80,7 +91,9 @@ impl GateUpKind {
             Ok("4n") => GateUpKind::Reg(4, false),
             Ok("2") => GateUpKind::Reg(2, true),
             Ok("2n") => GateUpKind::Reg(2, false),
-            _ => GateUpKind::Persist,
+            Ok("p") => GateUpKind::Persist,
+            Ok("y") => GateUpKind::PersistSm,
+            _ => GateUpKind::PersistIl,
         })
     }
 }
@@ -95,6 +108,8 @@ pub fn set_gate_up_kind(kind: Option<GateUpKind>) {
             Some(GateUpKind::Reg(4, _)) => 3,
             Some(GateUpKind::Reg(..)) => 2,
             Some(GateUpKind::Persist) => 4,
+            Some(GateUpKind::PersistIl) => 5,
+            Some(GateUpKind::PersistSm) => 6,
         },
         Ordering::Relaxed,
     );
@@ -188,6 +203,7 @@ pub fn set_kernel_overrides(mvq: Option<MvqKind>, down: Option<DownKind>, route_
             Some(DownKind::Reg4) => 2,
             Some(DownKind::Reg2) => 3,
             Some(DownKind::Persist) => 4,
+            Some(DownKind::Reg4Pre) => 5,
         },
         Ordering::Relaxed,
     );
@@ -250,8 +266,13 @@ pub fn set_route_mode(m: Option<RouteMode>) {
 pub enum DownKind {
     /// `moe_down_*` (run-4 kernel; `MINIMAX_DN=0`).
     Staged,
-    /// `moe_down_reg4_iq4_xs` (the default for IQ4_XS).
+    /// `moe_down_reg4_iq4_xs` (`MINIMAX_DN=4`).
     Reg4,
+    /// `moe_down_rx4_iq4_xs` (the default for IQ4_XS): `Reg4` with the routing and the first
+    /// weight round loaded before the PDL wait, so the down weights stream in while the gate/up
+    /// kernel finishes; bit-identical to `Reg4`. Needs a gate/up kernel (wait before trigger)
+    /// launched right before it, as the forward does (kernels/fast.cu says why).
+    Reg4Pre,
     /// `moe_down_reg2_iq4_xs` (`MINIMAX_DN=2`).
     Reg2,
     /// `moe_down_pst_iq4_xs` (`MINIMAX_DN=p`): one wave of persistent blocks walking (token,
@@ -268,14 +289,16 @@ impl DownKind {
             2 => return DownKind::Reg4,
             3 => return DownKind::Reg2,
             4 => return DownKind::Persist,
+            5 => return DownKind::Reg4Pre,
             _ => {}
         }
         static V: std::sync::OnceLock<DownKind> = std::sync::OnceLock::new();
         *V.get_or_init(|| match std::env::var("MINIMAX_DN").as_deref() {
             Ok("0") => DownKind::Staged,
             Ok("2") => DownKind::Reg2,
+            Ok("4") => DownKind::Reg4,
             Ok("p") => DownKind::Persist,
-            _ => DownKind::Reg4,
+            _ => DownKind::Reg4Pre,
         })
     }
 }
@@ -299,6 +322,93 @@ pub fn set_attn_fusion(on: Option<bool>) {
 
 /// Most attention splits `attn_dec6m_*` merges (`AD_MAXSPLIT`).
 pub const ATTN_FUSE_MAX_SPLIT: usize = 128;
+
+static PDL_PREFETCH: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_PDL_PREFETCH", true);
+static PDL_EARLY: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_PDL_EARLY", false);
+/// `u32::MAX` = no override of the parts (the environment decides).
+static PDL_PARTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(u32::MAX);
+
+/// Parts of the PDL pre-wait work (bits of [`set_pdl_parts`] / `MINIMAX_PDL_PARTS`): `mvqs_*p`
+/// (dense Q8_0 products, weight copies before the wait).
+pub const PDL_MVQS: u32 = 1;
+/// `router_topk_f32p` (router rows in registers before the wait; not a default part: slower).
+pub const PDL_ROUTER: u32 = 2;
+/// `qk_norm_rope_store_p_*` (norm weights and RoPE angles before the wait).
+pub const PDL_QK: u32 = 4;
+/// `mvmma_q8_0p` (first ring chunks before the wait).
+pub const PDL_MMA: u32 = 8;
+/// `mvqs_q8_0_*s2p` (2 rows per warp of 4, the whole q/k/v grid resident) for rows of up to
+/// 12 chunks and 1 to 3 vectors, instead of `mvqs_*p`.
+pub const PDL_MVQS2: u32 = 16;
+/// `norm_q8e` (early trigger; not a default part: slower).
+pub const PDL_NORM_EARLY: u32 = 32;
+/// `attn_merge6e` (early trigger; not a default part: slower).
+pub const PDL_MERGE_EARLY: u32 = 64;
+/// The parts [`pdl_prefetch`] turns on (the default): those measured faster (docs/CUDA.md).
+pub const PDL_PREFETCH_PARTS: u32 = PDL_MVQS | PDL_QK | PDL_MMA | PDL_MVQS2;
+/// Both early triggers ([`pdl_early`], `MINIMAX_PDL_EARLY=1`).
+pub const PDL_EARLY_PARTS: u32 = PDL_NORM_EARLY | PDL_MERGE_EARLY;
+/// Every part.
+pub const PDL_ALL_PARTS: u32 = PDL_PREFETCH_PARTS | PDL_ROUTER | PDL_EARLY_PARTS;
+
+/// Whether the fast path's weight-reading kernels start their weight loads before waiting for
+/// the previous kernel ([`PDL_PREFETCH_PARTS`]: `mvqs_*p` / `mvqs_*s2p`, `mvmma_q8_0p`,
+/// `qk_norm_rope_store_p_*`; `MINIMAX_PDL_PREFETCH=0` = the plain kernels). Bit-identical.
+pub fn pdl_prefetch() -> bool {
+    PDL_PREFETCH.get()
+}
+
+/// Overrides [`pdl_prefetch`] (A/B runs and tests; `None` = back to the environment). Drop
+/// captured graphs after a change (`CudaModel::clear_graphs`).
+pub fn set_pdl_prefetch(on: Option<bool>) {
+    PDL_PREFETCH.set(on);
+}
+
+/// Whether `norm_q8` and `attn_merge6` let the next kernel launch before they wait for the
+/// previous one (`norm_q8e`, `attn_merge6e`; `MINIMAX_PDL_EARLY=1`; off by default: slower
+/// on an H200, docs/CUDA.md), so the next kernel's pre-wait loads overlap more.
+pub fn pdl_early() -> bool {
+    PDL_EARLY.get()
+}
+
+/// Overrides [`pdl_early`] (A/B runs and tests; `None` = back to the environment). Drop
+/// captured graphs after a change (`CudaModel::clear_graphs`).
+pub fn set_pdl_early(on: Option<bool>) {
+    PDL_EARLY.set(on);
+}
+
+/// Overrides both flags with a set of `PDL_*` parts (A/B runs and tests; `None` = back to the
+/// environment: `MINIMAX_PDL_PARTS=N`, a decimal set of bits, else the two flags). Drop
+/// captured graphs after a change.
+pub fn set_pdl_parts(parts: Option<u32>) {
+    PDL_PARTS.store(parts.map(|p| p & PDL_ALL_PARTS).unwrap_or(u32::MAX), Ordering::Relaxed);
+}
+
+/// Whether PDL part `bit` (a `PDL_*` constant) is on.
+pub fn pdl_part(bit: u32) -> bool {
+    static ENV: std::sync::OnceLock<Option<u32>> = std::sync::OnceLock::new();
+    let p = PDL_PARTS.load(Ordering::Relaxed);
+    if p != u32::MAX {
+        return p & bit != 0;
+    }
+    if let Some(e) = *ENV.get_or_init(|| std::env::var("MINIMAX_PDL_PARTS").ok().and_then(|v| v.trim().parse::<u32>().ok())) {
+        return e & bit != 0;
+    }
+    (pdl_prefetch() && bit & PDL_PREFETCH_PARTS != 0) || (pdl_early() && bit & PDL_EARLY_PARTS != 0)
+}
+
+/// Name of the fused q/k norm + RoPE + KV store kernel for the cache type `kvs`: the
+/// tensor-parallel form (`tp`: whole-row sums of squares from an all-reduce) or, with
+/// [`pdl_prefetch`], the form that loads the norm weights and RoPE angles before its wait.
+pub fn qk_norm_rope_name(tp: bool, kvs: &str) -> String {
+    if tp {
+        format!("qk_norm_rope_store_tp_{kvs}")
+    } else if pdl_part(PDL_QK) {
+        format!("qk_norm_rope_store_p_{kvs}")
+    } else {
+        format!("qk_norm_rope_store_{kvs}")
+    }
+}
 
 static ATTN_MMA: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ATTN_MMA", true);
 
@@ -348,6 +458,10 @@ pub const GRP_MAX_E: usize = 1024;
 
 /// Largest expert count and top-k of `moe_route_fast` (scores in registers, one warp).
 pub const ROUTE_FAST_MAX_E: usize = 256;
+
+/// Widest router row `router_topk_f32p` holds in registers (`RT_PRE` x 32 lanes x 4 floats);
+/// wider rows take `router_topk_f32`.
+pub const ROUTER_PRE_MAX_COLS: usize = 24 * 32 * 4;
 
 /// Arguments of the three-segment dense kernels (`mvq_*`, `mvqs_*`, fast_kq.cu's `kq_mv_*`):
 /// (W, row bytes, rows, y, y stride) per segment (zeros past `segs`), then `nblk` (row units
@@ -455,7 +569,7 @@ impl Gpu {
             return Err(CudaError::Shape(format!("norm_q8: width {n} is not a multiple of 32 or above {}", NQ_MAXV * 1024)));
         }
         self.launch_pdl(
-            "norm_q8",
+            if pdl_part(PDL_NORM_EARLY) { "norm_q8e" } else { "norm_q8" },
             (nrows as u32, 1, 1),
             1024,
             0,
@@ -509,7 +623,8 @@ impl Gpu {
         let (args, rows) = mv_args(segs, nchunks, xq, xd, ncol, nv, accumulate);
         let mma = ty == GgmlType::Q8_0 && (kind == MvqKind::Mma || (kind == MvqKind::Auto && nv >= MMA_MIN_TOKENS));
         if mma {
-            return self.launch_pdl("mvmma_q8_0", (ceil_div(rows, 16), ceil_div(nv, 32), 1), 128, MVMMA_SMEM as u32, &args);
+            let name = if pdl_part(PDL_MMA) { "mvmma_q8_0p" } else { "mvmma_q8_0" };
+            return self.launch_pdl(name, (ceil_div(rows, 16), ceil_div(nv, 32), 1), 128, MVMMA_SMEM as u32, &args);
         }
         let (name, warps) = match kind {
             _ if ty != GgmlType::Q8_0 => (format!("mvq_{}_{nt}", tn(ty)), 8),
@@ -519,6 +634,12 @@ impl Gpu {
             _ if nchunks > 12 => (format!("mvqs_q8_0_{nt}l"), 4),
             _ => (format!("mvqs_q8_0_{nt}s"), 8),
         };
+        // mvqs_*p: the weight copies start before the wait for the previous kernel; s2p: 2 rows
+        // per warp of 4 (rows of up to 12 chunks, 1 to 4 vectors).
+        if name.starts_with("mvqs") && nchunks <= 12 && nt <= 4 && pdl_part(PDL_MVQS2) {
+            return self.launch_pdl(&format!("mvqs_q8_0_{nt}s2p"), (ceil_div(rows, 8), ceil_div(nv, nt), 1), 128, 0, &args);
+        }
+        let name = if name.starts_with("mvqs") && pdl_part(PDL_MVQS) { name + "p" } else { name };
         self.launch_pdl(&name, (ceil_div(rows, warps), ceil_div(nv, nt), 1), 32 * warps as u32, 0, &args)
     }
 
@@ -534,8 +655,10 @@ impl Gpu {
             minimax_shared::model::GatingFunc::Sigmoid => 2,
             minimax_shared::model::GatingFunc::Softmax => 1,
         };
+        // router_topk_f32p: the weight row in registers before the wait (rows of <= 3072).
+        let pre = pdl_part(PDL_ROUTER) && w.cols <= ROUTER_PRE_MAX_COLS;
         self.launch_pdl(
-            "router_topk_f32",
+            if pre { "router_topk_f32p" } else { "router_topk_f32" },
             (ceil_div(w.rows, 4), nt as u32, 1),
             128,
             0,
@@ -611,14 +734,19 @@ impl Gpu {
         }
         let iq4 = gate.ty == GgmlType::IQ4_XS;
         let kind = match kind {
-            GateUpKind::Persist if iq4 && gate.cols / 32 > PST_GU_UNITS => GateUpKind::Reg(2, true),
+            GateUpKind::Persist | GateUpKind::PersistIl | GateUpKind::PersistSm if iq4 && gate.cols / 32 > PST_GU_UNITS => GateUpKind::Reg(2, true),
             _ if !iq4 => GateUpKind::Staged,
             kd => kd,
         };
         let mut args = gate_up_args(gate, up, &[Arg::I((gate.row_bytes / CH) as i32), Arg::P(ids), Arg::I(k as i32)], xq, xd, aq, ad, ld);
         let (name, threads, grid) = match kind {
-            GateUpKind::Persist => {
-                let name = "moe_gate_up_pst_iq4_xs".to_string();
+            GateUpKind::Persist | GateUpKind::PersistIl | GateUpKind::PersistSm => {
+                let name = match kind {
+                    GateUpKind::Persist => "moe_gate_up_pst_iq4_xs",
+                    GateUpKind::PersistIl => "moe_gate_up_psx_iq4_xs",
+                    _ => "moe_gate_up_psy_iq4_xs",
+                }
+                .to_string();
                 let tasks = npairs * (gate.rows / 32);
                 args.extend([Arg::I(npairs as i32), Arg::I(gate.rows as i32)]);
                 let g = self.resident_blocks(&name, 512)?.min(tasks);
@@ -784,7 +912,8 @@ impl Gpu {
             }
             None => {
                 self.launch_pdl(&name, grid, 128, smem, &args)?;
-                self.launch_pdl("attn_merge6", ((kv_heads * GQA) as u32, nt as u32, 1), 128, 0, &[Arg::P(part), Arg::I(kv_heads as i32), Arg::I(nsplit as i32), Arg::P(out), Arg::L(os as i64), Arg::P(aq), Arg::P(ad), Arg::P(pos)])
+                let merge = if pdl_part(PDL_MERGE_EARLY) { "attn_merge6e" } else { "attn_merge6" };
+                self.launch_pdl(merge, ((kv_heads * GQA) as u32, nt as u32, 1), 128, 0, &[Arg::P(part), Arg::I(kv_heads as i32), Arg::I(nsplit as i32), Arg::P(out), Arg::L(os as i64), Arg::P(aq), Arg::P(ad), Arg::P(pos)])
             }
         }
     }
@@ -812,6 +941,7 @@ impl Gpu {
                 (name.to_string(), (g as u32, 1, 1))
             }
             DownKind::Reg4 if reg => ("moe_down_reg4_iq4_xs".to_string(), (ceil_div(down.rows, 2), nt as u32, 1)),
+            DownKind::Reg4Pre if reg => ("moe_down_rx4_iq4_xs".to_string(), (ceil_div(down.rows, 2), nt as u32, 1)),
             DownKind::Reg2 if reg => ("moe_down_reg2_iq4_xs".to_string(), (ceil_div(down.rows, 4), nt as u32, 1)),
             _ => (format!("moe_down_{}", tn(down.ty)), (ceil_div(down.rows, 8), nt as u32, 1)),
         };

@@ -31,14 +31,14 @@ pub enum GemmPrecision {
     /// W and X rounded to bf16 (8 significant bits, ~2e-3 relative per product): fastest.
     Bf16,
     /// W and X split into hi + lo bf16 parts, three MMAs (hi·hi + hi·lo + lo·hi): ~16
-    /// significant bits, within ~1e-5 relative of the f32 matvec. The default, and what the
-    /// fixture comparisons pin (router near-ties of small models re-route under bf16/int8).
+    /// significant bits, within ~1e-5 relative of the f32 matvec. What the fixture
+    /// comparisons pin (router near-ties of small models re-route under bf16/int8);
+    /// `MINIMAX_GEMM=bf16x3`.
     Bf16x3,
     /// IQ4_XS and Q8_0 weights as int8 with X quantized to int8 per 32 columns (f32 scale, as
     /// the decode path's activations): one int8 MMA per 32 columns, ~4e-3 relative per product.
-    /// Other types take the `Bf16x3` kernels. Opt-in for now: at M2.7 size its logits are
-    /// within ~1e-2 of `Bf16x3`'s (the decode path's own q8 error) and prefill is 1.5-1.7x
-    /// faster; making it the default needs one GPU run of the suites with the test pins.
+    /// Other types take the `Bf16x3` kernels. The default: at M2.7 size its logits are within
+    /// ~1e-2 of `Bf16x3`'s (the decode path's own q8 error) and prefill is 1.5-1.7x faster.
     Int8,
 }
 
@@ -58,8 +58,9 @@ impl GemmPrecision {
 /// 0: not chosen yet (read `MINIMAX_GEMM` on first use), else the passes (1, 3 or 8 = int8).
 static PRECISION: AtomicU8 = AtomicU8::new(0);
 
-/// The process-wide GEMM precision: `MINIMAX_GEMM=bf16`, `bf16x3` (default) or `int8`, or
-/// what [`set_gemm_precision`] set.
+/// The process-wide GEMM precision: `MINIMAX_GEMM=bf16`, `bf16x3` or `int8` (the default:
+/// 1.5-1.7x faster prefill, logits within the decode path's own q8 error at M2.7 size; see
+/// docs/CUDA.md "int8 path"), or what [`set_gemm_precision`] set.
 pub fn gemm_precision() -> GemmPrecision {
     match PRECISION.load(Ordering::Relaxed) {
         1 => GemmPrecision::Bf16,
@@ -68,8 +69,8 @@ pub fn gemm_precision() -> GemmPrecision {
         _ => {
             let p = match std::env::var("MINIMAX_GEMM").as_deref() {
                 Ok("bf16") => GemmPrecision::Bf16,
-                Ok("int8") => GemmPrecision::Int8,
-                _ => GemmPrecision::Bf16x3,
+                Ok("bf16x3") => GemmPrecision::Bf16x3,
+                _ => GemmPrecision::Int8,
             };
             PRECISION.store(p.passes() as u8, Ordering::Relaxed);
             p
@@ -183,20 +184,62 @@ fn int8_stages(ty: GgmlType, bm: usize) -> Option<usize> {
     }
 }
 
+/// Warp layout of the int8 kernels forced by `MINIMAX_I8_MI` (1, 2 or 4; 0: the default).
+static I8_MI: AtomicU8 = AtomicU8::new(u8::MAX);
+
+/// Forces the int8 kernels' warp layout (`Some(1 | 2 | 4)`: m16 tiles a warp, see [`int8_mi`])
+/// or restores the default (`None`: `MINIMAX_I8_MI` if set, else 1); for benchmarks and tests.
+pub fn set_int8_mi(mi: Option<usize>) {
+    I8_MI.store(mi.filter(|m| matches!(m, 1 | 2 | 4)).map(|m| m as u8).unwrap_or(u8::MAX), Ordering::Relaxed);
+}
+
+/// m16 tiles a warp of the int8 kernels at token tile `bm`: 1 (the default; `mm_i8_*`: 8 warps
+/// of 16 rows, each all tokens), 2 (`mm_i8m2_*`: 4 x 2 warps of 32 rows x bm/2 tokens) or 4 (`mm_i8m4_*`,
+/// 32 and 64 tokens: 2 x 4 warps of 64 rows x bm/4 tokens). Larger warp tiles reuse each
+/// shared-memory fragment and X scale over more MMAs.
+pub fn int8_mi(bm: usize) -> usize {
+    let forced = match I8_MI.load(Ordering::Relaxed) {
+        u8::MAX => {
+            let v = std::env::var("MINIMAX_I8_MI").ok().and_then(|v| v.parse::<usize>().ok()).filter(|m| matches!(m, 1 | 2 | 4)).unwrap_or(0);
+            I8_MI.store(v as u8, Ordering::Relaxed);
+            v
+        }
+        v => v as usize,
+    };
+    match forced {
+        4 if bm == 16 => 2,
+        // Measured (H200, synthetic M2.7): 1 is fastest at 512 tokens and in 4096-token chunks
+        // (2 and 4 run more dequantization and scale decoding per MMA).
+        0 => 1,
+        m => m,
+    }
+}
+
+/// Linear weight copies in the int8 kernels (the default: consecutive threads take consecutive
+/// 16-byte pieces of the tile) or, with `MINIMAX_I8_WLOAD_LINEAR=0`, two threads a row (fewer
+/// instructions a copy, but measured 1.5-2% slower at M2.7 size: docs/CUDA.md "int8 path").
+static I8_WLIN: EnvFlag = EnvFlag::new("MINIMAX_I8_WLOAD_LINEAR", true);
+
+/// Forces the int8 kernels' weight-copy scheme (`Some(true)`: linear, `Some(false)`: two
+/// threads a row) or restores the default (`None`); for benchmarks and tests.
+pub fn set_int8_linear_copies(on: Option<bool>) {
+    I8_WLIN.set(on);
+}
+
 /// Dynamic shared memory of one int8 block (`mi_smem`): stages of raw rows, int8 X tile and
-/// X scales, per-warp weight scales, row maps.
-fn int8_smem(g: FastGeom, bm: usize, st: usize) -> usize {
+/// X scales, per-warp weight scales (`mi` m16 tiles a warp), row maps.
+fn int8_smem(g: FastGeom, bm: usize, st: usize, mi: usize) -> usize {
     let sb = g.ks / g.be * g.bb;
     let sp = 16 * (((sb + 15) / 16 + 1) | 1);
     let stage = BN * sp + bm * g.ks + bm * (g.ks / 32) * 8;
-    st * stage + 8 * (g.ks / 32) * 8 * 8 + 2 * bm * 4
+    st * stage + 8 * mi * (g.ks / 32) * 8 * 8 + 2 * bm * 4
 }
 
 /// Dynamic shared memory of one fast-path block for `passes` (1 / 3: `mq_smem` with X in 1 or
 /// 2 bf16 planes; [`INT8_PASSES`]: `mi_smem`).
 fn fast_smem_for(ty: GgmlType, g: FastGeom, bm: usize, passes: usize) -> Option<usize> {
     if passes == INT8_PASSES {
-        int8_stages(ty, bm).map(|st| int8_smem(g, bm, st))
+        int8_stages(ty, bm).map(|st| int8_smem(g, bm, st, int8_mi(bm)))
     } else {
         Some(fast_smem(g, bm, if passes == 1 { 1 } else { 2 }))
     }
@@ -557,7 +600,12 @@ impl Gpu {
         let ty = w.ty.name().to_ascii_lowercase();
         let Some(sm) = fast_smem_for(w.ty, g, bm, passes) else { return Err(CudaError::Shape(format!("{kind}: no int8 kernel for {ty} at {bm} tokens"))) };
         let name = if passes == INT8_PASSES {
-            format!("{kind}_i8_{ty}_{bm}")
+            let tag = match int8_mi(bm) {
+                4 => "m4",
+                2 => "m2",
+                _ => "",
+            };
+            format!("{kind}_i8{tag}_{ty}_{bm}")
         } else {
             let suffix = if bm == 32 && gemm_compact() { "c" } else { "" };
             format!("{kind}_f_{ty}_{bm}{suffix}_p{passes}")
@@ -572,7 +620,12 @@ impl Gpu {
         if parts > 1 && (passes != INT8_PASSES || groups.is_some()) {
             return Err(CudaError::Shape(format!("{name}: no split K")));
         }
-        let mut st: Vec<Arg> = if passes == INT8_PASSES { vec![Arg::I(int8_stages(w.ty, bm).unwrap_or(3) as i32)] } else { Vec::new() };
+        let mut st: Vec<Arg> = if passes == INT8_PASSES {
+            // Stage count, + 16 for linear weight copies (kernel argument `st`).
+            vec![Arg::I(int8_stages(w.ty, bm).unwrap_or(3) as i32 + if I8_WLIN.get() { 16 } else { 0 })]
+        } else {
+            Vec::new()
+        };
         if passes == INT8_PASSES && groups.is_none() {
             st.extend([Arg::I(kz as i32), Arg::L((n * w.rows) as i64)]);
         }

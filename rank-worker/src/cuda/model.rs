@@ -410,7 +410,7 @@ impl CudaModel {
             if tp {
                 qk_args.extend([Arg::P(ssp), Arg::I((c.n_heads * c.head_dim) as i32), Arg::I((c.n_kv_heads * c.head_dim) as i32)]);
             }
-            let qk_name = if tp { format!("qk_norm_rope_store_tp_{kvs}") } else { format!("qk_norm_rope_store_{kvs}") };
+            let qk_name = super::fast::qk_norm_rope_name(tp, kvs);
             g.launch_pdl(&qk_name, (nt as u32, 2, 1), 1024, 0, &qk_args)?;
             g.attn_decode(kvs, p(&ws.q), qw, kc, vc, (m_pos, m_seq, m_ptoff, m_pts), self.page_size, self.kv_heads, nsplit, scale, p(&ws.part), p(&ws.att), ow, xq, xd, acnt, nt)?;
             g.matvec_q8_any(&[(&l.wo, hid, h)], xq, xd, ow, nt, lead)?;
