@@ -1818,6 +1818,19 @@ __device__ __forceinline__ float iq4_decode(uint2 h, uint2 qa, uint2 qb, int sb,
     int ls = ((h.y >> (4 * sb)) & 15) | (((h.x >> (16 + 2 * sb)) & 3) << 4);
     return f16_to_f32((u16)(h.x & 0xffffu)) * (float)(ls - 32);
 }
+// iq4_decode, with PIN through iq4_lookup_lh over the codebook words t0 / t2 (pinned by the
+// caller with iq4_pin; same bytes as iq4_lookup), else iq4_decode itself.
+template <bool PIN>
+__device__ __forceinline__ float iq4_decode_t(uint2 h, uint2 qa, uint2 qb, int sb, u32 (&lo)[4], u32 (&hi)[4], u32 t0,
+                                              u32 t2) {
+    if (!PIN) return iq4_decode(h, qa, qb, sb, lo, hi);
+    iq4_lookup_lh(qa.x, lo[0], hi[0], t0, t2);
+    iq4_lookup_lh(qa.y, lo[1], hi[1], t0, t2);
+    iq4_lookup_lh(qb.x, lo[2], hi[2], t0, t2);
+    iq4_lookup_lh(qb.y, lo[3], hi[3], t0, t2);
+    int ls = ((h.y >> (4 * sb)) & 15) | (((h.x >> (16 + 2 * sb)) & 3) << 4);
+    return f16_to_f32((u16)(h.x & 0xffffu)) * (float)(ls - 32);
+}
 __device__ __forceinline__ int iq4_dot(const u32 (&lo)[4], const u32 (&hi)[4], int4 xa, int4 xb) {
     int s = __dp4a((int)lo[0], xa.x, 0);
     s = __dp4a((int)lo[1], xa.y, s);
@@ -1837,10 +1850,10 @@ __device__ __forceinline__ int iq4_dot(const u32 (&lo)[4], const u32 (&hi)[4], i
 // input. Per-(row, pair) sums collect in shared memory across column rounds; then per pair
 // act = silu(g) * u over the 32 rows -> q8 (aq [p][ld], ad [p][ld / 32]), as moe_gate_up.
 // grid (ff / 32, max slots), block 256; slots >= grp[0] exit.
-extern "C" __global__ void __launch_bounds__(256) moe_gate_up_grp_iq4_xs(const u8* G, const u8* U, i64 rb, i64 es,
-                                                                         const int* grp, int E, int k, const i8* xq,
-                                                                         const float* xd, int ncol, i8* aq, float* ad,
-                                                                         int ld) {
+template <bool PIN>
+__device__ __forceinline__ void moe_gate_up_grp_impl(const u8* G, const u8* U, i64 rb, i64 es, const int* grp, int E,
+                                                     int k, const i8* xq, const float* xd, int ncol, i8* aq, float* ad,
+                                                     int ld) {
     pdl_enter();
     __shared__ float sg[32][GG_MAXC + 1], su[32][GG_MAXC + 1];
     int slot = blockIdx.y;
@@ -1850,6 +1863,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_grp_iq4_xs(const u
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     i64 eoff = (i64)e * es;
     int nu = ncol >> 5;
+    u32 t0 = IQ4_T0, t2 = IQ4_T2;
+    if (PIN) iq4_pin((u32)(rb >> 62) & threadIdx.x, t0, t2);
 #pragma unroll
     for (int r = 0; r < GG_ROWS; r++)
         for (int ci = lane; ci < c; ci += 32) sg[warp * GG_ROWS + r][ci] = su[warp * GG_ROWS + r][ci] = 0.f;
@@ -1866,8 +1881,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_grp_iq4_xs(const u
             for (int i = 0; i < GR_XU; i++) {
                 int un = ub0 + lane + 32 * i;
                 if (un < nu) {
-                    gs[i] = iq4_decode(w.gh[i], w.ga[i], w.gb[i], un & 7, glo[i], ghi[i]);
-                    us[i] = iq4_decode(w.uh[i], w.ua[i], w.ub[i], un & 7, ulo[i], uhi[i]);
+                    gs[i] = iq4_decode_t<PIN>(w.gh[i], w.ga[i], w.gb[i], un & 7, glo[i], ghi[i], t0, t2);
+                    us[i] = iq4_decode_t<PIN>(w.uh[i], w.ua[i], w.ub[i], un & 7, ulo[i], uhi[i], t0, t2);
                 }
             }
             for (int ci = 0; ci < c; ci++) {
@@ -1903,15 +1918,31 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_grp_iq4_xs(const u
     }
 }
 
+// moe_gate_up_grp_iq4_xs decodes with iq4_lookup (its codebook words re-materialized before
+// every prmt); moe_gate_up_grpp_iq4_xs, the default, with iq4_lookup_lh over codebook words
+// pinned in registers (iq4_pin): the same bytes, so bit-identical.
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_grp_iq4_xs(const u8* G, const u8* U, i64 rb, i64 es,
+                                                                         const int* grp, int E, int k, const i8* xq,
+                                                                         const float* xd, int ncol, i8* aq, float* ad,
+                                                                         int ld) {
+    moe_gate_up_grp_impl<false>(G, U, rb, es, grp, E, k, xq, xd, ncol, aq, ad, ld);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_gate_up_grpp_iq4_xs(const u8* G, const u8* U, i64 rb, i64 es,
+                                                                          const int* grp, int E, int k, const i8* xq,
+                                                                          const float* xd, int ncol, i8* aq, float* ad,
+                                                                          int ld) {
+    moe_gate_up_grp_impl<true>(G, U, rb, es, grp, E, k, xq, xd, ncol, aq, ad, ld);
+}
+
 #define DG_U 3  // units per lane and round of the grouped down
 
 // Grouped IQ4_XS down: block (16 rows, slot), warp w takes rows r0 = 16 bx + 2 w and r0 + 1 (the
 // units of both rows as one list, DG_U per lane and round), decodes them once and dots them with
 // every routed pair's activations: dpart[p][r] = down[e] row r . act[p] (unweighted; combined
 // per token by moe_combine_grp). grid (ceil(rows / 16), max slots), block 256.
-extern "C" __global__ void __launch_bounds__(256) moe_down_grp_iq4_xs(const u8* W, i64 rb, i64 es, int rows,
-                                                                      const int* grp, int E, const i8* aq,
-                                                                      const float* ad, int ff, float* dpart) {
+template <bool PIN>
+__device__ __forceinline__ void moe_down_grp_impl(const u8* W, i64 rb, i64 es, int rows, const int* grp, int E,
+                                                  const i8* aq, const float* ad, int ff, float* dpart) {
     pdl_enter();
     __shared__ float sacc[8][2][GG_MAXC];
     int slot = blockIdx.y;
@@ -1921,6 +1952,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_grp_iq4_xs(const u8* 
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int r0 = blockIdx.x * 16 + warp * 2;
     int upe = ff >> 5, nu = 2 * upe;
+    u32 t0 = IQ4_T0, t2 = IQ4_T2;
+    if (PIN) iq4_pin((u32)(rb >> 62) & threadIdx.x, t0, t2);
     for (int ci = lane; ci < c; ci += 32) sacc[warp][0][ci] = sacc[warp][1][ci] = 0.f;
     __syncwarp();
     const u8* wb = W + (i64)e * es;
@@ -1945,7 +1978,7 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_grp_iq4_xs(const u8* 
         float sc[DG_U];
 #pragma unroll
         for (int i = 0; i < DG_U; i++)
-            if (ok[i]) sc[i] = iq4_decode(h[i], qa[i], qb[i], uu[i] & 7, lo[i], hi[i]);
+            if (ok[i]) sc[i] = iq4_decode_t<PIN>(h[i], qa[i], qb[i], uu[i] & 7, lo[i], hi[i], t0, t2);
         for (int ci = 0; ci < c; ci++) {
             i64 p = pairs[ci];
             float s0 = 0.f, s1 = 0.f;
@@ -1972,6 +2005,19 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_grp_iq4_xs(const u8* 
         if (r0 < rows) dpart[p * rows + r0] = sacc[warp][0][ci];
         if (r0 + 1 < rows) dpart[p * rows + r0 + 1] = sacc[warp][1][ci];
     }
+}
+
+// moe_down_grpp_iq4_xs (the default): moe_down_grp_iq4_xs with iq4_lookup_lh over pinned
+// codebook words, bit-identical (see moe_gate_up_grpp_iq4_xs).
+extern "C" __global__ void __launch_bounds__(256) moe_down_grp_iq4_xs(const u8* W, i64 rb, i64 es, int rows,
+                                                                      const int* grp, int E, const i8* aq,
+                                                                      const float* ad, int ff, float* dpart) {
+    moe_down_grp_impl<false>(W, rb, es, rows, grp, E, aq, ad, ff, dpart);
+}
+extern "C" __global__ void __launch_bounds__(256) moe_down_grpp_iq4_xs(const u8* W, i64 rb, i64 es, int rows,
+                                                                       const int* grp, int E, const i8* aq,
+                                                                       const float* ad, int ff, float* dpart) {
+    moe_down_grp_impl<true>(W, rb, es, rows, grp, E, aq, ad, ff, dpart);
 }
 
 // Grouped IQ4_XS down on tensor cores (opt-in, MINIMAX_GRP_MMA=1: measured only slightly faster

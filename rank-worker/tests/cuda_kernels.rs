@@ -726,7 +726,7 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
 }
 
 /// The grouped MoE of steps of several tokens (`moe_group`, `moe_gate_up_grp_iq4_xs`,
-/// `moe_down_grp_iq4_xs`, `moe_combine_grp`) against the CPU: experts shared by several tokens
+/// `moe_down_grp_iq4_xs`, `moe_combine_grp`; the `grpp` variants bit for bit) against the CPU: experts shared by several tokens
 /// (one by every token), column rounds with a partial last one (gate/up: 112 units = 96 + 16;
 /// down: 2 x 80 units = 96 + 64), output rows not a multiple of the 16-row block.
 #[test]
@@ -768,8 +768,20 @@ fn fast_grouped_moe_matches_cpu() {
     let aq = g.zeros::<i8>(nt * k * ff).unwrap();
     g.fill_u32(g.ptr(&aq), nt * k * ff / 4, 0x7f7f_7f7f).unwrap();
     let ad = poisoned(&g, nt * k * ff / 32);
+    // The decode through pinned codebook words (`moe_*_grpp_*`) must give the plain kernels' bits.
+    minimax_rank::cuda::fast::set_grp_pin(Some(false));
     g.moe_gate_up_grp(&gm, &um, g.ptr(&grp), e, nslots, k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), ff).unwrap();
     let (gaq, gad) = (g.download(&aq).unwrap(), g.download(&ad).unwrap());
+    minimax_rank::cuda::fast::set_grp_pin(Some(true));
+    {
+        let aq2 = g.zeros::<i8>(nt * k * ff).unwrap();
+        g.fill_u32(g.ptr(&aq2), nt * k * ff / 4, 0x7f7f_7f7f).unwrap();
+        let ad2 = poisoned(&g, nt * k * ff / 32);
+        g.moe_gate_up_grp(&gm, &um, g.ptr(&grp), e, nslots, k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq2), g.ptr(&ad2), ff).unwrap();
+        let (paq, pad) = (g.download(&aq2).unwrap(), g.download(&ad2).unwrap());
+        assert!(gaq == paq, "grouped gate/up with pinned codebook words: q8 codes differ from the plain kernel");
+        assert!(gad.iter().zip(&pad).all(|(a, b)| a.to_bits() == b.to_bits()), "grouped gate/up with pinned codebook words: q8 scales differ");
+    }
     let gdeq = quant::dequantize_to_vec(ty, &gate, e * ff * h).unwrap();
     let udeq = quant::dequantize_to_vec(ty, &upw, e * ff * h).unwrap();
     let mut worst = 0f32;
@@ -787,7 +799,15 @@ fn fast_grouped_moe_matches_cpu() {
         }
     }
     let dpart = poisoned(&g, nt * k * hrows);
-    g.moe_down_grp(&dm, g.ptr(&grp), e, nslots, g.ptr(&aq), g.ptr(&ad), g.ptr(&dpart)).unwrap();
+    g.moe_down_grp_with(false, &dm, g.ptr(&grp), e, nslots, g.ptr(&aq), g.ptr(&ad), g.ptr(&dpart)).unwrap();
+    {
+        minimax_rank::cuda::fast::set_grp_pin(Some(false));
+        let plain = poisoned(&g, nt * k * hrows);
+        g.moe_down_grp_with(false, &dm, g.ptr(&grp), e, nslots, g.ptr(&aq), g.ptr(&ad), g.ptr(&plain)).unwrap();
+        let (a, b) = (g.download(&dpart).unwrap(), g.download(&plain).unwrap());
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "grouped down with pinned codebook words differs from the plain kernel");
+        minimax_rank::cuda::fast::set_grp_pin(None);
+    }
     let hid0 = rng.vec(nt * (hrows + 1), 1.0);
     let hb = g.upload(&hid0).unwrap();
     g.moe_combine_grp(g.ptr(&dpart), g.ptr(&wb), k, hrows, g.ptr(&hb), hrows + 1, nt).unwrap();

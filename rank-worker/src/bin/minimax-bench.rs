@@ -586,6 +586,21 @@ fn main() -> anyhow::Result<()> {
             print_split(&profile_step(&mut m, b)?, "batch-32 decode step");
         }
         table.push((format!("aggregate decode tok/s, batch {b} (forward / graph replay)"), format!("{:.0} / {:.0}", b as f64 * 1e3 / per, b as f64 * 1e3 / rep)));
+        if b >= 4 {
+            // Grouped kernels decoding through iq4_lookup or through pinned codebook words
+            // (graph replay, twice each, alternating); then back to the environment's choice.
+            let mut r = [0f64; 2];
+            for (i, pin) in [false, true, false, true].into_iter().enumerate() {
+                minimax_rank::cuda::fast::set_grp_pin(Some(pin));
+                m.clear_graphs();
+                fin &= stream_step(&mut m, &pts, &mut toks, steps + i)?;
+                r[pin as usize] += replay_ms(&mut m, b, 10)? / 2.0;
+            }
+            minimax_rank::cuda::fast::set_grp_pin(None);
+            m.clear_graphs();
+            println!("decode batch {b}, grouped MoE decode iq4_lookup / pinned codebook: {:.3} / {:.3} ms per step ({:.0} / {:.0} tok/s), finite {fin}", r[0], r[1], b as f64 * 1e3 / r[0], b as f64 * 1e3 / r[1]);
+            table.push((format!("batch {b} graph replay, grouped MoE decode iq4_lookup / pinned (tok/s)"), format!("{:.0} / {:.0}", b as f64 * 1e3 / r[0], b as f64 * 1e3 / r[1])));
+        }
     }
 
     // Decode at 32k context: K/V of 32768 cached positions filled randomly (no prefill).

@@ -451,6 +451,36 @@ pub fn use_grouped(nt: usize, gate: &DevMat, down: &DevMat, n_experts: usize) ->
     min > 0 && nt >= min && (iq4 || kq) && n_experts <= GRP_MAX_E
 }
 
+static GRP_PIN_OVR: AtomicU8 = AtomicU8::new(0);
+
+/// Whether the grouped IQ4_XS gate/up and down (dp4a) decode through `iq4_lookup_lh` over
+/// codebook words pinned in registers (`moe_*_grpp_iq4_xs`) instead of `iq4_lookup`, whose
+/// constants ptxas re-materializes before every `prmt` (bit-identical):
+/// [`set_grp_pin`] if set, else `MINIMAX_GRP_PIN` (`0` = `iq4_lookup`; default on).
+pub fn grp_pin() -> bool {
+    match GRP_PIN_OVR.load(Ordering::Relaxed) {
+        1 => false,
+        2 => true,
+        _ => {
+            static ON: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_GRP_PIN", true);
+            ON.get()
+        }
+    }
+}
+
+/// Overrides [`grp_pin`] (A/B runs and tests; `None` = back to the environment). Drop
+/// captured graphs after a change.
+pub fn set_grp_pin(on: Option<bool>) {
+    GRP_PIN_OVR.store(
+        match on {
+            None => 0,
+            Some(false) => 1,
+            Some(true) => 2,
+        },
+        Ordering::Relaxed,
+    );
+}
+
 /// Most tokens (pairs per expert) of the grouped MoE kernels (`GG_MAXC` in kernels/fast.cu).
 pub const GG_MAXC: usize = 32;
 /// Most experts `moe_group` handles (its shared-memory tables).
@@ -792,7 +822,7 @@ impl Gpu {
             return Err(CudaError::Shape(format!("moe_gate_up_grp: {:?} {}x{} (ld {ld})", gate.ty, gate.rows, gate.cols)));
         }
         self.launch_pdl(
-            "moe_gate_up_grp_iq4_xs",
+            if grp_pin() { "moe_gate_up_grpp_iq4_xs" } else { "moe_gate_up_grp_iq4_xs" },
             ((gate.rows / 32) as u32, nslots as u32, 1),
             256,
             0,
@@ -814,7 +844,13 @@ impl Gpu {
         if down.ty != GgmlType::IQ4_XS || !fast_mat(down) || down.cols % 256 != 0 {
             return Err(CudaError::Shape(format!("moe_down_grp: {:?} {}x{}", down.ty, down.rows, down.cols)));
         }
-        let (name, rows_per_block, threads) = if mma { ("moe_down_grpm_iq4_xs", 32, 128) } else { ("moe_down_grp_iq4_xs", 16, 256) };
+        let (name, rows_per_block, threads) = if mma {
+            ("moe_down_grpm_iq4_xs", 32, 128)
+        } else if grp_pin() {
+            ("moe_down_grpp_iq4_xs", 16, 256)
+        } else {
+            ("moe_down_grp_iq4_xs", 16, 256)
+        };
         self.launch_pdl(
             name,
             (ceil_div(down.rows, rows_per_block), nslots as u32, 1),
