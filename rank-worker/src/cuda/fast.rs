@@ -451,34 +451,20 @@ pub fn use_grouped(nt: usize, gate: &DevMat, down: &DevMat, n_experts: usize) ->
     min > 0 && nt >= min && (iq4 || kq) && n_experts <= GRP_MAX_E
 }
 
-static GRP_PIN_OVR: AtomicU8 = AtomicU8::new(0);
+static GRP_PIN: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_GRP_PIN", true);
 
 /// Whether the grouped IQ4_XS gate/up and down (dp4a) decode through `iq4_lookup_lh` over
 /// codebook words pinned in registers (`moe_*_grpp_iq4_xs`) instead of `iq4_lookup`, whose
-/// constants ptxas re-materializes before every `prmt` (bit-identical):
-/// [`set_grp_pin`] if set, else `MINIMAX_GRP_PIN` (`0` = `iq4_lookup`; default on).
+/// constants ptxas re-materializes before every `prmt` (bit-identical; `MINIMAX_GRP_PIN=0` =
+/// `iq4_lookup`; default on).
 pub fn grp_pin() -> bool {
-    match GRP_PIN_OVR.load(Ordering::Relaxed) {
-        1 => false,
-        2 => true,
-        _ => {
-            static ON: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_GRP_PIN", true);
-            ON.get()
-        }
-    }
+    GRP_PIN.get()
 }
 
 /// Overrides [`grp_pin`] (A/B runs and tests; `None` = back to the environment). Drop
 /// captured graphs after a change.
 pub fn set_grp_pin(on: Option<bool>) {
-    GRP_PIN_OVR.store(
-        match on {
-            None => 0,
-            Some(false) => 1,
-            Some(true) => 2,
-        },
-        Ordering::Relaxed,
-    );
+    GRP_PIN.set(on);
 }
 
 /// Most tokens (pairs per expert) of the grouped MoE kernels (`GG_MAXC` in kernels/fast.cu).
