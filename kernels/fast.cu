@@ -313,17 +313,12 @@ extern "C" __global__ void __launch_bounds__(32) moe_route_fast(const float* log
     route_topk_warp(logits + (i64)t * E, bias, E, k, gating, ids + t * k, w + t * k, threadIdx.x);
 }
 
-// router_f32 and moe_route_fast in one launch: every block writes its logits, fences, and counts
-// itself in cnt[t]; the last block of token t runs the top-k on all of them (read through L2)
-// and resets cnt[t] to 0 for the next launch. Same results as the two kernels, bit for bit.
-// grid (ceil(rows / 4), nt), block 128; rows <= 32 * RK_MAXE, k <= 32; cnt zero at first use.
-extern "C" __global__ void __launch_bounds__(128) router_topk_f32(const float* W, int rows, int n, const float* x,
-                                                                  i64 xs, float* y, i64 ys, const float* bias, int k,
-                                                                  int gating, int* ids, float* w, u32* cnt) {
-    pdl_enter();
+// The tail of the fused router kernels: every block counts itself in cnt[t] once its logits
+// are stored and fenced; the last block of token t runs the top-k on all of them (read through
+// L2) and resets cnt[t] for the next launch. Called by every thread of the block.
+__device__ __forceinline__ void router_last_block_topk(float* y, i64 ys, const float* bias, int rows, int k, int gating,
+                                                       int* ids, float* w, u32* cnt, int t, int warp, int lane) {
     __shared__ int last;
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y;
-    router_row(W, rows, n, x, xs, y, ys, blockIdx.x * 4 + warp, t, lane, true);
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(&cnt[t], 1u) == gridDim.x - 1;
     __syncthreads();
@@ -334,6 +329,19 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32(const float* W
     }
 }
 
+// router_f32 and moe_route_fast in one launch: every block writes its logits, fences, and counts
+// itself in cnt[t]; the last block of token t runs the top-k on all of them (read through L2)
+// and resets cnt[t] to 0 for the next launch. Same results as the two kernels, bit for bit.
+// grid (ceil(rows / 4), nt), block 128; rows <= 32 * RK_MAXE, k <= 32; cnt zero at first use.
+extern "C" __global__ void __launch_bounds__(128) router_topk_f32(const float* W, int rows, int n, const float* x,
+                                                                  i64 xs, float* y, i64 ys, const float* bias, int k,
+                                                                  int gating, int* ids, float* w, u32* cnt) {
+    pdl_enter();
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y;
+    router_row(W, rows, n, x, xs, y, ys, blockIdx.x * 4 + warp, t, lane, true);
+    router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
+}
+
 // router_topk_f32 with the weight row loaded into registers before pdl_wait (RT_PRE float4
 // per lane: rows of at most 32 * RT_PRE * 4 = 3072 floats; the host checks), so the router's
 // 3 MB overlap the previous kernel. Then x in rounds of RT_UNR and the same sums in the same
@@ -342,7 +350,6 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32(const float* W
 extern "C" __global__ void __launch_bounds__(128) router_topk_f32p(const float* W, int rows, int n, const float* x,
                                                                    i64 xs, float* y, i64 ys, const float* bias, int k,
                                                                    int gating, int* ids, float* w, u32* cnt) {
-    __shared__ int last;
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y;
     int r = blockIdx.x * 4 + warp, n4 = n >> 2;
     bool live = r < rows;
@@ -380,14 +387,7 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32p(const float* 
             __threadfence();
         }
     }
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(&cnt[t], 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (last && warp == 0) {
-        __threadfence();
-        route_topk_warp(y + (i64)t * ys, bias, rows, k, gating, ids + t * k, w + t * k, lane);
-        if (lane == 0) cnt[t] = 0;
-    }
+    router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
 }
 
 // ----------------------------------------------------------- weight staging -------------
@@ -1188,44 +1188,47 @@ __device__ __forceinline__ void iq4_x_il(int4& xa, int4& xb) {
 }
 // iq4_unit_reg with interleaved activations (iq4_x_il): the same integer dot product (as two
 // chains of 4 dp4a, added: exact) and the same f32 expression, so bit-identical.
+// A unit's scale d * (ls - 32) (sub-block sb of the superblock header h), as iq4_unit_reg and
+// iq4_decode compute it.
+__device__ __forceinline__ float iq4_unit_scale(uint2 h, int sb) {
+    int ls = ((h.y >> (4 * sb)) & 15) | (((h.x >> (16 + 2 * sb)) & 3) << 4);
+    return f16_to_f32((u16)(h.x & 0xffffu)) * (float)(ls - 32);
+}
+// w[0..3] . xa + w[4..7] . xb as two dp4a chains, added (exact).
+__device__ __forceinline__ int iq4_dot2(const u32 (&w)[8], int4 xa, int4 xb) {
+    int s0 = __dp4a((int)w[0], xa.x, 0);
+    int s1 = __dp4a((int)w[4], xb.x, 0);
+    s0 = __dp4a((int)w[1], xa.y, s0);
+    s1 = __dp4a((int)w[5], xb.y, s1);
+    s0 = __dp4a((int)w[2], xa.z, s0);
+    s1 = __dp4a((int)w[6], xb.z, s1);
+    s0 = __dp4a((int)w[3], xa.w, s0);
+    s1 = __dp4a((int)w[7], xb.w, s1);
+    return s0 + s1;
+}
 __device__ __forceinline__ float iq4_unit_il(uint2 h, uint2 qa, uint2 qb, int sb, int4 xa, int4 xb,
                                              u32 t0 = IQ4_T0, u32 t2 = IQ4_T2) {
-    float d = f16_to_f32((u16)(h.x & 0xffffu));
-    int ls = ((h.y >> (4 * sb)) & 15) | (((h.x >> (16 + 2 * sb)) & 3) << 4);
     u32 r[8];
     iq4_lookup_il(qa.x, r[0], r[1], t0, t2);
     iq4_lookup_il(qa.y, r[2], r[3], t0, t2);
     iq4_lookup_il(qb.x, r[4], r[5], t0, t2);
     iq4_lookup_il(qb.y, r[6], r[7], t0, t2);
-    int s0 = __dp4a((int)r[0], xa.x, 0);
-    int s1 = __dp4a((int)r[4], xb.x, 0);
-    s0 = __dp4a((int)r[1], xa.y, s0);
-    s1 = __dp4a((int)r[5], xb.y, s1);
-    s0 = __dp4a((int)r[2], xa.z, s0);
-    s1 = __dp4a((int)r[6], xb.z, s1);
-    s0 = __dp4a((int)r[3], xa.w, s0);
-    s1 = __dp4a((int)r[7], xb.w, s1);
-    return d * (float)(ls - 32) * (float)(s0 + s1);
+    return iq4_unit_scale(h, sb) * (float)iq4_dot2(r, xa, xb);
+}
+// A unit's codes through iq4_lookup_lh, in iq4_lookup's lo / hi order: w[i] = lo of word i,
+// w[4 + i] = hi of word i (qa.x, qa.y, qb.x, qb.y).
+__device__ __forceinline__ void iq4_unit_lh_codes(uint2 qa, uint2 qb, u32 (&w)[8], u32 t0, u32 t2) {
+    iq4_lookup_lh(qa.x, w[0], w[4], t0, t2);
+    iq4_lookup_lh(qa.y, w[1], w[5], t0, t2);
+    iq4_lookup_lh(qb.x, w[2], w[6], t0, t2);
+    iq4_lookup_lh(qb.y, w[3], w[7], t0, t2);
 }
 // iq4_unit_reg with natural-order activations through iq4_lookup_lh (two dp4a chains).
 __device__ __forceinline__ float iq4_unit_lh(uint2 h, uint2 qa, uint2 qb, int sb, int4 xa, int4 xb,
                                              u32 t0 = IQ4_T0, u32 t2 = IQ4_T2) {
-    float d = f16_to_f32((u16)(h.x & 0xffffu));
-    int ls = ((h.y >> (4 * sb)) & 15) | (((h.x >> (16 + 2 * sb)) & 3) << 4);
-    u32 lo[4], hi[4];
-    iq4_lookup_lh(qa.x, lo[0], hi[0], t0, t2);
-    iq4_lookup_lh(qa.y, lo[1], hi[1], t0, t2);
-    iq4_lookup_lh(qb.x, lo[2], hi[2], t0, t2);
-    iq4_lookup_lh(qb.y, lo[3], hi[3], t0, t2);
-    int s0 = __dp4a((int)lo[0], xa.x, 0);
-    int s1 = __dp4a((int)hi[0], xb.x, 0);
-    s0 = __dp4a((int)lo[1], xa.y, s0);
-    s1 = __dp4a((int)hi[1], xb.y, s1);
-    s0 = __dp4a((int)lo[2], xa.z, s0);
-    s1 = __dp4a((int)hi[2], xb.z, s1);
-    s0 = __dp4a((int)lo[3], xa.w, s0);
-    s1 = __dp4a((int)hi[3], xb.w, s1);
-    return d * (float)(ls - 32) * (float)(s0 + s1);
+    u32 w[8];
+    iq4_unit_lh_codes(qa, qb, w, t0, t2);
+    return iq4_unit_scale(h, sb) * (float)iq4_dot2(w, xa, xb);
 }
 
 // Persistent IQ4_XS gate/up (the default for inputs of at most 96 units, i.e. 3072 columns):
@@ -1828,8 +1831,7 @@ __device__ __forceinline__ float iq4_decode_t(uint2 h, uint2 qa, uint2 qb, int s
     iq4_lookup_lh(qa.y, lo[1], hi[1], t0, t2);
     iq4_lookup_lh(qb.x, lo[2], hi[2], t0, t2);
     iq4_lookup_lh(qb.y, lo[3], hi[3], t0, t2);
-    int ls = ((h.y >> (4 * sb)) & 15) | (((h.x >> (16 + 2 * sb)) & 3) << 4);
-    return f16_to_f32((u16)(h.x & 0xffffu)) * (float)(ls - 32);
+    return iq4_unit_scale(h, sb);
 }
 __device__ __forceinline__ int iq4_dot(const u32 (&lo)[4], const u32 (&hi)[4], int4 xa, int4 xb) {
     int s = __dp4a((int)lo[0], xa.x, 0);
