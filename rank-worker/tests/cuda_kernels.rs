@@ -835,6 +835,157 @@ fn fast_grouped_moe_matches_cpu() {
     eprintln!("moe grouped IQ4_XS {nt} tokens x top-{k} of {e}: gate/up max |diff| {worst:.2e} (q8 output), down+combine max rel {worst_d:.2e}");
 }
 
+/// Position of element `e` of a q8 unit in the interleaved order of `norm_q8il` /
+/// `moe_gate_up_grpi` (kernels/fast.cu `q8_il_pos`), written out independently.
+fn il_pos(e: usize) -> usize {
+    let (i, r) = ((e % 16) / 4, e % 4);
+    8 * i + 2 * r + e / 16
+}
+
+/// The grouped steps' interleaved-activation path (`norm_q8il` → `moe_gate_up_grpi_iq4_xs` →
+/// `moe_down_grpi_iq4_xs`) and the L2-prefetching kernels (`moe_*_grpf_iq4_xs`) against the
+/// pinned kernels over natural-order activations (`norm_q8` → `moe_*_grpp_iq4_xs`): the same q8
+/// scales and, after undoing the interleave, the same codes, bit for bit; the same down
+/// partials; and sampled rows against the f64 product of
+/// the dequantized weights. Shapes: M2.7's widths at 32 tokens x top-3 over 9 experts (expert 0
+/// takes all 32 tokens, the most a slot holds); inputs wider than one round of units
+/// (3584 -> 2560 -> 43: partial row groups); 80-unit rows. Outputs poisoned first.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_grouped_interleaved_kernels_match_pinned() {
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0013);
+    let ty = GgmlType::IQ4_XS;
+    for &(nt, k, e, h, ff, hrows) in &[(32usize, 3usize, 9usize, 3072usize, 1536usize, 3072usize), (5, 3, 7, 3584, 2560, 43), (5, 2, 4, 2560, 1024, 43)] {
+        let gate = random_rows(&mut rng, ty, e * ff, h);
+        let upw = random_rows(&mut rng, ty, e * ff, h);
+        let down = random_rows(&mut rng, ty, e * hrows, ff);
+        let (_g1, gm) = upload_mat(&g, ty, &gate, ff, h, e);
+        let (_g2, um) = upload_mat(&g, ty, &upw, ff, h, e);
+        let (_g3, dm) = upload_mat(&g, ty, &down, hrows, ff, e);
+        fast::set_grp_il(Some(true));
+        assert!(fast::grp_il(&gm, &dm), "IQ4_XS experts can take the interleaved path");
+        fast::set_grp_il(None);
+        let mut ids = Vec::new();
+        for _ in 0..nt {
+            let mut row = vec![0i32];
+            while row.len() < k {
+                let x = 1 + rng.below(e - 1) as i32;
+                if !row.contains(&x) {
+                    row.push(x);
+                }
+            }
+            ids.extend(row);
+        }
+        let np = nt * k;
+        let ib = g.upload(&ids).unwrap();
+        let grp = g.zeros::<i32>(1 + 3 * e + np).unwrap();
+        g.moe_group(g.ptr(&ib), np, e, g.ptr(&grp)).unwrap();
+        let nslots = np.min(e);
+        // The FFN input: RMSNorm + q8 of random hidden rows, natural and interleaved.
+        let hid = rng.vec(nt * h, 3.0);
+        let nw = rng.vec(h, 1.0);
+        let (hb, nwb) = (g.upload(&hid).unwrap(), g.upload(&nw).unwrap());
+        let quant_in = |il: bool| {
+            let q = g.zeros::<i8>(nt * h).unwrap();
+            g.fill_u32(g.ptr(&q), nt * h / 4, 0x7f7f_7f7f).unwrap();
+            let d = poisoned(&g, nt * h / 32);
+            if il {
+                g.norm_q8_il(g.ptr(&hb), h, g.ptr(&nwb), h, 1e-6, 0, 0, g.ptr(&q), g.ptr(&d), nt).unwrap();
+            } else {
+                g.norm_q8(g.ptr(&hb), h, g.ptr(&nwb), h, 1e-6, 0, 0, g.ptr(&q), g.ptr(&d), nt).unwrap();
+            }
+            (q, d)
+        };
+        let ((xq0, xd0), (xq1, xd1)) = (quant_in(false), quant_in(true));
+        let (n0, n1) = (g.download(&xq0).unwrap(), g.download(&xq1).unwrap());
+        assert!(bits(&g.download(&xd0).unwrap()) == bits(&g.download(&xd1).unwrap()), "norm_q8il scales differ from norm_q8");
+        for (i, &v) in n0.iter().enumerate() {
+            assert_eq!(n1[i / 32 * 32 + il_pos(i % 32)], v, "norm_q8il code of element {i}");
+        }
+        let hq = n0.clone();
+        let hd = g.download(&xd0).unwrap();
+        let xdq = q8_deq(&hq, &hd);
+        let run_gu = |il: bool| {
+            let aq = g.zeros::<i8>(np * ff).unwrap();
+            g.fill_u32(g.ptr(&aq), np * ff / 4, 0x7f7f_7f7f).unwrap();
+            let ad = poisoned(&g, np * ff / 32);
+            if il {
+                g.moe_gate_up_grp_il(&gm, &um, g.ptr(&grp), e, nslots, k, g.ptr(&xq1), g.ptr(&xd1), g.ptr(&aq), g.ptr(&ad), ff).unwrap();
+            } else {
+                fast::set_grp_pin(Some(true));
+                g.moe_gate_up_grp(&gm, &um, g.ptr(&grp), e, nslots, k, g.ptr(&xq0), g.ptr(&xd0), g.ptr(&aq), g.ptr(&ad), ff).unwrap();
+                fast::set_grp_pin(None);
+            }
+            (aq, ad)
+        };
+        fast::set_grp_pf(Some(false));
+        let ((aq0, ad0), (aq1, ad1)) = (run_gu(false), run_gu(true));
+        let (c0, c1) = (g.download(&aq0).unwrap(), g.download(&aq1).unwrap());
+        let (s0, s1) = (g.download(&ad0).unwrap(), g.download(&ad1).unwrap());
+        // The same kernels with the block's rows prefetched into L2 first (`moe_*_grpf`).
+        fast::set_grp_pf(Some(true));
+        let (aq2, ad2) = run_gu(false);
+        assert!(c0 == g.download(&aq2).unwrap() && bits(&s0) == bits(&g.download(&ad2).unwrap()), "nt {nt} h {h}: moe_gate_up_grpf differs from moe_gate_up_grpp");
+        assert!(bits(&s0) == bits(&s1), "nt {nt} h {h}: moe_gate_up_grpi q8 scales differ from moe_gate_up_grpp");
+        for (i, &v) in c0.iter().enumerate() {
+            assert_eq!(c1[i / 32 * 32 + il_pos(i % 32)], v, "nt {nt} h {h}: moe_gate_up_grpi code {i}");
+        }
+        let rb = quant::row_bytes(ty, h).unwrap();
+        let mut worst = 0f32;
+        for p in 0..np {
+            let (ex, t) = (ids[p] as usize, p / k);
+            let xv = &xdq[t * h..(t + 1) * h];
+            for r in [0, 1, 31, 32, ff / 2 + 3, ff - 1, rng.below(ff)] {
+                let row = |m: &[u8]| {
+                    let o = (ex * ff + r) * rb;
+                    let w = quant::dequantize_to_vec(ty, &m[o..o + rb], h).unwrap();
+                    w.iter().zip(xv).map(|(a, b)| *a as f64 * *b as f64).sum::<f64>()
+                };
+                let (gg, uu) = (row(&gate), row(&upw));
+                let want = (gg / (1.0 + (-gg).exp()) * uu) as f32;
+                let got = c1[p * ff + r / 32 * 32 + il_pos(r % 32)] as f32 * s1[p * ff / 32 + r / 32];
+                let tol = s1[p * ff / 32 + r / 32] * 0.51 + 1e-4 * want.abs() + 1e-6;
+                assert!(got.is_finite() && (got - want).abs() <= tol, "grpi gate/up nt {nt} pair {p} row {r}: got {got} want {want} tol {tol}");
+                worst = worst.max((got - want).abs() / (want.abs() + 1e-3));
+            }
+        }
+        let run_dn = |il: bool| {
+            let dpart = poisoned(&g, np * hrows);
+            if il {
+                g.moe_down_grp_il(&dm, g.ptr(&grp), e, nslots, g.ptr(&aq1), g.ptr(&ad1), g.ptr(&dpart)).unwrap();
+            } else {
+                fast::set_grp_pin(Some(true));
+                g.moe_down_grp_with(false, &dm, g.ptr(&grp), e, nslots, g.ptr(&aq0), g.ptr(&ad0), g.ptr(&dpart)).unwrap();
+                fast::set_grp_pin(None);
+            }
+            g.download(&dpart).unwrap()
+        };
+        let d2 = run_dn(false);
+        fast::set_grp_pf(Some(false));
+        let (d0, d1) = (run_dn(false), run_dn(true));
+        fast::set_grp_pf(None);
+        assert!(bits(&d0) == bits(&d1), "nt {nt} h {h}: moe_down_grpi differs from moe_down_grpp");
+        assert!(bits(&d0) == bits(&d2), "nt {nt} h {h}: moe_down_grpf differs from moe_down_grpp");
+        let drb = quant::row_bytes(ty, ff).unwrap();
+        let mut worst_d = 0f64;
+        for p in 0..np {
+            let ex = ids[p] as usize;
+            for r in [0, 1, 15, 16, 17, hrows - 1, rng.below(hrows)] {
+                let o = (ex * hrows + r) * drb;
+                let w = quant::dequantize_to_vec(ty, &down[o..o + drb], ff).unwrap();
+                let a = |i: usize| w[i] as f64 * c0[p * ff + i] as f64 * s0[p * ff / 32 + i / 32] as f64;
+                let want: f64 = (0..ff).map(a).sum();
+                let scale: f64 = (0..ff).map(|i| a(i).abs()).sum::<f64>() + 1e-6;
+                let gv = d1[p * hrows + r] as f64;
+                assert!(gv.is_finite() && (gv - want).abs() <= 1e-5 * scale, "grpi down nt {nt} pair {p} row {r}: got {gv} want {want}");
+                worst_d = worst_d.max((gv - want).abs() / scale);
+            }
+        }
+        eprintln!("interleaved grouped IQ4_XS, {nt} tokens x top-{k} of {e} ({h} -> {ff} -> {hrows}): bit-identical to the pinned kernels; sampled rows: gate/up max rel {worst:.2e}, down max rel {worst_d:.2e}");
+    }
+}
+
 /// Grouped IQ4_XS down, both kernels (tensor-core `moe_down_grpm_iq4_xs` and dp4a
 /// `moe_down_grp_iq4_xs`) against the f64 product of the dequantized weights and q8
 /// activations: 24 tokens x top-2 over 5 experts, expert 1 taking all 24 (two m16 tiles of
