@@ -103,13 +103,7 @@ extern "C" __global__ void fill_h16(u16* p, i64 n, u64 seed, float lo, float hi,
 // element x + 1024 i (all loads issued at once); per thread the sum of squares in i order
 // (explicit fma), a butterfly per warp, then a butterfly over the 32 warp sums. n % 32 == 0,
 // n <= 1024 NV. part: 32 floats of shared memory.
-// Position of element e (0..31) of a q8 unit in iq4_lookup_il's interleaved order (iq4_x_il:
-// word 2i = x[4i], x[4i+16], x[4i+1], x[4i+17]; word 2i+1 = x[4i+2], x[4i+18], x[4i+3], x[4i+19]).
-__device__ __forceinline__ int q8_il_pos(int e) { return ((e & 12) << 1) | ((e & 3) << 1) | (e >> 4); }
-
-// IL: the q8 codes are stored in iq4_lookup_il's order within each unit (q8_il_pos; the scales
-// as usual), for the grouped IQ4_XS gate/up (moe_gate_up_grpi).
-template <int NV, bool IL = false>
+template <int NV>
 __device__ __forceinline__ void norm_q8_row(const float* xr, const float* w, int n, float eps, float* yr, i8* qr,
                                             float* dr, float* part) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -137,7 +131,7 @@ __device__ __forceinline__ void norm_q8_row(const float* xr, const float* w, int
         if (idx < n) {  // warp-uniform: n % 32 == 0
             float v = w ? __fmul_rn(__fmul_rn(xv[i], inv), wv[i]) : xv[i];
             if (yr) yr[idx] = v;
-            qr[IL ? (idx & ~31) | q8_il_pos(lane) : idx] = (i8)q8_lane(v, dr + (idx >> 5));
+            qr[idx] = (i8)q8_lane(v, dr + (idx >> 5));
         }
     }
 }
@@ -158,15 +152,6 @@ extern "C" __global__ void __launch_bounds__(1024) norm_q8(const float* x, i64 x
     __shared__ float part[32];
     norm_q8_row<NQ_MAXV>(x + blockIdx.x * xs, w, n, eps, y ? y + blockIdx.x * ys : nullptr, q + (i64)blockIdx.x * n,
                          d + (i64)blockIdx.x * (n / 32), part);
-}
-// norm_q8 with the codes of each unit in iq4_lookup_il's order (the FFN input of a grouped
-// IQ4_XS step, read only by moe_gate_up_grpi).
-extern "C" __global__ void __launch_bounds__(1024) norm_q8il(const float* x, i64 xs, const float* w, int n, float eps,
-                                                             float* y, i64 ys, i8* q, float* d) {
-    pdl_enter();
-    __shared__ float part[32];
-    norm_q8_row<NQ_MAXV, true>(x + blockIdx.x * xs, w, n, eps, y ? y + blockIdx.x * ys : nullptr,
-                               q + (i64)blockIdx.x * n, d + (i64)blockIdx.x * (n / 32), part);
 }
 // norm_q8 with the early trigger (pdl_trigger before pdl_wait): the next kernel (q/k/v, the
 // router, lm_head) may start its weight loads while this one waits for the previous kernel.
@@ -1176,18 +1161,6 @@ __device__ __forceinline__ void iq4_lookup_il(u32 w, u32& r0, u32& r1, u32 t0 = 
     r0 = iq4_prmt(iq4_prmt(t0, IQ4_T1, m), iq4_prmt(t2, IQ4_T3, m), sel);
     r1 = iq4_prmt(iq4_prmt(t0, IQ4_T1, mh), iq4_prmt(t2, IQ4_T3, mh), sh);
 }
-// iq4_lookup_il with its three shifts done as multiply-highs on the FMA pipe (umulhi by k1 =
-// 2^31: >> 1; by k16 = 2^16: >> 16), leaving 8 of its 11 instructions on the ALU pipe, which
-// the expert kernels keep busier (Nsight, grouped gate/up at 32 tokens: ALU 58%, FMA 13%).
-// k1 / k16 must reach it as registers ptxas cannot see through (iq4_pin_k), else it turns the
-// products back into shifts. Same bits as iq4_lookup_il.
-__device__ __forceinline__ void iq4_lookup_ilf(u32 w, u32& r0, u32& r1, u32 t0, u32 t2, u32 k1, u32 k16) {
-    u32 m = w & 0x77777777u;
-    u32 sel = (__umulhi(w, k1) & 0x44444444u) | 0x32103210u;
-    u32 mh = __umulhi(m, k16), sh = __umulhi(sel, k16);
-    r0 = iq4_prmt(iq4_prmt(t0, IQ4_T1, m), iq4_prmt(t2, IQ4_T3, m), sel);
-    r1 = iq4_prmt(iq4_prmt(t0, IQ4_T1, mh), iq4_prmt(t2, IQ4_T3, mh), sh);
-}
 // The codebook words t0 / t2 for iq4_lookup_il as values ptxas cannot see through, so they stay
 // in two registers: z must be 0 at run time but unknown to the compiler (an empty asm or a
 // shuffle of the literal is folded back into the constant) and per thread (a uniform z puts
@@ -1196,11 +1169,6 @@ __device__ __forceinline__ void iq4_lookup_ilf(u32 w, u32& r0, u32& r1, u32 t0, 
 __device__ __forceinline__ void iq4_pin(u32 z, u32& t0, u32& t2) {
     t0 = IQ4_T0 ^ z;
     t2 = IQ4_T2 ^ z;
-}
-// iq4_lookup_ilf's multipliers 2^31 and 2^16, opaque like iq4_pin's words (z as there).
-__device__ __forceinline__ void iq4_pin_k(u32 z, u32& k1, u32& k16) {
-    k1 = 0x80000000u ^ z;
-    k16 = 0x10000u ^ z;
 }
 // iq4_lookup's result (lo / hi nibbles of bytes 0..3) from iq4_lookup_il's: two prmts.
 __device__ __forceinline__ void iq4_lookup_lh(u32 w, u32& lo, u32& hi, u32 t0 = IQ4_T0, u32 t2 = IQ4_T2) {
@@ -1254,15 +1222,6 @@ __device__ __forceinline__ void iq4_unit_lh_codes(uint2 qa, uint2 qb, u32 (&w)[8
     iq4_lookup_lh(qa.y, w[1], w[5], t0, t2);
     iq4_lookup_lh(qb.x, w[2], w[6], t0, t2);
     iq4_lookup_lh(qb.y, w[3], w[7], t0, t2);
-}
-// A unit's codes through iq4_lookup_il (w[2i], w[2i + 1] from word i of qa.x, qa.y, qb.x,
-// qb.y): iq4_dot2 of them with iq4_x_il-ordered activations is the unit's integer dot product.
-// (iq4_lookup_ilf: k1 / k16 from iq4_pin_k.)
-__device__ __forceinline__ void iq4_unit_il_codes(uint2 qa, uint2 qb, u32 (&w)[8], u32 t0, u32 t2, u32 k1, u32 k16) {
-    iq4_lookup_ilf(qa.x, w[0], w[1], t0, t2, k1, k16);
-    iq4_lookup_ilf(qa.y, w[2], w[3], t0, t2, k1, k16);
-    iq4_lookup_ilf(qb.x, w[4], w[5], t0, t2, k1, k16);
-    iq4_lookup_ilf(qb.y, w[6], w[7], t0, t2, k1, k16);
 }
 // iq4_unit_reg with natural-order activations through iq4_lookup_lh (two dp4a chains).
 __device__ __forceinline__ float iq4_unit_lh(uint2 h, uint2 qa, uint2 qb, int sb, int4 xa, int4 xb,
@@ -1885,26 +1844,40 @@ __device__ __forceinline__ int iq4_dot(const u32 (&lo)[4], const u32 (&hi)[4], i
     return __dp4a((int)hi[3], xb.w, s);
 }
 
-#define GG_ROWS 4   // rows per warp of the grouped gate/up (8 warps: the block's 32 rows)
 #define GG_MAXC 32  // pairs per expert (one per token of the step)
 
-// Grouped IQ4_XS gate/up: block (32 rows, slot): for each row of the slot's expert, the lane's
-// units of gate and up are loaded and decoded once, then dotted with every routed token's q8
-// input. Per-(row, pair) sums collect in shared memory across column rounds; then per pair
-// act = silu(g) * u over the 32 rows -> q8 (aq [p][ld], ad [p][ld / 32]), as moe_gate_up.
-// grid (ff / 32, max slots), block 256; slots >= grp[0] exit.
 // Asks L2 for the bytes [p, p + n) (128-byte lines, the block's threads in turn): the grouped
 // kernels' warps then find their later rows' weights in L2 instead of waiting for DRAM one
-// row at a time (Nsight, 32 tokens: long-scoreboard stalls lead; the weights of a block are
-// one contiguous range per matrix).
+// row at a time (a block's weights are one contiguous range per matrix).
 __device__ __forceinline__ void prefetch_l2_range(const u8* p, i64 n) {
     const u8* a = (const u8*)((u64)p & ~(u64)127);
     for (i64 o = (i64)threadIdx.x * 128; o < n + (p - a); o += (i64)blockDim.x * 128)
         asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
 }
 
-// PF: the block's 32 gate and up rows are prefetched into L2 first (prefetch_l2_range).
-template <bool PIN, bool PF = false>
+// The grouped IQ4_XS kernels (gate/up and down), one template each; the variants (host:
+// fast::GrpKind, MINIMAX_GRP_KIND) compute every output with the same integer dp4a sums and
+// the same f32 operations in the same order, so they are bit-identical:
+//   PIN  decode through iq4_lookup_lh over codebook words pinned in registers (iq4_pin), else
+//        iq4_lookup (its constants re-materialized before every prmt);
+//   PF   the block's weight rows are first prefetched into L2 (prefetch_l2_range); the down
+//        then takes STEPS = 4 16-row steps a block.
+// A lane keeps one pair's list entry in a register (a slot holds at most 32 pairs), so a (row,
+// pair) takes a shuffle, not a list load and a division.
+// Tried on one H200 at 32 tokens (served-like routing) and dropped, all bit-identical: a
+// persistent grid with each slot's activations staged in shared memory (gate/up 555 vs 386 us a
+// layer); register caps for 3-4 blocks an SM (spills, slower); activations in iq4_lookup_il's
+// order with part of the decode's shifts as multiply-highs on the FMA pipe (ALU 58% -> 47%, same
+// time); 64-row gate/up / 128-row down blocks; gate and up rows taken one after the other at 80
+// registers (405 us). The gate/up stays at ~385 us whatever its instruction mix: latency-bound
+// at 16 warps an SM (long-scoreboard and fixed-latency stalls lead).
+// Grouped IQ4_XS gate/up: block (32 rows, slot): for each row of the slot's expert, the lane's
+// units of gate and up are loaded and decoded once, then dotted with every routed token's q8
+// input. Per-(row, pair) sums collect in shared memory across column rounds; then per pair
+// act = silu(g) * u over the 32 rows -> q8 (aq [p][ld], ad [p][ld / 32]), as moe_gate_up.
+// grid (ff / 32, max slots), block 256; slots >= grp[0] exit.
+#define GG_ROWS 4  // rows per warp (8 warps: the block's 32 rows)
+template <bool PIN, bool PF>
 __device__ __forceinline__ void moe_gate_up_grp_impl(const u8* G, const u8* U, i64 rb, i64 es, const int* grp, int E,
                                                      int k, const i8* xq, const float* xd, int ncol, i8* aq, float* ad,
                                                      int ld) {
@@ -1915,11 +1888,13 @@ __device__ __forceinline__ void moe_gate_up_grp_impl(const u8* G, const u8* U, i
     int e = grp[1 + slot], c = min(grp[1 + 2 * E + slot], GG_MAXC);
     const int* pairs = grp + 1 + 3 * E + grp[1 + E + slot];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    i64 eoff = (i64)e * es;
+    i64 eoff = (i64)e * es + (i64)blockIdx.x * 32 * rb;  // the block's first row
     if (PF) {
-        prefetch_l2_range(G + eoff + (i64)blockIdx.x * 32 * rb, 32 * rb);
-        prefetch_l2_range(U + eoff + (i64)blockIdx.x * 32 * rb, 32 * rb);
+        prefetch_l2_range(G + eoff, 32 * rb);
+        prefetch_l2_range(U + eoff, 32 * rb);
     }
+    int pl = lane < c ? pairs[lane] : 0;
+    i64 xl = (i64)(pl / k) * ncol;  // lane ci: the q8 row of pair ci's token
     int nu = ncol >> 5;
     u32 t0 = IQ4_T0, t2 = IQ4_T2;
     if (PIN) iq4_pin((u32)(rb >> 62) & threadIdx.x, t0, t2);
@@ -1930,7 +1905,7 @@ __device__ __forceinline__ void moe_gate_up_grp_impl(const u8* G, const u8* U, i
     for (int ub0 = 0; ub0 < nu; ub0 += 32 * GR_XU) {
         for (int r = 0; r < GG_ROWS; r++) {
             int rl = warp * GG_ROWS + r;
-            i64 ro = eoff + (i64)(blockIdx.x * 32 + rl) * rb;
+            i64 ro = eoff + (i64)rl * rb;
             GrRow w;
             gr_load(w, G + ro, U + ro, ub0, lane, nu);
             u32 glo[GR_XU][4], ghi[GR_XU][4], ulo[GR_XU][4], uhi[GR_XU][4];
@@ -1944,214 +1919,6 @@ __device__ __forceinline__ void moe_gate_up_grp_impl(const u8* G, const u8* U, i
                 }
             }
             for (int ci = 0; ci < c; ci++) {
-                int t = pairs[ci] / k;
-                float ag = 0.f, au = 0.f;
-#pragma unroll
-                for (int i = 0; i < GR_XU; i++) {
-                    int un = ub0 + lane + 32 * i;
-                    if (un < nu) {
-                        const int4* xp = (const int4*)(xq + (i64)t * ncol + un * 32);
-                        int4 xa = xp[0], xb = xp[1];
-                        float xs = xd[(i64)t * nu + un];
-                        ag += xs * (gs[i] * (float)iq4_dot(glo[i], ghi[i], xa, xb));
-                        au += xs * (us[i] * (float)iq4_dot(ulo[i], uhi[i], xa, xb));
-                    }
-                }
-                ag = warp_sum(ag);
-                au = warp_sum(au);
-                if (lane == 0) {
-                    sg[rl][ci] += ag;
-                    su[rl][ci] += au;
-                }
-            }
-        }
-    }
-    __syncthreads();
-    for (int ci = warp; ci < c; ci += 8) {
-        int p = pairs[ci];
-        float g = sg[lane][ci], u = su[lane][ci];
-        float v = silu_times(g, u);
-        int q = q8_lane(v, ad + (i64)p * (ld / 32) + blockIdx.x);
-        aq[(i64)p * ld + blockIdx.x * 32 + lane] = (i8)q;
-    }
-}
-
-// moe_gate_up_grp_iq4_xs decodes with iq4_lookup (its codebook words re-materialized before
-// every prmt); moe_gate_up_grpp_iq4_xs, the default, with iq4_lookup_lh over codebook words
-// pinned in registers (iq4_pin): the same bytes, so bit-identical.
-extern "C" __global__ void __launch_bounds__(256) moe_gate_up_grp_iq4_xs(const u8* G, const u8* U, i64 rb, i64 es,
-                                                                         const int* grp, int E, int k, const i8* xq,
-                                                                         const float* xd, int ncol, i8* aq, float* ad,
-                                                                         int ld) {
-    moe_gate_up_grp_impl<false>(G, U, rb, es, grp, E, k, xq, xd, ncol, aq, ad, ld);
-}
-extern "C" __global__ void __launch_bounds__(256) moe_gate_up_grpp_iq4_xs(const u8* G, const u8* U, i64 rb, i64 es,
-                                                                          const int* grp, int E, int k, const i8* xq,
-                                                                          const float* xd, int ncol, i8* aq, float* ad,
-                                                                          int ld) {
-    moe_gate_up_grp_impl<true>(G, U, rb, es, grp, E, k, xq, xd, ncol, aq, ad, ld);
-}
-// moe_gate_up_grpp_iq4_xs with the block's rows prefetched into L2 first (MINIMAX_GRP_PF).
-extern "C" __global__ void __launch_bounds__(256) moe_gate_up_grpf_iq4_xs(const u8* G, const u8* U, i64 rb, i64 es,
-                                                                          const int* grp, int E, int k, const i8* xq,
-                                                                          const float* xd, int ncol, i8* aq, float* ad,
-                                                                          int ld) {
-    moe_gate_up_grp_impl<true, true>(G, U, rb, es, grp, E, k, xq, xd, ncol, aq, ad, ld);
-}
-
-#define DG_U 3  // units per lane and round of the grouped down
-
-// Grouped IQ4_XS down: block (16 rows, slot), warp w takes rows r0 = 16 bx + 2 w and r0 + 1 (the
-// units of both rows as one list, DG_U per lane and round), decodes them once and dots them with
-// every routed pair's activations: dpart[p][r] = down[e] row r . act[p] (unweighted; combined
-// per token by moe_combine_grp). grid (ceil(rows / 16), max slots), block 256.
-// STEPS: the block takes 16 STEPS rows, warp w rows 16 s + 2 w (+ 1) in step s; PF: those rows
-// are prefetched into L2 first (one contiguous range, prefetch_l2_range).
-template <bool PIN, int STEPS = 1, bool PF = false>
-__device__ __forceinline__ void moe_down_grp_impl(const u8* W, i64 rb, i64 es, int rows, const int* grp, int E,
-                                                  const i8* aq, const float* ad, int ff, float* dpart) {
-    pdl_enter();
-    __shared__ float sacc[8][2][GG_MAXC];
-    int slot = blockIdx.y;
-    if (slot >= grp[0]) return;
-    int e = grp[1 + slot], c = min(grp[1 + 2 * E + slot], GG_MAXC);
-    const int* pairs = grp + 1 + 3 * E + grp[1 + E + slot];
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const u8* wb = W + (i64)e * es;
-    if (PF) {
-        int rb0 = blockIdx.x * 16 * STEPS;
-        prefetch_l2_range(wb + (i64)rb0 * rb, (i64)(min(rows, rb0 + 16 * STEPS) - rb0) * rb);
-    }
-    int upe = ff >> 5, nu = 2 * upe;
-    u32 t0 = IQ4_T0, t2 = IQ4_T2;
-    if (PIN) iq4_pin((u32)(rb >> 62) & threadIdx.x, t0, t2);
-    for (int st = 0; st < STEPS; st++) {
-    int r0 = (blockIdx.x * STEPS + st) * 16 + warp * 2;
-    if (r0 >= rows) break;  // warp-uniform
-    for (int ci = lane; ci < c; ci += 32) sacc[warp][0][ci] = sacc[warp][1][ci] = 0.f;
-    __syncwarp();
-    for (int u0 = 0; u0 < nu; u0 += 32 * DG_U) {
-        uint2 h[DG_U], qa[DG_U], qb[DG_U];
-        int uu[DG_U], rr[DG_U];
-        bool ok[DG_U];
-#pragma unroll
-        for (int i = 0; i < DG_U; i++) {
-            int un = u0 + lane + 32 * i;
-            rr[i] = un >= upe;
-            uu[i] = un - rr[i] * upe;
-            ok[i] = un < nu && r0 + rr[i] < rows;
-            if (ok[i]) {
-                const u8* b = wb + (i64)(r0 + rr[i]) * rb + (uu[i] >> 3) * 136;
-                h[i] = ldg_u2(b);
-                qa[i] = ldg_u2(b + 8 + 16 * (uu[i] & 7));
-                qb[i] = ldg_u2(b + 16 + 16 * (uu[i] & 7));
-            }
-        }
-        u32 lo[DG_U][4], hi[DG_U][4];
-        float sc[DG_U];
-#pragma unroll
-        for (int i = 0; i < DG_U; i++)
-            if (ok[i]) sc[i] = iq4_decode_t<PIN>(h[i], qa[i], qb[i], uu[i] & 7, lo[i], hi[i], t0, t2);
-        for (int ci = 0; ci < c; ci++) {
-            i64 p = pairs[ci];
-            float s0 = 0.f, s1 = 0.f;
-#pragma unroll
-            for (int i = 0; i < DG_U; i++) {
-                if (ok[i]) {
-                    const int4* xp = (const int4*)(aq + p * ff + uu[i] * 32);
-                    float v = ad[p * upe + uu[i]] * (sc[i] * (float)iq4_dot(lo[i], hi[i], xp[0], xp[1]));
-                    if (rr[i]) s1 += v;
-                    else s0 += v;
-                }
-            }
-            s0 = warp_sum(s0);
-            s1 = warp_sum(s1);
-            if (lane == 0) {
-                sacc[warp][0][ci] += s0;
-                sacc[warp][1][ci] += s1;
-            }
-        }
-    }
-    __syncwarp();
-    for (int ci = lane; ci < c; ci += 32) {
-        i64 p = pairs[ci];
-        if (r0 < rows) dpart[p * rows + r0] = sacc[warp][0][ci];
-        if (r0 + 1 < rows) dpart[p * rows + r0 + 1] = sacc[warp][1][ci];
-    }
-    __syncwarp();
-    }
-}
-
-// moe_down_grpp_iq4_xs (the default): moe_down_grp_iq4_xs with iq4_lookup_lh over pinned
-// codebook words, bit-identical (see moe_gate_up_grpp_iq4_xs).
-extern "C" __global__ void __launch_bounds__(256) moe_down_grp_iq4_xs(const u8* W, i64 rb, i64 es, int rows,
-                                                                      const int* grp, int E, const i8* aq,
-                                                                      const float* ad, int ff, float* dpart) {
-    moe_down_grp_impl<false>(W, rb, es, rows, grp, E, aq, ad, ff, dpart);
-}
-extern "C" __global__ void __launch_bounds__(256) moe_down_grpp_iq4_xs(const u8* W, i64 rb, i64 es, int rows,
-                                                                       const int* grp, int E, const i8* aq,
-                                                                       const float* ad, int ff, float* dpart) {
-    moe_down_grp_impl<true>(W, rb, es, rows, grp, E, aq, ad, ff, dpart);
-}
-// moe_down_grpp_iq4_xs over 64 rows a block (4 steps a warp), prefetched into L2 first
-// (MINIMAX_GRP_PF); grid (ceil(rows / 64), max slots).
-extern "C" __global__ void __launch_bounds__(256) moe_down_grpf_iq4_xs(const u8* W, i64 rb, i64 es, int rows,
-                                                                       const int* grp, int E, const i8* aq,
-                                                                       const float* ad, int ff, float* dpart) {
-    moe_down_grp_impl<true, 4, true>(W, rb, es, rows, grp, E, aq, ad, ff, dpart);
-}
-
-// Grouped IQ4_XS gate/up and down over activations in iq4_lookup_il's order ("grpi", opt-in:
-// MINIMAX_GRP_IL=1, host fast::grp_il; measured no faster): the FFN input comes from norm_q8il, and
-// the gate/up stores its q8 activations in that order too, for the down. The codes are decoded
-// by iq4_lookup_il without the lo/hi regrouping (2 prmt a word fewer than the pinned
-// iq4_lookup_lh); each lane keeps one pair's activation offset in a register (pairs of a slot
-// <= 32), so a (row, pair) takes a shuffle instead of a list load and a division. The integer
-// dp4a sums are the same integers, the f32 expressions and order moe_*_grpp's: bit-identical
-// up to the order of the stored codes.
-// Gate/up: same arguments and grid as moe_gate_up_grpp_iq4_xs.
-extern "C" __global__ void __launch_bounds__(256) moe_gate_up_grpi_iq4_xs(const u8* G, const u8* U, i64 rb, i64 es,
-                                                                          const int* grp, int E, int k, const i8* xq,
-                                                                          const float* xd, int ncol, i8* aq, float* ad,
-                                                                          int ld) {
-    pdl_enter();
-    __shared__ float sg[32][GG_MAXC + 1], su[32][GG_MAXC + 1];
-    int slot = blockIdx.y;
-    if (slot >= grp[0]) return;
-    int e = grp[1 + slot], c = min(grp[1 + 2 * E + slot], GG_MAXC);
-    const int* pairs = grp + 1 + 3 * E + grp[1 + E + slot];
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int pl = lane < c ? pairs[lane] : 0;
-    i64 xl = (i64)(pl / k) * ncol;  // lane ci: the q8 row of pair ci's token
-    i64 eoff = (i64)e * es;
-    int nu = ncol >> 5;
-    u32 t0, t2, k1, k16;
-    iq4_pin((u32)(rb >> 62) & threadIdx.x, t0, t2);
-    iq4_pin_k((u32)(rb >> 62) & threadIdx.x, k1, k16);
-#pragma unroll
-    for (int r = 0; r < GG_ROWS; r++)
-        for (int ci = lane; ci < c; ci += 32) sg[warp * GG_ROWS + r][ci] = su[warp * GG_ROWS + r][ci] = 0.f;
-    __syncwarp();
-    for (int ub0 = 0; ub0 < nu; ub0 += 32 * GR_XU) {
-        for (int r = 0; r < GG_ROWS; r++) {
-            int rl = warp * GG_ROWS + r;
-            i64 ro = eoff + (i64)(blockIdx.x * 32 + rl) * rb;
-            GrRow w;
-            gr_load(w, G + ro, U + ro, ub0, lane, nu);
-            u32 gw[GR_XU][8], uw[GR_XU][8];
-            float gs[GR_XU], us[GR_XU];
-#pragma unroll
-            for (int i = 0; i < GR_XU; i++) {
-                int un = ub0 + lane + 32 * i;
-                if (un < nu) {
-                    iq4_unit_il_codes(w.ga[i], w.gb[i], gw[i], t0, t2, k1, k16);
-                    iq4_unit_il_codes(w.ua[i], w.ub[i], uw[i], t0, t2, k1, k16);
-                    gs[i] = iq4_unit_scale(w.gh[i], un & 7);
-                    us[i] = iq4_unit_scale(w.uh[i], un & 7);
-                }
-            }
-            for (int ci = 0; ci < c; ci++) {
                 i64 xr = __shfl_sync(0xffffffffu, xl, ci);
                 float ag = 0.f, au = 0.f;
 #pragma unroll
@@ -2161,8 +1928,8 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_grpi_iq4_xs(const 
                         const int4* xp = (const int4*)(xq + xr + un * 32);
                         int4 xa = xp[0], xb = xp[1];
                         float xs = xd[xr / 32 + un];
-                        ag += xs * (gs[i] * (float)iq4_dot2(gw[i], xa, xb));
-                        au += xs * (us[i] * (float)iq4_dot2(uw[i], xa, xb));
+                        ag += xs * (gs[i] * (float)iq4_dot(glo[i], ghi[i], xa, xb));
+                        au += xs * (us[i] * (float)iq4_dot(ulo[i], uhi[i], xa, xb));
                     }
                 }
                 ag = warp_sum(ag);
@@ -2179,15 +1946,30 @@ extern "C" __global__ void __launch_bounds__(256) moe_gate_up_grpi_iq4_xs(const 
         int p = __shfl_sync(0xffffffffu, pl, ci);
         float v = silu_times(sg[lane][ci], su[lane][ci]);
         int q = q8_lane(v, ad + (i64)p * (ld / 32) + blockIdx.x);
-        aq[(i64)p * ld + blockIdx.x * 32 + q8_il_pos(lane)] = (i8)q;
+        aq[(i64)p * ld + blockIdx.x * 32 + lane] = (i8)q;
     }
 }
+#define GG_KERNEL(name, PIN, PF)                                                                                    \
+    extern "C" __global__ void __launch_bounds__(256, 2) name(const u8* G, const u8* U, i64 rb, i64 es,             \
+                                                              const int* grp, int E, int k, const i8* xq,            \
+                                                              const float* xd, int ncol, i8* aq, float* ad, int ld) { \
+        moe_gate_up_grp_impl<PIN, PF>(G, U, rb, es, grp, E, k, xq, xd, ncol, aq, ad, ld);                           \
+    }
+// grp: plain; grpp: pinned; grpf: pinned + L2 prefetch (the default).
+GG_KERNEL(moe_gate_up_grp_iq4_xs, false, false)
+GG_KERNEL(moe_gate_up_grpp_iq4_xs, true, false)
+GG_KERNEL(moe_gate_up_grpf_iq4_xs, true, true)
 
-// Down over moe_gate_up_grpi's activations: same arguments, grid and output as
-// moe_down_grpp_iq4_xs.
-extern "C" __global__ void __launch_bounds__(256) moe_down_grpi_iq4_xs(const u8* W, i64 rb, i64 es, int rows,
-                                                                       const int* grp, int E, const i8* aq,
-                                                                       const float* ad, int ff, float* dpart) {
+#define DG_U 3  // units per lane and round of the grouped down
+
+// Grouped IQ4_XS down: block (16 STEPS rows, slot); in step s warp w takes rows r0 = 16 (STEPS
+// bx + s) + 2 w and r0 + 1 (the units of both rows as one list, DG_U per lane and round),
+// decodes them once and dots them with every routed pair's activations: dpart[p][r] = down[e]
+// row r . act[p] (unweighted; combined per token by moe_combine_grp).
+// grid (ceil(rows / (16 STEPS)), max slots), block 256.
+template <bool PIN, int STEPS, bool PF>
+__device__ __forceinline__ void moe_down_grp_impl(const u8* W, i64 rb, i64 es, int rows, const int* grp, int E,
+                                                  const i8* aq, const float* ad, int ff, float* dpart) {
     pdl_enter();
     __shared__ float sacc[8][2][GG_MAXC];
     int slot = blockIdx.y;
@@ -2195,67 +1977,81 @@ extern "C" __global__ void __launch_bounds__(256) moe_down_grpi_iq4_xs(const u8*
     int e = grp[1 + slot], c = min(grp[1 + 2 * E + slot], GG_MAXC);
     const int* pairs = grp + 1 + 3 * E + grp[1 + E + slot];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    int pl = lane < c ? pairs[lane] : 0;
-    int r0 = blockIdx.x * 16 + warp * 2;
-    int upe = ff >> 5, nu = 2 * upe;
-    u32 t0, t2, k1, k16;
-    iq4_pin((u32)(rb >> 62) & threadIdx.x, t0, t2);
-    iq4_pin_k((u32)(rb >> 62) & threadIdx.x, k1, k16);
-    for (int ci = lane; ci < c; ci += 32) sacc[warp][0][ci] = sacc[warp][1][ci] = 0.f;
-    __syncwarp();
     const u8* wb = W + (i64)e * es;
-    for (int u0 = 0; u0 < nu; u0 += 32 * DG_U) {
-        uint2 h[DG_U], qa[DG_U], qb[DG_U];
-        int uu[DG_U], rr[DG_U];
-        bool ok[DG_U];
-#pragma unroll
-        for (int i = 0; i < DG_U; i++) {
-            int un = u0 + lane + 32 * i;
-            rr[i] = un >= upe;
-            uu[i] = un - rr[i] * upe;
-            ok[i] = un < nu && r0 + rr[i] < rows;
-            if (ok[i]) {
-                const u8* b = wb + (i64)(r0 + rr[i]) * rb + (uu[i] >> 3) * 136;
-                h[i] = ldg_u2(b);
-                qa[i] = ldg_u2(b + 8 + 16 * (uu[i] & 7));
-                qb[i] = ldg_u2(b + 16 + 16 * (uu[i] & 7));
-            }
-        }
-        u32 w[DG_U][8];
-        float sc[DG_U];
-#pragma unroll
-        for (int i = 0; i < DG_U; i++)
-            if (ok[i]) {
-                iq4_unit_il_codes(qa[i], qb[i], w[i], t0, t2, k1, k16);
-                sc[i] = iq4_unit_scale(h[i], uu[i] & 7);
-            }
-        for (int ci = 0; ci < c; ci++) {
-            i64 p = __shfl_sync(0xffffffffu, pl, ci);
-            float s0 = 0.f, s1 = 0.f;
+    if (PF) {
+        int rb0 = blockIdx.x * 16 * STEPS;
+        prefetch_l2_range(wb + (i64)rb0 * rb, (i64)(min(rows, rb0 + 16 * STEPS) - rb0) * rb);
+    }
+    int pl = lane < c ? pairs[lane] : 0;  // lane ci: pair ci
+    int upe = ff >> 5, nu = 2 * upe;
+    u32 t0 = IQ4_T0, t2 = IQ4_T2;
+    if (PIN) iq4_pin((u32)(rb >> 62) & threadIdx.x, t0, t2);
+    for (int st = 0; st < STEPS; st++) {
+        int r0 = (blockIdx.x * STEPS + st) * 16 + warp * 2;
+        if (r0 >= rows) break;  // warp-uniform
+        for (int ci = lane; ci < c; ci += 32) sacc[warp][0][ci] = sacc[warp][1][ci] = 0.f;
+        __syncwarp();
+        for (int u0 = 0; u0 < nu; u0 += 32 * DG_U) {
+            uint2 h[DG_U], qa[DG_U], qb[DG_U];
+            int uu[DG_U], rr[DG_U];
+            bool ok[DG_U];
 #pragma unroll
             for (int i = 0; i < DG_U; i++) {
+                int un = u0 + lane + 32 * i;
+                rr[i] = un >= upe;
+                uu[i] = un - rr[i] * upe;
+                ok[i] = un < nu && r0 + rr[i] < rows;
                 if (ok[i]) {
-                    const int4* xp = (const int4*)(aq + p * ff + uu[i] * 32);
-                    float v = ad[p * upe + uu[i]] * (sc[i] * (float)iq4_dot2(w[i], xp[0], xp[1]));
-                    if (rr[i]) s1 += v;
-                    else s0 += v;
+                    const u8* b = wb + (i64)(r0 + rr[i]) * rb + (uu[i] >> 3) * 136;
+                    h[i] = ldg_u2(b);
+                    qa[i] = ldg_u2(b + 8 + 16 * (uu[i] & 7));
+                    qb[i] = ldg_u2(b + 16 + 16 * (uu[i] & 7));
                 }
             }
-            s0 = warp_sum(s0);
-            s1 = warp_sum(s1);
-            if (lane == 0) {
-                sacc[warp][0][ci] += s0;
-                sacc[warp][1][ci] += s1;
+            u32 lo[DG_U][4], hi[DG_U][4];
+            float sc[DG_U];
+#pragma unroll
+            for (int i = 0; i < DG_U; i++)
+                if (ok[i]) sc[i] = iq4_decode_t<PIN>(h[i], qa[i], qb[i], uu[i] & 7, lo[i], hi[i], t0, t2);
+            for (int ci = 0; ci < c; ci++) {
+                i64 p = __shfl_sync(0xffffffffu, pl, ci);
+                float s0 = 0.f, s1 = 0.f;
+#pragma unroll
+                for (int i = 0; i < DG_U; i++) {
+                    if (ok[i]) {
+                        const int4* xp = (const int4*)(aq + p * ff + uu[i] * 32);
+                        float v = ad[p * upe + uu[i]] * (sc[i] * (float)iq4_dot(lo[i], hi[i], xp[0], xp[1]));
+                        if (rr[i]) s1 += v;
+                        else s0 += v;
+                    }
+                }
+                s0 = warp_sum(s0);
+                s1 = warp_sum(s1);
+                if (lane == 0) {
+                    sacc[warp][0][ci] += s0;
+                    sacc[warp][1][ci] += s1;
+                }
             }
         }
-    }
-    __syncwarp();
-    if (lane < c) {  // lane ci holds pair ci
-        i64 p = pl;
-        if (r0 < rows) dpart[p * rows + r0] = sacc[warp][0][lane];
-        if (r0 + 1 < rows) dpart[p * rows + r0 + 1] = sacc[warp][1][lane];
+        __syncwarp();
+        if (lane < c) {  // lane ci holds pair ci
+            i64 p = pl;
+            if (r0 < rows) dpart[p * rows + r0] = sacc[warp][0][lane];
+            if (r0 + 1 < rows) dpart[p * rows + r0 + 1] = sacc[warp][1][lane];
+        }
+        __syncwarp();
     }
 }
+#define DG_KERNEL(name, PIN, STEPS, PF)                                                                              \
+    extern "C" __global__ void __launch_bounds__(256) name(const u8* W, i64 rb, i64 es, int rows, const int* grp,    \
+                                                           int E, const i8* aq, const float* ad, int ff,             \
+                                                           float* dpart) {                                           \
+        moe_down_grp_impl<PIN, STEPS, PF>(W, rb, es, rows, grp, E, aq, ad, ff, dpart);                              \
+    }
+// grp / grpp: 16 rows a block; grpf (the default): 64 rows a block, prefetched.
+DG_KERNEL(moe_down_grp_iq4_xs, false, 1, false)
+DG_KERNEL(moe_down_grpp_iq4_xs, true, 1, false)
+DG_KERNEL(moe_down_grpf_iq4_xs, true, 4, true)
 
 // Grouped IQ4_XS down on tensor cores (opt-in, MINIMAX_GRP_MMA=1: measured only slightly faster
 // at 32 tokens and slower at 4-16, where slots hold 1-2 pairs): the slot's pairs are the M side of

@@ -769,10 +769,10 @@ fn fast_grouped_moe_matches_cpu() {
     g.fill_u32(g.ptr(&aq), nt * k * ff / 4, 0x7f7f_7f7f).unwrap();
     let ad = poisoned(&g, nt * k * ff / 32);
     // The decode through pinned codebook words (`moe_*_grpp_*`) must give the plain kernels' bits.
-    minimax_rank::cuda::fast::set_grp_pin(Some(false));
+    minimax_rank::cuda::fast::set_grp_kind(Some(fast::GrpKind::Plain));
     g.moe_gate_up_grp(&gm, &um, g.ptr(&grp), e, nslots, k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), ff).unwrap();
     let (gaq, gad) = (g.download(&aq).unwrap(), g.download(&ad).unwrap());
-    minimax_rank::cuda::fast::set_grp_pin(Some(true));
+    minimax_rank::cuda::fast::set_grp_kind(None);
     {
         let aq2 = g.zeros::<i8>(nt * k * ff).unwrap();
         g.fill_u32(g.ptr(&aq2), nt * k * ff / 4, 0x7f7f_7f7f).unwrap();
@@ -801,12 +801,12 @@ fn fast_grouped_moe_matches_cpu() {
     let dpart = poisoned(&g, nt * k * hrows);
     g.moe_down_grp_with(false, &dm, g.ptr(&grp), e, nslots, g.ptr(&aq), g.ptr(&ad), g.ptr(&dpart)).unwrap();
     {
-        minimax_rank::cuda::fast::set_grp_pin(Some(false));
+        minimax_rank::cuda::fast::set_grp_kind(Some(fast::GrpKind::Plain));
         let plain = poisoned(&g, nt * k * hrows);
         g.moe_down_grp_with(false, &dm, g.ptr(&grp), e, nslots, g.ptr(&aq), g.ptr(&ad), g.ptr(&plain)).unwrap();
         let (a, b) = (g.download(&dpart).unwrap(), g.download(&plain).unwrap());
         assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "grouped down with pinned codebook words differs from the plain kernel");
-        minimax_rank::cuda::fast::set_grp_pin(None);
+        minimax_rank::cuda::fast::set_grp_kind(None);
     }
     let hid0 = rng.vec(nt * (hrows + 1), 1.0);
     let hb = g.upload(&hid0).unwrap();
@@ -835,24 +835,16 @@ fn fast_grouped_moe_matches_cpu() {
     eprintln!("moe grouped IQ4_XS {nt} tokens x top-{k} of {e}: gate/up max |diff| {worst:.2e} (q8 output), down+combine max rel {worst_d:.2e}");
 }
 
-/// Position of element `e` of a q8 unit in the interleaved order of `norm_q8il` /
-/// `moe_gate_up_grpi` (kernels/fast.cu `q8_il_pos`), written out independently.
-fn il_pos(e: usize) -> usize {
-    let (i, r) = ((e % 16) / 4, e % 4);
-    8 * i + 2 * r + e / 16
-}
-
-/// The grouped steps' interleaved-activation path (`norm_q8il` → `moe_gate_up_grpi_iq4_xs` →
-/// `moe_down_grpi_iq4_xs`) and the L2-prefetching kernels (`moe_*_grpf_iq4_xs`) against the
-/// pinned kernels over natural-order activations (`norm_q8` → `moe_*_grpp_iq4_xs`): the same q8
-/// scales and, after undoing the interleave, the same codes, bit for bit; the same down
-/// partials; and sampled rows against the f64 product of
+/// Every grouped IQ4_XS kind (`fast::GrpKind`: plain, pinned, L2-prefetching with 64-row down
+/// blocks) against the pinned kernels, bit for bit, and sampled rows against the f64 product of
 /// the dequantized weights. Shapes: M2.7's widths at 32 tokens x top-3 over 9 experts (expert 0
-/// takes all 32 tokens, the most a slot holds); inputs wider than one round of units
-/// (3584 -> 2560 -> 43: partial row groups); 80-unit rows. Outputs poisoned first.
+/// takes all 32 tokens, the most a slot holds); inputs wider than one round of units (3584 ->
+/// 2560 -> 43: partial row blocks); 80-unit rows. The FFN input comes from `norm_q8`; outputs
+/// poisoned first.
 #[test]
 #[ignore = "needs a CUDA GPU"]
-fn fast_grouped_interleaved_kernels_match_pinned() {
+fn fast_grouped_kinds_are_bit_identical() {
+    use fast::GrpKind;
     let g = gpu();
     let mut rng = Rng(0x5eed_0fa5_7000_0013);
     let ty = GgmlType::IQ4_XS;
@@ -863,9 +855,6 @@ fn fast_grouped_interleaved_kernels_match_pinned() {
         let (_g1, gm) = upload_mat(&g, ty, &gate, ff, h, e);
         let (_g2, um) = upload_mat(&g, ty, &upw, ff, h, e);
         let (_g3, dm) = upload_mat(&g, ty, &down, hrows, ff, e);
-        fast::set_grp_il(Some(true));
-        assert!(fast::grp_il(&gm, &dm), "IQ4_XS experts can take the interleaved path");
-        fast::set_grp_il(None);
         let mut ids = Vec::new();
         for _ in 0..nt {
             let mut row = vec![0i32];
@@ -882,54 +871,28 @@ fn fast_grouped_interleaved_kernels_match_pinned() {
         let grp = g.zeros::<i32>(1 + 3 * e + np).unwrap();
         g.moe_group(g.ptr(&ib), np, e, g.ptr(&grp)).unwrap();
         let nslots = np.min(e);
-        // The FFN input: RMSNorm + q8 of random hidden rows, natural and interleaved.
+        // The FFN input: RMSNorm + q8 of random hidden rows.
         let hid = rng.vec(nt * h, 3.0);
         let nw = rng.vec(h, 1.0);
         let (hb, nwb) = (g.upload(&hid).unwrap(), g.upload(&nw).unwrap());
-        let quant_in = |il: bool| {
-            let q = g.zeros::<i8>(nt * h).unwrap();
-            g.fill_u32(g.ptr(&q), nt * h / 4, 0x7f7f_7f7f).unwrap();
-            let d = poisoned(&g, nt * h / 32);
-            if il {
-                g.norm_q8_il(g.ptr(&hb), h, g.ptr(&nwb), h, 1e-6, 0, 0, g.ptr(&q), g.ptr(&d), nt).unwrap();
-            } else {
-                g.norm_q8(g.ptr(&hb), h, g.ptr(&nwb), h, 1e-6, 0, 0, g.ptr(&q), g.ptr(&d), nt).unwrap();
-            }
-            (q, d)
-        };
-        let ((xq0, xd0), (xq1, xd1)) = (quant_in(false), quant_in(true));
-        let (n0, n1) = (g.download(&xq0).unwrap(), g.download(&xq1).unwrap());
-        assert!(bits(&g.download(&xd0).unwrap()) == bits(&g.download(&xd1).unwrap()), "norm_q8il scales differ from norm_q8");
-        for (i, &v) in n0.iter().enumerate() {
-            assert_eq!(n1[i / 32 * 32 + il_pos(i % 32)], v, "norm_q8il code of element {i}");
-        }
-        let hq = n0.clone();
-        let hd = g.download(&xd0).unwrap();
-        let xdq = q8_deq(&hq, &hd);
-        let run_gu = |il: bool| {
+        let xq = g.zeros::<i8>(nt * h).unwrap();
+        let xd = poisoned(&g, nt * h / 32);
+        g.norm_q8(g.ptr(&hb), h, g.ptr(&nwb), h, 1e-6, 0, 0, g.ptr(&xq), g.ptr(&xd), nt).unwrap();
+        let xdq = q8_deq(&g.download(&xq).unwrap(), &g.download(&xd).unwrap());
+        let run_gu = |kd: GrpKind| {
             let aq = g.zeros::<i8>(np * ff).unwrap();
             g.fill_u32(g.ptr(&aq), np * ff / 4, 0x7f7f_7f7f).unwrap();
             let ad = poisoned(&g, np * ff / 32);
-            if il {
-                g.moe_gate_up_grp_il(&gm, &um, g.ptr(&grp), e, nslots, k, g.ptr(&xq1), g.ptr(&xd1), g.ptr(&aq), g.ptr(&ad), ff).unwrap();
-            } else {
-                fast::set_grp_pin(Some(true));
-                g.moe_gate_up_grp(&gm, &um, g.ptr(&grp), e, nslots, k, g.ptr(&xq0), g.ptr(&xd0), g.ptr(&aq), g.ptr(&ad), ff).unwrap();
-                fast::set_grp_pin(None);
-            }
+            fast::set_grp_kind(Some(kd));
+            g.moe_gate_up_grp(&gm, &um, g.ptr(&grp), e, nslots, k, g.ptr(&xq), g.ptr(&xd), g.ptr(&aq), g.ptr(&ad), ff).unwrap();
+            fast::set_grp_kind(None);
             (aq, ad)
         };
-        fast::set_grp_pf(Some(false));
-        let ((aq0, ad0), (aq1, ad1)) = (run_gu(false), run_gu(true));
-        let (c0, c1) = (g.download(&aq0).unwrap(), g.download(&aq1).unwrap());
-        let (s0, s1) = (g.download(&ad0).unwrap(), g.download(&ad1).unwrap());
-        // The same kernels with the block's rows prefetched into L2 first (`moe_*_grpf`).
-        fast::set_grp_pf(Some(true));
-        let (aq2, ad2) = run_gu(false);
-        assert!(c0 == g.download(&aq2).unwrap() && bits(&s0) == bits(&g.download(&ad2).unwrap()), "nt {nt} h {h}: moe_gate_up_grpf differs from moe_gate_up_grpp");
-        assert!(bits(&s0) == bits(&s1), "nt {nt} h {h}: moe_gate_up_grpi q8 scales differ from moe_gate_up_grpp");
-        for (i, &v) in c0.iter().enumerate() {
-            assert_eq!(c1[i / 32 * 32 + il_pos(i % 32)], v, "nt {nt} h {h}: moe_gate_up_grpi code {i}");
+        let (aq0, ad0) = run_gu(GrpKind::Pinned);
+        let (c0, s0) = (g.download(&aq0).unwrap(), g.download(&ad0).unwrap());
+        for kd in [GrpKind::Plain, GrpKind::Prefetch] {
+            let (aq2, ad2) = run_gu(kd);
+            assert!(c0 == g.download(&aq2).unwrap() && bits(&s0) == bits(&g.download(&ad2).unwrap()), "nt {nt} h {h}: grouped gate/up {kd:?} differs from Pinned");
         }
         let rb = quant::row_bytes(ty, h).unwrap();
         let mut worst = 0f32;
@@ -944,45 +907,42 @@ fn fast_grouped_interleaved_kernels_match_pinned() {
                 };
                 let (gg, uu) = (row(&gate), row(&upw));
                 let want = (gg / (1.0 + (-gg).exp()) * uu) as f32;
-                let got = c1[p * ff + r / 32 * 32 + il_pos(r % 32)] as f32 * s1[p * ff / 32 + r / 32];
-                let tol = s1[p * ff / 32 + r / 32] * 0.51 + 1e-4 * want.abs() + 1e-6;
-                assert!(got.is_finite() && (got - want).abs() <= tol, "grpi gate/up nt {nt} pair {p} row {r}: got {got} want {want} tol {tol}");
+                let got = c0[p * ff + r] as f32 * s0[p * ff / 32 + r / 32];
+                let tol = s0[p * ff / 32 + r / 32] * 0.51 + 1e-4 * want.abs() + 1e-6;
+                assert!(got.is_finite() && (got - want).abs() <= tol, "grouped gate/up nt {nt} pair {p} row {r}: got {got} want {want} tol {tol}");
                 worst = worst.max((got - want).abs() / (want.abs() + 1e-3));
             }
         }
-        let run_dn = |il: bool| {
+        let run_dn = |kd: GrpKind| {
             let dpart = poisoned(&g, np * hrows);
-            if il {
-                g.moe_down_grp_il(&dm, g.ptr(&grp), e, nslots, g.ptr(&aq1), g.ptr(&ad1), g.ptr(&dpart)).unwrap();
-            } else {
-                fast::set_grp_pin(Some(true));
-                g.moe_down_grp_with(false, &dm, g.ptr(&grp), e, nslots, g.ptr(&aq0), g.ptr(&ad0), g.ptr(&dpart)).unwrap();
-                fast::set_grp_pin(None);
-            }
+            fast::set_grp_kind(Some(kd));
+            g.moe_down_grp_with(false, &dm, g.ptr(&grp), e, nslots, g.ptr(&aq0), g.ptr(&ad0), g.ptr(&dpart)).unwrap();
+            fast::set_grp_kind(None);
             g.download(&dpart).unwrap()
         };
-        let d2 = run_dn(false);
-        fast::set_grp_pf(Some(false));
-        let (d0, d1) = (run_dn(false), run_dn(true));
-        fast::set_grp_pf(None);
-        assert!(bits(&d0) == bits(&d1), "nt {nt} h {h}: moe_down_grpi differs from moe_down_grpp");
-        assert!(bits(&d0) == bits(&d2), "nt {nt} h {h}: moe_down_grpf differs from moe_down_grpp");
+        let d0 = run_dn(GrpKind::Pinned);
+        for kd in [GrpKind::Plain, GrpKind::Prefetch] {
+            assert!(bits(&d0) == bits(&run_dn(kd)), "nt {nt} h {h}: grouped down {kd:?} differs from Pinned");
+        }
         let drb = quant::row_bytes(ty, ff).unwrap();
         let mut worst_d = 0f64;
         for p in 0..np {
             let ex = ids[p] as usize;
-            for r in [0, 1, 15, 16, 17, hrows - 1, rng.below(hrows)] {
+            for r in [0, 1, 15, 16, 17, 63, 64, hrows - 1, rng.below(hrows)] {
+                if r >= hrows {
+                    continue;
+                }
                 let o = (ex * hrows + r) * drb;
                 let w = quant::dequantize_to_vec(ty, &down[o..o + drb], ff).unwrap();
                 let a = |i: usize| w[i] as f64 * c0[p * ff + i] as f64 * s0[p * ff / 32 + i / 32] as f64;
                 let want: f64 = (0..ff).map(a).sum();
                 let scale: f64 = (0..ff).map(|i| a(i).abs()).sum::<f64>() + 1e-6;
-                let gv = d1[p * hrows + r] as f64;
-                assert!(gv.is_finite() && (gv - want).abs() <= 1e-5 * scale, "grpi down nt {nt} pair {p} row {r}: got {gv} want {want}");
+                let gv = d0[p * hrows + r] as f64;
+                assert!(gv.is_finite() && (gv - want).abs() <= 1e-5 * scale, "grouped down nt {nt} pair {p} row {r}: got {gv} want {want}");
                 worst_d = worst_d.max((gv - want).abs() / scale);
             }
         }
-        eprintln!("interleaved grouped IQ4_XS, {nt} tokens x top-{k} of {e} ({h} -> {ff} -> {hrows}): bit-identical to the pinned kernels; sampled rows: gate/up max rel {worst:.2e}, down max rel {worst_d:.2e}");
+        eprintln!("grouped IQ4_XS kinds, {nt} tokens x top-{k} of {e} ({h} -> {ff} -> {hrows}): bit-identical; sampled rows: gate/up max rel {worst:.2e}, down max rel {worst_d:.2e}");
     }
 }
 

@@ -565,7 +565,7 @@ fn main() -> anyhow::Result<()> {
     let batches: Vec<usize> = arg("--batches").map(|v| v.split(',').filter_map(|x| x.parse().ok()).filter(|&b| (1..=32).contains(&b)).collect()).unwrap_or_else(|| vec![1, 4, 16, 32]);
     for b in batches {
         let steps: usize = 20;
-        let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take((5 + steps + 10).div_ceil(PAGE))).collect();
+        let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take((5 + steps + 2 * minimax_rank::cuda::fast::GrpKind::ALL.len() + 3).div_ceil(PAGE))).collect();
         let mut toks = start_streams(&mut m, &pts)?;
         let mut fin = true;
         fin &= stream_step(&mut m, &pts, &mut toks, 0)?;
@@ -587,32 +587,26 @@ fn main() -> anyhow::Result<()> {
         }
         table.push((format!("aggregate decode tok/s, batch {b} (forward / graph replay)"), format!("{:.0} / {:.0}", b as f64 * 1e3 / per, b as f64 * 1e3 / rep)));
         if b >= 4 {
-            // Grouped kernels decoding through iq4_lookup, through pinned codebook words, and
-            // over interleaved activations (the default; graph replay, twice each,
-            // alternating); then back to the environment's choice.
-            use minimax_rank::cuda::fast::{set_grp_il, set_grp_pf, set_grp_pin};
-            let variants = [(false, false, false), (true, false, false), (true, true, false), (true, false, true)];
-            let mut r = [0f64; 4];
+            // Every grouped-kernel kind (graph replay, twice each, alternating); then back to
+            // the environment's choice.
+            use minimax_rank::cuda::fast::{GrpKind, set_grp_kind};
+            let variants = GrpKind::ALL;
+            let mut r = [0f64; GrpKind::ALL.len()];
             for round in 0..2 {
-                for (v, &(pin, il, pf)) in variants.iter().enumerate() {
-                    set_grp_pin(Some(pin));
-                    set_grp_il(Some(il));
-                    set_grp_pf(Some(pf));
+                for (v, &kd) in variants.iter().enumerate() {
+                    set_grp_kind(Some(kd));
                     m.clear_graphs();
-                    fin &= stream_step(&mut m, &pts, &mut toks, steps + 4 * round + v)?;
+                    fin &= stream_step(&mut m, &pts, &mut toks, steps + variants.len() * round + v)?;
                     r[v] += replay_ms(&mut m, b, 10)? / 2.0;
                 }
             }
-            set_grp_pin(None);
-            set_grp_il(None);
-            set_grp_pf(None);
+            set_grp_kind(None);
             m.clear_graphs();
-            let tps = |ms: f64| b as f64 * 1e3 / ms;
-            println!(
-                "decode batch {b}, grouped MoE iq4_lookup / pinned / interleaved / L2 prefetch: {:.3} / {:.3} / {:.3} / {:.3} ms per step ({:.0} / {:.0} / {:.0} / {:.0} tok/s), finite {fin}",
-                r[0], r[1], r[2], r[3], tps(r[0]), tps(r[1]), tps(r[2]), tps(r[3])
-            );
-            table.push((format!("batch {b} graph replay, grouped MoE iq4_lookup / pinned / interleaved / L2 prefetch (tok/s)"), format!("{:.0} / {:.0} / {:.0} / {:.0}", tps(r[0]), tps(r[1]), tps(r[2]), tps(r[3]))));
+            let tps = |ms: f64| format!("{:.0}", b as f64 * 1e3 / ms);
+            let names = variants.map(|k| format!("{k:?}")).join(" / ");
+            let cells = r.map(tps).join(" / ");
+            println!("decode batch {b}, grouped MoE {names}: {cells} tok/s graph replay, finite {fin}");
+            table.push((format!("batch {b} graph replay, grouped MoE {names} (tok/s)"), cells));
         }
     }
 

@@ -451,54 +451,60 @@ pub fn use_grouped(nt: usize, gate: &DevMat, down: &DevMat, n_experts: usize) ->
     min > 0 && nt >= min && (iq4 || kq) && n_experts <= GRP_MAX_E
 }
 
-static GRP_PIN: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_GRP_PIN", true);
-
-/// Whether the grouped IQ4_XS gate/up and down (dp4a) decode through `iq4_lookup_lh` over
-/// codebook words pinned in registers (`moe_*_grpp_iq4_xs`) instead of `iq4_lookup`, whose
-/// constants ptxas re-materializes before every `prmt` (bit-identical; `MINIMAX_GRP_PIN=0` =
-/// `iq4_lookup`; default on).
-pub fn grp_pin() -> bool {
-    GRP_PIN.get()
+/// The grouped IQ4_XS expert kernels (kernels/fast.cu, "The grouped IQ4_XS kernels"): every
+/// kind computes the same bits; they differ in speed. `MINIMAX_GRP_KIND` = `plain` | `pin` |
+/// `pf` (the default).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GrpKind {
+    /// `moe_*_grp_iq4_xs`: decode through `iq4_lookup` (constants re-materialized per use).
+    Plain,
+    /// `moe_*_grpp_iq4_xs`: codebook words pinned in registers.
+    Pinned,
+    /// `moe_*_grpf_iq4_xs`: pinned, the block's weight rows prefetched into L2 first, the down
+    /// over 64 rows a block. H200, served-like routing, graph replay: 32 streams 605 -> 680
+    /// tok/s against `Pinned` (down 289 -> 237 µs a layer; gate/up unchanged).
+    Prefetch,
 }
 
-/// Overrides [`grp_pin`] (A/B runs and tests; `None` = back to the environment). Drop
+impl GrpKind {
+    /// Every kind (A/B runs).
+    pub const ALL: [GrpKind; 3] = [GrpKind::Plain, GrpKind::Pinned, GrpKind::Prefetch];
+
+    /// The kind in force: [`set_grp_kind`] if set, else `MINIMAX_GRP_KIND` (read once).
+    pub fn from_env() -> Self {
+        match GRP_OVR_KIND.load(Ordering::Relaxed) {
+            0 => {}
+            v => return Self::ALL[v as usize - 1],
+        }
+        static V: std::sync::OnceLock<GrpKind> = std::sync::OnceLock::new();
+        *V.get_or_init(|| match std::env::var("MINIMAX_GRP_KIND").as_deref() {
+            Ok("plain") => GrpKind::Plain,
+            Ok("pin") => GrpKind::Pinned,
+            _ => GrpKind::Prefetch,
+        })
+    }
+
+    /// Kernel name suffix, gate/up rows a block, down rows a block.
+    fn kernels(self) -> (&'static str, usize, usize) {
+        match self {
+            GrpKind::Plain => ("grp", 32, 16),
+            GrpKind::Pinned => ("grpp", 32, 16),
+            GrpKind::Prefetch => ("grpf", 32, 64),
+        }
+    }
+}
+
+static GRP_OVR_KIND: AtomicU8 = AtomicU8::new(0);
+
+/// The grouped kernels in force ([`GrpKind::from_env`]).
+pub fn grp_kind() -> GrpKind {
+    GrpKind::from_env()
+}
+
+/// Overrides [`grp_kind`] (A/B runs and tests; `None` = back to the environment). Drop
 /// captured graphs after a change.
-pub fn set_grp_pin(on: Option<bool>) {
-    GRP_PIN.set(on);
-}
-
-static GRP_IL: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_GRP_IL", false);
-
-/// Whether a grouped step over IQ4_XS experts (gate, up and down) keeps its FFN activations in
-/// `iq4_lookup_il`'s order (`norm_q8il` → `moe_gate_up_grpi` → `moe_down_grpi`): the codes are
-/// decoded without regrouping, part of the decode's shifts run on the FMA pipe, and pair
-/// offsets come from registers (bit-identical to the pinned kernels; opt-in, `MINIMAX_GRP_IL=1`:
-/// on one H200 at 32 tokens the gate/up took 383 vs 387 µs a layer and the down 333 vs 289, so
-/// the kernels are not bound by the decode's ALU work; not with `MINIMAX_GRP_MMA`, whose down
-/// reads natural order).
-pub fn grp_il(gate: &DevMat, down: &DevMat) -> bool {
-    GRP_IL.get() && !grp_mma() && gate.ty == GgmlType::IQ4_XS && down.ty == GgmlType::IQ4_XS && fast_mat(gate) && fast_mat(down)
-}
-
-/// Overrides the `MINIMAX_GRP_IL` switch of [`grp_il`] (A/B runs and tests; `None` = back to
-/// the environment). Drop captured graphs after a change.
-pub fn set_grp_il(on: Option<bool>) {
-    GRP_IL.set(on);
-}
-
-static GRP_PF: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_GRP_PF", true);
-
-/// Whether the pinned grouped kernels first ask L2 for their block's weight rows
-/// (`moe_*_grpf_iq4_xs`; the down over 64 rows a block): their warps otherwise wait for DRAM
-/// one row at a time (bit-identical; `MINIMAX_GRP_PF=0` = `moe_*_grpp_iq4_xs`).
-pub fn grp_pf() -> bool {
-    GRP_PF.get()
-}
-
-/// Overrides [`grp_pf`] (A/B runs and tests; `None` = back to the environment). Drop captured
-/// graphs after a change.
-pub fn set_grp_pf(on: Option<bool>) {
-    GRP_PF.set(on);
+pub fn set_grp_kind(kind: Option<GrpKind>) {
+    GRP_OVR_KIND.store(kind.map(|k| GrpKind::ALL.iter().position(|&x| x == k).unwrap() as u8 + 1).unwrap_or(0), Ordering::Relaxed);
 }
 
 /// Most tokens (pairs per expert) of the grouped MoE kernels (`GG_MAXC` in kernels/fast.cu).
@@ -625,16 +631,6 @@ impl Gpu {
             0,
             &[Arg::P(x), Arg::L(xs as i64), Arg::P(w), Arg::I(n as i32), Arg::F(eps), Arg::P(y), Arg::L(ys as i64), Arg::P(q), Arg::P(d)],
         )
-    }
-
-    /// [`Gpu::norm_q8`] with each unit's codes in `iq4_lookup_il`'s order (`norm_q8il`): the FFN
-    /// input of a grouped step that [`grp_il`] picks, read only by [`Gpu::moe_gate_up_grp_il`].
-    #[allow(clippy::too_many_arguments)]
-    pub fn norm_q8_il(&self, x: u64, xs: usize, w: u64, n: usize, eps: f32, y: u64, ys: usize, q: u64, d: u64, nrows: usize) -> Result<(), CudaError> {
-        if n % 32 != 0 || n > NQ_MAXV * 1024 {
-            return Err(CudaError::Shape(format!("norm_q8il: width {n} is not a multiple of 32 or above {}", NQ_MAXV * 1024)));
-        }
-        self.launch_pdl("norm_q8il", (nrows as u32, 1, 1), 1024, 0, &[Arg::P(x), Arg::L(xs as i64), Arg::P(w), Arg::I(n as i32), Arg::F(eps), Arg::P(y), Arg::L(ys as i64), Arg::P(q), Arg::P(d)])
     }
 
     /// Router logits `y[t] = W x[t]` for an F32 matrix (rows of `cols % 4 == 0` floats,
@@ -851,44 +847,14 @@ impl Gpu {
         if ld < gate.rows || ld % 32 != 0 || gate.ty != GgmlType::IQ4_XS || !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 || gate.cols % 256 != 0 {
             return Err(CudaError::Shape(format!("moe_gate_up_grp: {:?} {}x{} (ld {ld})", gate.ty, gate.rows, gate.cols)));
         }
+        let (sfx, rows, _) = grp_kind().kernels();
         self.launch_pdl(
-            match (grp_pin(), grp_pf()) {
-                (true, true) => "moe_gate_up_grpf_iq4_xs",
-                (true, false) => "moe_gate_up_grpp_iq4_xs",
-                _ => "moe_gate_up_grp_iq4_xs",
-            },
-            ((gate.rows / 32) as u32, nslots as u32, 1),
+            &format!("moe_gate_up_{sfx}_iq4_xs"),
+            ((gate.rows / rows) as u32, nslots as u32, 1),
             256,
             0,
             &gate_up_args(gate, up, &[Arg::P(grp), Arg::I(e as i32), Arg::I(k as i32)], xq, xd, aq, ad, ld),
         )
-    }
-
-    /// [`Gpu::moe_gate_up_grp`] over `iq4_lookup_il`-ordered input (from [`Gpu::norm_q8_il`]),
-    /// storing its q8 activations in that order too (for [`Gpu::moe_down_grp_il`]):
-    /// `moe_gate_up_grpi_iq4_xs`, the steps [`grp_il`] picks.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_gate_up_grp_il(&self, gate: &DevMat, up: &DevMat, grp: u64, e: usize, nslots: usize, k: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<(), CudaError> {
-        if ld < gate.rows || ld % 32 != 0 || gate.ty != GgmlType::IQ4_XS || !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 || gate.cols % 256 != 0 {
-            return Err(CudaError::Shape(format!("moe_gate_up_grp_il: {:?} {}x{} (ld {ld})", gate.ty, gate.rows, gate.cols)));
-        }
-        self.launch_pdl(
-            "moe_gate_up_grpi_iq4_xs",
-            ((gate.rows / 32) as u32, nslots as u32, 1),
-            256,
-            0,
-            &gate_up_args(gate, up, &[Arg::P(grp), Arg::I(e as i32), Arg::I(k as i32)], xq, xd, aq, ad, ld),
-        )
-    }
-
-    /// [`Gpu::moe_down_grp`] over [`Gpu::moe_gate_up_grp_il`]'s activations
-    /// (`moe_down_grpi_iq4_xs`; same output).
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_down_grp_il(&self, down: &DevMat, grp: u64, e: usize, nslots: usize, aq: u64, ad: u64, dpart: u64) -> Result<(), CudaError> {
-        if down.ty != GgmlType::IQ4_XS || !fast_mat(down) || down.cols % 256 != 0 {
-            return Err(CudaError::Shape(format!("moe_down_grp_il: {:?} {}x{}", down.ty, down.rows, down.cols)));
-        }
-        self.launch_pdl("moe_down_grpi_iq4_xs", (ceil_div(down.rows, 16), nslots as u32, 1), 256, 0, &down_args(down, &[Arg::P(grp), Arg::I(e as i32)], aq, ad, &[Arg::P(dpart)]))
     }
 
     /// Grouped down products: `dpart[p][r] = down[expert of p] row r . act[p]` for every pair
@@ -899,7 +865,7 @@ impl Gpu {
     }
 
     /// [`Gpu::moe_down_grp`] with the kernel given: `mma` = `moe_down_grpm_iq4_xs` (tensor
-    /// cores, opt-in), else `moe_down_grp_iq4_xs` (dp4a, the default; tests and A/B runs).
+    /// cores, opt-in), else the dp4a kernel of [`grp_kind`] (the default; tests and A/B runs).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down_grp_with(&self, mma: bool, down: &DevMat, grp: u64, e: usize, nslots: usize, aq: u64, ad: u64, dpart: u64) -> Result<(), CudaError> {
         if down.ty != GgmlType::IQ4_XS || !fast_mat(down) || down.cols % 256 != 0 {
@@ -907,15 +873,12 @@ impl Gpu {
         }
         let (name, rows_per_block, threads) = if mma {
             ("moe_down_grpm_iq4_xs", 32, 128)
-        } else if grp_pin() && grp_pf() {
-            ("moe_down_grpf_iq4_xs", 64, 256)
-        } else if grp_pin() {
-            ("moe_down_grpp_iq4_xs", 16, 256)
         } else {
-            ("moe_down_grp_iq4_xs", 16, 256)
+            let (sfx, _, rows) = grp_kind().kernels();
+            (sfx, rows, 256)
         };
         self.launch_pdl(
-            name,
+            &if mma { name.to_string() } else { format!("moe_down_{name}_iq4_xs") },
             (ceil_div(down.rows, rows_per_block), nslots as u32, 1),
             threads,
             0,

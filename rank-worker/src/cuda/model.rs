@@ -417,18 +417,7 @@ impl CudaModel {
             if tp {
                 all_reduce(hid, nt * h)?;
             }
-            // The down kernel reads whole 272-byte chunks: a rank's expert slice may be stored
-            // padded (zero blocks); the activations then go `dn.cols` apart, pad left zero.
-            let dn = DevMat { cols: l.down.row_bytes / l.down.ty.block_bytes() * l.down.ty.block_elems(), ..l.down };
-            // Steps of several tokens: pairs grouped by expert, each chosen expert read once;
-            // IQ4_XS experts with their activations in the decode's interleaved order.
-            let grouped = super::fast::use_grouped(nt, &l.gate, &dn, e);
-            let il = grouped && super::fast::grp_il(&l.gate, &dn);
-            if il {
-                g.norm_q8_il(hid, h, l.ffn_norm, h, c.rms_eps, nrm, h, xq, xd, nt)?;
-            } else {
-                g.norm_q8(hid, h, l.ffn_norm, h, c.rms_eps, nrm, h, xq, xd, nt)?;
-            }
+            g.norm_q8(hid, h, l.ffn_norm, h, c.rms_eps, nrm, h, xq, xd, nt)?;
             use super::fast::{ROUTE_FAST_MAX_E, RouteMode, route_mode};
             let rmode = if e <= ROUTE_FAST_MAX_E && k <= 32 { route_mode() } else { RouteMode::Exact };
             if fast_router(&l.router) && rmode == RouteMode::Fused {
@@ -445,14 +434,15 @@ impl CudaModel {
                     g.route_fast(p(&ws.rl), l.bias, e, k, c.gating, ids, wts, nt)?;
                 }
             }
+            // The down kernel reads whole 272-byte chunks: a rank's expert slice may be stored
+            // padded (zero blocks); the activations then go `dn.cols` apart, pad left zero.
+            let dn = DevMat { cols: l.down.row_bytes / l.down.ty.block_bytes() * l.down.ty.block_elems(), ..l.down };
+            // Steps of several tokens: pairs grouped by expert, each chosen expert read once.
+            let grouped = super::fast::use_grouped(nt, &l.gate, &dn, e);
             let (grp, nslots) = (g.ptr(&ws.grp), (nt * k).min(e));
             if grouped {
                 g.moe_group(ids, nt * k, e, grp)?;
-                if il {
-                    g.moe_gate_up_grp_il(&l.gate, &l.up, grp, e, nslots, k, xq, xd, aq, ad, dn.cols)?;
-                } else {
-                    g.moe_gate_up_grp_any(&l.gate, &l.up, grp, e, nslots, k, xq, xd, aq, ad, dn.cols)?;
-                }
+                g.moe_gate_up_grp_any(&l.gate, &l.up, grp, e, nslots, k, xq, xd, aq, ad, dn.cols)?;
             } else {
                 g.moe_gate_up_q8_any(&l.gate, &l.up, ids, k, xq, xd, aq, ad, nt * k, dn.cols)?;
             }
@@ -460,11 +450,7 @@ impl CudaModel {
                 memset_f32_zero(g, hid, nt * h)?;
             }
             if grouped {
-                if il {
-                    g.moe_down_grp_il(&dn, grp, e, nslots, aq, ad, p(&ws.dpart))?;
-                } else {
-                    g.moe_down_grp_any(&dn, grp, e, nslots, aq, ad, p(&ws.dpart))?;
-                }
+                g.moe_down_grp_any(&dn, grp, e, nslots, aq, ad, p(&ws.dpart))?;
                 g.moe_combine_grp(p(&ws.dpart), wts, k, dn.rows, hid, h, nt)?;
             } else {
                 g.moe_down_q8_any(&dn, ids, wts, k, aq, ad, hid, h, nt)?;
