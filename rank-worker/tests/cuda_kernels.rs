@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::gpu::{Rng, TYPES, bits, gpu, poisoned, q8_deq, q8_host, random_rows, upload_mat};
+use common::gpu::{Rng, TYPES, bits, gpu, poisoned, q8_deq, q8_host, random_experts, random_rows, upload_mat};
 use minimax_rank::cuda::fast::{self, DownKind, GateUpKind, MvqKind};
 use minimax_rank::cuda::{Arg, AttnArgs, KvDtype};
 use minimax_shared::model::GatingFunc;
@@ -725,8 +725,8 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
     }
 }
 
-/// The grouped MoE of steps of several tokens (`moe_group`, `moe_gate_up_grp_iq4_xs`,
-/// `moe_down_grp_iq4_xs`, `moe_combine_grp`; the `grpp` variants bit for bit) against the CPU: experts shared by several tokens
+/// The grouped MoE of steps of several tokens (`moe_group`, the default `GrpKind`'s gate/up and
+/// down, `moe_combine_grp`; the plain kind bit for bit) against the CPU: experts shared by several tokens
 /// (one by every token), column rounds with a partial last one (gate/up: 112 units = 96 + 16;
 /// down: 2 x 80 units = 96 + 64), output rows not a multiple of the 16-row block.
 #[test]
@@ -736,12 +736,8 @@ fn fast_grouped_moe_matches_cpu() {
     let mut rng = Rng(0x5eed_0fa5_7000_0003);
     let ty = GgmlType::IQ4_XS;
     let (e, k, nt, h, ff, hrows) = (7usize, 3usize, 5usize, 512 * 7, 512 * 5, 43usize);
-    let gate = random_rows(&mut rng, ty, e * ff, h);
-    let upw = random_rows(&mut rng, ty, e * ff, h);
-    let down = random_rows(&mut rng, ty, e * hrows, ff);
-    let (_g1, gm) = upload_mat(&g, ty, &gate, ff, h, e);
-    let (_g2, um) = upload_mat(&g, ty, &upw, ff, h, e);
-    let (_g3, dm) = upload_mat(&g, ty, &down, hrows, ff, e);
+    let ex = random_experts(&g, &mut rng, ty, e, ff, h, hrows);
+    let (gate, upw, down, gm, um, dm) = (&ex.gate, &ex.up, &ex.down, ex.gm, ex.um, ex.dm);
     // Expert 2 for every token, expert 6 for two, the rest once or twice; expert 3 never.
     let ids: Vec<i32> = vec![2, 6, 0, 1, 2, 6, 2, 4, 5, 0, 1, 2, 5, 2, 4];
     let wts: Vec<f32> = (0..nt * k).map(|i| 0.1 + 0.05 * i as f32).collect();
@@ -849,12 +845,8 @@ fn fast_grouped_kinds_are_bit_identical() {
     let mut rng = Rng(0x5eed_0fa5_7000_0013);
     let ty = GgmlType::IQ4_XS;
     for &(nt, k, e, h, ff, hrows) in &[(32usize, 3usize, 9usize, 3072usize, 1536usize, 3072usize), (5, 3, 7, 3584, 2560, 43), (5, 2, 4, 2560, 1024, 43)] {
-        let gate = random_rows(&mut rng, ty, e * ff, h);
-        let upw = random_rows(&mut rng, ty, e * ff, h);
-        let down = random_rows(&mut rng, ty, e * hrows, ff);
-        let (_g1, gm) = upload_mat(&g, ty, &gate, ff, h, e);
-        let (_g2, um) = upload_mat(&g, ty, &upw, ff, h, e);
-        let (_g3, dm) = upload_mat(&g, ty, &down, hrows, ff, e);
+        let ex = random_experts(&g, &mut rng, ty, e, ff, h, hrows);
+        let (gate, upw, down, gm, um, dm) = (&ex.gate, &ex.up, &ex.down, ex.gm, ex.um, ex.dm);
         let mut ids = Vec::new();
         for _ in 0..nt {
             let mut row = vec![0i32];

@@ -155,3 +155,26 @@ pub fn q8_deq(q: &[i8], d: &[f32]) -> Vec<f32> {
 pub fn bits(v: &[f32]) -> Vec<u32> {
     v.iter().map(|x| x.to_bits()).collect()
 }
+
+/// Random IQ4-class experts for the MoE kernel tests: `e` experts of gate and up (`ff` x `h`)
+/// and down (`hrows` x `ff`) of `ty`, as host bytes and uploaded (buffers kept alive).
+pub struct RandomExperts {
+    pub gate: Vec<u8>,
+    pub up: Vec<u8>,
+    pub down: Vec<u8>,
+    pub gm: DevMat,
+    pub um: DevMat,
+    pub dm: DevMat,
+    _bufs: [CudaSlice<u8>; 3],
+}
+
+/// [`RandomExperts`] drawn from `rng` and uploaded to `g`.
+pub fn random_experts(g: &Gpu, rng: &mut Rng, ty: GgmlType, e: usize, ff: usize, h: usize, hrows: usize) -> RandomExperts {
+    let gate = random_rows(rng, ty, e * ff, h);
+    let up = random_rows(rng, ty, e * ff, h);
+    let down = random_rows(rng, ty, e * hrows, ff);
+    let (b1, gm) = upload_mat(g, ty, &gate, ff, h, e);
+    let (b2, um) = upload_mat(g, ty, &up, ff, h, e);
+    let (b3, dm) = upload_mat(g, ty, &down, hrows, ff, e);
+    RandomExperts { gate, up, down, gm, um, dm, _bufs: [b1, b2, b3] }
+}
