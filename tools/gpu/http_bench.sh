@@ -5,7 +5,9 @@
 # everything. Run on a GPU machine from the repository root, with prebuilt binaries
 # (minimax-gateway, minimax-rank) in BIN_DIR (tools/gpu/collect.sh copies them).
 #   tools/gpu/http_bench.sh [BIN_DIR] [http_bench.py args...]
-# Environment: SYNTHETIC (default m2.7:iq4xs), KV_PAGES (default 640 pages of 64 tokens:
+# Environment: GATEWAY_ARGS (how ranks start; default `--device cuda`: one CUDA rank; e.g.
+# `--gpus 0,1 --parallelism pipeline` for a two-GPU world), SYNTHETIC (default m2.7:iq4xs),
+# KV_PAGES (default 640 pages of 64 tokens:
 # 40,960 tokens, room for the 32,768-token TTFT), PORT (8000), READY_TIMEOUT (seconds, 900).
 # Logs (gateway + rank, benchmark) in $OUT or /tmp/minimax-http-bench; gateway.pid there (the
 # rank dies with the gateway) for a caller that kills this script.
@@ -23,7 +25,7 @@ port=${PORT:-8000}
 url="http://127.0.0.1:$port"
 
 "$bin_dir/minimax-gateway" --synthetic "${SYNTHETIC:-m2.7:iq4xs}" --allow-synthetic \
-  --device cuda --rank-binary "$bin_dir/minimax-rank" --kv-pages "${KV_PAGES:-640}" \
+  ${GATEWAY_ARGS:---device cuda} --rank-binary "$bin_dir/minimax-rank" --kv-pages "${KV_PAGES:-640}" \
   --port "$port" >"$log_dir/gateway.log" 2>&1 &
 gw=$!
 echo "$gw" >"$log_dir/gateway.pid"
