@@ -6,7 +6,9 @@
 # (minimax-gateway, minimax-rank) in BIN_DIR (tools/gpu/collect.sh copies them).
 #   tools/gpu/http_bench.sh [BIN_DIR] [http_bench.py args...]
 # Environment: GATEWAY_ARGS (how ranks start; default `--device cuda`: one CUDA rank; e.g.
-# `--gpus 0,1 --parallelism pipeline` for a two-GPU world), SYNTHETIC (default m2.7:iq4xs),
+# `--gpus 0,1 --parallelism pipeline` for a two-GPU world), MODEL (a GGUF to serve instead of
+# synthetic weights, e.g. one `minimax-rank write-synthetic` wrote: synthetic weights run on one
+# rank only), SYNTHETIC (default m2.7:iq4xs),
 # KV_PAGES (default 640 pages of 64 tokens:
 # 40,960 tokens, room for the 32,768-token TTFT), PORT (8000), READY_TIMEOUT (seconds, 900).
 # Logs (gateway + rank, benchmark) in $OUT or /tmp/minimax-http-bench; gateway.pid there (the
@@ -24,7 +26,12 @@ export MINIMAX_KERNEL_CACHE=${MINIMAX_KERNEL_CACHE:-/tmp/minimax-kernel-cache}
 port=${PORT:-8000}
 url="http://127.0.0.1:$port"
 
-"$bin_dir/minimax-gateway" --synthetic "${SYNTHETIC:-m2.7:iq4xs}" --allow-synthetic \
+if [ -n "${MODEL:-}" ]; then
+  model_args=(--model "$MODEL")
+else
+  model_args=(--synthetic "${SYNTHETIC:-m2.7:iq4xs}" --allow-synthetic)
+fi
+"$bin_dir/minimax-gateway" "${model_args[@]}" \
   ${GATEWAY_ARGS:---device cuda} --rank-binary "$bin_dir/minimax-rank" --kv-pages "${KV_PAGES:-640}" \
   --port "$port" >"$log_dir/gateway.log" 2>&1 &
 gw=$!
