@@ -143,7 +143,7 @@ impl Backend {
                 let path = std::env::temp_dir().join(format!("minimax-synthetic-{}.gguf", std::process::id()));
                 let io = |e: std::io::Error| BackendError::Unavailable(format!("writing the synthetic model to {}: {e}", path.display()));
                 let mut w = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(&path).map_err(io)?);
-                let written = minimax_shared::model::synthetic_gguf::write_gguf(spec, SEED, &mut w).and_then(|_| w.into_inner().map_err(|e| e.into_error()).map(drop));
+                let written = minimax_shared::model::synthetic_gguf::write_gguf(spec, SEED, &[], &mut w).and_then(|_| w.into_inner().map_err(|e| e.into_error()).map(drop));
                 let model = written.map_err(io).and_then(|()| GgufModel::open(&path).map_err(|e| BackendError::Unavailable(e.to_string())));
                 let _ = std::fs::remove_file(&path);
                 let model = Arc::new(model?);

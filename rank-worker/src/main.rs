@@ -40,6 +40,10 @@ enum Cmd {
         out: std::path::PathBuf,
         #[arg(long, default_value_t = 42)]
         seed: u64,
+        /// Copy the tokenizer (`tokenizer.*` metadata) of this GGUF into the file, so the
+        /// gateway can serve it, also with several ranks (`--synthetic` runs on one rank only).
+        #[arg(long)]
+        tokenizer_from: Option<std::path::PathBuf>,
     },
     /// Compile every CUDA kernel with NVRTC into the kernel cache (`$MINIMAX_KERNEL_CACHE`,
     /// see docs/CUDA.md) for the given architectures, so ranks start without compiling.
@@ -159,12 +163,24 @@ fn synthetic_spec(spec: Option<&str>, allowed: bool, world_size: usize) -> Resul
     SyntheticSpec::parse(spec).map(Some).map_err(|e| e.to_string())
 }
 
-fn write_synthetic(spec: &str, out: &std::path::Path, seed: u64) -> Result<String, String> {
+fn write_synthetic(spec: &str, out: &std::path::Path, seed: u64, tokenizer_from: Option<&std::path::Path>) -> Result<String, String> {
+    use minimax_shared::model::synthetic_gguf::{tokenizer_meta, write_gguf};
     let spec = SyntheticSpec::parse(spec).map_err(|e| e.to_string())?;
+    let extra = match tokenizer_from {
+        Some(p) => {
+            let m = GgufModel::open(p).map_err(|e| e.to_string())?;
+            let t = tokenizer_meta(m.metadata());
+            if t.is_empty() {
+                return Err(format!("{}: no tokenizer.* metadata", p.display()));
+            }
+            t
+        }
+        None => Vec::new(),
+    };
     let t0 = std::time::Instant::now();
     let io = |e: std::io::Error| format!("{}: {e}", out.display());
     let mut w = std::io::BufWriter::with_capacity(8 << 20, std::fs::File::create(out).map_err(io)?);
-    let n = minimax_shared::model::synthetic_gguf::write_gguf(&spec, seed, &mut w).map_err(io)?;
+    let n = write_gguf(&spec, seed, &extra, &mut w).map_err(io)?;
     let f = w.into_inner().map_err(|e| io(e.into_error()))?;
     f.sync_all().map_err(io)?;
     let s = t0.elapsed().as_secs_f64();
@@ -205,7 +221,7 @@ fn main() -> ExitCode {
                 ExitCode::FAILURE
             }
         },
-        Some(Cmd::WriteSynthetic { spec, out, seed }) => report(write_synthetic(&spec, &out, seed)),
+        Some(Cmd::WriteSynthetic { spec, out, seed, tokenizer_from }) => report(write_synthetic(&spec, &out, seed, tokenizer_from.as_deref())),
         Some(Cmd::BuildKernels { arch }) => report(build_kernels(&arch)),
         Some(Cmd::Serve(a)) => {
             init_tracing();

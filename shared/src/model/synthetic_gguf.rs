@@ -8,7 +8,7 @@ use std::io::{self, Write};
 use super::names;
 use super::ModelConfig;
 use super::synthetic::{SplitMix64, SyntheticSpec, SyntheticTensor, fill_random_blocks};
-use crate::gguf::MetaValue;
+use crate::gguf::{MetaValue, Metadata};
 use crate::gguf::write::{GgufWriter, TensorSpec};
 use crate::quant::GgmlType;
 
@@ -69,17 +69,29 @@ fn sample(name: &str, ty: GgmlType, n_bytes: usize, rng: &mut SplitMix64) -> Vec
     buf
 }
 
-/// Writes `spec` as one GGUF file to `out`; returns the bytes written.
-pub fn write_gguf(spec: &SyntheticSpec, seed: u64, out: &mut impl Write) -> io::Result<u64> {
-    write_model(&spec.config(), &spec.tensors(), seed, out)
+/// The `tokenizer.*` entries of `m`'s metadata: what [`write_gguf`] takes as `extra` so that a
+/// synthetic file can be served through the gateway by several ranks (the gateway reads the
+/// tokenizer from the served GGUF; `--synthetic` itself runs on one rank only).
+pub fn tokenizer_meta(m: &Metadata) -> Vec<(String, MetaValue)> {
+    m.iter().filter(|(k, _)| k.starts_with("tokenizer.")).map(|(k, v)| (k.to_string(), v.clone())).collect()
+}
+
+/// Writes `spec` as one GGUF file to `out`, with the `extra` metadata entries after the
+/// model's own (e.g. [`tokenizer_meta`] of a real model); returns the bytes written.
+pub fn write_gguf(spec: &SyntheticSpec, seed: u64, extra: &[(String, MetaValue)], out: &mut impl Write) -> io::Result<u64> {
+    write_model(&spec.config(), &spec.tensors(), seed, extra, out)
 }
 
 /// Writes config `c` with `tensors` (names, shapes, types) and random contents.
-fn write_model(c: &ModelConfig, tensors: &[SyntheticTensor], seed: u64, out: &mut impl Write) -> io::Result<u64> {
+fn write_model(c: &ModelConfig, tensors: &[SyntheticTensor], seed: u64, extra: &[(String, MetaValue)], out: &mut impl Write) -> io::Result<u64> {
     let sizes: Vec<u64> = tensors.iter().map(|t| t.n_bytes()).collect();
     let specs: Vec<TensorSpec<'_>> =
         tensors.iter().zip(&sizes).map(|(t, &n)| TensorSpec { name: &t.name, dims: &t.dims, ty: t.ty, n_bytes: n }).collect();
-    let (header, offsets) = metadata(c).header_for(&specs);
+    let mut meta = metadata(c);
+    for (k, v) in extra {
+        meta.meta(k, v.clone());
+    }
+    let (header, offsets) = meta.header_for(&specs);
     out.write_all(&header)?;
     let mut at = 0u64;
     let zeros = [0u8; 256];
@@ -128,11 +140,22 @@ mod tests {
     #[test]
     fn written_file_parses_with_the_config_and_valid_blocks() {
         let (c, tensors) = small();
+        // Extra entries (a tokenizer taken from another model) go into the header as given.
+        let mut src = Metadata::default();
+        src.insert("general.name".into(), MetaValue::String("other".into()));
+        src.insert("tokenizer.ggml.model".into(), MetaValue::String("gpt2".into()));
+        src.insert("tokenizer.ggml.tokens".into(), MetaValue::Array(vec![MetaValue::String("a".into()), MetaValue::String("b".into())]));
+        let extra = tokenizer_meta(&src);
+        assert_eq!(extra.len(), 2, "only the tokenizer.* entries: {extra:?}");
         let mut bytes = Vec::new();
-        let n = write_model(&c, &tensors, 3, &mut bytes).unwrap();
+        let n = write_model(&c, &tensors, 3, &extra, &mut bytes).unwrap();
         assert_eq!(n as usize, bytes.len());
         let m = GgufModel::from_shards(vec![GgufFile::from_bytes("synthetic.gguf", bytes).unwrap()]).unwrap();
         assert_eq!(ModelConfig::from_gguf(&m).unwrap(), c);
+        for (k, v) in &extra {
+            assert_eq!(m.meta(k), Some(v), "{k}");
+        }
+        assert_ne!(m.meta("general.name"), src.get("general.name"), "only tokenizer entries are copied");
         assert_eq!(m.tensor_count(), tensors.len());
         // Norm weights in [0.9, 1.1]; quantized matrices dequantize to small finite values,
         // including the repeated tail of a tensor larger than one chunk.
