@@ -764,7 +764,7 @@ fn fast_grouped_moe_matches_cpu() {
     let aq = g.zeros::<i8>(nt * k * ff).unwrap();
     g.fill_u32(g.ptr(&aq), nt * k * ff / 4, 0x7f7f_7f7f).unwrap();
     let ad = poisoned(&g, nt * k * ff / 32);
-    // The decode through pinned codebook words (`moe_*_grpp_*`) must give the plain kernels' bits.
+    // The default kind (pinned codebook words, L2 prefetch) must give the plain kernels' bits.
     minimax_rank::cuda::fast::set_grp_kind(Some(fast::GrpKind::Plain));
     g.moe_gate_up_grp(&gm, &um, g.ptr(&grp), e, nslots, k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), ff).unwrap();
     let (gaq, gad) = (g.download(&aq).unwrap(), g.download(&ad).unwrap());
@@ -775,8 +775,8 @@ fn fast_grouped_moe_matches_cpu() {
         let ad2 = poisoned(&g, nt * k * ff / 32);
         g.moe_gate_up_grp(&gm, &um, g.ptr(&grp), e, nslots, k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq2), g.ptr(&ad2), ff).unwrap();
         let (paq, pad) = (g.download(&aq2).unwrap(), g.download(&ad2).unwrap());
-        assert!(gaq == paq, "grouped gate/up with pinned codebook words: q8 codes differ from the plain kernel");
-        assert!(gad.iter().zip(&pad).all(|(a, b)| a.to_bits() == b.to_bits()), "grouped gate/up with pinned codebook words: q8 scales differ");
+        assert!(gaq == paq, "grouped gate/up of the default kind: q8 codes differ from the plain kernel");
+        assert!(gad.iter().zip(&pad).all(|(a, b)| a.to_bits() == b.to_bits()), "grouped gate/up of the default kind: q8 scales differ from the plain kernel");
     }
     let gdeq = quant::dequantize_to_vec(ty, &gate, e * ff * h).unwrap();
     let udeq = quant::dequantize_to_vec(ty, &upw, e * ff * h).unwrap();
@@ -801,7 +801,7 @@ fn fast_grouped_moe_matches_cpu() {
         let plain = poisoned(&g, nt * k * hrows);
         g.moe_down_grp_with(false, &dm, g.ptr(&grp), e, nslots, g.ptr(&aq), g.ptr(&ad), g.ptr(&plain)).unwrap();
         let (a, b) = (g.download(&dpart).unwrap(), g.download(&plain).unwrap());
-        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "grouped down with pinned codebook words differs from the plain kernel");
+        assert!(a.iter().zip(&b).all(|(x, y)| x.to_bits() == y.to_bits()), "grouped down of the default kind differs from the plain kernel");
         minimax_rank::cuda::fast::set_grp_kind(None);
     }
     let hid0 = rng.vec(nt * (hrows + 1), 1.0);

@@ -484,12 +484,12 @@ impl GrpKind {
         })
     }
 
-    /// Kernel name suffix, gate/up rows a block, down rows a block.
-    fn kernels(self) -> (&'static str, usize, usize) {
+    /// Kernel name suffix and down rows a block (a gate/up block is 32 rows for every kind).
+    fn kernels(self) -> (&'static str, usize) {
         match self {
-            GrpKind::Plain => ("grp", 32, 16),
-            GrpKind::Pinned => ("grpp", 32, 16),
-            GrpKind::Prefetch => ("grpf", 32, 64),
+            GrpKind::Plain => ("grp", 16),
+            GrpKind::Pinned => ("grpp", 16),
+            GrpKind::Prefetch => ("grpf", 64),
         }
     }
 }
@@ -847,10 +847,10 @@ impl Gpu {
         if ld < gate.rows || ld % 32 != 0 || gate.ty != GgmlType::IQ4_XS || !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 || gate.cols % 256 != 0 {
             return Err(CudaError::Shape(format!("moe_gate_up_grp: {:?} {}x{} (ld {ld})", gate.ty, gate.rows, gate.cols)));
         }
-        let (sfx, rows, _) = grp_kind().kernels();
+        let (sfx, _) = grp_kind().kernels();
         self.launch_pdl(
             &format!("moe_gate_up_{sfx}_iq4_xs"),
-            ((gate.rows / rows) as u32, nslots as u32, 1),
+            ((gate.rows / 32) as u32, nslots as u32, 1),
             256,
             0,
             &gate_up_args(gate, up, &[Arg::P(grp), Arg::I(e as i32), Arg::I(k as i32)], xq, xd, aq, ad, ld),
@@ -872,13 +872,13 @@ impl Gpu {
             return Err(CudaError::Shape(format!("moe_down_grp: {:?} {}x{}", down.ty, down.rows, down.cols)));
         }
         let (name, rows_per_block, threads) = if mma {
-            ("moe_down_grpm_iq4_xs", 32, 128)
+            ("moe_down_grpm_iq4_xs".to_string(), 32, 128)
         } else {
-            let (sfx, _, rows) = grp_kind().kernels();
-            (sfx, rows, 256)
+            let (sfx, rows) = grp_kind().kernels();
+            (format!("moe_down_{sfx}_iq4_xs"), rows, 256)
         };
         self.launch_pdl(
-            &if mma { name.to_string() } else { format!("moe_down_{name}_iq4_xs") },
+            &name,
             (ceil_div(down.rows, rows_per_block), nslots as u32, 1),
             threads,
             0,
