@@ -6,6 +6,8 @@
 //   mv_TY_NT   dense: y[v] (+)= W x[v] for NT vectors per warp (weights read once per NT)
 //   mve_TY     per-vector weights: vector p uses expert ids[p]'s matrix (MoE)
 //   dq_TY      dequantize selected rows to f32 (embedding lookup, tests)
+//   dqb_TY     dequantize whole rows to packed bf16 (the cuBLAS prefill products)
+//   x_bf16     f32 rows with a stride to packed bf16 (their inputs)
 
 __constant__ float KV_IQ4[16] = {-127.f, -104.f, -83.f, -65.f, -49.f, -35.f, -22.f, -10.f,
                                  1.f,    13.f,   25.f,  38.f,  53.f,  69.f,  89.f,  113.f};
@@ -311,6 +313,47 @@ __device__ __forceinline__ void dq_rows(const u8* W, i64 row_bytes, const int* i
     }
 }
 
+// Rows [0, rows) of W (rows of `cols` elements, `rb` bytes apart) as packed bf16 rows of `cols`
+// elements, rounded to nearest even from dq32's exact f32 values. One thread per 32-element
+// chunk (float types: per element); grid (ceil(rows * chunks / 256)), block 256; the wrapper
+// keeps rows * chunks below 2^31.
+template <int T>
+__device__ __forceinline__ void dq_bf16(const u8* W, i64 rb, int rows, int cols, u16* out) {
+    u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (is_float_type<T>()) {
+        if (i >= (u32)rows * (u32)cols) return;
+        u32 r = i / (u32)cols, c = i % (u32)cols;
+        out[i] = f32_to_bf16(ld_float<T>(W + r * rb, c));
+    } else {
+        u32 chunks = (u32)cols >> 5;
+        if (i >= (u32)rows * chunks) return;
+        u32 r = i / chunks, c = i % chunks;
+        float v[32];
+        if (T == T_Q8_0) {
+            // 2-byte loads (the wrapper checks the alignment); the same values as dq32.
+            const u16* b = (const u16*)(W + r * rb + c * 34u);
+            float d = f16_to_f32(b[0]);
+#pragma unroll
+            for (int j = 0; j < 16; j++) {
+                u16 x = b[1 + j];
+                v[2 * j] = __fmul_rn(d, (float)(i8)(x & 0xff));
+                v[2 * j + 1] = __fmul_rn(d, (float)(i8)(x >> 8));
+            }
+        } else {
+            dq32<T>(W + r * rb, c, v);
+        }
+        // 64 contiguous bytes per thread, as four 16-byte stores (cols is a multiple of 32).
+        uint4* o = (uint4*)(out + (i64)r * cols + c * 32u);
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            u32 w[4];
+#pragma unroll
+            for (int j = 0; j < 4; j++) w[j] = (u32)f32_to_bf16(v[q * 8 + 2 * j]) | ((u32)f32_to_bf16(v[q * 8 + 2 * j + 1]) << 16);
+            o[q] = make_uint4(w[0], w[1], w[2], w[3]);
+        }
+    }
+}
+
 #define MV_INST(name, T)                                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * MV_WARPS) mv_##name##_1(                               \
         const u8* W, i64 rb, int rows, int cols, const float* x, i64 xs, float* y, i64 ys, int nvec, int acc) { \
@@ -327,6 +370,9 @@ __device__ __forceinline__ void dq_rows(const u8* W, i64 row_bytes, const int* i
     }                                                                                                        \
     extern "C" __global__ void dq_##name(const u8* W, i64 rb, const int* ids, int cols, float* out, i64 os) { \
         dq_rows<T>(W, rb, ids, cols, out, os);                                                               \
+    }                                                                                                        \
+    extern "C" __global__ void __launch_bounds__(256) dqb_##name(const u8* W, i64 rb, int rows, int cols, u16* out) { \
+        dq_bf16<T>(W, rb, rows, cols, out);                                                                  \
     }
 
 // quant_matmul.cu is compiled with this file in front of it for dq32 and defines
@@ -348,4 +394,13 @@ MV_INST(q6_k, T_Q6_K)
 MV_INST(iq4_nl, T_IQ4_NL)
 MV_INST(iq4_xs, T_IQ4_XS)
 MV_INST(mxfp4, T_MXFP4)
+
+// X[n x cols] f32, rows xs apart, to packed bf16 [n x cols] (round to nearest even); one thread
+// per element; grid (ceil(n * cols / 256)), block 256; n * cols below 2^31.
+extern "C" __global__ void __launch_bounds__(256) x_bf16(const float* x, i64 xs, int n, int cols, u16* out) {
+    u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= (u32)n * (u32)cols) return;
+    u32 t = i / (u32)cols, c = i % (u32)cols;
+    out[i] = f32_to_bf16(x[(i64)t * xs + c]);
+}
 #endif

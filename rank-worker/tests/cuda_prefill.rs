@@ -13,6 +13,7 @@ use common::gpu::{NAN, Rng, TYPES, gpu, random_rows, upload_mat};
 use minimax_rank::comm::Solo;
 use minimax_rank::cpu::{CpuModel, KvSpec};
 use cudarc::driver::CudaSlice;
+use minimax_rank::cuda::blas::set_blas;
 use minimax_rank::cuda::matmul::{INT8_PASSES, set_int8_linear_copies, set_int8_mi, set_int8_stages};
 use minimax_rank::cuda::{CudaModel, CudaOptions, DevMat, GemmPrecision, Gpu, KvDtype, set_gemm_compact, set_gemm_fast, set_gemm_precision};
 use minimax_rank::partition::Partition;
@@ -370,7 +371,9 @@ fn int8_gemm_matches_q8_twin_for_every_tile() {
     set_int8_stages(None);
     set_int8_mi(None);
     set_int8_linear_copies(None);
-    // The dispatcher under MINIMAX_GEMM=int8: Q8_0, 261 rows, 77 tokens (6 tiles: K split).
+    // The dispatcher under MINIMAX_GEMM=int8: Q8_0, 261 rows, 77 tokens (6 tiles: K split); the
+    // built-in kernels, not cuBLAS (tests/cuda_blas.rs covers that path).
+    set_blas(Some(false));
     set_gemm_precision(GemmPrecision::Int8);
     let (ty, rows, cols, n) = (GgmlType::Q8_0, 261usize, 1184usize, 77usize);
     let w = random_rows(&mut rng, ty, rows, cols);
@@ -390,6 +393,7 @@ fn int8_gemm_matches_q8_twin_for_every_tile() {
         }
     }
     chk.finish("int8 matmul dispatch");
+    set_blas(None);
     set_gemm_precision(GemmPrecision::Bf16x3);
     // Bad arguments are errors, never launches.
     let ty = GgmlType::Q4_K;
@@ -571,7 +575,9 @@ fn split_k_gemm_matches_cpu() {
             }
         }
     }
-    // The dispatcher: F32 weights of 100 rows and 300 tokens run 10 tiles, so K is split.
+    // The dispatcher: F32 weights of 100 rows and 300 tokens run 10 tiles, so K is split (the
+    // built-in kernels: with cuBLAS on, F32 takes SGEMM).
+    set_blas(Some(false));
     set_gemm_precision(GemmPrecision::Bf16x3);
     let (ty, rows, cols, n) = (GgmlType::F32, 100usize, 3072usize, 300usize);
     let w = random_rows(&mut rng, ty, rows, cols);
@@ -586,6 +592,7 @@ fn split_k_gemm_matches_cpu() {
         });
     }
     assert!(g.matmul_split_with(&m, g.ptr(&xd), cols, g.ptr(&yd), rows, n, false, 2, 3, 0).is_err(), "0 parts");
+    set_blas(None);
 }
 
 #[test]
@@ -601,6 +608,8 @@ fn matvec_dispatches_to_gemm_above_crossover_and_rejects_misalignment() {
     let x = rng.vec(n * cols, 1.0);
     let xd = g.upload(&x).unwrap();
     let yd = g.zeros::<f32>(n * rows).unwrap();
+    // The built-in GEMMs (tests/cuda_blas.rs covers the cuBLAS dispatch).
+    set_blas(Some(false));
     for prec in [GemmPrecision::Bf16, GemmPrecision::Bf16x3] {
         set_gemm_precision(prec);
         let passes = if prec == GemmPrecision::Bf16 { 1 } else { 3 };
@@ -617,6 +626,7 @@ fn matvec_dispatches_to_gemm_above_crossover_and_rejects_misalignment() {
         chk.finish(passes, &format!("matvec dispatch {prec:?}"));
     }
     set_gemm_precision(GemmPrecision::Bf16x3);
+    set_blas(None);
     // A misaligned input is an error of the GEMM, never a launch.
     assert!(g.matmul(&m, g.ptr(&xd) + 4, cols, g.ptr(&yd), rows, n, false).is_err());
     assert!(g.matmul_with(&m, g.ptr(&xd), cols, g.ptr(&yd), rows, n, false, 4, 1).is_err());

@@ -479,6 +479,72 @@ fn moe_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// Dense products of M2.7's shapes (q: 6144 x 3072 and o: 3072 x 6144 Q8_0, the F32 router
+/// 256 x 3072) at several token counts: the built-in GEMM (default precision) against cuBLAS,
+/// median of 5 runs each, so the cuBLAS token threshold (`MINIMAX_BLAS_MIN_TOKENS`) can be set
+/// from measurements.
+fn dense_sweep(m: &CudaModel) -> anyhow::Result<()> {
+    use minimax_rank::cuda::DevMat;
+    use minimax_shared::quant::GgmlType;
+    let g = m.gpu();
+    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+    let mut rnd = move || {
+        seed ^= seed >> 12;
+        seed ^= seed << 25;
+        seed ^= seed >> 27;
+        seed.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    };
+    let mut q8 = |rows: usize, cols: usize| -> anyhow::Result<(cudarc::driver::CudaSlice<u8>, DevMat)> {
+        let rb = cols / 32 * 34;
+        let mut b = vec![0u8; rows * rb];
+        for blk in b.chunks_exact_mut(34) {
+            let d = half::f16::from_f32(((rnd() >> 40) as f32 / (1u64 << 24) as f32) * 0.02 + 0.001);
+            blk[..2].copy_from_slice(&d.to_bits().to_le_bytes());
+            for v in &mut blk[2..] {
+                *v = rnd() as u8;
+            }
+        }
+        let buf = g.upload(&b)?;
+        let m = DevMat { ptr: g.ptr(&buf), ty: GgmlType::Q8_0, rows, cols, row_bytes: rb, n_experts: 0, expert_stride: 0 };
+        Ok((buf, m))
+    };
+    let (_b1, wq) = q8(6144, 3072)?;
+    let (_b2, wo) = q8(3072, 6144)?;
+    let fr: Vec<f32> = (0..256 * 3072).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.1).collect();
+    let fb = g.upload(&fr)?;
+    let wr = DevMat { ptr: g.ptr(&fb), ty: GgmlType::F32, rows: 256, cols: 3072, row_bytes: 3072 * 4, n_experts: 0, expert_stride: 0 };
+    let nmax = 4096usize;
+    let xs: Vec<f32> = (0..nmax * 6144).map(|i| (i * 104_729 % 2001) as f32 / 1000.0 - 1.0).collect();
+    let x = g.upload(&xs)?;
+    let y = g.zeros::<f32>(nmax * 6144)?;
+    println!("dense products, median of 5 (us): shape, tokens, built-in GEMM ({:?}), cuBLAS", gemm_precision());
+    for (name, w) in [("q 6144x3072 Q8_0", &wq), ("o 3072x6144 Q8_0", &wo), ("router 256x3072 F32", &wr)] {
+        for n in [48usize, 64, 96, 128, 256, 512, 2048, 4096] {
+            let mut t = [0f64; 2];
+            for (i, on) in [false, true].into_iter().enumerate() {
+                minimax_rank::cuda::blas::set_blas(Some(on));
+                minimax_rank::cuda::blas::set_blas_min_tokens(Some(0));
+                let mut v = Vec::new();
+                for _ in 0..6 {
+                    g.sync()?;
+                    let t0 = Instant::now();
+                    g.matmul(w, g.ptr(&x), w.cols, g.ptr(&y), w.rows, n, false)?;
+                    g.sync()?;
+                    v.push(t0.elapsed().as_secs_f64() * 1e6);
+                }
+                v.remove(0);
+                v.sort_by(f64::total_cmp);
+                t[i] = v[2];
+            }
+            let tops = 2.0 * (w.rows * w.cols * n) as f64 / 1e12;
+            println!("  {name:<22} {n:>5} {:>9.1} {:>9.1}   ({:.0} / {:.0} TOPS)", t[0], t[1], tops / (t[0] * 1e-6), tops / (t[1] * 1e-6));
+        }
+    }
+    minimax_rank::cuda::blas::set_blas(None);
+    minimax_rank::cuda::blas::set_blas_min_tokens(None);
+    Ok(())
+}
+
 fn main() -> anyhow::Result<()> {
     tracing_subscriber::fmt().with_max_level(tracing::Level::INFO).init();
     if world::requested() {
@@ -719,6 +785,17 @@ fn main() -> anyhow::Result<()> {
             table.push((format!("prefill ms at 512 tokens, GEMM {prec:?}, dense tile {}", 16 * dt), format!("{e:.1}")));
         }
         set_dense_tile(None);
+        // Dense products through cuBLAS (the default) against the built-in GEMMs, same pages.
+        for on in [false, true] {
+            minimax_rank::cuda::blas::set_blas(Some(on));
+            let t = Instant::now();
+            let o = m.forward(&ForwardBatch { seqs: vec![step(80 + on as u64, &pt512, 0, (0..512u32).map(|i| (i * 7919) % 200_000).collect(), LogitsWanted::Last)] })?;
+            let e = ms(t);
+            println!("prefill 512, GEMM {prec:?}, dense products through cuBLAS {on}: {e:.1} ms = {:.0} tok/s, finite {}", 512e3 / e, finite(&o));
+            table.push((format!("prefill ms at 512 tokens, GEMM {prec:?}, cuBLAS dense {on}"), format!("{e:.1}")));
+        }
+        minimax_rank::cuda::blas::set_blas(None);
+        dense_sweep(&m)?;
         // Per-phase split of one 512-token prefill (events around every launch).
         let pt = pages.take(512 / PAGE);
         m.gpu().profile_begin();
@@ -726,7 +803,7 @@ fn main() -> anyhow::Result<()> {
         let prof = m.gpu().profile_end()?;
         let mut phase = [("dense GEMM (q/k/v/o, router, lm_head)", 0f32, 0usize), ("grouped MoE (grouping, gate/up/down, SiLU, combine, route)", 0.0, 0), ("attention (incl. KV store)", 0.0, 0), ("other (norms, RoPE, embedding, gather)", 0.0, 0)];
         for (name, t) in &prof {
-            let i = if name.starts_with("mm_") || name.starts_with("mv_") {
+            let i = if name.starts_with("mm_") || name.starts_with("mv_") || name.starts_with("blas_") || name.starts_with("dqb_") || name == "x_bf16" {
                 0
             } else if name.starts_with("mmg_") || name.starts_with("mve_") || name.starts_with("moe_") || name == "silu_mul" {
                 1
@@ -810,6 +887,12 @@ fn main() -> anyhow::Result<()> {
         }
         minimax_rank::cuda::matmul::set_int8_mi(None);
         minimax_rank::cuda::matmul::set_int8_linear_copies(None);
+        minimax_rank::cuda::blas::set_blas(Some(false));
+        let r = run_8k(&mut m, 37);
+        minimax_rank::cuda::blas::set_blas(None);
+        let (e, fin) = r?;
+        println!("prefill {n}, GEMM Int8, dense products on the built-in GEMMs (no cuBLAS): {e:.1} ms = {:.0} tok/s, finite {fin}", n as f64 * 1e3 / e);
+        table.push((format!("prefill ms at {n} tokens, GEMM Int8, no cuBLAS (tok/s)"), format!("{e:.1} ({:.0})", n as f64 * 1e3 / e)));
         run_8k(&mut m, 36)?;
         m.gpu().sync()?;
         m.gpu().profile_begin();

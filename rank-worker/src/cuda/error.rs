@@ -20,6 +20,8 @@ pub enum CudaError {
     MissingKernel(String),
     #[error("no CUDA kernel for {ty} in {what}")]
     Unsupported { ty: GgmlType, what: String },
+    #[error("cuBLAS {call}: {detail}")]
+    Blas { call: &'static str, detail: String },
     #[error("NCCL {call}: {detail}")]
     Nccl { call: &'static str, detail: String },
     #[error("tensor '{0}' is missing")]

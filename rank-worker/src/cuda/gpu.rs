@@ -4,7 +4,7 @@
 //! and return errors instead of launching something that would read out of bounds.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Instant;
 
 use cudarc::driver::{CudaContext, CudaEvent, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, DeviceRepr, LaunchConfig, PushKernelArg, ValidAsZeroBits};
@@ -124,6 +124,8 @@ pub struct Gpu {
     pub pdl: bool,
     /// Rows per warp of the fused expert gate/up kernel (4, 2 or 1; `MINIMAX_GU`).
     pub gu_rows: usize,
+    /// cuBLAS for the dense prefill products, created on first use (`None`: not available).
+    blas: OnceLock<Option<super::blas::Blas>>,
 }
 
 /// Checks that the CUDA driver library can be loaded (instead of a panic in the bindings).
@@ -176,7 +178,7 @@ impl Gpu {
             _ => 4,
         };
         let pdl = arch >= 90 && std::env::var("MINIMAX_PDL").map(|v| v != "0").unwrap_or(true);
-        Ok(Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), smem_allowed: Mutex::new(HashMap::new()), prof: Mutex::new(None), pdl, gu_rows })
+        Ok(Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), smem_allowed: Mutex::new(HashMap::new()), prof: Mutex::new(None), pdl, gu_rows, blas: OnceLock::new() })
     }
 
     /// The kernel `name`, looked up once in the loaded modules.
@@ -285,6 +287,28 @@ impl Gpu {
         let r = unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) };
         r.result()?;
         Ok(())
+    }
+
+    /// Runs `f` (stream work that is not a kernel launch of ours, e.g. a cuBLAS call), timed as
+    /// `name` when launches are being timed (see [`Gpu::profile_begin`]).
+    pub fn timed(&self, name: &str, f: impl FnOnce() -> Result<(), CudaError>) -> Result<(), CudaError> {
+        if self.prof.lock().unwrap().is_none() {
+            return f();
+        }
+        // The lock is not held while `f` runs: it may launch kernels, which take it.
+        let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
+        let start = self.stream.record_event(flags)?;
+        f()?;
+        let end = self.stream.record_event(flags)?;
+        if let Some(events) = self.prof.lock().unwrap().as_mut() {
+            events.push((name.to_string(), start, end));
+        }
+        Ok(())
+    }
+
+    /// The lazily created cuBLAS handle's slot (see [`Gpu::blas`]).
+    pub(super) fn blas_slot(&self) -> &OnceLock<Option<super::blas::Blas>> {
+        &self.blas
     }
 
     /// Starts timing every launch (see [`Gpu::profile_end`]).

@@ -348,6 +348,9 @@ impl Gpu {
         if let Some(why) = self.gemm_unfit(w, x, xs) {
             return Err(CudaError::Shape(format!("matmul: {why}")));
         }
+        if self.blas_takes(w, n) {
+            return self.matmul_blas(w, x, xs, y, ys, n, accumulate);
+        }
         let rt = w.rows.div_ceil(BN);
         let mut passes = self.gemm_passes(w.ty);
         if passes == INT8_PASSES {

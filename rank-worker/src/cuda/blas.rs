@@ -1,0 +1,242 @@
+//! Dense prefill products through cuBLAS: the attention projections, the router and lm_head of
+//! steps with many tokens. Our own int8 / bf16 GEMMs (matmul.rs) reach ~130 TOPS on these
+//! shapes because they dequantize inside an `mma.sync` loop; cuBLAS runs the Hopper/Blackwell
+//! tensor-core pipelines (wgmma, TMA) at several times that. So the weights are dequantized
+//! once per call into a bf16 scratch (`dqb_*`, exact values rounded to nearest even), X is
+//! rounded to bf16 (`x_bf16`), and `cublasGemmEx` multiplies with f32 accumulation. F32 weights
+//! (the router, f32 checkpoints) take `cublasSgemm` on the weights as stored: exact f32, no
+//! TF32. Expert products keep the grouped kernels (their sizes live on the device).
+//!
+//! On by default (`MINIMAX_BLAS=0` turns it off) for steps of at least [`blas_min_tokens`]
+//! tokens; under `MINIMAX_GEMM=bf16x3` (what the fixture comparisons pin) only F32 weights take
+//! it, since one bf16 pass is less exact than three. A missing libcublas logs one warning and
+//! leaves every product on the built-in kernels.
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use cudarc::cublas::result as cr;
+use cudarc::cublas::sys as cs;
+use cudarc::driver::CudaSlice;
+use minimax_shared::quant::GgmlType;
+
+use super::env_flag::EnvFlag;
+use super::error::CudaError;
+use super::gpu::{Arg, DevMat, Gpu};
+use super::matmul::{GemmPrecision, gemm_precision};
+
+/// cuBLAS for dense prefill products, on unless `MINIMAX_BLAS=0`.
+static BLAS: EnvFlag = EnvFlag::new("MINIMAX_BLAS", true);
+
+/// Whether dense products of many tokens go through cuBLAS ([`BLAS`] or what [`set_blas`] set).
+pub fn blas_on() -> bool {
+    BLAS.get()
+}
+
+/// Turns the cuBLAS path on or off for every later product (`None`: back to `MINIMAX_BLAS`);
+/// benchmark A/B and tests of the built-in kernels.
+pub fn set_blas(on: Option<bool>) {
+    BLAS.set(on);
+}
+
+/// Not read yet: take `MINIMAX_BLAS_MIN_TOKENS` on first use.
+const UNREAD: usize = usize::MAX;
+/// Default of [`blas_min_tokens`]: below it the dequantization pass costs more than cuBLAS saves
+/// (measured on one H200, docs/CUDA.md "Dense prefill products through cuBLAS").
+const DEFAULT_MIN_TOKENS: usize = 64;
+static MIN_TOKENS: AtomicUsize = AtomicUsize::new(UNREAD);
+
+/// Fewest tokens of a product that takes cuBLAS (`MINIMAX_BLAS_MIN_TOKENS`, default 64; the
+/// GEMMs only ever see more than [`super::GEMM_MIN_TOKENS`]).
+pub fn blas_min_tokens() -> usize {
+    match MIN_TOKENS.load(Ordering::Relaxed) {
+        UNREAD => {
+            let v = std::env::var("MINIMAX_BLAS_MIN_TOKENS").ok().and_then(|v| v.parse().ok()).unwrap_or(DEFAULT_MIN_TOKENS);
+            MIN_TOKENS.store(v, Ordering::Relaxed);
+            v
+        }
+        v => v,
+    }
+}
+
+/// Sets [`blas_min_tokens`] (`None`: back to the environment's value); benchmarks and tests.
+pub fn set_blas_min_tokens(n: Option<usize>) {
+    MIN_TOKENS.store(n.unwrap_or(UNREAD), Ordering::Relaxed);
+}
+
+/// Largest dequantized weight slice in elements (64 MiB of bf16): bigger matrices (lm_head,
+/// 200,064 x 3,072) are multiplied in row slices so the scratch stays small.
+const DEFAULT_SLICE_ELEMS: usize = 32 << 20;
+static SLICE_ELEMS: AtomicUsize = AtomicUsize::new(DEFAULT_SLICE_ELEMS);
+
+/// Sets the row-slice size in elements (`None`: the default); tests make it small to cover the
+/// slicing.
+pub fn set_blas_slice_elems(n: Option<usize>) {
+    SLICE_ELEMS.store(n.filter(|&n| n > 0).unwrap_or(DEFAULT_SLICE_ELEMS), Ordering::Relaxed);
+}
+
+/// cuBLAS's workspace: fixed, so no call allocates (and a graph capture could include one).
+const WORKSPACE_BYTES: usize = 32 << 20;
+
+/// One GPU's cuBLAS handle (bound to the [`Gpu`]'s stream), its workspace and the bf16 scratch
+/// of the dequantized weights and converted inputs (grown on demand, reused in stream order).
+pub struct Blas {
+    handle: cs::cublasHandle_t,
+    workspace: CudaSlice<u8>,
+    wbuf: Mutex<Option<CudaSlice<u16>>>,
+    xbuf: Mutex<Option<CudaSlice<u16>>>,
+}
+
+// The handle is used from whichever thread runs the GPU's stream, one call at a time (the rank
+// drives each GPU from one thread; the scratch mutexes serialise the rest).
+unsafe impl Send for Blas {}
+unsafe impl Sync for Blas {}
+
+impl Drop for Blas {
+    fn drop(&mut self) {
+        unsafe {
+            let _ = cr::destroy_handle(self.handle);
+        }
+    }
+}
+
+fn blas_err(call: &'static str) -> impl Fn(cr::CublasError) -> CudaError {
+    move |e| CudaError::Blas { call, detail: format!("{:?}", e.0) }
+}
+
+impl Blas {
+    /// A handle on `g`'s stream with a fixed workspace and the default (non-TF32) math mode.
+    pub fn new(g: &Gpu) -> Result<Self, CudaError> {
+        if !unsafe { cs::is_culib_present() } {
+            return Err(CudaError::LibraryMissing { lib: "libcublas", hint: "put the CUDA toolkit's lib64 (libcublas, libcublasLt) on LD_LIBRARY_PATH, or set MINIMAX_BLAS=0" });
+        }
+        g.ctx.bind_to_thread()?;
+        let handle = cr::create_handle().map_err(blas_err("cublasCreate"))?;
+        let blas = Self { handle, workspace: g.stream.alloc_zeros::<u8>(WORKSPACE_BYTES)?, wbuf: Mutex::new(None), xbuf: Mutex::new(None) };
+        unsafe {
+            cr::set_stream(handle, g.stream.cu_stream() as _).map_err(blas_err("cublasSetStream"))?;
+            let ws = g.ptr(&blas.workspace);
+            cs::cublasSetWorkspace_v2(handle, ws as *mut _, WORKSPACE_BYTES).result().map_err(blas_err("cublasSetWorkspace"))?;
+            cs::cublasSetMathMode(handle, cs::cublasMath_t::CUBLAS_DEFAULT_MATH).result().map_err(blas_err("cublasSetMathMode"))?;
+        }
+        Ok(blas)
+    }
+}
+
+/// A scratch buffer of at least `n` elements: the one in `slot` if large enough, else a new
+/// one (the old one is freed in stream order, after the work queued on it).
+fn scratch(g: &Gpu, slot: &Mutex<Option<CudaSlice<u16>>>, n: usize) -> Result<u64, CudaError> {
+    let mut s = slot.lock().unwrap();
+    if s.as_ref().is_none_or(|b| b.len() < n) {
+        *s = None;
+        // Every element a product reads is written by the conversion before it.
+        *s = Some(unsafe { g.stream.alloc::<u16>(n.next_multiple_of(1 << 20))? });
+    }
+    Ok(g.ptr(s.as_ref().unwrap()))
+}
+
+impl Gpu {
+    /// This GPU's cuBLAS, created on first use; `None` (after one warning) when it cannot be.
+    pub fn blas(&self) -> Option<&Blas> {
+        self.blas_slot()
+            .get_or_init(|| match Blas::new(self) {
+                Ok(b) => Some(b),
+                Err(e) => {
+                    tracing::warn!(error = %e, "cuBLAS unavailable: dense prefill products use the built-in GEMMs");
+                    None
+                }
+            })
+            .as_ref()
+    }
+
+    /// Whether [`Gpu::matmul`] hands `w` times `n` tokens to cuBLAS: the switch is on, enough
+    /// tokens, a dense matrix of a type that dequantizes to bf16 without losing what the
+    /// precision setting promises (F16 keeps the built-in kernels: bf16 would drop 3 bits), and
+    /// cuBLAS could be loaded.
+    pub fn blas_takes(&self, w: &DevMat, n: usize) -> bool {
+        if !blas_on() || n < blas_min_tokens() || w.n_experts > 0 || !w.ty.is_supported() {
+            return false;
+        }
+        let fits = match w.ty {
+            GgmlType::F32 => w.row_bytes % 4 == 0,
+            GgmlType::F16 => false,
+            _ if gemm_precision() == GemmPrecision::Bf16x3 => false,
+            GgmlType::BF16 => w.row_bytes % 2 == 0,
+            ty => w.cols % 32 == 0 && (ty != GgmlType::Q8_0 || (w.ptr % 2 == 0 && w.row_bytes % 2 == 0)),
+        };
+        fits && self.blas().is_some()
+    }
+
+    /// `Y[n × rows] = X[n × cols] · Wᵀ` (or `+=` with `accumulate`) through cuBLAS; X and Y f32
+    /// rows `xs` / `ys` apart. Callers check [`Gpu::blas_takes`] first.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matmul_blas(&self, w: &DevMat, x: u64, xs: usize, y: u64, ys: usize, n: usize, accumulate: bool) -> Result<(), CudaError> {
+        if n == 0 || w.rows == 0 {
+            return Ok(());
+        }
+        let b = self.blas().ok_or_else(|| CudaError::Shape("matmul_blas: cuBLAS is not available".into()))?;
+        if xs < w.cols || ys < w.rows || n > i32::MAX as usize || w.cols > i32::MAX as usize {
+            return Err(CudaError::Shape(format!("matmul_blas: {n} x {} input stride {xs}, {} outputs stride {ys}", w.cols, w.rows)));
+        }
+        self.ctx.bind_to_thread()?;
+        let (one, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
+        let (m, k) = (w.rows as i32, w.cols as i32);
+        use cs::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        if w.ty == GgmlType::F32 {
+            // Row-major W (rows x cols, lda = row length) is column-major Wᵀ: C = Wᵀᵀ · X.
+            let lda = (w.row_bytes / 4) as i32;
+            return self.timed("blas_sgemm", || unsafe {
+                cr::sgemm(b.handle, CUBLAS_OP_T, CUBLAS_OP_N, m, n as i32, k, &one, w.ptr as *const f32, lda, x as *const f32, xs as i32, &beta, y as *mut f32, ys as i32)
+                    .map_err(blas_err("cublasSgemm"))
+            });
+        }
+        let need = n.checked_mul(w.cols).filter(|&v| v < i32::MAX as usize).ok_or_else(|| CudaError::Shape(format!("matmul_blas: {n} x {} inputs", w.cols)))?;
+        let xb = scratch(self, &b.xbuf, need)?;
+        self.launch("x_bf16", (need.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::P(x), Arg::L(xs as i64), Arg::I(n as i32), Arg::I(w.cols as i32), Arg::P(xb)])?;
+        let gemm = |a: u64, lda: usize, rows: usize, c: u64| -> Result<(), CudaError> {
+            self.timed("blas_gemm_bf16", || unsafe {
+                cr::gemm_ex(
+                    b.handle,
+                    CUBLAS_OP_T,
+                    CUBLAS_OP_N,
+                    rows as i32,
+                    n as i32,
+                    k,
+                    &one as *const f32 as *const _,
+                    a as *const _,
+                    cs::cudaDataType::CUDA_R_16BF,
+                    lda as i32,
+                    xb as *const _,
+                    cs::cudaDataType::CUDA_R_16BF,
+                    k,
+                    &beta as *const f32 as *const _,
+                    c as *mut _,
+                    cs::cudaDataType::CUDA_R_32F,
+                    ys as i32,
+                    cs::cublasComputeType_t::CUBLAS_COMPUTE_32F,
+                    cs::cublasGemmAlgo_t::CUBLAS_GEMM_DEFAULT,
+                )
+                .map_err(blas_err("cublasGemmEx"))
+            })
+        };
+        if w.ty == GgmlType::BF16 {
+            return gemm(w.ptr, w.row_bytes / 2, w.rows, y);
+        }
+        let tn = w.ty.name().to_ascii_lowercase();
+        // Row slices of at most SLICE_ELEMS dequantized elements (whole matrix when it fits).
+        let slice = (SLICE_ELEMS.load(Ordering::Relaxed) / w.cols).clamp(1, w.rows);
+        let per_row = if w.ty.block_elems() == 1 { w.cols } else { w.cols / 32 };
+        let wb = scratch(self, &b.wbuf, slice * w.cols)?;
+        for r0 in (0..w.rows).step_by(slice) {
+            let rc = slice.min(w.rows - r0);
+            let threads = rc * per_row;
+            if threads >= i32::MAX as usize {
+                return Err(CudaError::Shape(format!("matmul_blas: {rc} rows of {} columns in one slice", w.cols)));
+            }
+            let wp = w.ptr + (r0 * w.row_bytes) as u64;
+            self.launch(&format!("dqb_{tn}"), (threads.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::P(wp), Arg::L(w.row_bytes as i64), Arg::I(rc as i32), Arg::I(w.cols as i32), Arg::P(wb)])?;
+            gemm(wb, w.cols, rc, y + (r0 * 4) as u64)?;
+        }
+        Ok(())
+    }
+}
