@@ -28,16 +28,24 @@ extern "C" __global__ void rms_norm(const float* x, i64 xs, const float* w, floa
 
 // NeoX (rotate-half) RoPE on the first `rot` dims of each of `heads` heads of width `hd` in
 // row t of x, at position pos[t]; dims rot..hd pass through. grid (nrows), block 128.
-// Angles in f64 like the CPU reference's table.
+// Angles in f64 like the CPU reference's table, computed once per row and frequency (shared by
+// every head) into shared memory; rot <= 2 * RoPE_MAX_HALF (the wrapper checks).
+#define ROPE_MAX_HALF 256
 extern "C" __global__ void rope_neox(float* x, i64 xs, int heads, int hd, int rot, const int* pos, float theta) {
+    __shared__ float cs[2 * ROPE_MAX_HALF];
     float* xr = x + blockIdx.x * xs;
     int half = rot / 2;
     double p = (double)pos[blockIdx.x];
-    for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x) {
-        int h = idx / half, i = idx % half;
+    for (int i = threadIdx.x; i < half; i += blockDim.x) {
         double inv_freq = 1.0 / pow((double)theta, 2.0 * (double)i / (double)rot);
         double a = p * inv_freq;
-        float c = (float)cos(a), s = (float)sin(a);
+        cs[2 * i] = (float)cos(a);
+        cs[2 * i + 1] = (float)sin(a);
+    }
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < heads * half; idx += blockDim.x) {
+        int h = idx / half, i = idx % half;
+        float c = cs[2 * i], s = cs[2 * i + 1];
         float* u = xr + h * hd;
         float x0 = u[i], x1 = u[i + half];
         u[i] = __fsub_rn(__fmul_rn(x0, c), __fmul_rn(x1, s));

@@ -64,7 +64,7 @@ fn dequantization_to_bf16_is_exact_for_every_type() {
     let xd = g.upload(&x).unwrap();
     let out = g.zeros::<u16>(n * cols).unwrap();
     g.fill_u32(g.ptr(&out), n * cols / 2, 0xffff_ffff).unwrap();
-    g.launch("x_bf16", ((n * cols).div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::P(g.ptr(&xd)), Arg::L(xs as i64), Arg::I(n as i32), Arg::I(cols as i32), Arg::P(g.ptr(&out))]).unwrap();
+    g.launch("x_bf16", (cols.div_ceil(1024) as u32, n as u32, 1), 256, 0, &[Arg::P(g.ptr(&xd)), Arg::L(xs as i64), Arg::I(n as i32), Arg::I(cols as i32), Arg::P(g.ptr(&out))]).unwrap();
     let got = g.download(&out).unwrap();
     for t in 0..n {
         for c in 0..cols {
@@ -156,6 +156,64 @@ fn products_match_the_cpu_for_every_type() {
     let yd = g.zeros::<f32>(100 * 64).unwrap();
     assert!(g.matmul_blas(&m, g.ptr(&xd), 200, g.ptr(&yd), 64, 100, false).is_err(), "input stride below the row length");
     assert!(g.matmul_blas(&m, g.ptr(&xd), 256, g.ptr(&yd), 60, 100, false).is_err(), "output stride below the rows");
+    set_gemm_precision(GemmPrecision::Bf16x3);
+}
+
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn products_sharing_one_input_convert_it_once() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = gpu();
+    let mut rng = Rng(0xb1a5_0004);
+    set_gemm_precision(GemmPrecision::Int8);
+    set_blas(Some(true));
+    // q, k and v of a small layer: 3 outputs of different widths, strided Y, 150 tokens.
+    let (cols, n, xs) = (512usize, 150usize, 520usize);
+    let shapes = [(GgmlType::Q8_0, 384usize, 390usize), (GgmlType::Q8_0, 64, 64), (GgmlType::Q6_K, 96, 100)];
+    let mut mats = Vec::new();
+    for &(ty, rows, _) in &shapes {
+        let w = random_rows(&mut rng, ty, rows, cols);
+        let wf = quant::dequantize_to_vec(ty, &w, rows * cols).unwrap();
+        mats.push((upload_mat(&g, ty, &w, rows, cols, 0), wf));
+    }
+    let x = rng.vec(n * xs, 1.0);
+    let xd = g.upload(&x).unwrap();
+    let ys: Vec<_> = shapes.iter().map(|&(_, _, ys)| g.upload(&vec![f32::from_bits(NAN); n * ys]).unwrap()).collect();
+    let prods: Vec<_> = mats.iter().zip(&ys).zip(&shapes).map(|((((_, m), _), y), &(_, _, s))| (m, g.ptr(y), s)).collect();
+    g.profile_begin();
+    g.matvec_shared(&prods, g.ptr(&xd), xs, n).unwrap();
+    let prof = g.profile_end().unwrap();
+    let conversions = prof.iter().filter(|(k, _)| k == "x_bf16").count();
+    assert_eq!(conversions, 1, "one conversion of the shared input, got {conversions}");
+    assert_eq!(prof.iter().filter(|(k, _)| k == "blas_gemm_bf16").count(), 3);
+    for (i, ((((_, _), wf), y), &(ty, rows, ysd))) in mats.iter().zip(&ys).zip(&shapes).enumerate() {
+        let got = g.download(y).unwrap();
+        let (mut se, mut ss) = (0f64, 0f64);
+        for t in 0..n {
+            for r in 0..ysd {
+                let v = got[t * ysd + r];
+                if r >= rows {
+                    assert!(v.is_nan(), "product {i}: padding column {r} written");
+                    continue;
+                }
+                let (want, abs) = dot(&wf[r * cols..(r + 1) * cols], &x[t * xs..t * xs + cols]);
+                let err = (v as f64 - want).abs();
+                assert!(err <= 4e-3 * abs + 1e-6, "product {i} ({ty:?}) token {t} row {r}: got {v}, want {want}");
+                se += err * err;
+                ss += want * want;
+            }
+        }
+        let rms = (se / ss).sqrt();
+        assert!(rms <= 1e-2, "product {i}: rms {rms:.2e}");
+        eprintln!("shared input, product {i} ({ty:?} {rows}x{cols}): rms {rms:.2e}");
+    }
+    // With cuBLAS off the same call runs each product on the built-in GEMMs (no conversion).
+    set_blas(Some(false));
+    g.profile_begin();
+    g.matvec_shared(&prods, g.ptr(&xd), xs, n).unwrap();
+    let prof = g.profile_end().unwrap();
+    assert!(!prof.iter().any(|(k, _)| k == "x_bf16" || k.starts_with("blas_")), "MINIMAX_BLAS=0 ran the cuBLAS path");
+    set_blas(None);
     set_gemm_precision(GemmPrecision::Bf16x3);
 }
 

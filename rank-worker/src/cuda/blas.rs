@@ -41,12 +41,13 @@ pub fn set_blas(on: Option<bool>) {
 
 /// Not read yet: take `MINIMAX_BLAS_MIN_TOKENS` on first use.
 const UNREAD: usize = usize::MAX;
-/// Default of [`blas_min_tokens`]: below it the dequantization pass costs more than cuBLAS saves
-/// (measured on one H200, docs/CUDA.md "Dense prefill products through cuBLAS").
-const DEFAULT_MIN_TOKENS: usize = 64;
+/// Default of [`blas_min_tokens`]: up to 64 tokens the built-in int8 GEMM (one 64-token tile) is
+/// as fast as dequantization + cuBLAS, from 96 cuBLAS is 1.3-4.6x faster (M2.7's q and o
+/// products on one H200, docs/CUDA.md "Dense prefill products through cuBLAS").
+const DEFAULT_MIN_TOKENS: usize = 65;
 static MIN_TOKENS: AtomicUsize = AtomicUsize::new(UNREAD);
 
-/// Fewest tokens of a product that takes cuBLAS (`MINIMAX_BLAS_MIN_TOKENS`, default 64; the
+/// Fewest tokens of a product that takes cuBLAS (`MINIMAX_BLAS_MIN_TOKENS`, default 65; the
 /// GEMMs only ever see more than [`super::GEMM_MIN_TOKENS`]).
 pub fn blas_min_tokens() -> usize {
     match MIN_TOKENS.load(Ordering::Relaxed) {
@@ -175,24 +176,70 @@ impl Gpu {
             return Ok(());
         }
         let b = self.blas().ok_or_else(|| CudaError::Shape("matmul_blas: cuBLAS is not available".into()))?;
-        if xs < w.cols || ys < w.rows || n > i32::MAX as usize || w.cols > i32::MAX as usize {
-            return Err(CudaError::Shape(format!("matmul_blas: {n} x {} input stride {xs}, {} outputs stride {ys}", w.cols, w.rows)));
+        blas_shape(w, xs, ys, n)?;
+        self.ctx.bind_to_thread()?;
+        if w.ty == GgmlType::F32 {
+            return self.blas_sgemm(b, w, x, xs, y, ys, n, accumulate);
+        }
+        let xb = self.blas_x(b, x, xs, n, w.cols)?;
+        self.blas_bf16(b, w, xb, y, ys, n, accumulate)
+    }
+
+    /// Several products of one input (q, k and v of a layer): `Y_i = X · W_iᵀ` for each
+    /// (W_i, Y_i, its stride). Through cuBLAS (when it takes every one) X is converted once;
+    /// otherwise each goes through [`Gpu::matvec`].
+    pub fn matvec_shared(&self, prods: &[(&DevMat, u64, usize)], x: u64, xs: usize, n: usize) -> Result<(), CudaError> {
+        let cols = prods.first().map(|p| p.0.cols).unwrap_or(0);
+        let shared = n > super::GEMM_MIN_TOKENS
+            && prods.iter().all(|(w, _, _)| w.cols == cols && w.ty != GgmlType::F32 && self.gemm_unfit(w, x, xs).is_none() && self.blas_takes(w, n));
+        if !shared {
+            for &(w, y, ys) in prods {
+                self.matvec(w, x, xs, y, ys, n, false)?;
+            }
+            return Ok(());
+        }
+        let b = self.blas().ok_or_else(|| CudaError::Shape("matvec_shared: cuBLAS is not available".into()))?;
+        for &(w, _, ys) in prods {
+            blas_shape(w, xs, ys, n)?;
         }
         self.ctx.bind_to_thread()?;
-        let (one, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
-        let (m, k) = (w.rows as i32, w.cols as i32);
-        use cs::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
-        if w.ty == GgmlType::F32 {
-            // Row-major W (rows x cols, lda = row length) is column-major Wᵀ: C = Wᵀᵀ · X.
-            let lda = (w.row_bytes / 4) as i32;
-            return self.timed("blas_sgemm", || unsafe {
-                cr::sgemm(b.handle, CUBLAS_OP_T, CUBLAS_OP_N, m, n as i32, k, &one, w.ptr as *const f32, lda, x as *const f32, xs as i32, &beta, y as *mut f32, ys as i32)
-                    .map_err(blas_err("cublasSgemm"))
-            });
+        let xb = self.blas_x(b, x, xs, n, cols)?;
+        for &(w, y, ys) in prods {
+            self.blas_bf16(b, w, xb, y, ys, n, false)?;
         }
-        let need = n.checked_mul(w.cols).filter(|&v| v < i32::MAX as usize).ok_or_else(|| CudaError::Shape(format!("matmul_blas: {n} x {} inputs", w.cols)))?;
-        let xb = scratch(self, &b.xbuf, need)?;
-        self.launch("x_bf16", (need.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::P(x), Arg::L(xs as i64), Arg::I(n as i32), Arg::I(w.cols as i32), Arg::P(xb)])?;
+        Ok(())
+    }
+
+    /// F32 weights as stored: row-major W (rows x cols, lda = its row length) is column-major
+    /// Wᵀ, so C (column-major Yᵀ) = op_T(W) · X.
+    #[allow(clippy::too_many_arguments)]
+    fn blas_sgemm(&self, b: &Blas, w: &DevMat, x: u64, xs: usize, y: u64, ys: usize, n: usize, accumulate: bool) -> Result<(), CudaError> {
+        let (one, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
+        let lda = (w.row_bytes / 4) as i32;
+        use cs::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
+        self.timed("blas_sgemm", || unsafe {
+            cr::sgemm(b.handle, CUBLAS_OP_T, CUBLAS_OP_N, w.rows as i32, n as i32, w.cols as i32, &one, w.ptr as *const f32, lda, x as *const f32, xs as i32, &beta, y as *mut f32, ys as i32)
+                .map_err(blas_err("cublasSgemm"))
+        })
+    }
+
+    /// X (`n` f32 rows of `cols`, `xs` apart) as packed bf16 in the input scratch; its address.
+    fn blas_x(&self, b: &Blas, x: u64, xs: usize, n: usize, cols: usize) -> Result<u64, CudaError> {
+        if x % 16 != 0 || xs % 4 != 0 || cols % 4 != 0 || n > 65535 {
+            return Err(CudaError::Shape(format!("matmul_blas: input {x:#x} stride {xs} cols {cols} not float4-aligned, or {n} rows")));
+        }
+        let xb = scratch(self, &b.xbuf, n * cols)?;
+        self.launch("x_bf16", (cols.div_ceil(1024) as u32, n as u32, 1), 256, 0, &[Arg::P(x), Arg::L(xs as i64), Arg::I(n as i32), Arg::I(cols as i32), Arg::P(xb)])?;
+        Ok(xb)
+    }
+
+    /// `Y (+)= Xb · Wᵀ` with Xb the converted input: W dequantized to bf16 in row slices (BF16
+    /// weights used as stored), each multiplied by cublasGemmEx (f32 accumulation, f32 out).
+    #[allow(clippy::too_many_arguments)]
+    fn blas_bf16(&self, b: &Blas, w: &DevMat, xb: u64, y: u64, ys: usize, n: usize, accumulate: bool) -> Result<(), CudaError> {
+        let (one, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
+        let k = w.cols as i32;
+        use cs::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         let gemm = |a: u64, lda: usize, rows: usize, c: u64| -> Result<(), CudaError> {
             self.timed("blas_gemm_bf16", || unsafe {
                 cr::gemm_ex(
@@ -239,4 +286,12 @@ impl Gpu {
         }
         Ok(())
     }
+}
+
+/// Refuses strides shorter than the rows they hold and sizes past cuBLAS's `int`.
+fn blas_shape(w: &DevMat, xs: usize, ys: usize, n: usize) -> Result<(), CudaError> {
+    if xs < w.cols || ys < w.rows || n > i32::MAX as usize || w.cols > i32::MAX as usize || n.saturating_mul(w.cols) >= i32::MAX as usize {
+        return Err(CudaError::Shape(format!("matmul_blas: {n} x {} input stride {xs}, {} outputs stride {ys}", w.cols, w.rows)));
+    }
+    Ok(())
 }

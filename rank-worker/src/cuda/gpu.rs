@@ -453,7 +453,8 @@ impl Gpu {
     /// at position `pos[t]` (i32 device array).
     #[allow(clippy::too_many_arguments)]
     pub fn rope(&self, x: u64, xs: usize, nrows: usize, heads: usize, hd: usize, rot: usize, pos: u64, theta: f32) -> Result<(), CudaError> {
-        if rot > hd || rot % 2 != 0 {
+        // The kernel keeps one row's angles in shared memory (ROPE_MAX_HALF pairs).
+        if rot > hd || rot % 2 != 0 || rot > 512 {
             return Err(CudaError::Shape(format!("rotary dims {rot} of head dim {hd}")));
         }
         self.launch(

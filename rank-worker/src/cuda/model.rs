@@ -780,9 +780,7 @@ impl CudaModel {
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         for (li, l) in self.layers.iter().enumerate() {
             g.rms_norm(hid, h, l.attn_norm, nrm, h, nt, h, c.rms_eps)?;
-            g.matvec(&l.wq, nrm, h, p(&q), qw, nt, false)?;
-            g.matvec(&l.wk, nrm, h, p(&kb), kw, nt, false)?;
-            g.matvec(&l.wv, nrm, h, p(&vb), vw, nt, false)?;
+            g.matvec_shared(&[(&l.wq, p(&q), qw), (&l.wk, p(&kb), kw), (&l.wv, p(&vb), vw)], nrm, h, nt)?;
             if tp {
                 self.tp_qk_norm(l, &mut q, &mut kb, nt)?;
             } else {
