@@ -109,7 +109,7 @@ pub struct EngineArgs {
     pub kv_pages: Option<u32>,
 
     /// Largest prefill chunk of one request in one step (tokens).
-    #[arg(long, env = "MINIMAX_PREFILL_CHUNK", default_value_t = 512)]
+    #[arg(long, env = "MINIMAX_PREFILL_CHUNK", default_value_t = 2048)]
     pub prefill_chunk: usize,
 
     /// Most new tokens in one step (decode tokens plus prefill chunks).

@@ -127,6 +127,7 @@ def main():
     ap.add_argument("--streams", default="1,4,16,32")
     ap.add_argument("--stream-tokens", type=int, default=64, help="tokens each concurrent stream decodes")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--mixed", type=int, default=0, help="prompt length of the mixed-load round: an N-token prompt arrives while 4 streams decode; its TTFT and the streams' inter-token gaps during its prefill (0: skip)")
     a = ap.parse_args()
 
     info = model_info(a.url, a.api_key)
@@ -201,7 +202,41 @@ def main():
         if r:
             rows.append(r)
 
+    if a.mixed and a.mixed + 2 <= ctx:
+        rows.extend(mixed_round(a, next_prompt))
+
     print_table(info, ctx, a.url, rows)
+
+
+def mixed_round(a, next_prompt):
+    """Chunked prefill under load: 4 streams decode 300 tokens each; 0.5 s in, an a.mixed-token
+    prompt arrives. Returns its TTFT and the decoding streams' inter-token gaps that end while it
+    is being prefilled (what the prefill chunk size trades against TTFT)."""
+    results, errors = [None] * 4, []
+
+    def worker(i, prompt):
+        try:
+            results[i] = stream_completion(a.url, a.api_key, prompt, 300, a.timeout)
+        except Exception as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker, args=(i, next_prompt(5))) for i in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(0.5)
+    t0, arr = stream_completion(a.url, a.api_key, next_prompt(a.mixed), 2, a.timeout)
+    for t in threads:
+        t.join()
+    if errors or not arr:
+        return [(f"mixed: {a.mixed}-token prompt while 4 streams decode", f"FAILED: {errors[0] if errors else 'no text chunk'}")]
+    first = arr[0]
+    gaps = [b - a_ for r in results for a_, b in zip(r[1], r[1][1:]) if t0 <= b <= first + 0.05]
+    before = [b - a_ for r in results for a_, b in zip(r[1], r[1][1:]) if b < t0]
+    return [
+        (f"mixed: TTFT of a {a.mixed}-token prompt while 4 streams decode (ms)", f"{(first - t0) * 1000:.1f}"),
+        ("mixed: decoding streams' inter-token gap during that prefill, p50 / max (ms); before it, p50",
+         f"{pct(gaps, 50) * 1000:.1f} / {max(gaps, default=float('nan')) * 1000:.1f}; {pct(before, 50) * 1000:.1f}"),
+    ]
 
 
 def print_table(info, ctx, url, rows):

@@ -59,7 +59,7 @@ pub struct SchedConfig {
 
 impl Default for SchedConfig {
     fn default() -> Self {
-        Self { prefill_chunk: 512, max_step_tokens: 2048, max_running: 64, max_queue: 256, pipeline_inflight: 0 }
+        Self { prefill_chunk: 2048, max_step_tokens: 2048, max_running: 64, max_queue: 256, pipeline_inflight: 0 }
     }
 }
 

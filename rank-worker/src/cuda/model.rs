@@ -248,7 +248,33 @@ impl CudaModel {
             }
             Some(why) => tracing::info!("CUDA fast decode path off: {why}"),
         }
+        m.warm_blas()?;
         Ok(m)
+    }
+
+    /// Creates cuBLAS and runs the dense prefill products of one layer once on zeros (512
+    /// tokens, a typical chunk), so the first request does not pay for the handle, its
+    /// workspace and the loading of the kernels cuBLAS picks (measured: a 512-token prompt's
+    /// TTFT 436 ms on a fresh server against 84 ms of prefill).
+    fn warm_blas(&self) -> Result<(), CudaError> {
+        let Some(l) = self.layers.first() else { return Ok(()) };
+        let g = &self.gpu;
+        let n = 512usize;
+        let ws: Vec<&DevMat> = [&l.wq, &l.wk, &l.wv, &l.wo, &l.router].into_iter().filter(|w| g.blas_takes(w, n)).collect();
+        if ws.is_empty() {
+            return Ok(());
+        }
+        let t = std::time::Instant::now();
+        let cols = ws.iter().map(|w| w.cols).max().unwrap_or(0);
+        let rows = ws.iter().map(|w| w.rows).max().unwrap_or(0);
+        let x = g.zeros::<f32>(n * cols)?;
+        let y = g.zeros::<f32>(n * rows)?;
+        for w in ws {
+            g.matmul_blas(w, g.ptr(&x), w.cols, g.ptr(&y), w.rows, n, false)?;
+        }
+        g.sync()?;
+        tracing::info!(ms = t.elapsed().as_secs_f64() * 1e3, "cuBLAS ready for the dense prefill products");
+        Ok(())
     }
 
     fn fast_layers(&self) -> Vec<FastLayer> {
