@@ -67,16 +67,7 @@ template <> __device__ __forceinline__ void mm_dq32<T_IQ4_XS>(const u8* row, int
     }
 }
 
-template <> __device__ __forceinline__ void mm_dq32<T_Q8_0>(const u8* row, int c, float* v) {
-    const u16* b = (const u16*)(row + c * 34);
-    float d = f16_to_f32(b[0]);
-#pragma unroll
-    for (int j = 0; j < 16; j++) {
-        u16 x = b[1 + j];
-        v[2 * j] = __fmul_rn(d, (float)(i8)(x & 0xff));
-        v[2 * j + 1] = __fmul_rn(d, (float)(i8)(x >> 8));
-    }
-}
+template <> __device__ __forceinline__ void mm_dq32<T_Q8_0>(const u8* row, int c, float* v) { dq32_q8_0_a2(row, c, v); }
 
 __device__ __forceinline__ u32 mm_pack(u16 a, u16 b) { return (u32)a | ((u32)b << 16); }
 
