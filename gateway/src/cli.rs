@@ -206,8 +206,8 @@ impl EngineArgs {
         }
         let addrs = self.rank_addrs()?;
         let synthetic = self.synthetic_spec()?;
-        if synthetic.is_some() && (self.gpus.len() > 1 || self.world_size > 1 || addrs.len() > 1) {
-            bail!("--synthetic runs on one rank (one GPU)");
+        if synthetic.is_some() && !addrs.is_empty() {
+            bail!("--synthetic starts its own ranks (each fills its share of the weights); it cannot attach to --ranks");
         }
         let mode = if !addrs.is_empty() {
             WorldMode::Attach { addrs }
@@ -342,7 +342,7 @@ mod tests {
     }
 
     #[test]
-    fn synthetic_needs_allow_and_one_rank() {
+    fn synthetic_needs_allow_and_spawned_ranks() {
         let base = ["x", "--rank-binary", "/bin/true", "--synthetic", "m2.7:iq4xs:2"];
         let t = T::try_parse_from(base).unwrap();
         let e = t.e.engine_config().unwrap_err().to_string();
@@ -358,8 +358,18 @@ mod tests {
         }
         let meta = t.e.model_metadata().unwrap();
         assert_eq!(meta.get("tokenizer.ggml.tokens").and_then(|v| v.as_array()).map(|a| a.len()), Some(200_064));
-        let t = T::try_parse_from([&base[..], &["--allow-synthetic", "--gpus", "0,1"]].concat()).unwrap();
-        assert!(t.e.engine_config().unwrap_err().to_string().contains("one rank"));
+        // Several GPUs: every spawned rank gets the spec (and builds its share of it).
+        let t = T::try_parse_from([&base[..], &["--allow-synthetic", "--gpus", "0,1", "--parallelism", "pipeline"]].concat()).unwrap();
+        match t.e.engine_config().unwrap().world.mode {
+            WorldMode::Spawn(s) => {
+                assert_eq!(s.synthetic.as_deref(), Some("m2.7:iq4xs:2"));
+                assert_eq!(s.devices, vec!["cuda:0", "cuda:1"]);
+                assert_eq!(s.parallelism, "pipeline");
+            }
+            _ => panic!("expected spawn mode"),
+        }
+        let t = T::try_parse_from([&base[..], &["--allow-synthetic", "--ranks", "127.0.0.1:7000,127.0.0.1:7001"]].concat()).unwrap();
+        assert!(t.e.engine_config().unwrap_err().to_string().contains("cannot attach"));
         let t = T::try_parse_from([&base[..], &["--allow-synthetic", "--synthetic-vocab-from", "/nonexistent.gguf"]].concat()).unwrap();
         assert!(t.e.model_metadata().unwrap_err().to_string().contains("/nonexistent.gguf"));
         assert!(T::try_parse_from([&base[..], &["--model", "/m.gguf"]].concat()).is_err());

@@ -132,11 +132,11 @@ impl Backend {
         }
     }
 
-    /// BENCHMARK ONLY: a synthetic model with `spec`'s shapes and random weights, whole on
-    /// one device. CUDA fills the weights on the device (`CudaModel::synthetic`); the CPU
-    /// writes them as a temporary GGUF file (removed once mapped) and loads that, so only
-    /// small layer counts fit in memory there.
-    pub fn synthetic(spec: &SyntheticSpec, kv: KvSpec, device: Device, progress: &mut dyn FnMut(f32)) -> Result<Self, BackendError> {
+    /// BENCHMARK ONLY: `part`'s share of a synthetic model with `spec`'s shapes and random
+    /// weights (the same whole model on every rank). CUDA fills the weights on the device
+    /// (`CudaModel::synthetic_part`); the CPU writes the whole model as a temporary GGUF file
+    /// (removed once mapped) and loads its share, so only small layer counts fit there.
+    pub fn synthetic(spec: &SyntheticSpec, part: Partition, kv: KvSpec, device: Device, progress: &mut dyn FnMut(f32)) -> Result<Self, BackendError> {
         const SEED: u64 = 42;
         match device {
             Device::Cpu => {
@@ -147,12 +147,11 @@ impl Backend {
                 let model = written.map_err(io).and_then(|()| GgufModel::open(&path).map_err(|e| BackendError::Unavailable(e.to_string())));
                 let _ = std::fs::remove_file(&path);
                 let model = Arc::new(model?);
-                let part = Partition::whole(&spec.config());
                 Ok(Backend::Cpu(CpuModel::load_with_progress(model, part, kv, progress)?))
             }
             #[cfg(feature = "cuda")]
             Device::Cuda(k) => {
-                let m = crate::cuda::CudaModel::synthetic(spec, kv, cuda_options(k)?, SEED)?;
+                let m = crate::cuda::CudaModel::synthetic_part(spec, part, kv, cuda_options(k)?, SEED)?;
                 progress(1.0);
                 Ok(Backend::Cuda(Box::new(m)))
             }

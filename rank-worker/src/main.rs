@@ -41,7 +41,8 @@ enum Cmd {
         #[arg(long, default_value_t = 42)]
         seed: u64,
         /// Copy the tokenizer (`tokenizer.*` metadata) of this GGUF into the file, so the
-        /// gateway can serve it, also with several ranks (`--synthetic` runs on one rank only).
+        /// gateway can serve it with `--model` (synthetic weights served by `--synthetic` are
+        /// filled on the device instead, with no file).
         #[arg(long)]
         tokenizer_from: Option<std::path::PathBuf>,
     },
@@ -71,7 +72,8 @@ struct ServeArgs {
     model: Option<std::path::PathBuf>,
     /// BENCHMARK ONLY: serve a synthetic model with MiniMax-M2.7's shapes and random weights
     /// instead of `--model`: `m2.7:MIX[:LAYERS]`, MIX = iq4xs | q4km | q8_0. Needs
-    /// `--allow-synthetic`; one rank (world size 1).
+    /// `--allow-synthetic`. Several ranks each hold their share of the same model (seed 42),
+    /// tensor or pipeline parallel like a GGUF.
     #[arg(long, conflicts_with = "model")]
     synthetic: Option<String>,
     /// Confirms `--synthetic` (its answers are noise).
@@ -106,7 +108,7 @@ fn run_serve(a: ServeArgs) -> ExitCode {
         eprintln!("error: serving needs --rank, --listen and --model");
         return ExitCode::from(2);
     };
-    let synthetic = match synthetic_spec(a.synthetic.as_deref(), a.allow_synthetic, a.world_size) {
+    let synthetic = match synthetic_spec(a.synthetic.as_deref(), a.allow_synthetic) {
         Ok(s) => s,
         Err(e) => {
             eprintln!("error: {e}");
@@ -151,14 +153,11 @@ fn run_serve(a: ServeArgs) -> ExitCode {
     }
 }
 
-/// Parses `--synthetic`; refused without `--allow-synthetic` or in a world of several ranks.
-fn synthetic_spec(spec: Option<&str>, allowed: bool, world_size: usize) -> Result<Option<SyntheticSpec>, String> {
+/// Parses `--synthetic`; refused without `--allow-synthetic`.
+fn synthetic_spec(spec: Option<&str>, allowed: bool) -> Result<Option<SyntheticSpec>, String> {
     let Some(spec) = spec else { return Ok(None) };
     if !allowed {
         return Err(format!("--synthetic {spec} serves random weights (benchmarks only); add --allow-synthetic to confirm"));
-    }
-    if world_size != 1 {
-        return Err(format!("--synthetic runs on one rank (--world-size 1), not {world_size}"));
     }
     SyntheticSpec::parse(spec).map(Some).map_err(|e| e.to_string())
 }

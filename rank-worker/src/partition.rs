@@ -132,6 +132,13 @@ pub fn gguf_stage_bytes(model: &minimax_shared::gguf::GgufModel, cfg: &ModelConf
     stage_bytes(model.tensors().map(|t| (t.name.as_str(), t.n_bytes)), cfg.n_layers, cfg.tied_embeddings)
 }
 
+/// [`StageBytes`] of a synthetic model (the same tensors a `write-synthetic` GGUF holds).
+pub fn synthetic_stage_bytes(spec: &minimax_shared::model::synthetic::SyntheticSpec) -> StageBytes {
+    let cfg = spec.config();
+    let tensors = spec.tensors();
+    stage_bytes(tensors.iter().map(|t| (t.name.as_str(), t.n_bytes())), cfg.n_layers, cfg.tied_embeddings)
+}
+
 /// [`StageBytes`] from `(tensor name, bytes)` pairs (a GGUF file or a synthetic spec).
 pub fn stage_bytes<'a>(tensors: impl IntoIterator<Item = (&'a str, u64)>, n_layers: usize, tied_embeddings: bool) -> StageBytes {
     let mut out = StageBytes { layers: vec![0; n_layers], first: 0, last: 0 };
@@ -216,6 +223,28 @@ mod tests {
 
     fn costs(w: &[u64]) -> StageBytes {
         StageBytes { layers: w.to_vec(), first: 0, last: 0 }
+    }
+
+    #[test]
+    fn synthetic_stage_bytes_count_every_tensor_once_and_split_served_pipelines() {
+        use minimax_shared::model::synthetic::SyntheticSpec;
+        let spec = SyntheticSpec::parse("m2.7:q4km:3").unwrap();
+        let b = synthetic_stage_bytes(&spec);
+        let tensors = spec.tensors();
+        let total: u64 = tensors.iter().map(|t| t.n_bytes()).sum();
+        assert_eq!(b.layers.len(), 3);
+        assert_eq!(b.first + b.last + b.layers.iter().sum::<u64>(), total, "every tensor counted once");
+        let embd = tensors.iter().find(|t| t.name == names::TOKEN_EMBD).unwrap().n_bytes();
+        assert_eq!(b.first, embd, "the first stage carries the embedding");
+        assert!(b.layers.iter().all(|&l| l == b.layers[0] && l > 0), "identical layers: {:?}", b.layers);
+        // A served pipeline of two synthetic stages: contiguous ranges covering every layer.
+        let cfg = spec.config();
+        let p0 = Partition::pipeline_by_bytes(&cfg, 0, 2, &b).unwrap();
+        let p1 = Partition::pipeline_by_bytes(&cfg, 1, 2, &b).unwrap();
+        assert_eq!(p0.layers.start, 0);
+        assert_eq!(p0.layers.end, p1.layers.start);
+        assert_eq!(p1.layers.end, 3);
+        assert!(p0.first_stage && !p0.last_stage && p1.last_stage);
     }
 
     /// Every split of `c` into `stages` non-empty ranges, brute force: the smallest maximum.

@@ -6,10 +6,10 @@
 # (minimax-gateway, minimax-rank) in BIN_DIR (tools/gpu/collect.sh copies them).
 #   tools/gpu/http_bench.sh [BIN_DIR] [http_bench.py args...]
 # Environment: GATEWAY_ARGS (how ranks start; default `--device cuda`: one CUDA rank; e.g.
-# `--gpus 0,1 --parallelism pipeline` for a two-GPU world), MODEL (a GGUF to serve instead of
-# synthetic weights, e.g. one `minimax-rank write-synthetic ... --tokenizer-from
-# fixtures/m2-small/q8_0.gguf` wrote, with `--vocab 1000` for http_bench.py: synthetic weights
-# run on one rank only), SYNTHETIC (default m2.7:iq4xs),
+# `--gpus 0,1 --parallelism pipeline` for a two-GPU world: each rank fills its share of the
+# synthetic weights), MODEL (a GGUF to serve instead of synthetic weights, e.g. one
+# `minimax-rank write-synthetic ... --tokenizer-from fixtures/m2-small/q8_0.gguf` wrote, with
+# `--vocab 1000` for http_bench.py), SYNTHETIC (default m2.7:iq4xs),
 # KV_PAGES (default 640 pages of 64 tokens:
 # 40,960 tokens, room for the 32,768-token TTFT), PORT (8000), READY_TIMEOUT (seconds, 900).
 # Logs (gateway + rank, benchmark) in $OUT or /tmp/minimax-http-bench; gateway.pid there (the

@@ -617,18 +617,7 @@ fn load(shared: &Shared) -> Result<Engine, String> {
     }
     let model = Arc::new(GgufModel::open(&cfg.model).map_err(|e| format!("open {}: {e}", cfg.model.display()))?);
     let mc = ModelConfig::from_gguf(&model).map_err(|e| e.to_string())?;
-    let part = match cfg.parallelism {
-        _ if cfg.world_size == 1 => Partition::whole(&mc),
-        Parallelism::Tensor => Partition::tensor(&mc, cfg.rank, cfg.world_size).map_err(|e| e.to_string())?,
-        Parallelism::Pipeline => {
-            let bytes = partition::gguf_stage_bytes(&model, &mc);
-            Partition::pipeline_by_bytes(&mc, cfg.rank, cfg.world_size, &bytes).map_err(|e| e.to_string())?
-        }
-    };
-    let head = match cfg.parallelism {
-        Parallelism::Pipeline => part.last_stage,
-        Parallelism::Tensor => cfg.rank == 0,
-    };
+    let (part, head) = rank_partition(cfg, &mc, || partition::gguf_stage_bytes(&model, &mc))?;
     {
         let mut s = shared.status.lock().unwrap();
         s.model = Some(pb::ModelInfo {
@@ -661,14 +650,31 @@ fn load(shared: &Shared) -> Result<Engine, String> {
     Ok(engine(shared, backend, part, head, replay, &mc))
 }
 
-/// [`load`] for a synthetic model: one rank holds it whole; Describe reports its config.
+/// This rank's share of the model and whether it is the head (the rank that answers with
+/// logits): tensor parallel, every rank a slice of every layer, rank 0 the head; pipeline,
+/// contiguous layer ranges balanced by `bytes`, the last stage the head.
+fn rank_partition(cfg: &ServeConfig, mc: &ModelConfig, bytes: impl FnOnce() -> partition::StageBytes) -> Result<(Partition, bool), String> {
+    let part = match cfg.parallelism {
+        _ if cfg.world_size == 1 => Partition::whole(mc),
+        Parallelism::Tensor => Partition::tensor(mc, cfg.rank, cfg.world_size).map_err(|e| e.to_string())?,
+        Parallelism::Pipeline => Partition::pipeline_by_bytes(mc, cfg.rank, cfg.world_size, &bytes()).map_err(|e| e.to_string())?,
+    };
+    let head = match cfg.parallelism {
+        Parallelism::Pipeline => part.last_stage,
+        Parallelism::Tensor => cfg.rank == 0,
+    };
+    Ok((part, head))
+}
+
+/// [`load`] for a synthetic model: this rank's share of it (the same seed on every rank gives
+/// the same whole model); Describe reports its config.
 fn load_synthetic(shared: &Shared, spec: &minimax_shared::model::synthetic::SyntheticSpec) -> Result<Engine, String> {
     let cfg = &shared.cfg;
-    if cfg.world_size != 1 || cfg.test_replay.is_some() {
-        return Err("a synthetic model runs on a world of one rank, without test hooks".into());
+    if cfg.test_replay.is_some() {
+        return Err("a synthetic model runs without test hooks".into());
     }
     let mc = spec.config();
-    let part = Partition::whole(&mc);
+    let (part, head) = rank_partition(cfg, &mc, || partition::synthetic_stage_bytes(spec))?;
     {
         let mut s = shared.status.lock().unwrap();
         s.model = Some(pb::ModelInfo {
@@ -679,15 +685,15 @@ fn load_synthetic(shared: &Shared, spec: &minimax_shared::model::synthetic::Synt
             context_length: mc.context_length as u32,
             hidden: mc.hidden as u32,
         });
-        s.layers = (0, mc.n_layers as u32);
-        s.head = true;
+        s.layers = (part.layers.start as u32, part.layers.end as u32);
+        s.head = head;
     }
-    tracing::warn!("serving a SYNTHETIC model ({:?}, {} layers): random weights, benchmarks only", spec.mix, spec.layers);
-    let backend = Backend::synthetic(spec, cfg.kv, cfg.device, &mut |p| {
+    tracing::warn!(rank = cfg.rank, layers = ?part.layers, tp = part.tp_rank, "serving a SYNTHETIC model ({:?}, {} layers): random weights, benchmarks only", spec.mix, spec.layers);
+    let backend = Backend::synthetic(spec, part.clone(), cfg.kv, cfg.device, &mut |p| {
         shared.status.lock().unwrap().progress = p;
     })
     .map_err(|e| e.to_string())?;
-    Ok(engine(shared, backend, part, true, None, &mc))
+    Ok(engine(shared, backend, part, head, None, &mc))
 }
 
 /// The engine around a loaded backend (GGUF or synthetic); Describe reports its weight bytes.
