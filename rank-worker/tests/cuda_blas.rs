@@ -83,13 +83,14 @@ fn check(g: &Gpu, rng: &mut Rng, ty: GgmlType, rows: usize, cols: usize, n: usiz
     let (_wb, m) = upload_mat(g, ty, &w, rows, cols, 0);
     let x = rng.vec(n * xs, 1.0);
     let xd = g.upload(&x).unwrap();
-    // Accumulating: Y starts from random values; else NaN everywhere. Padding columns of Y
-    // (ys > rows) start as NaN either way and must stay so.
+    // Accumulating: Y starts from random values larger than each output's tolerance (so a
+    // dropped `beta` fails per element); else NaN everywhere. Padding columns of Y (ys > rows)
+    // start as NaN either way and must stay so.
     let mut y0: Vec<f32> = vec![f32::from_bits(NAN); n * ys];
     if accumulate {
         for t in 0..n {
             for r in 0..rows {
-                y0[t * ys + r] = rng.f();
+                y0[t * ys + r] = 50.0 + 50.0 * rng.f().abs();
             }
         }
     }
@@ -169,7 +170,7 @@ fn products_sharing_one_input_convert_it_once() {
     set_blas(Some(true));
     // q, k and v of a small layer: 3 outputs of different widths, strided Y, 150 tokens.
     let (cols, n, xs) = (512usize, 150usize, 520usize);
-    let shapes = [(GgmlType::Q8_0, 384usize, 390usize), (GgmlType::Q8_0, 64, 64), (GgmlType::Q6_K, 96, 100)];
+    let shapes = [(GgmlType::Q8_0, 384usize, 390usize), (GgmlType::Q8_0, 64, 64), (GgmlType::IQ4_XS, 96, 100)];
     let mut mats = Vec::new();
     for &(ty, rows, _) in &shapes {
         let w = random_rows(&mut rng, ty, rows, cols);
@@ -235,9 +236,18 @@ fn dispatcher_hands_dense_products_of_many_tokens_to_cublas() {
     set_blas_min_tokens(Some(64));
     set_gemm_precision(GemmPrecision::Int8);
     assert!(run(&mq, 64), "int8 precision, Q8_0, 64 tokens: cuBLAS");
+    // Misaligned Q8_0 rows (2-byte loads) never take it.
+    assert!(!g.blas_takes(&minimax_rank::cuda::DevMat { ptr: mq.ptr + 1, ..mq }, 100), "odd Q8_0 address");
     assert!(!run(&mq, 63), "below the token threshold: the built-in GEMM");
     assert!(!run(&mq, 8), "decode-sized: the matvec kernels");
     assert!(run(&mf, 100), "F32 weights: SGEMM");
+    // Other quantized types: their 3-pass kernels under int8, cuBLAS under one-pass bf16.
+    let q4k = random_rows(&mut rng, GgmlType::Q4_K, rows, cols);
+    let (_b5, mk) = upload_mat(&g, GgmlType::Q4_K, &q4k, rows, cols, 0);
+    assert!(!run(&mk, 100), "int8 precision keeps Q4_K on the built-in kernels");
+    set_gemm_precision(GemmPrecision::Bf16);
+    assert!(run(&mk, 100), "one-pass bf16 precision: Q4_K through cuBLAS");
+    assert!(g.blas_takes(&mq, 65535) && !g.blas_takes(&mq, 65536), "one launch's tokens at most");
     set_gemm_precision(GemmPrecision::Bf16x3);
     assert!(!run(&mq, 100), "bf16x3 keeps quantized weights on the 3-pass kernels");
     assert!(run(&mf, 100), "bf16x3: F32 weights still take SGEMM (exact f32)");

@@ -17,7 +17,9 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 
 use cudarc::cublas::result as cr;
 use cudarc::cublas::sys as cs;
-use cudarc::driver::CudaSlice;
+use std::sync::Arc;
+
+use cudarc::driver::{CudaContext, CudaSlice};
 use minimax_shared::quant::GgmlType;
 
 use super::env_flag::EnvFlag;
@@ -83,18 +85,22 @@ const WORKSPACE_BYTES: usize = 32 << 20;
 /// of the dequantized weights and converted inputs (grown on demand, reused in stream order).
 pub struct Blas {
     handle: cs::cublasHandle_t,
+    /// Bound before the handle is destroyed (a drop may run on a thread without it current).
+    ctx: Arc<CudaContext>,
     workspace: CudaSlice<u8>,
     wbuf: Mutex<Option<CudaSlice<u16>>>,
     xbuf: Mutex<Option<CudaSlice<u16>>>,
 }
 
-// The handle is used from whichever thread runs the GPU's stream, one call at a time (the rank
-// drives each GPU from one thread; the scratch mutexes serialise the rest).
+// The handle and the scratch are used by one thread at a time: a rank drives each GPU from one
+// thread, one step after another (the mutexes only guard the scratch buffers' growth; two
+// threads running products on one Gpu at once would share the scratch contents).
 unsafe impl Send for Blas {}
 unsafe impl Sync for Blas {}
 
 impl Drop for Blas {
     fn drop(&mut self) {
+        let _ = self.ctx.bind_to_thread();
         unsafe {
             let _ = cr::destroy_handle(self.handle);
         }
@@ -112,8 +118,11 @@ impl Blas {
             return Err(CudaError::LibraryMissing { lib: "libcublas", hint: "put the CUDA toolkit's lib64 (libcublas, libcublasLt) on LD_LIBRARY_PATH, or set MINIMAX_BLAS=0" });
         }
         g.ctx.bind_to_thread()?;
+        // Everything fallible before the handle exists, so a failure leaks nothing (Drop
+        // destroys the handle once `Self` holds it).
+        let workspace = g.stream.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
         let handle = cr::create_handle().map_err(blas_err("cublasCreate"))?;
-        let blas = Self { handle, workspace: g.stream.alloc_zeros::<u8>(WORKSPACE_BYTES)?, wbuf: Mutex::new(None), xbuf: Mutex::new(None) };
+        let blas = Self { handle, ctx: g.ctx.clone(), workspace, wbuf: Mutex::new(None), xbuf: Mutex::new(None) };
         unsafe {
             cr::set_stream(handle, g.stream.cu_stream() as _).map_err(blas_err("cublasSetStream"))?;
             let ws = g.ptr(&blas.workspace);
@@ -151,21 +160,32 @@ impl Gpu {
     }
 
     /// Whether [`Gpu::matmul`] hands `w` times `n` tokens to cuBLAS: the switch is on, enough
-    /// tokens, a dense matrix of a type that dequantizes to bf16 without losing what the
-    /// precision setting promises (F16 keeps the built-in kernels: bf16 would drop 3 bits), and
-    /// cuBLAS could be loaded.
+    /// tokens (and few enough for one launch), a dense matrix of a type whose bf16 rounding the
+    /// precision setting allows, and cuBLAS could be loaded. F32 weights always (SGEMM is exact
+    /// f32); under `int8` (the default) IQ4_XS and Q8_0, the types it already multiplies with q8
+    /// activations (its accuracy check at M2.7 size covers them; other types keep their 3-pass
+    /// kernels there); under one-pass `bf16` every type but F16 (bf16 would drop 3 of its bits);
+    /// under `bf16x3` nothing else.
     pub fn blas_takes(&self, w: &DevMat, n: usize) -> bool {
-        if !blas_on() || n < blas_min_tokens() || w.n_experts > 0 || !w.ty.is_supported() {
+        if !blas_on() || n < blas_min_tokens() || n > 65535 || w.n_experts > 0 || !w.ty.is_supported() || w.rows == 0 || w.cols == 0 {
             return false;
         }
-        let fits = match w.ty {
-            GgmlType::F32 => w.row_bytes % 4 == 0,
+        let prec = gemm_precision();
+        let allowed = match w.ty {
+            GgmlType::F32 => true,
             GgmlType::F16 => false,
-            _ if gemm_precision() == GemmPrecision::Bf16x3 => false,
-            GgmlType::BF16 => w.row_bytes % 2 == 0,
-            ty => w.cols % 32 == 0 && (ty != GgmlType::Q8_0 || (w.ptr % 2 == 0 && w.row_bytes % 2 == 0)),
+            GgmlType::IQ4_XS | GgmlType::Q8_0 => prec != GemmPrecision::Bf16x3,
+            _ => prec == GemmPrecision::Bf16,
         };
-        fits && self.blas().is_some()
+        // The loads' alignment: F32 rows 4 bytes, BF16 and Q8_0 (2-byte loads) 2; the others
+        // dequantize byte by byte in whole 32-element chunks.
+        let align = match w.ty {
+            GgmlType::F32 => 4u64,
+            GgmlType::BF16 | GgmlType::Q8_0 => 2,
+            _ => 1,
+        };
+        let fits = w.ptr % align == 0 && w.row_bytes as u64 % align == 0 && (w.ty.block_elems() == 1 || w.cols % 32 == 0);
+        allowed && fits && self.blas().is_some()
     }
 
     /// `Y[n × rows] = X[n × cols] · Wᵀ` (or `+=` with `accumulate`) through cuBLAS; X and Y f32
@@ -237,6 +257,9 @@ impl Gpu {
     /// weights used as stored), each multiplied by cublasGemmEx (f32 accumulation, f32 out).
     #[allow(clippy::too_many_arguments)]
     fn blas_bf16(&self, b: &Blas, w: &DevMat, xb: u64, y: u64, ys: usize, n: usize, accumulate: bool) -> Result<(), CudaError> {
+        if n == 0 || w.rows == 0 || w.cols == 0 {
+            return Ok(());
+        }
         let (one, beta) = (1f32, if accumulate { 1f32 } else { 0f32 });
         let k = w.cols as i32;
         use cs::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
