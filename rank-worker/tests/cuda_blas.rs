@@ -150,6 +150,28 @@ fn products_match_the_cpu_for_every_type() {
     let r = check(&g, &mut rng, GgmlType::IQ4_XS, 300, 256 * 5, 65, (256 * 5, 300), false, 4e-3, 1e-2, "IQ4_XS in row slices");
     eprintln!("IQ4_XS in row slices: worst {:.2e}, rms {:.2e}", r.0, r.1);
     set_blas_slice_elems(None);
+    // Rows stored wider than the product uses (a column slice of a BF16 / F32 matrix): the
+    // leading dimension is the stored row, not the column count.
+    for ty in [GgmlType::BF16, GgmlType::F32] {
+        let (rows, cols, stored, n) = (70usize, 256usize, 264usize, 80usize);
+        let w = random_rows(&mut rng, ty, rows, stored);
+        let wf = quant::dequantize_to_vec(ty, &w, rows * stored).unwrap();
+        let (_wb, full) = upload_mat(&g, ty, &w, rows, stored, 0);
+        let m = minimax_rank::cuda::DevMat { cols, ..full };
+        let x = rng.vec(n * cols, 1.0);
+        let xd = g.upload(&x).unwrap();
+        let yd = g.upload(&vec![f32::from_bits(NAN); n * rows]).unwrap();
+        g.matmul_blas(&m, g.ptr(&xd), cols, g.ptr(&yd), rows, n, false).unwrap();
+        let y = g.download(&yd).unwrap();
+        let bound = if ty == GgmlType::F32 { 1e-5 } else { 4e-3 };
+        for t in 0..n {
+            for r in 0..rows {
+                let (want, abs) = dot(&wf[r * stored..r * stored + cols], &x[t * cols..(t + 1) * cols]);
+                let got = y[t * rows + r] as f64;
+                assert!((got - want).abs() <= bound * abs + 1e-6, "{ty:?} rows stored {stored} wide: token {t} row {r}: got {got}, want {want}");
+            }
+        }
+    }
     // Stride shorter than the row: an error, never a launch.
     let w = random_rows(&mut rng, GgmlType::Q8_0, 64, 256);
     let (_wb, m) = upload_mat(&g, GgmlType::Q8_0, &w, 64, 256, 0);
