@@ -9,7 +9,7 @@ mod common;
 
 use std::sync::Mutex;
 
-use common::gpu::{NAN, Rng, TYPES, gpu, random_rows, upload_mat};
+use common::gpu::{NAN, Rng, TYPES, dot, gpu, random_rows, upload_mat};
 use minimax_rank::cuda::blas::{set_blas, set_blas_min_tokens, set_blas_slice_elems};
 use minimax_rank::cuda::{Arg, GemmPrecision, Gpu, set_gemm_precision};
 use minimax_shared::quant::{self, GgmlType};
@@ -20,11 +20,6 @@ static SERIAL: Mutex<()> = Mutex::new(());
 /// Columns: a multiple of 256 for the K-quants, else 32 x 37 (off every power-of-two tile).
 fn cols_for(ty: GgmlType) -> usize {
     if ty.block_elems() == 256 { 256 * 5 } else { 32 * 37 }
-}
-
-/// f64 reference of one output: (W_r · x, Σ|w x|).
-fn dot(w: &[f32], x: &[f32]) -> (f64, f64) {
-    w.iter().zip(x).fold((0.0, 0.0), |(s, a), (&w, &x)| (s + w as f64 * x as f64, a + (w as f64 * x as f64).abs()))
 }
 
 /// The cuBLAS path's kernels and products did run (or did not) in `f`'s launches.

@@ -9,7 +9,7 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
-use common::gpu::{NAN, Rng, TYPES, gpu, random_rows, upload_mat};
+use common::gpu::{NAN, Rng, TYPES, dot, gpu, random_rows, upload_mat};
 use minimax_rank::comm::Solo;
 use minimax_rank::cpu::{CpuModel, KvSpec};
 use cudarc::driver::CudaSlice;
@@ -37,11 +37,6 @@ fn cols_for(ty: GgmlType) -> usize {
 /// The CPU twin: dequantized f32 rows (bit-exact to the GPU's dequantization).
 fn dequant(ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> Vec<f32> {
     quant::dequantize_to_vec(ty, bytes, rows * cols).unwrap()
-}
-
-/// f64 reference of one output: (W_r · x, Σ|w x|).
-fn dot(w: &[f32], x: &[f32]) -> (f64, f64) {
-    w.iter().zip(x).fold((0.0, 0.0), |(s, a), (&w, &x)| (s + w as f64 * x as f64, a + (w as f64 * x as f64).abs()))
 }
 
 /// Allowed |error| of one output as a fraction of Σ|w·x|: every product of 1 pass has W and X

@@ -486,33 +486,21 @@ fn moe_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
 fn dense_sweep(m: &CudaModel) -> anyhow::Result<()> {
     use minimax_rank::cuda::DevMat;
     use minimax_shared::quant::GgmlType;
+    use minimax_shared::model::synthetic::{SplitMix64, fill_random_blocks};
     let g = m.gpu();
-    let mut seed = 0x9e37_79b9_7f4a_7c15u64;
-    let mut rnd = move || {
-        seed ^= seed >> 12;
-        seed ^= seed << 25;
-        seed ^= seed >> 27;
-        seed.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    };
-    let mut q8 = |rows: usize, cols: usize| -> anyhow::Result<(cudarc::driver::CudaSlice<u8>, DevMat)> {
-        let rb = cols / 32 * 34;
+    let mut rng = SplitMix64(0x9e37_79b9_7f4a_7c15);
+    // Random valid weights of `ty`, as the synthetic models are filled.
+    let mut mat = |ty: GgmlType, rows: usize, cols: usize| -> anyhow::Result<(cudarc::driver::CudaSlice<u8>, DevMat)> {
+        let rb = minimax_shared::quant::row_bytes(ty, cols)?;
         let mut b = vec![0u8; rows * rb];
-        for blk in b.chunks_exact_mut(34) {
-            let d = half::f16::from_f32(((rnd() >> 40) as f32 / (1u64 << 24) as f32) * 0.02 + 0.001);
-            blk[..2].copy_from_slice(&d.to_bits().to_le_bytes());
-            for v in &mut blk[2..] {
-                *v = rnd() as u8;
-            }
-        }
+        fill_random_blocks(ty, &mut rng, &mut b);
         let buf = g.upload(&b)?;
-        let m = DevMat { ptr: g.ptr(&buf), ty: GgmlType::Q8_0, rows, cols, row_bytes: rb, n_experts: 0, expert_stride: 0 };
+        let m = DevMat { ptr: g.ptr(&buf), ty, rows, cols, row_bytes: rb, n_experts: 0, expert_stride: 0 };
         Ok((buf, m))
     };
-    let (_b1, wq) = q8(6144, 3072)?;
-    let (_b2, wo) = q8(3072, 6144)?;
-    let fr: Vec<f32> = (0..256 * 3072).map(|i| ((i * 7919 % 1000) as f32 / 1000.0 - 0.5) * 0.1).collect();
-    let fb = g.upload(&fr)?;
-    let wr = DevMat { ptr: g.ptr(&fb), ty: GgmlType::F32, rows: 256, cols: 3072, row_bytes: 3072 * 4, n_experts: 0, expert_stride: 0 };
+    let (_b1, wq) = mat(GgmlType::Q8_0, 6144, 3072)?;
+    let (_b2, wo) = mat(GgmlType::Q8_0, 3072, 6144)?;
+    let (_b3, wr) = mat(GgmlType::F32, 256, 3072)?;
     let nmax = 4096usize;
     let xs: Vec<f32> = (0..nmax * 6144).map(|i| (i * 104_729 % 2001) as f32 / 1000.0 - 1.0).collect();
     let x = g.upload(&xs)?;

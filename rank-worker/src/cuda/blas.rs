@@ -148,7 +148,7 @@ fn scratch(g: &Gpu, slot: &Mutex<Option<CudaSlice<u16>>>, n: usize) -> Result<u6
 impl Gpu {
     /// This GPU's cuBLAS, created on first use; `None` (after one warning) when it cannot be.
     pub fn blas(&self) -> Option<&Blas> {
-        self.blas_slot()
+        self.blas
             .get_or_init(|| match Blas::new(self) {
                 Ok(b) => Some(b),
                 Err(e) => {

@@ -124,8 +124,9 @@ pub struct Gpu {
     pub pdl: bool,
     /// Rows per warp of the fused expert gate/up kernel (4, 2 or 1; `MINIMAX_GU`).
     pub gu_rows: usize,
-    /// cuBLAS for the dense prefill products, created on first use (`None`: not available).
-    blas: OnceLock<Option<super::blas::Blas>>,
+    /// cuBLAS for the dense prefill products, created on first use (`None`: not available;
+    /// see [`Gpu::blas`]).
+    pub(super) blas: OnceLock<Option<super::blas::Blas>>,
 }
 
 /// Checks that the CUDA driver library can be loaded (instead of a panic in the bindings).
@@ -230,17 +231,10 @@ impl Gpu {
             };
         }
         let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
-        let mut prof = self.prof.lock().unwrap();
-        if let Some(events) = prof.as_mut() {
-            let flags = Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DEFAULT);
-            let start = self.stream.record_event(flags)?;
+        self.timed(name, || {
             unsafe { b.launch(cfg) }?;
-            let end = self.stream.record_event(flags)?;
-            events.push((name.to_string(), start, end));
-        } else {
-            unsafe { b.launch(cfg) }?;
-        }
-        Ok(())
+            Ok(())
+        })
     }
 
     /// Launches kernel `name` with programmatic dependent launch (PDL, Hopper and newer): the
@@ -289,8 +283,8 @@ impl Gpu {
         Ok(())
     }
 
-    /// Runs `f` (stream work that is not a kernel launch of ours, e.g. a cuBLAS call), timed as
-    /// `name` when launches are being timed (see [`Gpu::profile_begin`]).
+    /// Runs `f` (stream work: a kernel launch, a cuBLAS call), timed as `name` when launches are
+    /// being timed (see [`Gpu::profile_begin`]).
     pub fn timed(&self, name: &str, f: impl FnOnce() -> Result<(), CudaError>) -> Result<(), CudaError> {
         if self.prof.lock().unwrap().is_none() {
             return f();
@@ -304,11 +298,6 @@ impl Gpu {
             events.push((name.to_string(), start, end));
         }
         Ok(())
-    }
-
-    /// The lazily created cuBLAS handle's slot (see [`Gpu::blas`]).
-    pub(super) fn blas_slot(&self) -> &OnceLock<Option<super::blas::Blas>> {
-        &self.blas
     }
 
     /// Starts timing every launch (see [`Gpu::profile_end`]).

@@ -274,9 +274,7 @@ impl CudaModel {
         let run = || -> Result<(), CudaError> {
             for &n in &ns {
                 for w in &ws {
-                    if g.gemm_unfit(w, g.ptr(&x), w.cols).is_none() {
-                        g.matmul_blas(w, g.ptr(&x), w.cols, g.ptr(&y), w.rows, n, false)?;
-                    }
+                    g.matmul(w, g.ptr(&x), w.cols, g.ptr(&y), w.rows, n, false)?;
                 }
             }
             g.sync()

@@ -618,19 +618,7 @@ fn load(shared: &Shared) -> Result<Engine, String> {
     let model = Arc::new(GgufModel::open(&cfg.model).map_err(|e| format!("open {}: {e}", cfg.model.display()))?);
     let mc = ModelConfig::from_gguf(&model).map_err(|e| e.to_string())?;
     let (part, head) = rank_partition(cfg, &mc, || partition::gguf_stage_bytes(&model, &mc))?;
-    {
-        let mut s = shared.status.lock().unwrap();
-        s.model = Some(pb::ModelInfo {
-            name: meta_str(&model, "general.name"),
-            architecture: meta_str(&model, "general.architecture"),
-            n_layers: mc.n_layers as u32,
-            vocab_size: mc.vocab_size as u32,
-            context_length: mc.context_length as u32,
-            hidden: mc.hidden as u32,
-        });
-        s.layers = (part.layers.start as u32, part.layers.end as u32);
-        s.head = head;
-    }
+    announce(shared, meta_str(&model, "general.name"), meta_str(&model, "general.architecture"), &mc, &part, head);
     tracing::info!(rank = cfg.rank, layers = ?part.layers, tp = part.tp_rank, "loading shard");
     let replay = match &cfg.test_replay {
         Some(p) if head => Some(crate::replay::Replay::load(p, model.metadata(), cfg.kv.page_size).map_err(|e| e.to_string())?),
@@ -666,6 +654,22 @@ fn rank_partition(cfg: &ServeConfig, mc: &ModelConfig, bytes: impl FnOnce() -> p
     Ok((part, head))
 }
 
+/// What Describe reports while the shard loads: the model (`name`, `architecture` and `mc`'s
+/// sizes), this rank's layers and whether it is the head.
+fn announce(shared: &Shared, name: String, architecture: String, mc: &ModelConfig, part: &Partition, head: bool) {
+    let mut s = shared.status.lock().unwrap();
+    s.model = Some(pb::ModelInfo {
+        name,
+        architecture,
+        n_layers: mc.n_layers as u32,
+        vocab_size: mc.vocab_size as u32,
+        context_length: mc.context_length as u32,
+        hidden: mc.hidden as u32,
+    });
+    s.layers = (part.layers.start as u32, part.layers.end as u32);
+    s.head = head;
+}
+
 /// [`load`] for a synthetic model: this rank's share of it (the same seed on every rank gives
 /// the same whole model); Describe reports its config.
 fn load_synthetic(shared: &Shared, spec: &minimax_shared::model::synthetic::SyntheticSpec) -> Result<Engine, String> {
@@ -675,19 +679,7 @@ fn load_synthetic(shared: &Shared, spec: &minimax_shared::model::synthetic::Synt
     }
     let mc = spec.config();
     let (part, head) = rank_partition(cfg, &mc, || partition::synthetic_stage_bytes(spec))?;
-    {
-        let mut s = shared.status.lock().unwrap();
-        s.model = Some(pb::ModelInfo {
-            name: mc.name.clone().unwrap_or_default(),
-            architecture: mc.arch.clone(),
-            n_layers: mc.n_layers as u32,
-            vocab_size: mc.vocab_size as u32,
-            context_length: mc.context_length as u32,
-            hidden: mc.hidden as u32,
-        });
-        s.layers = (part.layers.start as u32, part.layers.end as u32);
-        s.head = head;
-    }
+    announce(shared, mc.name.clone().unwrap_or_default(), mc.arch.clone(), &mc, &part, head);
     tracing::warn!(rank = cfg.rank, layers = ?part.layers, tp = part.tp_rank, "serving a SYNTHETIC model ({:?}, {} layers): random weights, benchmarks only", spec.mix, spec.layers);
     let backend = Backend::synthetic(spec, part.clone(), cfg.kv, cfg.device, &mut |p| {
         shared.status.lock().unwrap().progress = p;

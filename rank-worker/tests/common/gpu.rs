@@ -123,6 +123,11 @@ pub fn upload_mat(g: &Gpu, ty: GgmlType, bytes: &[u8], rows: usize, cols: usize,
     (buf, m)
 }
 
+/// f64 reference of one output of a product: (W_r · x, Σ|w x|), the scale its error bounds use.
+pub fn dot(w: &[f32], x: &[f32]) -> (f64, f64) {
+    w.iter().zip(x).fold((0.0, 0.0), |(s, a), (&w, &x)| (s + w as f64 * x as f64, a + (w as f64 * x as f64).abs()))
+}
+
 /// `n` f32 on the device, every one NaN.
 pub fn poisoned(g: &Gpu, n: usize) -> CudaSlice<f32> {
     let b = g.zeros::<f32>(n).unwrap();

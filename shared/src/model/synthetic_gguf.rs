@@ -70,8 +70,8 @@ fn sample(name: &str, ty: GgmlType, n_bytes: usize, rng: &mut SplitMix64) -> Vec
 }
 
 /// The `tokenizer.*` entries of `m`'s metadata: what [`write_gguf`] takes as `extra` so that a
-/// synthetic file can be served through the gateway by several ranks (the gateway reads the
-/// tokenizer from the served GGUF; `--synthetic` itself runs on one rank only).
+/// synthetic file can be served through the gateway with `--model` (the gateway reads the
+/// tokenizer from the served GGUF; `--synthetic` builds its tokenizer metadata itself).
 pub fn tokenizer_meta(m: &Metadata) -> Vec<(String, MetaValue)> {
     m.iter().filter(|(k, _)| k.starts_with("tokenizer.")).map(|(k, v)| (k.to_string(), v.clone())).collect()
 }
