@@ -33,7 +33,7 @@ pub fn down_row_multiple(ty: GgmlType) -> usize {
 }
 
 /// Whether `w` can be a fast-path product: Q8_0 or IQ4_XS, rows of whole 272-byte chunks.
-fn fast_mat(w: &DevMat) -> bool {
+pub(super) fn fast_mat(w: &DevMat) -> bool {
     matches!(w.ty, GgmlType::Q8_0 | GgmlType::IQ4_XS) && w.row_bytes % CH == 0 && w.ptr % 16 == 0 && (w.n_experts == 0 || w.expert_stride % 16 == 0)
 }
 
@@ -774,6 +774,9 @@ impl Gpu {
         if !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 {
             return Err(CudaError::Shape("moe_gate_up_q8: expert tensors".into()));
         }
+        if super::moe_stream::moe_stream() && self.gate_up_stream_stages(gate, up)? > 0 {
+            return self.moe_gate_up_stream(gate, up, None, ids, 0, k, npairs, xq, xd, aq, ad, ld);
+        }
         self.moe_gate_up_q8_with(GateUpKind::from_env(), gate, up, ids, k, xq, xd, aq, ad, npairs, ld)
     }
 
@@ -847,6 +850,9 @@ impl Gpu {
         if ld < gate.rows || ld % 32 != 0 || gate.ty != GgmlType::IQ4_XS || !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 || gate.cols % 256 != 0 {
             return Err(CudaError::Shape(format!("moe_gate_up_grp: {:?} {}x{} (ld {ld})", gate.ty, gate.rows, gate.cols)));
         }
+        if super::moe_stream::moe_stream() && self.gate_up_stream_stages(gate, up)? > 0 {
+            return self.moe_gate_up_stream(gate, up, Some(grp), 0, e, k, nslots, xq, xd, aq, ad, ld);
+        }
         let (sfx, _) = grp_kind().kernels();
         self.launch_pdl(
             &format!("moe_gate_up_{sfx}_iq4_xs"),
@@ -861,6 +867,10 @@ impl Gpu {
     /// of `grp` (f32 `[npairs][down.rows]`); [`Gpu::moe_combine_grp`] adds them to the residual.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down_grp(&self, down: &DevMat, grp: u64, e: usize, nslots: usize, aq: u64, ad: u64, dpart: u64) -> Result<(), CudaError> {
+        use super::moe_stream::{DownForm, moe_stream};
+        if moe_stream() && !grp_mma() && self.down_stream_stages(down, DownForm::Grouped, 0)? > 0 {
+            return self.moe_down_stream(down, DownForm::Grouped, grp, 0, 0, e, 0, nslots, aq, ad, dpart, 0, 0);
+        }
         self.moe_down_grp_with(grp_mma(), down, grp, e, nslots, aq, ad, dpart)
     }
 
@@ -983,6 +993,10 @@ impl Gpu {
     /// Fused expert down + weighted combine: `hidden[t] += sum_j w[t,j] down[ids[t,j]] act[t,j]`.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down_q8(&self, down: &DevMat, ids: u64, wts: u64, k: usize, aq: u64, ad: u64, hidden: u64, hs: usize, nt: usize) -> Result<(), CudaError> {
+        use super::moe_stream::{DownForm, moe_stream};
+        if moe_stream() && self.down_stream_stages(down, DownForm::Combine, k)? > 0 {
+            return self.moe_down_stream(down, DownForm::Combine, 0, ids, wts, 0, k, nt, aq, ad, 0, hidden, hs);
+        }
         self.moe_down_q8_with(DownKind::from_env(), down, ids, wts, k, aq, ad, hidden, hs, nt)
     }
 

@@ -1,0 +1,269 @@
+//! The streamed IQ4_XS expert kernels (kernels/moe_stream.cu, rank-worker/src/cuda/moe_stream.rs)
+//! against the register kernels they stand in for and against f64 products of the dequantized
+//! weights: gate/up one pair per slot (bit for bit against `moe_gate_up_psx`) and grouped by
+//! expert (against `moe_gate_up_grpf`), the grouped down (against `moe_down_grpf`), the
+//! combining down (against f64, and deterministic). Every comparison runs with as many ring
+//! stages as fit and with 2 (every ring wraps many times), twice. Outputs are poisoned first.
+//! Needs a GPU: run with `--ignored`.
+#![cfg(feature = "cuda")]
+
+mod common;
+
+use std::sync::Mutex;
+
+use common::gpu::{Rng, bits, gpu, poisoned, q8_deq, q8_host, random_experts, random_rows, upload_mat};
+use minimax_rank::cuda::fast::{self, GateUpKind, GrpKind};
+use minimax_rank::cuda::moe_stream::{DownForm, set_moe_stream, set_stream_stage_cap};
+use minimax_rank::cuda::{DevMat, Gpu};
+use minimax_shared::quant::{self, GgmlType};
+
+/// The switches are process-wide: tests run one at a time.
+static SERIAL: Mutex<()> = Mutex::new(());
+const TY: GgmlType = GgmlType::IQ4_XS;
+
+/// f64 `row r of matrix m (experts of `rows` rows of `cols`) . x`.
+fn row_dot(m: &[u8], ex: usize, rows: usize, r: usize, cols: usize, x: &[f32]) -> f64 {
+    let rb = quant::row_bytes(TY, cols).unwrap();
+    let o = (ex * rows + r) * rb;
+    let w = quant::dequantize_to_vec(TY, &m[o..o + rb], cols).unwrap();
+    w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum()
+}
+
+/// Distinct random experts per token, expert 0 in every token's list (one slot holds them all).
+fn routed(rng: &mut Rng, nt: usize, k: usize, e: usize) -> Vec<i32> {
+    let mut ids = Vec::new();
+    for _ in 0..nt {
+        let mut row = vec![0i32];
+        while row.len() < k {
+            let x = 1 + rng.below(e - 1) as i32;
+            if !row.contains(&x) {
+                row.push(x);
+            }
+        }
+        ids.extend(row);
+    }
+    ids
+}
+
+/// Gate/up with one pair per slot, bit for bit against `moe_gate_up_psx` (itself checked against
+/// the CPU in cuda_kernels), plus sampled rows against f64: 2 tokens x top-3 of 6 experts over
+/// 2560 columns (80 units: a partial lane round) with activations 64 apart beyond the rows (the
+/// tensor-parallel pad, never written), and M2.7's batch-1 shape (1 token x top-8 of 16, 3072 ->
+/// 1536).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn streamed_gate_up_matches_psx() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0101);
+    for &(e, k, nt, h, ff, pad) in &[(6usize, 3usize, 2usize, 2560usize, 1536usize, 64usize), (16, 8, 1, 3072, 1536, 0)] {
+        let ld = ff + pad;
+        let gate = random_rows(&mut rng, TY, e * ff, h);
+        let upw = random_rows(&mut rng, TY, e * ff, h);
+        let (_g1, gm) = upload_mat(&g, TY, &gate, ff, h, e);
+        let (_g2, um) = upload_mat(&g, TY, &upw, ff, h, e);
+        assert!(g.gate_up_stream_stages(&gm, &um).unwrap() >= 2, "{h} -> {ff}: the streamed gate/up must fit");
+        let ids: Vec<i32> = (0..nt).flat_map(|_| routed(&mut rng, 1, k, e)).collect();
+        let x = rng.vec(nt * h, 2.0);
+        let (hq, hd) = q8_host(&x);
+        let xv = q8_deq(&hq, &hd);
+        let (qb, db, ib) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap(), g.upload(&ids).unwrap());
+        let np = nt * k;
+        let run = |stream: bool| {
+            let aq = g.zeros::<i8>(np * ld).unwrap();
+            g.fill_u32(g.ptr(&aq), np * ld / 4, 0x7f7f_7f7f).unwrap();
+            let ad = poisoned(&g, np * ld / 32);
+            if stream {
+                g.moe_gate_up_stream(&gm, &um, None, g.ptr(&ib), 0, k, np, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), ld).unwrap();
+            } else {
+                g.moe_gate_up_q8_with(GateUpKind::PersistIl, &gm, &um, g.ptr(&ib), k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), np, ld).unwrap();
+            }
+            g.sync().unwrap();
+            (g.download(&aq).unwrap(), g.download(&ad).unwrap())
+        };
+        let want = run(false);
+        for cap in [None, Some(2)] {
+            set_stream_stage_cap(cap);
+            for rep in 0..2 {
+                let got = run(true);
+                assert_eq!(got.0, want.0, "{h} -> {ff} stage cap {cap:?}: q8 codes differ from psx (rep {rep})");
+                assert_eq!(bits(&got.1), bits(&want.1), "{h} -> {ff} stage cap {cap:?}: q8 scales differ from psx (rep {rep})");
+            }
+        }
+        set_stream_stage_cap(None);
+        let (c, s) = &want;
+        for p in 0..np {
+            assert!(c[p * ld + ff..(p + 1) * ld].iter().all(|&q| q == 0x7f), "pair {p}: the pad was written");
+            let (ex, t) = (ids[p] as usize, p / k);
+            for r in [0, 1, 31, 32, ff / 2 + 3, ff - 1, rng.below(ff)] {
+                let xt = &xv[t * h..(t + 1) * h];
+                let (gg, uu) = (row_dot(&gate, ex, ff, r, h, xt), row_dot(&upw, ex, ff, r, h, xt));
+                let want_v = (gg / (1.0 + (-gg).exp()) * uu) as f32;
+                let sc = s[p * ld / 32 + r / 32];
+                let got_v = c[p * ld + r] as f32 * sc;
+                let tol = sc * 0.51 + 1e-4 * want_v.abs() + 1e-6;
+                assert!(got_v.is_finite() && (got_v - want_v).abs() <= tol, "pair {p} row {r}: got {got_v} want {want_v} tol {tol}");
+            }
+        }
+        eprintln!("streamed gate/up {np} pairs, {h} -> {ff}: bit-identical to psx (all stages and 2), sampled rows within q8 rounding of f64");
+    }
+}
+
+/// Steps grouped by expert: the streamed gate/up and down bit for bit against the default
+/// grouped kernels (`GrpKind::Prefetch`, checked against the CPU in cuda_kernels) and sampled
+/// down rows against f64: 32 tokens x top-3 of 9 at M2.7's widths (expert 0 takes all 32
+/// tokens, the most a slot holds) and 5 tokens x top-2 of 4 with 43 down rows (a partial stage).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn streamed_grouped_kernels_match_grpf() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0102);
+    for &(nt, k, e, h, ff, hrows) in &[(32usize, 3usize, 9usize, 3072usize, 1536usize, 3072usize), (5, 2, 4, 2560, 1024, 43)] {
+        let ex = random_experts(&g, &mut rng, TY, e, ff, h, hrows);
+        let (down, gm, um, dm) = (&ex.down, ex.gm, ex.um, ex.dm);
+        assert!(g.gate_up_stream_stages(&gm, &um).unwrap() >= 2 && g.down_stream_stages(&dm, DownForm::Grouped, 0).unwrap() >= 2, "{h} -> {ff} -> {hrows}: the streamed kernels must fit");
+        let ids = routed(&mut rng, nt, k, e);
+        let np = nt * k;
+        let ib = g.upload(&ids).unwrap();
+        let grp = g.zeros::<i32>(1 + 3 * e + np).unwrap();
+        g.moe_group(g.ptr(&ib), np, e, g.ptr(&grp)).unwrap();
+        let nslots = np.min(e);
+        let x = rng.vec(nt * h, 2.0);
+        let (hq, hd) = q8_host(&x);
+        let (xq, xd) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
+        fast::set_grp_kind(Some(GrpKind::Prefetch));
+        let run_gu = |stream: bool| {
+            let aq = g.zeros::<i8>(np * ff).unwrap();
+            g.fill_u32(g.ptr(&aq), np * ff / 4, 0x7f7f_7f7f).unwrap();
+            let ad = poisoned(&g, np * ff / 32);
+            set_moe_stream(Some(stream));
+            g.moe_gate_up_grp(&gm, &um, g.ptr(&grp), e, nslots, k, g.ptr(&xq), g.ptr(&xd), g.ptr(&aq), g.ptr(&ad), ff).unwrap();
+            set_moe_stream(None);
+            (aq, ad)
+        };
+        let (aq0, ad0) = run_gu(false);
+        let (c0, s0) = (g.download(&aq0).unwrap(), g.download(&ad0).unwrap());
+        assert!(s0.iter().all(|v| v.is_finite()), "grpf gate/up scales");
+        let run_dn = |stream: bool| {
+            let dpart = poisoned(&g, np * hrows);
+            set_moe_stream(Some(stream));
+            g.moe_down_grp(&dm, g.ptr(&grp), e, nslots, g.ptr(&aq0), g.ptr(&ad0), g.ptr(&dpart)).unwrap();
+            set_moe_stream(None);
+            g.download(&dpart).unwrap()
+        };
+        let d0 = run_dn(false);
+        for cap in [None, Some(2)] {
+            set_stream_stage_cap(cap);
+            for rep in 0..2 {
+                let (aq, ad) = run_gu(true);
+                assert!(c0 == g.download(&aq).unwrap() && bits(&s0) == bits(&g.download(&ad).unwrap()), "nt {nt} {h} -> {ff}, stage cap {cap:?}: streamed grouped gate/up differs from grpf (rep {rep})");
+                assert!(bits(&d0) == bits(&run_dn(true)), "nt {nt} {ff} -> {hrows}, stage cap {cap:?}: streamed grouped down differs from grpf (rep {rep})");
+            }
+        }
+        set_stream_stage_cap(None);
+        fast::set_grp_kind(None);
+        let mut worst = 0f64;
+        for p in 0..np {
+            let exn = ids[p] as usize;
+            let act = q8_deq(&c0[p * ff..(p + 1) * ff], &s0[p * ff / 32..(p + 1) * ff / 32]);
+            for r in [0, 1, 31, 32, 33, hrows - 1, rng.below(hrows)] {
+                if r >= hrows {
+                    continue;
+                }
+                let want = row_dot(down, exn, hrows, r, ff, &act);
+                let rb = quant::row_bytes(TY, ff).unwrap();
+                let o = (exn * hrows + r) * rb;
+                let w = quant::dequantize_to_vec(TY, &down[o..o + rb], ff).unwrap();
+                let scale: f64 = w.iter().zip(&act).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>() + 1e-6;
+                let got = d0[p * hrows + r] as f64;
+                assert!(got.is_finite() && (got - want).abs() <= 1e-5 * scale, "grouped down pair {p} row {r}: got {got} want {want}");
+                worst = worst.max((got - want).abs() / scale);
+            }
+        }
+        eprintln!("streamed grouped kernels, {nt} tokens x top-{k} of {e} ({h} -> {ff} -> {hrows}): bit-identical to grpf (all stages and 2); down rows vs f64 max rel {worst:.2e}");
+    }
+}
+
+/// The combining down (one token's k experts weighted and added to the residual in the block)
+/// against f64 for every output row, deterministic from run to run, nothing written past the
+/// rows: 3 tokens x top-5 of 7 (43 rows: a partial stage; 3040 rows) and M2.7's batch-1 shape
+/// (top-8 of 16, 1536 -> 3072).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn streamed_combine_down_matches_f64() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0103);
+    let ff = 1536usize;
+    for &(e, k, nt, rows) in &[(7usize, 5usize, 3usize, 43usize), (7, 5, 3, 3040), (16, 8, 1, 3072)] {
+        let ids: Vec<i32> = (0..nt).flat_map(|_| routed(&mut rng, 1, k, e)).collect();
+        let wts = rng.vec(nt * k, 0.5);
+        let act = rng.vec(nt * k * ff, 2.0);
+        let (aqh, adh) = q8_host(&act);
+        let av = q8_deq(&aqh, &adh);
+        let (ib, wb, aq, ad) = (g.upload(&ids).unwrap(), g.upload(&wts).unwrap(), g.upload(&aqh).unwrap(), g.upload(&adh).unwrap());
+        let down = random_rows(&mut rng, TY, e * rows, ff);
+        let (_db, dm) = upload_mat(&g, TY, &down, rows, ff, e);
+        assert!(g.down_stream_stages(&dm, DownForm::Combine, k).unwrap() >= 2, "top-{k}, {ff} -> {rows}: the combining down must fit");
+        let hid0 = rng.vec(nt * (rows + 1), 1.0);
+        let run = |dm: &DevMat| {
+            let hb = g.upload(&hid0).unwrap();
+            g.moe_down_stream(dm, DownForm::Combine, 0, g.ptr(&ib), g.ptr(&wb), 0, k, nt, g.ptr(&aq), g.ptr(&ad), 0, g.ptr(&hb), rows + 1).unwrap();
+            g.sync().unwrap();
+            g.download(&hb).unwrap()
+        };
+        let got = run(&dm);
+        let mut worst = 0f64;
+        for t in 0..nt {
+            assert_eq!(got[t * (rows + 1) + rows].to_bits(), hid0[t * (rows + 1) + rows].to_bits(), "token {t}: wrote past the rows");
+            for r in 0..rows {
+                let (mut want, mut scale) = (hid0[t * (rows + 1) + r] as f64, 1e-6f64);
+                for j in 0..k {
+                    let p = t * k + j;
+                    let a = &av[p * ff..(p + 1) * ff];
+                    want += wts[p] as f64 * row_dot(&down, ids[p] as usize, rows, r, ff, a);
+                    let rb = quant::row_bytes(TY, ff).unwrap();
+                    let o = (ids[p] as usize * rows + r) * rb;
+                    let w = quant::dequantize_to_vec(TY, &down[o..o + rb], ff).unwrap();
+                    scale += (wts[p] as f64).abs() * w.iter().zip(a).map(|(x, y)| (*x as f64 * *y as f64).abs()).sum::<f64>();
+                }
+                let gv = got[t * (rows + 1) + r] as f64;
+                assert!(gv.is_finite() && (gv - want).abs() <= 1e-5 * scale + 1e-6, "top-{k} token {t} row {r}: got {gv} want {want}");
+                worst = worst.max((gv - want).abs() / scale);
+            }
+        }
+        for cap in [None, Some(2)] {
+            set_stream_stage_cap(cap);
+            for rep in 0..2 {
+                assert_eq!(bits(&run(&dm)), bits(&got), "top-{k} {rows} rows, stage cap {cap:?}: not deterministic (rep {rep})");
+            }
+        }
+        set_stream_stage_cap(None);
+        eprintln!("streamed combining down {nt} tokens x top-{k} of {e}, {ff} -> {rows}: every row within {worst:.2e} of f64 (relative to the sum of |terms|), deterministic");
+    }
+}
+
+/// What the streamed kernels do not take is refused with an error naming the kernel (never a
+/// wrong result): inputs of more than 96 units a lane round, top-k above 8 for the combining
+/// down, a grouped down without groups.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn streamed_kernels_refuse_shapes_they_do_not_fit() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g: Gpu = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0104);
+    let wide = random_rows(&mut rng, TY, 2 * 64, 3584);
+    let (_w, wm) = upload_mat(&g, TY, &wide, 64, 3584, 2);
+    assert_eq!(g.gate_up_stream_stages(&wm, &wm).unwrap(), 0);
+    let e = g.moe_gate_up_stream(&wm, &wm, None, 0, 0, 1, 1, 0, 0, 0, 0, 64).unwrap_err();
+    assert!(e.to_string().contains("moe_gate_up_stream"), "{e}");
+    let dn = random_rows(&mut rng, TY, 2 * 64, 1536);
+    let (_d, dm) = upload_mat(&g, TY, &dn, 64, 1536, 2);
+    assert_eq!(g.down_stream_stages(&dm, DownForm::Combine, 9).unwrap(), 0);
+    assert!(g.moe_down_stream(&dm, DownForm::Combine, 0, 0, 0, 0, 9, 1, 0, 0, 0, 0, 64).is_err());
+    assert!(g.moe_down_stream(&dm, DownForm::Grouped, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 64).is_err());
+    let wide_dn = random_rows(&mut rng, TY, 2 * 64, 2048);
+    let (_x, xm) = upload_mat(&g, TY, &wide_dn, 64, 2048, 2);
+    assert_eq!(g.down_stream_stages(&xm, DownForm::Grouped, 0).unwrap(), 0, "rows of 64 units: two rows exceed one lane round");
+}
