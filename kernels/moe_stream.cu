@@ -1,32 +1,40 @@
-// Streamed IQ4_XS expert kernels (host: fast::moe_stream, MINIMAX_MOE_STREAM). Appended to
-// fast.cu in the "fast" module: they reuse its IQ4 decode, q8 and PDL helpers.
+// Streamed IQ4_XS expert kernels for one pair per slot (host: cuda::moe_stream,
+// MINIMAX_MOE_STREAM): the batch-1 decode step's gate/up and down. Appended to fast.cu in the
+// "fast" module: they reuse its IQ4 decode, q8 and PDL helpers.
 //
-// Why: the register-direct expert kernels (moe_gate_up_psx, moe_down_rx4, the grouped
-// moe_*_grpf) hold their weight loads in registers, so an SM has at most ~1-3 rows per warp in
-// flight and waits on DRAM between them (~2 TB/s of the H200's 4.3). Here one producer warp per
-// block streams the block's weight rows into a ring of shared-memory stages with bulk
-// asynchronous copies (cp.async.bulk, completion counted by an mbarrier: one instruction per
-// contiguous range, no registers held), up to BK_MAXST stages (~200 KB an SM on Hopper) ahead of
-// the 16 consumer warps, which decode from shared memory exactly as the register kernels do
-// from registers: same units per lane, same integer sums, same f32 expressions in the same
-// order, so the outputs are bit-identical to psx / grpf (gate/up) and grpf (grouped down). The
-// combine form of the down (one token's k experts summed in the block) is deterministic but
-// sums in another order than rx4.
+// Why: the register-direct kernels (moe_gate_up_psx, moe_down_rx4) hold their weight loads in
+// registers and reach ~1.9 / ~1.4 TB/s of the H200's 4.3. Here one producer warp per block
+// streams the block's weight rows into a ring of shared-memory stages with bulk asynchronous
+// copies (cp.async.bulk, completion counted on an mbarrier: one instruction per contiguous
+// range, no registers held). Measured alone (the "probe" kernels, no arithmetic) the ring
+// delivers 3.4 TB/s at the batch-1 gate/up's 40 MB and 4.1 TB/s at larger steps. 16 consumer
+// warps decode from shared memory exactly as the register kernels do from registers (same units
+// per lane, same integer sums, same f32 expressions in the same order: the gate/up is
+// bit-identical to psx), several rows a warp per stage so that their reductions overlap; an
+// epilogue warp does each task's last step (gate/up: SiLU and q8 of 32 rows; down: the k
+// experts' weighted sum into the residual, in a fixed order, not rx4's) from sums the
+// consumers hand over through a few buffers, so the consumers never wait for each other.
 //
-// Block: BK_CW consumer warps + 1 producer warp; grid = one block per SM (the host caps it by
-// the task count), each block takes a contiguous range of the step's tasks (tasks ->
-// stages in the same order on both sides). Stage ring: full[i] (producer's expect_tx + the
-// copies' bytes) and empty[i] (one arrival per consumer warp) mbarriers, phase parity by round.
-// Rows must be whole 16-byte multiples (host: fast_mat) and at most 96 units a lane round (3
-// units per lane): gate/up inputs of <= 3072 columns, down rows of <= 1536.
+// Block: BK_CW consumer warps, the producer warp, the epilogue warp; grid = one block per SM
+// (fewer with fewer tasks), each block a contiguous range of the step's tasks, walked in the
+// same order by all three roles. Ring: full[i] (the producer's expect_tx + the copies' bytes)
+// and empty[i] (one arrival per consumer warp) mbarriers; hand-over buffers: afull[a] (one
+// arrival per consumer warp) and aempty[a] (the epilogue warp); phase parity by round. Rows are
+// whole 16-byte multiples (host: fast_mat) of at most 96 units per lane round (3 per lane):
+// gate/up inputs of <= 3072 columns, down rows of <= 1536 columns, top-k <= 8.
+//
+// Tried first and dropped (see docs/CUDA.md): the same ring with one row per consumer warp per
+// stage, a consumer barrier per task with warp 0 doing the epilogue, and the grouped
+// (several pairs per slot) forms with activations read from global memory: 24 us against psx's
+// 21 per M2.7 gate/up, and 10x slower than grpf grouped.
 
 #define BK_CW 16                    // consumer warps
-#define BK_THREADS (32 * (BK_CW + 1))
+#define BK_PW BK_CW                 // the producer warp
+#define BK_EW (BK_CW + 1)           // the epilogue warp
+#define BK_THREADS (32 * (BK_CW + 2))
 #define BK_MAXST 8                  // most ring stages
-#define BK_GU_SR 8                  // gate rows (and up rows) per gate/up stage: 4 stages a task
-#define BK_DG_SR 32                 // rows per grouped-down stage (= task)
-#define BK_DC_SR 4                  // output rows per combine-down stage (= task), x k experts
-#define BK_HDR 17408                // barriers + the gate/up sums (2 x 2 x 32 x GG_MAXC floats), 128-aligned
+#define BK_NAB 4                    // hand-over buffers (tasks between consumers and epilogue)
+#define BK_HDR 2048                 // barriers (256 bytes), then the hand-over buffers
 
 // The PTX below exists from sm_90 on; below it the kernels compile to nothing useful and the
 // host never launches them (fast::moe_stream_fits checks the arch).
@@ -83,33 +91,10 @@ __device__ __forceinline__ void bk_copy(void* dst, const void* src, u32 bytes, u
                  : "memory");
 #endif
 }
-// The consumer warps only (named barrier 1).
-__device__ __forceinline__ void bk_consumers_sync() { asm volatile("bar.sync 1, %0;" ::"n"(32 * BK_CW) : "memory"); }
-
 // The block's task range [t0, t1) of `total`.
 __device__ __forceinline__ void bk_range(int total, int& t0, int& t1) {
     t0 = (int)((i64)total * blockIdx.x / gridDim.x);
     t1 = (int)((i64)total * (blockIdx.x + 1) / gridDim.x);
-}
-
-// Slot s of the step: grouped (grp, moe_group's layout: expert, pair count, pair list) or, with
-// grp null, one pair per slot (slot s = pair s, expert ids[s]).
-struct BkSlot {
-    int e, c;
-    const int* pairs;  // null: the slot's only pair is s
-};
-__device__ __forceinline__ BkSlot bk_slot(const int* grp, const int* ids, int E, int s, bool cg) {
-    BkSlot r;
-    if (grp) {
-        r.e = cg ? __ldcg(grp + 1 + s) : grp[1 + s];
-        r.c = min(cg ? __ldcg(grp + 1 + 2 * E + s) : grp[1 + 2 * E + s], GG_MAXC);
-        r.pairs = grp + 1 + 3 * E + (cg ? __ldcg(grp + 1 + E + s) : grp[1 + E + s]);
-    } else {
-        r.e = cg ? __ldcg(ids + s) : ids[s];
-        r.c = 1;
-        r.pairs = nullptr;
-    }
-    return r;
 }
 
 // Shared-memory unit loads: header (d, scales) and the 16 code bytes of unit un of a row.
@@ -121,206 +106,197 @@ __device__ __forceinline__ void bk_unit(const u8* row, int un, uint2& h, uint2& 
 }
 
 // ------------------------------------------------------------------ gate/up ------------
-// Task = (slot, 32-row group rg) of the gate and up matrices of the slot's expert: 4 stages of
-// BK_GU_SR gate rows then BK_GU_SR up rows. Consumer warp w takes stage row w (w < 8: gate row
-// w, else up row w - 8): its 3 units per lane dotted with each pair's q8 input, one sum per
-// (row, pair) into sg / su; after the task's 4 stages (consumer barrier) act = silu(g) * u -> q8
-// as moe_gate_up_psx / grpf. Sums of a pair: one pair (c = 1) decodes and dots in one pass with
-// the token's activations interleaved once in registers (psx's arithmetic); several pairs decode
-// the units once, then dot per pair (grpf's). Both give the same bits.
-// grid (min(SMs, tasks)), block BK_THREADS, dynamic shared memory BK_HDR + nst x 2 BK_GU_SR rb.
-extern "C" __global__ void __launch_bounds__(BK_THREADS, 1)
-    moe_gate_up_blk_iq4_xs(const u8* G, const u8* U, i64 rb, i64 es, const int* grp, const int* ids, int E, int k,
-                           int npairs, int grows, int nst, const i8* xq, const float* xd, int ncol, i8* aq, float* ad,
-                           int ld) {
+// Task = (pair p, 32-row group rg) of the gate and up matrices of expert ids[p]; a stage holds
+// SR gate rows then SR up rows (32 / SR stages a task); consumer warp w takes stage rows w + 16 j
+// (j < SR / 8; rows below SR are gate rows), each row its 3 units per lane dotted with the
+// pair's token's q8 input (interleaved once in registers, iq4_unit_il: psx's arithmetic), the
+// SR / 8 warp sums reduced together, one sum per row into the task's hand-over buffer; the
+// epilogue warp computes act = silu(g) * u of the 32 rows -> q8 (aq [p][ld], ad [p][ld / 32]).
+// PROBE (the "blkp" kernels, timing only): the consumers skip the arithmetic.
+// grid (min(SMs, tasks)), block BK_THREADS, dynamic shared memory BK_HDR + nst x 2 SR rb.
+template <int SR, bool PROBE>
+__device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k, int npairs,
+                                            int grows, int nst, const i8* xq, const float* xd, int ncol, i8* aq,
+                                            float* ad, int ld) {
+    static_assert(SR == 8 || SR == 16 || SR == 32, "stage rows");
+    constexpr int RPW = SR / 8;  // rows per consumer warp and stage
     extern __shared__ __align__(128) u8 bk_sm[];
     u64* full = (u64*)bk_sm;
     u64* empty = full + BK_MAXST;
-    float* sg = (float*)(bk_sm + 256);                 // [2][32][GG_MAXC]
-    float* su = sg + 2 * 32 * GG_MAXC;                 // [2][32][GG_MAXC]
+    u64* afull = empty + BK_MAXST;
+    u64* aempty = afull + BK_NAB;
+    float* sg = (float*)(bk_sm + 256);  // [BK_NAB][32]
+    float* su = sg + BK_NAB * 32;       // [BK_NAB][32]
     u8* ring = bk_sm + BK_HDR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const u32 sb_bytes = (u32)(2 * BK_GU_SR * rb);
+    const i64 sb_bytes = 2 * SR * rb;
     if (threadIdx.x == 0) {
         for (int i = 0; i < nst; i++) {
             bk_mb_init(&full[i], 1);
             bk_mb_init(&empty[i], BK_CW);
         }
+        for (int a = 0; a < BK_NAB; a++) {
+            bk_mb_init(&afull[a], BK_CW);
+            bk_mb_init(&aempty[a], 1);
+        }
         bk_mb_fence_init();
     }
     __syncthreads();
-    pdl_wait();  // the slots (router / moe_group) and the input (norm_q8) come from this step
+    pdl_wait();  // ids come from the router, the input from norm_q8 of this step
+    pdl_trigger();
     const int nrg = grows >> 5;
-    const int nslots = grp ? grp[0] : npairs;
     int t0, t1;
-    bk_range(nslots * nrg, t0, t1);
-    if (warp == BK_CW) {
-        // Producer: lane 0 walks the same stages as the consumers.
+    bk_range(npairs * nrg, t0, t1);
+    if (warp == BK_PW) {
         if (lane == 0) {
             int n = 0;
             for (int task = t0; task < t1; task++) {
-                BkSlot sl = bk_slot(grp, ids, E, task / nrg, false);
-                i64 off = (i64)sl.e * es + (i64)((task % nrg) * 32) * rb;
-                for (int s = 0; s < 32 / BK_GU_SR; s++, n++) {
+                i64 off = (i64)ids[task / nrg] * es + (i64)((task % nrg) * 32) * rb;
+                for (int s = 0; s < 32 / SR; s++, n++) {
                     int b = n % nst;
                     bk_mb_wait(&empty[b], ((n / nst) & 1) ^ 1);
-                    u8* dst = ring + (i64)b * sb_bytes;
-                    i64 o = off + (i64)(s * BK_GU_SR) * rb;
-                    bk_mb_expect(&full[b], sb_bytes);
-                    bk_copy(dst, G + o, sb_bytes / 2, &full[b]);
-                    bk_copy(dst + sb_bytes / 2, U + o, sb_bytes / 2, &full[b]);
+                    u8* dst = ring + b * sb_bytes;
+                    i64 o = off + (i64)(s * SR) * rb;
+                    bk_mb_expect(&full[b], (u32)sb_bytes);
+                    bk_copy(dst, G + o, (u32)(SR * rb), &full[b]);
+                    bk_copy(dst + SR * rb, U + o, (u32)(SR * rb), &full[b]);
                 }
             }
         }
         return;
     }
-    pdl_trigger();
-    const int nu = ncol >> 5;
-    u32 tb0, tb2;
-    iq4_pin((u32)(rb >> 62) & threadIdx.x, tb0, tb2);
-    int4 xa[GR_XU], xb[GR_XU];
-    float xs[GR_XU];
-    int t_x = -1, cur = -1, pl = 0, c = 0;
-    int n = 0, buf = 0;
-    const bool is_up = warp >= BK_GU_SR;
-    for (int task = t0; task < t1; task++) {
-        const int slot = task / nrg, rg = task % nrg;
-        if (slot != cur) {
-            BkSlot sl = bk_slot(grp, ids, E, slot, false);
-            c = sl.c;
-            pl = sl.pairs ? (lane < c ? sl.pairs[lane] : 0) : slot;
-            cur = slot;
-        }
-        float* acc = (is_up ? su : sg) + buf * 32 * GG_MAXC;
-        for (int s = 0; s < 32 / BK_GU_SR; s++, n++) {
-            const int b = n % nst;
-            bk_mb_wait(&full[b], (n / nst) & 1);
-            const u8* row = ring + (i64)b * sb_bytes + (i64)warp * rb;
-            const int rl = s * BK_GU_SR + (warp & (BK_GU_SR - 1));
-            if (c == 1) {
-                const int tok = __shfl_sync(0xffffffffu, pl, 0) / k;
-                if (tok != t_x) {
-                    gr_x_load(xq, xd, tok, ncol, lane, nu, xa, xb, xs);
-#pragma unroll
-                    for (int j = 0; j < GR_XU; j++) iq4_x_il(xa[j], xb[j]);
-                    t_x = tok;
-                }
-                float a = 0.f;
-#pragma unroll
-                for (int j = 0; j < GR_XU; j++) {
-                    int un = lane + 32 * j;
-                    if (un < nu) {
-                        uint2 h, qa, qb;
-                        bk_unit(row, un, h, qa, qb);
-                        a += xs[j] * iq4_unit_il(h, qa, qb, un & 7, xa[j], xb[j]);
-                    }
-                }
-                a = warp_sum(a);
-                if (lane == 0) acc[rl * GG_MAXC] = a;
-            } else {
-                u32 lo[GR_XU][4], hi[GR_XU][4];
-                float sc[GR_XU];
-#pragma unroll
-                for (int j = 0; j < GR_XU; j++) {
-                    int un = lane + 32 * j;
-                    if (un < nu) {
-                        uint2 h, qa, qb;
-                        bk_unit(row, un, h, qa, qb);
-                        sc[j] = iq4_decode_t<true>(h, qa, qb, un & 7, lo[j], hi[j], tb0, tb2);
-                    }
-                }
-                for (int ci = 0; ci < c; ci++) {
-                    const i64 xr = (i64)(__shfl_sync(0xffffffffu, pl, ci) / k) * ncol;
-                    float a = 0.f;
-#pragma unroll
-                    for (int j = 0; j < GR_XU; j++) {
-                        int un = lane + 32 * j;
-                        if (un < nu) {
-                            const int4* xp = (const int4*)(xq + xr + un * 32);
-                            int4 va = xp[0], vb = xp[1];
-                            a += xd[xr / 32 + un] * (sc[j] * (float)iq4_dot(lo[j], hi[j], va, vb));
-                        }
-                    }
-                    a = warp_sum(a);
-                    if (lane == 0) acc[rl * GG_MAXC + ci] = a;
-                }
-            }
-            __syncwarp();
-            if (lane == 0) bk_mb_arrive(&empty[b]);
-        }
-        bk_consumers_sync();
-        const float* g = sg + buf * 32 * GG_MAXC;
-        const float* u = su + buf * 32 * GG_MAXC;
-        for (int ci = warp; ci < c; ci += BK_CW) {
-            const int p = __shfl_sync(0xffffffffu, pl, ci);
-            float v = silu_times(g[lane * GG_MAXC + ci], u[lane * GG_MAXC + ci]);
+    if (warp == BK_EW) {
+        for (int task = t0, it = 0; task < t1; task++, it++) {
+            const int a = it % BK_NAB;
+            bk_mb_wait(&afull[a], (it / BK_NAB) & 1);
+            const int p = task / nrg, rg = task % nrg;
+            float v = silu_times(sg[a * 32 + lane], su[a * 32 + lane]);
             int q = q8_lane(v, ad + (i64)p * (ld / 32) + rg);
             aq[(i64)p * ld + rg * 32 + lane] = (i8)q;
+            __syncwarp();
+            if (lane == 0) bk_mb_arrive(&aempty[a]);
         }
-        buf ^= 1;
+        return;
+    }
+    const int nu = ncol >> 5;
+    int4 xa[GR_XU], xb[GR_XU];
+    float xs[GR_XU];
+    int t_x = -1, n = 0;
+    for (int task = t0, it = 0; task < t1; task++, it++) {
+        const int tok = (task / nrg) / k;
+        if (tok != t_x) {
+            gr_x_load(xq, xd, tok, ncol, lane, nu, xa, xb, xs);
+#pragma unroll
+            for (int j = 0; j < GR_XU; j++) iq4_x_il(xa[j], xb[j]);
+            t_x = tok;
+        }
+        const int a = it % BK_NAB;
+        bk_mb_wait(&aempty[a], ((it / BK_NAB) & 1) ^ 1);  // the epilogue is done with buffer a
+        for (int s = 0; s < 32 / SR; s++, n++) {
+            const int b = n % nst;
+            bk_mb_wait(&full[b], (n / nst) & 1);
+            const u8* st = ring + b * sb_bytes;
+            float acc[RPW];
+#pragma unroll
+            for (int j = 0; j < RPW; j++) {
+                const u8* row = st + (i64)(warp + 16 * j) * rb;
+                acc[j] = 0.f;
+                if (PROBE) {
+                    acc[j] = (float)row[lane];
+                } else {
+#pragma unroll
+                    for (int u = 0; u < GR_XU; u++) {
+                        int un = lane + 32 * u;
+                        if (un < nu) {
+                            uint2 h, qa, qb;
+                            bk_unit(row, un, h, qa, qb);
+                            acc[j] += xs[u] * iq4_unit_il(h, qa, qb, un & 7, xa[u], xb[u]);
+                        }
+                    }
+                }
+            }
+#pragma unroll
+            for (int j = 0; j < RPW; j++) acc[j] = warp_sum(acc[j]);
+            __syncwarp();
+            if (lane == 0) {
+                bk_mb_arrive(&empty[b]);
+#pragma unroll
+                for (int j = 0; j < RPW; j++) {
+                    const int q = warp + 16 * j;  // stage row: gate rows [0, SR), up rows [SR, 2 SR)
+                    (q < SR ? sg : su)[a * 32 + s * SR + (q % SR)] = acc[j];
+                }
+            }
+        }
+        __syncwarp();
+        if (lane == 0) bk_mb_arrive(&afull[a]);
     }
 }
+#define BK_GU_ARGS                                                                                               \
+    const u8 *G, const u8 *U, i64 rb, i64 es, const int *ids, int k, int npairs, int grows, int nst, const i8 *xq, \
+        const float *xd, int ncol, i8 *aq, float *ad, int ld
+#define BK_GU_INST(sr)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_blk##sr##_iq4_xs(BK_GU_ARGS) {        \
+        gate_up_blk<sr, false>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);                \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_blkp##sr##_iq4_xs(BK_GU_ARGS) {       \
+        gate_up_blk<sr, true>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);                 \
+    }
+BK_GU_INST(8)
+BK_GU_INST(16)
+BK_GU_INST(32)
 
 // -------------------------------------------------------------------- down -------------
-// Two forms, one kernel:
-// * grouped (grp given): task = (slot, BK_DG_SR-row group) of the slot's expert, one stage;
-//   consumer warp w takes stage rows 2w and 2w + 1 as one list of 2 x ff / 32 units (3 per lane,
-//   grpf's layout), decodes them once and writes dpart[p][r] = row r . act[p] for every pair p of
-//   the slot (unweighted; moe_combine_grp adds them), bit-identical to moe_down_grpf.
-// * combine (grp null): task = (token t, BK_DC_SR output rows), one stage holding those rows of
-//   each of the token's k experts (k copies); warp w takes expert j = w / 2, rows 2 (w % 2) and
-//   2 (w % 2) + 1 (k <= 8); then hidden[t][r] += sum_j wts[t k + j] * (row r of expert j .
-//   act[t k + j]) in j order.
-// The producer reads the slots / ids before the PDL wait and starts the ring at once: they were
-// written by kernels that completed before the previous kernel (a gate/up kernel, which waits
-// before it triggers) let this one start (moe_down_rx4's argument); it reads them through L2.
-// The consumers wait before reading the activations.
-// grid (min(SMs, tasks)), block BK_THREADS, dynamic shared memory BK_HDR + nst x stage bytes
-// (grouped: BK_DG_SR rb; combine: BK_DC_SR k rb).
-extern "C" __global__ void __launch_bounds__(BK_THREADS, 1)
-    moe_down_blk_iq4_xs(const u8* W, i64 rb, i64 es, int rows, const int* grp, const int* ids, const float* wts, int E,
-                        int k, int nt, int nst, const i8* aq, const float* ad, int ff, float* dpart, float* hidden,
-                        i64 hs) {
+// Combining down: task = (token t, RS output rows); its one stage holds those rows of each of
+// the token's k experts (k copies). Consumer warp w takes expert j = w / 2 (k <= 8) and rows
+// (w % 2) RS / 2 .. + RS / 2 of it, as RS / 4 row pairs, each pair one list of 2 ff / 32 units
+// (3 per lane, grpf's layout) dotted with act[t k + j] (the lane's activation units are the same
+// for every pair: loaded once per task); sums into the hand-over buffer d[row][j]; the epilogue
+// warp adds hidden[t][r] += sum_j wts[t k + j] d[r][j] (j in order). The producer reads ids
+// before the PDL wait and starts the ring at once: they were written by the router, which
+// completed before the previous kernel (a gate/up kernel: it waits before it triggers) let this
+// one start (moe_down_rx4's argument); it reads them through L2. The consumers and the epilogue
+// wait before reading the activations and routing weights.
+// grid (min(SMs, tasks)), block BK_THREADS, dynamic shared memory BK_HDR + nst x RS k rb.
+template <int RS, bool PROBE>
+__device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, const int* ids, const float* wts, int k,
+                                         int nt, int nst, const i8* aq, const float* ad, int ff, float* hidden, i64 hs) {
+    static_assert(RS == 4 || RS == 8, "stage rows");
+    constexpr int NPR = RS / 4;  // row pairs per consumer warp
     extern __shared__ __align__(128) u8 bk_sm[];
     u64* full = (u64*)bk_sm;
     u64* empty = full + BK_MAXST;
-    float* sd = (float*)(bk_sm + 256);  // combine: [2][BK_DC_SR][8]
+    u64* afull = empty + BK_MAXST;
+    u64* aempty = afull + BK_NAB;
+    float* dsum = (float*)(bk_sm + 256);  // [BK_NAB][RS][8]
     u8* ring = bk_sm + BK_HDR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const bool grouped = grp != nullptr;
-    const int sr = grouped ? BK_DG_SR : BK_DC_SR;
-    const i64 sb_bytes = grouped ? (i64)BK_DG_SR * rb : (i64)BK_DC_SR * k * rb;
+    const i64 sb_bytes = (i64)RS * k * rb;
     if (threadIdx.x == 0) {
         for (int i = 0; i < nst; i++) {
             bk_mb_init(&full[i], 1);
             bk_mb_init(&empty[i], BK_CW);
         }
+        for (int a = 0; a < BK_NAB; a++) {
+            bk_mb_init(&afull[a], BK_CW);
+            bk_mb_init(&aempty[a], 1);
+        }
         bk_mb_fence_init();
     }
     __syncthreads();
-    const int nrg = (rows + sr - 1) / sr;
-    const int nslots = grouped ? __ldcg(grp) : nt;
+    const int nrg = (rows + RS - 1) / RS;
     int t0, t1;
-    bk_range(nslots * nrg, t0, t1);
-    if (warp == BK_CW) {
+    bk_range(nt * nrg, t0, t1);
+    if (warp == BK_PW) {
         if (lane == 0) {
-            int n = 0;
-            for (int task = t0; task < t1; task++, n++) {
-                const int r0 = (task % nrg) * sr, nr = min(sr, rows - r0);
+            for (int task = t0, n = 0; task < t1; task++, n++) {
+                const int t = task / nrg, r0 = (task % nrg) * RS, nr = min(RS, rows - r0);
                 const int b = n % nst;
                 bk_mb_wait(&empty[b], ((n / nst) & 1) ^ 1);
-                u8* dst = ring + (i64)b * sb_bytes;
-                if (grouped) {
-                    BkSlot sl = bk_slot(grp, ids, E, task / nrg, true);
-                    bk_mb_expect(&full[b], (u32)(nr * rb));
-                    bk_copy(dst, W + (i64)sl.e * es + (i64)r0 * rb, (u32)(nr * rb), &full[b]);
-                } else {
-                    const int t = task / nrg;
-                    bk_mb_expect(&full[b], (u32)(k * nr * rb));
-                    for (int j = 0; j < k; j++) {
-                        int e = __ldcg(ids + t * k + j);
-                        bk_copy(dst + (i64)j * BK_DC_SR * rb, W + (i64)e * es + (i64)r0 * rb, (u32)(nr * rb), &full[b]);
-                    }
+                u8* dst = ring + b * sb_bytes;
+                bk_mb_expect(&full[b], (u32)(k * nr * rb));
+                for (int j = 0; j < k; j++) {
+                    const int e = __ldcg(ids + t * k + j);
+                    bk_copy(dst + (i64)j * RS * rb, W + (i64)e * es + (i64)r0 * rb, (u32)(nr * rb), &full[b]);
                 }
             }
         }
@@ -328,90 +304,108 @@ extern "C" __global__ void __launch_bounds__(BK_THREADS, 1)
     }
     pdl_wait();
     pdl_trigger();
+    if (warp == BK_EW) {
+        for (int task = t0, it = 0; task < t1; task++, it++) {
+            const int a = it % BK_NAB;
+            bk_mb_wait(&afull[a], (it / BK_NAB) & 1);
+            const int t = task / nrg, r0 = (task % nrg) * RS, nr = min(RS, rows - r0);
+            if (lane < nr) {
+                float sum = 0.f;
+                for (int j = 0; j < k; j++) sum += wts[t * k + j] * dsum[(a * RS + lane) * 8 + j];
+                hidden[(i64)t * hs + r0 + lane] += sum;
+            }
+            __syncwarp();
+            if (lane == 0) bk_mb_arrive(&aempty[a]);
+        }
+        return;
+    }
     const int upe = ff >> 5, nu = 2 * upe;
     u32 tb0, tb2;
     iq4_pin((u32)(rb >> 62) & threadIdx.x, tb0, tb2);
-    int cur = -1, pl = 0, c = 0;
-    int n = 0, buf = 0;
-    // The warp's two rows inside a stage: grouped 2w, 2w + 1; combine 2 (w % 2) (+1) of expert w / 2.
-    const int j_ex = warp >> 1;
-    const int wr0 = grouped ? 2 * warp : 2 * (warp & 1);
-    for (int task = t0; task < t1; task++, n++) {
-        const int r0 = (task % nrg) * sr, nr = min(sr, rows - r0);
-        const int b = n % nst;
-        if (grouped) {
-            const int slot = task / nrg;
-            if (slot != cur) {
-                BkSlot sl = bk_slot(grp, ids, E, slot, false);
-                c = sl.c;
-                pl = lane < c ? sl.pairs[lane] : 0;
-                cur = slot;
-            }
-        } else {
-            c = j_ex < k ? 1 : 0;
-            pl = (task / nrg) * k + j_ex;
-        }
-        bk_mb_wait(&full[b], (n / nst) & 1);
-        const u8* st = ring + (i64)b * sb_bytes + (grouped ? 0 : (i64)j_ex * BK_DC_SR * rb);
-        float r_s0 = 0.f, r_s1 = 0.f;  // combine: this warp's two row sums
-        if (c > 0 && wr0 < nr) {
-            u32 lo[DG_U][4], hi[DG_U][4];
-            float sc[DG_U];
-            int uu[DG_U], rr[DG_U];
-            bool ok[DG_U];
+    const int j_ex = warp >> 1, half = warp & 1;
+    // The lane's units of a row pair (the same for every pair): row rr[i] of the pair, unit uu[i].
+    int uu[DG_U], rr[DG_U];
+#pragma unroll
+    for (int i = 0; i < DG_U; i++) {
+        int un = lane + 32 * i;
+        rr[i] = un >= upe;
+        uu[i] = un - rr[i] * upe;
+    }
+    int4 xa[DG_U], xb[DG_U];
+    float xs[DG_U];
+    int p_x = -1;
+    for (int task = t0, it = 0; task < t1; task++, it++) {
+        const int t = task / nrg, r0 = (task % nrg) * RS, nr = min(RS, rows - r0);
+        const int b = it % nst, a = it % BK_NAB;
+        const bool active = j_ex < k;
+        const int p = t * k + j_ex;
+        if (active && p != p_x) {
 #pragma unroll
             for (int i = 0; i < DG_U; i++) {
-                int un = lane + 32 * i;
-                rr[i] = un >= upe;
-                uu[i] = un - rr[i] * upe;
-                ok[i] = un < nu && wr0 + rr[i] < nr;
-                if (ok[i]) {
-                    uint2 h, qa, qb;
-                    bk_unit(st + (i64)(wr0 + rr[i]) * rb, uu[i], h, qa, qb);
-                    sc[i] = iq4_decode_t<true>(h, qa, qb, uu[i] & 7, lo[i], hi[i], tb0, tb2);
+                xs[i] = 0.f;
+                if (lane + 32 * i < nu) {
+                    const int4* xp = (const int4*)(aq + (i64)p * ff + uu[i] * 32);
+                    xa[i] = xp[0];
+                    xb[i] = xp[1];
+                    xs[i] = ad[(i64)p * upe + uu[i]];
                 }
             }
-            for (int ci = 0; ci < c; ci++) {
-                const i64 p = __shfl_sync(0xffffffffu, pl, ci);
-                float s0 = 0.f, s1 = 0.f;
+            p_x = p;
+        }
+        bk_mb_wait(&aempty[a], ((it / BK_NAB) & 1) ^ 1);
+        bk_mb_wait(&full[b], (it / nst) & 1);
+        float s[NPR][2];
+#pragma unroll
+        for (int q = 0; q < NPR; q++) {
+            const int w0 = half * (RS / 2) + 2 * q;  // the pair's first row in the stage
+            s[q][0] = s[q][1] = 0.f;
+            if (PROBE) {
+                s[q][0] = (float)ring[b * sb_bytes + lane];
+            } else if (active && w0 < nr) {
+                const u8* st = ring + b * sb_bytes + (i64)j_ex * RS * rb;
 #pragma unroll
                 for (int i = 0; i < DG_U; i++) {
-                    if (ok[i]) {
-                        const int4* xp = (const int4*)(aq + p * ff + uu[i] * 32);
-                        float v = ad[p * upe + uu[i]] * (sc[i] * (float)iq4_dot(lo[i], hi[i], xp[0], xp[1]));
-                        if (rr[i]) s1 += v;
-                        else s0 += v;
+                    if (lane + 32 * i < nu && w0 + rr[i] < nr) {
+                        uint2 h, qa, qb;
+                        bk_unit(st + (i64)(w0 + rr[i]) * rb, uu[i], h, qa, qb);
+                        u32 lo[4], hi[4];
+                        float sc = iq4_decode_t<true>(h, qa, qb, uu[i] & 7, lo, hi, tb0, tb2);
+                        float v = xs[i] * (sc * (float)iq4_dot(lo, hi, xa[i], xb[i]));
+                        if (rr[i]) s[q][1] += v;
+                        else s[q][0] += v;
                     }
-                }
-                s0 = warp_sum(s0);
-                s1 = warp_sum(s1);
-                if (grouped) {
-                    if (lane == 0) {
-                        dpart[p * rows + r0 + wr0] = s0;
-                        if (wr0 + 1 < nr) dpart[p * rows + r0 + wr0 + 1] = s1;
-                    }
-                } else {
-                    r_s0 = s0;
-                    r_s1 = s1;
                 }
             }
         }
+#pragma unroll
+        for (int q = 0; q < NPR; q++) {
+            s[q][0] = warp_sum(s[q][0]);
+            s[q][1] = warp_sum(s[q][1]);
+        }
         __syncwarp();
-        if (lane == 0) bk_mb_arrive(&empty[b]);
-        if (!grouped) {
-            float* d = sd + buf * BK_DC_SR * 8;
-            if (lane == 0 && j_ex < k) {
-                d[wr0 * 8 + j_ex] = r_s0;
-                d[(wr0 + 1) * 8 + j_ex] = r_s1;
+        if (lane == 0) {
+            bk_mb_arrive(&empty[b]);
+            if (active) {
+#pragma unroll
+                for (int q = 0; q < NPR; q++) {
+                    const int w0 = half * (RS / 2) + 2 * q;
+                    dsum[(a * RS + w0) * 8 + j_ex] = s[q][0];
+                    dsum[(a * RS + w0 + 1) * 8 + j_ex] = s[q][1];
+                }
             }
-            bk_consumers_sync();
-            if (warp == 0 && lane < nr) {
-                const int t = task / nrg;
-                float sum = 0.f;
-                for (int j = 0; j < k; j++) sum += wts[t * k + j] * d[lane * 8 + j];
-                hidden[(i64)t * hs + r0 + lane] += sum;
-            }
-            buf ^= 1;
+            bk_mb_arrive(&afull[a]);
         }
     }
 }
+#define BK_DN_ARGS                                                                                                \
+    const u8 *W, i64 rb, i64 es, int rows, const int *ids, const float *wts, int k, int nt, int nst, const i8 *aq, \
+        const float *ad, int ff, float *hidden, i64 hs
+#define BK_DN_INST(rs)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_down_blk##rs##_iq4_xs(BK_DN_ARGS) {            \
+        down_blk<rs, false>(W, rb, es, rows, ids, wts, k, nt, nst, aq, ad, ff, hidden, hs);                         \
+    }                                                                                                             \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_down_blkp##rs##_iq4_xs(BK_DN_ARGS) {           \
+        down_blk<rs, true>(W, rb, es, rows, ids, wts, k, nt, nst, aq, ad, ff, hidden, hs);                          \
+    }
+BK_DN_INST(4)
+BK_DN_INST(8)

@@ -1,10 +1,9 @@
 //! The streamed IQ4_XS expert kernels (kernels/moe_stream.cu, rank-worker/src/cuda/moe_stream.rs)
 //! against the register kernels they stand in for and against f64 products of the dequantized
-//! weights: gate/up one pair per slot (bit for bit against `moe_gate_up_psx`) and grouped by
-//! expert (against `moe_gate_up_grpf`), the grouped down (against `moe_down_grpf`), the
-//! combining down (against f64, and deterministic). Every comparison runs with as many ring
-//! stages as fit and with 2 (every ring wraps many times), twice. Outputs are poisoned first.
-//! Needs a GPU: run with `--ignored`.
+//! weights: the gate/up bit for bit against `moe_gate_up_psx`, the down (with the weighted
+//! combine) against f64 and deterministic. Every comparison runs with as many ring stages as
+//! fit and with 2 (every ring wraps many times), twice. Outputs are poisoned first. Needs a
+//! GPU: run with `--ignored`.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -12,8 +11,8 @@ mod common;
 use std::sync::Mutex;
 
 use common::gpu::{Rng, bits, gpu, poisoned, q8_deq, q8_host, random_experts, random_rows, upload_mat};
-use minimax_rank::cuda::fast::{self, GateUpKind, GrpKind};
-use minimax_rank::cuda::moe_stream::{DownForm, set_moe_stream, set_stream_stage_cap};
+use minimax_rank::cuda::fast::{self, GateUpKind};
+use minimax_rank::cuda::moe_stream::set_stream_stage_cap;
 use minimax_rank::cuda::{DevMat, Gpu};
 use minimax_shared::quant::{self, GgmlType};
 
@@ -62,7 +61,7 @@ fn streamed_gate_up_matches_psx() {
         let upw = random_rows(&mut rng, TY, e * ff, h);
         let (_g1, gm) = upload_mat(&g, TY, &gate, ff, h, e);
         let (_g2, um) = upload_mat(&g, TY, &upw, ff, h, e);
-        assert!(g.gate_up_stream_stages(&gm, &um).unwrap() >= 2, "{h} -> {ff}: the streamed gate/up must fit");
+        assert!(g.gate_up_stream_plan(&gm, &um).unwrap().is_some(), "{h} -> {ff}: the streamed gate/up must fit");
         let ids: Vec<i32> = (0..nt).flat_map(|_| routed(&mut rng, 1, k, e)).collect();
         let x = rng.vec(nt * h, 2.0);
         let (hq, hd) = q8_host(&x);
@@ -74,7 +73,7 @@ fn streamed_gate_up_matches_psx() {
             g.fill_u32(g.ptr(&aq), np * ld / 4, 0x7f7f_7f7f).unwrap();
             let ad = poisoned(&g, np * ld / 32);
             if stream {
-                g.moe_gate_up_stream(&gm, &um, None, g.ptr(&ib), 0, k, np, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), ld).unwrap();
+                g.moe_gate_up_stream(&gm, &um, g.ptr(&ib), k, np, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), ld).unwrap();
             } else {
                 g.moe_gate_up_q8_with(GateUpKind::PersistIl, &gm, &um, g.ptr(&ib), k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), np, ld).unwrap();
             }
@@ -109,82 +108,6 @@ fn streamed_gate_up_matches_psx() {
     }
 }
 
-/// Steps grouped by expert: the streamed gate/up and down bit for bit against the default
-/// grouped kernels (`GrpKind::Prefetch`, checked against the CPU in cuda_kernels) and sampled
-/// down rows against f64: 32 tokens x top-3 of 9 at M2.7's widths (expert 0 takes all 32
-/// tokens, the most a slot holds) and 5 tokens x top-2 of 4 with 43 down rows (a partial stage).
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn streamed_grouped_kernels_match_grpf() {
-    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let g = gpu();
-    let mut rng = Rng(0x5eed_0fa5_7000_0102);
-    for &(nt, k, e, h, ff, hrows) in &[(32usize, 3usize, 9usize, 3072usize, 1536usize, 3072usize), (5, 2, 4, 2560, 1024, 43)] {
-        let ex = random_experts(&g, &mut rng, TY, e, ff, h, hrows);
-        let (down, gm, um, dm) = (&ex.down, ex.gm, ex.um, ex.dm);
-        assert!(g.gate_up_stream_stages(&gm, &um).unwrap() >= 2 && g.down_stream_stages(&dm, DownForm::Grouped, 0).unwrap() >= 2, "{h} -> {ff} -> {hrows}: the streamed kernels must fit");
-        let ids = routed(&mut rng, nt, k, e);
-        let np = nt * k;
-        let ib = g.upload(&ids).unwrap();
-        let grp = g.zeros::<i32>(1 + 3 * e + np).unwrap();
-        g.moe_group(g.ptr(&ib), np, e, g.ptr(&grp)).unwrap();
-        let nslots = np.min(e);
-        let x = rng.vec(nt * h, 2.0);
-        let (hq, hd) = q8_host(&x);
-        let (xq, xd) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
-        fast::set_grp_kind(Some(GrpKind::Prefetch));
-        let run_gu = |stream: bool| {
-            let aq = g.zeros::<i8>(np * ff).unwrap();
-            g.fill_u32(g.ptr(&aq), np * ff / 4, 0x7f7f_7f7f).unwrap();
-            let ad = poisoned(&g, np * ff / 32);
-            set_moe_stream(Some(stream));
-            g.moe_gate_up_grp(&gm, &um, g.ptr(&grp), e, nslots, k, g.ptr(&xq), g.ptr(&xd), g.ptr(&aq), g.ptr(&ad), ff).unwrap();
-            set_moe_stream(None);
-            (aq, ad)
-        };
-        let (aq0, ad0) = run_gu(false);
-        let (c0, s0) = (g.download(&aq0).unwrap(), g.download(&ad0).unwrap());
-        assert!(s0.iter().all(|v| v.is_finite()), "grpf gate/up scales");
-        let run_dn = |stream: bool| {
-            let dpart = poisoned(&g, np * hrows);
-            set_moe_stream(Some(stream));
-            g.moe_down_grp(&dm, g.ptr(&grp), e, nslots, g.ptr(&aq0), g.ptr(&ad0), g.ptr(&dpart)).unwrap();
-            set_moe_stream(None);
-            g.download(&dpart).unwrap()
-        };
-        let d0 = run_dn(false);
-        for cap in [None, Some(2)] {
-            set_stream_stage_cap(cap);
-            for rep in 0..2 {
-                let (aq, ad) = run_gu(true);
-                assert!(c0 == g.download(&aq).unwrap() && bits(&s0) == bits(&g.download(&ad).unwrap()), "nt {nt} {h} -> {ff}, stage cap {cap:?}: streamed grouped gate/up differs from grpf (rep {rep})");
-                assert!(bits(&d0) == bits(&run_dn(true)), "nt {nt} {ff} -> {hrows}, stage cap {cap:?}: streamed grouped down differs from grpf (rep {rep})");
-            }
-        }
-        set_stream_stage_cap(None);
-        fast::set_grp_kind(None);
-        let mut worst = 0f64;
-        for p in 0..np {
-            let exn = ids[p] as usize;
-            let act = q8_deq(&c0[p * ff..(p + 1) * ff], &s0[p * ff / 32..(p + 1) * ff / 32]);
-            for r in [0, 1, 31, 32, 33, hrows - 1, rng.below(hrows)] {
-                if r >= hrows {
-                    continue;
-                }
-                let want = row_dot(down, exn, hrows, r, ff, &act);
-                let rb = quant::row_bytes(TY, ff).unwrap();
-                let o = (exn * hrows + r) * rb;
-                let w = quant::dequantize_to_vec(TY, &down[o..o + rb], ff).unwrap();
-                let scale: f64 = w.iter().zip(&act).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>() + 1e-6;
-                let got = d0[p * hrows + r] as f64;
-                assert!(got.is_finite() && (got - want).abs() <= 1e-5 * scale, "grouped down pair {p} row {r}: got {got} want {want}");
-                worst = worst.max((got - want).abs() / scale);
-            }
-        }
-        eprintln!("streamed grouped kernels, {nt} tokens x top-{k} of {e} ({h} -> {ff} -> {hrows}): bit-identical to grpf (all stages and 2); down rows vs f64 max rel {worst:.2e}");
-    }
-}
-
 /// The combining down (one token's k experts weighted and added to the residual in the block)
 /// against f64 for every output row, deterministic from run to run, nothing written past the
 /// rows: 3 tokens x top-5 of 7 (43 rows: a partial stage; 3040 rows) and M2.7's batch-1 shape
@@ -205,11 +128,11 @@ fn streamed_combine_down_matches_f64() {
         let (ib, wb, aq, ad) = (g.upload(&ids).unwrap(), g.upload(&wts).unwrap(), g.upload(&aqh).unwrap(), g.upload(&adh).unwrap());
         let down = random_rows(&mut rng, TY, e * rows, ff);
         let (_db, dm) = upload_mat(&g, TY, &down, rows, ff, e);
-        assert!(g.down_stream_stages(&dm, DownForm::Combine, k).unwrap() >= 2, "top-{k}, {ff} -> {rows}: the combining down must fit");
+        assert!(g.down_stream_plan(&dm, k).unwrap().is_some(), "top-{k}, {ff} -> {rows}: the streamed down must fit");
         let hid0 = rng.vec(nt * (rows + 1), 1.0);
         let run = |dm: &DevMat| {
             let hb = g.upload(&hid0).unwrap();
-            g.moe_down_stream(dm, DownForm::Combine, 0, g.ptr(&ib), g.ptr(&wb), 0, k, nt, g.ptr(&aq), g.ptr(&ad), 0, g.ptr(&hb), rows + 1).unwrap();
+            g.moe_down_stream(dm, g.ptr(&ib), g.ptr(&wb), k, nt, g.ptr(&aq), g.ptr(&ad), g.ptr(&hb), rows + 1).unwrap();
             g.sync().unwrap();
             g.download(&hb).unwrap()
         };
@@ -245,8 +168,8 @@ fn streamed_combine_down_matches_f64() {
 }
 
 /// What the streamed kernels do not take is refused with an error naming the kernel (never a
-/// wrong result): inputs of more than 96 units a lane round, top-k above 8 for the combining
-/// down, a grouped down without groups.
+/// wrong result): inputs of more than 96 units a lane round, top-k above 8, down rows of more
+/// than 48 units.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn streamed_kernels_refuse_shapes_they_do_not_fit() {
@@ -255,15 +178,85 @@ fn streamed_kernels_refuse_shapes_they_do_not_fit() {
     let mut rng = Rng(0x5eed_0fa5_7000_0104);
     let wide = random_rows(&mut rng, TY, 2 * 64, 3584);
     let (_w, wm) = upload_mat(&g, TY, &wide, 64, 3584, 2);
-    assert_eq!(g.gate_up_stream_stages(&wm, &wm).unwrap(), 0);
-    let e = g.moe_gate_up_stream(&wm, &wm, None, 0, 0, 1, 1, 0, 0, 0, 0, 64).unwrap_err();
+    assert!(g.gate_up_stream_plan(&wm, &wm).unwrap().is_none());
+    let e = g.moe_gate_up_stream(&wm, &wm, 0, 1, 1, 0, 0, 0, 0, 64).unwrap_err();
     assert!(e.to_string().contains("moe_gate_up_stream"), "{e}");
     let dn = random_rows(&mut rng, TY, 2 * 64, 1536);
     let (_d, dm) = upload_mat(&g, TY, &dn, 64, 1536, 2);
-    assert_eq!(g.down_stream_stages(&dm, DownForm::Combine, 9).unwrap(), 0);
-    assert!(g.moe_down_stream(&dm, DownForm::Combine, 0, 0, 0, 0, 9, 1, 0, 0, 0, 0, 64).is_err());
-    assert!(g.moe_down_stream(&dm, DownForm::Grouped, 0, 0, 0, 0, 0, 1, 0, 0, 0, 0, 64).is_err());
+    assert!(g.down_stream_plan(&dm, 8).unwrap().is_some());
+    assert!(g.down_stream_plan(&dm, 9).unwrap().is_none());
+    let e = g.moe_down_stream(&dm, 0, 0, 9, 1, 0, 0, 0, 64).unwrap_err();
+    assert!(e.to_string().contains("moe_down_stream"), "{e}");
     let wide_dn = random_rows(&mut rng, TY, 2 * 64, 2048);
     let (_x, xm) = upload_mat(&g, TY, &wide_dn, 64, 2048, 2);
-    assert_eq!(g.down_stream_stages(&xm, DownForm::Grouped, 0).unwrap(), 0, "rows of 64 units: two rows exceed one lane round");
+    assert!(g.down_stream_plan(&xm, 1).unwrap().is_none(), "rows of 64 units: two rows exceed one lane round");
+}
+
+/// Launch times at M2.7's expert shapes (not a pass/fail benchmark: it prints a table; the
+/// figures that count come from minimax-bench): the register kernels, the streamed ones at
+/// ring caps 8 / 4 / 2, and the probes (the ring without the arithmetic). 64 experts, the ids
+/// rotating over 8 disjoint sets of 8 so that no launch finds its weights in L2 (7.5 MB an
+/// expert). One token, top-8.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn streamed_kernels_speed() {
+    use minimax_rank::cuda::moe_stream::set_stream_probe;
+    use std::time::Instant;
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0105);
+    let (e, k, h, ff) = (64usize, 8usize, 3072usize, 1536usize);
+    let ex = random_experts(&g, &mut rng, TY, e, ff, h, h);
+    let (gm, um, dm) = (ex.gm, ex.um, ex.dm);
+    let sets: Vec<_> = (0..8).map(|s| g.upload(&(0..8).map(|j| (s * 8 + j) as i32).collect::<Vec<_>>()).unwrap()).collect();
+    let (hq, hd) = q8_host(&rng.vec(h, 2.0));
+    let (xq, xd) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
+    let (aqh, adh) = q8_host(&rng.vec(k * ff, 2.0));
+    let (aq, ad) = (g.upload(&aqh).unwrap(), g.upload(&adh).unwrap());
+    let oq = g.zeros::<i8>(k * ff).unwrap();
+    let od = g.zeros::<f32>(k * ff / 32).unwrap();
+    let wb = g.upload(&rng.vec(k, 0.5)).unwrap();
+    let hid = g.zeros::<f32>(h).unwrap();
+    let time = |f: &dyn Fn(usize)| {
+        for i in 0..8 {
+            f(i);
+        }
+        g.sync().unwrap();
+        let t = Instant::now();
+        for i in 0..64 {
+            f(i);
+        }
+        g.sync().unwrap();
+        t.elapsed().as_secs_f64() * 1e6 / 64.0
+    };
+    let gu_bytes = (k * 2 * ff * gm.row_bytes) as f64;
+    let dn_bytes = (k * h * dm.row_bytes) as f64;
+    let mut lines = Vec::new();
+    let mut row = |name: &str, us: f64, bytes: f64| lines.push(format!("{name:<48} {us:>8.1} us {:>7.2} TB/s", bytes / us / 1e6));
+    let gu_reg = |i: usize| g.moe_gate_up_q8_with(GateUpKind::PersistIl, &gm, &um, g.ptr(&sets[i % 8]), k, g.ptr(&xq), g.ptr(&xd), g.ptr(&oq), g.ptr(&od), k, ff).unwrap();
+    let gu_st = |i: usize| g.moe_gate_up_stream(&gm, &um, g.ptr(&sets[i % 8]), k, k, g.ptr(&xq), g.ptr(&xd), g.ptr(&oq), g.ptr(&od), ff).unwrap();
+    let dn_reg = |i: usize| g.moe_down_q8_with(fast::DownKind::Reg4Pre, &dm, g.ptr(&sets[i % 8]), g.ptr(&wb), k, g.ptr(&aq), g.ptr(&ad), g.ptr(&hid), h, 1).unwrap();
+    let dn_st = |i: usize| g.moe_down_stream(&dm, g.ptr(&sets[i % 8]), g.ptr(&wb), k, 1, g.ptr(&aq), g.ptr(&ad), g.ptr(&hid), h).unwrap();
+    row("gate/up psx", time(&gu_reg), gu_bytes);
+    let (sr, nmax) = g.gate_up_stream_plan(&gm, &um).unwrap().unwrap();
+    for cap in [8usize, 4, 2] {
+        set_stream_stage_cap(Some(cap));
+        row(&format!("gate/up streamed, {sr}+{sr} rows x {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
+        set_stream_probe(true);
+        row(&format!("gate/up probe (no arithmetic), {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
+        set_stream_probe(false);
+    }
+    set_stream_stage_cap(None);
+    row("down rx4", time(&dn_reg), dn_bytes);
+    let (rs, nmax) = g.down_stream_plan(&dm, k).unwrap().unwrap();
+    for cap in [8usize, 4, 2] {
+        set_stream_stage_cap(Some(cap));
+        row(&format!("down streamed, {rs} rows x {k} experts x {} stages", cap.min(nmax)), time(&dn_st), dn_bytes);
+        set_stream_probe(true);
+        row(&format!("down probe, {} stages", cap.min(nmax)), time(&dn_st), dn_bytes);
+        set_stream_probe(false);
+    }
+    set_stream_stage_cap(None);
+    drop(row);
+    eprintln!("streamed expert kernels, M2.7 shapes, 1 token x top-8 (per launch, weight bytes / time):\n{}", lines.join("\n"));
 }

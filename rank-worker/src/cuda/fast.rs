@@ -774,8 +774,8 @@ impl Gpu {
         if !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 {
             return Err(CudaError::Shape("moe_gate_up_q8: expert tensors".into()));
         }
-        if super::moe_stream::moe_stream() && self.gate_up_stream_stages(gate, up)? > 0 {
-            return self.moe_gate_up_stream(gate, up, None, ids, 0, k, npairs, xq, xd, aq, ad, ld);
+        if super::moe_stream::moe_stream() && self.gate_up_stream_plan(gate, up)?.is_some() {
+            return self.moe_gate_up_stream(gate, up, ids, k, npairs, xq, xd, aq, ad, ld);
         }
         self.moe_gate_up_q8_with(GateUpKind::from_env(), gate, up, ids, k, xq, xd, aq, ad, npairs, ld)
     }
@@ -850,9 +850,6 @@ impl Gpu {
         if ld < gate.rows || ld % 32 != 0 || gate.ty != GgmlType::IQ4_XS || !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 || gate.cols % 256 != 0 {
             return Err(CudaError::Shape(format!("moe_gate_up_grp: {:?} {}x{} (ld {ld})", gate.ty, gate.rows, gate.cols)));
         }
-        if super::moe_stream::moe_stream() && self.gate_up_stream_stages(gate, up)? > 0 {
-            return self.moe_gate_up_stream(gate, up, Some(grp), 0, e, k, nslots, xq, xd, aq, ad, ld);
-        }
         let (sfx, _) = grp_kind().kernels();
         self.launch_pdl(
             &format!("moe_gate_up_{sfx}_iq4_xs"),
@@ -867,10 +864,6 @@ impl Gpu {
     /// of `grp` (f32 `[npairs][down.rows]`); [`Gpu::moe_combine_grp`] adds them to the residual.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down_grp(&self, down: &DevMat, grp: u64, e: usize, nslots: usize, aq: u64, ad: u64, dpart: u64) -> Result<(), CudaError> {
-        use super::moe_stream::{DownForm, moe_stream};
-        if moe_stream() && !grp_mma() && self.down_stream_stages(down, DownForm::Grouped, 0)? > 0 {
-            return self.moe_down_stream(down, DownForm::Grouped, grp, 0, 0, e, 0, nslots, aq, ad, dpart, 0, 0);
-        }
         self.moe_down_grp_with(grp_mma(), down, grp, e, nslots, aq, ad, dpart)
     }
 
@@ -993,9 +986,8 @@ impl Gpu {
     /// Fused expert down + weighted combine: `hidden[t] += sum_j w[t,j] down[ids[t,j]] act[t,j]`.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down_q8(&self, down: &DevMat, ids: u64, wts: u64, k: usize, aq: u64, ad: u64, hidden: u64, hs: usize, nt: usize) -> Result<(), CudaError> {
-        use super::moe_stream::{DownForm, moe_stream};
-        if moe_stream() && self.down_stream_stages(down, DownForm::Combine, k)? > 0 {
-            return self.moe_down_stream(down, DownForm::Combine, 0, ids, wts, 0, k, nt, aq, ad, 0, hidden, hs);
+        if super::moe_stream::moe_stream() && self.down_stream_plan(down, k)?.is_some() {
+            return self.moe_down_stream(down, ids, wts, k, nt, aq, ad, hidden, hs);
         }
         self.moe_down_q8_with(DownKind::from_env(), down, ids, wts, k, aq, ad, hidden, hs, nt)
     }

@@ -1,12 +1,12 @@
-//! Streamed IQ4_XS expert kernels (kernels/moe_stream.cu): the decode-step gate/up and down
-//! with the weights brought into a ring of shared-memory stages by bulk asynchronous copies
-//! (one producer warp per block, 16 consumer warps), instead of register loads. Same outputs as
-//! the register kernels they stand in for (bit-identical gate/up and grouped down; the
-//! combining down sums its experts in another, fixed order). `MINIMAX_MOE_STREAM=1` turns them
-//! on for every step they fit (sm_90 and newer, IQ4_XS experts, inputs of at most 3072
-//! columns, down rows of at most 1536, top-k of at most 8 for the combining down).
+//! Streamed IQ4_XS expert kernels (kernels/moe_stream.cu) for steps whose MoE runs one pair per
+//! slot (batch 1, and any step not grouped by expert): the weights come into a ring of
+//! shared-memory stages by bulk asynchronous copies (a producer warp per block, 16 consumer
+//! warps, an epilogue warp) instead of register loads. The gate/up gives the register
+//! kernel's bits; the down adds a token's experts in a fixed order of its own.
+//! `MINIMAX_MOE_STREAM` turns them on where they fit (sm_90 and newer, IQ4_XS experts, inputs
+//! of at most 3072 columns, down rows of at most 1536, top-k of at most 8).
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use cudarc::driver::sys::CUdevice_attribute;
 use minimax_shared::quant::GgmlType;
@@ -18,7 +18,7 @@ use super::gpu::{Arg, DevMat, Gpu};
 
 static MOE_STREAM: EnvFlag = EnvFlag::new("MINIMAX_MOE_STREAM", false);
 
-/// Whether the decode steps' IQ4_XS expert products take the streamed kernels where they fit
+/// Whether steps with one pair per slot take the streamed IQ4_XS expert kernels where they fit
 /// (`MINIMAX_MOE_STREAM`).
 pub fn moe_stream() -> bool {
     MOE_STREAM.get()
@@ -49,35 +49,35 @@ fn stage_cap() -> usize {
     }
 }
 
-/// Threads of a block: 16 consumer warps and the producer warp (`BK_THREADS`).
-const THREADS: u32 = 32 * 17;
-/// Shared memory before the ring: barriers and the gate/up sums (`BK_HDR`).
-const HDR: usize = 17408;
+static PROBE: AtomicBool = AtomicBool::new(false);
+
+/// Timing probes only: the streamed launchers run the `blkp` kernels, whose consumers skip the
+/// arithmetic (the outputs are garbage), so a benchmark sees what the ring alone delivers.
+pub fn set_stream_probe(on: bool) {
+    PROBE.store(on, Ordering::Relaxed);
+}
+
+fn probe() -> bool {
+    PROBE.load(Ordering::Relaxed)
+}
+
+
+
+/// Threads of a block: 16 consumer warps, the producer and the epilogue warp (`BK_THREADS`).
+const THREADS: u32 = 32 * 18;
+/// Shared memory before the ring: barriers and the hand-over buffers (`BK_HDR`).
+const HDR: usize = 2048;
 /// Most ring stages (`BK_MAXST`).
 const MAX_STAGES: usize = 8;
 /// Units a lane round covers (3 per lane).
 const ROUND_UNITS: usize = 96;
-/// Gate (and up) rows per gate/up stage; rows per grouped-down stage; output rows per
-/// combining-down stage (`BK_GU_SR`, `BK_DG_SR`, `BK_DC_SR`).
-const GU_ROWS: usize = 8;
-const DG_ROWS: usize = 32;
-const DC_ROWS: usize = 4;
-/// Most experts per token the combining down handles (two warps each).
+/// Most experts per token the down handles (two consumer warps each).
 pub const STREAM_MAX_K: usize = 8;
-
-/// Which form of the streamed down runs.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum DownForm {
-    /// Unweighted per-pair rows into `dpart` (steps grouped by expert).
-    Grouped,
-    /// The token's k experts weighted and added to the residual in the block.
-    Combine,
-}
 
 impl Gpu {
     /// Ring stages of `stage` bytes a streamed kernel gets: as many as a block's opt-in shared
-    /// memory holds, at most 8 (or the cap of [`set_stream_stage_cap`]); 0 when the kernels do not apply (before sm_90, where the bulk
-    /// copies do not exist, or room for fewer than 2 stages).
+    /// memory holds, at most 8 (or the cap of [`set_stream_stage_cap`]); 0 when the kernels do
+    /// not apply (before sm_90, where the bulk copies do not exist, or room for fewer than 2).
     fn stream_stages(&self, stage: usize) -> Result<usize, CudaError> {
         if self.arch < 90 || stage == 0 {
             return Ok(0);
@@ -87,27 +87,37 @@ impl Gpu {
         Ok(if n >= 2 { n.min(stage_cap()) } else { 0 })
     }
 
-    /// Ring stages the streamed gate/up would run with for these matrices (0 = it does not fit).
-    pub fn gate_up_stream_stages(&self, gate: &DevMat, up: &DevMat) -> Result<usize, CudaError> {
-        let shapes = gate.ty == GgmlType::IQ4_XS && up.ty == gate.ty && fast_mat(gate) && fast_mat(up) && gate.row_bytes == up.row_bytes && gate.rows % 32 == 0 && gate.cols / 32 <= ROUND_UNITS && gate.cols % 32 == 0;
+    /// (gate rows per stage, ring stages) of the streamed gate/up for these matrices: the
+    /// largest stage (32, 16 or 8 gate rows and as many up rows) that gets 2 stages; None when
+    /// it does not fit (type, shape, arch, shared memory).
+    pub fn gate_up_stream_plan(&self, gate: &DevMat, up: &DevMat) -> Result<Option<(usize, usize)>, CudaError> {
+        let shapes = gate.ty == GgmlType::IQ4_XS && up.ty == gate.ty && fast_mat(gate) && fast_mat(up) && gate.row_bytes == up.row_bytes && gate.rows % 32 == 0 && gate.cols % 32 == 0 && gate.cols / 32 <= ROUND_UNITS;
         if !shapes {
-            return Ok(0);
+            return Ok(None);
         }
-        self.stream_stages(2 * GU_ROWS * gate.row_bytes)
+        for sr in [32usize, 16, 8] {
+            let n = self.stream_stages(2 * sr * gate.row_bytes)?;
+            if n >= 2 {
+                return Ok(Some((sr, n)));
+            }
+        }
+        Ok(None)
     }
 
-    /// Ring stages the streamed down would run with in `form` at top-`k` (0 = it does not fit).
-    pub fn down_stream_stages(&self, down: &DevMat, form: DownForm, k: usize) -> Result<usize, CudaError> {
-        let shapes = down.ty == GgmlType::IQ4_XS && fast_mat(down) && 2 * (down.cols / 32) <= ROUND_UNITS && down.cols % 32 == 0;
-        let stage = match form {
-            DownForm::Grouped => DG_ROWS * down.row_bytes,
-            DownForm::Combine if (1..=STREAM_MAX_K).contains(&k) => DC_ROWS * k * down.row_bytes,
-            DownForm::Combine => 0,
-        };
+    /// (output rows per stage, ring stages) of the streamed down at top-`k`: 8 rows when 2
+    /// stages of them fit, else 4; None when it does not fit.
+    pub fn down_stream_plan(&self, down: &DevMat, k: usize) -> Result<Option<(usize, usize)>, CudaError> {
+        let shapes = down.ty == GgmlType::IQ4_XS && fast_mat(down) && down.cols % 32 == 0 && 2 * (down.cols / 32) <= ROUND_UNITS && (1..=STREAM_MAX_K).contains(&k);
         if !shapes {
-            return Ok(0);
+            return Ok(None);
         }
-        self.stream_stages(stage)
+        for rs in [8usize, 4] {
+            let n = self.stream_stages(rs * k * down.row_bytes)?;
+            if n >= 2 {
+                return Ok(Some((rs, n)));
+            }
+        }
+        Ok(None)
     }
 
     /// One block per SM, fewer when there are fewer tasks.
@@ -116,40 +126,34 @@ impl Gpu {
         Ok(sms.min(tasks.max(1)) as u32)
     }
 
-    /// Streamed gate/up/SiLU → q8: the outputs of [`Gpu::moe_gate_up_q8_ld`] (`grp` = None:
-    /// `npairs` pairs of `ids`) or of [`Gpu::moe_gate_up_grp`] (`grp` = Some: the slots of
-    /// `moe_group`, at most `npairs` of them, over `e` experts). Errors when it does not fit
-    /// ([`Gpu::gate_up_stream_stages`]).
+    /// Streamed gate/up/SiLU → q8 of the `npairs` pairs of `ids` (token = pair / k): the
+    /// outputs of [`Gpu::moe_gate_up_q8_ld`], bit for bit. Errors when it does not fit
+    /// ([`Gpu::gate_up_stream_plan`]).
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_gate_up_stream(&self, gate: &DevMat, up: &DevMat, grp: Option<u64>, ids: u64, e: usize, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<(), CudaError> {
-        let nst = self.gate_up_stream_stages(gate, up)?;
-        if nst == 0 || ld < gate.rows || ld % 32 != 0 || k == 0 {
+    pub fn moe_gate_up_stream(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<(), CudaError> {
+        let plan = self.gate_up_stream_plan(gate, up)?;
+        let Some((sr, nst)) = plan.filter(|_| ld >= gate.rows && ld % 32 == 0 && k > 0) else {
             return Err(CudaError::Shape(format!("moe_gate_up_stream: {:?} {}x{} (ld {ld}, sm_{})", gate.ty, gate.rows, gate.cols, self.arch)));
-        }
-        let smem = HDR + nst * 2 * GU_ROWS * gate.row_bytes;
-        let mid = [Arg::P(grp.unwrap_or(0)), Arg::P(ids), Arg::I(e as i32), Arg::I(k as i32), Arg::I(npairs as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32)];
+        };
+        let smem = HDR + nst * 2 * sr * gate.row_bytes;
+        let mid = [Arg::P(ids), Arg::I(k as i32), Arg::I(npairs as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32)];
         let grid = self.stream_grid(npairs * (gate.rows / 32))?;
-        self.launch_pdl("moe_gate_up_blk_iq4_xs", (grid, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))
+        let name = format!("moe_gate_up_{}{sr}_iq4_xs", if probe() { "blkp" } else { "blk" });
+        self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))
     }
 
-    /// Streamed down. [`DownForm::Grouped`]: `dpart[p][r]` for the slots of `grp` (at most
-    /// `nslots`), as [`Gpu::moe_down_grp`]. [`DownForm::Combine`]: `hidden[t] += sum_j w[t,j]
-    /// down[ids[t,j]] act[t,j]` for `nt` tokens, as [`Gpu::moe_down_q8`]. Errors when it does
-    /// not fit ([`Gpu::down_stream_stages`]).
+    /// Streamed down + weighted combine: `hidden[t] += sum_j w[t,j] down[ids[t,j]] act[t,j]`
+    /// for `nt` tokens, as [`Gpu::moe_down_q8`] (the experts added in order j; not rx4's
+    /// order). Errors when it does not fit ([`Gpu::down_stream_plan`]).
     #[allow(clippy::too_many_arguments)]
-    pub fn moe_down_stream(&self, down: &DevMat, form: DownForm, grp: u64, ids: u64, wts: u64, e: usize, k: usize, nslots_or_nt: usize, aq: u64, ad: u64, dpart: u64, hidden: u64, hs: usize) -> Result<(), CudaError> {
-        let nst = self.down_stream_stages(down, form, k)?;
-        if nst == 0 || (form == DownForm::Grouped && grp == 0) {
-            return Err(CudaError::Shape(format!("moe_down_stream: {:?} {}x{} top-{k} {form:?} (sm_{})", down.ty, down.rows, down.cols, self.arch)));
-        }
-        let (stage, rows_per_task, grp_arg) = match form {
-            DownForm::Grouped => (DG_ROWS * down.row_bytes, DG_ROWS, grp),
-            DownForm::Combine => (DC_ROWS * k * down.row_bytes, DC_ROWS, 0),
+    pub fn moe_down_stream(&self, down: &DevMat, ids: u64, wts: u64, k: usize, nt: usize, aq: u64, ad: u64, hidden: u64, hs: usize) -> Result<(), CudaError> {
+        let Some((rs, nst)) = self.down_stream_plan(down, k)? else {
+            return Err(CudaError::Shape(format!("moe_down_stream: {:?} {}x{} top-{k} (sm_{})", down.ty, down.rows, down.cols, self.arch)));
         };
-        let smem = HDR + nst * stage;
-        let grid = self.stream_grid(nslots_or_nt * down.rows.div_ceil(rows_per_task))?;
-        let mid = [Arg::P(grp_arg), Arg::P(ids), Arg::P(wts), Arg::I(e as i32), Arg::I(k as i32), Arg::I(nslots_or_nt as i32), Arg::I(nst as i32)];
-        let tail = [Arg::P(dpart), Arg::P(hidden), Arg::L(hs as i64)];
-        self.launch_pdl("moe_down_blk_iq4_xs", (grid, 1, 1), THREADS, smem as u32, &down_args(down, &mid, aq, ad, &tail))
+        let smem = HDR + nst * rs * k * down.row_bytes;
+        let grid = self.stream_grid(nt * down.rows.div_ceil(rs))?;
+        let mid = [Arg::P(ids), Arg::P(wts), Arg::I(k as i32), Arg::I(nt as i32), Arg::I(nst as i32)];
+        let name = format!("moe_down_{}{rs}_iq4_xs", if probe() { "blkp" } else { "blk" });
+        self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &down_args(down, &mid, aq, ad, &[Arg::P(hidden), Arg::L(hs as i64)]))
     }
 }
