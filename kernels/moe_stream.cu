@@ -179,6 +179,8 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
         return;
     }
     const int nu = ncol >> 5;
+    u32 tb0, tb2;
+    iq4_pin((u32)(rb >> 62) & threadIdx.x, tb0, tb2);  // codebook words in registers (same bits)
     int4 xa[GR_XU], xb[GR_XU];
     float xs[GR_XU];
     int t_x = -1, n = 0;
@@ -210,7 +212,7 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
                         if (un < nu) {
                             uint2 h, qa, qb;
                             bk_unit(row, un, h, qa, qb);
-                            acc[j] += xs[u] * iq4_unit_il(h, qa, qb, un & 7, xa[u], xb[u]);
+                            acc[j] += xs[u] * iq4_unit_il(h, qa, qb, un & 7, xa[u], xb[u], tb0, tb2);
                         }
                     }
                 }

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use common::gpu::{Rng, bits, gpu, poisoned, q8_deq, q8_host, random_experts, random_rows, upload_mat};
 use minimax_rank::cuda::fast::{self, GateUpKind};
-use minimax_rank::cuda::moe_stream::set_stream_stage_cap;
+use minimax_rank::cuda::moe_stream::{set_stream_rows_cap, set_stream_stage_cap};
 use minimax_rank::cuda::{DevMat, Gpu};
 use minimax_shared::quant::{self, GgmlType};
 
@@ -81,15 +81,19 @@ fn streamed_gate_up_matches_psx() {
             (g.download(&aq).unwrap(), g.download(&ad).unwrap())
         };
         let want = run(false);
-        for cap in [None, Some(2)] {
-            set_stream_stage_cap(cap);
-            for rep in 0..2 {
-                let got = run(true);
-                assert_eq!(got.0, want.0, "{h} -> {ff} stage cap {cap:?}: q8 codes differ from psx (rep {rep})");
-                assert_eq!(bits(&got.1), bits(&want.1), "{h} -> {ff} stage cap {cap:?}: q8 scales differ from psx (rep {rep})");
+        for rows in [32usize, 16, 8] {
+            set_stream_rows_cap(Some((rows, 8)));
+            for cap in [None, Some(2)] {
+                set_stream_stage_cap(cap);
+                for rep in 0..2 {
+                    let got = run(true);
+                    assert_eq!(got.0, want.0, "{h} -> {ff}, {rows}-row stages, stage cap {cap:?}: q8 codes differ from psx (rep {rep})");
+                    assert_eq!(bits(&got.1), bits(&want.1), "{h} -> {ff}, {rows}-row stages, stage cap {cap:?}: q8 scales differ from psx (rep {rep})");
+                }
             }
         }
         set_stream_stage_cap(None);
+        set_stream_rows_cap(None);
         let (c, s) = &want;
         for p in 0..np {
             assert!(c[p * ld + ff..(p + 1) * ld].iter().all(|&q| q == 0x7f), "pair {p}: the pad was written");
@@ -162,6 +166,10 @@ fn streamed_combine_down_matches_f64() {
                 assert_eq!(bits(&run(&dm)), bits(&got), "top-{k} {rows} rows, stage cap {cap:?}: not deterministic (rep {rep})");
             }
         }
+        // 4-row stages: the same sums in the same order, so the same bits.
+        set_stream_rows_cap(Some((32, 4)));
+        assert_eq!(bits(&run(&dm)), bits(&got), "top-{k} {rows} rows: 4-row stages differ from 8-row ones");
+        set_stream_rows_cap(None);
         set_stream_stage_cap(None);
         eprintln!("streamed combining down {nt} tokens x top-{k} of {e}, {ff} -> {rows}: every row within {worst:.2e} of f64 (relative to the sum of |terms|), deterministic");
     }
@@ -238,25 +246,37 @@ fn streamed_kernels_speed() {
     let dn_reg = |i: usize| g.moe_down_q8_with(fast::DownKind::Reg4Pre, &dm, g.ptr(&sets[i % 8]), g.ptr(&wb), k, g.ptr(&aq), g.ptr(&ad), g.ptr(&hid), h, 1).unwrap();
     let dn_st = |i: usize| g.moe_down_stream(&dm, g.ptr(&sets[i % 8]), g.ptr(&wb), k, 1, g.ptr(&aq), g.ptr(&ad), g.ptr(&hid), h).unwrap();
     row("gate/up psx", time(&gu_reg), gu_bytes);
-    let (sr, nmax) = g.gate_up_stream_plan(&gm, &um).unwrap().unwrap();
-    for cap in [8usize, 4, 2] {
-        set_stream_stage_cap(Some(cap));
-        row(&format!("gate/up streamed, {sr}+{sr} rows x {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
-        set_stream_probe(true);
-        row(&format!("gate/up probe (no arithmetic), {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
-        set_stream_probe(false);
+    for rows in [32usize, 16, 8] {
+        set_stream_rows_cap(Some((rows, 8)));
+        let (sr, nmax) = g.gate_up_stream_plan(&gm, &um).unwrap().unwrap();
+        for cap in [8usize, 4, 2] {
+            if cap > nmax && cap != 8 {
+                continue;
+            }
+            set_stream_stage_cap(Some(cap));
+            row(&format!("gate/up streamed, {sr}+{sr} rows x {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
+            set_stream_probe(true);
+            row(&format!("gate/up probe (no arithmetic), {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
+            set_stream_probe(false);
+        }
     }
-    set_stream_stage_cap(None);
     row("down rx4", time(&dn_reg), dn_bytes);
-    let (rs, nmax) = g.down_stream_plan(&dm, k).unwrap().unwrap();
-    for cap in [8usize, 4, 2] {
-        set_stream_stage_cap(Some(cap));
-        row(&format!("down streamed, {rs} rows x {k} experts x {} stages", cap.min(nmax)), time(&dn_st), dn_bytes);
-        set_stream_probe(true);
-        row(&format!("down probe, {} stages", cap.min(nmax)), time(&dn_st), dn_bytes);
-        set_stream_probe(false);
+    for rows in [8usize, 4] {
+        set_stream_rows_cap(Some((32, rows)));
+        let (rs, nmax) = g.down_stream_plan(&dm, k).unwrap().unwrap();
+        for cap in [8usize, 4, 2] {
+            if cap > nmax && cap != 8 {
+                continue;
+            }
+            set_stream_stage_cap(Some(cap));
+            row(&format!("down streamed, {rs} rows x {k} experts x {} stages", cap.min(nmax)), time(&dn_st), dn_bytes);
+            set_stream_probe(true);
+            row(&format!("down probe, {} stages", cap.min(nmax)), time(&dn_st), dn_bytes);
+            set_stream_probe(false);
+        }
     }
     set_stream_stage_cap(None);
+    set_stream_rows_cap(None);
     drop(row);
     eprintln!("streamed expert kernels, M2.7 shapes, 1 token x top-8 (per launch, weight bytes / time):\n{}", lines.join("\n"));
 }

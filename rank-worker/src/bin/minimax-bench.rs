@@ -496,7 +496,7 @@ fn stream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     use minimax_rank::cuda::moe_stream::{set_moe_stream, set_stream_stage_cap};
     let mut fin = true;
     for b in [1usize] {
-        let steps: usize = 16;
+        let steps: usize = 24;
         let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take((5 + steps + 2).div_ceil(PAGE))).collect();
         let mut toks = start_streams(m, &pts)?;
         let mut s = 0;
@@ -514,14 +514,18 @@ fn stream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
         println!("stream A/B batch {b}: register {:.3} ms ({:.1} tok/s), streamed {:.3} ms ({:.1} tok/s), finite {fin}", r[0], tps(r[0]), r[1], tps(r[1]));
         {
             set_moe_stream(Some(true));
-            for cap in [2usize, 4, 8] {
-                set_stream_stage_cap(Some(cap));
-                m.clear_graphs();
-                fin &= stream_step(m, &pts, &mut toks, s)?;
-                s += 1;
-                let t = replay_ms(m, b, 20)?;
-                println!("stream stages {cap} batch {b}: {t:.3} ms ({:.1} tok/s)", tps(t));
+            for (gr, dr) in [(32usize, 8usize), (16, 8), (16, 4), (8, 4)] {
+                minimax_rank::cuda::moe_stream::set_stream_rows_cap(Some((gr, dr)));
+                for cap in [2usize, 8] {
+                    set_stream_stage_cap(Some(cap));
+                    m.clear_graphs();
+                    fin &= stream_step(m, &pts, &mut toks, s)?;
+                    s += 1;
+                    let t = replay_ms(m, b, 20)?;
+                    println!("stream stages <= {gr} gate rows / {dr} down rows, <= {cap} stages, batch {b}: {t:.3} ms ({:.1} tok/s)", tps(t));
+                }
             }
+            minimax_rank::cuda::moe_stream::set_stream_rows_cap(None);
             set_stream_stage_cap(None);
             m.clear_graphs();
             fin &= stream_step(m, &pts, &mut toks, s)?;

@@ -49,6 +49,23 @@ fn stage_cap() -> usize {
     }
 }
 
+/// Largest gate/up stage rows and down stage rows (0 = no cap).
+static ROWS_CAP: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
+
+/// Caps the stage shapes (A/B runs: `gate_rows` of 32 / 16 / 8 gate rows per gate/up stage,
+/// `down_rows` of 8 / 4 output rows per down stage; `None` = the largest that gets 2 stages).
+/// Drop captured graphs after a change.
+pub fn set_stream_rows_cap(caps: Option<(usize, usize)>) {
+    let (g, d) = caps.unwrap_or((0, 0));
+    ROWS_CAP[0].store(g, Ordering::Relaxed);
+    ROWS_CAP[1].store(d, Ordering::Relaxed);
+}
+
+fn rows_ok(which: usize, rows: usize) -> bool {
+    let c = ROWS_CAP[which].load(Ordering::Relaxed);
+    c == 0 || rows <= c
+}
+
 static PROBE: AtomicBool = AtomicBool::new(false);
 
 /// Timing probes only: the streamed launchers run the `blkp` kernels, whose consumers skip the
@@ -95,7 +112,7 @@ impl Gpu {
         if !shapes {
             return Ok(None);
         }
-        for sr in [32usize, 16, 8] {
+        for sr in [32usize, 16, 8].into_iter().filter(|&r| rows_ok(0, r) || r == 8) {
             let n = self.stream_stages(2 * sr * gate.row_bytes)?;
             if n >= 2 {
                 return Ok(Some((sr, n)));
@@ -111,7 +128,7 @@ impl Gpu {
         if !shapes {
             return Ok(None);
         }
-        for rs in [8usize, 4] {
+        for rs in [8usize, 4].into_iter().filter(|&r| rows_ok(1, r) || r == 4) {
             let n = self.stream_stages(rs * k * down.row_bytes)?;
             if n >= 2 {
                 return Ok(Some((rs, n)));
