@@ -13,7 +13,7 @@ pub mod flash;
 pub mod gpu;
 pub mod matmul;
 pub mod model;
-pub mod moe_stream;
+pub mod stream;
 pub mod nccl;
 pub mod nvrtc;
 pub mod peer_allreduce;

@@ -1,4 +1,4 @@
-// Streamed IQ4_XS expert kernels for one pair per slot (host: cuda::moe_stream,
+// Streamed IQ4_XS expert kernels for one pair per slot (host: cuda::stream,
 // MINIMAX_MOE_STREAM): the batch-1 decode step's gate/up and down. Appended to fast.cu in the
 // "fast" module: they reuse its IQ4 decode, q8 and PDL helpers.
 //
@@ -411,3 +411,103 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
     }
 BK_DN_INST(4)
 BK_DN_INST(8)
+
+// ---------------------------------------------------------------- dense Q8_0 -----------
+// One-token dense Q8_0 products (up to three matrices sharing the input, as mvqs: q, k, v; or
+// the o-projection, lm_head): task = SR = 16 RPW consecutive rows of one matrix, one stage;
+// consumer warp w takes stage rows w + 16 j, each dotted with the q8 input by mvqs_dot over the
+// whole row in one phase and stored by mv_store (y (+)= the warp sum): the bits of
+// mvqs_q8_0_1s / _1l / _1s2p. The producer streams before the PDL wait (weights are never
+// written); the consumers wait before reading the input and writing y. The segments share the
+// input width and type, so their row bytes are equal (host-checked). The epilogue warp is idle.
+// grid (min(SMs, tasks)), block BK_THREADS, dynamic shared memory BK_HDR + nst x SR rb0.
+template <int RPW, bool PROBE>
+__device__ __forceinline__ void mv_blk(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1,
+                                       int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2, float* y2,
+                                       i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol, int accumulate,
+                                       int nst) {
+    constexpr int SR = 16 * RPW;
+    extern __shared__ __align__(128) u8 bk_sm[];
+    u64* full = (u64*)bk_sm;
+    u64* empty = full + BK_MAXST;
+    u8* ring = bk_sm + BK_HDR;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const i64 sb_bytes = (i64)SR * rb0;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < nst; i++) {
+            bk_mb_init(&full[i], 1);
+            bk_mb_init(&empty[i], BK_CW);
+        }
+        bk_mb_fence_init();
+    }
+    __syncthreads();
+    const int n0 = (rows0 + SR - 1) / SR, n1 = (rows1 + SR - 1) / SR, n2 = (rows2 + SR - 1) / SR;
+    int t0, t1;
+    bk_range(n0 + n1 + n2, t0, t1);
+    // Task -> (matrix, its rows, output, first row).
+    auto seg = [&](int task, const u8*& W, int& rows, float*& y, i64& ys, int& r0) {
+        if (task < n0) {
+            W = W0, rows = rows0, y = y0, ys = ys0, r0 = task * SR;
+        } else if (task < n0 + n1) {
+            W = W1, rows = rows1, y = y1, ys = ys1, r0 = (task - n0) * SR;
+        } else {
+            W = W2, rows = rows2, y = y2, ys = ys2, r0 = (task - n0 - n1) * SR;
+        }
+    };
+    if (warp == BK_PW) {
+        if (lane == 0) {
+            for (int task = t0, n = 0; task < t1; task++, n++) {
+                const u8* W;
+                int rows, r0;
+                float* y;
+                i64 ys;
+                seg(task, W, rows, y, ys, r0);
+                const int nr = min(SR, rows - r0), b = n % nst;
+                bk_mb_wait(&empty[b], ((n / nst) & 1) ^ 1);
+                bk_mb_expect(&full[b], (u32)(nr * rb0));
+                bk_copy(ring + b * sb_bytes, W + (i64)r0 * rb0, (u32)(nr * rb0), &full[b]);
+            }
+        }
+        return;
+    }
+    if (warp >= BK_CW) return;
+    pdl_wait();
+    pdl_trigger();
+    for (int task = t0, it = 0; task < t1; task++, it++) {
+        const u8* W;
+        int rows, r0;
+        float* y;
+        i64 ys;
+        seg(task, W, rows, y, ys, r0);
+        const int nr = min(SR, rows - r0), b = it % nst;
+        bk_mb_wait(&full[b], (it / nst) & 1);
+        const u8* st = ring + b * sb_bytes;
+#pragma unroll
+        for (int j = 0; j < RPW; j++) {
+            const int row = warp + 16 * j;
+            if (row < nr) {  // warp-uniform
+                float acc[1] = {0.f};
+                if (PROBE) acc[0] = (float)st[(i64)row * rb0 + lane];
+                else mvqs_dot<1>(st + (i64)row * rb0, nchunks, 0, xq, xd, ncol, 1, acc, lane);
+                mv_store<1>(acc, y, ys, r0 + row, 0, 1, lane, accumulate);
+            }
+        }
+        __syncwarp();
+        if (lane == 0) bk_mb_arrive(&empty[b]);
+    }
+}
+#define BK_MV_ARGS                                                                                                 \
+    const u8 *W0, i64 rb0, int rows0, float *y0, i64 ys0, const u8 *W1, i64 rb1, int rows1, float *y1, i64 ys1,     \
+        const u8 *W2, i64 rb2, int rows2, float *y2, i64 ys2, int nchunks, const i8 *xq, const float *xd, int ncol, \
+        int nv, int accumulate, int nst
+#define BK_MV_INST(rpw)                                                                                            \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) mv_q8_0_blk##rpw(BK_MV_ARGS) {                      \
+        mv_blk<rpw, false>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq, xd, \
+                           ncol, accumulate, nst);                                                                 \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) mv_q8_0_blkp##rpw(BK_MV_ARGS) {                     \
+        mv_blk<rpw, true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq, xd,  \
+                          ncol, accumulate, nst);                                                                  \
+    }
+BK_MV_INST(1)
+BK_MV_INST(2)

@@ -1,33 +1,52 @@
-//! Streamed IQ4_XS expert kernels (kernels/moe_stream.cu) for steps whose MoE runs one pair per
-//! slot (batch 1, and any step not grouped by expert): the weights come into a ring of
-//! shared-memory stages by bulk asynchronous copies (a producer warp per block, 16 consumer
-//! warps, an epilogue warp) instead of register loads. The gate/up gives the register
-//! kernel's bits; the down adds a token's experts in a fixed order of its own.
-//! `MINIMAX_MOE_STREAM` turns them on where they fit (sm_90 and newer, IQ4_XS experts, inputs
-//! of at most 3072 columns, down rows of at most 1536, top-k of at most 8).
+//! Streamed weight kernels (kernels/stream.cu) for one-token steps: the weights come into a ring
+//! of shared-memory stages by bulk asynchronous copies (a producer warp per block, 16 consumer
+//! warps, for the experts an epilogue warp) instead of register loads. The IQ4_XS expert
+//! gate/up (steps whose MoE runs one pair per slot) and the dense Q8_0 products (q/k/v,
+//! o-projection, lm_head at one token) give the register kernels' bits; the expert down adds a
+//! token's experts in a fixed order of its own. On by default where they fit (sm_90 and newer;
+//! experts: IQ4_XS, inputs of at most 3072 columns, down rows of at most 1536, top-k of at most
+//! 8); `MINIMAX_STREAM=0` or `MINIMAX_STREAM_PARTS` switch them off.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
 
 use cudarc::driver::sys::CUdevice_attribute;
 use minimax_shared::quant::GgmlType;
 
-use super::env_flag::EnvFlag;
 use super::error::CudaError;
-use super::fast::{down_args, fast_mat, gate_up_args};
+use super::fast::{down_args, fast_mat, gate_up_args, mv_args};
 use super::gpu::{Arg, DevMat, Gpu};
 
-static MOE_STREAM: EnvFlag = EnvFlag::new("MINIMAX_MOE_STREAM", false);
+/// Kernel families that stream (bits of [`set_stream_parts`] / `MINIMAX_STREAM_PARTS`): the
+/// expert gate/up and down of steps with one pair per slot.
+pub const STREAM_MOE: u32 = 1;
+/// The dense Q8_0 products of one-token steps (q/k/v, o-projection, lm_head).
+pub const STREAM_DENSE: u32 = 2;
+/// Every family (the default).
+pub const STREAM_ALL: u32 = STREAM_MOE | STREAM_DENSE;
+/// `u32::MAX` = no override (the environment decides).
+static PARTS: AtomicU32 = AtomicU32::new(u32::MAX);
 
-/// Whether steps with one pair per slot take the streamed IQ4_XS expert kernels where they fit
-/// (`MINIMAX_MOE_STREAM`).
-pub fn moe_stream() -> bool {
-    MOE_STREAM.get()
+/// Whether kernel family `part` (a `STREAM_*` bit) streams its weights where it fits: the
+/// override of [`set_stream_parts`], else `MINIMAX_STREAM_PARTS` (decimal bits), else
+/// `MINIMAX_STREAM` (`0` = none, default all).
+pub fn stream_part(part: u32) -> bool {
+    let p = PARTS.load(Ordering::Relaxed);
+    if p != u32::MAX {
+        return p & part != 0;
+    }
+    static ENV: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+    let e = *ENV.get_or_init(|| match std::env::var("MINIMAX_STREAM_PARTS").ok().and_then(|v| v.trim().parse::<u32>().ok()) {
+        Some(v) => v & STREAM_ALL,
+        None if std::env::var("MINIMAX_STREAM").as_deref() == Ok("0") => 0,
+        None => STREAM_ALL,
+    });
+    e & part != 0
 }
 
-/// Overrides [`moe_stream`] (A/B runs and tests; `None` = back to the environment). Drop
-/// captured graphs after a change (`CudaModel::clear_graphs`).
-pub fn set_moe_stream(on: Option<bool>) {
-    MOE_STREAM.set(on);
+/// Overrides which families stream (A/B runs and tests; `None` = back to the environment).
+/// Drop captured graphs after a change (`CudaModel::clear_graphs`).
+pub fn set_stream_parts(parts: Option<u32>) {
+    PARTS.store(parts.map(|p| p & STREAM_ALL).unwrap_or(u32::MAX), Ordering::Relaxed);
 }
 
 static STAGE_CAP: AtomicUsize = AtomicUsize::new(0);
@@ -50,15 +69,17 @@ fn stage_cap() -> usize {
 }
 
 /// Largest gate/up stage rows and down stage rows (0 = no cap).
-static ROWS_CAP: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
+static ROWS_CAP: [AtomicUsize; 3] = [AtomicUsize::new(0), AtomicUsize::new(0), AtomicUsize::new(0)];
 
 /// Caps the stage shapes (A/B runs: `gate_rows` of 32 / 16 / 8 gate rows per gate/up stage,
-/// `down_rows` of 8 / 4 output rows per down stage; `None` = the largest that gets 2 stages).
-/// Drop captured graphs after a change.
+/// `down_rows` of 8 / 4 output rows per down stage, and dense stages of 32 rows when
+/// `gate_rows` is 32, else 16; `None` = the largest that gets 2 stages). Drop captured graphs
+/// after a change.
 pub fn set_stream_rows_cap(caps: Option<(usize, usize)>) {
     let (g, d) = caps.unwrap_or((0, 0));
     ROWS_CAP[0].store(g, Ordering::Relaxed);
     ROWS_CAP[1].store(d, Ordering::Relaxed);
+    ROWS_CAP[2].store(if g == 0 || g >= 32 { 0 } else { 16 }, Ordering::Relaxed);
 }
 
 fn rows_ok(which: usize, rows: usize) -> bool {
@@ -172,5 +193,40 @@ impl Gpu {
         let mid = [Arg::P(ids), Arg::P(wts), Arg::I(k as i32), Arg::I(nt as i32), Arg::I(nst as i32)];
         let name = format!("moe_down_{}{rs}_iq4_xs", if probe() { "blkp" } else { "blk" });
         self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &down_args(down, &mid, aq, ad, &[Arg::P(hidden), Arg::L(hs as i64)]))
+    }
+
+    /// (rows per consumer warp and stage, ring stages) of the streamed one-token Q8_0 product
+    /// over these matrices (same type and width): 32-row stages when 2 of them fit, else 16;
+    /// None when it does not fit.
+    pub fn matvec_stream_plan(&self, segs: &[(&DevMat, u64, usize)]) -> Result<Option<(usize, usize)>, CudaError> {
+        let Some((w0, _, _)) = segs.first() else { return Ok(None) };
+        let ok = segs.len() <= 3 && segs.iter().all(|(w, _, _)| w.ty == GgmlType::Q8_0 && fast_mat(w) && w.row_bytes == w0.row_bytes && w.cols == w0.cols);
+        if !ok {
+            return Ok(None);
+        }
+        for rpw in [2usize, 1].into_iter().filter(|&r| rows_ok(2, 16 * r) || r == 1) {
+            let n = self.stream_stages(16 * rpw * w0.row_bytes)?;
+            if n >= 2 {
+                return Ok(Some((rpw, n)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// Streamed one-token Q8_0 product `y (+)= W x` over up to three matrices sharing the
+    /// input (as [`Gpu::matvec_q8`] at one vector, bit for bit). Errors when it does not fit
+    /// ([`Gpu::matvec_stream_plan`]).
+    pub fn matvec_stream(&self, segs: &[(&DevMat, u64, usize)], xq: u64, xd: u64, ncol: usize, accumulate: bool) -> Result<(), CudaError> {
+        let plan = self.matvec_stream_plan(segs)?.filter(|_| segs[0].0.cols == ncol);
+        let Some((rpw, nst)) = plan else {
+            return Err(CudaError::Shape(format!("matvec_stream: {} matrices (Q8_0, equal widths {ncol}, sm_{})", segs.len(), self.arch)));
+        };
+        let rb = segs[0].0.row_bytes;
+        let (mut args, _) = mv_args(segs, rb / 272, xq, xd, ncol, 1, accumulate);
+        args.push(Arg::I(nst as i32));
+        let tasks: usize = segs.iter().map(|(w, _, _)| w.rows.div_ceil(16 * rpw)).sum();
+        let smem = HDR + nst * 16 * rpw * rb;
+        let name = format!("mv_q8_0_{}{rpw}", if probe() { "blkp" } else { "blk" });
+        self.launch_pdl(&name, (self.stream_grid(tasks)?, 1, 1), THREADS, smem as u32, &args)
     }
 }
