@@ -23,10 +23,10 @@
 // whole 16-byte multiples (host: fast_mat) of at most 96 units per lane round (3 per lane):
 // gate/up inputs of <= 3072 columns, down rows of <= 1536 columns, top-k <= 8.
 //
-// Tried first and dropped (see docs/CUDA.md): the same ring with one row per consumer warp per
-// stage, a consumer barrier per task with warp 0 doing the epilogue, and the grouped
-// (several pairs per slot) forms with activations read from global memory: 24 us against psx's
-// 21 per M2.7 gate/up, and 10x slower than grpf grouped.
+// Tried and dropped (docs/CUDA.md): one row per consumer warp per stage with a consumer barrier
+// per task and warp 0 doing the epilogue (24 us against psx's 21 per M2.7 gate/up); the grouped
+// forms (several pairs per slot, activations read from global memory: 10x slower than grpf);
+// the one-token dense Q8_0 products through the same ring (q/k/v 12.5 us against mvqs's 10.7).
 
 #define BK_CW 16                    // consumer warps
 #define BK_PW BK_CW                 // the producer warp
@@ -114,7 +114,11 @@ __device__ __forceinline__ void bk_unit(const u8* row, int un, uint2& h, uint2& 
 // epilogue warp computes act = silu(g) * u of the 32 rows -> q8 (aq [p][ld], ad [p][ld / 32]).
 // PROBE (the "blkp" kernels, timing only): the consumers skip the arithmetic.
 // grid (min(SMs, tasks)), block BK_THREADS, dynamic shared memory BK_HDR + nst x 2 SR rb.
-template <int SR, bool PROBE>
+// XS (the "x" kernels, two blocks an SM): every pair is one token's (npairs == k, host-checked)
+// and its interleaved q8 input lives in shared memory (BK_XS bytes after the header, [unit
+// round][lane]) instead of 27 registers a lane, so that two blocks (32 consumer warps) fit an SM.
+#define BK_XS 4096
+template <int SR, bool PROBE, bool XS>
 __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k, int npairs,
                                             int grows, int nst, const i8* xq, const float* xd, int ncol, i8* aq,
                                             float* ad, int ld) {
@@ -127,7 +131,9 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
     u64* aempty = afull + BK_NAB;
     float* sg = (float*)(bk_sm + 256);  // [BK_NAB][32]
     float* su = sg + BK_NAB * 32;       // [BK_NAB][32]
-    u8* ring = bk_sm + BK_HDR;
+    int4* sx = (int4*)(bk_sm + BK_HDR);                     // XS: [GR_XU][32 lanes][2]
+    float* sxd = (float*)(bk_sm + BK_HDR + GR_XU * 32 * 32);  // XS: [GR_XU][32 lanes]
+    u8* ring = bk_sm + BK_HDR + (XS ? BK_XS : 0);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const i64 sb_bytes = 2 * SR * rb;
     if (threadIdx.x == 0) {
@@ -181,12 +187,31 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
     const int nu = ncol >> 5;
     u32 tb0, tb2;
     iq4_pin((u32)(rb >> 62) & threadIdx.x, tb0, tb2);  // codebook words in registers (same bits)
-    int4 xa[GR_XU], xb[GR_XU];
+    int4 xa[GR_XU], xb[GR_XU];  // unused with XS (eliminated)
     float xs[GR_XU];
+    if (XS) {
+        // The token's input, interleaved, once: consumer thread i < nu fills unit i.
+        const int i = threadIdx.x;
+        if (i < GR_XU * 32) {
+            int4 a = make_int4(0, 0, 0, 0), c = make_int4(0, 0, 0, 0);
+            float d = 0.f;
+            if (i < nu) {
+                const int4* xp = (const int4*)(xq + i * 32);
+                a = xp[0];
+                c = xp[1];
+                d = xd[i];
+                iq4_x_il(a, c);
+            }
+            sx[2 * i] = a;
+            sx[2 * i + 1] = c;
+            sxd[i] = d;
+        }
+        asm volatile("bar.sync 1, %0;" ::"n"(32 * BK_CW) : "memory");
+    }
     int t_x = -1, n = 0;
     for (int task = t0, it = 0; task < t1; task++, it++) {
         const int tok = (task / nrg) / k;
-        if (tok != t_x) {
+        if (!XS && tok != t_x) {
             gr_x_load(xq, xd, tok, ncol, lane, nu, xa, xb, xs);
 #pragma unroll
             for (int j = 0; j < GR_XU; j++) iq4_x_il(xa[j], xb[j]);
@@ -212,7 +237,12 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
                         if (un < nu) {
                             uint2 h, qa, qb;
                             bk_unit(row, un, h, qa, qb);
-                            acc[j] += xs[u] * iq4_unit_il(h, qa, qb, un & 7, xa[u], xb[u], tb0, tb2);
+                            if (XS) {
+                                // unit un = lane + 32 u sits at index un of sx / sxd
+                                acc[j] += sxd[un] * iq4_unit_il(h, qa, qb, un & 7, sx[2 * un], sx[2 * un + 1], tb0, tb2);
+                            } else {
+                                acc[j] += xs[u] * iq4_unit_il(h, qa, qb, un & 7, xa[u], xb[u], tb0, tb2);
+                            }
                         }
                     }
                 }
@@ -238,10 +268,16 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
         const float *xd, int ncol, i8 *aq, float *ad, int ld
 #define BK_GU_INST(sr)                                                                                           \
     extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_blk##sr##_iq4_xs(BK_GU_ARGS) {        \
-        gate_up_blk<sr, false>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);                \
+        gate_up_blk<sr, false, false>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);         \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_blkp##sr##_iq4_xs(BK_GU_ARGS) {       \
-        gate_up_blk<sr, true>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);                 \
+        gate_up_blk<sr, true, false>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);          \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 2) moe_gate_up_blk##sr##x_iq4_xs(BK_GU_ARGS) {       \
+        gate_up_blk<sr, false, true>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);          \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 2) moe_gate_up_blkp##sr##x_iq4_xs(BK_GU_ARGS) {      \
+        gate_up_blk<sr, true, true>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);           \
     }
 BK_GU_INST(8)
 BK_GU_INST(16)
@@ -411,103 +447,3 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
     }
 BK_DN_INST(4)
 BK_DN_INST(8)
-
-// ---------------------------------------------------------------- dense Q8_0 -----------
-// One-token dense Q8_0 products (up to three matrices sharing the input, as mvqs: q, k, v; or
-// the o-projection, lm_head): task = SR = 16 RPW consecutive rows of one matrix, one stage;
-// consumer warp w takes stage rows w + 16 j, each dotted with the q8 input by mvqs_dot over the
-// whole row in one phase and stored by mv_store (y (+)= the warp sum): the bits of
-// mvqs_q8_0_1s / _1l / _1s2p. The producer streams before the PDL wait (weights are never
-// written); the consumers wait before reading the input and writing y. The segments share the
-// input width and type, so their row bytes are equal (host-checked). The epilogue warp is idle.
-// grid (min(SMs, tasks)), block BK_THREADS, dynamic shared memory BK_HDR + nst x SR rb0.
-template <int RPW, bool PROBE>
-__device__ __forceinline__ void mv_blk(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1,
-                                       int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2, float* y2,
-                                       i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol, int accumulate,
-                                       int nst) {
-    constexpr int SR = 16 * RPW;
-    extern __shared__ __align__(128) u8 bk_sm[];
-    u64* full = (u64*)bk_sm;
-    u64* empty = full + BK_MAXST;
-    u8* ring = bk_sm + BK_HDR;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const i64 sb_bytes = (i64)SR * rb0;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < nst; i++) {
-            bk_mb_init(&full[i], 1);
-            bk_mb_init(&empty[i], BK_CW);
-        }
-        bk_mb_fence_init();
-    }
-    __syncthreads();
-    const int n0 = (rows0 + SR - 1) / SR, n1 = (rows1 + SR - 1) / SR, n2 = (rows2 + SR - 1) / SR;
-    int t0, t1;
-    bk_range(n0 + n1 + n2, t0, t1);
-    // Task -> (matrix, its rows, output, first row).
-    auto seg = [&](int task, const u8*& W, int& rows, float*& y, i64& ys, int& r0) {
-        if (task < n0) {
-            W = W0, rows = rows0, y = y0, ys = ys0, r0 = task * SR;
-        } else if (task < n0 + n1) {
-            W = W1, rows = rows1, y = y1, ys = ys1, r0 = (task - n0) * SR;
-        } else {
-            W = W2, rows = rows2, y = y2, ys = ys2, r0 = (task - n0 - n1) * SR;
-        }
-    };
-    if (warp == BK_PW) {
-        if (lane == 0) {
-            for (int task = t0, n = 0; task < t1; task++, n++) {
-                const u8* W;
-                int rows, r0;
-                float* y;
-                i64 ys;
-                seg(task, W, rows, y, ys, r0);
-                const int nr = min(SR, rows - r0), b = n % nst;
-                bk_mb_wait(&empty[b], ((n / nst) & 1) ^ 1);
-                bk_mb_expect(&full[b], (u32)(nr * rb0));
-                bk_copy(ring + b * sb_bytes, W + (i64)r0 * rb0, (u32)(nr * rb0), &full[b]);
-            }
-        }
-        return;
-    }
-    if (warp >= BK_CW) return;
-    pdl_wait();
-    pdl_trigger();
-    for (int task = t0, it = 0; task < t1; task++, it++) {
-        const u8* W;
-        int rows, r0;
-        float* y;
-        i64 ys;
-        seg(task, W, rows, y, ys, r0);
-        const int nr = min(SR, rows - r0), b = it % nst;
-        bk_mb_wait(&full[b], (it / nst) & 1);
-        const u8* st = ring + b * sb_bytes;
-#pragma unroll
-        for (int j = 0; j < RPW; j++) {
-            const int row = warp + 16 * j;
-            if (row < nr) {  // warp-uniform
-                float acc[1] = {0.f};
-                if (PROBE) acc[0] = (float)st[(i64)row * rb0 + lane];
-                else mvqs_dot<1>(st + (i64)row * rb0, nchunks, 0, xq, xd, ncol, 1, acc, lane);
-                mv_store<1>(acc, y, ys, r0 + row, 0, 1, lane, accumulate);
-            }
-        }
-        __syncwarp();
-        if (lane == 0) bk_mb_arrive(&empty[b]);
-    }
-}
-#define BK_MV_ARGS                                                                                                 \
-    const u8 *W0, i64 rb0, int rows0, float *y0, i64 ys0, const u8 *W1, i64 rb1, int rows1, float *y1, i64 ys1,     \
-        const u8 *W2, i64 rb2, int rows2, float *y2, i64 ys2, int nchunks, const i8 *xq, const float *xd, int ncol, \
-        int nv, int accumulate, int nst
-#define BK_MV_INST(rpw)                                                                                            \
-    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) mv_q8_0_blk##rpw(BK_MV_ARGS) {                      \
-        mv_blk<rpw, false>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq, xd, \
-                           ncol, accumulate, nst);                                                                 \
-    }                                                                                                              \
-    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) mv_q8_0_blkp##rpw(BK_MV_ARGS) {                     \
-        mv_blk<rpw, true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq, xd,  \
-                          ncol, accumulate, nst);                                                                  \
-    }
-BK_MV_INST(1)
-BK_MV_INST(2)

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use common::gpu::{Rng, bits, gpu, poisoned, q8_deq, q8_host, random_experts, random_rows, upload_mat};
 use minimax_rank::cuda::fast::{self, GateUpKind};
-use minimax_rank::cuda::stream::{set_stream_rows_cap, set_stream_stage_cap};
+use minimax_rank::cuda::stream::{set_stream_rows_cap, set_stream_stage_cap, set_stream_two_blocks};
 use minimax_rank::cuda::{DevMat, Gpu};
 use minimax_shared::quant::{self, GgmlType};
 
@@ -61,7 +61,7 @@ fn streamed_gate_up_matches_psx() {
         let upw = random_rows(&mut rng, TY, e * ff, h);
         let (_g1, gm) = upload_mat(&g, TY, &gate, ff, h, e);
         let (_g2, um) = upload_mat(&g, TY, &upw, ff, h, e);
-        assert!(g.gate_up_stream_plan(&gm, &um).unwrap().is_some(), "{h} -> {ff}: the streamed gate/up must fit");
+        assert!(g.gate_up_stream_plan(&gm, &um, nt == 1).unwrap().is_some(), "{h} -> {ff}: the streamed gate/up must fit");
         let ids: Vec<i32> = (0..nt).flat_map(|_| routed(&mut rng, 1, k, e)).collect();
         let x = rng.vec(nt * h, 2.0);
         let (hq, hd) = q8_host(&x);
@@ -81,17 +81,23 @@ fn streamed_gate_up_matches_psx() {
             (g.download(&aq).unwrap(), g.download(&ad).unwrap())
         };
         let want = run(false);
-        for rows in [32usize, 16, 8] {
-            set_stream_rows_cap(Some((rows, 8)));
-            for cap in [None, Some(2)] {
-                set_stream_stage_cap(cap);
-                for rep in 0..2 {
-                    let got = run(true);
-                    assert_eq!(got.0, want.0, "{h} -> {ff}, {rows}-row stages, stage cap {cap:?}: q8 codes differ from psx (rep {rep})");
-                    assert_eq!(bits(&got.1), bits(&want.1), "{h} -> {ff}, {rows}-row stages, stage cap {cap:?}: q8 scales differ from psx (rep {rep})");
+        for two in [false, true] {
+            set_stream_two_blocks(Some(two));
+            let form = g.gate_up_stream_plan(&gm, &um, nt == 1).unwrap().unwrap().2;
+            assert_eq!(form, two && nt == 1, "two-block form chosen for {nt} tokens");
+            for rows in [32usize, 16, 8] {
+                set_stream_rows_cap(Some((rows, 8)));
+                for cap in [None, Some(2)] {
+                    set_stream_stage_cap(cap);
+                    for rep in 0..2 {
+                        let got = run(true);
+                        assert_eq!(got.0, want.0, "{h} -> {ff}, two blocks {form}, {rows}-row stages, stage cap {cap:?}: q8 codes differ from psx (rep {rep})");
+                        assert_eq!(bits(&got.1), bits(&want.1), "{h} -> {ff}, two blocks {form}, {rows}-row stages, stage cap {cap:?}: q8 scales differ from psx (rep {rep})");
+                    }
                 }
             }
         }
+        set_stream_two_blocks(None);
         set_stream_stage_cap(None);
         set_stream_rows_cap(None);
         let (c, s) = &want;
@@ -175,71 +181,6 @@ fn streamed_combine_down_matches_f64() {
     }
 }
 
-/// The streamed one-token Q8_0 product bit for bit against `mvqs` (`MvqKind::Whole`, checked
-/// against the CPU in cuda_kernels) and sampled rows against f64: q/k/v-like segments of 6144,
-/// 1000 (not a multiple of a stage) and 1024 rows over 3072 columns, an o-projection-like
-/// 3072 x 6144 accumulating into its output, 20000 rows (many tasks a block); every stage
-/// shape and 2 stages, twice.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn streamed_dense_matches_mvqs() {
-    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let g = gpu();
-    let mut rng = Rng(0x5eed_0fa5_7000_0106);
-    let q8 = GgmlType::Q8_0;
-    for (rows, cols, acc) in [(vec![6144usize, 1000, 1024], 3072usize, false), (vec![3072], 6144, true), (vec![20000], 3072, false)] {
-        let mats: Vec<_> = rows.iter().map(|&r| random_rows(&mut rng, q8, r, cols)).collect();
-        let ups: Vec<_> = mats.iter().zip(&rows).map(|(m, &r)| upload_mat(&g, q8, m, r, cols, 0)).collect();
-        let (hq, hd) = q8_host(&rng.vec(cols, 2.0));
-        let xv = q8_deq(&hq, &hd);
-        let (xq, xd) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
-        let y0: Vec<Vec<f32>> = rows.iter().map(|&r| rng.vec(r + 1, 1.0)).collect();
-        let run = |stream: bool| {
-            let ys: Vec<_> = y0.iter().map(|v| if acc { g.upload(v).unwrap() } else { poisoned(&g, v.len()) }).collect();
-            let segs: Vec<(&DevMat, u64, usize)> = ups.iter().zip(&ys).map(|((_, m), y)| (m, g.ptr(y), 1usize)).collect();
-            if stream {
-                g.matvec_stream(&segs, g.ptr(&xq), g.ptr(&xd), cols, acc).unwrap();
-            } else {
-                g.matvec_q8_with(fast::MvqKind::Whole, &segs, g.ptr(&xq), g.ptr(&xd), cols, 1, acc).unwrap();
-            }
-            g.sync().unwrap();
-            ys.iter().map(|y| g.download(y).unwrap()).collect::<Vec<_>>()
-        };
-        let want = run(false);
-        assert!(g.matvec_stream_plan(&ups.iter().map(|(_, m)| (m, 0u64, 1usize)).collect::<Vec<_>>()).unwrap().is_some(), "{cols} columns: the streamed product must fit");
-        for rows_cap in [None, Some((16usize, 8usize))] {
-            set_stream_rows_cap(rows_cap);
-            for cap in [None, Some(2)] {
-                set_stream_stage_cap(cap);
-                for rep in 0..2 {
-                    let got = run(true);
-                    for (s, (a, b)) in got.iter().zip(&want).enumerate() {
-                        let n = rows[s];
-                        assert_eq!(bits(&a[..n]), bits(&b[..n]), "segment {s} ({n} x {cols}), rows cap {rows_cap:?}, stage cap {cap:?}: differs from mvqs (rep {rep})");
-                        if acc {
-                            assert_eq!(a[n].to_bits(), y0[s][n].to_bits(), "wrote past the rows");
-                        }
-                    }
-                }
-            }
-        }
-        set_stream_rows_cap(None);
-        set_stream_stage_cap(None);
-        for (s, &n) in rows.iter().enumerate() {
-            let rb = quant::row_bytes(q8, cols).unwrap();
-            for r in [0, 1, 15, 16, 31, 32, n - 1, rng.below(n)] {
-                let w = quant::dequantize_to_vec(q8, &mats[s][r * rb..(r + 1) * rb], cols).unwrap();
-                let dot: f64 = w.iter().zip(&xv).map(|(a, b)| *a as f64 * *b as f64).sum();
-                let scale: f64 = w.iter().zip(&xv).map(|(a, b)| (*a as f64 * *b as f64).abs()).sum::<f64>() + 1e-6;
-                let want_v = if acc { y0[s][r] as f64 + dot } else { dot };
-                let got = want[s][r] as f64;
-                assert!(got.is_finite() && (got - want_v).abs() <= 1e-5 * scale + 1e-6, "segment {s} row {r}: got {got} want {want_v}");
-            }
-        }
-        eprintln!("streamed Q8_0 product {rows:?} x {cols} (accumulate {acc}): bit-identical to mvqs at every stage shape; sampled rows match f64");
-    }
-}
-
 /// What the streamed kernels do not take is refused with an error naming the kernel (never a
 /// wrong result): inputs of more than 96 units a lane round, top-k above 8, down rows of more
 /// than 48 units.
@@ -251,7 +192,7 @@ fn streamed_kernels_refuse_shapes_they_do_not_fit() {
     let mut rng = Rng(0x5eed_0fa5_7000_0104);
     let wide = random_rows(&mut rng, TY, 2 * 64, 3584);
     let (_w, wm) = upload_mat(&g, TY, &wide, 64, 3584, 2);
-    assert!(g.gate_up_stream_plan(&wm, &wm).unwrap().is_none());
+    assert!(g.gate_up_stream_plan(&wm, &wm, true).unwrap().is_none());
     let e = g.moe_gate_up_stream(&wm, &wm, 0, 1, 1, 0, 0, 0, 0, 64).unwrap_err();
     assert!(e.to_string().contains("moe_gate_up_stream"), "{e}");
     let dn = random_rows(&mut rng, TY, 2 * 64, 1536);
@@ -263,16 +204,6 @@ fn streamed_kernels_refuse_shapes_they_do_not_fit() {
     let wide_dn = random_rows(&mut rng, TY, 2 * 64, 2048);
     let (_x, xm) = upload_mat(&g, TY, &wide_dn, 64, 2048, 2);
     assert!(g.down_stream_plan(&xm, 1).unwrap().is_none(), "rows of 64 units: two rows exceed one lane round");
-    // The dense product: Q8_0 only, equal widths.
-    assert!(g.matvec_stream_plan(&[(&wm, 0, 1)]).unwrap().is_none(), "IQ4_XS is not a streamed dense type");
-    let a = random_rows(&mut rng, GgmlType::Q8_0, 64, 512);
-    let b = random_rows(&mut rng, GgmlType::Q8_0, 64, 1024);
-    let (_a, am) = upload_mat(&g, GgmlType::Q8_0, &a, 64, 512, 0);
-    let (_b, bm) = upload_mat(&g, GgmlType::Q8_0, &b, 64, 1024, 0);
-    assert!(g.matvec_stream_plan(&[(&am, 0, 1)]).unwrap().is_some());
-    assert!(g.matvec_stream_plan(&[(&am, 0, 1), (&bm, 0, 1)]).unwrap().is_none(), "unequal widths");
-    let e = g.matvec_stream(&[(&am, 0, 1), (&bm, 0, 1)], 0, 0, 512, false).unwrap_err();
-    assert!(e.to_string().contains("matvec_stream"), "{e}");
 }
 
 /// Launch times at M2.7's expert shapes (not a pass/fail benchmark: it prints a table; the
@@ -321,28 +252,32 @@ fn streamed_kernels_speed() {
     let dn_reg = |i: usize| g.moe_down_q8_with(fast::DownKind::Reg4Pre, &dm, g.ptr(&sets[i % 8]), g.ptr(&wb), k, g.ptr(&aq), g.ptr(&ad), g.ptr(&hid), h, 1).unwrap();
     let dn_st = |i: usize| g.moe_down_stream(&dm, g.ptr(&sets[i % 8]), g.ptr(&wb), k, 1, g.ptr(&aq), g.ptr(&ad), g.ptr(&hid), h).unwrap();
     row("gate/up psx", time(&gu_reg), gu_bytes);
-    for rows in [32usize, 16, 8] {
-        set_stream_rows_cap(Some((rows, 8)));
-        let (sr, nmax) = g.gate_up_stream_plan(&gm, &um).unwrap().unwrap();
-        for cap in [8usize, 4, 2] {
-            if cap > nmax && cap != 8 {
+    for two in [false, true] {
+        set_stream_two_blocks(Some(two));
+        for rows in [32usize, 16, 8] {
+            set_stream_rows_cap(Some((rows, 8)));
+            set_stream_stage_cap(None);
+            let (sr, nmax, form) = g.gate_up_stream_plan(&gm, &um, true).unwrap().unwrap();
+            if sr != rows {
                 continue;
             }
-            set_stream_stage_cap(Some(cap));
-            row(&format!("gate/up streamed, {sr}+{sr} rows x {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
-            set_stream_probe(true);
-            row(&format!("gate/up probe (no arithmetic), {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
-            set_stream_probe(false);
+            for cap in [8usize, 2] {
+                set_stream_stage_cap(Some(cap));
+                let blocks = if form { "2 blocks" } else { "1 block" };
+                row(&format!("gate/up streamed, {blocks}/SM, {sr}+{sr} rows x {}", cap.min(nmax)), time(&gu_st), gu_bytes);
+                set_stream_probe(true);
+                row(&format!("gate/up probe, {blocks}/SM, {sr}+{sr} rows x {}", cap.min(nmax)), time(&gu_st), gu_bytes);
+                set_stream_probe(false);
+            }
         }
     }
+    set_stream_two_blocks(None);
     row("down rx4", time(&dn_reg), dn_bytes);
     for rows in [8usize, 4] {
         set_stream_rows_cap(Some((32, rows)));
+        set_stream_stage_cap(None);
         let (rs, nmax) = g.down_stream_plan(&dm, k).unwrap().unwrap();
-        for cap in [8usize, 4, 2] {
-            if cap > nmax && cap != 8 {
-                continue;
-            }
+        for cap in [8usize, 2] {
             set_stream_stage_cap(Some(cap));
             row(&format!("down streamed, {rs} rows x {k} experts x {} stages", cap.min(nmax)), time(&dn_st), dn_bytes);
             set_stream_probe(true);
@@ -352,37 +287,6 @@ fn streamed_kernels_speed() {
     }
     set_stream_stage_cap(None);
     set_stream_rows_cap(None);
-    // Dense Q8_0: q/k/v (8192 x 3072 in three matrices) and the o-projection (3072 x 6144),
-    // 8 copies each, rotating.
-    let q8 = GgmlType::Q8_0;
-    let qkv: Vec<_> = (0..8).map(|_| [6144usize, 1024, 1024].map(|r| upload_mat(&g, q8, &random_rows(&mut rng, q8, r, h), r, h, 0))).collect();
-    let om: Vec<_> = (0..8).map(|_| upload_mat(&g, q8, &random_rows(&mut rng, q8, h, 2 * h), h, 2 * h, 0)).collect();
-    let yq = g.zeros::<f32>(6144).unwrap();
-    let (xq2, xd2) = {
-        let (q, d) = q8_host(&rng.vec(2 * h, 2.0));
-        (g.upload(&q).unwrap(), g.upload(&d).unwrap())
-    };
-    let qkv_bytes = (8192 * qkv[0][0].1.row_bytes) as f64;
-    let o_bytes = (h * om[0].1.row_bytes) as f64;
-    for (name, stream) in [("q/k/v mvqs (default kernel)", false), ("q/k/v streamed", true)] {
-        let f = |i: usize| {
-            let m = &qkv[i % 8];
-            let segs = [(&m[0].1, g.ptr(&yq), 1usize), (&m[1].1, g.ptr(&yq), 1), (&m[2].1, g.ptr(&yq), 1)];
-            if stream { g.matvec_stream(&segs, g.ptr(&xq), g.ptr(&xd), h, false).unwrap() } else { g.matvec_q8_with(fast::MvqKind::Auto, &segs, g.ptr(&xq), g.ptr(&xd), h, 1, false).unwrap() }
-        };
-        minimax_rank::cuda::stream::set_stream_parts(Some(0));
-        row(name, time(&f), qkv_bytes);
-        minimax_rank::cuda::stream::set_stream_parts(None);
-    }
-    for (name, stream) in [("o-projection mvqs (default kernel)", false), ("o-projection streamed", true)] {
-        let f = |i: usize| {
-            let segs = [(&om[i % 8].1, g.ptr(&yq), 1usize)];
-            if stream { g.matvec_stream(&segs, g.ptr(&xq2), g.ptr(&xd2), 2 * h, false).unwrap() } else { g.matvec_q8_with(fast::MvqKind::Auto, &segs, g.ptr(&xq2), g.ptr(&xd2), 2 * h, 1, false).unwrap() }
-        };
-        minimax_rank::cuda::stream::set_stream_parts(Some(0));
-        row(name, time(&f), o_bytes);
-        minimax_rank::cuda::stream::set_stream_parts(None);
-    }
     drop(row);
-    eprintln!("streamed kernels, M2.7 shapes, one token (experts top-8; per launch, weight bytes / time):\n{}", lines.join("\n"));
+    eprintln!("streamed expert kernels, M2.7 shapes, 1 token x top-8 (per launch, weight bytes / time):\n{}", lines.join("\n"));
 }

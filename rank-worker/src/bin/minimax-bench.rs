@@ -224,7 +224,7 @@ fn check_fast_vs_exact(spec_s: &str, layers: usize) -> anyhow::Result<()> {
     let runs = [(false, false, 0u32, None, false), (true, false, 8, None, false), (true, true, 16, None, false), (true, true, 24, Some(1), false), (true, true, 48, None, true)];
     for (fast, graphs, base, grp, stream) in runs {
         minimax_rank::cuda::fast::set_group_min(grp);
-        minimax_rank::cuda::stream::set_stream_parts(Some(if stream { minimax_rank::cuda::stream::STREAM_ALL } else { 0 }));
+        minimax_rank::cuda::stream::set_stream(Some(stream));
         m.clear_graphs();
         m.set_fast(fast, graphs);
         let pt: Vec<u32> = (base..base + 8).collect();
@@ -244,7 +244,7 @@ fn check_fast_vs_exact(spec_s: &str, layers: usize) -> anyhow::Result<()> {
     }
     let scale = outs[0].iter().flat_map(|o| o.logits.iter()).fold(0f32, |a, x| a.max(x.abs()));
     minimax_rank::cuda::fast::set_group_min(None);
-    minimax_rank::cuda::stream::set_stream_parts(None);
+    minimax_rank::cuda::stream::set_stream(None);
     m.clear_graphs();
     for (name, i) in [("fast", 1), ("fast+graphs", 2), ("fast+graphs, MoE grouped", 3), ("fast+graphs, streamed MoE", 4)] {
         let mut md = 0f32;
@@ -488,33 +488,39 @@ fn moe_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `--stream-ab`: the streamed weight kernels (kernels/stream.cu) against the register ones at
-/// batch 1 (steps of several tokens take the grouped MoE and tensor-core dense products, which
-/// do not stream), graph replay, alternating, three rounds: none, experts only, dense only,
-/// both; then ring stage caps and stage shapes; then the per-kernel split with both.
+/// `--stream-ab`: the streamed expert kernels (kernels/stream.cu) against the register ones at
+/// batch 1 (steps of several tokens group their MoE by expert, which does not stream), graph
+/// replay, alternating, three rounds; then stage shapes and ring caps; then the per-kernel
+/// split of a batch-1 step with the streamed kernels.
 fn stream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
-    use minimax_rank::cuda::stream::{STREAM_ALL, STREAM_DENSE, STREAM_MOE, set_stream_parts, set_stream_rows_cap, set_stream_stage_cap};
+    use minimax_rank::cuda::stream::{set_stream, set_stream_rows_cap, set_stream_stage_cap};
     let mut fin = true;
     let b = 1usize;
-    let steps: usize = 32;
+    let steps: usize = 40;
     let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take((5 + steps + 2).div_ceil(PAGE))).collect();
     let mut toks = start_streams(m, &pts)?;
     let mut s = 0;
-    let sets = [("register kernels", 0u32), ("streamed experts", STREAM_MOE), ("streamed dense", STREAM_DENSE), ("streamed experts + dense", STREAM_ALL)];
-    let mut r = [0f64; 4];
+    let mut r = [0f64; 2];
     for _round in 0..3 {
-        for (i, &(_, parts)) in sets.iter().enumerate() {
-            set_stream_parts(Some(parts));
+        for (i, on) in [false, true].into_iter().enumerate() {
+            set_stream(Some(on));
             m.clear_graphs();
             fin &= stream_step(m, &pts, &mut toks, s)?;
             s += 1;
             r[i] += replay_ms(m, b, 30)? / 3.0;
         }
     }
-    for (i, (name, _)) in sets.iter().enumerate() {
-        println!("stream A/B batch 1, {name}: {:.3} ms ({:.1} tok/s graph replay)", r[i], 1e3 / r[i]);
+    println!("stream A/B batch 1: register kernels {:.3} ms ({:.1} tok/s), streamed experts {:.3} ms ({:.1} tok/s) (graph replay)", r[0], 1e3 / r[0], r[1], 1e3 / r[1]);
+    set_stream(Some(true));
+    for two in [false, true, false, true] {
+        minimax_rank::cuda::stream::set_stream_two_blocks(Some(two));
+        m.clear_graphs();
+        fin &= stream_step(m, &pts, &mut toks, s)?;
+        s += 1;
+        let t = replay_ms(m, b, 30)?;
+        println!("stream gate/up two blocks an SM {two}, batch 1: {t:.3} ms ({:.1} tok/s)", 1e3 / t);
     }
-    set_stream_parts(Some(STREAM_ALL));
+    minimax_rank::cuda::stream::set_stream_two_blocks(None);
     for (gr, dr) in [(32usize, 8usize), (16, 8), (8, 4)] {
         set_stream_rows_cap(Some((gr, dr)));
         for cap in [2usize, 8] {
@@ -530,8 +536,8 @@ fn stream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     set_stream_stage_cap(None);
     m.clear_graphs();
     fin &= stream_step(m, &pts, &mut toks, s)?;
-    print_split(&profile_step(m, b)?, "batch-1 decode step, streamed kernels");
-    set_stream_parts(None);
+    print_split(&profile_step(m, b)?, "batch-1 decode step, streamed expert kernels");
+    set_stream(None);
     m.clear_graphs();
     anyhow::ensure!(fin, "non-finite or out-of-vocabulary picks in the stream A/B");
     Ok(())

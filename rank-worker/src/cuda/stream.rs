@@ -1,53 +1,46 @@
-//! Streamed weight kernels (kernels/stream.cu) for one-token steps: the weights come into a ring
-//! of shared-memory stages by bulk asynchronous copies (a producer warp per block, 16 consumer
-//! warps, for the experts an epilogue warp) instead of register loads. The IQ4_XS expert
-//! gate/up (steps whose MoE runs one pair per slot) and the dense Q8_0 products (q/k/v,
-//! o-projection, lm_head at one token) give the register kernels' bits; the expert down adds a
-//! token's experts in a fixed order of its own. On by default where they fit (sm_90 and newer;
-//! experts: IQ4_XS, inputs of at most 3072 columns, down rows of at most 1536, top-k of at most
-//! 8); `MINIMAX_STREAM=0` or `MINIMAX_STREAM_PARTS` switch them off.
+//! Streamed IQ4_XS expert kernels (kernels/stream.cu) for steps whose MoE runs one pair per slot
+//! (batch 1, and steps not grouped by expert): the weights come into a ring of shared-memory
+//! stages by bulk asynchronous copies (a producer warp per block, 16 consumer warps, an epilogue
+//! warp) instead of register loads. The gate/up gives the register kernel's bits; the down adds
+//! a token's experts in a fixed order of its own. On by default where they fit (sm_90 and newer,
+//! IQ4_XS experts, inputs of at most 3072 columns, down rows of at most 1536, top-k of at most
+//! 8); `MINIMAX_STREAM=0` turns them off.
 
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use cudarc::driver::sys::CUdevice_attribute;
 use minimax_shared::quant::GgmlType;
 
+use super::env_flag::EnvFlag;
 use super::error::CudaError;
-use super::fast::{down_args, fast_mat, gate_up_args, mv_args};
+use super::fast::{down_args, fast_mat, gate_up_args};
 use super::gpu::{Arg, DevMat, Gpu};
 
-/// Kernel families that stream (bits of [`set_stream_parts`] / `MINIMAX_STREAM_PARTS`): the
-/// expert gate/up and down of steps with one pair per slot.
-pub const STREAM_MOE: u32 = 1;
-/// The dense Q8_0 products of one-token steps (q/k/v, o-projection, lm_head).
-pub const STREAM_DENSE: u32 = 2;
-/// Every family (the default).
-pub const STREAM_ALL: u32 = STREAM_MOE | STREAM_DENSE;
-/// `u32::MAX` = no override (the environment decides).
-static PARTS: AtomicU32 = AtomicU32::new(u32::MAX);
+static STREAM: EnvFlag = EnvFlag::new("MINIMAX_STREAM", true);
 
-/// Whether kernel family `part` (a `STREAM_*` bit) streams its weights where it fits: the
-/// override of [`set_stream_parts`], else `MINIMAX_STREAM_PARTS` (decimal bits), else
-/// `MINIMAX_STREAM` (`0` = none, default all).
-pub fn stream_part(part: u32) -> bool {
-    let p = PARTS.load(Ordering::Relaxed);
-    if p != u32::MAX {
-        return p & part != 0;
-    }
-    static ENV: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-    let e = *ENV.get_or_init(|| match std::env::var("MINIMAX_STREAM_PARTS").ok().and_then(|v| v.trim().parse::<u32>().ok()) {
-        Some(v) => v & STREAM_ALL,
-        None if std::env::var("MINIMAX_STREAM").as_deref() == Ok("0") => 0,
-        None => STREAM_ALL,
-    });
-    e & part != 0
+/// Whether steps with one pair per slot take the streamed IQ4_XS expert kernels where they fit
+/// (`MINIMAX_STREAM`, default on).
+pub fn stream_on() -> bool {
+    STREAM.get()
 }
 
-/// Overrides which families stream (A/B runs and tests; `None` = back to the environment).
-/// Drop captured graphs after a change (`CudaModel::clear_graphs`).
-pub fn set_stream_parts(parts: Option<u32>) {
-    PARTS.store(parts.map(|p| p & STREAM_ALL).unwrap_or(u32::MAX), Ordering::Relaxed);
+/// Overrides [`stream_on`] (A/B runs and tests; `None` = back to the environment). Drop
+/// captured graphs after a change (`CudaModel::clear_graphs`).
+pub fn set_stream(on: Option<bool>) {
+    STREAM.set(on);
 }
+
+static TWO_BLOCKS: EnvFlag = EnvFlag::new("MINIMAX_STREAM_2CTA", true);
+
+/// Whether one-token gate/up steps take the two-blocks-an-SM form (the token's input in shared
+/// memory, 32 consumer warps an SM) where it fits (`MINIMAX_STREAM_2CTA`, default on); A/B runs
+/// and tests (`None` = back to the environment). Drop captured graphs after a change.
+pub fn set_stream_two_blocks(on: Option<bool>) {
+    TWO_BLOCKS.set(on);
+}
+
+/// Shared memory of the two-block form before its ring: the token's interleaved input (`BK_XS`).
+const XS_BYTES: usize = 4096;
 
 static STAGE_CAP: AtomicUsize = AtomicUsize::new(0);
 
@@ -69,17 +62,15 @@ fn stage_cap() -> usize {
 }
 
 /// Largest gate/up stage rows and down stage rows (0 = no cap).
-static ROWS_CAP: [AtomicUsize; 3] = [AtomicUsize::new(0), AtomicUsize::new(0), AtomicUsize::new(0)];
+static ROWS_CAP: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
 
 /// Caps the stage shapes (A/B runs: `gate_rows` of 32 / 16 / 8 gate rows per gate/up stage,
-/// `down_rows` of 8 / 4 output rows per down stage, and dense stages of 32 rows when
-/// `gate_rows` is 32, else 16; `None` = the largest that gets 2 stages). Drop captured graphs
-/// after a change.
+/// `down_rows` of 8 / 4 output rows per down stage; `None` = the largest that gets 2 stages).
+/// Drop captured graphs after a change.
 pub fn set_stream_rows_cap(caps: Option<(usize, usize)>) {
     let (g, d) = caps.unwrap_or((0, 0));
     ROWS_CAP[0].store(g, Ordering::Relaxed);
     ROWS_CAP[1].store(d, Ordering::Relaxed);
-    ROWS_CAP[2].store(if g == 0 || g >= 32 { 0 } else { 16 }, Ordering::Relaxed);
 }
 
 fn rows_ok(which: usize, rows: usize) -> bool {
@@ -117,26 +108,47 @@ impl Gpu {
     /// memory holds, at most 8 (or the cap of [`set_stream_stage_cap`]); 0 when the kernels do
     /// not apply (before sm_90, where the bulk copies do not exist, or room for fewer than 2).
     fn stream_stages(&self, stage: usize) -> Result<usize, CudaError> {
+        self.stream_stages_in(stage, self.block_smem(false)?.saturating_sub(HDR))
+    }
+
+    /// Stages of `stage` bytes in `budget` bytes (0 before sm_90 or below 2).
+    fn stream_stages_in(&self, stage: usize, budget: usize) -> Result<usize, CudaError> {
         if self.arch < 90 || stage == 0 {
             return Ok(0);
         }
-        let optin = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as usize;
-        let n = optin.saturating_sub(HDR) / stage;
+        let n = budget / stage;
         Ok(if n >= 2 { n.min(stage_cap()) } else { 0 })
     }
 
-    /// (gate rows per stage, ring stages) of the streamed gate/up for these matrices: the
-    /// largest stage (32, 16 or 8 gate rows and as many up rows) that gets 2 stages; None when
-    /// it does not fit (type, shape, arch, shared memory).
-    pub fn gate_up_stream_plan(&self, gate: &DevMat, up: &DevMat) -> Result<Option<(usize, usize)>, CudaError> {
+    /// Dynamic shared memory a block may use: the opt-in limit, or with `two` the most that
+    /// leaves room for two blocks an SM (each also holds 1 KB the system reserves).
+    fn block_smem(&self, two: bool) -> Result<usize, CudaError> {
+        let optin = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as usize;
+        if !two {
+            return Ok(optin);
+        }
+        let per_sm = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?.max(0) as usize;
+        Ok(optin.min((per_sm / 2).saturating_sub(1024)))
+    }
+
+    /// (gate rows per stage, ring stages, two blocks an SM) of the streamed gate/up for these
+    /// matrices: with `one_token` (every pair one token's) and [`set_stream_two_blocks`], the
+    /// two-block form if it gets 2 stages, else one block an SM; in each, the largest stage (32,
+    /// 16 or 8 gate rows and as many up rows) that gets 2 stages. None when it does not fit
+    /// (type, shape, arch, shared memory).
+    pub fn gate_up_stream_plan(&self, gate: &DevMat, up: &DevMat, one_token: bool) -> Result<Option<(usize, usize, bool)>, CudaError> {
         let shapes = gate.ty == GgmlType::IQ4_XS && up.ty == gate.ty && fast_mat(gate) && fast_mat(up) && gate.row_bytes == up.row_bytes && gate.rows % 32 == 0 && gate.cols % 32 == 0 && gate.cols / 32 <= ROUND_UNITS;
         if !shapes {
             return Ok(None);
         }
-        for sr in [32usize, 16, 8].into_iter().filter(|&r| rows_ok(0, r) || r == 8) {
-            let n = self.stream_stages(2 * sr * gate.row_bytes)?;
-            if n >= 2 {
-                return Ok(Some((sr, n)));
+        let forms: &[bool] = if one_token && TWO_BLOCKS.get() { &[true, false] } else { &[false] };
+        for &two in forms {
+            let budget = self.block_smem(two)?.saturating_sub(HDR + if two { XS_BYTES } else { 0 });
+            for sr in [32usize, 16, 8].into_iter().filter(|&r| rows_ok(0, r) || r == 8) {
+                let n = self.stream_stages_in(2 * sr * gate.row_bytes, budget)?;
+                if n >= 2 {
+                    return Ok(Some((sr, n, two)));
+                }
             }
         }
         Ok(None)
@@ -158,10 +170,10 @@ impl Gpu {
         Ok(None)
     }
 
-    /// One block per SM, fewer when there are fewer tasks.
-    fn stream_grid(&self, tasks: usize) -> Result<u32, CudaError> {
+    /// One block per SM (two with `two`), fewer when there are fewer tasks.
+    fn stream_grid(&self, tasks: usize, two: bool) -> Result<u32, CudaError> {
         let sms = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
-        Ok(sms.min(tasks.max(1)) as u32)
+        Ok((sms * if two { 2 } else { 1 }).min(tasks.max(1)) as u32)
     }
 
     /// Streamed gate/up/SiLU → q8 of the `npairs` pairs of `ids` (token = pair / k): the
@@ -169,14 +181,14 @@ impl Gpu {
     /// ([`Gpu::gate_up_stream_plan`]).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up_stream(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<(), CudaError> {
-        let plan = self.gate_up_stream_plan(gate, up)?;
-        let Some((sr, nst)) = plan.filter(|_| ld >= gate.rows && ld % 32 == 0 && k > 0) else {
+        let plan = self.gate_up_stream_plan(gate, up, npairs == k)?;
+        let Some((sr, nst, two)) = plan.filter(|_| ld >= gate.rows && ld % 32 == 0 && k > 0) else {
             return Err(CudaError::Shape(format!("moe_gate_up_stream: {:?} {}x{} (ld {ld}, sm_{})", gate.ty, gate.rows, gate.cols, self.arch)));
         };
-        let smem = HDR + nst * 2 * sr * gate.row_bytes;
+        let smem = HDR + if two { XS_BYTES } else { 0 } + nst * 2 * sr * gate.row_bytes;
         let mid = [Arg::P(ids), Arg::I(k as i32), Arg::I(npairs as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32)];
-        let grid = self.stream_grid(npairs * (gate.rows / 32))?;
-        let name = format!("moe_gate_up_{}{sr}_iq4_xs", if probe() { "blkp" } else { "blk" });
+        let grid = self.stream_grid(npairs * (gate.rows / 32), two)?;
+        let name = format!("moe_gate_up_{}{sr}{}_iq4_xs", if probe() { "blkp" } else { "blk" }, if two { "x" } else { "" });
         self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))
     }
 
@@ -189,44 +201,10 @@ impl Gpu {
             return Err(CudaError::Shape(format!("moe_down_stream: {:?} {}x{} top-{k} (sm_{})", down.ty, down.rows, down.cols, self.arch)));
         };
         let smem = HDR + nst * rs * k * down.row_bytes;
-        let grid = self.stream_grid(nt * down.rows.div_ceil(rs))?;
+        let grid = self.stream_grid(nt * down.rows.div_ceil(rs), false)?;
         let mid = [Arg::P(ids), Arg::P(wts), Arg::I(k as i32), Arg::I(nt as i32), Arg::I(nst as i32)];
         let name = format!("moe_down_{}{rs}_iq4_xs", if probe() { "blkp" } else { "blk" });
         self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &down_args(down, &mid, aq, ad, &[Arg::P(hidden), Arg::L(hs as i64)]))
     }
 
-    /// (rows per consumer warp and stage, ring stages) of the streamed one-token Q8_0 product
-    /// over these matrices (same type and width): 32-row stages when 2 of them fit, else 16;
-    /// None when it does not fit.
-    pub fn matvec_stream_plan(&self, segs: &[(&DevMat, u64, usize)]) -> Result<Option<(usize, usize)>, CudaError> {
-        let Some((w0, _, _)) = segs.first() else { return Ok(None) };
-        let ok = segs.len() <= 3 && segs.iter().all(|(w, _, _)| w.ty == GgmlType::Q8_0 && fast_mat(w) && w.row_bytes == w0.row_bytes && w.cols == w0.cols);
-        if !ok {
-            return Ok(None);
-        }
-        for rpw in [2usize, 1].into_iter().filter(|&r| rows_ok(2, 16 * r) || r == 1) {
-            let n = self.stream_stages(16 * rpw * w0.row_bytes)?;
-            if n >= 2 {
-                return Ok(Some((rpw, n)));
-            }
-        }
-        Ok(None)
-    }
-
-    /// Streamed one-token Q8_0 product `y (+)= W x` over up to three matrices sharing the
-    /// input (as [`Gpu::matvec_q8`] at one vector, bit for bit). Errors when it does not fit
-    /// ([`Gpu::matvec_stream_plan`]).
-    pub fn matvec_stream(&self, segs: &[(&DevMat, u64, usize)], xq: u64, xd: u64, ncol: usize, accumulate: bool) -> Result<(), CudaError> {
-        let plan = self.matvec_stream_plan(segs)?.filter(|_| segs[0].0.cols == ncol);
-        let Some((rpw, nst)) = plan else {
-            return Err(CudaError::Shape(format!("matvec_stream: {} matrices (Q8_0, equal widths {ncol}, sm_{})", segs.len(), self.arch)));
-        };
-        let rb = segs[0].0.row_bytes;
-        let (mut args, _) = mv_args(segs, rb / 272, xq, xd, ncol, 1, accumulate);
-        args.push(Arg::I(nst as i32));
-        let tasks: usize = segs.iter().map(|(w, _, _)| w.rows.div_ceil(16 * rpw)).sum();
-        let smem = HDR + nst * 16 * rpw * rb;
-        let name = format!("mv_q8_0_{}{rpw}", if probe() { "blkp" } else { "blk" });
-        self.launch_pdl(&name, (self.stream_grid(tasks)?, 1, 1), THREADS, smem as u32, &args)
-    }
 }
