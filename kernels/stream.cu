@@ -26,7 +26,8 @@
 // Tried and dropped (docs/CUDA.md): one row per consumer warp per stage with a consumer barrier
 // per task and warp 0 doing the epilogue (24 us against psx's 21 per M2.7 gate/up); the grouped
 // forms (several pairs per slot, activations read from global memory: 10x slower than grpf);
-// the one-token dense Q8_0 products through the same ring (q/k/v 12.5 us against mvqs's 10.7).
+// the one-token dense Q8_0 products through the same ring (q/k/v 12.5 us against mvqs's 10.7);
+// two gate/up blocks an SM (32 consumer warps, the input in shared memory: 22 us against 18).
 
 #define BK_CW 16                    // consumer warps
 #define BK_PW BK_CW                 // the producer warp
@@ -97,12 +98,22 @@ __device__ __forceinline__ void bk_range(int total, int& t0, int& t1) {
     t1 = (int)((i64)total * (blockIdx.x + 1) / gridDim.x);
 }
 
-// Shared-memory unit loads: header (d, scales) and the 16 code bytes of unit un of a row.
-__device__ __forceinline__ void bk_unit(const u8* row, int un, uint2& h, uint2& qa, uint2& qb) {
-    const u8* b = row + (un >> 3) * 136;
-    h = *(const uint2*)b;
-    qa = *(const uint2*)(b + 8 + 16 * (un & 7));
-    qb = *(const uint2*)(b + 16 + 16 * (un & 7));
+// Shared-memory unit loads through 32-bit shared addresses: a row's unit un has its header
+// (d, scales) at row + oh and its 16 code bytes at row + oq (bk_unit_offsets: fixed per lane
+// and unit round, computed once), so a unit costs two adds and three loads.
+__device__ __forceinline__ void bk_unit_offsets(int un, u32& oh, u32& oq) {
+    oh = (u32)((un >> 3) * 136);
+    oq = oh + 8 + 16 * (un & 7);
+}
+__device__ __forceinline__ uint2 bk_lds2(u32 a) {
+    uint2 v;
+    asm volatile("ld.shared.v2.u32 {%0, %1}, [%2];" : "=r"(v.x), "=r"(v.y) : "r"(a));
+    return v;
+}
+__device__ __forceinline__ void bk_unit(u32 row, u32 oh, u32 oq, uint2& h, uint2& qa, uint2& qb) {
+    h = bk_lds2(row + oh);
+    qa = bk_lds2(row + oq);
+    qb = bk_lds2(row + oq + 8);
 }
 
 // ------------------------------------------------------------------ gate/up ------------
@@ -114,11 +125,7 @@ __device__ __forceinline__ void bk_unit(const u8* row, int un, uint2& h, uint2& 
 // epilogue warp computes act = silu(g) * u of the 32 rows -> q8 (aq [p][ld], ad [p][ld / 32]).
 // PROBE (the "blkp" kernels, timing only): the consumers skip the arithmetic.
 // grid (min(SMs, tasks)), block BK_THREADS, dynamic shared memory BK_HDR + nst x 2 SR rb.
-// XS (the "x" kernels, two blocks an SM): every pair is one token's (npairs == k, host-checked)
-// and its interleaved q8 input lives in shared memory (BK_XS bytes after the header, [unit
-// round][lane]) instead of 27 registers a lane, so that two blocks (32 consumer warps) fit an SM.
-#define BK_XS 4096
-template <int SR, bool PROBE, bool XS>
+template <int SR, bool PROBE>
 __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k, int npairs,
                                             int grows, int nst, const i8* xq, const float* xd, int ncol, i8* aq,
                                             float* ad, int ld) {
@@ -131,9 +138,7 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
     u64* aempty = afull + BK_NAB;
     float* sg = (float*)(bk_sm + 256);  // [BK_NAB][32]
     float* su = sg + BK_NAB * 32;       // [BK_NAB][32]
-    int4* sx = (int4*)(bk_sm + BK_HDR);                     // XS: [GR_XU][32 lanes][2]
-    float* sxd = (float*)(bk_sm + BK_HDR + GR_XU * 32 * 32);  // XS: [GR_XU][32 lanes]
-    u8* ring = bk_sm + BK_HDR + (XS ? BK_XS : 0);
+    u8* ring = bk_sm + BK_HDR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const i64 sb_bytes = 2 * SR * rb;
     if (threadIdx.x == 0) {
@@ -187,31 +192,17 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
     const int nu = ncol >> 5;
     u32 tb0, tb2;
     iq4_pin((u32)(rb >> 62) & threadIdx.x, tb0, tb2);  // codebook words in registers (same bits)
-    int4 xa[GR_XU], xb[GR_XU];  // unused with XS (eliminated)
+    int4 xa[GR_XU], xb[GR_XU];
     float xs[GR_XU];
-    if (XS) {
-        // The token's input, interleaved, once: consumer thread i < nu fills unit i.
-        const int i = threadIdx.x;
-        if (i < GR_XU * 32) {
-            int4 a = make_int4(0, 0, 0, 0), c = make_int4(0, 0, 0, 0);
-            float d = 0.f;
-            if (i < nu) {
-                const int4* xp = (const int4*)(xq + i * 32);
-                a = xp[0];
-                c = xp[1];
-                d = xd[i];
-                iq4_x_il(a, c);
-            }
-            sx[2 * i] = a;
-            sx[2 * i + 1] = c;
-            sxd[i] = d;
-        }
-        asm volatile("bar.sync 1, %0;" ::"n"(32 * BK_CW) : "memory");
-    }
+    const int sb = lane & 7;  // the lane's sub-block in every unit round (32 u + lane)
+    u32 oh[GR_XU], oq[GR_XU];
+#pragma unroll
+    for (int u = 0; u < GR_XU; u++) bk_unit_offsets(lane + 32 * u, oh[u], oq[u]);
+    const u32 ring_s = smem_addr(ring);
     int t_x = -1, n = 0;
     for (int task = t0, it = 0; task < t1; task++, it++) {
         const int tok = (task / nrg) / k;
-        if (!XS && tok != t_x) {
+        if (tok != t_x) {
             gr_x_load(xq, xd, tok, ncol, lane, nu, xa, xb, xs);
 #pragma unroll
             for (int j = 0; j < GR_XU; j++) iq4_x_il(xa[j], xb[j]);
@@ -222,27 +213,21 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
         for (int s = 0; s < 32 / SR; s++, n++) {
             const int b = n % nst;
             bk_mb_wait(&full[b], (n / nst) & 1);
-            const u8* st = ring + b * sb_bytes;
+            const u32 st = ring_s + (u32)(b * sb_bytes);
             float acc[RPW];
 #pragma unroll
             for (int j = 0; j < RPW; j++) {
-                const u8* row = st + (i64)(warp + 16 * j) * rb;
+                const u32 row = st + (u32)((warp + 16 * j) * rb);
                 acc[j] = 0.f;
                 if (PROBE) {
-                    acc[j] = (float)row[lane];
+                    acc[j] = (float)bk_lds2(row + 8 * lane).x;
                 } else {
 #pragma unroll
                     for (int u = 0; u < GR_XU; u++) {
-                        int un = lane + 32 * u;
-                        if (un < nu) {
+                        if (lane + 32 * u < nu) {
                             uint2 h, qa, qb;
-                            bk_unit(row, un, h, qa, qb);
-                            if (XS) {
-                                // unit un = lane + 32 u sits at index un of sx / sxd
-                                acc[j] += sxd[un] * iq4_unit_il(h, qa, qb, un & 7, sx[2 * un], sx[2 * un + 1], tb0, tb2);
-                            } else {
-                                acc[j] += xs[u] * iq4_unit_il(h, qa, qb, un & 7, xa[u], xb[u], tb0, tb2);
-                            }
+                            bk_unit(row, oh[u], oq[u], h, qa, qb);
+                            acc[j] += xs[u] * iq4_unit_il(h, qa, qb, sb, xa[u], xb[u], tb0, tb2);
                         }
                     }
                 }
@@ -268,16 +253,10 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
         const float *xd, int ncol, i8 *aq, float *ad, int ld
 #define BK_GU_INST(sr)                                                                                           \
     extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_blk##sr##_iq4_xs(BK_GU_ARGS) {        \
-        gate_up_blk<sr, false, false>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);         \
+        gate_up_blk<sr, false>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);                \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_blkp##sr##_iq4_xs(BK_GU_ARGS) {       \
-        gate_up_blk<sr, true, false>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);          \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(BK_THREADS, 2) moe_gate_up_blk##sr##x_iq4_xs(BK_GU_ARGS) {       \
-        gate_up_blk<sr, false, true>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);          \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(BK_THREADS, 2) moe_gate_up_blkp##sr##x_iq4_xs(BK_GU_ARGS) {      \
-        gate_up_blk<sr, true, true>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);           \
+        gate_up_blk<sr, true>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);                 \
     }
 BK_GU_INST(8)
 BK_GU_INST(16)
@@ -363,12 +342,17 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
     const int j_ex = warp >> 1, half = warp & 1;
     // The lane's units of a row pair (the same for every pair): row rr[i] of the pair, unit uu[i].
     int uu[DG_U], rr[DG_U];
+    u32 oh[DG_U], oq[DG_U];
 #pragma unroll
     for (int i = 0; i < DG_U; i++) {
         int un = lane + 32 * i;
         rr[i] = un >= upe;
         uu[i] = un - rr[i] * upe;
+        bk_unit_offsets(uu[i], oh[i], oq[i]);
+        oh[i] += (u32)(rr[i] * rb);  // the pair's second row
+        oq[i] += (u32)(rr[i] * rb);
     }
+    const u32 ring_s = smem_addr(ring);
     int4 xa[DG_U], xb[DG_U];
     float xs[DG_U];
     int p_x = -1;
@@ -398,14 +382,14 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
             const int w0 = half * (RS / 2) + 2 * q;  // the pair's first row in the stage
             s[q][0] = s[q][1] = 0.f;
             if (PROBE) {
-                s[q][0] = (float)ring[b * sb_bytes + lane];
+                s[q][0] = (float)bk_lds2(ring_s + (u32)(b * sb_bytes) + 8 * lane).x;
             } else if (active && w0 < nr) {
-                const u8* st = ring + b * sb_bytes + (i64)j_ex * RS * rb;
+                const u32 st = ring_s + (u32)(b * sb_bytes + ((i64)j_ex * RS + w0) * rb);
 #pragma unroll
                 for (int i = 0; i < DG_U; i++) {
                     if (lane + 32 * i < nu && w0 + rr[i] < nr) {
                         uint2 h, qa, qb;
-                        bk_unit(st + (i64)(w0 + rr[i]) * rb, uu[i], h, qa, qb);
+                        bk_unit(st, oh[i], oq[i], h, qa, qb);
                         u32 lo[4], hi[4];
                         float sc = iq4_decode_t<true>(h, qa, qb, uu[i] & 7, lo, hi, tb0, tb2);
                         float v = xs[i] * (sc * (float)iq4_dot(lo, hi, xa[i], xb[i]));

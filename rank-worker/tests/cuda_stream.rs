@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use common::gpu::{Rng, bits, gpu, poisoned, q8_deq, q8_host, random_experts, random_rows, upload_mat};
 use minimax_rank::cuda::fast::{self, GateUpKind};
-use minimax_rank::cuda::stream::{set_stream_rows_cap, set_stream_stage_cap, set_stream_two_blocks};
+use minimax_rank::cuda::stream::{set_stream_rows_cap, set_stream_stage_cap};
 use minimax_rank::cuda::{DevMat, Gpu};
 use minimax_shared::quant::{self, GgmlType};
 
@@ -61,7 +61,7 @@ fn streamed_gate_up_matches_psx() {
         let upw = random_rows(&mut rng, TY, e * ff, h);
         let (_g1, gm) = upload_mat(&g, TY, &gate, ff, h, e);
         let (_g2, um) = upload_mat(&g, TY, &upw, ff, h, e);
-        assert!(g.gate_up_stream_plan(&gm, &um, nt == 1).unwrap().is_some(), "{h} -> {ff}: the streamed gate/up must fit");
+        assert!(g.gate_up_stream_plan(&gm, &um).unwrap().is_some(), "{h} -> {ff}: the streamed gate/up must fit");
         let ids: Vec<i32> = (0..nt).flat_map(|_| routed(&mut rng, 1, k, e)).collect();
         let x = rng.vec(nt * h, 2.0);
         let (hq, hd) = q8_host(&x);
@@ -81,23 +81,17 @@ fn streamed_gate_up_matches_psx() {
             (g.download(&aq).unwrap(), g.download(&ad).unwrap())
         };
         let want = run(false);
-        for two in [false, true] {
-            set_stream_two_blocks(Some(two));
-            let form = g.gate_up_stream_plan(&gm, &um, nt == 1).unwrap().unwrap().2;
-            assert_eq!(form, two && nt == 1, "two-block form chosen for {nt} tokens");
-            for rows in [32usize, 16, 8] {
-                set_stream_rows_cap(Some((rows, 8)));
-                for cap in [None, Some(2)] {
-                    set_stream_stage_cap(cap);
-                    for rep in 0..2 {
-                        let got = run(true);
-                        assert_eq!(got.0, want.0, "{h} -> {ff}, two blocks {form}, {rows}-row stages, stage cap {cap:?}: q8 codes differ from psx (rep {rep})");
-                        assert_eq!(bits(&got.1), bits(&want.1), "{h} -> {ff}, two blocks {form}, {rows}-row stages, stage cap {cap:?}: q8 scales differ from psx (rep {rep})");
-                    }
+        for rows in [32usize, 16, 8] {
+            set_stream_rows_cap(Some((rows, 8)));
+            for cap in [None, Some(2)] {
+                set_stream_stage_cap(cap);
+                for rep in 0..2 {
+                    let got = run(true);
+                    assert_eq!(got.0, want.0, "{h} -> {ff}, {rows}-row stages, stage cap {cap:?}: q8 codes differ from psx (rep {rep})");
+                    assert_eq!(bits(&got.1), bits(&want.1), "{h} -> {ff}, {rows}-row stages, stage cap {cap:?}: q8 scales differ from psx (rep {rep})");
                 }
             }
         }
-        set_stream_two_blocks(None);
         set_stream_stage_cap(None);
         set_stream_rows_cap(None);
         let (c, s) = &want;
@@ -192,7 +186,7 @@ fn streamed_kernels_refuse_shapes_they_do_not_fit() {
     let mut rng = Rng(0x5eed_0fa5_7000_0104);
     let wide = random_rows(&mut rng, TY, 2 * 64, 3584);
     let (_w, wm) = upload_mat(&g, TY, &wide, 64, 3584, 2);
-    assert!(g.gate_up_stream_plan(&wm, &wm, true).unwrap().is_none());
+    assert!(g.gate_up_stream_plan(&wm, &wm).unwrap().is_none());
     let e = g.moe_gate_up_stream(&wm, &wm, 0, 1, 1, 0, 0, 0, 0, 64).unwrap_err();
     assert!(e.to_string().contains("moe_gate_up_stream"), "{e}");
     let dn = random_rows(&mut rng, TY, 2 * 64, 1536);
@@ -252,26 +246,18 @@ fn streamed_kernels_speed() {
     let dn_reg = |i: usize| g.moe_down_q8_with(fast::DownKind::Reg4Pre, &dm, g.ptr(&sets[i % 8]), g.ptr(&wb), k, g.ptr(&aq), g.ptr(&ad), g.ptr(&hid), h, 1).unwrap();
     let dn_st = |i: usize| g.moe_down_stream(&dm, g.ptr(&sets[i % 8]), g.ptr(&wb), k, 1, g.ptr(&aq), g.ptr(&ad), g.ptr(&hid), h).unwrap();
     row("gate/up psx", time(&gu_reg), gu_bytes);
-    for two in [false, true] {
-        set_stream_two_blocks(Some(two));
-        for rows in [32usize, 16, 8] {
-            set_stream_rows_cap(Some((rows, 8)));
-            set_stream_stage_cap(None);
-            let (sr, nmax, form) = g.gate_up_stream_plan(&gm, &um, true).unwrap().unwrap();
-            if sr != rows {
-                continue;
-            }
-            for cap in [8usize, 2] {
-                set_stream_stage_cap(Some(cap));
-                let blocks = if form { "2 blocks" } else { "1 block" };
-                row(&format!("gate/up streamed, {blocks}/SM, {sr}+{sr} rows x {}", cap.min(nmax)), time(&gu_st), gu_bytes);
-                set_stream_probe(true);
-                row(&format!("gate/up probe, {blocks}/SM, {sr}+{sr} rows x {}", cap.min(nmax)), time(&gu_st), gu_bytes);
-                set_stream_probe(false);
-            }
+    for rows in [32usize, 16, 8] {
+        set_stream_rows_cap(Some((rows, 8)));
+        set_stream_stage_cap(None);
+        let (sr, nmax) = g.gate_up_stream_plan(&gm, &um).unwrap().unwrap();
+        for cap in [8usize, 2] {
+            set_stream_stage_cap(Some(cap));
+            row(&format!("gate/up streamed, {sr}+{sr} rows x {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
+            set_stream_probe(true);
+            row(&format!("gate/up probe (no arithmetic), {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
+            set_stream_probe(false);
         }
     }
-    set_stream_two_blocks(None);
     row("down rx4", time(&dn_reg), dn_bytes);
     for rows in [8usize, 4] {
         set_stream_rows_cap(Some((32, rows)));

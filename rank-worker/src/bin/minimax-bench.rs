@@ -512,15 +512,6 @@ fn stream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     }
     println!("stream A/B batch 1: register kernels {:.3} ms ({:.1} tok/s), streamed experts {:.3} ms ({:.1} tok/s) (graph replay)", r[0], 1e3 / r[0], r[1], 1e3 / r[1]);
     set_stream(Some(true));
-    for two in [false, true, false, true] {
-        minimax_rank::cuda::stream::set_stream_two_blocks(Some(two));
-        m.clear_graphs();
-        fin &= stream_step(m, &pts, &mut toks, s)?;
-        s += 1;
-        let t = replay_ms(m, b, 30)?;
-        println!("stream gate/up two blocks an SM {two}, batch 1: {t:.3} ms ({:.1} tok/s)", 1e3 / t);
-    }
-    minimax_rank::cuda::stream::set_stream_two_blocks(None);
     for (gr, dr) in [(32usize, 8usize), (16, 8), (8, 4)] {
         set_stream_rows_cap(Some((gr, dr)));
         for cap in [2usize, 8] {

@@ -774,7 +774,7 @@ impl Gpu {
         if !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 {
             return Err(CudaError::Shape("moe_gate_up_q8: expert tensors".into()));
         }
-        if super::stream::stream_on() && self.gate_up_stream_plan(gate, up, npairs == k)?.is_some() {
+        if super::stream::stream_on() && self.gate_up_stream_plan(gate, up)?.is_some() {
             return self.moe_gate_up_stream(gate, up, ids, k, npairs, xq, xd, aq, ad, ld);
         }
         self.moe_gate_up_q8_with(GateUpKind::from_env(), gate, up, ids, k, xq, xd, aq, ad, npairs, ld)

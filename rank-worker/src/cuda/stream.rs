@@ -30,18 +30,6 @@ pub fn set_stream(on: Option<bool>) {
     STREAM.set(on);
 }
 
-static TWO_BLOCKS: EnvFlag = EnvFlag::new("MINIMAX_STREAM_2CTA", true);
-
-/// Whether one-token gate/up steps take the two-blocks-an-SM form (the token's input in shared
-/// memory, 32 consumer warps an SM) where it fits (`MINIMAX_STREAM_2CTA`, default on); A/B runs
-/// and tests (`None` = back to the environment). Drop captured graphs after a change.
-pub fn set_stream_two_blocks(on: Option<bool>) {
-    TWO_BLOCKS.set(on);
-}
-
-/// Shared memory of the two-block form before its ring: the token's interleaved input (`BK_XS`).
-const XS_BYTES: usize = 4096;
-
 static STAGE_CAP: AtomicUsize = AtomicUsize::new(0);
 
 /// Caps the ring stages of the streamed kernels (tests: 2 makes every ring wrap; A/B runs;
@@ -108,47 +96,26 @@ impl Gpu {
     /// memory holds, at most 8 (or the cap of [`set_stream_stage_cap`]); 0 when the kernels do
     /// not apply (before sm_90, where the bulk copies do not exist, or room for fewer than 2).
     fn stream_stages(&self, stage: usize) -> Result<usize, CudaError> {
-        self.stream_stages_in(stage, self.block_smem(false)?.saturating_sub(HDR))
-    }
-
-    /// Stages of `stage` bytes in `budget` bytes (0 before sm_90 or below 2).
-    fn stream_stages_in(&self, stage: usize, budget: usize) -> Result<usize, CudaError> {
         if self.arch < 90 || stage == 0 {
             return Ok(0);
         }
-        let n = budget / stage;
+        let optin = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as usize;
+        let n = optin.saturating_sub(HDR) / stage;
         Ok(if n >= 2 { n.min(stage_cap()) } else { 0 })
     }
 
-    /// Dynamic shared memory a block may use: the opt-in limit, or with `two` the most that
-    /// leaves room for two blocks an SM (each also holds 1 KB the system reserves).
-    fn block_smem(&self, two: bool) -> Result<usize, CudaError> {
-        let optin = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as usize;
-        if !two {
-            return Ok(optin);
-        }
-        let per_sm = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR)?.max(0) as usize;
-        Ok(optin.min((per_sm / 2).saturating_sub(1024)))
-    }
-
-    /// (gate rows per stage, ring stages, two blocks an SM) of the streamed gate/up for these
-    /// matrices: with `one_token` (every pair one token's) and [`set_stream_two_blocks`], the
-    /// two-block form if it gets 2 stages, else one block an SM; in each, the largest stage (32,
-    /// 16 or 8 gate rows and as many up rows) that gets 2 stages. None when it does not fit
-    /// (type, shape, arch, shared memory).
-    pub fn gate_up_stream_plan(&self, gate: &DevMat, up: &DevMat, one_token: bool) -> Result<Option<(usize, usize, bool)>, CudaError> {
+    /// (gate rows per stage, ring stages) of the streamed gate/up for these matrices: the
+    /// largest stage (32, 16 or 8 gate rows and as many up rows) that gets 2 stages; None when
+    /// it does not fit (type, shape, arch, shared memory).
+    pub fn gate_up_stream_plan(&self, gate: &DevMat, up: &DevMat) -> Result<Option<(usize, usize)>, CudaError> {
         let shapes = gate.ty == GgmlType::IQ4_XS && up.ty == gate.ty && fast_mat(gate) && fast_mat(up) && gate.row_bytes == up.row_bytes && gate.rows % 32 == 0 && gate.cols % 32 == 0 && gate.cols / 32 <= ROUND_UNITS;
         if !shapes {
             return Ok(None);
         }
-        let forms: &[bool] = if one_token && TWO_BLOCKS.get() { &[true, false] } else { &[false] };
-        for &two in forms {
-            let budget = self.block_smem(two)?.saturating_sub(HDR + if two { XS_BYTES } else { 0 });
-            for sr in [32usize, 16, 8].into_iter().filter(|&r| rows_ok(0, r) || r == 8) {
-                let n = self.stream_stages_in(2 * sr * gate.row_bytes, budget)?;
-                if n >= 2 {
-                    return Ok(Some((sr, n, two)));
-                }
+        for sr in [32usize, 16, 8].into_iter().filter(|&r| rows_ok(0, r) || r == 8) {
+            let n = self.stream_stages(2 * sr * gate.row_bytes)?;
+            if n >= 2 {
+                return Ok(Some((sr, n)));
             }
         }
         Ok(None)
@@ -170,10 +137,10 @@ impl Gpu {
         Ok(None)
     }
 
-    /// One block per SM (two with `two`), fewer when there are fewer tasks.
-    fn stream_grid(&self, tasks: usize, two: bool) -> Result<u32, CudaError> {
+    /// One block per SM, fewer when there are fewer tasks.
+    fn stream_grid(&self, tasks: usize) -> Result<u32, CudaError> {
         let sms = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
-        Ok((sms * if two { 2 } else { 1 }).min(tasks.max(1)) as u32)
+        Ok(sms.min(tasks.max(1)) as u32)
     }
 
     /// Streamed gate/up/SiLU → q8 of the `npairs` pairs of `ids` (token = pair / k): the
@@ -181,14 +148,14 @@ impl Gpu {
     /// ([`Gpu::gate_up_stream_plan`]).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up_stream(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<(), CudaError> {
-        let plan = self.gate_up_stream_plan(gate, up, npairs == k)?;
-        let Some((sr, nst, two)) = plan.filter(|_| ld >= gate.rows && ld % 32 == 0 && k > 0) else {
+        let plan = self.gate_up_stream_plan(gate, up)?;
+        let Some((sr, nst)) = plan.filter(|_| ld >= gate.rows && ld % 32 == 0 && k > 0) else {
             return Err(CudaError::Shape(format!("moe_gate_up_stream: {:?} {}x{} (ld {ld}, sm_{})", gate.ty, gate.rows, gate.cols, self.arch)));
         };
-        let smem = HDR + if two { XS_BYTES } else { 0 } + nst * 2 * sr * gate.row_bytes;
+        let smem = HDR + nst * 2 * sr * gate.row_bytes;
         let mid = [Arg::P(ids), Arg::I(k as i32), Arg::I(npairs as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32)];
-        let grid = self.stream_grid(npairs * (gate.rows / 32), two)?;
-        let name = format!("moe_gate_up_{}{sr}{}_iq4_xs", if probe() { "blkp" } else { "blk" }, if two { "x" } else { "" });
+        let grid = self.stream_grid(npairs * (gate.rows / 32))?;
+        let name = format!("moe_gate_up_{}{sr}_iq4_xs", if probe() { "blkp" } else { "blk" });
         self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))
     }
 
@@ -201,7 +168,7 @@ impl Gpu {
             return Err(CudaError::Shape(format!("moe_down_stream: {:?} {}x{} top-{k} (sm_{})", down.ty, down.rows, down.cols, self.arch)));
         };
         let smem = HDR + nst * rs * k * down.row_bytes;
-        let grid = self.stream_grid(nt * down.rows.div_ceil(rs), false)?;
+        let grid = self.stream_grid(nt * down.rows.div_ceil(rs))?;
         let mid = [Arg::P(ids), Arg::P(wts), Arg::I(k as i32), Arg::I(nt as i32), Arg::I(nst as i32)];
         let name = format!("moe_down_{}{rs}_iq4_xs", if probe() { "blkp" } else { "blk" });
         self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &down_args(down, &mid, aq, ad, &[Arg::P(hidden), Arg::L(hs as i64)]))
