@@ -33,7 +33,7 @@ pub fn set_stream(on: Option<bool>) {
 static STAGE_CAP: AtomicUsize = AtomicUsize::new(0);
 
 /// Caps the ring stages of the streamed kernels (tests: 2 makes every ring wrap; A/B runs;
-/// `None` = back to `MINIMAX_MOE_STREAM_STAGES`, else as many as fit, at most 8). Drop captured
+/// `None` = back to `MINIMAX_STREAM_STAGES`, else as many as fit, at most 8). Drop captured
 /// graphs after a change.
 pub fn set_stream_stage_cap(cap: Option<usize>) {
     STAGE_CAP.store(cap.map(|c| c.max(2)).unwrap_or(0), Ordering::Relaxed);
@@ -43,7 +43,7 @@ fn stage_cap() -> usize {
     match STAGE_CAP.load(Ordering::Relaxed) {
         0 => {
             static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-            *V.get_or_init(|| std::env::var("MINIMAX_MOE_STREAM_STAGES").ok().and_then(|v| v.parse().ok()).unwrap_or(MAX_STAGES).clamp(2, MAX_STAGES))
+            *V.get_or_init(|| std::env::var("MINIMAX_STREAM_STAGES").ok().and_then(|v| v.parse().ok()).unwrap_or(MAX_STAGES).clamp(2, MAX_STAGES))
         }
         c => c.min(MAX_STAGES),
     }
