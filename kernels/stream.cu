@@ -92,6 +92,24 @@ __device__ __forceinline__ void bk_copy(void* dst, const void* src, u32 bytes, u
                  : "memory");
 #endif
 }
+// The block's barriers, by thread 0, then a block barrier: ring full[i] (the producer's
+// arrival + bytes) and empty[i] (the consumer warps), hand-over afull[a] (the consumer warps)
+// and aempty[a] (the epilogue warp).
+__device__ __forceinline__ void bk_init(u64* full, u64* empty, u64* afull, u64* aempty, int nst) {
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < nst; i++) {
+            bk_mb_init(&full[i], 1);
+            bk_mb_init(&empty[i], BK_CW);
+        }
+        for (int a = 0; a < BK_NAB; a++) {
+            bk_mb_init(&afull[a], BK_CW);
+            bk_mb_init(&aempty[a], 1);
+        }
+        bk_mb_fence_init();
+    }
+    __syncthreads();
+}
+
 // The block's task range [t0, t1) of `total`.
 __device__ __forceinline__ void bk_range(int total, int& t0, int& t1) {
     t0 = (int)((i64)total * blockIdx.x / gridDim.x);
@@ -141,18 +159,7 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
     u8* ring = bk_sm + BK_HDR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const i64 sb_bytes = 2 * SR * rb;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < nst; i++) {
-            bk_mb_init(&full[i], 1);
-            bk_mb_init(&empty[i], BK_CW);
-        }
-        for (int a = 0; a < BK_NAB; a++) {
-            bk_mb_init(&afull[a], BK_CW);
-            bk_mb_init(&aempty[a], 1);
-        }
-        bk_mb_fence_init();
-    }
-    __syncthreads();
+    bk_init(full, empty, afull, aempty, nst);
     pdl_wait();  // ids come from the router, the input from norm_q8 of this step
     pdl_trigger();
     const int nrg = grows >> 5;
@@ -288,18 +295,7 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
     u8* ring = bk_sm + BK_HDR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const i64 sb_bytes = (i64)RS * k * rb;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < nst; i++) {
-            bk_mb_init(&full[i], 1);
-            bk_mb_init(&empty[i], BK_CW);
-        }
-        for (int a = 0; a < BK_NAB; a++) {
-            bk_mb_init(&afull[a], BK_CW);
-            bk_mb_init(&aempty[a], 1);
-        }
-        bk_mb_fence_init();
-    }
-    __syncthreads();
+    bk_init(full, empty, afull, aempty, nst);
     const int nrg = (rows + RS - 1) / RS;
     int t0, t1;
     bk_range(nt * nrg, t0, t1);

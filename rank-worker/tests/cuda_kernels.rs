@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::gpu::{Rng, TYPES, bits, gpu, poisoned, q8_deq, q8_host, random_experts, random_rows, upload_mat};
+use common::gpu::{Rng, TYPES, bits, gpu, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
 use minimax_rank::cuda::fast::{self, DownKind, GateUpKind, MvqKind};
 use minimax_rank::cuda::{Arg, AttnArgs, KvDtype};
 use minimax_shared::model::GatingFunc;
@@ -847,17 +847,7 @@ fn fast_grouped_kinds_are_bit_identical() {
     for &(nt, k, e, h, ff, hrows) in &[(32usize, 3usize, 9usize, 3072usize, 1536usize, 3072usize), (5, 3, 7, 3584, 2560, 43), (5, 2, 4, 2560, 1024, 43)] {
         let ex = random_experts(&g, &mut rng, ty, e, ff, h, hrows);
         let (gate, upw, down, gm, um, dm) = (&ex.gate, &ex.up, &ex.down, ex.gm, ex.um, ex.dm);
-        let mut ids = Vec::new();
-        for _ in 0..nt {
-            let mut row = vec![0i32];
-            while row.len() < k {
-                let x = 1 + rng.below(e - 1) as i32;
-                if !row.contains(&x) {
-                    row.push(x);
-                }
-            }
-            ids.extend(row);
-        }
+        let ids = routed(&mut rng, nt, k, e);
         let np = nt * k;
         let ib = g.upload(&ids).unwrap();
         let grp = g.zeros::<i32>(1 + 3 * e + np).unwrap();

@@ -10,7 +10,7 @@ mod common;
 
 use std::sync::Mutex;
 
-use common::gpu::{Rng, bits, gpu, poisoned, q8_deq, q8_host, random_experts, random_rows, upload_mat};
+use common::gpu::{Rng, bits, gpu, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
 use minimax_rank::cuda::fast::{self, GateUpKind};
 use minimax_rank::cuda::stream::{set_stream_rows_cap, set_stream_stage_cap};
 use minimax_rank::cuda::{DevMat, Gpu};
@@ -26,22 +26,6 @@ fn row_dot(m: &[u8], ex: usize, rows: usize, r: usize, cols: usize, x: &[f32]) -
     let o = (ex * rows + r) * rb;
     let w = quant::dequantize_to_vec(TY, &m[o..o + rb], cols).unwrap();
     w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum()
-}
-
-/// Distinct random experts per token, expert 0 in every token's list (one slot holds them all).
-fn routed(rng: &mut Rng, nt: usize, k: usize, e: usize) -> Vec<i32> {
-    let mut ids = Vec::new();
-    for _ in 0..nt {
-        let mut row = vec![0i32];
-        while row.len() < k {
-            let x = 1 + rng.below(e - 1) as i32;
-            if !row.contains(&x) {
-                row.push(x);
-            }
-        }
-        ids.extend(row);
-    }
-    ids
 }
 
 /// Gate/up with one pair per slot, bit for bit against `moe_gate_up_psx` (itself checked against

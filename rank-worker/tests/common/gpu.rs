@@ -183,3 +183,20 @@ pub fn random_experts(g: &Gpu, rng: &mut Rng, ty: GgmlType, e: usize, ff: usize,
     let (b3, dm) = upload_mat(g, ty, &down, hrows, ff, e);
     RandomExperts { gate, up, down, gm, um, dm, _bufs: [b1, b2, b3] }
 }
+
+/// `nt` tokens' top-`k` expert ids over `e` experts, distinct per token, expert 0 in every
+/// token's list (one expert shared by all tokens: the fullest slot a grouped step can have).
+pub fn routed(rng: &mut Rng, nt: usize, k: usize, e: usize) -> Vec<i32> {
+    let mut ids = Vec::new();
+    for _ in 0..nt {
+        let mut row = vec![0i32];
+        while row.len() < k {
+            let x = 1 + rng.below(e - 1) as i32;
+            if !row.contains(&x) {
+                row.push(x);
+            }
+        }
+        ids.extend(row);
+    }
+    ids
+}
