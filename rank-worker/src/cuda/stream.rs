@@ -122,13 +122,15 @@ impl Gpu {
     }
 
     /// (output rows per stage, ring stages) of the streamed down at top-`k`: 8 rows when 2
-    /// stages of them fit, else 4; None when it does not fit.
+    /// stages of them fit; None otherwise (4-row stages, which a 99 KB sm_120 block would get,
+    /// measured slower than `rx4` on an H200: they run only when [`set_stream_rows_cap`] asks).
     pub fn down_stream_plan(&self, down: &DevMat, k: usize) -> Result<Option<(usize, usize)>, CudaError> {
         let shapes = down.ty == GgmlType::IQ4_XS && fast_mat(down) && down.cols % 32 == 0 && 2 * (down.cols / 32) <= ROUND_UNITS && (1..=STREAM_MAX_K).contains(&k);
         if !shapes {
             return Ok(None);
         }
-        for rs in [8usize, 4].into_iter().filter(|&r| rows_ok(1, r) || r == 4) {
+        let cap = ROWS_CAP[1].load(Ordering::Relaxed);
+        for rs in [8usize, 4].into_iter().filter(|&r| if cap == 0 { r == 8 } else { r <= cap.max(4) }) {
             let n = self.stream_stages(rs * k * down.row_bytes)?;
             if n >= 2 {
                 return Ok(Some((rs, n)));
