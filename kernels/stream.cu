@@ -1,5 +1,5 @@
 // Streamed IQ4_XS expert kernels for one pair per slot (host: cuda::stream,
-// MINIMAX_MOE_STREAM): the batch-1 decode step's gate/up and down. Appended to fast.cu in the
+// MINIMAX_STREAM): the batch-1 decode step's gate/up and down. Appended to fast.cu in the
 // "fast" module: they reuse its IQ4 decode, q8 and PDL helpers.
 //
 // Why: the register-direct kernels (moe_gate_up_psx, moe_down_rx4) hold their weight loads in
@@ -38,7 +38,7 @@
 #define BK_HDR 2048                 // barriers (256 bytes), then the hand-over buffers
 
 // The PTX below exists from sm_90 on; below it the kernels compile to nothing useful and the
-// host never launches them (fast::moe_stream_fits checks the arch).
+// host never launches them (the plans in stream.rs check the arch).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define BK_PTX 1
 #else

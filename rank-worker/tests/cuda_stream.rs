@@ -10,7 +10,7 @@ mod common;
 
 use std::sync::Mutex;
 
-use common::gpu::{Rng, bits, gpu, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
+use common::gpu::{Rng, bits, dot, gpu, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
 use minimax_rank::cuda::fast::{self, GateUpKind};
 use minimax_rank::cuda::stream::{set_stream_rows_cap, set_stream_stage_cap};
 use minimax_rank::cuda::{DevMat, Gpu};
@@ -20,12 +20,11 @@ use minimax_shared::quant::{self, GgmlType};
 static SERIAL: Mutex<()> = Mutex::new(());
 const TY: GgmlType = GgmlType::IQ4_XS;
 
-/// f64 `row r of matrix m (experts of `rows` rows of `cols`) . x`.
-fn row_dot(m: &[u8], ex: usize, rows: usize, r: usize, cols: usize, x: &[f32]) -> f64 {
+/// Row r of expert ex of a stacked matrix (experts of `rows` rows of `cols`), dequantized.
+fn deq_row(m: &[u8], ex: usize, rows: usize, r: usize, cols: usize) -> Vec<f32> {
     let rb = quant::row_bytes(TY, cols).unwrap();
     let o = (ex * rows + r) * rb;
-    let w = quant::dequantize_to_vec(TY, &m[o..o + rb], cols).unwrap();
-    w.iter().zip(x).map(|(a, b)| *a as f64 * *b as f64).sum()
+    quant::dequantize_to_vec(TY, &m[o..o + rb], cols).unwrap()
 }
 
 /// Gate/up with one pair per slot, bit for bit against `moe_gate_up_psx` (itself checked against
@@ -46,7 +45,7 @@ fn streamed_gate_up_matches_psx() {
         let (_g1, gm) = upload_mat(&g, TY, &gate, ff, h, e);
         let (_g2, um) = upload_mat(&g, TY, &upw, ff, h, e);
         assert!(g.gate_up_stream_plan(&gm, &um).unwrap().is_some(), "{h} -> {ff}: the streamed gate/up must fit");
-        let ids: Vec<i32> = (0..nt).flat_map(|_| routed(&mut rng, 1, k, e)).collect();
+        let ids = routed(&mut rng, nt, k, e);
         let x = rng.vec(nt * h, 2.0);
         let (hq, hd) = q8_host(&x);
         let xv = q8_deq(&hq, &hd);
@@ -84,7 +83,7 @@ fn streamed_gate_up_matches_psx() {
             let (ex, t) = (ids[p] as usize, p / k);
             for r in [0, 1, 31, 32, ff / 2 + 3, ff - 1, rng.below(ff)] {
                 let xt = &xv[t * h..(t + 1) * h];
-                let (gg, uu) = (row_dot(&gate, ex, ff, r, h, xt), row_dot(&upw, ex, ff, r, h, xt));
+                let (gg, uu) = (dot(&deq_row(&gate, ex, ff, r, h), xt).0, dot(&deq_row(&upw, ex, ff, r, h), xt).0);
                 let want_v = (gg / (1.0 + (-gg).exp()) * uu) as f32;
                 let sc = s[p * ld / 32 + r / 32];
                 let got_v = c[p * ld + r] as f32 * sc;
@@ -108,7 +107,7 @@ fn streamed_combine_down_matches_f64() {
     let mut rng = Rng(0x5eed_0fa5_7000_0103);
     let ff = 1536usize;
     for &(e, k, nt, rows) in &[(7usize, 5usize, 3usize, 43usize), (7, 5, 3, 3040), (16, 8, 1, 3072)] {
-        let ids: Vec<i32> = (0..nt).flat_map(|_| routed(&mut rng, 1, k, e)).collect();
+        let ids = routed(&mut rng, nt, k, e);
         let wts = rng.vec(nt * k, 0.5);
         let act = rng.vec(nt * k * ff, 2.0);
         let (aqh, adh) = q8_host(&act);
@@ -133,11 +132,9 @@ fn streamed_combine_down_matches_f64() {
                 for j in 0..k {
                     let p = t * k + j;
                     let a = &av[p * ff..(p + 1) * ff];
-                    want += wts[p] as f64 * row_dot(&down, ids[p] as usize, rows, r, ff, a);
-                    let rb = quant::row_bytes(TY, ff).unwrap();
-                    let o = (ids[p] as usize * rows + r) * rb;
-                    let w = quant::dequantize_to_vec(TY, &down[o..o + rb], ff).unwrap();
-                    scale += (wts[p] as f64).abs() * w.iter().zip(a).map(|(x, y)| (*x as f64 * *y as f64).abs()).sum::<f64>();
+                    let (d, abs) = dot(&deq_row(&down, ids[p] as usize, rows, r, ff), a);
+                    want += wts[p] as f64 * d;
+                    scale += (wts[p] as f64).abs() * abs;
                 }
                 let gv = got[t * (rows + 1) + r] as f64;
                 assert!(gv.is_finite() && (gv - want).abs() <= 1e-5 * scale + 1e-6, "top-{k} token {t} row {r}: got {gv} want {want}");
@@ -186,9 +183,9 @@ fn streamed_kernels_refuse_shapes_they_do_not_fit() {
 
 /// Launch times at M2.7's expert shapes (not a pass/fail benchmark: it prints a table; the
 /// figures that count come from minimax-bench): the register kernels, the streamed ones at
-/// ring caps 8 / 4 / 2, and the probes (the ring without the arithmetic). 64 experts, the ids
-/// rotating over 8 disjoint sets of 8 so that no launch finds its weights in L2 (7.5 MB an
-/// expert). One token, top-8.
+/// every stage shape with ring caps 8 and 2, and the probes (the ring without the arithmetic).
+/// 64 experts, the ids rotating over 8 disjoint sets of 8 so that no launch finds its weights in
+/// L2 (7.5 MB an expert). One token, top-8.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn streamed_kernels_speed() {
@@ -200,7 +197,7 @@ fn streamed_kernels_speed() {
     let (e, k, h, ff) = (64usize, 8usize, 3072usize, 1536usize);
     let ex = random_experts(&g, &mut rng, TY, e, ff, h, h);
     let (gm, um, dm) = (ex.gm, ex.um, ex.dm);
-    let sets: Vec<_> = (0..8).map(|s| g.upload(&(0..8).map(|j| (s * 8 + j) as i32).collect::<Vec<_>>()).unwrap()).collect();
+    let sets: Vec<_> = (0..8).map(|s| g.upload(&(0..8).map(|j| s * 8 + j).collect::<Vec<_>>()).unwrap()).collect();
     let (hq, hd) = q8_host(&rng.vec(h, 2.0));
     let (xq, xd) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
     let (aqh, adh) = q8_host(&rng.vec(k * ff, 2.0));
@@ -257,6 +254,5 @@ fn streamed_kernels_speed() {
     }
     set_stream_stage_cap(None);
     set_stream_rows_cap(None);
-    drop(row);
     eprintln!("streamed expert kernels, M2.7 shapes, 1 token x top-8 (per launch, weight bytes / time):\n{}", lines.join("\n"));
 }

@@ -220,7 +220,7 @@ fn check_fast_vs_exact(spec_s: &str, layers: usize) -> anyhow::Result<()> {
     // rounding would otherwise change the next token and every step after it.
     let mut fed: Vec<u32> = Vec::new();
     // Run 3: every fast step's MoE grouped by expert (moe_group + *_grp kernels); run 4: the
-    // streamed expert kernels (MINIMAX_MOE_STREAM), 1-3 the register kernels.
+    // streamed expert kernels (MINIMAX_STREAM), 1-3 the register kernels.
     let runs = [(false, false, 0u32, None, false), (true, false, 8, None, false), (true, true, 16, None, false), (true, true, 24, Some(1), false), (true, true, 48, None, true)];
     for (fast, graphs, base, grp, stream) in runs {
         minimax_rank::cuda::fast::set_group_min(grp);

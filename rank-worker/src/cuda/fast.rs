@@ -774,8 +774,8 @@ impl Gpu {
         if !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 {
             return Err(CudaError::Shape("moe_gate_up_q8: expert tensors".into()));
         }
-        if super::stream::stream_on() && self.gate_up_stream_plan(gate, up)?.is_some() {
-            return self.moe_gate_up_stream(gate, up, ids, k, npairs, xq, xd, aq, ad, ld);
+        if super::stream::stream_on() && self.try_gate_up_stream(gate, up, ids, k, npairs, xq, xd, aq, ad, ld)? {
+            return Ok(());
         }
         self.moe_gate_up_q8_with(GateUpKind::from_env(), gate, up, ids, k, xq, xd, aq, ad, npairs, ld)
     }
@@ -986,8 +986,8 @@ impl Gpu {
     /// Fused expert down + weighted combine: `hidden[t] += sum_j w[t,j] down[ids[t,j]] act[t,j]`.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down_q8(&self, down: &DevMat, ids: u64, wts: u64, k: usize, aq: u64, ad: u64, hidden: u64, hs: usize, nt: usize) -> Result<(), CudaError> {
-        if super::stream::stream_on() && self.down_stream_plan(down, k)?.is_some() {
-            return self.moe_down_stream(down, ids, wts, k, nt, aq, ad, hidden, hs);
+        if super::stream::stream_on() && self.try_down_stream(down, ids, wts, k, nt, aq, ad, hidden, hs)? {
+            return Ok(());
         }
         self.moe_down_q8_with(DownKind::from_env(), down, ids, wts, k, aq, ad, hidden, hs, nt)
     }

@@ -13,11 +13,11 @@ pub mod flash;
 pub mod gpu;
 pub mod matmul;
 pub mod model;
-pub mod stream;
 pub mod nccl;
 pub mod nvrtc;
 pub mod peer_allreduce;
 pub mod pipeline;
+pub mod stream;
 pub mod upload;
 
 pub use error::CudaError;

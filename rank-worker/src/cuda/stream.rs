@@ -78,8 +78,6 @@ fn probe() -> bool {
     PROBE.load(Ordering::Relaxed)
 }
 
-
-
 /// Threads of a block: 16 consumer warps, the producer and the epilogue warp (`BK_THREADS`).
 const THREADS: u32 = 32 * 18;
 /// Shared memory before the ring: barriers and the hand-over buffers (`BK_HDR`).
@@ -108,7 +106,7 @@ impl Gpu {
     /// largest stage (32, 16 or 8 gate rows and as many up rows) that gets 2 stages; None when
     /// it does not fit (type, shape, arch, shared memory).
     pub fn gate_up_stream_plan(&self, gate: &DevMat, up: &DevMat) -> Result<Option<(usize, usize)>, CudaError> {
-        let shapes = gate.ty == GgmlType::IQ4_XS && up.ty == gate.ty && fast_mat(gate) && fast_mat(up) && gate.row_bytes == up.row_bytes && gate.rows % 32 == 0 && gate.cols % 32 == 0 && gate.cols / 32 <= ROUND_UNITS;
+        let shapes = gate.ty == GgmlType::IQ4_XS && up.ty == gate.ty && fast_mat(gate) && fast_mat(up) && gate.row_bytes == up.row_bytes && gate.rows % 32 == 0 && gate.cols / 32 <= ROUND_UNITS;
         if !shapes {
             return Ok(None);
         }
@@ -125,7 +123,7 @@ impl Gpu {
     /// stages of them fit; None otherwise (4-row stages, which a 99 KB sm_120 block would get,
     /// measured slower than `rx4` on an H200: they run only when [`set_stream_rows_cap`] asks).
     pub fn down_stream_plan(&self, down: &DevMat, k: usize) -> Result<Option<(usize, usize)>, CudaError> {
-        let shapes = down.ty == GgmlType::IQ4_XS && fast_mat(down) && down.cols % 32 == 0 && 2 * (down.cols / 32) <= ROUND_UNITS && (1..=STREAM_MAX_K).contains(&k);
+        let shapes = down.ty == GgmlType::IQ4_XS && fast_mat(down) && 2 * (down.cols / 32) <= ROUND_UNITS && (1..=STREAM_MAX_K).contains(&k);
         if !shapes {
             return Ok(None);
         }
@@ -150,15 +148,26 @@ impl Gpu {
     /// ([`Gpu::gate_up_stream_plan`]).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up_stream(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<(), CudaError> {
+        if self.try_gate_up_stream(gate, up, ids, k, npairs, xq, xd, aq, ad, ld)? {
+            return Ok(());
+        }
+        Err(CudaError::Shape(format!("moe_gate_up_stream: {:?} {}x{} (ld {ld}, sm_{})", gate.ty, gate.rows, gate.cols, self.arch)))
+    }
+
+    /// [`Gpu::moe_gate_up_stream`] if it fits (true: launched), else nothing (false): the
+    /// dispatcher's form, one plan per launch.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn try_gate_up_stream(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<bool, CudaError> {
         let plan = self.gate_up_stream_plan(gate, up)?;
         let Some((sr, nst)) = plan.filter(|_| ld >= gate.rows && ld % 32 == 0 && k > 0) else {
-            return Err(CudaError::Shape(format!("moe_gate_up_stream: {:?} {}x{} (ld {ld}, sm_{})", gate.ty, gate.rows, gate.cols, self.arch)));
+            return Ok(false);
         };
         let smem = HDR + nst * 2 * sr * gate.row_bytes;
         let mid = [Arg::P(ids), Arg::I(k as i32), Arg::I(npairs as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32)];
         let grid = self.stream_grid(npairs * (gate.rows / 32))?;
         let name = format!("moe_gate_up_{}{sr}_iq4_xs", if probe() { "blkp" } else { "blk" });
-        self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))
+        self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))?;
+        Ok(true)
     }
 
     /// Streamed down + weighted combine: `hidden[t] += sum_j w[t,j] down[ids[t,j]] act[t,j]`
@@ -166,14 +175,23 @@ impl Gpu {
     /// order). Errors when it does not fit ([`Gpu::down_stream_plan`]).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down_stream(&self, down: &DevMat, ids: u64, wts: u64, k: usize, nt: usize, aq: u64, ad: u64, hidden: u64, hs: usize) -> Result<(), CudaError> {
+        if self.try_down_stream(down, ids, wts, k, nt, aq, ad, hidden, hs)? {
+            return Ok(());
+        }
+        Err(CudaError::Shape(format!("moe_down_stream: {:?} {}x{} top-{k} (sm_{})", down.ty, down.rows, down.cols, self.arch)))
+    }
+
+    /// [`Gpu::moe_down_stream`] if it fits (true: launched), else nothing (false).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn try_down_stream(&self, down: &DevMat, ids: u64, wts: u64, k: usize, nt: usize, aq: u64, ad: u64, hidden: u64, hs: usize) -> Result<bool, CudaError> {
         let Some((rs, nst)) = self.down_stream_plan(down, k)? else {
-            return Err(CudaError::Shape(format!("moe_down_stream: {:?} {}x{} top-{k} (sm_{})", down.ty, down.rows, down.cols, self.arch)));
+            return Ok(false);
         };
         let smem = HDR + nst * rs * k * down.row_bytes;
         let grid = self.stream_grid(nt * down.rows.div_ceil(rs))?;
         let mid = [Arg::P(ids), Arg::P(wts), Arg::I(k as i32), Arg::I(nt as i32), Arg::I(nst as i32)];
         let name = format!("moe_down_{}{rs}_iq4_xs", if probe() { "blkp" } else { "blk" });
-        self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &down_args(down, &mid, aq, ad, &[Arg::P(hidden), Arg::L(hs as i64)]))
+        self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &down_args(down, &mid, aq, ad, &[Arg::P(hidden), Arg::L(hs as i64)]))?;
+        Ok(true)
     }
-
 }
