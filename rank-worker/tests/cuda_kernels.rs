@@ -842,6 +842,8 @@ fn fast_grouped_moe_matches_cpu() {
 fn fast_grouped_kinds_are_bit_identical() {
     use fast::GrpKind;
     let g = gpu();
+    // The register kinds themselves (the grouped streamed kernels: cuda_stream).
+    minimax_rank::cuda::gstream::set_gstream(Some(false));
     let mut rng = Rng(0x5eed_0fa5_7000_0013);
     let ty = GgmlType::IQ4_XS;
     for &(nt, k, e, h, ff, hrows) in &[(32usize, 3usize, 9usize, 3072usize, 1536usize, 3072usize), (5, 3, 7, 3584, 2560, 43), (5, 2, 4, 2560, 1024, 43)] {
@@ -926,6 +928,7 @@ fn fast_grouped_kinds_are_bit_identical() {
         }
         eprintln!("grouped IQ4_XS kinds, {nt} tokens x top-{k} of {e} ({h} -> {ff} -> {hrows}): bit-identical; sampled rows: gate/up max rel {worst:.2e}, down max rel {worst_d:.2e}");
     }
+    minimax_rank::cuda::gstream::set_gstream(None);
 }
 
 /// Grouped IQ4_XS down, both kernels (tensor-core `moe_down_grpm_iq4_xs` and dp4a

@@ -256,3 +256,213 @@ fn streamed_kernels_speed() {
     set_stream_rows_cap(None);
     eprintln!("streamed expert kernels, M2.7 shapes, 1 token x top-8 (per launch, weight bytes / time):\n{}", lines.join("\n"));
 }
+
+/// `moe_group`'s slots of `ids` (`np` pairs over `e` experts) on the device.
+fn group(g: &Gpu, ids: &cudarc::driver::CudaSlice<i32>, np: usize, e: usize) -> cudarc::driver::CudaSlice<i32> {
+    let grp = g.zeros::<i32>(1 + 3 * e + np).unwrap();
+    g.fill_u32(g.ptr(&grp), 1 + 3 * e + np, u32::MAX).unwrap();
+    g.moe_group(g.ptr(ids), np, e, g.ptr(&grp)).unwrap();
+    grp
+}
+
+/// The grouped streamed kernels (kernels/gstream.cu) against f64 products of the dequantized
+/// weights and against the grouped register kernels (`grpf`): gate/up q8 outputs of every pair
+/// at sampled rows within q8 rounding of f64 and within one code of grpf, the pad past the
+/// rows untouched; every down output (every pair, every row) within 1e-5 of the sum of |terms|;
+/// bit-identical from run to run, with 2 ring stages, and with the down's early start. Shapes:
+/// 32 tokens x top-8 of 12 experts, expert 0 in every token (a slot of 32 pairs: 8 chunks of 4),
+/// M2.7's widths (3072 -> 1536 -> 1024 rows); 4 tokens x top-8 of 64 (slots of 1-4 pairs, M2.7's
+/// down of 3072 rows); a tensor-parallel slice (768 gate/up rows, activations 1024 apart: the
+/// down's input padded to whole 272-byte chunks: 32 units, 2 a consumer warp).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn grouped_streamed_moe_matches_f64() {
+    use minimax_rank::cuda::gstream::set_gstream;
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0106);
+    for &(e, k, nt, h, ff, hrows, pad) in &[(12usize, 8usize, 32usize, 3072usize, 1536usize, 1024usize, 0usize), (64, 8, 4, 3072, 1536, 3072, 0), (8, 2, 3, 3072, 768, 3072, 256)] {
+        let ld = ff + pad;
+        let np = nt * k;
+        let gate = random_rows(&mut rng, TY, e * ff, h);
+        let upw = random_rows(&mut rng, TY, e * ff, h);
+        let (_g1, gm) = upload_mat(&g, TY, &gate, ff, h, e);
+        let (_g2, um) = upload_mat(&g, TY, &upw, ff, h, e);
+        assert!(g.gate_up_gstream_plan(&gm, &um).unwrap().is_some(), "{h} -> {ff}: the grouped streamed gate/up must fit");
+        let ids = routed(&mut rng, nt, k, e);
+        let ib = g.upload(&ids).unwrap();
+        let grp = group(&g, &ib, np, e);
+        let nslots = np.min(e);
+        let (hq, hd) = q8_host(&rng.vec(nt * h, 2.0));
+        let xv = q8_deq(&hq, &hd);
+        let (qb, db) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
+        let gate_up = |streamed: bool| {
+            let aq = g.zeros::<i8>(np * ld).unwrap();
+            g.fill_u32(g.ptr(&aq), np * ld / 4, 0x7f7f_7f7f).unwrap();
+            let ad = poisoned(&g, np * ld / 32);
+            if streamed {
+                g.moe_gate_up_gstream(&gm, &um, g.ptr(&grp), e, k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), ld).unwrap();
+            } else {
+                set_gstream(Some(false));
+                g.moe_gate_up_grp(&gm, &um, g.ptr(&grp), e, nslots, k, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), ld).unwrap();
+                set_gstream(None);
+            }
+            g.sync().unwrap();
+            (g.download(&aq).unwrap(), g.download(&ad).unwrap())
+        };
+        let (c, s) = gate_up(true);
+        let (rc, rs) = gate_up(false);
+        let mut worst_code = 0i32;
+        for p in 0..np {
+            assert!(c[p * ld + ff..(p + 1) * ld].iter().all(|&q| q == 0x7f), "pair {p}: the pad was written");
+            for r in 0..ff {
+                let (a, b) = (c[p * ld + r] as f32 * s[p * ld / 32 + r / 32], rc[p * ld + r] as f32 * rs[p * ld / 32 + r / 32]);
+                let sc = s[p * ld / 32 + r / 32];
+                assert!(a.is_finite() && (a - b).abs() <= 1.01 * sc + 1e-6, "pair {p} row {r}: streamed {a} vs grpf {b} (q8 step {sc})");
+                worst_code = worst_code.max((c[p * ld + r] as i32 - rc[p * ld + r] as i32).abs());
+            }
+            let (exp, t) = (ids[p] as usize, p / k);
+            let xt = &xv[t * h..(t + 1) * h];
+            for r in [0, 1, 31, 32, ff / 2 + 3, ff - 1, rng.below(ff)] {
+                let (gg, uu) = (dot(&deq_row(&gate, exp, ff, r, h), xt).0, dot(&deq_row(&upw, exp, ff, r, h), xt).0);
+                let want = (gg / (1.0 + (-gg).exp()) * uu) as f32;
+                let sc = s[p * ld / 32 + r / 32];
+                let got = c[p * ld + r] as f32 * sc;
+                let tol = sc * 0.51 + 1e-4 * want.abs() + 1e-6;
+                assert!((got - want).abs() <= tol, "pair {p} row {r}: got {got} want {want} tol {tol}");
+            }
+        }
+        for cap in [None, Some(2)] {
+            set_stream_stage_cap(cap);
+            let again = gate_up(true);
+            assert!(again.0 == c && bits(&again.1) == bits(&s), "{h} -> {ff}, stage cap {cap:?}: gate/up not deterministic");
+        }
+        set_stream_stage_cap(None);
+        // The down over `ld` columns (the forward's dn.cols: a tensor-parallel slice padded to
+        // whole 272-byte chunks), on q8 activations of its own.
+        let dn = random_rows(&mut rng, TY, e * hrows, ld);
+        let (_dnb, dm) = upload_mat(&g, TY, &dn, hrows, ld, e);
+        assert!(g.down_gstream_plan(&dm).unwrap().is_some(), "{ld} -> {hrows}: the grouped streamed down must fit");
+        let (aqh, adh) = q8_host(&rng.vec(np * ld, 2.0));
+        let av = q8_deq(&aqh, &adh);
+        let (aq, ad) = (g.upload(&aqh).unwrap(), g.upload(&adh).unwrap());
+        let down = |early: bool| {
+            let dpart = poisoned(&g, np * hrows);
+            g.moe_down_gstream(&dm, g.ptr(&grp), e, g.ptr(&aq), g.ptr(&ad), g.ptr(&dpart), early).unwrap();
+            g.sync().unwrap();
+            g.download(&dpart).unwrap()
+        };
+        let got = down(false);
+        let mut worst = 0f64;
+        for p in 0..np {
+            let a = &av[p * ld..(p + 1) * ld];
+            for r in 0..hrows {
+                let (want, abs) = dot(&deq_row(&dn, ids[p] as usize, hrows, r, ld), a);
+                let gv = got[p * hrows + r] as f64;
+                assert!(gv.is_finite() && (gv - want).abs() <= 1e-5 * abs + 1e-6, "down pair {p} row {r}: got {gv} want {want}");
+                worst = worst.max((gv - want).abs() / (abs + 1e-6));
+            }
+        }
+        for cap in [None, Some(2)] {
+            set_stream_stage_cap(cap);
+            assert_eq!(bits(&down(false)), bits(&got), "{ff} -> {hrows}, stage cap {cap:?}: down not deterministic");
+            assert_eq!(bits(&down(true)), bits(&got), "{ff} -> {hrows}, stage cap {cap:?}: the early start changed the down");
+        }
+        set_stream_stage_cap(None);
+        eprintln!("grouped streamed {nt} tokens x top-{k} of {e} ({h} -> {ff} -> {hrows}): gate/up within q8 rounding of f64, at most {worst_code} code from grpf; down within {worst:.2e} of f64; deterministic");
+    }
+}
+
+/// Shapes the grouped streamed kernels do not take are refused with an error naming the kernel:
+/// rows not a multiple of the stage (43 down rows), inputs of more than 96 units (3584 columns).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn grouped_streamed_kernels_refuse_shapes_they_do_not_fit() {
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g: Gpu = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0107);
+    let wide = random_rows(&mut rng, TY, 2 * 64, 3584);
+    let (_w, wm) = upload_mat(&g, TY, &wide, 64, 3584, 2);
+    assert!(g.gate_up_gstream_plan(&wm, &wm).unwrap().is_none());
+    let e = g.moe_gate_up_gstream(&wm, &wm, 0, 2, 1, 0, 0, 0, 0, 64).unwrap_err();
+    assert!(e.to_string().contains("moe_gate_up_gstream"), "{e}");
+    let odd = random_rows(&mut rng, TY, 2 * 43, 1536);
+    let (_o, om) = upload_mat(&g, TY, &odd, 43, 1536, 2);
+    assert!(g.down_gstream_plan(&om).unwrap().is_none());
+    let e = g.moe_down_gstream(&om, 0, 2, 0, 0, 0, false).unwrap_err();
+    assert!(e.to_string().contains("moe_down_gstream"), "{e}");
+    let ok = random_rows(&mut rng, TY, 2 * 64, 1536);
+    let (_k, km) = upload_mat(&g, TY, &ok, 64, 1536, 2);
+    assert!(g.down_gstream_plan(&km).unwrap().is_some(), "64 rows of 1536 columns fit");
+}
+
+/// Launch times of the grouped expert kernels at M2.7's shapes for 32 tokens x top-8 over 160
+/// experts (~130 of them chosen, 1-2 pairs a slot as in served decoding; not a pass/fail
+/// benchmark: it prints a table, the figures that count come from minimax-bench): grpf against
+/// the grouped streamed kernels, 4 routings in turn.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn grouped_streamed_speed() {
+    use minimax_rank::cuda::gstream::set_gstream;
+    use std::time::Instant;
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0108);
+    let (e, k, nt, h, ff) = (160usize, 8usize, 32usize, 3072usize, 1536usize);
+    let np = nt * k;
+    let ex = random_experts(&g, &mut rng, TY, e, ff, h, h);
+    let (gm, um, dm) = (ex.gm, ex.um, ex.dm);
+    let mut grps = Vec::new();
+    let mut used = 0usize;
+    for _ in 0..4 {
+        let mut ids = Vec::new();
+        for _ in 0..nt {
+            let mut row: Vec<i32> = Vec::new();
+            while row.len() < k {
+                let x = rng.below(e) as i32;
+                if !row.contains(&x) {
+                    row.push(x);
+                }
+            }
+            ids.extend(row);
+        }
+        let mut s = ids.clone();
+        s.sort();
+        s.dedup();
+        used += s.len();
+        let ib = g.upload(&ids).unwrap();
+        grps.push((group(&g, &ib, np, e), ib));
+    }
+    let used = used as f64 / 4.0;
+    let (hq, hd) = q8_host(&rng.vec(nt * h, 2.0));
+    let (xq, xd) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
+    let (aqh, adh) = q8_host(&rng.vec(np * ff, 2.0));
+    let (aq, ad) = (g.upload(&aqh).unwrap(), g.upload(&adh).unwrap());
+    let oq = g.zeros::<i8>(np * ff).unwrap();
+    let od = g.zeros::<f32>(np * ff / 32).unwrap();
+    let dpart = g.zeros::<f32>(np * h).unwrap();
+    let time = |f: &dyn Fn(usize)| {
+        for i in 0..4 {
+            f(i);
+        }
+        g.sync().unwrap();
+        let t = Instant::now();
+        for i in 0..32 {
+            f(i);
+        }
+        g.sync().unwrap();
+        t.elapsed().as_secs_f64() * 1e6 / 32.0
+    };
+    let gu_bytes = used * (2 * ff * gm.row_bytes) as f64;
+    let dn_bytes = used * (h * dm.row_bytes) as f64;
+    let mut lines = Vec::new();
+    for on in [false, true, false, true] {
+        set_gstream(Some(on));
+        let name = if on { "grouped streamed" } else { "grpf" };
+        let gu = time(&|i| g.moe_gate_up_grp(&gm, &um, g.ptr(&grps[i % 4].0), e, np.min(e), k, g.ptr(&xq), g.ptr(&xd), g.ptr(&oq), g.ptr(&od), ff).unwrap());
+        let dn = time(&|i| g.moe_down_grp(&dm, g.ptr(&grps[i % 4].0), e, np.min(e), g.ptr(&aq), g.ptr(&ad), g.ptr(&dpart)).unwrap());
+        lines.push(format!("{name:<18} gate/up {gu:>7.1} us {:>5.2} TB/s   down {dn:>7.1} us {:>5.2} TB/s", gu_bytes / gu / 1e6, dn_bytes / dn / 1e6));
+    }
+    set_gstream(None);
+    eprintln!("grouped expert kernels, M2.7 shapes, {nt} tokens x top-{k} over {e} experts ({used:.0} chosen on average), per launch:\n{}", lines.join("\n"));
+}

@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--gstream-ab]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -219,12 +219,14 @@ fn check_fast_vs_exact(spec_s: &str, layers: usize) -> anyhow::Result<()> {
     // Every run is fed the exact run's greedy tokens: a single top-k near-tie flipped by q8
     // rounding would otherwise change the next token and every step after it.
     let mut fed: Vec<u32> = Vec::new();
-    // Run 3: every fast step's MoE grouped by expert (moe_group + *_grp kernels); run 4: the
-    // streamed expert kernels (MINIMAX_STREAM), 1-3 the register kernels.
-    let runs = [(false, false, 0u32, None, false), (true, false, 8, None, false), (true, true, 16, None, false), (true, true, 24, Some(1), false), (true, true, 48, None, true)];
-    for (fast, graphs, base, grp, stream) in runs {
+    // Run 3: every fast step's MoE grouped by expert (moe_group + the grouped streamed kernels,
+    // MINIMAX_GSTREAM); run 4: the streamed expert kernels (MINIMAX_STREAM); run 5: grouped
+    // by expert on the grouped register kernels (grpf); 1-2 the per-pair register kernels.
+    let runs = [(false, false, 0u32, None, false, true), (true, false, 8, None, false, true), (true, true, 16, None, false, true), (true, true, 24, Some(1), false, true), (true, true, 48, None, true, true), (true, true, 32, Some(1), false, false)];
+    for (fast, graphs, base, grp, stream, gstream) in runs {
         minimax_rank::cuda::fast::set_group_min(grp);
         minimax_rank::cuda::stream::set_stream(Some(stream));
+        minimax_rank::cuda::gstream::set_gstream(Some(gstream));
         m.clear_graphs();
         m.set_fast(fast, graphs);
         let pt: Vec<u32> = (base..base + 8).collect();
@@ -245,8 +247,9 @@ fn check_fast_vs_exact(spec_s: &str, layers: usize) -> anyhow::Result<()> {
     let scale = outs[0].iter().flat_map(|o| o.logits.iter()).fold(0f32, |a, x| a.max(x.abs()));
     minimax_rank::cuda::fast::set_group_min(None);
     minimax_rank::cuda::stream::set_stream(None);
+    minimax_rank::cuda::gstream::set_gstream(None);
     m.clear_graphs();
-    for (name, i) in [("fast", 1), ("fast+graphs", 2), ("fast+graphs, MoE grouped", 3), ("fast+graphs, streamed MoE", 4)] {
+    for (name, i) in [("fast", 1), ("fast+graphs", 2), ("fast+graphs, MoE grouped (streamed)", 3), ("fast+graphs, streamed MoE", 4), ("fast+graphs, MoE grouped (grpf)", 5)] {
         let mut md = 0f32;
         let mut same = 0;
         let mut per_step = Vec::new();
@@ -267,6 +270,8 @@ fn check_fast_vs_exact(spec_s: &str, layers: usize) -> anyhow::Result<()> {
     // bit-identical; the down adds a token's experts in another order).
     let d = outs[2].iter().zip(&outs[4]).flat_map(|(x, y)| x.logits.iter().zip(&y.logits)).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
     println!("check {spec_s}:{layers} streamed vs register MoE kernels: max |diff| {d:.3e} (rel {:.2e})", d / scale.max(1e-9));
+    let d = outs[3].iter().zip(&outs[5]).flat_map(|(x, y)| x.logits.iter().zip(&y.logits)).fold(0f32, |m, (x, y)| m.max((x - y).abs()));
+    println!("check {spec_s}:{layers} grouped streamed vs grpf MoE kernels: max |diff| {d:.3e} (rel {:.2e})", d / scale.max(1e-9));
     println!("check exact path finite: {}", outs[0].iter().all(finite));
     // Prefill precision at real size: a 100-token prompt (tensor-core GEMMs), every position's
     // logits under the int8 GEMMs (the default) against bf16x3 (~f32 activations).
@@ -534,6 +539,44 @@ fn stream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--gstream-ab`: the grouped streamed expert kernels (kernels/gstream.cu) against the grouped
+/// register kernels (`grpf`) at batch 4 / 16 / 32 (served-like prompts), graph replay,
+/// alternating, three rounds; then the per-kernel split of a batch-32 step with them.
+fn gstream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
+    use minimax_rank::cuda::gstream::set_gstream;
+    let bs = [4usize, 16, 32];
+    let pts: Vec<Vec<u32>> = (0..32).map(|_| pages.take(8)).collect();
+    let mut toks = start_streams(m, &pts)?;
+    let mut s = 0;
+    let mut r = [[0f64; 3]; 2];
+    for _round in 0..3 {
+        for (i, on) in [false, true].into_iter().enumerate() {
+            set_gstream(Some(on));
+            m.clear_graphs();
+            for (j, &b) in bs.iter().enumerate() {
+                anyhow::ensure!(stream_step(m, &pts[..b], &mut toks[..b], s)?, "non-finite or out-of-vocabulary picks at batch {b}");
+                s += 1;
+                r[i][j] += replay_ms(m, b, 20)? / 3.0;
+            }
+        }
+    }
+    println!("\ngrouped MoE A/B (graph replay, ms per step; tok/s in brackets):");
+    for (i, name) in ["grpf (register)", "grouped streamed"].into_iter().enumerate() {
+        let mut line = format!("{name:<20}");
+        for (j, &b) in bs.iter().enumerate() {
+            line += &format!(" b{b}: {:>8.3} ({:>5.0})", r[i][j], b as f64 * 1e3 / r[i][j]);
+        }
+        println!("{line}");
+    }
+    set_gstream(Some(true));
+    m.clear_graphs();
+    anyhow::ensure!(stream_step(m, &pts, &mut toks, s)?, "bad logits at batch 32");
+    print_split(&profile_step(m, 32)?, "batch-32 decode step, grouped streamed expert kernels");
+    set_gstream(None);
+    m.clear_graphs();
+    Ok(())
+}
+
 /// Dense products of M2.7's shapes (q: 6144 x 3072 and o: 3072 x 6144 Q8_0, the F32 router
 /// 256 x 3072) at several token counts: the built-in GEMM (default precision) against cuBLAS,
 /// median of 5 runs each, so the cuBLAS token threshold (`MINIMAX_BLAS_MIN_TOKENS`) can be set
@@ -625,6 +668,9 @@ fn main() -> anyhow::Result<()> {
     }
     if flag("--stream-ab") {
         return stream_ab(&mut m, &mut pages);
+    }
+    if flag("--gstream-ab") {
+        return gstream_ab(&mut m, &mut pages);
     }
     let mut table: Vec<(String, String)> = Vec::new();
 

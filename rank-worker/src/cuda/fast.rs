@@ -850,6 +850,9 @@ impl Gpu {
         if ld < gate.rows || ld % 32 != 0 || gate.ty != GgmlType::IQ4_XS || !fast_mat(gate) || !fast_mat(up) || gate.ty != up.ty || gate.row_bytes != up.row_bytes || gate.rows % 32 != 0 || gate.cols % 256 != 0 {
             return Err(CudaError::Shape(format!("moe_gate_up_grp: {:?} {}x{} (ld {ld})", gate.ty, gate.rows, gate.cols)));
         }
+        if super::gstream::gstream_on() && self.try_gate_up_gstream(gate, up, grp, e, k, xq, xd, aq, ad, ld)? {
+            return Ok(());
+        }
         let (sfx, _) = grp_kind().kernels();
         self.launch_pdl(
             &format!("moe_gate_up_{sfx}_iq4_xs"),
@@ -868,11 +871,23 @@ impl Gpu {
     }
 
     /// [`Gpu::moe_down_grp`] with the kernel given: `mma` = `moe_down_grpm_iq4_xs` (tensor
-    /// cores, opt-in), else the dp4a kernel of [`grp_kind`] (the default; tests and A/B runs).
+    /// cores, opt-in), else the grouped streamed kernel where it fits and is on
+    /// ([`super::gstream::gstream_on`]), else the dp4a kernel of [`grp_kind`] (tests and A/B runs).
     #[allow(clippy::too_many_arguments)]
     pub fn moe_down_grp_with(&self, mma: bool, down: &DevMat, grp: u64, e: usize, nslots: usize, aq: u64, ad: u64, dpart: u64) -> Result<(), CudaError> {
+        self.moe_down_grp_at(mma, false, down, grp, e, nslots, aq, ad, dpart)
+    }
+
+    /// [`Gpu::moe_down_grp_with`]; `after_gate_up`: the kernel launched right before this one
+    /// is the step's grouped gate/up (the forward), so the streamed down may start its weight
+    /// stream before the PDL wait ([`Gpu::moe_down_gstream`]'s `early`).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn moe_down_grp_at(&self, mma: bool, after_gate_up: bool, down: &DevMat, grp: u64, e: usize, nslots: usize, aq: u64, ad: u64, dpart: u64) -> Result<(), CudaError> {
         if down.ty != GgmlType::IQ4_XS || !fast_mat(down) || down.cols % 256 != 0 {
             return Err(CudaError::Shape(format!("moe_down_grp: {:?} {}x{}", down.ty, down.rows, down.cols)));
+        }
+        if !mma && super::gstream::gstream_on() && self.try_down_gstream(down, grp, e, aq, ad, dpart, after_gate_up)? {
+            return Ok(());
         }
         let (name, rows_per_block, threads) = if mma {
             ("moe_down_grpm_iq4_xs".to_string(), 32, 128)

@@ -185,11 +185,14 @@ impl Gpu {
     }
 
     /// [`Gpu::moe_down_grp`] or [`Gpu::kq_moe_down_grp`] by the experts' type.
-    pub fn moe_down_grp_any(&self, down: &DevMat, grp: u64, e: usize, nslots: usize, aq: u64, ad: u64, dpart: u64) -> Result<(), CudaError> {
+    /// `after_gate_up`: launched right after the step's grouped gate/up (the forward's order;
+    /// see [`Gpu::moe_down_gstream`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_down_grp_any(&self, down: &DevMat, grp: u64, e: usize, nslots: usize, aq: u64, ad: u64, dpart: u64, after_gate_up: bool) -> Result<(), CudaError> {
         if kq_fast_mat(down) {
             self.kq_moe_down_grp(down, grp, e, nslots, aq, ad, dpart)
         } else {
-            self.moe_down_grp(down, grp, e, nslots, aq, ad, dpart)
+            self.moe_down_grp_at(super::fast::grp_mma(), after_gate_up, down, grp, e, nslots, aq, ad, dpart)
         }
     }
 

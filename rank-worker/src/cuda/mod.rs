@@ -11,6 +11,7 @@ pub mod fast;
 pub mod fast_kq;
 pub mod flash;
 pub mod gpu;
+pub mod gstream;
 pub mod matmul;
 pub mod model;
 pub mod nccl;

@@ -488,7 +488,8 @@ impl CudaModel {
                 memset_f32_zero(g, hid, nt * h)?;
             }
             if grouped {
-                g.moe_down_grp_any(&dn, grp, e, nslots, aq, ad, p(&ws.dpart))?;
+                // Right after the gate/up, except for a rank's memset of its partial sum.
+                g.moe_down_grp_any(&dn, grp, e, nslots, aq, ad, p(&ws.dpart), !(tp && !lead))?;
                 g.moe_combine_grp(p(&ws.dpart), wts, k, dn.rows, hid, h, nt)?;
             } else {
                 g.moe_down_q8_any(&dn, ids, wts, k, aq, ad, hid, h, nt)?;

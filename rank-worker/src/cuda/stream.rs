@@ -39,7 +39,7 @@ pub fn set_stream_stage_cap(cap: Option<usize>) {
     STAGE_CAP.store(cap.map(|c| c.max(2)).unwrap_or(0), Ordering::Relaxed);
 }
 
-fn stage_cap() -> usize {
+pub(super) fn stage_cap() -> usize {
     match STAGE_CAP.load(Ordering::Relaxed) {
         0 => {
             static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
