@@ -12,7 +12,7 @@
 // rows, or 64 down rows), copied by bulk copies (one per row, rows padded to an odd number of
 // 16-byte pieces: at most 2-way bank conflicts for the lanes' 8-byte loads), and the q8
 // activations of up to GS_PC of the slot's pairs. Lane l of every consumer warp owns stage
-// rows l (and l + 32); warp w owns the units [w upw, (w + 1) upw) of every row. A weight unit is
+// rows l (and l + 32); warp w owns the units [w UPW, (w + 1) UPW) of every row. A weight unit is
 // decoded once, by one lane, and dotted with each pair's activation unit, which all lanes read
 // by one shared-memory broadcast: no cross-lane reduction at all. The 16 warps' partial sums
 // of each (row, pair) go through a hand-over slot to the epilogue warp, which adds them in warp
@@ -32,23 +32,62 @@
 // them started: every gate/up kernel waits before it triggers; moe_down_rx4's argument), then
 // waits before the activation copies.
 //
-// Limits (host: gstream.rs checks them): rows multiples of SR, inputs of at most 96 units and
-// a multiple of 128 columns, rows and activation rows 16-byte aligned, sm_90 and newer.
+// Limits (host: gstream.rs checks them): rows multiples of SR, inputs of 512 x UPW columns
+// (UPW <= 6), rows and activation rows 16-byte aligned, at most GS_MAXE experts, sm_90 and newer.
 
 #define GS_PC 4     // pairs per chunk (activations in every stage)
-#define GS_MAXU 6   // units per warp and row (96 units = 16 warps x 6)
+#define GS_MAXU 6   // units per warp and row (96 units = 16 warps x 6): kernels for 1..6
 #define GS_NH 2     // hand-over slots
-#define GS_BAR 256  // barrier bytes; the hand-over slots follow, then the ring
+#define GS_BAR0 256  // barrier bytes; then the slots' chunk prefix (GS_MAXE + 1 ints)
+#define GS_MAXE 1024
+#define GS_BAR 4608  // the hand-over slots follow, then the ring
 
-__device__ __forceinline__ int4 gs_lds4(u32 a) {
-    int4 v;
-    asm volatile("ld.shared.v4.s32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-    return v;
+// IQ4_XS codes by the sign-replicating prmt, no select step. A table prmt takes a nibble's low
+// 3 bits as the byte index and its bit 3 as "replicate the byte's sign". With TL = codebook
+// entries 0..7 (all negative) and TH = entries 8..15 plus 1 (all positive):
+//   a = prmt(TL, nibbles)       = kv[n] for n < 8, 0xff (-1) for n >= 8;
+//   c = prmt(TH, nibbles ^ 8)   = 0 for n < 8, kv[n] + 1 for n >= 8;
+// so a + c = kv[n] for every n, and dp4a(a, x) + dp4a(c, x) is the codebook dot product, the
+// same integer as the lookup-and-select decode (iq4_lookup_il: 6 prmt + 5 masks and shifts
+// per 8 nibbles; here 4 prmt + 3 xor/shift, and twice the dp4a, on the other pipe). The bytes
+// come in iq4_lookup_il's order, so the activations are interleaved likewise (iq4_x_il).
+#define GS_TL0 0xbfad9881u  // -65 -83 -104 -127
+#define GS_TL1 0xf6eaddcfu  // -10 -22 -35 -49
+#define GS_TH0 0x271a0e02u  // 39 26 14 2   (kv 38 25 13 1, + 1)
+#define GS_TH1 0x725a4636u  // 114 90 70 54 (kv 113 89 69 53, + 1)
+// The table words in registers ptxas cannot see through (z = 0 at run time, unknown to the
+// compiler and per thread; as iq4_pin).
+__device__ __forceinline__ void gs_pin(u32 z, u32& tl0, u32& tl1, u32& th0, u32& th1) {
+    tl0 = GS_TL0 ^ z;
+    tl1 = GS_TL1 ^ z;
+    th0 = GS_TH0 ^ z;
+    th1 = GS_TH1 ^ z;
 }
-__device__ __forceinline__ float gs_ldsf(u32 a) {
-    float v;
-    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(v) : "r"(a));
-    return v;
+// A unit's 16 code bytes (qa, qb) -> a[j], c[j] (j = 2 i + half of code word i).
+__device__ __forceinline__ void gs_codes(uint2 qa, uint2 qb, u32 (&a)[8], u32 (&c)[8], u32 tl0, u32 tl1, u32 th0,
+                                         u32 th1) {
+    const u32 w[4] = {qa.x, qa.y, qb.x, qb.y};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const u32 wx = w[i] ^ 0x88888888u;
+        a[2 * i] = iq4_prmt(tl0, tl1, w[i]);
+        c[2 * i] = iq4_prmt(th0, th1, wx);
+        a[2 * i + 1] = iq4_prmt(tl0, tl1, w[i] >> 16);
+        c[2 * i + 1] = iq4_prmt(th0, th1, wx >> 16);
+    }
+}
+// sum_j (a[j] + c[j]) . x[j] over the unit's interleaved activations (xa = words 0..3, xb = 4..7).
+__device__ __forceinline__ int gs_dot8(const u32 (&a)[8], const u32 (&c)[8], int4 xa, int4 xb) {
+    const int x[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    int s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+        s0 = __dp4a((int)a[j], x[j], s0);
+        s1 = __dp4a((int)c[j], x[j], s1);
+        s2 = __dp4a((int)a[j + 1], x[j + 1], s2);
+        s3 = __dp4a((int)c[j + 1], x[j + 1], s3);
+    }
+    return (s0 + s1) + (s2 + s3);
 }
 
 // The slot of a task: expert, pair count, its pair list.
@@ -63,30 +102,58 @@ __device__ __forceinline__ GsSlot gs_slot(const int* grp, int E, int slot) {
     s.pairs = grp + 1 + 3 * E + __ldcg(grp + 1 + E + slot);
     return s;
 }
-// A block's stages in order, the same walk for all three roles: task (slot, row group rg),
-// chunk ch of cc <= GS_PC pairs, stage s < nsc of the chunk; n counts stages.
+// A block's stages in order, the same walk for all three roles. The step's work is a list of
+// tasks (slot, chunk ch of cc <= GS_PC of its pairs, SR-row group rg), chunk-major within a slot,
+// so that a slot of many pairs is spread over blocks like the rest (cpre[s] = chunks of the
+// slots before s, in shared memory); a task is nsc stages s; n counts stages. The slot's entries
+// are read from grp (L2) only when the slot changes, the chunk's pair ids (lane p < cc: pair p,
+// for the roles that want them) only when the chunk changes.
 struct GsSeq {
     const int* grp;
+    const int* cpre;
     int E, nrg, nsc, t1;
-    int task, rg, ch, cc, s, n;
+    bool want_pairs;
+    int task, slot, rg, ch, cc, s, n, pl, pslot, pch;
     GsSlot sl;
 };
 __device__ __forceinline__ void gs_load(GsSeq& q) {
-    if (q.task < q.t1) {
-        q.sl = gs_slot(q.grp, q.E, q.task / q.nrg);
-        q.rg = q.task % q.nrg;
-        q.cc = min(GS_PC, q.sl.c);
+    if (q.task >= q.t1) return;
+    const int u = q.task / q.nrg;
+    q.rg = q.task - u * q.nrg;
+    while (q.cpre[q.slot + 1] <= u) q.slot++;
+    if (q.slot != q.pslot) q.sl = gs_slot(q.grp, q.E, q.slot);
+    q.ch = u - q.cpre[q.slot];
+    q.cc = min(GS_PC, q.sl.c - q.ch * GS_PC);
+    if (q.want_pairs && (q.slot != q.pslot || q.ch != q.pch)) {
+        const int lane = threadIdx.x & 31;
+        q.pl = lane < q.cc ? __ldcg(q.sl.pairs + q.ch * GS_PC + lane) : 0;
     }
+    q.pslot = q.slot;
+    q.pch = q.ch;
 }
-__device__ __forceinline__ GsSeq gs_seq(const int* grp, int E, int nrg, int nsc, int t0, int t1) {
+__device__ __forceinline__ GsSeq gs_seq(const int* grp, const int* cpre, int nslot, int E, int nrg, int nsc, int t0,
+                                        int t1, bool want_pairs) {
     GsSeq q;
     q.grp = grp;
+    q.cpre = cpre;
     q.E = E;
     q.nrg = nrg;
     q.nsc = nsc;
     q.t1 = t1;
+    q.want_pairs = want_pairs;
     q.task = t0;
-    q.ch = q.s = q.n = 0;
+    q.s = q.n = 0;
+    q.pl = 0;
+    q.pslot = q.pch = -1;
+    // The first task's slot: the last s with cpre[s] <= t0 / nrg (binary search).
+    int lo = 0, hi = nslot;
+    const int u = t0 / max(nrg, 1);
+    while (hi - lo > 1) {
+        const int mid = (lo + hi) >> 1;
+        if (cpre[mid] <= u) lo = mid;
+        else hi = mid;
+    }
+    q.slot = lo;
     gs_load(q);
     return q;
 }
@@ -95,22 +162,12 @@ __device__ __forceinline__ void gs_step(GsSeq& q) {
     q.n++;
     if (++q.s < q.nsc) return;
     q.s = 0;
-    if (++q.ch * GS_PC < q.sl.c) {
-        q.cc = min(GS_PC, q.sl.c - q.ch * GS_PC);
-        return;
-    }
-    q.ch = 0;
     q.task++;
     gs_load(q);
 }
 
-// DOWN = false: gate/up. W0 / W1 = gate / up, wrows = their rows (ff); x = the tokens' q8
-// input xq [t][ncol], xd [t][ncol / 32]; out aq [p][ld], ad [p][ld / 32].
-// DOWN = true: W0 = down (wrows output rows), x = the pairs' activations aq_in [p][ncol],
-// ad_in [p][ncol / 32] (passed as xq / xd); out dpart [p][wrows].
-// grid (SMs), block BK_THREADS, dynamic shared memory GS_BAR + GS_NH x 4 BK_CW GS_PC SR +
-// nst x (GS_PC (ncol + ncol / 8) + SR pitch).
-template <bool DOWN>
+// PROBE (the "gstp" kernels, timing only): the consumers skip the arithmetic (garbage outputs).
+template <bool DOWN, bool PROBE, int UPW>
 __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 es, int wrows, const int* grp, int E,
                                         int k, int nst, int pitch, int early, const i8* xq, const float* xd, int ncol,
                                         i8* aq, float* ad, int ld, float* dpart) {
@@ -124,11 +181,12 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
     u64* hfull = empty + BK_MAXST;
     u64* hempty = hfull + GS_NH;
     float* hbuf = (float*)(bk_sm + GS_BAR);
-    u8* ring = bk_sm + GS_BAR + GS_NH * HB * 4;
+    const int nu = ncol >> 5;  // units a row
+    i8* xbuf = (i8*)(bk_sm + GS_BAR + GS_NH * HB * 4);  // [GS_PC][ncol] q8, in iq4_x_il order
+    float* xdbuf = (float*)(xbuf + GS_PC * ncol);        // [GS_PC][nu] their scales
+    u8* ring = (u8*)(xdbuf + GS_PC * nu);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int nu = ncol >> 5, xrow = ncol / 8;  // units a row; bytes of a row's q8 scales
-    const int xbytes = GS_PC * (ncol + xrow);
-    const i64 sbytes = xbytes + (i64)SR * pitch;
+    const i64 sbytes = (i64)SR * pitch;
     if (threadIdx.x == 0) {
         for (int i = 0; i < nst; i++) {
             bk_mb_init(&full[i], 1);
@@ -140,64 +198,65 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
         }
         bk_mb_fence_init();
     }
-    __syncthreads();
-    const bool pre = DOWN && early && warp == BK_PW;  // the producer that starts before the wait
-    if (!pre) {
-        pdl_wait();
-        pdl_trigger();
+    // The chunk prefix of the slots, by warp 0 (after the PDL wait unless `early`).
+    const bool early_k = DOWN && early;
+    const bool pre = early_k && warp == BK_PW;  // the producer that starts before the wait
+    if (!early_k) pdl_wait();
+    int* cpre = (int*)(bk_sm + GS_BAR0);
+    const int nslot = min(__ldcg(grp), E);
+    if (warp == 0) {
+        int run = 0;
+        if (lane == 0) cpre[0] = 0;
+        for (int b = 0; b < nslot; b += 32) {
+            const int sl = b + lane;
+            int v = sl < nslot ? (__ldcg(grp + 1 + 2 * E + sl) + GS_PC - 1) / GS_PC : 0;
+#pragma unroll
+            for (int o = 1; o < 32; o <<= 1) {
+                const int t = __shfl_up_sync(0xffffffffu, v, o);
+                if (lane >= o) v += t;
+            }
+            if (sl < nslot) cpre[sl + 1] = run + v;
+            run += __shfl_sync(0xffffffffu, v, 31);
+        }
     }
+    __syncthreads();
+    if (early_k && !pre) pdl_wait();
+    if (!pre) pdl_trigger();
     const int nrg = wrows / SR;
     int t0, t1;
-    bk_range(__ldcg(grp) * nrg, t0, t1);
+    bk_range(cpre[nslot] * nrg, t0, t1);
     if (warp == BK_PW) {
         // Stage n: lane 0 waits for it to be free and announces its bytes; the weights (a row a
-        // lane, or lane 0 the whole range when unpadded); the chunk's activation rows (lane
-        // p < cc: pair p's q8 row and its scales).
-        int npre = 0;
-        for (int pass = pre ? 0 : 1; pass < 2; pass++) {
-            for (GsSeq q = gs_seq(grp, E, nrg, NSC, t0, t1); gs_more(q) && (pass == 1 || q.n < nst); gs_step(q)) {
-                const int b = q.n % nst;
-                u8* dst = ring + b * sbytes;
-                if (q.n >= npre || pass == 0) {
-                    if (lane == 0) {
-                        bk_mb_wait(&empty[b], ((q.n / nst) & 1) ^ 1);
-                        bk_mb_expect(&full[b], (u32)(q.cc * (ncol + xrow) + SR * rb));
-                    }
-                    __syncwarp();
-                    const u8* src = (q.s == 0 ? W0 : W1) + (i64)q.sl.e * es + (i64)q.rg * SR * rb;
-                    if (pitch == rb) {
-                        if (lane == 0) bk_copy(dst + xbytes, src, (u32)(SR * rb), &full[b]);
-                    } else {
-                        for (int r = lane; r < SR; r += 32) bk_copy(dst + xbytes + r * pitch, src + r * rb, (u32)rb, &full[b]);
-                    }
-                    if (pass == 0) npre = q.n + 1;
-                }
-                if (pass == 1 && lane < q.cc) {
-                    const int p = __ldcg(q.sl.pairs + q.ch * GS_PC + lane);
-                    const i64 row = DOWN ? p : p / k;
-                    bk_copy(dst + lane * ncol, xq + row * ncol, (u32)ncol, &full[b]);
-                    bk_copy(dst + GS_PC * ncol + lane * xrow, (const u8*)xd + row * xrow, (u32)xrow, &full[b]);
-                }
+        // lane, or lane 0 the whole range when unpadded). With `early`, before the PDL wait.
+        for (GsSeq q = gs_seq(grp, cpre, nslot, E, nrg, NSC, t0, t1, false); gs_more(q); gs_step(q)) {
+            const int b = q.n % nst;
+            u8* dst = ring + b * sbytes;
+            if (lane == 0) {
+                bk_mb_wait(&empty[b], ((q.n / nst) & 1) ^ 1);
+                bk_mb_expect(&full[b], (u32)(SR * rb));
             }
-            if (pass == 0) {  // the first stages' weights are on their way: now the activations
-                pdl_wait();
-                pdl_trigger();
+            __syncwarp();
+            const u8* src = (q.s == 0 ? W0 : W1) + (i64)q.sl.e * es + (i64)q.rg * SR * rb;
+            if (pitch == rb) {
+                if (lane == 0) bk_copy(dst, src, (u32)(SR * rb), &full[b]);
+            } else {
+                for (int r = lane; r < SR; r += 32) bk_copy(dst + r * pitch, src + r * rb, (u32)rb, &full[b]);
             }
         }
+        if (pre) pdl_trigger();
         return;
     }
     if (warp == BK_EW) {
         int m = 0;  // hand-over slots consumed
-        for (GsSeq q = gs_seq(grp, E, nrg, NSC, t0, t1); gs_more(q); gs_step(q)) {
+        for (GsSeq q = gs_seq(grp, cpre, nslot, E, nrg, NSC, t0, t1, true); gs_more(q); gs_step(q)) {
             if (q.s != NSC - 1) continue;  // a chunk ends with its last stage
             const int h0 = m % GS_NH, h1 = (m + NSC - 1) % GS_NH;
             bk_mb_wait(&hfull[h0], (m / GS_NH) & 1);
             if (NSC == 2) bk_mb_wait(&hfull[h1], ((m + 1) / GS_NH) & 1);
             const float* b0 = hbuf + h0 * HB;
             const float* b1 = hbuf + h1 * HB;
-            const int pl = lane < q.cc ? __ldcg(q.sl.pairs + q.ch * GS_PC + lane) : 0;
             for (int p = 0; p < q.cc; p++) {
-                const i64 pr = __shfl_sync(0xffffffffu, pl, p);
+                const i64 pr = __shfl_sync(0xffffffffu, q.pl, p);
 #pragma unroll
                 for (int r = 0; r < RPL; r++) {
                     float g = 0.f, u = 0.f;
@@ -223,39 +282,71 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
         }
         return;
     }
-    // Consumers.
-    const int upw = (nu + BK_CW - 1) / BK_CW;
-    u32 tb0, tb2;
-    iq4_pin((u32)(rb >> 62) & threadIdx.x, tb0, tb2);
-    const u32 ring_s = smem_addr(ring);
-    int m = 0;
-    for (GsSeq q = gs_seq(grp, E, nrg, NSC, t0, t1); gs_more(q); gs_step(q)) {
+    // Consumers: warp w takes units [w UPW, (w + 1) UPW) of every stage row (nu = 16 UPW). When
+    // the chunk changes, the 16 warps (named barrier 1) load its pairs' q8 rows from global
+    // memory into xbuf, interleaved as gs_unit's products want them (iq4_x_il). Per stage the
+    // weight loads are issued first (plain loads from shared memory, so the compiler may
+    // schedule them freely after the barrier wait), then each unit is decoded and dotted with
+    // the chunk's pairs.
+    u32 tl0, tl1, th0, th1;
+    gs_pin((u32)(rb >> 62) & threadIdx.x, tl0, tl1, th0, th1);
+    int m = 0, x_slot = -1, x_ch = -1;
+    for (GsSeq q = gs_seq(grp, cpre, nslot, E, nrg, NSC, t0, t1, false); gs_more(q); gs_step(q)) {
         const int b = q.n % nst, cc = q.cc;
+        if (q.slot != x_slot || q.ch != x_ch) {
+            asm volatile("bar.sync 1, %0;" ::"n"(32 * BK_CW) : "memory");  // done with the last chunk's x
+            for (int i = threadIdx.x; i < cc * nu; i += 32 * BK_CW) {
+                const int p = i / nu, un = i - p * nu;
+                const int pr = __ldcg(q.sl.pairs + q.ch * GS_PC + p);
+                const i64 row = DOWN ? pr : pr / k;
+                const int4* src = (const int4*)(xq + row * ncol + un * 32);
+                int4 xa = src[0], xb = src[1];
+                iq4_x_il(xa, xb);
+                int4* dst = (int4*)(xbuf + p * ncol + un * 32);
+                dst[0] = xa;
+                dst[1] = xb;
+                xdbuf[p * nu + un] = xd[row * nu + un];
+            }
+            asm volatile("bar.sync 1, %0;" ::"n"(32 * BK_CW) : "memory");
+            x_slot = q.slot;
+            x_ch = q.ch;
+        }
         bk_mb_wait(&full[b], (q.n / nst) & 1);
-        const u32 st = ring_s + (u32)(b * sbytes);
-        const u32 xs = st, xds = st + (u32)(GS_PC * ncol), ws = st + (u32)xbytes;
+        const u8* st = ring + b * sbytes;
         float acc[RPL][GS_PC];
 #pragma unroll
-        for (int r = 0; r < RPL; r++) {
+        for (int r = 0; r < RPL; r++)
 #pragma unroll
             for (int p = 0; p < GS_PC; p++) acc[r][p] = 0.f;
-            const u32 row = ws + (u32)((lane + 32 * r) * pitch);
+        if (PROBE) {
+            acc[0][0] = (float)((const int*)st)[lane + 32 * warp];
+        } else {
+            uint2 h[RPL][UPW], qa[RPL][UPW], qb[RPL][UPW];
 #pragma unroll
-            for (int u = 0; u < GS_MAXU; u++) {
-                const int un = warp * upw + u;
-                if (u < upw && un < nu) {
-                    const u32 oh = (u32)((un >> 3) * 136), oq = oh + 8 + 16 * (un & 7);
-                    uint2 h, qa, qb;
-                    bk_unit(row, oh, oq, h, qa, qb);
-                    u32 lo[4], hi[4];
-                    const float sc = iq4_decode_t<true>(h, qa, qb, un & 7, lo, hi, tb0, tb2);
+            for (int r = 0; r < RPL; r++) {
+                const u8* row = st + (lane + 32 * r) * pitch;
+#pragma unroll
+                for (int u = 0; u < UPW; u++) {
+                    const int un = warp * UPW + u;
+                    const u8* sb = row + (un >> 3) * 136;
+                    h[r][u] = *(const uint2*)sb;
+                    qa[r][u] = *(const uint2*)(sb + 8 + 16 * (un & 7));
+                    qb[r][u] = *(const uint2*)(sb + 16 + 16 * (un & 7));
+                }
+            }
+#pragma unroll
+            for (int r = 0; r < RPL; r++) {
+#pragma unroll
+                for (int u = 0; u < UPW; u++) {
+                    const int un = warp * UPW + u;
+                    u32 a[8], c[8];
+                    gs_codes(qa[r][u], qb[r][u], a, c, tl0, tl1, th0, th1);
+                    const float sc = iq4_unit_scale(h[r][u], un & 7);
 #pragma unroll
                     for (int p = 0; p < GS_PC; p++) {
                         if (p < cc) {
-                            const u32 xa_ = xs + (u32)(p * ncol + un * 32);
-                            const int4 xa = gs_lds4(xa_), xb = gs_lds4(xa_ + 16);
-                            const float xsc = gs_ldsf(xds + (u32)((p * nu + un) * 4));
-                            acc[r][p] += xsc * (sc * (float)iq4_dot(lo, hi, xa, xb));
+                            const int4* xp = (const int4*)(xbuf + p * ncol + un * 32);
+                            acc[r][p] += xdbuf[p * nu + un] * (sc * (float)gs_dot8(a, c, xp[0], xp[1]));
                         }
                     }
                 }
@@ -278,13 +369,31 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
     }
 }
 
-extern "C" __global__ void __launch_bounds__(BK_THREADS, 1)
-    moe_gate_up_gst_iq4_xs(const u8* G, const u8* U, i64 rb, i64 es, const int* grp, int E, int k, int rows, int nst,
-                           int pitch, const i8* xq, const float* xd, int ncol, i8* aq, float* ad, int ld) {
-    gs_impl<false>(G, U, rb, es, rows, grp, E, k, nst, pitch, 0, xq, xd, ncol, aq, ad, ld, nullptr);
-}
-extern "C" __global__ void __launch_bounds__(BK_THREADS, 1)
-    moe_down_gst_iq4_xs(const u8* W, i64 rb, i64 es, int rows, const int* grp, int E, int nst, int pitch, int early,
-                        const i8* aq, const float* ad, int ncol, float* dpart) {
-    gs_impl<true>(W, W, rb, es, rows, grp, E, 1, nst, pitch, early, aq, ad, ncol, nullptr, nullptr, 0, dpart);
-}
+#define GS_GU_ARGS                                                                                                \
+    const u8 *G, const u8 *U, i64 rb, i64 es, const int *grp, int E, int k, int rows, int nst, int pitch, const i8 *xq, \
+        const float *xd, int ncol, i8 *aq, float *ad, int ld
+#define GS_DN_ARGS                                                                                                  \
+    const u8 *W, i64 rb, i64 es, int rows, const int *grp, int E, int nst, int pitch, int early, const i8 *aq,     \
+        const float *ad, int ncol, float *dpart
+// Kernels per units a consumer warp takes of a row (UPW = columns / 512: 1536 -> 3, 3072 -> 6).
+#define GS_INST(u)                                                                                                  \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_gst##u##_iq4_xs(GS_GU_ARGS) {           \
+        gs_impl<false, false, u>(G, U, rb, es, rows, grp, E, k, nst, pitch, 0, xq, xd, ncol, aq, ad, ld, nullptr);   \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_gstp##u##_iq4_xs(GS_GU_ARGS) {          \
+        gs_impl<false, true, u>(G, U, rb, es, rows, grp, E, k, nst, pitch, 0, xq, xd, ncol, aq, ad, ld, nullptr);    \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_down_gst##u##_iq4_xs(GS_DN_ARGS) {              \
+        gs_impl<true, false, u>(W, W, rb, es, rows, grp, E, 1, nst, pitch, early, aq, ad, ncol, nullptr, nullptr, 0, \
+                                dpart);                                                                             \
+    }                                                                                                               \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_down_gstp##u##_iq4_xs(GS_DN_ARGS) {             \
+        gs_impl<true, true, u>(W, W, rb, es, rows, grp, E, 1, nst, pitch, early, aq, ad, ncol, nullptr, nullptr, 0,  \
+                               dpart);                                                                              \
+    }
+GS_INST(1)
+GS_INST(2)
+GS_INST(3)
+GS_INST(4)
+GS_INST(5)
+GS_INST(6)

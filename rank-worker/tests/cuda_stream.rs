@@ -399,7 +399,8 @@ fn grouped_streamed_kernels_refuse_shapes_they_do_not_fit() {
 /// Launch times of the grouped expert kernels at M2.7's shapes for 32 tokens x top-8 over 160
 /// experts (~130 of them chosen, 1-2 pairs a slot as in served decoding; not a pass/fail
 /// benchmark: it prints a table, the figures that count come from minimax-bench): grpf against
-/// the grouped streamed kernels, 4 routings in turn.
+/// the grouped streamed kernels and their probes (the ring, the hand-over and the epilogue
+/// without the consumers' arithmetic), 4 routings in turn.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn grouped_streamed_speed() {
@@ -456,13 +457,19 @@ fn grouped_streamed_speed() {
     let gu_bytes = used * (2 * ff * gm.row_bytes) as f64;
     let dn_bytes = used * (h * dm.row_bytes) as f64;
     let mut lines = Vec::new();
-    for on in [false, true, false, true] {
+    for (on, pr) in [(false, false), (true, false), (true, true), (false, false), (true, false)] {
         set_gstream(Some(on));
-        let name = if on { "grouped streamed" } else { "grpf" };
+        minimax_rank::cuda::stream::set_stream_probe(pr);
+        let name = match (on, pr) {
+            (false, _) => "grpf",
+            (true, false) => "grouped streamed",
+            (true, true) => "probe (no arithmetic)",
+        };
         let gu = time(&|i| g.moe_gate_up_grp(&gm, &um, g.ptr(&grps[i % 4].0), e, np.min(e), k, g.ptr(&xq), g.ptr(&xd), g.ptr(&oq), g.ptr(&od), ff).unwrap());
         let dn = time(&|i| g.moe_down_grp(&dm, g.ptr(&grps[i % 4].0), e, np.min(e), g.ptr(&aq), g.ptr(&ad), g.ptr(&dpart)).unwrap());
         lines.push(format!("{name:<18} gate/up {gu:>7.1} us {:>5.2} TB/s   down {dn:>7.1} us {:>5.2} TB/s", gu_bytes / gu / 1e6, dn_bytes / dn / 1e6));
     }
     set_gstream(None);
+    minimax_rank::cuda::stream::set_stream_probe(false);
     eprintln!("grouped expert kernels, M2.7 shapes, {nt} tokens x top-{k} over {e} experts ({used:.0} chosen on average), per launch:\n{}", lines.join("\n"));
 }

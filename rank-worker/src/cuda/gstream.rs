@@ -15,7 +15,7 @@ use super::env_flag::EnvFlag;
 use super::error::CudaError;
 use super::fast::{down_args, fast_mat, gate_up_args};
 use super::gpu::{Arg, DevMat, Gpu};
-use super::stream::stage_cap;
+use super::stream::{probe, stage_cap};
 
 static GSTREAM: EnvFlag = EnvFlag::new("MINIMAX_GSTREAM", true);
 
@@ -34,11 +34,13 @@ pub fn set_gstream(on: Option<bool>) {
 /// Block: 16 consumer warps, the producer and the epilogue warp (`BK_THREADS`).
 const THREADS: u32 = 32 * 18;
 /// Consumer warps (`BK_CW`), pairs a stage carries (`GS_PC`), hand-over slots (`GS_NH`),
-/// barrier bytes (`GS_BAR`), most units a row (`16 x GS_MAXU`).
+/// bytes before the hand-over slots (`GS_BAR`: barriers and the slots' chunk prefix), most
+/// experts (`GS_MAXE`), most units a row (`16 x GS_MAXU`).
 const CW: usize = 16;
 const PC: usize = 4;
 const NH: usize = 2;
-const BAR: usize = 256;
+const BAR: usize = 4608;
+const MAX_E: usize = 1024;
 const MAX_UNITS: usize = 96;
 /// Rows a stage holds: gate/up 32 (one lane each), down 64 (two a lane).
 const GU_ROWS: usize = 32;
@@ -52,9 +54,9 @@ fn pitch(rb: usize) -> usize {
 
 /// A stacked expert matrix the kernels can read: IQ4_XS, whole 16-byte rows, experts and the
 /// base 16-byte aligned (bulk copies), rows in whole stages, inputs of at most 96 units and a
-/// multiple of 128 columns (the activation rows' scales are whole 16-byte pieces).
+/// multiple of 512 columns (16 units: the same number for each consumer warp; kernels for 1-6).
 fn fits(m: &DevMat, stage_rows: usize) -> bool {
-    m.ty == GgmlType::IQ4_XS && fast_mat(m) && m.row_bytes % 16 == 0 && m.expert_stride % 16 == 0 && m.ptr % 16 == 0 && m.rows % stage_rows == 0 && m.cols % 128 == 0 && m.cols / 32 <= MAX_UNITS
+    m.ty == GgmlType::IQ4_XS && fast_mat(m) && m.row_bytes % 16 == 0 && m.expert_stride % 16 == 0 && m.ptr % 16 == 0 && m.rows % stage_rows == 0 && m.cols % 512 == 0 && m.cols / 32 <= MAX_UNITS
 }
 
 impl Gpu {
@@ -87,8 +89,9 @@ impl Gpu {
     }
 
     fn gstream_smem(&self, m: &DevMat, rows: usize) -> Result<Option<(usize, usize)>, CudaError> {
-        let fixed = BAR + NH * CW * PC * rows * 4;
-        let stage = PC * (m.cols + m.cols / 8) + rows * pitch(m.row_bytes);
+        // Barriers and chunk prefix, the hand-over slots, the chunk's activations; the ring.
+        let fixed = BAR + NH * CW * PC * rows * 4 + PC * (m.cols + m.cols / 8);
+        let stage = rows * pitch(m.row_bytes);
         let n = self.gstream_stages(fixed, stage)?;
         Ok((n >= 2).then_some((n, fixed + n * stage)))
     }
@@ -111,11 +114,12 @@ impl Gpu {
     /// [`Gpu::moe_gate_up_gstream`] if it fits (true: launched), else nothing (false).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn try_gate_up_gstream(&self, gate: &DevMat, up: &DevMat, grp: u64, e: usize, k: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<bool, CudaError> {
-        let Some((nst, smem)) = self.gate_up_gstream_plan(gate, up)?.filter(|_| ld >= gate.rows && ld % 32 == 0 && k > 0 && xq % 16 == 0 && xd % 16 == 0) else {
+        let Some((nst, smem)) = self.gate_up_gstream_plan(gate, up)?.filter(|_| ld >= gate.rows && ld % 32 == 0 && k > 0 && e <= MAX_E && xq % 16 == 0 && xd % 16 == 0) else {
             return Ok(false);
         };
         let mid = [Arg::P(grp), Arg::I(e as i32), Arg::I(k as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32), Arg::I(pitch(gate.row_bytes) as i32)];
-        self.launch_pdl("moe_gate_up_gst_iq4_xs", (self.gstream_grid()?, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))?;
+        let name = format!("moe_gate_up_{}{}_iq4_xs", if probe() { "gstp" } else { "gst" }, gate.cols / 512);
+        self.launch_pdl(&name, (self.gstream_grid()?, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))?;
         Ok(true)
     }
 
@@ -135,11 +139,12 @@ impl Gpu {
     /// [`Gpu::moe_down_gstream`] if it fits (true: launched), else nothing (false).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn try_down_gstream(&self, down: &DevMat, grp: u64, e: usize, aq: u64, ad: u64, dpart: u64, early: bool) -> Result<bool, CudaError> {
-        let Some((nst, smem)) = self.down_gstream_plan(down)?.filter(|_| aq % 16 == 0 && ad % 16 == 0) else {
+        let Some((nst, smem)) = self.down_gstream_plan(down)?.filter(|_| e <= MAX_E && aq % 16 == 0 && ad % 16 == 0) else {
             return Ok(false);
         };
         let mid = [Arg::P(grp), Arg::I(e as i32), Arg::I(nst as i32), Arg::I(pitch(down.row_bytes) as i32), Arg::I(early as i32)];
-        self.launch_pdl("moe_down_gst_iq4_xs", (self.gstream_grid()?, 1, 1), THREADS, smem as u32, &down_args(down, &mid, aq, ad, &[Arg::P(dpart)]))?;
+        let name = format!("moe_down_{}{}_iq4_xs", if probe() { "gstp" } else { "gst" }, down.cols / 512);
+        self.launch_pdl(&name, (self.gstream_grid()?, 1, 1), THREADS, smem as u32, &down_args(down, &mid, aq, ad, &[Arg::P(dpart)]))?;
         Ok(true)
     }
 }

@@ -74,7 +74,7 @@ pub fn set_stream_probe(on: bool) {
     PROBE.store(on, Ordering::Relaxed);
 }
 
-fn probe() -> bool {
+pub(super) fn probe() -> bool {
     PROBE.load(Ordering::Relaxed)
 }
 
