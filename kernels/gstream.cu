@@ -166,6 +166,45 @@ __device__ __forceinline__ void gs_step(GsSeq& q) {
     gs_load(q);
 }
 
+// Shared-memory pitch of a stage row of 512 UPW columns (272 UPW bytes): an odd number of
+// 16-byte pieces (gstream.rs: pitch()).
+#define GS_PITCH(upw) (((upw) & 1) ? 272 * (upw) : 272 * (upw) + 16)
+
+// One stage of a consumer warp with CC pairs: acc[r][p] = sum over the warp's UPW units of row
+// lane + 32 r of (scale x q8 scale x codebook dot). Everything but the warp's unit offsets is a
+// compile-time constant here (no per-pair predicates or address arithmetic).
+template <int RPL, int UPW, int CC>
+__device__ __forceinline__ void gs_stage(const u8* wrow, const i8* xw, const float* xdw, const u32 (&oh)[UPW],
+                                         const u32 (&oq)[UPW], int un0, u32 tl0, u32 tl1, u32 th0, u32 th1,
+                                         float (&acc)[RPL][GS_PC]) {
+    constexpr int NU = 16 * UPW, NCOL = 512 * UPW, PITCH = GS_PITCH(UPW);
+#pragma unroll
+    for (int r = 0; r < RPL; r++)
+#pragma unroll
+        for (int p = 0; p < GS_PC; p++) acc[r][p] = 0.f;
+#pragma unroll
+    for (int r = 0; r < RPL; r++) {  // a row's loads first, then its units
+        uint2 h[UPW], qa[UPW], qb[UPW];
+#pragma unroll
+        for (int u = 0; u < UPW; u++) {
+            h[u] = *(const uint2*)(wrow + r * 32 * PITCH + oh[u]);
+            qa[u] = *(const uint2*)(wrow + r * 32 * PITCH + oq[u]);
+            qb[u] = *(const uint2*)(wrow + r * 32 * PITCH + oq[u] + 8);
+        }
+#pragma unroll
+        for (int u = 0; u < UPW; u++) {
+            u32 a[8], c[8];
+            gs_codes(qa[u], qb[u], a, c, tl0, tl1, th0, th1);
+            const float sc = iq4_unit_scale(h[u], (un0 + u) & 7);
+#pragma unroll
+            for (int p = 0; p < CC; p++) {
+                const int4* xp = (const int4*)(xw + p * NCOL + u * 32);
+                acc[r][p] += xdw[p * NU + u] * (sc * (float)gs_dot8(a, c, xp[0], xp[1]));
+            }
+        }
+    }
+}
+
 // PROBE (the "gstp" kernels, timing only): the consumers skip the arithmetic (garbage outputs).
 template <bool DOWN, bool PROBE, int UPW>
 __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 es, int wrows, const int* grp, int E,
@@ -290,6 +329,11 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
     // the chunk's pairs.
     u32 tl0, tl1, th0, th1;
     gs_pin((u32)(rb >> 62) & threadIdx.x, tl0, tl1, th0, th1);
+    // The warp's units: un0 + u, header at oh[u] and codes at oq[u] of a row.
+    const int un0 = warp * UPW;
+    u32 oh[UPW], oq[UPW];
+#pragma unroll
+    for (int u = 0; u < UPW; u++) bk_unit_offsets(un0 + u, oh[u], oq[u]);
     int m = 0, x_slot = -1, x_ch = -1;
     for (GsSeq q = gs_seq(grp, cpre, nslot, E, nrg, NSC, t0, t1, false); gs_more(q); gs_step(q)) {
         const int b = q.n % nst, cc = q.cc;
@@ -312,44 +356,22 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
             x_ch = q.ch;
         }
         bk_mb_wait(&full[b], (q.n / nst) & 1);
-        const u8* st = ring + b * sbytes;
+        const u8* wrow = ring + b * sbytes + lane * GS_PITCH(UPW);
         float acc[RPL][GS_PC];
-#pragma unroll
-        for (int r = 0; r < RPL; r++)
-#pragma unroll
-            for (int p = 0; p < GS_PC; p++) acc[r][p] = 0.f;
         if (PROBE) {
-            acc[0][0] = (float)((const int*)st)[lane + 32 * warp];
+#pragma unroll
+            for (int r = 0; r < RPL; r++)
+#pragma unroll
+                for (int p = 0; p < GS_PC; p++) acc[r][p] = 0.f;
+            acc[0][0] = (float)((const int*)wrow)[warp];
         } else {
-            uint2 h[RPL][UPW], qa[RPL][UPW], qb[RPL][UPW];
-#pragma unroll
-            for (int r = 0; r < RPL; r++) {
-                const u8* row = st + (lane + 32 * r) * pitch;
-#pragma unroll
-                for (int u = 0; u < UPW; u++) {
-                    const int un = warp * UPW + u;
-                    const u8* sb = row + (un >> 3) * 136;
-                    h[r][u] = *(const uint2*)sb;
-                    qa[r][u] = *(const uint2*)(sb + 8 + 16 * (un & 7));
-                    qb[r][u] = *(const uint2*)(sb + 16 + 16 * (un & 7));
-                }
-            }
-#pragma unroll
-            for (int r = 0; r < RPL; r++) {
-#pragma unroll
-                for (int u = 0; u < UPW; u++) {
-                    const int un = warp * UPW + u;
-                    u32 a[8], c[8];
-                    gs_codes(qa[r][u], qb[r][u], a, c, tl0, tl1, th0, th1);
-                    const float sc = iq4_unit_scale(h[r][u], un & 7);
-#pragma unroll
-                    for (int p = 0; p < GS_PC; p++) {
-                        if (p < cc) {
-                            const int4* xp = (const int4*)(xbuf + p * ncol + un * 32);
-                            acc[r][p] += xdbuf[p * nu + un] * (sc * (float)gs_dot8(a, c, xp[0], xp[1]));
-                        }
-                    }
-                }
+            const i8* xw = xbuf + warp * UPW * 32;
+            const float* xdw = xdbuf + warp * UPW;
+            switch (cc) {
+                case 1: gs_stage<RPL, UPW, 1>(wrow, xw, xdw, oh, oq, un0, tl0, tl1, th0, th1, acc); break;
+                case 2: gs_stage<RPL, UPW, 2>(wrow, xw, xdw, oh, oq, un0, tl0, tl1, th0, th1, acc); break;
+                case 3: gs_stage<RPL, UPW, 3>(wrow, xw, xdw, oh, oq, un0, tl0, tl1, th0, th1, acc); break;
+                default: gs_stage<RPL, UPW, GS_PC>(wrow, xw, xdw, oh, oq, un0, tl0, tl1, th0, th1, acc); break;
             }
         }
         __syncwarp();
@@ -383,7 +405,7 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
     extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_gstp##u##_iq4_xs(GS_GU_ARGS) {          \
         gs_impl<false, true, u>(G, U, rb, es, rows, grp, E, k, nst, pitch, 0, xq, xd, ncol, aq, ad, ld, nullptr);    \
     }                                                                                                               \
-    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_down_gst##u##_iq4_xs(GS_DN_ARGS) {              \
+    extern "C" __global__ void __maxnreg__(112) moe_down_gst##u##_iq4_xs(GS_DN_ARGS) {              \
         gs_impl<true, false, u>(W, W, rb, es, rows, grp, E, 1, nst, pitch, early, aq, ad, ncol, nullptr, nullptr, 0, \
                                 dpart);                                                                             \
     }                                                                                                               \
