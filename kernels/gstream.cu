@@ -90,6 +90,22 @@ __device__ __forceinline__ int gs_dot8(const u32 (&a)[8], const u32 (&c)[8], int
     return (s0 + s1) + (s2 + s3);
 }
 
+// bk_mb_wait without spinning: try_wait with a suspend-time hint parks the thread until the
+// phase completes (or the hint, 1 ms, runs out), so waiting warps do not take issue slots
+// from the consumers (spinning producer and epilogue warps were ~7% of a gate/up's issues).
+__device__ __forceinline__ void gs_wait(u64* b, u32 parity) {
+    u32 ok = 1;
+    do {
+#if BK_PTX
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(ok)
+            : "r"(smem_addr(b)), "r"(parity), "r"(1000000u)
+            : "memory");
+#endif
+    } while (!ok);
+}
+
 // The slot of a task: expert, pair count, its pair list.
 struct GsSlot {
     int e, c;
@@ -176,7 +192,7 @@ __device__ __forceinline__ void gs_step(GsSeq& q) {
 template <int RPL, int UPW, int CC>
 __device__ __forceinline__ void gs_stage(const u8* wrow, const i8* xw, const float* xdw, const u32 (&oh)[UPW],
                                          const u32 (&oq)[UPW], int un0, u32 tl0, u32 tl1, u32 th0, u32 th1,
-                                         float (&acc)[RPL][GS_PC]) {
+                                         u32 tl2, float (&acc)[RPL][GS_PC]) {
     constexpr int NU = 16 * UPW, NCOL = 512 * UPW, PITCH = GS_PITCH(UPW);
 #pragma unroll
     for (int r = 0; r < RPL; r++)
@@ -193,13 +209,23 @@ __device__ __forceinline__ void gs_stage(const u8* wrow, const i8* xw, const flo
         }
 #pragma unroll
         for (int u = 0; u < UPW; u++) {
-            u32 a[8], c[8];
-            gs_codes(qa[u], qb[u], a, c, tl0, tl1, th0, th1);
             const float sc = iq4_unit_scale(h[u], (un0 + u) & 7);
+            if (CC == 1) {  // the sign-replicating decode: fewer ALU instructions, 2x the dp4a
+                u32 a[8], c[8];
+                gs_codes(qa[u], qb[u], a, c, tl0, tl1, th0, th1);
+                const int4* xp = (const int4*)(xw + u * 32);
+                acc[r][0] += xdw[u] * (sc * (float)gs_dot8(a, c, xp[0], xp[1]));
+            } else {  // lookup and select (psx's iq4_lookup_il), one dp4a per 4 codes and pair
+                u32 w[8];
+                iq4_lookup_il(qa[u].x, w[0], w[1], tl0, tl2);
+                iq4_lookup_il(qa[u].y, w[2], w[3], tl0, tl2);
+                iq4_lookup_il(qb[u].x, w[4], w[5], tl0, tl2);
+                iq4_lookup_il(qb[u].y, w[6], w[7], tl0, tl2);
 #pragma unroll
-            for (int p = 0; p < CC; p++) {
-                const int4* xp = (const int4*)(xw + p * NCOL + u * 32);
-                acc[r][p] += xdw[p * NU + u] * (sc * (float)gs_dot8(a, c, xp[0], xp[1]));
+                for (int p = 0; p < CC; p++) {
+                    const int4* xp = (const int4*)(xw + p * NCOL + u * 32);
+                    acc[r][p] += xdw[p * NU + u] * (sc * (float)iq4_dot2(w, xp[0], xp[1]));
+                }
             }
         }
     }
@@ -271,7 +297,7 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
             const int b = q.n % nst;
             u8* dst = ring + b * sbytes;
             if (lane == 0) {
-                bk_mb_wait(&empty[b], ((q.n / nst) & 1) ^ 1);
+                gs_wait(&empty[b], ((q.n / nst) & 1) ^ 1);
                 bk_mb_expect(&full[b], (u32)(SR * rb));
             }
             __syncwarp();
@@ -290,8 +316,8 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
         for (GsSeq q = gs_seq(grp, cpre, nslot, E, nrg, NSC, t0, t1, true); gs_more(q); gs_step(q)) {
             if (q.s != NSC - 1) continue;  // a chunk ends with its last stage
             const int h0 = m % GS_NH, h1 = (m + NSC - 1) % GS_NH;
-            bk_mb_wait(&hfull[h0], (m / GS_NH) & 1);
-            if (NSC == 2) bk_mb_wait(&hfull[h1], ((m + 1) / GS_NH) & 1);
+            gs_wait(&hfull[h0], (m / GS_NH) & 1);
+            if (NSC == 2) gs_wait(&hfull[h1], ((m + 1) / GS_NH) & 1);
             const float* b0 = hbuf + h0 * HB;
             const float* b1 = hbuf + h1 * HB;
             for (int p = 0; p < q.cc; p++) {
@@ -327,8 +353,9 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
     // weight loads are issued first (plain loads from shared memory, so the compiler may
     // schedule them freely after the barrier wait), then each unit is decoded and dotted with
     // the chunk's pairs.
-    u32 tl0, tl1, th0, th1;
+    u32 tl0, tl1, th0, th1, t2_0, t2;
     gs_pin((u32)(rb >> 62) & threadIdx.x, tl0, tl1, th0, th1);
+    iq4_pin((u32)(rb >> 62) & threadIdx.x, t2_0, t2);  // t2_0 = IQ4_T0 = tl0's bytes
     // The warp's units: un0 + u, header at oh[u] and codes at oq[u] of a row.
     const int un0 = warp * UPW;
     u32 oh[UPW], oq[UPW];
@@ -355,7 +382,7 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
             x_slot = q.slot;
             x_ch = q.ch;
         }
-        bk_mb_wait(&full[b], (q.n / nst) & 1);
+        gs_wait(&full[b], (q.n / nst) & 1);
         const u8* wrow = ring + b * sbytes + lane * GS_PITCH(UPW);
         float acc[RPL][GS_PC];
         if (PROBE) {
@@ -368,16 +395,16 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
             const i8* xw = xbuf + warp * UPW * 32;
             const float* xdw = xdbuf + warp * UPW;
             switch (cc) {
-                case 1: gs_stage<RPL, UPW, 1>(wrow, xw, xdw, oh, oq, un0, tl0, tl1, th0, th1, acc); break;
-                case 2: gs_stage<RPL, UPW, 2>(wrow, xw, xdw, oh, oq, un0, tl0, tl1, th0, th1, acc); break;
-                case 3: gs_stage<RPL, UPW, 3>(wrow, xw, xdw, oh, oq, un0, tl0, tl1, th0, th1, acc); break;
-                default: gs_stage<RPL, UPW, GS_PC>(wrow, xw, xdw, oh, oq, un0, tl0, tl1, th0, th1, acc); break;
+                case 1: gs_stage<RPL, UPW, 1>(wrow, xw, xdw, oh, oq, un0, tl0, tl1, th0, th1, t2, acc); break;
+                case 2: gs_stage<RPL, UPW, 2>(wrow, xw, xdw, oh, oq, un0, tl0, tl1, th0, th1, t2, acc); break;
+                case 3: gs_stage<RPL, UPW, 3>(wrow, xw, xdw, oh, oq, un0, tl0, tl1, th0, th1, t2, acc); break;
+                default: gs_stage<RPL, UPW, GS_PC>(wrow, xw, xdw, oh, oq, un0, tl0, tl1, th0, th1, t2, acc); break;
             }
         }
         __syncwarp();
         if (lane == 0) bk_mb_arrive(&empty[b]);
         const int hs = m % GS_NH;
-        bk_mb_wait(&hempty[hs], ((m / GS_NH) & 1) ^ 1);
+        gs_wait(&hempty[hs], ((m / GS_NH) & 1) ^ 1);
         float* hb = hbuf + hs * HB;
 #pragma unroll
         for (int r = 0; r < RPL; r++) {
@@ -405,7 +432,7 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
     extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_gstp##u##_iq4_xs(GS_GU_ARGS) {          \
         gs_impl<false, true, u>(G, U, rb, es, rows, grp, E, k, nst, pitch, 0, xq, xd, ncol, aq, ad, ld, nullptr);    \
     }                                                                                                               \
-    extern "C" __global__ void __maxnreg__(112) moe_down_gst##u##_iq4_xs(GS_DN_ARGS) {              \
+    extern "C" __global__ void __maxnreg__(104) moe_down_gst##u##_iq4_xs(GS_DN_ARGS) {              \
         gs_impl<true, false, u>(W, W, rb, es, rows, grp, E, 1, nst, pitch, early, aq, ad, ncol, nullptr, nullptr, 0, \
                                 dpart);                                                                             \
     }                                                                                                               \
