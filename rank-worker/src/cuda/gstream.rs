@@ -148,3 +148,43 @@ impl Gpu {
         Ok(true)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn mat(rows: usize, cols: usize) -> DevMat {
+        let rb = cols / 256 * 136;
+        DevMat { ptr: 1 << 20, ty: GgmlType::IQ4_XS, rows, cols, row_bytes: rb, n_experts: 4, expert_stride: rows * rb }
+    }
+
+    #[test]
+    fn stage_rows_are_an_odd_number_of_16_byte_pieces_and_match_the_kernel_rule() {
+        for upw in 1..=6usize {
+            let rb = 272 * upw;
+            let p = pitch(rb);
+            assert_eq!(p % 16, 0);
+            assert_eq!((p / 16) % 2, 1, "rows of {rb} bytes");
+            assert!(p == rb || p == rb + 16);
+            // kernels/gstream.cu's GS_PITCH(upw)
+            assert_eq!(p, if upw % 2 == 1 { 272 * upw } else { 272 * upw + 16 });
+        }
+    }
+
+    #[test]
+    fn m27_expert_shapes_fit_and_others_are_refused() {
+        assert!(fits(&mat(1536, 3072), GU_ROWS), "M2.7 gate/up");
+        assert!(fits(&mat(3072, 1536), DN_ROWS), "M2.7 down");
+        assert!(fits(&mat(768, 3072), GU_ROWS), "a tensor-parallel gate/up slice");
+        assert!(fits(&mat(3072, 1024), DN_ROWS), "a tensor-parallel down slice, padded to whole chunks");
+        assert!(!fits(&mat(43, 1536), DN_ROWS), "rows not in whole stages");
+        assert!(!fits(&mat(1536, 3584), GU_ROWS), "more than 96 units a row");
+        assert!(!fits(&mat(1536, 2560 + 256), GU_ROWS), "not whole 512-column groups");
+        let mut q8 = mat(1536, 3072);
+        q8.ty = GgmlType::Q8_0;
+        assert!(!fits(&q8, GU_ROWS), "IQ4_XS only");
+        let mut odd = mat(1536, 3072);
+        odd.ptr += 8;
+        assert!(!fits(&odd, GU_ROWS), "bulk copies need 16-byte aligned rows");
+    }
+}
