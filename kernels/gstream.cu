@@ -252,17 +252,7 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
     u8* ring = (u8*)(xdbuf + GS_PC * nu);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const i64 sbytes = (i64)SR * pitch;
-    if (threadIdx.x == 0) {
-        for (int i = 0; i < nst; i++) {
-            bk_mb_init(&full[i], 1);
-            bk_mb_init(&empty[i], BK_CW);
-        }
-        for (int h = 0; h < GS_NH; h++) {
-            bk_mb_init(&hfull[h], BK_CW);
-            bk_mb_init(&hempty[h], 1);
-        }
-        bk_mb_fence_init();
-    }
+    bk_init_n(full, empty, hfull, hempty, nst, GS_NH);  // the block barrier comes after the prefix
     // The chunk prefix of the slots, by warp 0 (after the PDL wait unless `early`).
     const bool early_k = DOWN && early;
     const bool pre = early_k && warp == BK_PW;  // the producer that starts before the wait

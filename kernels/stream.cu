@@ -92,21 +92,25 @@ __device__ __forceinline__ void bk_copy(void* dst, const void* src, u32 bytes, u
                  : "memory");
 #endif
 }
-// The block's barriers, by thread 0, then a block barrier: ring full[i] (the producer's
-// arrival + bytes) and empty[i] (the consumer warps), hand-over afull[a] (the consumer warps)
-// and aempty[a] (the epilogue warp).
-__device__ __forceinline__ void bk_init(u64* full, u64* empty, u64* afull, u64* aempty, int nst) {
+// The block's barriers, by thread 0 (the caller then needs a block barrier): ring full[i] (the
+// producer's arrival + bytes) and empty[i] (the consumer warps), nab hand-over buffers afull[a]
+// (the consumer warps) and aempty[a] (the epilogue warp).
+__device__ __forceinline__ void bk_init_n(u64* full, u64* empty, u64* afull, u64* aempty, int nst, int nab) {
     if (threadIdx.x == 0) {
         for (int i = 0; i < nst; i++) {
             bk_mb_init(&full[i], 1);
             bk_mb_init(&empty[i], BK_CW);
         }
-        for (int a = 0; a < BK_NAB; a++) {
+        for (int a = 0; a < nab; a++) {
             bk_mb_init(&afull[a], BK_CW);
             bk_mb_init(&aempty[a], 1);
         }
         bk_mb_fence_init();
     }
+}
+// bk_init_n with BK_NAB hand-over buffers, then the block barrier.
+__device__ __forceinline__ void bk_init(u64* full, u64* empty, u64* afull, u64* aempty, int nst) {
+    bk_init_n(full, empty, afull, aempty, nst, BK_NAB);
     __syncthreads();
 }
 
