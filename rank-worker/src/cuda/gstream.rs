@@ -4,7 +4,7 @@
 //! every pair of the slot, no cross-lane reductions), the 16 consumer warps' partial sums added
 //! in a fixed order by an epilogue warp. Same outputs as `moe_gate_up_grpf` / `moe_down_grpf`
 //! (q8 activations; `dpart` for `moe_combine_grp`), summed in another order. On by default
-//! where they fit (sm_90 and newer, IQ4_XS, inputs of at most 96 units, 128-column multiples,
+//! where they fit (sm_90 and newer, IQ4_XS, inputs of 512 x U columns with U <= 6,
 //! rows in whole stages, room for 2 stages); `MINIMAX_GSTREAM=0` keeps the grouped register
 //! kernels.
 
