@@ -10,32 +10,34 @@
 //
 // Rows on lanes. A stage holds SR weight rows of one expert (32 gate rows, or the same 32 up
 // rows, or 64 down rows), copied by bulk copies (one per row, rows padded to an odd number of
-// 16-byte pieces: at most 2-way bank conflicts for the lanes' 8-byte loads), and the q8
-// activations of up to GS_PC of the slot's pairs. Lane l of every consumer warp owns stage
-// rows l (and l + 32); warp w owns the units [w UPW, (w + 1) UPW) of every row. A weight unit is
-// decoded once, by one lane, and dotted with each pair's activation unit, which all lanes read
-// by one shared-memory broadcast: no cross-lane reduction at all. The 16 warps' partial sums
-// of each (row, pair) go through a hand-over slot to the epilogue warp, which adds them in warp
-// order (deterministic; not grpf's order) and finishes the task: SiLU(g) u -> q8 of 32 rows
-// (gate/up), dpart[p][r] (down; moe_combine_grp adds them as before).
+// 16-byte pieces: at most 2-way bank conflicts for the lanes' 8-byte loads). Lane l of every
+// consumer warp owns stage rows l (and l + 32); warp w owns the units [w UPW, (w + 1) UPW) of
+// every row. A weight unit is decoded once, by one lane, and dotted with each pair's activation
+// unit, which all lanes read from the block's activation buffer by one shared-memory broadcast:
+// no cross-lane reduction at all. The 16 warps' partial sums of each (row, pair) go through a
+// hand-over slot to the epilogue warp, which adds them in warp order (deterministic; not grpf's
+// order) and finishes the task: SiLU(g) u -> q8 of 32 rows (gate/up), dpart[p][r] (down;
+// moe_combine_grp adds them as before).
 //
-// Work: task = (slot, SR-row group), walked in contiguous ranges per block (one block per SM,
-// block BK_THREADS: 16 consumer warps, the producer, the epilogue warp); a slot of more than
-// GS_PC pairs runs its tasks once per chunk of GS_PC pairs (the weights again, from L2 then).
-// Gate/up: each chunk is two stages (gate, up) and two hand-over slots. Ring barriers as in
-// stream.cu: full[i] (the producer's expect_tx + the copies' bytes), empty[i] (one arrival per
-// consumer warp); hand-over hfull[h] (the consumer warps), hempty[h] (the epilogue warp).
+// Work: task = (slot, chunk of <= GS_PC of its pairs, SR-row group), chunk-major within a slot
+// (GsSeq), walked in contiguous ranges per block (one block per SM, block BK_THREADS: 16
+// consumer warps, the producer, the epilogue warp), so a slot of many pairs spreads over blocks.
+// When the chunk changes the consumers load its pairs' q8 rows into the activation buffer
+// (interleaved for iq4_lookup_il). Gate/up: each task is two stages (gate, up) and two hand-over
+// slots. Ring barriers as in stream.cu: full[i] (the producer's expect_tx + the copies' bytes),
+// empty[i] (one arrival per consumer warp); hand-over hfull[h] (the consumer warps), hempty[h]
+// (the epilogue warp). Waits sleep (gs_wait).
 //
 // PDL: everything waits for the previous kernel before reading grp or activations, except the
-// down's producer with `early`: it reads grp and issues its first stages' weight copies before
-// the wait (grp was written by moe_group, which completed before the gate/up kernel between
-// them started: every gate/up kernel waits before it triggers; moe_down_rx4's argument), then
-// waits before the activation copies.
+// down's producer with `early`: it reads grp and streams its weights without waiting (grp was
+// written by moe_group, which completed before the gate/up kernel between them started: every
+// gate/up kernel waits before it triggers; moe_down_rx4's argument); the consumers wait before
+// they load activations.
 //
 // Limits (host: gstream.rs checks them): rows multiples of SR, inputs of 512 x UPW columns
 // (UPW <= 6), rows and activation rows 16-byte aligned, at most GS_MAXE experts, sm_90 and newer.
 
-#define GS_PC 4     // pairs per chunk (activations in every stage)
+#define GS_PC 4     // pairs per chunk (the activation buffer's rows)
 #define GS_MAXU 6   // units per warp and row (96 units = 16 warps x 6): kernels for 1..6
 #define GS_NH 2     // hand-over slots
 #define GS_BAR0 256  // barrier bytes; then the slots' chunk prefix (GS_MAXE + 1 ints)
