@@ -26,7 +26,7 @@
 // (interleaved for iq4_lookup_il). Gate/up: each task is two stages (gate, up) and two hand-over
 // slots. Ring barriers as in stream.cu: full[i] (the producer's expect_tx + the copies' bytes),
 // empty[i] (one arrival per consumer warp); hand-over hfull[h] (the consumer warps), hempty[h]
-// (the epilogue warp). Waits sleep (gs_wait).
+// (the epilogue warp). Waits sleep (bk_mb_sleep).
 //
 // PDL: everything waits for the previous kernel before reading grp or activations, except the
 // down's producer with `early`: it reads grp and streams its weights without waiting (grp was
@@ -53,17 +53,19 @@
 // same integer as the lookup-and-select decode (iq4_lookup_il: 6 prmt + 5 masks and shifts
 // per 8 nibbles; here 4 prmt + 3 xor/shift, and twice the dp4a, on the other pipe). The bytes
 // come in iq4_lookup_il's order, so the activations are interleaved likewise (iq4_x_il).
-#define GS_TL0 0xbfad9881u  // -65 -83 -104 -127
-#define GS_TL1 0xf6eaddcfu  // -10 -22 -35 -49
-#define GS_TH0 0x271a0e02u  // 39 26 14 2   (kv 38 25 13 1, + 1)
-#define GS_TH1 0x725a4636u  // 114 90 70 54 (kv 113 89 69 53, + 1)
+// TL is the codebook's first half as it stands (IQ4_T0, IQ4_T1); TH its second half with every
+// byte plus one (no carries: the bytes are at most 113).
+#define GS_TH0 (IQ4_T2 + 0x01010101u)
+#define GS_TH1 (IQ4_T3 + 0x01010101u)
 // The table words in registers ptxas cannot see through (z = 0 at run time, unknown to the
-// compiler and per thread; as iq4_pin).
-__device__ __forceinline__ void gs_pin(u32 z, u32& tl0, u32& tl1, u32& th0, u32& th1) {
-    tl0 = GS_TL0 ^ z;
-    tl1 = GS_TL1 ^ z;
+// compiler and per thread; as iq4_pin): TL / TH for gs_codes, and IQ4_T2 (t2), which
+// iq4_lookup_il takes with tl0 (= IQ4_T0).
+__device__ __forceinline__ void gs_pin(u32 z, u32& tl0, u32& tl1, u32& th0, u32& th1, u32& t2) {
+    tl0 = IQ4_T0 ^ z;
+    tl1 = IQ4_T1 ^ z;
     th0 = GS_TH0 ^ z;
     th1 = GS_TH1 ^ z;
+    t2 = IQ4_T2 ^ z;
 }
 // A unit's 16 code bytes (qa, qb) -> a[j], c[j] (j = 2 i + half of code word i).
 __device__ __forceinline__ void gs_codes(uint2 qa, uint2 qb, u32 (&a)[8], u32 (&c)[8], u32 tl0, u32 tl1, u32 th0,
@@ -90,22 +92,6 @@ __device__ __forceinline__ int gs_dot8(const u32 (&a)[8], const u32 (&c)[8], int
         s3 = __dp4a((int)c[j + 1], x[j + 1], s3);
     }
     return (s0 + s1) + (s2 + s3);
-}
-
-// bk_mb_wait without spinning: try_wait with a suspend-time hint parks the thread until the
-// phase completes (or the hint, 1 ms, runs out), so waiting warps do not take issue slots
-// from the consumers (spinning producer and epilogue warps were ~7% of a gate/up's issues).
-__device__ __forceinline__ void gs_wait(u64* b, u32 parity) {
-    u32 ok = 1;
-    do {
-#if BK_PTX
-        asm volatile(
-            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n selp.u32 %0, 1, 0, p;\n}"
-            : "=r"(ok)
-            : "r"(smem_addr(b)), "r"(parity), "r"(1000000u)
-            : "memory");
-#endif
-    } while (!ok);
 }
 
 // The slot of a task: expert, pair count, its pair list.
@@ -289,7 +275,7 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
             const int b = q.n % nst;
             u8* dst = ring + b * sbytes;
             if (lane == 0) {
-                gs_wait(&empty[b], ((q.n / nst) & 1) ^ 1);
+                bk_mb_sleep(&empty[b], ((q.n / nst) & 1) ^ 1);
                 bk_mb_expect(&full[b], (u32)(SR * rb));
             }
             __syncwarp();
@@ -308,8 +294,8 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
         for (GsSeq q = gs_seq(grp, cpre, nslot, E, nrg, NSC, t0, t1, true); gs_more(q); gs_step(q)) {
             if (q.s != NSC - 1) continue;  // a chunk ends with its last stage
             const int h0 = m % GS_NH, h1 = (m + NSC - 1) % GS_NH;
-            gs_wait(&hfull[h0], (m / GS_NH) & 1);
-            if (NSC == 2) gs_wait(&hfull[h1], ((m + 1) / GS_NH) & 1);
+            bk_mb_sleep(&hfull[h0], (m / GS_NH) & 1);
+            if (NSC == 2) bk_mb_sleep(&hfull[h1], ((m + 1) / GS_NH) & 1);
             const float* b0 = hbuf + h0 * HB;
             const float* b1 = hbuf + h1 * HB;
             for (int p = 0; p < q.cc; p++) {
@@ -345,9 +331,8 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
     // weight loads are issued first (plain loads from shared memory, so the compiler may
     // schedule them freely after the barrier wait), then each unit is decoded and dotted with
     // the chunk's pairs.
-    u32 tl0, tl1, th0, th1, t2_0, t2;
-    gs_pin((u32)(rb >> 62) & threadIdx.x, tl0, tl1, th0, th1);
-    iq4_pin((u32)(rb >> 62) & threadIdx.x, t2_0, t2);  // t2_0 = IQ4_T0 = tl0's bytes
+    u32 tl0, tl1, th0, th1, t2;
+    gs_pin((u32)(rb >> 62) & threadIdx.x, tl0, tl1, th0, th1, t2);
     // The warp's units: un0 + u, header at oh[u] and codes at oq[u] of a row.
     const int un0 = warp * UPW;
     u32 oh[UPW], oq[UPW];
@@ -374,7 +359,7 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
             x_slot = q.slot;
             x_ch = q.ch;
         }
-        gs_wait(&full[b], (q.n / nst) & 1);
+        bk_mb_sleep(&full[b], (q.n / nst) & 1);
         const u8* wrow = ring + b * sbytes + lane * GS_PITCH(UPW);
         float acc[RPL][GS_PC];
         if (PROBE) {
@@ -396,7 +381,7 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
         __syncwarp();
         if (lane == 0) bk_mb_arrive(&empty[b]);
         const int hs = m % GS_NH;
-        gs_wait(&hempty[hs], ((m / GS_NH) & 1) ^ 1);
+        bk_mb_sleep(&hempty[hs], ((m / GS_NH) & 1) ^ 1);
         float* hb = hbuf + hs * HB;
 #pragma unroll
         for (int r = 0; r < RPL; r++) {

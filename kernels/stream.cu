@@ -82,6 +82,23 @@ __device__ __forceinline__ void bk_mb_wait(u64* b, u32 parity) {
     while (!bk_mb_try(b, parity)) {
     }
 }
+// bk_mb_wait without spinning: try_wait with a suspend-time hint parks the thread until the
+// phase completes (or the hint, 1 ms, runs out), so waiting warps do not take issue slots
+// from the consumers (gstream.cu: spinning producer and epilogue warps were ~7% of a grouped
+// gate/up's issues).
+__device__ __forceinline__ void bk_mb_sleep(u64* b, u32 parity) {
+    u32 ok = 1;
+    do {
+#if BK_PTX
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2, %3;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(ok)
+            : "r"(smem_addr(b)), "r"(parity), "r"(1000000u)
+            : "memory");
+#endif
+    } while (!ok);
+}
+
 // bytes (a multiple of 16, both addresses 16-byte aligned) from global to shared memory,
 // counted on *b when they have landed.
 __device__ __forceinline__ void bk_copy(void* dst, const void* src, u32 bytes, u64* b) {

@@ -10,7 +10,7 @@ mod common;
 
 use std::sync::Mutex;
 
-use common::gpu::{Rng, bits, dot, gpu, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
+use common::gpu::{Rng, bits, dot, gpu, launch_us, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
 use minimax_rank::cuda::fast::{self, GateUpKind};
 use minimax_rank::cuda::stream::{set_stream_rows_cap, set_stream_stage_cap};
 use minimax_rank::cuda::{DevMat, Gpu};
@@ -190,8 +190,7 @@ fn streamed_kernels_refuse_shapes_they_do_not_fit() {
 #[ignore = "needs a CUDA GPU"]
 fn streamed_kernels_speed() {
     use minimax_rank::cuda::stream::set_stream_probe;
-    use std::time::Instant;
-    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let g = gpu();
     let mut rng = Rng(0x5eed_0fa5_7000_0105);
     let (e, k, h, ff) = (64usize, 8usize, 3072usize, 1536usize);
@@ -206,18 +205,7 @@ fn streamed_kernels_speed() {
     let od = g.zeros::<f32>(k * ff / 32).unwrap();
     let wb = g.upload(&rng.vec(k, 0.5)).unwrap();
     let hid = g.zeros::<f32>(h).unwrap();
-    let time = |f: &dyn Fn(usize)| {
-        for i in 0..8 {
-            f(i);
-        }
-        g.sync().unwrap();
-        let t = Instant::now();
-        for i in 0..64 {
-            f(i);
-        }
-        g.sync().unwrap();
-        t.elapsed().as_secs_f64() * 1e6 / 64.0
-    };
+    let time = |f: &dyn Fn(usize)| launch_us(&g, 8, 64, f);
     let gu_bytes = (k * 2 * ff * gm.row_bytes) as f64;
     let dn_bytes = (k * h * dm.row_bytes) as f64;
     let mut lines = Vec::new();
@@ -405,8 +393,7 @@ fn grouped_streamed_kernels_refuse_shapes_they_do_not_fit() {
 #[ignore = "needs a CUDA GPU"]
 fn grouped_streamed_speed() {
     use minimax_rank::cuda::gstream::set_gstream;
-    use std::time::Instant;
-    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+        let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let g = gpu();
     let mut rng = Rng(0x5eed_0fa5_7000_0108);
     let (e, k, nt, h, ff) = (160usize, 8usize, 32usize, 3072usize, 1536usize);
@@ -442,18 +429,7 @@ fn grouped_streamed_speed() {
     let oq = g.zeros::<i8>(np * ff).unwrap();
     let od = g.zeros::<f32>(np * ff / 32).unwrap();
     let dpart = g.zeros::<f32>(np * h).unwrap();
-    let time = |f: &dyn Fn(usize)| {
-        for i in 0..4 {
-            f(i);
-        }
-        g.sync().unwrap();
-        let t = Instant::now();
-        for i in 0..32 {
-            f(i);
-        }
-        g.sync().unwrap();
-        t.elapsed().as_secs_f64() * 1e6 / 32.0
-    };
+    let time = |f: &dyn Fn(usize)| launch_us(&g, 4, 32, f);
     let gu_bytes = used * (2 * ff * gm.row_bytes) as f64;
     let dn_bytes = used * (h * dm.row_bytes) as f64;
     let mut lines = Vec::new();

@@ -8,14 +8,13 @@
 //! rows in whole stages, room for 2 stages); `MINIMAX_GSTREAM=0` keeps the grouped register
 //! kernels.
 
-use cudarc::driver::sys::CUdevice_attribute;
 use minimax_shared::quant::GgmlType;
 
 use super::env_flag::EnvFlag;
 use super::error::CudaError;
 use super::fast::{down_args, fast_mat, gate_up_args};
 use super::gpu::{Arg, DevMat, Gpu};
-use super::stream::{probe, stage_cap};
+use super::stream::probe;
 
 static GSTREAM: EnvFlag = EnvFlag::new("MINIMAX_GSTREAM", true);
 
@@ -60,17 +59,6 @@ fn fits(m: &DevMat, stage_rows: usize) -> bool {
 }
 
 impl Gpu {
-    /// Ring stages (at most the stream stage cap, 8) for stages of `stage` bytes after `fixed`
-    /// bytes; 0 below sm_90 or with room for fewer than 2.
-    fn gstream_stages(&self, fixed: usize, stage: usize) -> Result<usize, CudaError> {
-        if self.arch < 90 {
-            return Ok(0);
-        }
-        let optin = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as usize;
-        let n = optin.saturating_sub(fixed) / stage;
-        Ok(if n >= 2 { n.min(stage_cap()) } else { 0 })
-    }
-
     /// (ring stages, shared-memory bytes) of the grouped streamed gate/up for these matrices,
     /// or None where it does not fit.
     pub fn gate_up_gstream_plan(&self, gate: &DevMat, up: &DevMat) -> Result<Option<(usize, usize)>, CudaError> {
@@ -92,12 +80,8 @@ impl Gpu {
         // Barriers and chunk prefix, the hand-over slots, the chunk's activations; the ring.
         let fixed = BAR + NH * CW * PC * rows * 4 + PC * (m.cols + m.cols / 8);
         let stage = rows * pitch(m.row_bytes);
-        let n = self.gstream_stages(fixed, stage)?;
+        let n = self.ring_stages(fixed, stage)?;
         Ok((n >= 2).then_some((n, fixed + n * stage)))
-    }
-
-    fn gstream_grid(&self) -> Result<u32, CudaError> {
-        Ok(self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32)
     }
 
     /// Grouped streamed gate/up/SiLU → q8 over the slots of `grp` ([`Gpu::moe_group`]): the
@@ -118,8 +102,9 @@ impl Gpu {
             return Ok(false);
         };
         let mid = [Arg::P(grp), Arg::I(e as i32), Arg::I(k as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32), Arg::I(pitch(gate.row_bytes) as i32)];
+        // One block per SM: the task count is known on the device only (blocks without tasks exit).
         let name = format!("moe_gate_up_{}{}_iq4_xs", if probe() { "gstp" } else { "gst" }, gate.cols / 512);
-        self.launch_pdl(&name, (self.gstream_grid()?, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))?;
+        self.launch_pdl(&name, (self.stream_grid(usize::MAX)?, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))?;
         Ok(true)
     }
 
@@ -144,7 +129,7 @@ impl Gpu {
         };
         let mid = [Arg::P(grp), Arg::I(e as i32), Arg::I(nst as i32), Arg::I(pitch(down.row_bytes) as i32), Arg::I(early as i32)];
         let name = format!("moe_down_{}{}_iq4_xs", if probe() { "gstp" } else { "gst" }, down.cols / 512);
-        self.launch_pdl(&name, (self.gstream_grid()?, 1, 1), THREADS, smem as u32, &down_args(down, &mid, aq, ad, &[Arg::P(dpart)]))?;
+        self.launch_pdl(&name, (self.stream_grid(usize::MAX)?, 1, 1), THREADS, smem as u32, &down_args(down, &mid, aq, ad, &[Arg::P(dpart)]))?;
         Ok(true)
     }
 }

@@ -39,7 +39,7 @@ pub fn set_stream_stage_cap(cap: Option<usize>) {
     STAGE_CAP.store(cap.map(|c| c.max(2)).unwrap_or(0), Ordering::Relaxed);
 }
 
-pub(super) fn stage_cap() -> usize {
+fn stage_cap() -> usize {
     match STAGE_CAP.load(Ordering::Relaxed) {
         0 => {
             static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
@@ -90,15 +90,16 @@ const ROUND_UNITS: usize = 96;
 pub const STREAM_MAX_K: usize = 8;
 
 impl Gpu {
-    /// Ring stages of `stage` bytes a streamed kernel gets: as many as a block's opt-in shared
-    /// memory holds, at most 8 (or the cap of [`set_stream_stage_cap`]); 0 when the kernels do
-    /// not apply (before sm_90, where the bulk copies do not exist, or room for fewer than 2).
-    fn stream_stages(&self, stage: usize) -> Result<usize, CudaError> {
+    /// Ring stages of `stage` bytes a streamed kernel gets after `fixed` bytes of its own: as
+    /// many as a block's opt-in shared memory holds, at most 8 (or the cap of
+    /// [`set_stream_stage_cap`]); 0 when the kernels do not apply (before sm_90, where the bulk
+    /// copies do not exist, or room for fewer than 2). Also the grouped kernels' (gstream.rs).
+    pub(super) fn ring_stages(&self, fixed: usize, stage: usize) -> Result<usize, CudaError> {
         if self.arch < 90 || stage == 0 {
             return Ok(0);
         }
         let optin = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as usize;
-        let n = optin.saturating_sub(HDR) / stage;
+        let n = optin.saturating_sub(fixed) / stage;
         Ok(if n >= 2 { n.min(stage_cap()) } else { 0 })
     }
 
@@ -111,7 +112,7 @@ impl Gpu {
             return Ok(None);
         }
         for sr in [32usize, 16, 8].into_iter().filter(|&r| rows_ok(0, r) || r == 8) {
-            let n = self.stream_stages(2 * sr * gate.row_bytes)?;
+            let n = self.ring_stages(HDR, 2 * sr * gate.row_bytes)?;
             if n >= 2 {
                 return Ok(Some((sr, n)));
             }
@@ -129,7 +130,7 @@ impl Gpu {
         }
         let cap = ROWS_CAP[1].load(Ordering::Relaxed);
         for rs in [8usize, 4].into_iter().filter(|&r| if cap == 0 { r == 8 } else { r <= cap.max(4) }) {
-            let n = self.stream_stages(rs * k * down.row_bytes)?;
+            let n = self.ring_stages(HDR, rs * k * down.row_bytes)?;
             if n >= 2 {
                 return Ok(Some((rs, n)));
             }
@@ -138,7 +139,7 @@ impl Gpu {
     }
 
     /// One block per SM, fewer when there are fewer tasks.
-    fn stream_grid(&self, tasks: usize) -> Result<u32, CudaError> {
+    pub(super) fn stream_grid(&self, tasks: usize) -> Result<u32, CudaError> {
         let sms = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
         Ok(sms.min(tasks.max(1)) as u32)
     }

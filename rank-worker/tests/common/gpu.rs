@@ -200,3 +200,18 @@ pub fn routed(rng: &mut Rng, nt: usize, k: usize, e: usize) -> Vec<i32> {
     }
     ids
 }
+
+/// Mean µs per launch of `f(i)` over `reps` calls (i = 0, 1, ..: the caller rotates its inputs
+/// with it) after `warm` untimed ones, the device synchronized around the timed calls.
+pub fn launch_us(g: &Gpu, warm: usize, reps: usize, f: &dyn Fn(usize)) -> f64 {
+    for i in 0..warm {
+        f(i);
+    }
+    g.sync().unwrap();
+    let t = std::time::Instant::now();
+    for i in 0..reps {
+        f(i);
+    }
+    g.sync().unwrap();
+    t.elapsed().as_secs_f64() * 1e6 / reps as f64
+}
