@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::gpu::{Rng, TYPES, bits, gpu, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
+use common::gpu::{Rng, TYPES, bits, gpu, launch_us, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
 use minimax_rank::cuda::fast::{self, DownKind, GateUpKind, MvqKind};
 use minimax_rank::cuda::{Arg, AttnArgs, KvDtype};
 use minimax_shared::model::GatingFunc;
@@ -1349,18 +1349,7 @@ fn fast_moe_expert_kernels_speed() {
     assert_ne!(outs[0], bits(&hid0), "down changed nothing");
     eprintln!("M2.7 expert shapes: psx / psy gate/up and rx4 down bit-identical to pst / reg4");
     let reps = 62 * 5;
-    let time = |f: &dyn Fn(usize)| {
-        for l in 0..16 {
-            f(l);
-        }
-        g.sync().unwrap();
-        let t0 = std::time::Instant::now();
-        for l in 0..reps {
-            f(l);
-        }
-        g.sync().unwrap();
-        t0.elapsed().as_secs_f64() * 1e6 / reps as f64
-    };
+    let time = |f: &dyn Fn(usize)| launch_us(&g, 16, reps, f);
     let wbytes = (2 * k * ff * gm.row_bytes) as f64;
     for gk in [GateUpKind::Persist, GateUpKind::PersistIl, GateUpKind::PersistSm] {
         let us = time(&|l| gu(gk, l));
