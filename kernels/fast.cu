@@ -691,11 +691,11 @@ MVQS_INST(8, l, 4, 24)
 // and streams its 16 rows' chunks through a ring of MM8_NB one-chunk shared buffers with
 // cp.async (MM8_NB - 1 chunks in flight while one is multiplied). The quarters are added in
 // shared memory in a fixed order, then stored like mvqs_* (y (+)= ...). Same arguments as
-// mvqs_*; grid (ceil(total_rows / 16), ceil(nv / 32)), block 128, MM8_SMEM bytes of dynamic
-// shared memory.
+// mvqs_*; grid (ceil(total_rows / 16), ceil(nv / 32)), block 128, MM8_SMEM(ring) bytes of
+// dynamic shared memory.
 #define MM8_NB 4
 #define MM8_BUF (16 * CH)  // 16 rows x 272 bytes: a row is 68 words, so rows g = 0..7 start on banks 4g
-#define MM8_SMEM (4 * MM8_NB * MM8_BUF + 3 * 16 * 32 * 4)
+#define MM8_SMEM(nb) (4 * (nb) * MM8_BUF)
 
 
 // Row r of the launch (segment 0, then 1, then 2) as (row pointer, output column, y, ys);
@@ -782,8 +782,13 @@ __device__ __forceinline__ void mma_s8_16832(int (&c)[4], const u32 (&a)[4], u32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
 }
 
-// PRE: the first MM8_NB - 1 ring chunks (weights) are issued before pdl_wait (mvmma_q8_0p).
-template <bool PRE>
+// PRE: the first NB - 1 ring chunks (weights) are issued before pdl_wait (mvmma_q8_0p).
+// NB: ring buffers per warp (4: mvmma_q8_0*, 3: mvmma3_q8_0*, whose 52 KB let four blocks share
+// an SM: q/k/v's 512 blocks at M2.7 size run in one wave instead of 1.3; the host picks it only
+// for such grids, the deeper ring is faster where the blocks take several waves anyway). The K
+// quarters' partial sums go through each warp's own ring once its copies have landed (no extra
+// shared memory). Same arithmetic for both, in the same order: bit-identical.
+template <bool PRE, int NB = MM8_NB>
 __device__ __forceinline__ void mvmma_q8_0_impl(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1,
                                                 i64 rb1, int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2,
                                                 int rows2, float* y2, i64 ys2, int nchunks, const i8* xq,
@@ -793,8 +798,7 @@ __device__ __forceinline__ void mvmma_q8_0_impl(const u8* W0, i64 rb0, int rows0
     int g = lane >> 2, t = lane & 3;
     int r0 = blockIdx.x * 16;
     int v0 = blockIdx.y * 32;
-    u8* ring = dyn_smem + warp * (MM8_NB * MM8_BUF);
-    float* red = (float*)(dyn_smem + 4 * MM8_NB * MM8_BUF);  // [3][16][32]
+    u8* ring = dyn_smem + warp * (NB * MM8_BUF);
     int c_beg = warp * nchunks / 4, c_end = (warp + 1) * nchunks / 4;
     int n = c_end - c_beg;
     // Piece p (16 bytes) of a chunk belongs to row p / 17; the row's source, once per lane.
@@ -813,9 +817,9 @@ __device__ __forceinline__ void mvmma_q8_0_impl(const u8* W0, i64 rb0, int rows0
             w = nullptr;
         src[k] = w;
     }
-    auto issue = [&](int i) {  // chunk i of this warp into buffer i % MM8_NB (always one group)
+    auto issue = [&](int i) {  // chunk i of this warp into buffer i % NB (always one group)
         if (i < n) {
-            u8* b = ring + (i % MM8_NB) * MM8_BUF;
+            u8* b = ring + (i % NB) * MM8_BUF;
             i64 off = (i64)(c_beg + i) * CH;
 #pragma unroll
             for (int k = 0; k < 9; k++) {
@@ -840,16 +844,16 @@ __device__ __forceinline__ void mvmma_q8_0_impl(const u8* W0, i64 rb0, int rows0
 #pragma unroll
             for (int i = 0; i < 4; i++) acc[m][q][i] = 0.f;
 #pragma unroll
-    for (int i = 0; i < MM8_NB - 1; i++) issue(i);
+    for (int i = 0; i < NB - 1; i++) issue(i);
     if (PRE) {
         pdl_wait();
         pdl_trigger();
     }
     for (int i = 0; i < n; i++) {
-        issue(i + MM8_NB - 1);
-        cp_async_wait<MM8_NB - 1>();  // chunk i has landed (this lane's pieces)
-        __syncwarp();                 // ... and every lane's
-        const u8* b = ring + (i % MM8_NB) * MM8_BUF;
+        issue(i + NB - 1);
+        cp_async_wait<NB - 1>();  // chunk i has landed (this lane's pieces)
+        __syncwarp();             // ... and every lane's
+        const u8* b = ring + (i % NB) * MM8_BUF;
         int kb0 = (c_beg + i) * 8;
 #pragma unroll
         for (int j = 0; j < 8; j++) {
@@ -895,14 +899,17 @@ __device__ __forceinline__ void mvmma_q8_0_impl(const u8* W0, i64 rb0, int rows0
         __syncwarp();  // every lane is done with this buffer before it is refilled
     }
     cp_async_wait<0>();
-    // Quarters 1..3 hand their sums to quarter 0, which adds them in order and stores.
+    __syncwarp();  // every lane's copies have landed and every lane is done reading the ring
+    // Quarters 1..3 hand their sums (16 x 32 floats, in their own ring) to quarter 0, which
+    // adds them in order and stores.
     if (warp > 0) {
+        float* mine = (float*)ring;
 #pragma unroll
         for (int m = 0; m < 2; m++)
 #pragma unroll
             for (int q = 0; q < 2; q++)
 #pragma unroll
-                for (int i = 0; i < 4; i++) red[((warp - 1) * 16 + m * 8 + q * 4 + i) * 32 + lane] = acc[m][q][i];
+                for (int i = 0; i < 4; i++) mine[(m * 8 + q * 4 + i) * 32 + lane] = acc[m][q][i];
     }
     __syncthreads();
     if (warp > 0) return;
@@ -914,7 +921,7 @@ __device__ __forceinline__ void mvmma_q8_0_impl(const u8* W0, i64 rb0, int rows0
             for (int i = 0; i < 4; i++) {
                 float v = acc[m][q][i];
 #pragma unroll
-                for (int w = 0; w < 3; w++) v += red[(w * 16 + m * 8 + q * 4 + i) * 32 + lane];
+                for (int w = 1; w < 4; w++) v += ((const float*)(dyn_smem + w * (NB * MM8_BUF)))[(m * 8 + q * 4 + i) * 32 + lane];
                 int ti = 2 * m + (i >> 1);  // token g or g + 8 of m tile m
                 int r = r0 + q * 8 + 2 * t + (i & 1);
                 const u8* wr;
@@ -945,6 +952,23 @@ extern "C" __global__ void __launch_bounds__(128) mvmma_q8_0p(const u8* W0, i64 
                                                               int nv, int accumulate) {
     mvmma_q8_0_impl<true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq, xd,
                           ncol, nv, accumulate);
+}
+extern "C" __global__ void __launch_bounds__(128) mvmma3_q8_0(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0,
+                                                              const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
+                                                              const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2,
+                                                              int nchunks, const i8* xq, const float* xd, int ncol,
+                                                              int nv, int accumulate) {
+    pdl_enter();
+    mvmma_q8_0_impl<false, 3>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq,
+                              xd, ncol, nv, accumulate);
+}
+extern "C" __global__ void __launch_bounds__(128) mvmma3_q8_0p(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0,
+                                                               const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
+                                                               const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2,
+                                                               int nchunks, const i8* xq, const float* xd, int ncol,
+                                                               int nv, int accumulate) {
+    mvmma_q8_0_impl<true, 3>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq,
+                             xd, ncol, nv, accumulate);
 }
 
 // ------------------------------------------------------------- MoE (decode) -------------

@@ -431,10 +431,21 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
             for acc in [false, true] {
                 let ys: Vec<usize> = rows.iter().map(|r| r + 2).collect();
                 let y0: Vec<Vec<f32>> = ys.iter().map(|s| rng.vec(nv * s, 1.0)).collect();
-                for kind in [MvqKind::Staged, MvqKind::Whole, MvqKind::WholeShort, MvqKind::Mma] {
+                // The tensor-core kind with both ring depths (mvmma / mvmma3): bit-identical.
+                let mut mma_bits: Option<Vec<Vec<u32>>> = None;
+                for (kind, ring) in [(MvqKind::Staged, None), (MvqKind::Whole, None), (MvqKind::WholeShort, None), (MvqKind::Mma, Some(4)), (MvqKind::Mma, Some(3))] {
+                    fast::set_mvmma_ring(ring);
                     let yb: Vec<_> = (0..3).map(|i| if acc { g.upload(&y0[i]).unwrap() } else { poisoned(&g, nv * ys[i]) }).collect();
                     let segs: Vec<_> = (0..3).map(|i| (&up[i].1, g.ptr(&yb[i]), ys[i])).collect();
                     g.matvec_q8_with(kind, &segs, g.ptr(&qb), g.ptr(&db), cols, nv, acc).unwrap();
+                    fast::set_mvmma_ring(None);
+                    if ring.is_some() && ty == GgmlType::Q8_0 {
+                        let outs: Vec<Vec<u32>> = yb.iter().map(|b| bits(&g.download(b).unwrap())).collect();
+                        match &mma_bits {
+                            None => mma_bits = Some(outs),
+                            Some(prev) => assert!(prev == &outs, "mvmma3 vs mvmma: outputs differ (cols {cols} nv {nv} acc {acc})"),
+                        }
+                    }
                     let mut worst = 0f32;
                     for i in 0..3 {
                         let got = g.download(&yb[i]).unwrap();

@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--gstream-ab]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--gstream-ab] [--mvmma-ab] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -539,11 +539,86 @@ fn stream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--prompts N,P`: the first step of an N-stream round (N sequences with P-token prompts in one
+/// step, on the prefill path, as the HTTP benchmark's rounds start), against one sequence of
+/// N x P tokens: forward plus the greedy reduction of the wanted rows, three runs each on fresh
+/// pages; then the per-kernel split of the N-sequence step.
+fn prompts_step(m: &mut CudaModel, pages: &mut Pages, n: usize, p: usize) -> anyhow::Result<()> {
+    let greedy = minimax_shared::sampling::SamplingSpec { temperature: 0.0, ..Default::default() };
+    let mut run = |m: &mut CudaModel, seqs: usize, len: usize, round: usize| -> anyhow::Result<f64> {
+        let batch = ForwardBatch {
+            seqs: (0..seqs).map(|i| step(9000 + (round * 64 + i) as u64, &pages.take(len.div_ceil(PAGE)), 0, (0..len).map(|j| pseudo_token(j, round * 64 + i)).collect(), LogitsWanted::Last)).collect(),
+        };
+        m.gpu().sync()?;
+        let t = Instant::now();
+        let out = m.forward_stage_lazy(&batch)?.ok_or_else(|| anyhow::anyhow!("no logits"))?;
+        let (reds, _) = out.reduce(&vec![(greedy.clone(), None); seqs])?;
+        anyhow::ensure!(reds.iter().all(|r| r.is_ok()), "a greedy reduction failed");
+        Ok(ms(t))
+    };
+    // Distinct short prompts route their tokens over nearly every expert; one long synthetic
+    // prompt concentrates them (its hidden states converge as attention averages), so the
+    // single-sequence figures are optimistic. Expert tiles: automatic, then 16 / 32 / 64 tokens.
+    let mut round = 0;
+    for (seqs, len) in [(n, p), (1, n * p), (32, 16), (1, 512)] {
+        for gt in [0usize, 1, 2, 4] {
+            minimax_rank::cuda::set_group_tile(Some(gt));
+            let mut best = f64::MAX;
+            for r in 0..3 {
+                let t = run(m, seqs, len, round)?;
+                round += 1;
+                if r > 0 {
+                    best = best.min(t);
+                }
+            }
+            let tile = if gt == 0 { "automatic".to_string() } else { format!("{}", 16 * gt) };
+            println!("prompts: {seqs} sequence(s) x {len} tokens in one step, expert tiles {tile}: {best:.1} ms (best of 2 after a warm-up, forward + greedy reduction)");
+        }
+    }
+    minimax_rank::cuda::set_group_tile(None);
+    let batch = ForwardBatch {
+        seqs: (0..n).map(|i| step(9900 + i as u64, &pages.take(p.div_ceil(PAGE)), 0, (0..p).map(|j| pseudo_token(j, 900 + i)).collect(), LogitsWanted::Last)).collect(),
+    };
+    m.gpu().profile_begin();
+    m.forward(&batch)?;
+    let prof = m.gpu().profile_end()?;
+    print_split(&prof, &format!("{n} x {p}-token prompt step"));
+    Ok(())
+}
+
 /// `--gstream-ab`: the grouped streamed expert kernels (kernels/gstream.cu) against the grouped
 /// register kernels (`grpf`) at batch 4 / 16 / 32 (served-like prompts), graph replay,
 /// alternating, three rounds; then the per-kernel split of a batch-32 step with them.
 fn gstream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     use minimax_rank::cuda::gstream::set_gstream;
+    let (pts, mut toks, s) = switch_ab(m, pages, "grouped MoE", ["grpf (register)", "grouped streamed"], set_gstream)?;
+    set_gstream(Some(true));
+    m.clear_graphs();
+    anyhow::ensure!(stream_step(m, &pts, &mut toks, s)?, "bad logits at batch 32");
+    print_split(&profile_step(m, 32)?, "batch-32 decode step, grouped streamed expert kernels");
+    set_gstream(None);
+    m.clear_graphs();
+    Ok(())
+}
+
+/// `--mvmma-ab`: the tensor-core Q8_0 products of 4-32-token steps with 4-chunk rings always
+/// (`mvmma_q8_0`) against the automatic choice (3-chunk rings, `mvmma3_q8_0`, where that makes
+/// one wave: q/k/v), batch 4 / 16 / 32.
+fn mvmma_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
+    use minimax_rank::cuda::fast::set_mvmma_ring;
+    fn set(auto: Option<bool>) {
+        set_mvmma_ring(auto.map(|a| if a { 0 } else { 4 }));
+    }
+    switch_ab(m, pages, "dense Q8_0 products on tensor cores", ["4-chunk rings", "automatic ring"], set)?;
+    set_mvmma_ring(None);
+    m.clear_graphs();
+    Ok(())
+}
+
+/// A/B of a kernel switch (`set(Some(false))` then `set(Some(true))`) at batch 4 / 16 / 32
+/// (served-like prompts), graph replay, alternating, three rounds; prints ms per step and tok/s
+/// and returns the 32 streams (pages, next tokens, next step index).
+fn switch_ab(m: &mut CudaModel, pages: &mut Pages, what: &str, names: [&str; 2], set: fn(Option<bool>)) -> anyhow::Result<(Vec<Vec<u32>>, Vec<u32>, usize)> {
     let bs = [4usize, 16, 32];
     let pts: Vec<Vec<u32>> = (0..32).map(|_| pages.take(8)).collect();
     let mut toks = start_streams(m, &pts)?;
@@ -551,7 +626,7 @@ fn gstream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     let mut r = [[0f64; 3]; 2];
     for _round in 0..3 {
         for (i, on) in [false, true].into_iter().enumerate() {
-            set_gstream(Some(on));
+            set(Some(on));
             m.clear_graphs();
             for (j, &b) in bs.iter().enumerate() {
                 anyhow::ensure!(stream_step(m, &pts[..b], &mut toks[..b], s)?, "non-finite or out-of-vocabulary picks at batch {b}");
@@ -560,21 +635,15 @@ fn gstream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
             }
         }
     }
-    println!("\ngrouped MoE A/B (graph replay, ms per step; tok/s in brackets):");
-    for (i, name) in ["grpf (register)", "grouped streamed"].into_iter().enumerate() {
-        let mut line = format!("{name:<20}");
+    println!("\n{what} A/B (graph replay, ms per step; tok/s in brackets):");
+    for (i, name) in names.into_iter().enumerate() {
+        let mut line = format!("{name:<24}");
         for (j, &b) in bs.iter().enumerate() {
             line += &format!(" b{b}: {:>8.3} ({:>5.0})", r[i][j], b as f64 * 1e3 / r[i][j]);
         }
         println!("{line}");
     }
-    set_gstream(Some(true));
-    m.clear_graphs();
-    anyhow::ensure!(stream_step(m, &pts, &mut toks, s)?, "bad logits at batch 32");
-    print_split(&profile_step(m, 32)?, "batch-32 decode step, grouped streamed expert kernels");
-    set_gstream(None);
-    m.clear_graphs();
-    Ok(())
+    Ok((pts, toks, s))
 }
 
 /// Dense products of M2.7's shapes (q: 6144 x 3072 and o: 3072 x 6144 Q8_0, the F32 router
@@ -671,6 +740,13 @@ fn main() -> anyhow::Result<()> {
     }
     if flag("--gstream-ab") {
         return gstream_ab(&mut m, &mut pages);
+    }
+    if flag("--mvmma-ab") {
+        return mvmma_ab(&mut m, &mut pages);
+    }
+    if let Some(v) = arg("--prompts") {
+        let (n, p) = v.split_once(',').and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?))).ok_or_else(|| anyhow::anyhow!("--prompts N,P"))?;
+        return prompts_step(&mut m, &mut pages, n, p);
     }
     let mut table: Vec<(String, String)> = Vec::new();
 

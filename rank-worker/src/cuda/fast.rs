@@ -150,9 +150,43 @@ pub fn grp_mma() -> bool {
 
 /// Tokens from which [`MvqKind::Auto`] takes the tensor-core Q8_0 kernel.
 pub const MMA_MIN_TOKENS: usize = 4;
-/// Dynamic shared memory of `mvmma_q8_0` (`MM8_SMEM`: 4 warps x a ring of 4 one-chunk buffers
-/// of 16 rows, plus the K quarters' partial sums).
-const MVMMA_SMEM: usize = 4 * 4 * 16 * CH + 3 * 16 * 32 * 4;
+/// Dynamic shared memory of `mvmma_q8_0` / `mvmma3_q8_0` (`MM8_SMEM`: 4 warps x a ring of 4 /
+/// 3 one-chunk buffers of 16 rows; the K quarters' partial sums reuse the rings).
+const fn mvmma_smem(ring: usize) -> usize {
+    4 * ring * 16 * CH
+}
+
+/// Forced ring depth of the tensor-core Q8_0 products (3 or 4; 0 = by the grid, see
+/// [`mvmma_ring`]); u8::MAX = not read from `MINIMAX_MVMMA_RING` yet.
+static MVMMA_RING: AtomicU8 = AtomicU8::new(u8::MAX);
+
+/// The ring depth of a `blocks`-block tensor-core Q8_0 product on `sms` SMs: `mvmma3_q8_0`
+/// (rings of 3 chunks a warp, 52 KB: four blocks an SM) where only it puts the grid in one wave
+/// (M2.7's q/k/v: 512 blocks on 132 SMs), else `mvmma_q8_0` (4 chunks, 70 KB: three blocks an
+/// SM; faster where the blocks take several waves anyway, e.g. the output head). Both give the
+/// same bits. `MINIMAX_MVMMA_RING=3|4` (or [`set_mvmma_ring`]) forces one.
+pub fn mvmma_ring(blocks: usize, sms: usize) -> usize {
+    let mut v = MVMMA_RING.load(Ordering::Relaxed);
+    if v == u8::MAX {
+        v = match std::env::var("MINIMAX_MVMMA_RING").as_deref() {
+            Ok("3") => 3,
+            Ok("4") => 4,
+            _ => 0,
+        };
+        MVMMA_RING.store(v, Ordering::Relaxed);
+    }
+    match v {
+        3 | 4 => v as usize,
+        _ if blocks > 3 * sms && blocks <= 4 * sms => 3,
+        _ => 4,
+    }
+}
+
+/// Forces the ring depth (`Some(3)` / `Some(4)`), `Some(0)` = by the grid, `None` = back to the
+/// environment (tests, A/B runs). Captured graphs keep the kernel they were captured with.
+pub fn set_mvmma_ring(ring: Option<usize>) {
+    MVMMA_RING.store(ring.map_or(u8::MAX, |r| if matches!(r, 3 | 4) { r as u8 } else { 0 }), Ordering::Relaxed);
+}
 
 impl MvqKind {
     /// The kind in force: [`set_kernel_overrides`] if set, else `MINIMAX_MVQ` (read once).
@@ -679,8 +713,12 @@ impl Gpu {
         let (args, rows) = mv_args(segs, nchunks, xq, xd, ncol, nv, accumulate);
         let mma = ty == GgmlType::Q8_0 && (kind == MvqKind::Mma || (kind == MvqKind::Auto && nv >= MMA_MIN_TOKENS));
         if mma {
-            let name = if pdl_part(PDL_MMA) { "mvmma_q8_0p" } else { "mvmma_q8_0" };
-            return self.launch_pdl(name, (ceil_div(rows, 16), ceil_div(nv, 32), 1), 128, MVMMA_SMEM as u32, &args);
+            let grid = (ceil_div(rows, 16), ceil_div(nv, 32), 1);
+            let sms = self.ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
+            let ring = mvmma_ring((grid.0 * grid.1) as usize, sms);
+            let stem = if ring == 3 { "mvmma3_q8_0" } else { "mvmma_q8_0" };
+            let name = if pdl_part(PDL_MMA) { format!("{stem}p") } else { stem.to_string() };
+            return self.launch_pdl(&name, grid, 128, mvmma_smem(ring) as u32, &args);
         }
         let (name, warps) = match kind {
             _ if ty != GgmlType::Q8_0 => (format!("mvq_{}_{nt}", tn(ty)), 8),
@@ -1169,5 +1207,24 @@ impl FastWs {
             pts_cap,
             graphs: HashMap::new(),
         })
+    }
+}
+
+#[cfg(test)]
+mod ring_tests {
+    use super::*;
+
+    #[test]
+    fn mvmma_ring_takes_the_shallow_ring_only_where_it_makes_one_wave() {
+        set_mvmma_ring(Some(0));
+        assert_eq!(mvmma_ring(512, 132), 3, "q/k/v at M2.7 size: 512 blocks fit 4 x 132, not 3 x 132");
+        assert_eq!(mvmma_ring(192, 132), 4, "the o-projection fits three an SM");
+        assert_eq!(mvmma_ring(12_504, 132), 4, "the output head takes many waves either way");
+        assert_eq!(mvmma_ring(529, 132), 4);
+        set_mvmma_ring(Some(3));
+        assert_eq!(mvmma_ring(192, 132), 3, "forced");
+        set_mvmma_ring(Some(4));
+        assert_eq!(mvmma_ring(512, 132), 4, "forced");
+        set_mvmma_ring(Some(0));
     }
 }

@@ -892,7 +892,13 @@ impl CudaModel {
             let lg = g.zeros::<f32>(nr * v)?;
             g.gather_rows(hid, h, g.ptr(&st.out_idx), p(&sel), h, h, nr)?;
             g.rms_norm(p(&sel), h, self.out_norm, p(&sel), h, nr, h, c.rms_eps)?;
-            g.matvec(&self.head, p(&sel), h, p(&lg), v, nr, false)?;
+            // Several rows (a step of several prompts): the GEMM reads the 650 MB head once per
+            // token tile instead of once per 8 rows (32 rows at M2.7 size: 20 ms -> ~1 ms).
+            if nr > 1 && g.gemm_unfit(&self.head, p(&sel), h).is_none() {
+                g.matmul(&self.head, p(&sel), h, p(&lg), v, nr, false)?;
+            } else {
+                g.matvec(&self.head, p(&sel), h, p(&lg), v, nr, false)?;
+            }
             logits = g.download(&lg)?;
             logits.truncate(nr * v);
         }
