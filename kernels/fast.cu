@@ -691,11 +691,11 @@ MVQS_INST(8, l, 4, 24)
 // and streams its 16 rows' chunks through a ring of MM8_NB one-chunk shared buffers with
 // cp.async (MM8_NB - 1 chunks in flight while one is multiplied). The quarters are added in
 // shared memory in a fixed order, then stored like mvqs_* (y (+)= ...). Same arguments as
-// mvqs_*; grid (ceil(total_rows / 16), ceil(nv / 32)), block 128, MM8_SMEM(ring) bytes of
-// dynamic shared memory.
+// mvqs_*; grid (ceil(total_rows / 16), ceil(nv / 32)), block 32 x warps (4, or 8 for mvmma8),
+// MM8_SMEM(warps, ring) bytes of dynamic shared memory.
 #define MM8_NB 4
 #define MM8_BUF (16 * CH)  // 16 rows x 272 bytes: a row is 68 words, so rows g = 0..7 start on banks 4g
-#define MM8_SMEM(nb) (4 * (nb) * MM8_BUF)
+#define MM8_SMEM(nw, nb) ((nw) * (nb) * MM8_BUF)
 
 
 // Row r of the launch (segment 0, then 1, then 2) as (row pointer, output column, y, ys);
@@ -787,8 +787,11 @@ __device__ __forceinline__ void mma_s8_16832(int (&c)[4], const u32 (&a)[4], u32
 // an SM: q/k/v's 512 blocks at M2.7 size run in one wave instead of 1.3; the host picks it only
 // for such grids, the deeper ring is faster where the blocks take several waves anyway). The K
 // quarters' partial sums go through each warp's own ring once its copies have landed (no extra
-// shared memory). Same arithmetic for both, in the same order: bit-identical.
-template <bool PRE, int NB = MM8_NB>
+// shared memory). Same arithmetic for both, in the same order: bit-identical. NW: warps a block,
+// each a K range of its own (8: mvmma8_q8_0*, for grids of fewer blocks than the SMs hold, e.g.
+// the o-projection's 192: twice the warps an SM, half the chunks a warp; the NW partial sums are
+// added in warp order, so its results differ from the 4-warp kernels' by f32 rounding).
+template <bool PRE, int NB = MM8_NB, int NW = 4>
 __device__ __forceinline__ void mvmma_q8_0_impl(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1,
                                                 i64 rb1, int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2,
                                                 int rows2, float* y2, i64 ys2, int nchunks, const i8* xq,
@@ -799,7 +802,7 @@ __device__ __forceinline__ void mvmma_q8_0_impl(const u8* W0, i64 rb0, int rows0
     int r0 = blockIdx.x * 16;
     int v0 = blockIdx.y * 32;
     u8* ring = dyn_smem + warp * (NB * MM8_BUF);
-    int c_beg = warp * nchunks / 4, c_end = (warp + 1) * nchunks / 4;
+    int c_beg = warp * nchunks / NW, c_end = (warp + 1) * nchunks / NW;
     int n = c_end - c_beg;
     // Piece p (16 bytes) of a chunk belongs to row p / 17; the row's source, once per lane.
     const u8* src[9];
@@ -921,7 +924,7 @@ __device__ __forceinline__ void mvmma_q8_0_impl(const u8* W0, i64 rb0, int rows0
             for (int i = 0; i < 4; i++) {
                 float v = acc[m][q][i];
 #pragma unroll
-                for (int w = 1; w < 4; w++) v += ((const float*)(dyn_smem + w * (NB * MM8_BUF)))[(m * 8 + q * 4 + i) * 32 + lane];
+                for (int w = 1; w < NW; w++) v += ((const float*)(dyn_smem + w * (NB * MM8_BUF)))[(m * 8 + q * 4 + i) * 32 + lane];
                 int ti = 2 * m + (i >> 1);  // token g or g + 8 of m tile m
                 int r = r0 + q * 8 + 2 * t + (i & 1);
                 const u8* wr;
@@ -969,6 +972,23 @@ extern "C" __global__ void __launch_bounds__(128) mvmma3_q8_0p(const u8* W0, i64
                                                                int nv, int accumulate) {
     mvmma_q8_0_impl<true, 3>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq,
                              xd, ncol, nv, accumulate);
+}
+extern "C" __global__ void __launch_bounds__(256) mvmma8_q8_0(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0,
+                                                              const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
+                                                              const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2,
+                                                              int nchunks, const i8* xq, const float* xd, int ncol,
+                                                              int nv, int accumulate) {
+    pdl_enter();
+    mvmma_q8_0_impl<false, 3, 8>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks,
+                                 xq, xd, ncol, nv, accumulate);
+}
+extern "C" __global__ void __launch_bounds__(256) mvmma8_q8_0p(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0,
+                                                               const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
+                                                               const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2,
+                                                               int nchunks, const i8* xq, const float* xd, int ncol,
+                                                               int nv, int accumulate) {
+    mvmma_q8_0_impl<true, 3, 8>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks,
+                                xq, xd, ncol, nv, accumulate);
 }
 
 // ------------------------------------------------------------- MoE (decode) -------------

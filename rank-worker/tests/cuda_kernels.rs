@@ -7,7 +7,7 @@
 mod common;
 
 use common::gpu::{Rng, TYPES, bits, gpu, launch_us, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
-use minimax_rank::cuda::fast::{self, DownKind, GateUpKind, MvqKind};
+use minimax_rank::cuda::fast::{self, DownKind, GateUpKind, MvqKind, Mvmma};
 use minimax_rank::cuda::{Arg, AttnArgs, KvDtype};
 use minimax_shared::model::GatingFunc;
 use minimax_shared::quant::{self, GgmlType};
@@ -431,15 +431,16 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
             for acc in [false, true] {
                 let ys: Vec<usize> = rows.iter().map(|r| r + 2).collect();
                 let y0: Vec<Vec<f32>> = ys.iter().map(|s| rng.vec(nv * s, 1.0)).collect();
-                // The tensor-core kind with both ring depths (mvmma / mvmma3): bit-identical.
+                // The tensor-core kind in its three forms: mvmma3 bit-identical to mvmma, mvmma8
+                // (8 K ranges) within the bound like every kind.
                 let mut mma_bits: Option<Vec<Vec<u32>>> = None;
-                for (kind, ring) in [(MvqKind::Staged, None), (MvqKind::Whole, None), (MvqKind::WholeShort, None), (MvqKind::Mma, Some(4)), (MvqKind::Mma, Some(3))] {
-                    fast::set_mvmma_ring(ring);
+                for (kind, mk) in [(MvqKind::Staged, None), (MvqKind::Whole, None), (MvqKind::WholeShort, None), (MvqKind::Mma, Some(Mvmma::W4R4)), (MvqKind::Mma, Some(Mvmma::W4R3)), (MvqKind::Mma, Some(Mvmma::W8R3))] {
+                    fast::set_mvmma(mk.map(Some));
                     let yb: Vec<_> = (0..3).map(|i| if acc { g.upload(&y0[i]).unwrap() } else { poisoned(&g, nv * ys[i]) }).collect();
                     let segs: Vec<_> = (0..3).map(|i| (&up[i].1, g.ptr(&yb[i]), ys[i])).collect();
                     g.matvec_q8_with(kind, &segs, g.ptr(&qb), g.ptr(&db), cols, nv, acc).unwrap();
-                    fast::set_mvmma_ring(None);
-                    if ring.is_some() && ty == GgmlType::Q8_0 {
+                    fast::set_mvmma(None);
+                    if matches!(mk, Some(Mvmma::W4R4 | Mvmma::W4R3)) && ty == GgmlType::Q8_0 {
                         let outs: Vec<Vec<u32>> = yb.iter().map(|b| bits(&g.download(b).unwrap())).collect();
                         match &mma_bits {
                             None => mma_bits = Some(outs),
@@ -468,7 +469,7 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
                         }
                     }
                     if nv == 37 && acc {
-                        eprintln!("mvq     {ty:<7} {kind:?} 3 segs x {cols} nv<=37: max |diff| / sum|w x| {worst:.2e}");
+                        eprintln!("mvq     {ty:<7} {kind:?} {mk:?} 3 segs x {cols} nv<=37: max |diff| / sum|w x| {worst:.2e}");
                     }
                 }
             }

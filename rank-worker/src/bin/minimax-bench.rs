@@ -601,16 +601,16 @@ fn gstream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `--mvmma-ab`: the tensor-core Q8_0 products of 4-32-token steps with 4-chunk rings always
-/// (`mvmma_q8_0`) against the automatic choice (3-chunk rings, `mvmma3_q8_0`, where that makes
-/// one wave: q/k/v), batch 4 / 16 / 32.
+/// `--mvmma-ab`: the tensor-core Q8_0 products of 4-32-token steps, `mvmma_q8_0` (4 warps, 4-chunk
+/// rings) for every product against the automatic choice (`mvmma3_q8_0` for q/k/v, `mvmma8_q8_0`
+/// for the o-projection), batch 4 / 16 / 32.
 fn mvmma_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
-    use minimax_rank::cuda::fast::set_mvmma_ring;
+    use minimax_rank::cuda::fast::{Mvmma, set_mvmma};
     fn set(auto: Option<bool>) {
-        set_mvmma_ring(auto.map(|a| if a { 0 } else { 4 }));
+        set_mvmma(auto.map(|a| if a { None } else { Some(Mvmma::W4R4) }));
     }
-    switch_ab(m, pages, "dense Q8_0 products on tensor cores", ["4-chunk rings", "automatic ring"], set)?;
-    set_mvmma_ring(None);
+    switch_ab(m, pages, "dense Q8_0 products on tensor cores", ["mvmma everywhere", "automatic choice"], set)?;
+    set_mvmma(None);
     m.clear_graphs();
     Ok(())
 }

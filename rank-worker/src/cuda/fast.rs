@@ -150,42 +150,72 @@ pub fn grp_mma() -> bool {
 
 /// Tokens from which [`MvqKind::Auto`] takes the tensor-core Q8_0 kernel.
 pub const MMA_MIN_TOKENS: usize = 4;
-/// Dynamic shared memory of `mvmma_q8_0` / `mvmma3_q8_0` (`MM8_SMEM`: 4 warps x a ring of 4 /
-/// 3 one-chunk buffers of 16 rows; the K quarters' partial sums reuse the rings).
-const fn mvmma_smem(ring: usize) -> usize {
-    4 * ring * 16 * CH
+/// The tensor-core Q8_0 product kernels of 4-32-token steps (`mvmma*_q8_0`), same arguments,
+/// told apart by their warps a block (each a K range) and ring buffers a warp.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Mvmma {
+    /// `mvmma_q8_0`: 4 warps, rings of 4 chunks (70 KB: three blocks an SM).
+    W4R4,
+    /// `mvmma3_q8_0`: 4 warps, rings of 3 (52 KB: four blocks an SM), same bits as `W4R4`.
+    W4R3,
+    /// `mvmma8_q8_0`: 8 warps, rings of 3 (104 KB: two blocks an SM, twice the warps).
+    W8R3,
 }
 
-/// Forced ring depth of the tensor-core Q8_0 products (3 or 4; 0 = by the grid, see
-/// [`mvmma_ring`]); u8::MAX = not read from `MINIMAX_MVMMA_RING` yet.
-static MVMMA_RING: AtomicU8 = AtomicU8::new(u8::MAX);
+impl Mvmma {
+    /// (kernel stem, threads, dynamic shared memory: warps x ring x a 16-row chunk).
+    fn launch(self) -> (&'static str, u32, usize) {
+        let (stem, warps, ring) = match self {
+            Mvmma::W4R4 => ("mvmma_q8_0", 4, 4),
+            Mvmma::W4R3 => ("mvmma3_q8_0", 4, 3),
+            Mvmma::W8R3 => ("mvmma8_q8_0", 8, 3),
+        };
+        (stem, 32 * warps as u32, warps * ring * 16 * CH)
+    }
+}
 
-/// The ring depth of a `blocks`-block tensor-core Q8_0 product on `sms` SMs: `mvmma3_q8_0`
-/// (rings of 3 chunks a warp, 52 KB: four blocks an SM) where only it puts the grid in one wave
-/// (M2.7's q/k/v: 512 blocks on 132 SMs), else `mvmma_q8_0` (4 chunks, 70 KB: three blocks an
-/// SM; faster where the blocks take several waves anyway, e.g. the output head). Both give the
-/// same bits. `MINIMAX_MVMMA_RING=3|4` (or [`set_mvmma_ring`]) forces one.
-pub fn mvmma_ring(blocks: usize, sms: usize) -> usize {
-    let mut v = MVMMA_RING.load(Ordering::Relaxed);
+/// Forced kernel (1 + `Mvmma as u8`; 0 = by the grid, see [`mvmma_kind`]); u8::MAX = not read
+/// from `MINIMAX_MVMMA` yet.
+static MVMMA_FORCED: AtomicU8 = AtomicU8::new(u8::MAX);
+
+/// The kernel of a tensor-core Q8_0 product of `blocks` 16-row blocks over `nchunks` 256-column
+/// chunks on `sms` SMs. Grids that three 4-warp blocks an SM would run in more than one wave but
+/// four would not (M2.7's q/k/v: 512 blocks on 132 SMs) take the 3-chunk rings (`W4R3`); grids
+/// of at most two blocks an SM with long rows (the o-projection: 192 blocks of 24 chunks) take
+/// 8 warps a block (`W8R3`: twice the warps to hide latency, 3 chunks a warp); the rest (the
+/// output head: many waves) keeps `W4R4`. `MINIMAX_MVMMA=4|3|8` (or [`set_mvmma`]) forces one.
+pub fn mvmma_kind(blocks: usize, nchunks: usize, sms: usize) -> Mvmma {
+    let mut v = MVMMA_FORCED.load(Ordering::Relaxed);
     if v == u8::MAX {
-        v = match std::env::var("MINIMAX_MVMMA_RING").as_deref() {
-            Ok("3") => 3,
-            Ok("4") => 4,
+        v = match std::env::var("MINIMAX_MVMMA").as_deref() {
+            Ok("4") => 1,
+            Ok("3") => 2,
+            Ok("8") => 3,
             _ => 0,
         };
-        MVMMA_RING.store(v, Ordering::Relaxed);
+        MVMMA_FORCED.store(v, Ordering::Relaxed);
     }
     match v {
-        3 | 4 => v as usize,
-        _ if blocks > 3 * sms && blocks <= 4 * sms => 3,
-        _ => 4,
+        1 => Mvmma::W4R4,
+        2 => Mvmma::W4R3,
+        3 => Mvmma::W8R3,
+        _ if blocks <= 2 * sms && nchunks >= 16 => Mvmma::W8R3,
+        _ if blocks > 3 * sms && blocks <= 4 * sms => Mvmma::W4R3,
+        _ => Mvmma::W4R4,
     }
 }
 
-/// Forces the ring depth (`Some(3)` / `Some(4)`), `Some(0)` = by the grid, `None` = back to the
+/// Forces the kernel (`Some(Some(k))`), `Some(None)` = by the grid, `None` = back to the
 /// environment (tests, A/B runs). Captured graphs keep the kernel they were captured with.
-pub fn set_mvmma_ring(ring: Option<usize>) {
-    MVMMA_RING.store(ring.map_or(u8::MAX, |r| if matches!(r, 3 | 4) { r as u8 } else { 0 }), Ordering::Relaxed);
+pub fn set_mvmma(kind: Option<Option<Mvmma>>) {
+    MVMMA_FORCED.store(
+        match kind {
+            None => u8::MAX,
+            Some(None) => 0,
+            Some(Some(k)) => 1 + k as u8,
+        },
+        Ordering::Relaxed,
+    );
 }
 
 impl MvqKind {
@@ -715,10 +745,14 @@ impl Gpu {
         if mma {
             let grid = (ceil_div(rows, 16), ceil_div(nv, 32), 1);
             let sms = self.ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
-            let ring = mvmma_ring((grid.0 * grid.1) as usize, sms);
-            let stem = if ring == 3 { "mvmma3_q8_0" } else { "mvmma_q8_0" };
+            let (mut stem, mut threads, mut smem) = mvmma_kind((grid.0 * grid.1) as usize, nchunks, sms).launch();
+            let optin = self.ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as usize;
+            if smem > optin {
+                // Cards with less shared memory a block (sm_120: 99 KB) keep the 4-warp kernel.
+                (stem, threads, smem) = Mvmma::W4R4.launch();
+            }
             let name = if pdl_part(PDL_MMA) { format!("{stem}p") } else { stem.to_string() };
-            return self.launch_pdl(&name, grid, 128, mvmma_smem(ring) as u32, &args);
+            return self.launch_pdl(&name, grid, threads, smem as u32, &args);
         }
         let (name, warps) = match kind {
             _ if ty != GgmlType::Q8_0 => (format!("mvq_{}_{nt}", tn(ty)), 8),
@@ -1211,20 +1245,22 @@ impl FastWs {
 }
 
 #[cfg(test)]
-mod ring_tests {
+mod mvmma_tests {
     use super::*;
 
     #[test]
-    fn mvmma_ring_takes_the_shallow_ring_only_where_it_makes_one_wave() {
-        set_mvmma_ring(Some(0));
-        assert_eq!(mvmma_ring(512, 132), 3, "q/k/v at M2.7 size: 512 blocks fit 4 x 132, not 3 x 132");
-        assert_eq!(mvmma_ring(192, 132), 4, "the o-projection fits three an SM");
-        assert_eq!(mvmma_ring(12_504, 132), 4, "the output head takes many waves either way");
-        assert_eq!(mvmma_ring(529, 132), 4);
-        set_mvmma_ring(Some(3));
-        assert_eq!(mvmma_ring(192, 132), 3, "forced");
-        set_mvmma_ring(Some(4));
-        assert_eq!(mvmma_ring(512, 132), 4, "forced");
-        set_mvmma_ring(Some(0));
+    fn mvmma_kind_follows_the_grid() {
+        set_mvmma(Some(None));
+        assert_eq!(mvmma_kind(512, 12, 132), Mvmma::W4R3, "q/k/v at M2.7 size: 512 blocks fit 4 x 132, not 3 x 132");
+        assert_eq!(mvmma_kind(192, 24, 132), Mvmma::W8R3, "the o-projection: few blocks, long rows");
+        assert_eq!(mvmma_kind(192, 12, 132), Mvmma::W4R4, "few blocks but short rows");
+        assert_eq!(mvmma_kind(12_504, 12, 132), Mvmma::W4R4, "the output head takes many waves either way");
+        assert_eq!(mvmma_kind(529, 12, 132), Mvmma::W4R4);
+        set_mvmma(Some(Some(Mvmma::W4R3)));
+        assert_eq!(mvmma_kind(192, 24, 132), Mvmma::W4R3, "forced");
+        set_mvmma(Some(Some(Mvmma::W4R4)));
+        assert_eq!(mvmma_kind(512, 12, 132), Mvmma::W4R4, "forced");
+        set_mvmma(Some(None));
+        assert_eq!(Mvmma::W8R3.launch(), ("mvmma8_q8_0", 256, 8 * 3 * 16 * CH));
     }
 }
