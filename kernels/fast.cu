@@ -939,57 +939,27 @@ __device__ __forceinline__ void mvmma_q8_0_impl(const u8* W0, i64 rb0, int rows0
             }
 }
 
-extern "C" __global__ void __launch_bounds__(128) mvmma_q8_0(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0,
-                                                             const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
-                                                             const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2,
-                                                             int nchunks, const i8* xq, const float* xd, int ncol,
-                                                             int nv, int accumulate) {
-    pdl_enter();
-    mvmma_q8_0_impl<false>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq, xd,
-                           ncol, nv, accumulate);
-}
-extern "C" __global__ void __launch_bounds__(128) mvmma_q8_0p(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0,
-                                                              const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
-                                                              const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2,
-                                                              int nchunks, const i8* xq, const float* xd, int ncol,
-                                                              int nv, int accumulate) {
-    mvmma_q8_0_impl<true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq, xd,
-                          ncol, nv, accumulate);
-}
-extern "C" __global__ void __launch_bounds__(128) mvmma3_q8_0(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0,
-                                                              const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
-                                                              const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2,
-                                                              int nchunks, const i8* xq, const float* xd, int ncol,
-                                                              int nv, int accumulate) {
-    pdl_enter();
-    mvmma_q8_0_impl<false, 3>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq,
-                              xd, ncol, nv, accumulate);
-}
-extern "C" __global__ void __launch_bounds__(128) mvmma3_q8_0p(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0,
-                                                               const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
-                                                               const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2,
-                                                               int nchunks, const i8* xq, const float* xd, int ncol,
-                                                               int nv, int accumulate) {
-    mvmma_q8_0_impl<true, 3>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq,
-                             xd, ncol, nv, accumulate);
-}
-extern "C" __global__ void __launch_bounds__(256) mvmma8_q8_0(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0,
-                                                              const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
-                                                              const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2,
-                                                              int nchunks, const i8* xq, const float* xd, int ncol,
-                                                              int nv, int accumulate) {
-    pdl_enter();
-    mvmma_q8_0_impl<false, 3, 8>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks,
-                                 xq, xd, ncol, nv, accumulate);
-}
-extern "C" __global__ void __launch_bounds__(256) mvmma8_q8_0p(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0,
-                                                               const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
-                                                               const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2,
-                                                               int nchunks, const i8* xq, const float* xd, int ncol,
-                                                               int nv, int accumulate) {
-    mvmma_q8_0_impl<true, 3, 8>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks,
-                                xq, xd, ncol, nv, accumulate);
-}
+// The entry points: NAME (waits for the previous kernel first) and NAMEp (PRE), NB ring
+// buffers a warp, NW warps a block.
+#define MVMMA_INST(name, nb, nw)                                                                                   \
+    extern "C" __global__ void __launch_bounds__(32 * nw) name(                                                   \
+        const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, \
+        const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,  \
+        int nv, int accumulate) {                                                                                  \
+        pdl_enter();                                                                                               \
+        mvmma_q8_0_impl<false, nb, nw>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2,   \
+                                       nchunks, xq, xd, ncol, nv, accumulate);                                     \
+    }                                                                                                              \
+    extern "C" __global__ void __launch_bounds__(32 * nw) name##p(                                                \
+        const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, \
+        const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,  \
+        int nv, int accumulate) {                                                                                  \
+        mvmma_q8_0_impl<true, nb, nw>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2,    \
+                                      nchunks, xq, xd, ncol, nv, accumulate);                                      \
+    }
+MVMMA_INST(mvmma_q8_0, MM8_NB, 4)
+MVMMA_INST(mvmma3_q8_0, 3, 4)
+MVMMA_INST(mvmma8_q8_0, 3, 8)
 
 // ------------------------------------------------------------- MoE (decode) -------------
 
