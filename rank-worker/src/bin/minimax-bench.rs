@@ -545,10 +545,12 @@ fn stream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
 /// pages; then the per-kernel split of the N-sequence step.
 fn prompts_step(m: &mut CudaModel, pages: &mut Pages, n: usize, p: usize) -> anyhow::Result<()> {
     let greedy = minimax_shared::sampling::SamplingSpec { temperature: 0.0, ..Default::default() };
+    // `seqs` fresh sequences (ids and prompts from `first` on) of `len` pseudo-random tokens.
+    let prompts = |pages: &mut Pages, seqs: usize, len: usize, first: usize| ForwardBatch {
+        seqs: (0..seqs).map(|i| step(9000 + (first + i) as u64, &pages.take(len.div_ceil(PAGE)), 0, (0..len).map(|j| pseudo_token(j, first + i)).collect(), LogitsWanted::Last)).collect(),
+    };
     let mut run = |m: &mut CudaModel, seqs: usize, len: usize, round: usize| -> anyhow::Result<f64> {
-        let batch = ForwardBatch {
-            seqs: (0..seqs).map(|i| step(9000 + (round * 64 + i) as u64, &pages.take(len.div_ceil(PAGE)), 0, (0..len).map(|j| pseudo_token(j, round * 64 + i)).collect(), LogitsWanted::Last)).collect(),
-        };
+        let batch = prompts(pages, seqs, len, round * 64);
         m.gpu().sync()?;
         let t = Instant::now();
         let out = m.forward_stage_lazy(&batch)?.ok_or_else(|| anyhow::anyhow!("no logits"))?;
@@ -576,9 +578,7 @@ fn prompts_step(m: &mut CudaModel, pages: &mut Pages, n: usize, p: usize) -> any
         }
     }
     minimax_rank::cuda::set_group_tile(None);
-    let batch = ForwardBatch {
-        seqs: (0..n).map(|i| step(9900 + i as u64, &pages.take(p.div_ceil(PAGE)), 0, (0..p).map(|j| pseudo_token(j, 900 + i)).collect(), LogitsWanted::Last)).collect(),
-    };
+    let batch = prompts(pages, n, p, round * 64);
     m.gpu().profile_begin();
     m.forward(&batch)?;
     let prof = m.gpu().profile_end()?;

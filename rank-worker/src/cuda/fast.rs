@@ -179,12 +179,14 @@ impl Mvmma {
 static MVMMA_FORCED: AtomicU8 = AtomicU8::new(u8::MAX);
 
 /// The kernel of a tensor-core Q8_0 product of `blocks` 16-row blocks over `nchunks` 256-column
-/// chunks on `sms` SMs. Grids that three 4-warp blocks an SM would run in more than one wave but
-/// four would not (M2.7's q/k/v: 512 blocks on 132 SMs) take the 3-chunk rings (`W4R3`); grids
-/// of at most two blocks an SM with long rows (the o-projection: 192 blocks of 24 chunks) take
-/// 8 warps a block (`W8R3`: twice the warps to hide latency, 3 chunks a warp); the rest (the
-/// output head: many waves) keeps `W4R4`. `MINIMAX_MVMMA=4|3|8` (or [`set_mvmma`]) forces one.
-pub fn mvmma_kind(blocks: usize, nchunks: usize, sms: usize) -> Mvmma {
+/// chunks on `sms` SMs whose blocks may have `optin` bytes of shared memory. Grids that three
+/// 4-warp blocks an SM would run in more than one wave but four would not (M2.7's q/k/v: 512
+/// blocks on 132 SMs) take the 3-chunk rings (`W4R3`); grids of at most two blocks an SM with
+/// long rows (the o-projection: 192 blocks of 24 chunks) take 8 warps a block (`W8R3`: twice the
+/// warps to hide latency, 3 chunks a warp); the rest (the output head: many waves) keeps `W4R4`,
+/// as does any choice whose shared memory the card does not have (sm_120: 99 KB, so no `W8R3`).
+/// `MINIMAX_MVMMA=4|3|8` (or [`set_mvmma`]) forces one.
+pub fn mvmma_kind(blocks: usize, nchunks: usize, sms: usize, optin: usize) -> Mvmma {
     let mut v = MVMMA_FORCED.load(Ordering::Relaxed);
     if v == u8::MAX {
         v = match std::env::var("MINIMAX_MVMMA").as_deref() {
@@ -195,14 +197,15 @@ pub fn mvmma_kind(blocks: usize, nchunks: usize, sms: usize) -> Mvmma {
         };
         MVMMA_FORCED.store(v, Ordering::Relaxed);
     }
-    match v {
+    let kind = match v {
         1 => Mvmma::W4R4,
         2 => Mvmma::W4R3,
         3 => Mvmma::W8R3,
         _ if blocks <= 2 * sms && nchunks >= 16 => Mvmma::W8R3,
         _ if blocks > 3 * sms && blocks <= 4 * sms => Mvmma::W4R3,
         _ => Mvmma::W4R4,
-    }
+    };
+    if kind.launch().2 > optin { Mvmma::W4R4 } else { kind }
 }
 
 /// Forces the kernel (`Some(Some(k))`), `Some(None)` = by the grid, `None` = back to the
@@ -744,13 +747,7 @@ impl Gpu {
         let mma = ty == GgmlType::Q8_0 && (kind == MvqKind::Mma || (kind == MvqKind::Auto && nv >= MMA_MIN_TOKENS));
         if mma {
             let grid = (ceil_div(rows, 16), ceil_div(nv, 32), 1);
-            let sms = self.ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
-            let (mut stem, mut threads, mut smem) = mvmma_kind((grid.0 * grid.1) as usize, nchunks, sms).launch();
-            let optin = self.ctx.attribute(cudarc::driver::sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as usize;
-            if smem > optin {
-                // Cards with less shared memory a block (sm_120: 99 KB) keep the 4-warp kernel.
-                (stem, threads, smem) = Mvmma::W4R4.launch();
-            }
+            let (stem, threads, smem) = mvmma_kind((grid.0 * grid.1) as usize, nchunks, self.sm_count(), self.smem_optin()).launch();
             let name = if pdl_part(PDL_MMA) { format!("{stem}p") } else { stem.to_string() };
             return self.launch_pdl(&name, grid, threads, smem as u32, &args);
         }
@@ -1250,16 +1247,21 @@ mod mvmma_tests {
 
     #[test]
     fn mvmma_kind_follows_the_grid() {
+        // H200: 132 SMs, 227 KB a block; RTX PRO 6000 Blackwell (sm_120): 99 KB a block.
+        let (h200, sm120) = (227 * 1024, 99 * 1024);
         set_mvmma(Some(None));
-        assert_eq!(mvmma_kind(512, 12, 132), Mvmma::W4R3, "q/k/v at M2.7 size: 512 blocks fit 4 x 132, not 3 x 132");
-        assert_eq!(mvmma_kind(192, 24, 132), Mvmma::W8R3, "the o-projection: few blocks, long rows");
-        assert_eq!(mvmma_kind(192, 12, 132), Mvmma::W4R4, "few blocks but short rows");
-        assert_eq!(mvmma_kind(12_504, 12, 132), Mvmma::W4R4, "the output head takes many waves either way");
-        assert_eq!(mvmma_kind(529, 12, 132), Mvmma::W4R4);
+        assert_eq!(mvmma_kind(512, 12, 132, h200), Mvmma::W4R3, "q/k/v at M2.7 size: 512 blocks fit 4 x 132, not 3 x 132");
+        assert_eq!(mvmma_kind(192, 24, 132, h200), Mvmma::W8R3, "the o-projection: few blocks, long rows");
+        assert_eq!(mvmma_kind(192, 24, 188, sm120), Mvmma::W4R4, "104 KB does not fit a 99 KB block");
+        assert_eq!(mvmma_kind(192, 12, 132, h200), Mvmma::W4R4, "few blocks but short rows");
+        assert_eq!(mvmma_kind(12_504, 12, 132, h200), Mvmma::W4R4, "the output head takes many waves either way");
+        assert_eq!(mvmma_kind(529, 12, 132, h200), Mvmma::W4R4);
         set_mvmma(Some(Some(Mvmma::W4R3)));
-        assert_eq!(mvmma_kind(192, 24, 132), Mvmma::W4R3, "forced");
+        assert_eq!(mvmma_kind(192, 24, 132, h200), Mvmma::W4R3, "forced");
         set_mvmma(Some(Some(Mvmma::W4R4)));
-        assert_eq!(mvmma_kind(512, 12, 132), Mvmma::W4R4, "forced");
+        assert_eq!(mvmma_kind(512, 12, 132, h200), Mvmma::W4R4, "forced");
+        set_mvmma(Some(Some(Mvmma::W8R3)));
+        assert_eq!(mvmma_kind(192, 24, 188, sm120), Mvmma::W4R4, "forced but too large for the card");
         set_mvmma(Some(None));
         assert_eq!(Mvmma::W8R3.launch(), ("mvmma8_q8_0", 256, 8 * 3 * 16 * CH));
     }

@@ -295,7 +295,7 @@ pub struct ExpertGroups {
 
 impl Gpu {
     /// Number of streaming multiprocessors (for tile-size choices).
-    fn sm_count(&self) -> usize {
+    pub(super) fn sm_count(&self) -> usize {
         self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map(|v| v as usize).unwrap_or(132)
     }
 
@@ -471,7 +471,7 @@ impl Gpu {
     }
 
     /// Largest dynamic shared memory a block may opt in to on this device.
-    fn smem_optin(&self) -> usize {
+    pub(super) fn smem_optin(&self) -> usize {
         self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map(|v| v as usize).unwrap_or(MAX_SMEM)
     }
 
