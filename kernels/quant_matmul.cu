@@ -826,10 +826,23 @@ __device__ __forceinline__ void mi_mma(u32* d, const u32* a, u32 b0, u32 b1) {
 // int8 A fragments of chunk c (32 columns) of rows g (p0) and g + 8 (p1): a[0] = row g, columns
 // 4t..4t+3; a[1] = row g + 8, same; a[2] / a[3] columns 16 + 4t.. of rows g / g + 8.
 template <int T> __device__ __forceinline__ void mi_dq(const u8* p0, const u8* p1, int c, int t, u32* a);
+// IQ4_XS codes through the codebook in the nibbles' own order: w = one u32 of a sub-block's qs
+// (bytes j = 0..3 hold values 4t+j in their low nibbles, 16+4t+j in their high ones); r0 =
+// values (4t, 16+4t, 4t+1, 16+4t+1), r1 = (4t+2, 16+4t+2, 4t+3, 16+4t+3). 6 byte permutes and
+// 4 integer operations for 8 codes (the sorted order would take 2 more permutes and ~4 more
+// masks and shifts). The MMA's k order is then permuted inside each thread's 8 k slots, and X
+// is converted with the same permutation (mi_x, perm), so the products are unchanged.
+__device__ __forceinline__ void mi_iq4_il(u32 w, u32& r0, u32& r1) {
+    const u32 m = w & 0x77777777u;
+    const u32 sel = ((w >> 1) & 0x44444444u) | 0x32103210u;
+    const u32 mh = m >> 16, sh = sel >> 16;
+    r0 = __byte_perm(__byte_perm(IQ4_T0, IQ4_T1, m), __byte_perm(IQ4_T2, IQ4_T3, m), sel);
+    r1 = __byte_perm(__byte_perm(IQ4_T0, IQ4_T1, mh), __byte_perm(IQ4_T2, IQ4_T3, mh), sh);
+}
 template <> __device__ __forceinline__ void mi_dq<T_IQ4_XS>(const u8* p0, const u8* p1, int c, int t, u32* a) {
-    // One u32 of a sub-block's qs: low nibbles = values 4t..4t+3, high = 16+4t..16+4t+3.
-    iq4_lookup(*(const u32*)(p0 + 8 + 16 * c + 4 * t), a[0], a[2]);
-    iq4_lookup(*(const u32*)(p1 + 8 + 16 * c + 4 * t), a[1], a[3]);
+    // Fragments a0 / a2 (row g) and a1 / a3 (row g + 8) in the permuted k order (mi_iq4_il).
+    mi_iq4_il(*(const u32*)(p0 + 8 + 16 * c + 4 * t), a[0], a[2]);
+    mi_iq4_il(*(const u32*)(p1 + 8 + 16 * c + 4 * t), a[1], a[3]);
 }
 template <> __device__ __forceinline__ void mi_dq<T_Q8_0>(const u8* p0, const u8* p1, int c, int t, u32* a) {
     int off = 34 * c + 2 + 4 * t;
@@ -889,6 +902,19 @@ __device__ __forceinline__ void mi_stage_mma(float (*acc)[NI][4], const u8* cons
     }
 }
 
+// The weight tile of one stage when every row spans NPR 16-byte pieces from an aligned start:
+// piece p of the tile (row p / NPR, piece p % NPR) by thread p % 256, rows from a (row 0's
+// aligned start) rb bytes apart, into rows SP bytes apart; rows from nrows on are skipped.
+template <int NPR, int SP>
+__device__ __forceinline__ void mi_copy_rows(u8* ws, const u8* a, i64 rb, int nrows, int tid) {
+#pragma unroll
+    for (int m = 0; m < (MQ_BR * NPR + MQ_THREADS - 1) / MQ_THREADS; m++) {
+        const int pc = tid + MQ_THREADS * m;
+        const int r = pc / NPR, ch = pc - r * NPR;
+        if (pc < MQ_BR * NPR && r < nrows) mq_cp16(ws + r * SP + 16 * ch, a + (i64)r * rb + 16 * ch);
+    }
+}
+
 // One output tile: rows r0.. of W (expert applied), token column j = Xq row xr[j], Y row yr[j]
 // (-1: none); columns from nvalid on are all -1. Warps: 8 / MI along the rows (16·MI rows each)
 // x MI along the tokens (8·NI each): BM = 8·NI·MI.
@@ -904,6 +930,7 @@ __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols,
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
     const int wr = warp % WR, j0 = (warp / WR) * (8 * NI), rw = wr * 16 * MI;
     const int nvw = nvalid - j0;  // valid token columns of this warp (may be <= 0)
+    const int nxv = min(BM, nvalid);  // valid token columns of the tile
     float2* scw = (float2*)(sm + ST * STB) + warp * (MI * NCH * 8);
     const int nk = (cols + KS - 1) / KS;
     // Raw rows, unless linear (st bit 4): two threads a row (row tid / 2 takes the even or odd
@@ -913,6 +940,12 @@ __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols,
     const int lr = tid >> 1, lh = tid & 1;
     const bool lr_ok = r0 + lr < rows;
     const u8* lrow = W + (i64)(r0 + lr) * rb;
+    const bool rb16 = (rb & 15) == 0;
+    // Byte offset of row r's stage data inside its shared-memory row (the 16-byte-aligned span
+    // starts there): the same for every row when rows are 16-byte multiples apart.
+    auto row_mis = [&](const u8* wk, int r) -> int {
+        return rb16 ? (int)((u64)(wk + (i64)r0 * rb) & 15) : (int)((u64)(wk + (i64)(r0 + r) * rb) & 15);
+    };
 
     auto load = [&](int ks, int slot) {
         if (ks < nk) {
@@ -920,7 +953,17 @@ __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols,
             int nv = min(KS, cols - k0);
             int nbytes = nv / BE * BB;
             u8* ws = sm + slot * STB;
-            if (wlin) {
+            // Rows 16-byte multiples apart share their misalignment, so every row of the stage
+            // spans the same number of 16-byte pieces (9 or 10 for the 136-byte stages of both
+            // types): pieces by a constant divisor, one base address a stage (~12 instructions
+            // a copy instead of ~45; the same pieces, in the same order, as linear below).
+            const u64 sbase = (u64)(W + (i64)r0 * rb + (i64)(k0 / BE) * BB);
+            const int npr = rb16 ? (int)(((sbase & 15) + nbytes + 15) >> 4) : 0;
+            if (wlin && npr == 9) {
+                mi_copy_rows<9, SP>(ws, (const u8*)(sbase & ~(u64)15), rb, min(MQ_BR, rows - r0), tid);
+            } else if (wlin && npr == 10) {
+                mi_copy_rows<10, SP>(ws, (const u8*)(sbase & ~(u64)15), rb, min(MQ_BR, rows - r0), tid);
+            } else if (wlin) {
                 // Linear (the default): consecutive threads take consecutive 16-byte pieces of
                 // the whole tile, rows recomputed per piece (~45 instructions a copy, but each
                 // warp copy covers ~3 contiguous rows: measured faster than the pairs below).
@@ -945,14 +988,15 @@ __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols,
             }
             u8* xsm = ws + WSZ;
             int xch = (nv + 63) / 64 * 4;
-            for (int i = tid; i < BM * XCH; i += MQ_THREADS) {
+            // Only the tile's valid token columns (xr[j] >= 0 exactly for j < nxv).
+            for (int i = tid; i < nxv * XCH; i += MQ_THREADS) {
                 int j = i / XCH, ch = i - j * XCH;
                 int xrow = xr[j];
                 if (xrow >= 0 && ch < xch)
                     mq_cp16(xsm + j * KS + (((ch >> 2) ^ (j & 1)) << 6) + ((ch & 3) << 4), Xq + (i64)xrow * xqp + k0 + 16 * ch);
             }
             u8* xss = xsm + XSZ;
-            for (int i = tid; i < BM * NCH; i += MQ_THREADS) {
+            for (int i = tid; i < nxv * NCH; i += MQ_THREADS) {
                 int j = i / NCH, c = i - j * NCH;
                 int xrow = xr[j];
                 if (xrow >= 0 && 32 * c < nv) mi_cp8(xss + (c * BM + j) * 8, Xs + (i64)xrow * xsp + 2 * (k0 / 32 + c));
@@ -992,14 +1036,14 @@ __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols,
 #pragma unroll
         for (int h = 0; h < 2 * MI; h++) {
             const int r = rw + 8 * h + g;
-            p[h] = ws + r * SP + (int)((u64)(wk + (i64)(r0 + r) * rb) & 15);
+            p[h] = ws + r * SP + row_mis(wk, r);
         }
         // Scales of the warp's rows for this stage: [mi][chunk][g] = {row g, row g + 8} of tile mi.
         for (int e = lane; e < MI * NCH * 16; e += 32) {
             int m = e / (NCH * 16), f = e - m * (NCH * 16);
             int i = f >> 4, h = (f >> 3) & 1, gg = f & 7;
             int r = rw + 16 * m + 8 * h + gg;
-            const u8* row = ws + r * SP + (int)((u64)(wk + (i64)(r0 + r) * rb) & 15);
+            const u8* row = ws + r * SP + row_mis(wk, r);
             float sc, mn;
             mq_scale<T>(row, i, &sc, &mn);
             ((float*)scw)[((m * NCH + i) * 8 + gg) * 2 + h] = sc;
@@ -1077,7 +1121,8 @@ __device__ __forceinline__ void mi_grouped(const u8* W, i64 rb, i64 es, int rows
 // X conversion to int8 (see above): grid (rows, ceil(cols / 128)), block 32; lane l quantizes
 // columns 4l..4l+3 of its 128 (8 lanes = one 32-column chunk). x = silu(X) * U when U is given
 // (the experts' gated activation, same formula as silu_mul). cols % 32 == 0.
-__device__ __forceinline__ void mi_x(const float* X, i64 xs, const float* U, int cols, u8* Xq, i64 xqp, float* S, i64 sp) {
+__device__ __forceinline__ void mi_x(const float* X, i64 xs, const float* U, int cols, u8* Xq, i64 xqp, float* S, i64 sp,
+                                     int perm) {
     int r = blockIdx.x, l = threadIdx.x, c = blockIdx.y * 128 + 4 * l;
     float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
     if (c < cols) {
@@ -1096,15 +1141,20 @@ __device__ __forceinline__ void mi_x(const float* X, i64 xs, const float* U, int
     amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 4));
     // Significand rounded up to 22 bits: 1.5·2^23·d is then exact (the fold's correction).
     float d = __uint_as_float((__float_as_uint(amax / 127.0f) + 3u) & ~3u);
+    int q0 = 0, q1 = 0, q2 = 0, q3 = 0;
+    if (c < cols && amax != 0.0f) {
+        q0 = __float2int_rn(x.x / d);
+        q1 = __float2int_rn(x.y / d);
+        q2 = __float2int_rn(x.z / d);
+        q3 = __float2int_rn(x.w / d);
+    }
+    u32 packed = (u32)(q0 & 0xff) | ((u32)(q1 & 0xff) << 8) | ((u32)(q2 & 0xff) << 16) | ((u32)(q3 & 0xff) << 24);
+    // perm (X for IQ4_XS weights): the k order of mi_iq4_il. Lane u < 4 of a chunk holds
+    // columns 4u..4u+3, lane u + 4 columns 16+4u..: the first word becomes (x[4u], x[16+4u],
+    // x[4u+1], x[16+4u+1]), the second (x[4u+2], x[16+4u+2], x[4u+3], x[16+4u+3]).
+    const u32 other = __shfl_xor_sync(0xffffffffu, packed, 4);
+    if (perm) packed = (l & 4) ? __byte_perm(other, packed, 0x7362u) : __byte_perm(packed, other, 0x5140u);
     if (c < cols) {
-        int q0 = 0, q1 = 0, q2 = 0, q3 = 0;
-        if (amax != 0.0f) {
-            q0 = __float2int_rn(x.x / d);
-            q1 = __float2int_rn(x.y / d);
-            q2 = __float2int_rn(x.z / d);
-            q3 = __float2int_rn(x.w / d);
-        }
-        u32 packed = (u32)(q0 & 0xff) | ((u32)(q1 & 0xff) << 8) | ((u32)(q2 & 0xff) << 16) | ((u32)(q3 & 0xff) << 24);
         int kc = c >> 5, u = (c >> 2) & 7;
         int off = (kc >> 1) * 64 + 16 * (u & 3) + 8 * (kc & 1) + 4 * (u >> 2);
         *(u32*)(Xq + (i64)r * xqp + off) = packed;
@@ -1112,11 +1162,13 @@ __device__ __forceinline__ void mi_x(const float* X, i64 xs, const float* U, int
     }
 }
 // Two names for the benchmark's per-phase split: mm_x_i8 (dense products), mmg_x_i8 (experts).
-extern "C" __global__ void mm_x_i8(const float* X, i64 xs, const float* U, int cols, u8* Xq, i64 xqp, float* S, i64 sp) {
-    mi_x(X, xs, U, cols, Xq, xqp, S, sp);
+extern "C" __global__ void mm_x_i8(const float* X, i64 xs, const float* U, int cols, u8* Xq, i64 xqp, float* S, i64 sp,
+                                   int perm) {
+    mi_x(X, xs, U, cols, Xq, xqp, S, sp, perm);
 }
-extern "C" __global__ void mmg_x_i8(const float* X, i64 xs, const float* U, int cols, u8* Xq, i64 xqp, float* S, i64 sp) {
-    mi_x(X, xs, U, cols, Xq, xqp, S, sp);
+extern "C" __global__ void mmg_x_i8(const float* X, i64 xs, const float* U, int cols, u8* Xq, i64 xqp, float* S, i64 sp,
+                                    int perm) {
+    mi_x(X, xs, U, cols, Xq, xqp, S, sp, perm);
 }
 
 // Configurations: BM = 8·NI·MI tokens, warps 8/MI along the rows (16·MI rows each) x MI along the

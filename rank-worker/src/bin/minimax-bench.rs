@@ -27,10 +27,14 @@ fn flag(name: &str) -> bool {
     std::env::args().any(|x| x == name)
 }
 
-/// Hands out KV pages.
-struct Pages(u32);
+/// Hands out fresh KV pages (next, pool size); starts over at page 0 when the pool runs out
+/// (runs that take fresh pages write every position they read, so reuse is harmless).
+struct Pages(u32, u32);
 impl Pages {
     fn take(&mut self, n: usize) -> Vec<u32> {
+        if self.0 + n as u32 > self.1 {
+            self.0 = 0;
+        }
         let v = (self.0..self.0 + n as u32).collect();
         self.0 += n as u32;
         v
@@ -562,7 +566,7 @@ fn prompts_step(m: &mut CudaModel, pages: &mut Pages, n: usize, p: usize) -> any
     // prompt concentrates them (its hidden states converge as attention averages), so the
     // single-sequence figures are optimistic. Expert tiles: automatic, then 16 / 32 / 64 tokens.
     let mut round = 0;
-    for (seqs, len) in [(n, p), (1, n * p), (32, 16), (1, 512)] {
+    for (seqs, len) in [(n, p), (1, n * p), (32, 16), (1, 512), (16, 256), (1, 4096)] {
         for gt in [0usize, 1, 2, 4] {
             minimax_rank::cuda::set_group_tile(Some(gt));
             let mut best = f64::MAX;
@@ -725,7 +729,7 @@ fn main() -> anyhow::Result<()> {
     println!("model {spec_s}: {:.2} GiB of weights, {} layers, created+filled in {fill_s:.2} s; fast path: {}", m.weight_bytes() as f64 / (1u64 << 30) as f64, c.n_layers, m.fast_path_off().unwrap_or("on"));
     let bw = copy_bandwidth(&m)?;
     println!("device copy bandwidth {:.0} GB/s (read + write)", bw / 1e9);
-    let mut pages = Pages(0);
+    let mut pages = Pages(0, n_pages as u32);
     if let Some(nt) = arg("--nsys-replay").and_then(|s| s.parse::<usize>().ok()) {
         return nsys_replay(&mut m, &mut pages, nt);
     }

@@ -260,8 +260,10 @@ fn fast_smem(g: FastGeom, bm: usize, planes: usize) -> usize {
 /// X converted for the fast path (`mm_x_pP`): `rows` rows of bf16 planes `pitch` bytes apart,
 /// and (types with mins) f32 sums of every 32 columns, `spitch` floats apart; for the int8
 /// kernels (`mm_x_i8`, `passes` = [`INT8_PASSES`]) rows of int8 in MMA fragment order and
-/// `sums` = (scale, -1.5·2^23·scale) per 32 columns.
+/// `sums` = (scale, -1.5·2^23·scale) per 32 columns; `perm`: int8 rows in the k order of the
+/// IQ4_XS kernels (`mi_iq4_il`), which only IQ4_XS weights may multiply.
 pub struct FastX {
+    perm: bool,
     xc: CudaSlice<u8>,
     pitch: usize,
     sums: Option<CudaSlice<f32>>,
@@ -504,8 +506,9 @@ impl Gpu {
     /// fast path's bf16 planes for `passes`, with 32-column sums when `sums`. `kernel`: "mm_x"
     /// or "mmg_x" (the same kernel, named for the benchmark's dense / MoE split).
     #[allow(clippy::too_many_arguments)]
-    fn fast_x(&self, kernel: &str, x: u64, xs: usize, u: Option<u64>, rows: usize, cols: usize, passes: usize, sums: bool) -> Result<FastX, CudaError> {
+    fn fast_x(&self, kernel: &str, x: u64, xs: usize, u: Option<u64>, rows: usize, cols: usize, passes: usize, sums: bool, for_ty: GgmlType) -> Result<FastX, CudaError> {
         if passes == INT8_PASSES {
+            let perm = for_ty == GgmlType::IQ4_XS;
             // int8 in 64-column groups (the last one padded), (scale, correction) per 32 columns.
             if cols % 32 != 0 {
                 return Err(CudaError::Shape(format!("int8 X conversion: {cols} columns")));
@@ -521,10 +524,20 @@ impl Gpu {
                     (rows as u32, cols.div_ceil(128) as u32, 1),
                     32,
                     0,
-                    &[Arg::P(x), Arg::L(xs as i64), Arg::P(u.unwrap_or(0)), Arg::I(cols as i32), Arg::P(self.ptr(&xc)), Arg::L(pitch as i64), Arg::P(self.ptr(&s)), Arg::L(spitch as i64)],
+                    &[
+                        Arg::P(x),
+                        Arg::L(xs as i64),
+                        Arg::P(u.unwrap_or(0)),
+                        Arg::I(cols as i32),
+                        Arg::P(self.ptr(&xc)),
+                        Arg::L(pitch as i64),
+                        Arg::P(self.ptr(&s)),
+                        Arg::L(spitch as i64),
+                        Arg::I(perm as i32),
+                    ],
                 )?;
             }
-            return Ok(FastX { xc, pitch, sums: Some(s), spitch, rows, cols, passes });
+            return Ok(FastX { perm, xc, pitch, sums: Some(s), spitch, rows, cols, passes });
         }
         let planes = if passes == 1 { 1 } else { 2 };
         let pitch = (cols * 2 * planes).next_multiple_of(16);
@@ -542,7 +555,7 @@ impl Gpu {
                 &[Arg::P(x), Arg::L(xs as i64), Arg::P(u.unwrap_or(0)), Arg::I(cols as i32), Arg::P(self.ptr(&xc)), Arg::L(pitch as i64), Arg::P(sp), Arg::L(spitch as i64)],
             )?;
         }
-        Ok(FastX { xc, pitch, sums: s, spitch, rows, cols, passes })
+        Ok(FastX { perm: false, xc, pitch, sums: s, spitch, rows, cols, passes })
     }
 
     /// The fast path's dense product `Y[n × rows] (+)= X[n × cols] · Wᵀ` with token tile `bm`
@@ -570,7 +583,7 @@ impl Gpu {
             return Err(CudaError::Shape(format!("matmul_fast: {n} rows of X in tiles of {bm}")));
         }
         let g = fast_geom(w.ty).expect("checked");
-        let fx = self.fast_x("mm_x", x, xs, None, n, w.cols, passes, g.min)?;
+        let fx = self.fast_x("mm_x", x, xs, None, n, w.cols, passes, g.min, w.ty)?;
         // Columns a part: whole stages.
         let kz = w.cols.div_ceil(g.ks).div_ceil(splits) * g.ks;
         let parts = w.cols.div_ceil(kz);
@@ -595,6 +608,9 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     fn launch_fast(&self, w: &DevMat, fx: &FastX, y: u64, ys: usize, bm: usize, groups: Option<(&ExpertGroups, usize)>, n: usize, accumulate: bool, split: Option<(usize, usize)>) -> Result<(), CudaError> {
         let g = fast_geom(w.ty).ok_or_else(|| CudaError::Shape(format!("type {} has no fast path", w.ty.name())))?;
+        if fx.passes == INT8_PASSES && fx.perm != (w.ty == GgmlType::IQ4_XS) {
+            return Err(CudaError::Shape(format!("int8 X converted for {} weights, product with {}", if fx.perm { "IQ4_XS" } else { "other" }, w.ty.name())));
+        }
         if fx.cols != w.cols || (g.min && fx.sums.is_none()) {
             return Err(CudaError::Shape(format!("fast product: X of {} columns (sums {}) for {} x {} {}", fx.cols, fx.sums.is_some(), w.rows, w.cols, w.ty.name())));
         }
@@ -780,13 +796,13 @@ impl Gpu {
         }
         if self.gemm_fast_unfit(w, x, xs, 16 * groups.nt, passes).is_none() {
             let g = fast_geom(w.ty).expect("checked");
-            let fx = self.fast_x("mmg_x", x, xs, None, groups.npairs.div_ceil(x_div), w.cols, passes, g.min)?;
+            let fx = self.fast_x("mmg_x", x, xs, None, groups.npairs.div_ceil(x_div), w.cols, passes, g.min, w.ty)?;
             return self.launch_fast(w, &fx, y, ys, 16 * groups.nt, Some((groups, x_div)), 0, false, None);
         }
         let passes = if passes == INT8_PASSES { 3 } else { passes };
         if passes == 3 && self.gemm_fast_unfit(w, x, xs, 16 * groups.nt, 3).is_none() {
             let g = fast_geom(w.ty).expect("checked");
-            let fx = self.fast_x("mmg_x", x, xs, None, groups.npairs.div_ceil(x_div), w.cols, 3, g.min)?;
+            let fx = self.fast_x("mmg_x", x, xs, None, groups.npairs.div_ceil(x_div), w.cols, 3, g.min, w.ty)?;
             return self.launch_fast(w, &fx, y, ys, 16 * groups.nt, Some((groups, x_div)), 0, false, None);
         }
         let nt = groups.nt;
@@ -857,10 +873,16 @@ impl Gpu {
             let grp = self.group_experts_fast_for(ids, npairs, gate.n_experts, pg == INT8_PASSES && pd == INT8_PASSES)?;
             let bm = 16 * grp.nt;
             let mins = |w: &DevMat| fast_geom(w.ty).map(|g| g.min).unwrap_or(false);
-            let xa = self.fast_x("mmg_x", x, xs, None, npairs.div_ceil(k), gate.cols, pg, mins(gate) || mins(up))?;
+            let xa = self.fast_x("mmg_x", x, xs, None, npairs.div_ceil(k), gate.cols, pg, mins(gate) || mins(up), gate.ty)?;
             self.launch_fast(gate, &xa, act, ff, bm, Some((&grp, k)), 0, false, None)?;
-            self.launch_fast(up, &xa, ub, ff, bm, Some((&grp, k)), 0, false, None)?;
-            let xd = self.fast_x("mmg_x", act, ff, Some(ub), npairs, ff, pd, mins(down))?;
+            // int8 X is laid out for IQ4_XS weights or for the others: a mixed pair converts twice.
+            let xu = if pg == INT8_PASSES && (up.ty == GgmlType::IQ4_XS) != xa.perm {
+                Some(self.fast_x("mmg_x", x, xs, None, npairs.div_ceil(k), up.cols, pg, mins(up), up.ty)?)
+            } else {
+                None
+            };
+            self.launch_fast(up, xu.as_ref().unwrap_or(&xa), ub, ff, bm, Some((&grp, k)), 0, false, None)?;
+            let xd = self.fast_x("mmg_x", act, ff, Some(ub), npairs, ff, pd, mins(down), down.ty)?;
             return self.launch_fast(down, &xd, out, h, bm, Some((&grp, 1)), 0, false, None);
         }
         if grouped {

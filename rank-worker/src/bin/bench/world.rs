@@ -109,7 +109,7 @@ pub fn main_world() -> anyhow::Result<()> {
                             m.fast_path_off().unwrap_or("on")
                         );
                     }
-                    let mut pages = Pages(0);
+                    let mut pages = Pages(0, n_pages as u32);
                     let mut take = |n: usize| pages.take(n);
                     let ms = |t: Instant| t.elapsed().as_secs_f64() * 1e3;
                     // The next tokens of every row after a step: local argmax in tensor mode; in
