@@ -1039,14 +1039,30 @@ __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols,
             p[h] = ws + r * SP + row_mis(wk, r);
         }
         // Scales of the warp's rows for this stage: [mi][chunk][g] = {row g, row g + 8} of tile mi.
-        for (int e = lane; e < MI * NCH * 16; e += 32) {
-            int m = e / (NCH * 16), f = e - m * (NCH * 16);
-            int i = f >> 4, h = (f >> 3) & 1, gg = f & 7;
-            int r = rw + 16 * m + 8 * h + gg;
-            const u8* row = ws + r * SP + row_mis(wk, r);
-            float sc, mn;
-            mq_scale<T>(row, i, &sc, &mn);
-            ((float*)scw)[((m * NCH + i) * 8 + gg) * 2 + h] = sc;
+        if constexpr (T == T_IQ4_XS && MI == 1) {
+            // Lane l: row l % 16 of the warp, sub-blocks 4 (l / 16) .. + 3, from one read of the
+            // super-block header (d, scales_h | scales_l; rows are 4-byte aligned): the same
+            // f32 operations as mq_scale.
+            const int rr = lane & 15, i0 = (lane >> 4) * 4;
+            const u8* row = ws + (rw + rr) * SP + row_mis(wk, rw + rr);
+            const u32 hd = *(const u32*)row, sl = *(const u32*)(row + 4);
+            const float d = f16_to_f32((u16)(hd & 0xffffu));
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int i = i0 + q;
+                const int ls = (int)((sl >> (4 * i)) & 15u) | (int)(((hd >> (16 + 2 * i)) & 3u) << 4);
+                ((float*)scw)[(i * 8 + (rr & 7)) * 2 + (rr >> 3)] = __fmul_rn(d, (float)(ls - 32));
+            }
+        } else {
+            for (int e = lane; e < MI * NCH * 16; e += 32) {
+                int m = e / (NCH * 16), f = e - m * (NCH * 16);
+                int i = f >> 4, h = (f >> 3) & 1, gg = f & 7;
+                int r = rw + 16 * m + 8 * h + gg;
+                const u8* row = ws + r * SP + row_mis(wk, r);
+                float sc, mn;
+                mq_scale<T>(row, i, &sc, &mn);
+                ((float*)scw)[((m * NCH + i) * 8 + gg) * 2 + h] = sc;
+            }
         }
         __syncwarp();
         const int nc = min(KS, cols - k0) / 32;
