@@ -226,6 +226,18 @@ pub fn set_int8_linear_copies(on: Option<bool>) {
     I8_WLIN.set(on);
 }
 
+/// IQ4_XS int8 products with split operands where a warp multiplies at most 32 tokens (the
+/// default): each code decoded as two int8 parts (`mi_iq4_split`, 4 byte permutes a word
+/// instead of 6 plus masks) and two MMAs into the same sums, bit-identical;
+/// `MINIMAX_I8_SPLIT=0` decodes once and runs one MMA.
+static I8_SPLIT: EnvFlag = EnvFlag::new("MINIMAX_I8_SPLIT", true);
+
+/// Forces the IQ4_XS split operands on or off (`None`: the default / `MINIMAX_I8_SPLIT`); for
+/// benchmarks and tests.
+pub fn set_int8_split(on: Option<bool>) {
+    I8_SPLIT.set(on);
+}
+
 /// Dynamic shared memory of one int8 block (`mi_smem`): stages of raw rows, int8 X tile and
 /// X scales, per-warp weight scales (`mi` m16 tiles a warp), row maps.
 fn int8_smem(g: FastGeom, bm: usize, st: usize, mi: usize) -> usize {
@@ -640,8 +652,9 @@ impl Gpu {
             return Err(CudaError::Shape(format!("{name}: no split K")));
         }
         let mut st: Vec<Arg> = if passes == INT8_PASSES {
-            // Stage count, + 16 for linear weight copies (kernel argument `st`).
-            vec![Arg::I(int8_stages(w.ty, bm).unwrap_or(3) as i32 + if I8_WLIN.get() { 16 } else { 0 })]
+            // Stage count, + 16 for linear weight copies, + 64 for IQ4_XS split operands
+            // (kernel argument `st`).
+            vec![Arg::I(int8_stages(w.ty, bm).unwrap_or(3) as i32 + if I8_WLIN.get() { 16 } else { 0 } + if I8_SPLIT.get() { 64 } else { 0 })]
         } else {
             Vec::new()
         };
