@@ -821,12 +821,6 @@ __device__ __forceinline__ void mi_mma(u32* d, const u32* a, u32 b0, u32 b1) {
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(MI_MAGIC), "r"(MI_MAGIC), "r"(MI_MAGIC),
           "r"(MI_MAGIC));
 }
-// d += s32 A·B (the second half of a split operand, mi_iq4_split).
-__device__ __forceinline__ void mi_mma_acc(u32* d, const u32* a, u32 b0, u32 b1) {
-    asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};"
-        : "+r"(d[0]), "+r"(d[1]), "+r"(d[2]), "+r"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
 
 
 // int8 A fragments of chunk c (32 columns) of rows g (p0) and g + 8 (p1): a[0] = row g, columns
@@ -838,8 +832,8 @@ template <int T> __device__ __forceinline__ void mi_dq(const u8* p0, const u8* p
 // 4 integer operations for 8 codes (the sorted order would take 2 more permutes and ~4 more
 // masks and shifts). The MMA's k order is then permuted inside each thread's 8 k slots, and X
 // is converted with the same permutation (mi_x, perm), so the products are unchanged.
-// prmt.b32 in its default mode: selector nibble bit 3 replicates the selected byte's sign
-// (__byte_perm masks the selectors to 3 bits, one more operation each).
+// prmt.b32 (no selector masks: __byte_perm masks every selector nibble to 3 bits, one more
+// operation a use; these selectors are below 8 already).
 __device__ __forceinline__ u32 mi_prmt(u32 a, u32 b, u32 s) {
     u32 r;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
@@ -857,26 +851,6 @@ template <> __device__ __forceinline__ void mi_dq<T_IQ4_XS>(const u8* p0, const 
     mi_iq4_il(*(const u32*)(p0 + 8 + 16 * c + 4 * t), a[0], a[2]);
     mi_iq4_il(*(const u32*)(p1 + 8 + 16 * c + 4 * t), a[1], a[3]);
 }
-// Codebook entries 8..15 plus one (all positive).
-#define MI_IQ4_P2 0x271A0E02u
-#define MI_IQ4_P3 0x725A4636u
-// The same codes as two int8 operands whose sum is the codebook value, in mi_iq4_il's order:
-// lo = prmt(entries 0..7, code) is the value for codes < 8 and -1 for codes >= 8 (the sign of a
-// negative entry replicated); hi = prmt(entries 8..15 + 1, code ^ 8) is 0 for codes < 8 (the sign
-// of a positive entry) and value + 1 for codes >= 8. 4 byte permutes and 3 integer operations
-// for 8 codes; the MMA then runs twice (A_lo·B + A_hi·B, exact in int32: the same products).
-__device__ __forceinline__ void mi_iq4_split(u32 w, u32& l0, u32& l1, u32& h0, u32& h1) {
-    const u32 x = w ^ 0x88888888u;
-    l0 = mi_prmt(IQ4_T0, IQ4_T1, w);
-    l1 = mi_prmt(IQ4_T0, IQ4_T1, w >> 16);
-    h0 = mi_prmt(MI_IQ4_P2, MI_IQ4_P3, x);
-    h1 = mi_prmt(MI_IQ4_P2, MI_IQ4_P3, x >> 16);
-}
-// mi_dq<T_IQ4_XS> as the two operands of mi_iq4_split: a (entries 0..7 part), h (8..15 part).
-__device__ __forceinline__ void mi_dq_split(const u8* p0, const u8* p1, int c, int t, u32* a, u32* h) {
-    mi_iq4_split(*(const u32*)(p0 + 8 + 16 * c + 4 * t), a[0], a[2], h[0], h[2]);
-    mi_iq4_split(*(const u32*)(p1 + 8 + 16 * c + 4 * t), a[1], a[3], h[1], h[3]);
-}
 template <> __device__ __forceinline__ void mi_dq<T_Q8_0>(const u8* p0, const u8* p1, int c, int t, u32* a) {
     int off = 34 * c + 2 + 4 * t;
     a[0] = mq_ld4a2(p0 + off);
@@ -887,10 +861,9 @@ template <> __device__ __forceinline__ void mi_dq<T_Q8_0>(const u8* p0, const u8
 
 // The products of chunk c for the first NX n8 tiles of the warp's MI m16 tiles:
 // acc[mi][ni] += w_scale · x_scale · (A · B); the warp's tokens start at column j0.
-// SPLIT: a second operand ah per m16 tile (mi_dq_split), multiplied into the same s32 sums.
-template <int T, int BM, int MI, int NI, int NX, bool SPLIT = false>
+template <int T, int BM, int MI, int NI, int NX>
 __device__ __forceinline__ void mi_chunk(float (*acc)[NI][4], const u32 (*a)[4], const uint4* b, int h, const float2* scw,
-                                         const u8* xss, int c, int j0, int g, int t, const u32 (*ah)[4] = nullptr) {
+                                         const u8* xss, int c, int j0, int g, int t) {
     constexpr int NCH = MQT<T>::KS / 32;
     float2 w[MI];
 #pragma unroll
@@ -903,7 +876,6 @@ __device__ __forceinline__ void mi_chunk(float (*acc)[NI][4], const u32 (*a)[4],
         for (int mi = 0; mi < MI; mi++) {
             u32 d[4];
             mi_mma(d, a[mi], b0, b1);
-            if constexpr (SPLIT) mi_mma_acc(d, ah[mi], b0, b1);
             acc[mi][ni][0] = fmaf(fmaf(__uint_as_float(d[0]), s.x, s.y), w[mi].x, acc[mi][ni][0]);
             acc[mi][ni][1] = fmaf(fmaf(__uint_as_float(d[1]), s.z, s.w), w[mi].x, acc[mi][ni][1]);
             acc[mi][ni][2] = fmaf(fmaf(__uint_as_float(d[2]), s.x, s.y), w[mi].y, acc[mi][ni][2]);
@@ -914,32 +886,10 @@ __device__ __forceinline__ void mi_chunk(float (*acc)[NI][4], const u32 (*a)[4],
 
 // The products of one stage for the first NX n8 tiles. p[2·mi] / p[2·mi + 1]: the raw rows g and
 // g + 8 of m16 tile mi.
-// SPLIT (IQ4_XS): A through mi_dq_split and two MMAs per product: fewer decode instructions
-// per A fragment, for the narrow variants where the tensor pipe has room.
-template <int T, int BM, int MI, int NI, int NX, bool SPLIT = false>
+template <int T, int BM, int MI, int NI, int NX>
 __device__ __forceinline__ void mi_stage_mma(float (*acc)[NI][4], const u8* const* p, const u8* xsm, const u8* xss,
                                              const float2* scw, int nc, int j0, int g, int t) {
     constexpr int NCH = MQT<T>::KS / 32;
-    if constexpr (SPLIT) {
-#pragma unroll
-        for (int cp = 0; cp < NCH / 2; cp++) {
-            if (2 * cp < nc) {
-                uint4 b[NX];
-#pragma unroll
-                for (int ni = 0; ni < NX; ni++)
-                    b[ni] = *(const uint4*)(xsm + (j0 + ni * 8 + g) * MQT<T>::KS + ((cp ^ (g & 1)) << 6) + 16 * t);
-                u32 a[2][MI][4], ah[2][MI][4];
-#pragma unroll
-                for (int mi = 0; mi < MI; mi++) {
-                    mi_dq_split(p[2 * mi], p[2 * mi + 1], 2 * cp, t, a[0][mi], ah[0][mi]);
-                    mi_dq_split(p[2 * mi], p[2 * mi + 1], 2 * cp + 1, t, a[1][mi], ah[1][mi]);
-                }
-                mi_chunk<T, BM, MI, NI, NX, true>(acc, a[0], b, 0, scw, xss, 2 * cp, j0, g, t, ah[0]);
-                if (2 * cp + 1 < nc) mi_chunk<T, BM, MI, NI, NX, true>(acc, a[1], b, 1, scw, xss, 2 * cp + 1, j0, g, t, ah[1]);
-            }
-        }
-        return;
-    }
 #pragma unroll
     for (int cp = 0; cp < NCH / 2; cp++) {
         if (2 * cp < nc) {
@@ -979,8 +929,7 @@ template <int T, int NI, int MI>
 __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols, const u8* Xq, i64 xqp, const float* Xs,
                                         i64 xsp, float* Y, i64 ys, int r0, const int* xr, const int* yr, int nvalid,
                                         int accumulate, int ST, u8* sm) {
-    const bool wlin = ST & 16;   // bit 4 of the stage argument: linear weight copies
-    const bool split = ST & 64;  // bit 6: IQ4_XS split operands (mi_iq4_split) where they apply
+    const bool wlin = ST & 16;  // bit 4 of the stage argument: linear weight copies
     ST &= 15;
     constexpr int WR = 8 / MI, BM = 8 * NI * MI, KS = MQT<T>::KS, BE = Q<T>::BE, BB = Q<T>::BB, NCH = KS / 32;
     constexpr int SP = mq_sp<T>(), WSZ = MQ_BR * SP, XSZ = BM * KS, STB = mi_stage<T, BM>();
@@ -1124,26 +1073,12 @@ __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols,
         }
         __syncwarp();
         const int nc = min(KS, cols - k0) / 32;
-        // IQ4_XS with split operands (st bit 6) where a warp has at most 32 token columns.
-        constexpr bool SQ = T == T_IQ4_XS && (NI >= 4 ? NI / 4 : NI) <= 4;
-        constexpr bool SH = T == T_IQ4_XS && (NI >= 2 ? NI / 2 : NI) <= 4;
-        constexpr bool SF = T == T_IQ4_XS && NI <= 4;
-        if (NI >= 4 && nvw <= 2 * NI) {
-            if (SQ && split)
-                mi_stage_mma<T, BM, MI, NI, (NI >= 4 ? NI / 4 : NI), SQ>(acc, p, xsm, xss, scw, nc, j0, g, t);
-            else
-                mi_stage_mma<T, BM, MI, NI, (NI >= 4 ? NI / 4 : NI)>(acc, p, xsm, xss, scw, nc, j0, g, t);
-        } else if (NI >= 2 && nvw <= 4 * NI) {
-            if (SH && split)
-                mi_stage_mma<T, BM, MI, NI, (NI >= 2 ? NI / 2 : NI), SH>(acc, p, xsm, xss, scw, nc, j0, g, t);
-            else
-                mi_stage_mma<T, BM, MI, NI, (NI >= 2 ? NI / 2 : NI)>(acc, p, xsm, xss, scw, nc, j0, g, t);
-        } else {
-            if (SF && split)
-                mi_stage_mma<T, BM, MI, NI, NI, SF>(acc, p, xsm, xss, scw, nc, j0, g, t);
-            else
-                mi_stage_mma<T, BM, MI, NI, NI>(acc, p, xsm, xss, scw, nc, j0, g, t);
-        }
+        if (NI >= 4 && nvw <= 2 * NI)
+            mi_stage_mma<T, BM, MI, NI, (NI >= 4 ? NI / 4 : NI)>(acc, p, xsm, xss, scw, nc, j0, g, t);
+        else if (NI >= 2 && nvw <= 4 * NI)
+            mi_stage_mma<T, BM, MI, NI, (NI >= 2 ? NI / 2 : NI)>(acc, p, xsm, xss, scw, nc, j0, g, t);
+        else
+            mi_stage_mma<T, BM, MI, NI, NI>(acc, p, xsm, xss, scw, nc, j0, g, t);
     }
     mq_wait<0>();
     // Epilogue: c0/c1 at (row g, tokens 2t, 2t+1), c2/c3 at row g + 8.

@@ -14,7 +14,7 @@ use minimax_rank::comm::Solo;
 use minimax_rank::cpu::{CpuModel, KvSpec};
 use cudarc::driver::CudaSlice;
 use minimax_rank::cuda::blas::set_blas;
-use minimax_rank::cuda::matmul::{INT8_PASSES, set_int8_linear_copies, set_int8_mi, set_int8_split, set_int8_stages};
+use minimax_rank::cuda::matmul::{INT8_PASSES, set_int8_linear_copies, set_int8_mi, set_int8_stages};
 use minimax_rank::cuda::{CudaModel, CudaOptions, DevMat, GemmPrecision, Gpu, KvDtype, set_gemm_compact, set_gemm_fast, set_gemm_precision};
 use minimax_rank::partition::Partition;
 use minimax_shared::forward::{ForwardBatch, LogitsWanted, SeqStep};
@@ -291,13 +291,11 @@ fn int8_gemm_matches_q8_twin_for_every_tile() {
     set_gemm_fast(true);
     let g = gpu();
     let mut rng = Rng(0x5eed_0018);
-    for (ty, mi) in [GgmlType::IQ4_XS, GgmlType::Q8_0].into_iter().flat_map(|ty| [1usize, 2, 4, 0, 5].map(|mi| (ty, mi))) {
+    for (ty, mi) in [GgmlType::IQ4_XS, GgmlType::Q8_0].into_iter().flat_map(|ty| [1usize, 2, 4, 0].map(|mi| (ty, mi))) {
         // mi 1, 2, 4: weight rows copied two threads a row (MINIMAX_I8_WLOAD_LINEAR=0); mi 0:
-        // the default layout (1) with the default linear copies; 5: the same without the
-        // IQ4_XS split operands (MINIMAX_I8_SPLIT=0). Split operands on elsewhere (the default).
-        set_int8_mi(Some(if mi == 5 { 1 } else { mi.max(1) }));
-        set_int8_linear_copies(Some(mi == 0 || mi == 5));
-        set_int8_split(Some(mi != 5));
+        // the default layout (1) with the default linear copies.
+        set_int8_mi(Some(mi.max(1)));
+        set_int8_linear_copies(Some(mi == 0));
         let cols = cols_for(ty);
         let rows = 261;
         let w = random_rows(&mut rng, ty, rows, cols);
@@ -368,7 +366,6 @@ fn int8_gemm_matches_q8_twin_for_every_tile() {
     set_int8_stages(None);
     set_int8_mi(None);
     set_int8_linear_copies(None);
-    set_int8_split(None);
     // The dispatcher under MINIMAX_GEMM=int8: Q8_0, 261 rows, 77 tokens (6 tiles: K split); the
     // built-in kernels, not cuBLAS (tests/cuda_blas.rs covers that path).
     set_blas(Some(false));
@@ -446,10 +443,8 @@ fn int8_grouped_gemm_matches_q8_twin() {
         let yd = g.zeros::<f32>(np * ys).unwrap();
         for (nt, mi) in [1usize, 2, 4].into_iter().flat_map(|nt| [1usize, 2, 4].map(|mi| (nt, mi))) {
             set_int8_mi(Some(mi));
-            // Layout 1 with the default linear weight copies, 2 and 4 with two threads a row;
-            // IQ4_XS split operands (the default) except with layout 4.
+            // Layout 1 with the default linear weight copies, 2 and 4 with two threads a row.
             set_int8_linear_copies(Some(mi == 1));
-            set_int8_split(Some(mi != 4));
             let grp = g.group_experts_with(g.ptr(&idd), np, ne, nt).unwrap();
             g.fill_u32(g.ptr(&yd), np * ys, NAN).unwrap();
             g.matmul_experts_with(&m, &grp, g.ptr(&xd), xs, k, g.ptr(&yd), ys, INT8_PASSES).unwrap();
@@ -471,7 +466,6 @@ fn int8_grouped_gemm_matches_q8_twin() {
     }
     set_int8_mi(None);
     set_int8_linear_copies(None);
-    set_int8_split(None);
 }
 
 /// Throughput of the int8 GEMMs at M2.7 shapes (IQ4_XS experts 1536 x 3072 with 16 and 128
@@ -509,19 +503,17 @@ fn int8_gemm_speed() {
         let xd = g.upload(&x).unwrap();
         let yd = g.zeros::<f32>(np * rows).unwrap();
         let grp = g.group_experts_fast_for(g.ptr(&idd), np, ne, true).unwrap();
-        // lin 2: linear copies without the IQ4_XS split operands.
-        for (mi, st, lin) in [(1usize, None, 0u8), (1, None, 1), (1, None, 2), (1, Some(3), 0), (2, None, 0), (2, None, 1), (4, None, 0)] {
+        for (mi, st, lin) in [(1usize, None, false), (1, None, true), (1, Some(3), false), (2, None, false), (2, None, true), (4, None, false)] {
             {
                 set_int8_mi(Some(mi));
                 set_int8_stages(st);
-                set_int8_linear_copies(Some(lin >= 1));
-                set_int8_split(Some(lin != 2));
+                set_int8_linear_copies(Some(lin));
                 let mut run = || g.matmul_experts_with(&m, &grp, g.ptr(&xd), cols, k, g.ptr(&yd), rows, INT8_PASSES).unwrap();
                 let t = time(&mut run);
                 let y = g.download(&yd).unwrap();
                 assert!(y.iter().all(|v| v.is_finite()), "non-finite output");
                 eprintln!(
-                    "int8 speed grouped IQ4_XS {rows}x{cols}, {} pairs an expert (tile {}), mi {mi} stages {st:?} copies {lin} (0 two threads a row, 1 linear, 2 linear without split operands): {:.1} us = {:.0} TOPS",
+                    "int8 speed grouped IQ4_XS {rows}x{cols}, {} pairs an expert (tile {}), mi {mi} stages {st:?} linear copies {lin}: {:.1} us = {:.0} TOPS",
                     np / ne,
                     16 * grp.nt,
                     t * 1e6,
@@ -545,7 +537,6 @@ fn int8_gemm_speed() {
     set_int8_mi(None);
     set_int8_stages(None);
     set_int8_linear_copies(None);
-    set_int8_split(None);
 }
 
 /// Split K (`matmul_split_with`: grid z parts into scratch, `mm_sum_parts` adds them in order)

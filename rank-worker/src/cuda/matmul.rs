@@ -226,18 +226,6 @@ pub fn set_int8_linear_copies(on: Option<bool>) {
     I8_WLIN.set(on);
 }
 
-/// IQ4_XS int8 products with split operands where a warp multiplies at most 32 tokens (the
-/// default): each code decoded as two int8 parts (`mi_iq4_split`, 4 byte permutes a word
-/// instead of 6 plus masks) and two MMAs into the same sums, bit-identical;
-/// `MINIMAX_I8_SPLIT=0` decodes once and runs one MMA.
-static I8_SPLIT: EnvFlag = EnvFlag::new("MINIMAX_I8_SPLIT", true);
-
-/// Forces the IQ4_XS split operands on or off (`None`: the default / `MINIMAX_I8_SPLIT`); for
-/// benchmarks and tests.
-pub fn set_int8_split(on: Option<bool>) {
-    I8_SPLIT.set(on);
-}
-
 /// Dynamic shared memory of one int8 block (`mi_smem`): stages of raw rows, int8 X tile and
 /// X scales, per-warp weight scales (`mi` m16 tiles a warp), row maps.
 fn int8_smem(g: FastGeom, bm: usize, st: usize, mi: usize) -> usize {
@@ -652,9 +640,8 @@ impl Gpu {
             return Err(CudaError::Shape(format!("{name}: no split K")));
         }
         let mut st: Vec<Arg> = if passes == INT8_PASSES {
-            // Stage count, + 16 for linear weight copies, + 64 for IQ4_XS split operands
-            // (kernel argument `st`).
-            vec![Arg::I(int8_stages(w.ty, bm).unwrap_or(3) as i32 + if I8_WLIN.get() { 16 } else { 0 } + if I8_SPLIT.get() { 64 } else { 0 })]
+            // Stage count, + 16 for linear weight copies (kernel argument `st`).
+            vec![Arg::I(int8_stages(w.ty, bm).unwrap_or(3) as i32 + if I8_WLIN.get() { 16 } else { 0 })]
         } else {
             Vec::new()
         };
@@ -741,16 +728,19 @@ impl Gpu {
         self.group_experts_fast_for(ids, npairs, n_experts, false)
     }
 
-    /// [`Gpu::group_experts_fast`] for the int8 kernels when `int8`: tiles of 64 pairs from 12
-    /// pairs per expert on average (tiles at most half or a quarter full run half or a quarter
-    /// of the MMAs), else 16. Measured (H200, M2.7, 32 distinct prompts in one step, which route
+    /// [`Gpu::group_experts_fast`] for the int8 kernels when `int8`: tiles of 16 pairs below 12
+    /// pairs per expert on average, 32 below 24, else 64 (tiles at most half or a quarter full
+    /// run half or a quarter of the MMAs). Measured (H200, M2.7, 32 distinct prompts in one step, which route
     /// over nearly every expert): 5 pairs an expert, 16-pair tiles 103.7 ms against 121.0 with
     /// 64; 8 pairs, 114.6 against 128.2; 16 pairs, 167.8 against 145.1 (the threshold was 4
-    /// pairs). A single synthetic prompt concentrates its routing on fewer experts and prefers 64
-    /// throughout (160 tokens: 48 vs 59 ms); real prompts route like distinct ones.
+    /// pairs); session 11, after the kernels' copy and decode savings: 16 pairs, 32-pair tiles
+    /// 116-119 ms against 121-123 with 64. A single synthetic prompt concentrates its routing on
+    /// fewer experts and prefers 64 throughout (160 tokens: 48 vs 59 ms; 512: 77 vs 85); real
+    /// prompts route like distinct ones.
     pub fn group_experts_fast_for(&self, ids: u64, npairs: usize, n_experts: usize, int8: bool) -> Result<ExpertGroups, CudaError> {
         let nt = match GROUP_TILE.load(Ordering::Relaxed) {
-            0 if int8 && npairs >= 12 * n_experts => 4,
+            0 if int8 && npairs >= 24 * n_experts => 4,
+            0 if int8 && npairs >= 12 * n_experts => 2,
             0 if int8 => 1,
             0 if npairs < 8 * n_experts => 1,
             0 if npairs < 24 * n_experts => 2,
