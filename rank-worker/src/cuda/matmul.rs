@@ -728,19 +728,19 @@ impl Gpu {
         self.group_experts_fast_for(ids, npairs, n_experts, false)
     }
 
-    /// [`Gpu::group_experts_fast`] for the int8 kernels when `int8`: tiles of 16 pairs below 12
-    /// pairs per expert on average, 32 below 24, else 64 (tiles at most half or a quarter full
-    /// run half or a quarter of the MMAs). Measured (H200, M2.7, 32 distinct prompts in one step, which route
+    /// [`Gpu::group_experts_fast`] for the int8 kernels when `int8`: tiles of 64 pairs from 12
+    /// pairs per expert on average (tiles at most half or a quarter full run half or a quarter
+    /// of the MMAs), else 16. Measured (H200, M2.7, 32 distinct prompts in one step, which route
     /// over nearly every expert): 5 pairs an expert, 16-pair tiles 103.7 ms against 121.0 with
     /// 64; 8 pairs, 114.6 against 128.2; 16 pairs, 167.8 against 145.1 (the threshold was 4
-    /// pairs); session 11, after the kernels' copy and decode savings: 16 pairs, 32-pair tiles
-    /// 116-119 ms against 121-123 with 64. A single synthetic prompt concentrates its routing on
-    /// fewer experts and prefers 64 throughout (160 tokens: 48 vs 59 ms; 512: 77 vs 85); real
-    /// prompts route like distinct ones.
+    /// pairs). Session 11, after the kernels' copy and decode savings, 16 pairs an expert: 32-pair
+    /// tiles 116-119 ms against 121-123 with 64 for distinct prompts, but 84-85 against 77 for
+    /// one synthetic 512-token prompt, which concentrates its routing on fewer experts (160
+    /// tokens: 48 vs 59 ms with 16). How much a real prompt concentrates is not known here, so
+    /// 64 stays (3% given up in one case rather than 10% in the other).
     pub fn group_experts_fast_for(&self, ids: u64, npairs: usize, n_experts: usize, int8: bool) -> Result<ExpertGroups, CudaError> {
         let nt = match GROUP_TILE.load(Ordering::Relaxed) {
-            0 if int8 && npairs >= 24 * n_experts => 4,
-            0 if int8 && npairs >= 12 * n_experts => 2,
+            0 if int8 && npairs >= 12 * n_experts => 4,
             0 if int8 => 1,
             0 if npairs < 8 * n_experts => 1,
             0 if npairs < 24 * n_experts => 2,
