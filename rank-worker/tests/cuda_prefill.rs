@@ -296,69 +296,75 @@ fn int8_gemm_matches_q8_twin_for_every_tile() {
         // the default layout (1) with the default linear copies.
         set_int8_mi(Some(mi.max(1)));
         set_int8_linear_copies(Some(mi == 0));
-        let cols = cols_for(ty);
-        let rows = 261;
-        let w = random_rows(&mut rng, ty, rows, cols);
-        let wf = dequant(ty, &w, rows, cols);
-        let rb = quant::row_bytes(ty, cols).unwrap();
-        let mut shifted = vec![0xa5u8; 4];
-        shifted.extend_from_slice(&w);
-        shifted.extend_from_slice(&[0x5a; 4]);
-        let wb = g.upload(&shifted).unwrap();
-        let m = DevMat { ptr: g.ptr(&wb) + 4, ty, rows, cols, row_bytes: rb, n_experts: 0, expert_stride: 0 };
-        for (n, bm, st, splits) in [
-            (7usize, 16usize, None, 1usize),
-            (45, 16, Some(2), 1),
-            (5, 16, None, 1),
-            (33, 32, None, 1),
-            (77, 32, Some(4), 1),
-            (12, 32, None, 2),
-            (5, 32, Some(2), 1),
-            (150, 64, None, 1),
-            (64, 64, Some(3), 3),
-            (130, 64, Some(4), 1),
-            (20, 64, None, 2),
-            (13, 64, Some(2), 1),
-            (97, 64, None, 3),
-        ] {
-            set_int8_stages(st);
-            let (xs, ys) = (cols + 4, rows + 3);
-            let mut x = rng.vec(n * xs, 1.0);
-            // One all-zero chunk (scale 0) and one with an outlier.
-            x[..32].iter_mut().for_each(|v| *v = 0.0);
-            x[xs + 40] = 300.0;
-            let xq = q8_twin(&x, n, xs, cols);
-            let xd = g.upload(&x).unwrap();
-            let mut yd = g.zeros::<f32>(n * ys).unwrap();
-            for accumulate in [false, true] {
-                let base: Vec<f32> = if accumulate { rng.vec(n * ys, 2.0) } else { Vec::new() };
-                if accumulate {
-                    g.stream.memcpy_htod(&base, &mut yd).unwrap();
-                } else {
-                    g.fill_u32(g.ptr(&yd), n * ys, NAN).unwrap();
-                }
-                g.matmul_fast_split_with(&m, g.ptr(&xd), xs, g.ptr(&yd), ys, n, accumulate, bm, INT8_PASSES, splits).unwrap();
-                let y = g.download(&yd).unwrap();
-                let mut chk = Int8Check::new();
-                for t in 0..n {
-                    for r in 0..rows {
-                        let b = if accumulate { base[t * ys + r] as f64 } else { 0.0 };
-                        chk.one(y[t * ys + r], &wf[r * cols..(r + 1) * cols], &xq[t * cols..(t + 1) * cols], &x[t * xs..t * xs + cols], b, &|| {
-                            format!("int8 {ty:?} n {n} tile {bm} acc {accumulate} token {t} row {r}")
-                        });
+        // With the default layout also rows 16-byte multiples apart (512 columns: 272 bytes for
+        // both types), where the linear copies take a constant number of pieces a row (9, or 10
+        // with the rows 4 bytes off 16-byte boundaries, as here) and the stage's rows share
+        // their misalignment.
+        let widths = if mi == 0 { vec![cols_for(ty), 512] } else { vec![cols_for(ty)] };
+        for cols in widths {
+            let rows = 261;
+            let w = random_rows(&mut rng, ty, rows, cols);
+            let wf = dequant(ty, &w, rows, cols);
+            let rb = quant::row_bytes(ty, cols).unwrap();
+            let mut shifted = vec![0xa5u8; 4];
+            shifted.extend_from_slice(&w);
+            shifted.extend_from_slice(&[0x5a; 4]);
+            let wb = g.upload(&shifted).unwrap();
+            let m = DevMat { ptr: g.ptr(&wb) + 4, ty, rows, cols, row_bytes: rb, n_experts: 0, expert_stride: 0 };
+            for (n, bm, st, splits) in [
+                (7usize, 16usize, None, 1usize),
+                (45, 16, Some(2), 1),
+                (5, 16, None, 1),
+                (33, 32, None, 1),
+                (77, 32, Some(4), 1),
+                (12, 32, None, 2),
+                (5, 32, Some(2), 1),
+                (150, 64, None, 1),
+                (64, 64, Some(3), 3),
+                (130, 64, Some(4), 1),
+                (20, 64, None, 2),
+                (13, 64, Some(2), 1),
+                (97, 64, None, 3),
+            ] {
+                set_int8_stages(st);
+                let (xs, ys) = (cols + 4, rows + 3);
+                let mut x = rng.vec(n * xs, 1.0);
+                // One all-zero chunk (scale 0) and one with an outlier.
+                x[..32].iter_mut().for_each(|v| *v = 0.0);
+                x[xs + 40] = 300.0;
+                let xq = q8_twin(&x, n, xs, cols);
+                let xd = g.upload(&x).unwrap();
+                let mut yd = g.zeros::<f32>(n * ys).unwrap();
+                for accumulate in [false, true] {
+                    let base: Vec<f32> = if accumulate { rng.vec(n * ys, 2.0) } else { Vec::new() };
+                    if accumulate {
+                        g.stream.memcpy_htod(&base, &mut yd).unwrap();
+                    } else {
+                        g.fill_u32(g.ptr(&yd), n * ys, NAN).unwrap();
                     }
-                    if !accumulate {
-                        for r in rows..ys {
-                            assert!(y[t * ys + r].is_nan(), "int8 {ty:?} n {n}: wrote outside the rows (token {t}, column {r})");
+                    g.matmul_fast_split_with(&m, g.ptr(&xd), xs, g.ptr(&yd), ys, n, accumulate, bm, INT8_PASSES, splits).unwrap();
+                    let y = g.download(&yd).unwrap();
+                    let mut chk = Int8Check::new();
+                    for t in 0..n {
+                        for r in 0..rows {
+                            let b = if accumulate { base[t * ys + r] as f64 } else { 0.0 };
+                            chk.one(y[t * ys + r], &wf[r * cols..(r + 1) * cols], &xq[t * cols..(t + 1) * cols], &x[t * xs..t * xs + cols], b, &|| {
+                                format!("int8 {ty:?} n {n} tile {bm} acc {accumulate} token {t} row {r}")
+                            });
+                        }
+                        if !accumulate {
+                            for r in rows..ys {
+                                assert!(y[t * ys + r].is_nan(), "int8 {ty:?} n {n}: wrote outside the rows (token {t}, column {r})");
+                            }
                         }
                     }
-                }
-                let (twin, exact) = chk.finish(&format!("int8 {ty:?} n {n} tile {bm} warp m16 tiles {mi} stages {st:?} K parts {splits} acc {accumulate}"));
-                if !accumulate {
-                    eprintln!(
-                        "int8 {ty:?} {rows}x{cols} n {n} tile {bm} mi {mi} stages {st:?} K parts {splits}: vs twin worst {:.2e} rms {twin:.2e} (of Σ|w·x_q|); vs exact f32 product worst {:.2e} rms {exact:.2e}",
-                        chk.worst_twin, chk.worst_exact
-                    );
+                    let (twin, exact) = chk.finish(&format!("int8 {ty:?} {cols} columns n {n} tile {bm} warp m16 tiles {mi} stages {st:?} K parts {splits} acc {accumulate}"));
+                    if !accumulate {
+                        eprintln!(
+                            "int8 {ty:?} {rows}x{cols} n {n} tile {bm} mi {mi} stages {st:?} K parts {splits}: vs twin worst {:.2e} rms {twin:.2e} (of Σ|w·x_q|); vs exact f32 product worst {:.2e} rms {exact:.2e}",
+                            chk.worst_twin, chk.worst_exact
+                        );
+                    }
                 }
             }
         }
@@ -429,8 +435,8 @@ fn int8_grouped_gemm_matches_q8_twin() {
     let np = ids.len();
     assert_eq!(ids.iter().filter(|&&e| e == 2).count(), 1);
     let idd = g.upload(&ids).unwrap();
-    for ty in [GgmlType::IQ4_XS, GgmlType::Q8_0] {
-        let cols = cols_for(ty);
+    // Also 512 columns (rows 272 bytes apart: the copies' constant-pieces path, 9 a row).
+    for (ty, cols) in [GgmlType::IQ4_XS, GgmlType::Q8_0].into_iter().flat_map(|ty| [(ty, cols_for(ty)), (ty, 512)]) {
         let rows = 150;
         let w = random_rows(&mut rng, ty, ne * rows, cols);
         let wf = dequant(ty, &w, ne * rows, cols);
@@ -460,8 +466,8 @@ fn int8_grouped_gemm_matches_q8_twin() {
                 }
                 assert!(y[p * ys + rows].is_nan(), "int8 grouped {ty:?}: wrote past the rows of pair {p}");
             }
-            let (twin, exact) = chk.finish(&format!("int8 grouped {ty:?} tile {} warp m16 tiles {mi}", 16 * nt));
-            eprintln!("int8 grouped {ty:?} tile {} mi {mi}: vs twin worst {:.2e} rms {twin:.2e}; vs exact worst {:.2e} rms {exact:.2e}", 16 * nt, chk.worst_twin, chk.worst_exact);
+            let (twin, exact) = chk.finish(&format!("int8 grouped {ty:?} {cols} columns tile {} warp m16 tiles {mi}", 16 * nt));
+            eprintln!("int8 grouped {ty:?} {cols} columns tile {} mi {mi}: vs twin worst {:.2e} rms {twin:.2e}; vs exact worst {:.2e} rms {exact:.2e}", 16 * nt, chk.worst_twin, chk.worst_exact);
         }
     }
     set_int8_mi(None);
