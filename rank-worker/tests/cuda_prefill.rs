@@ -9,7 +9,7 @@ mod common;
 
 use std::sync::{Arc, Mutex};
 
-use common::gpu::{NAN, Rng, TYPES, dot, gpu, random_rows, upload_mat};
+use common::gpu::{NAN, Rng, TYPES, dot, gpu, random_rows, upload_mat, upload_mat_shifted};
 use minimax_rank::comm::Solo;
 use minimax_rank::cpu::{CpuModel, KvSpec};
 use cudarc::driver::CudaSlice;
@@ -168,14 +168,9 @@ fn fast_gemm_matches_cpu_for_every_tile_precision_and_offset() {
         let rows = 261; // three row tiles of 128, the last nearly empty
         let w = random_rows(&mut rng, ty, rows, cols);
         let wf = dequant(ty, &w, rows, cols);
-        let rb = quant::row_bytes(ty, cols).unwrap();
         // Rows start 4 bytes past a 16-byte boundary (and IQ4_XS / Q6_K / Q8_0 rows are not
         // multiples of 16 bytes): the staging copies the aligned 16-byte spans around them.
-        let mut shifted = vec![0xa5u8; 4];
-        shifted.extend_from_slice(&w);
-        shifted.extend_from_slice(&[0x5a; 4]);
-        let wb = g.upload(&shifted).unwrap();
-        let m = DevMat { ptr: g.ptr(&wb) + 4, ty, rows, cols, row_bytes: rb, n_experts: 0, expert_stride: 0 };
+        let (_wb, m) = upload_mat_shifted(&g, ty, &w, rows, cols);
         {
             for (n, bm, compact) in [(7usize, 16usize, false), (45, 16, false), (33, 32, false), (77, 32, false), (77, 32, true), (40, 32, true), (150, 64, false), (64, 64, false), (130, 64, false)] {
                 set_gemm_compact(compact);
@@ -305,12 +300,7 @@ fn int8_gemm_matches_q8_twin_for_every_tile() {
             let rows = 261;
             let w = random_rows(&mut rng, ty, rows, cols);
             let wf = dequant(ty, &w, rows, cols);
-            let rb = quant::row_bytes(ty, cols).unwrap();
-            let mut shifted = vec![0xa5u8; 4];
-            shifted.extend_from_slice(&w);
-            shifted.extend_from_slice(&[0x5a; 4]);
-            let wb = g.upload(&shifted).unwrap();
-            let m = DevMat { ptr: g.ptr(&wb) + 4, ty, rows, cols, row_bytes: rb, n_experts: 0, expert_stride: 0 };
+            let (_wb, m) = upload_mat_shifted(&g, ty, &w, rows, cols);
             for (n, bm, st, splits) in [
                 (7usize, 16usize, None, 1usize),
                 (45, 16, Some(2), 1),

@@ -123,6 +123,17 @@ pub fn upload_mat(g: &Gpu, ty: GgmlType, bytes: &[u8], rows: usize, cols: usize,
     (buf, m)
 }
 
+/// One matrix whose rows start 4 bytes past a 16-byte boundary (guard bytes around it), for
+/// the kernels that stage the aligned 16-byte spans around each row.
+pub fn upload_mat_shifted(g: &Gpu, ty: GgmlType, bytes: &[u8], rows: usize, cols: usize) -> (CudaSlice<u8>, DevMat) {
+    let mut shifted = vec![0xa5u8; 4];
+    shifted.extend_from_slice(bytes);
+    shifted.extend_from_slice(&[0x5a; 4]);
+    let buf = g.upload(&shifted).unwrap();
+    let m = DevMat { ptr: g.ptr(&buf) + 4, ty, rows, cols, row_bytes: quant::row_bytes(ty, cols).unwrap(), n_experts: 0, expert_stride: 0 };
+    (buf, m)
+}
+
 /// f64 reference of one output of a product: (W_r · x, Σ|w x|), the scale its error bounds use.
 pub fn dot(w: &[f32], x: &[f32]) -> (f64, f64) {
     w.iter().zip(x).fold((0.0, 0.0), |(s, a), (&w, &x)| (s + w as f64 * x as f64, a + (w as f64 * x as f64).abs()))
