@@ -1150,31 +1150,7 @@ extern "C" __global__ void __launch_bounds__(512) moe_gate_up_reg2n_iq4_xs(
     moe_gate_up_reg_iq4<2, 0>(G, U, rb, es, ids, k, xq, xd, ncol, aq, ad, ff);
 }
 
-// Cheaper IQ4 decode for the expert kernels (session 5). iq4_lookup (common.cuh) spends ~15
-// instructions on 8 nibbles: per 16-bit half a mask, two table prmts, the select word and the
-// select prmt, then two prmts to regroup the bytes into low / high nibbles. Here the mask and
-// the select word are computed once per 32-bit word (sel nibble j = j, + 4 when nibble j has
-// bit 3 set: byte j of the upper table), the upper half's by one shift each, and the
-// regrouping is left out: r0 = values of nibbles (b0 lo, b0 hi, b1 lo, b1 hi), r1 = (b2 lo,
-// b2 hi, b3 lo, b3 hi), i.e. elements (4i, 4i+16, 4i+1, 4i+17) / (4i+2, 4i+18, 4i+3, 4i+19) of
-// word i of a unit. The activations are interleaved to match (iq4_x_il: x0, x16, x1, x17, ..),
-// once per token in registers, so the dp4a sums are the same integers. prmt's selector uses
-// bits 15:0 only, and every selector nibble here has bit 3 clear (no sign replication).
-__device__ __forceinline__ u32 iq4_prmt(u32 a, u32 b, u32 s) {
-    u32 r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
-    return r;
-}
-// t0 / t2 = IQ4_T0 / IQ4_T2 (a table prmt needs one table word in a register; passed in so a
-// kernel can pin them in registers with iq4_pin: given as literals, ptxas re-materializes them
-// before every prmt, 4 extra instructions per word).
-__device__ __forceinline__ void iq4_lookup_il(u32 w, u32& r0, u32& r1, u32 t0 = IQ4_T0, u32 t2 = IQ4_T2) {
-    u32 m = w & 0x77777777u;
-    u32 sel = ((w & 0x88888888u) >> 1) + 0x32103210u;  // bits do not overlap: + is |
-    u32 mh = m >> 16, sh = sel >> 16;
-    r0 = iq4_prmt(iq4_prmt(t0, IQ4_T1, m), iq4_prmt(t2, IQ4_T3, m), sel);
-    r1 = iq4_prmt(iq4_prmt(t0, IQ4_T1, mh), iq4_prmt(t2, IQ4_T3, mh), sh);
-}
+// iq4_prmt / iq4_lookup_il (the cheaper IQ4 decode, session 5): common.cuh.
 // The codebook words t0 / t2 for iq4_lookup_il as values ptxas cannot see through, so they stay
 // in two registers: z must be 0 at run time but unknown to the compiler (an empty asm or a
 // shuffle of the literal is folded back into the constant) and per thread (a uniform z puts

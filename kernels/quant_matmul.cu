@@ -826,30 +826,15 @@ __device__ __forceinline__ void mi_mma(u32* d, const u32* a, u32 b0, u32 b1) {
 // int8 A fragments of chunk c (32 columns) of rows g (p0) and g + 8 (p1): a[0] = row g, columns
 // 4t..4t+3; a[1] = row g + 8, same; a[2] / a[3] columns 16 + 4t.. of rows g / g + 8.
 template <int T> __device__ __forceinline__ void mi_dq(const u8* p0, const u8* p1, int c, int t, u32* a);
-// IQ4_XS codes through the codebook in the nibbles' own order: w = one u32 of a sub-block's qs
-// (bytes j = 0..3 hold values 4t+j in their low nibbles, 16+4t+j in their high ones); r0 =
-// values (4t, 16+4t, 4t+1, 16+4t+1), r1 = (4t+2, 16+4t+2, 4t+3, 16+4t+3). 6 byte permutes and
-// 4 integer operations for 8 codes (the sorted order would take 2 more permutes and ~4 more
-// masks and shifts). The MMA's k order is then permuted inside each thread's 8 k slots, and X
-// is converted with the same permutation (mi_x, perm), so the products are unchanged.
-// prmt.b32 (no selector masks: __byte_perm masks every selector nibble to 3 bits, one more
-// operation a use; these selectors are below 8 already).
-__device__ __forceinline__ u32 mi_prmt(u32 a, u32 b, u32 s) {
-    u32 r;
-    asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));
-    return r;
-}
-__device__ __forceinline__ void mi_iq4_il(u32 w, u32& r0, u32& r1) {
-    const u32 m = w & 0x77777777u;
-    const u32 sel = ((w >> 1) & 0x44444444u) | 0x32103210u;
-    const u32 mh = m >> 16, sh = sel >> 16;
-    r0 = mi_prmt(mi_prmt(IQ4_T0, IQ4_T1, m), mi_prmt(IQ4_T2, IQ4_T3, m), sel);
-    r1 = mi_prmt(mi_prmt(IQ4_T0, IQ4_T1, mh), mi_prmt(IQ4_T2, IQ4_T3, mh), sh);
-}
+// IQ4_XS A fragments in iq4_lookup_il's order (common.cuh): a0 = values (4t, 16+4t, 4t+1,
+// 16+4t+1), a2 = (4t+2, 16+4t+2, 4t+3, 16+4t+3) of one u32 of a sub-block's qs, 6 byte permutes
+// and 4 integer operations for 8 codes instead of iq4_lookup's sorted order. The MMA's k order
+// is then permuted inside each thread's 8 k slots, and X is converted with the same permutation
+// (mi_x, perm), so the products are unchanged.
 template <> __device__ __forceinline__ void mi_dq<T_IQ4_XS>(const u8* p0, const u8* p1, int c, int t, u32* a) {
-    // Fragments a0 / a2 (row g) and a1 / a3 (row g + 8) in the permuted k order (mi_iq4_il).
-    mi_iq4_il(*(const u32*)(p0 + 8 + 16 * c + 4 * t), a[0], a[2]);
-    mi_iq4_il(*(const u32*)(p1 + 8 + 16 * c + 4 * t), a[1], a[3]);
+    // Fragments a0 / a2 (row g) and a1 / a3 (row g + 8) in the permuted k order.
+    iq4_lookup_il(*(const u32*)(p0 + 8 + 16 * c + 4 * t), a[0], a[2]);
+    iq4_lookup_il(*(const u32*)(p1 + 8 + 16 * c + 4 * t), a[1], a[3]);
 }
 template <> __device__ __forceinline__ void mi_dq<T_Q8_0>(const u8* p0, const u8* p1, int c, int t, u32* a) {
     int off = 34 * c + 2 + 4 * t;
@@ -1172,7 +1157,7 @@ __device__ __forceinline__ void mi_x(const float* X, i64 xs, const float* U, int
         q3 = __float2int_rn(x.w / d);
     }
     u32 packed = (u32)(q0 & 0xff) | ((u32)(q1 & 0xff) << 8) | ((u32)(q2 & 0xff) << 16) | ((u32)(q3 & 0xff) << 24);
-    // perm (X for IQ4_XS weights): the k order of mi_iq4_il. Lane u < 4 of a chunk holds
+    // perm (X for IQ4_XS weights): the k order of iq4_lookup_il. Lane u < 4 of a chunk holds
     // columns 4u..4u+3, lane u + 4 columns 16+4u..: the first word becomes (x[4u], x[16+4u],
     // x[4u+1], x[16+4u+1]), the second (x[4u+2], x[16+4u+2], x[4u+3], x[16+4u+3]).
     const u32 other = __shfl_xor_sync(0xffffffffu, packed, 4);

@@ -261,7 +261,7 @@ fn fast_smem(g: FastGeom, bm: usize, planes: usize) -> usize {
 /// and (types with mins) f32 sums of every 32 columns, `spitch` floats apart; for the int8
 /// kernels (`mm_x_i8`, `passes` = [`INT8_PASSES`]) rows of int8 in MMA fragment order and
 /// `sums` = (scale, -1.5·2^23·scale) per 32 columns; `perm`: int8 rows in the k order of the
-/// IQ4_XS kernels (`mi_iq4_il`), which only IQ4_XS weights may multiply.
+/// IQ4_XS kernels (`iq4_lookup_il`), which only IQ4_XS weights may multiply.
 pub struct FastX {
     perm: bool,
     xc: CudaSlice<u8>,
