@@ -44,56 +44,6 @@
 #define GS_MAXE 1024
 #define GS_BAR 4608  // the hand-over slots follow, then the ring
 
-// IQ4_XS codes by the sign-replicating prmt, no select step. A table prmt takes a nibble's low
-// 3 bits as the byte index and its bit 3 as "replicate the byte's sign". With TL = codebook
-// entries 0..7 (all negative) and TH = entries 8..15 plus 1 (all positive):
-//   a = prmt(TL, nibbles)       = kv[n] for n < 8, 0xff (-1) for n >= 8;
-//   c = prmt(TH, nibbles ^ 8)   = 0 for n < 8, kv[n] + 1 for n >= 8;
-// so a + c = kv[n] for every n, and dp4a(a, x) + dp4a(c, x) is the codebook dot product, the
-// same integer as the lookup-and-select decode (iq4_lookup_il: 6 prmt + 5 masks and shifts
-// per 8 nibbles; here 4 prmt + 3 xor/shift, and twice the dp4a, on the other pipe). The bytes
-// come in iq4_lookup_il's order, so the activations are interleaved likewise (iq4_x_il).
-// TL is the codebook's first half as it stands (IQ4_T0, IQ4_T1); TH its second half with every
-// byte plus one (no carries: the bytes are at most 113).
-#define GS_TH0 (IQ4_T2 + 0x01010101u)
-#define GS_TH1 (IQ4_T3 + 0x01010101u)
-// The table words in registers ptxas cannot see through (z = 0 at run time, unknown to the
-// compiler and per thread; as iq4_pin): TL / TH for gs_codes, and IQ4_T2 (t2), which
-// iq4_lookup_il takes with tl0 (= IQ4_T0).
-__device__ __forceinline__ void gs_pin(u32 z, u32& tl0, u32& tl1, u32& th0, u32& th1, u32& t2) {
-    tl0 = IQ4_T0 ^ z;
-    tl1 = IQ4_T1 ^ z;
-    th0 = GS_TH0 ^ z;
-    th1 = GS_TH1 ^ z;
-    t2 = IQ4_T2 ^ z;
-}
-// A unit's 16 code bytes (qa, qb) -> a[j], c[j] (j = 2 i + half of code word i).
-__device__ __forceinline__ void gs_codes(uint2 qa, uint2 qb, u32 (&a)[8], u32 (&c)[8], u32 tl0, u32 tl1, u32 th0,
-                                         u32 th1) {
-    const u32 w[4] = {qa.x, qa.y, qb.x, qb.y};
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const u32 wx = w[i] ^ 0x88888888u;
-        a[2 * i] = iq4_prmt(tl0, tl1, w[i]);
-        c[2 * i] = iq4_prmt(th0, th1, wx);
-        a[2 * i + 1] = iq4_prmt(tl0, tl1, w[i] >> 16);
-        c[2 * i + 1] = iq4_prmt(th0, th1, wx >> 16);
-    }
-}
-// sum_j (a[j] + c[j]) . x[j] over the unit's interleaved activations (xa = words 0..3, xb = 4..7).
-__device__ __forceinline__ int gs_dot8(const u32 (&a)[8], const u32 (&c)[8], int4 xa, int4 xb) {
-    const int x[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
-    int s0 = 0, s1 = 0, s2 = 0, s3 = 0;
-#pragma unroll
-    for (int j = 0; j < 8; j += 2) {
-        s0 = __dp4a((int)a[j], x[j], s0);
-        s1 = __dp4a((int)c[j], x[j], s1);
-        s2 = __dp4a((int)a[j + 1], x[j + 1], s2);
-        s3 = __dp4a((int)c[j + 1], x[j + 1], s3);
-    }
-    return (s0 + s1) + (s2 + s3);
-}
-
 // The slot of a task: expert, pair count, its pair list.
 struct GsSlot {
     int e, c;
@@ -200,9 +150,9 @@ __device__ __forceinline__ void gs_stage(const u8* wrow, const i8* xw, const flo
             const float sc = iq4_unit_scale(h[u], (un0 + u) & 7);
             if (CC == 1) {  // the sign-replicating decode: fewer ALU instructions, 2x the dp4a
                 u32 a[8], c[8];
-                gs_codes(qa[u], qb[u], a, c, tl0, tl1, th0, th1);
+                iq4s_codes(qa[u], qb[u], a, c, tl0, tl1, th0, th1);
                 const int4* xp = (const int4*)(xw + u * 32);
-                acc[r][0] += xdw[u] * (sc * (float)gs_dot8(a, c, xp[0], xp[1]));
+                acc[r][0] += xdw[u] * (sc * (float)iq4s_dot8(a, c, xp[0], xp[1]));
             } else {  // lookup and select (psx's iq4_lookup_il), one dp4a per 4 codes and pair
                 u32 w[8];
                 iq4_lookup_il(qa[u].x, w[0], w[1], tl0, tl2);
@@ -332,7 +282,7 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
     // schedule them freely after the barrier wait), then each unit is decoded and dotted with
     // the chunk's pairs.
     u32 tl0, tl1, th0, th1, t2;
-    gs_pin((u32)(rb >> 62) & threadIdx.x, tl0, tl1, th0, th1, t2);
+    iq4s_pin((u32)(rb >> 62) & threadIdx.x, tl0, tl1, th0, th1, t2);
     // The warp's units: un0 + u, header at oh[u] and codes at oq[u] of a row.
     const int un0 = warp * UPW;
     u32 oh[UPW], oq[UPW];

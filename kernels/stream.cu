@@ -36,6 +36,9 @@
 #define BK_MAXST 8                  // most ring stages
 #define BK_NAB 4                    // hand-over buffers (tasks between consumers and epilogue)
 #define BK_HDR 2048                 // barriers (256 bytes), then the hand-over buffers
+#define BK_LOOKUP 0                 // consumers decode with psx's lookup-and-select (iq4_unit_il)
+#define BK_SIGN 1                   // consumers decode with the sign-replicating prmt (iq4s_codes)
+#define BK_PROBE 2                  // consumers skip the arithmetic (timing probes)
 
 // The PTX below exists from sm_90 on; below it the kernels compile to nothing useful and the
 // host never launches them (the plans in stream.rs check the arch).
@@ -137,6 +140,56 @@ __device__ __forceinline__ void bk_range(int total, int& t0, int& t1) {
     t1 = (int)((i64)total * (blockIdx.x + 1) / gridDim.x);
 }
 
+// IQ4_XS codes by the sign-replicating prmt, no select step. A table prmt takes a nibble's low
+// 3 bits as the byte index and its bit 3 as "replicate the byte's sign". With TL = codebook
+// entries 0..7 (all negative) and TH = entries 8..15 plus 1 (all positive):
+//   a = prmt(TL, nibbles)       = kv[n] for n < 8, 0xff (-1) for n >= 8;
+//   c = prmt(TH, nibbles ^ 8)   = 0 for n < 8, kv[n] + 1 for n >= 8;
+// so a + c = kv[n] for every n, and dp4a(a, x) + dp4a(c, x) is the codebook dot product, the
+// same integer as the lookup-and-select decode (iq4_lookup_il: 6 prmt + 5 masks and shifts
+// per 8 nibbles; here 4 prmt + 3 xor/shift, and twice the dp4a, on the other pipe). The bytes
+// come in iq4_lookup_il's order, so the activations are interleaved likewise (iq4_x_il).
+// TL is the codebook's first half as it stands (IQ4_T0, IQ4_T1); TH its second half with every
+// byte plus one (no carries: the bytes are at most 113).
+#define IQ4S_TH0 (IQ4_T2 + 0x01010101u)
+#define IQ4S_TH1 (IQ4_T3 + 0x01010101u)
+// The table words in registers ptxas cannot see through (z = 0 at run time, unknown to the
+// compiler and per thread; as iq4_pin): TL / TH for iq4s_codes, and IQ4_T2 (t2), which
+// iq4_lookup_il takes with tl0 (= IQ4_T0).
+__device__ __forceinline__ void iq4s_pin(u32 z, u32& tl0, u32& tl1, u32& th0, u32& th1, u32& t2) {
+    tl0 = IQ4_T0 ^ z;
+    tl1 = IQ4_T1 ^ z;
+    th0 = IQ4S_TH0 ^ z;
+    th1 = IQ4S_TH1 ^ z;
+    t2 = IQ4_T2 ^ z;
+}
+// A unit's 16 code bytes (qa, qb) -> a[j], c[j] (j = 2 i + half of code word i).
+__device__ __forceinline__ void iq4s_codes(uint2 qa, uint2 qb, u32 (&a)[8], u32 (&c)[8], u32 tl0, u32 tl1, u32 th0,
+                                         u32 th1) {
+    const u32 w[4] = {qa.x, qa.y, qb.x, qb.y};
+#pragma unroll
+    for (int i = 0; i < 4; i++) {
+        const u32 wx = w[i] ^ 0x88888888u;
+        a[2 * i] = iq4_prmt(tl0, tl1, w[i]);
+        c[2 * i] = iq4_prmt(th0, th1, wx);
+        a[2 * i + 1] = iq4_prmt(tl0, tl1, w[i] >> 16);
+        c[2 * i + 1] = iq4_prmt(th0, th1, wx >> 16);
+    }
+}
+// sum_j (a[j] + c[j]) . x[j] over the unit's interleaved activations (xa = words 0..3, xb = 4..7).
+__device__ __forceinline__ int iq4s_dot8(const u32 (&a)[8], const u32 (&c)[8], int4 xa, int4 xb) {
+    const int x[8] = {xa.x, xa.y, xa.z, xa.w, xb.x, xb.y, xb.z, xb.w};
+    int s0 = 0, s1 = 0, s2 = 0, s3 = 0;
+#pragma unroll
+    for (int j = 0; j < 8; j += 2) {
+        s0 = __dp4a((int)a[j], x[j], s0);
+        s1 = __dp4a((int)c[j], x[j], s1);
+        s2 = __dp4a((int)a[j + 1], x[j + 1], s2);
+        s3 = __dp4a((int)c[j + 1], x[j + 1], s3);
+    }
+    return (s0 + s1) + (s2 + s3);
+}
+
 // Shared-memory unit loads through 32-bit shared addresses: a row's unit un has its header
 // (d, scales) at row + oh and its 16 code bytes at row + oq (bk_unit_offsets: fixed per lane
 // and unit round, computed once), so a unit costs two adds and three loads.
@@ -162,9 +215,12 @@ __device__ __forceinline__ void bk_unit(u32 row, u32 oh, u32 oq, uint2& h, uint2
 // pair's token's q8 input (interleaved once in registers, iq4_unit_il: psx's arithmetic), the
 // SR / 8 warp sums reduced together, one sum per row into the task's hand-over buffer; the
 // epilogue warp computes act = silu(g) * u of the 32 rows -> q8 (aq [p][ld], ad [p][ld / 32]).
-// PROBE (the "blkp" kernels, timing only): the consumers skip the arithmetic.
+// DEC: how the consumers decode a unit: BK_SIGN (the "blk" kernels, the default) the
+// sign-replicating iq4s_codes, BK_LOOKUP ("blkl", A/B runs) psx's iq4_unit_il; both give the same
+// integer dot products, so the same bits. BK_PROBE (the "blkp" kernels, timing only): the
+// consumers skip the arithmetic.
 // grid (min(SMs, tasks)), block BK_THREADS, dynamic shared memory BK_HDR + nst x 2 SR rb.
-template <int SR, bool PROBE>
+template <int SR, int DEC>
 __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k, int npairs,
                                             int grows, int nst, const i8* xq, const float* xd, int ncol, i8* aq,
                                             float* ad, int ld) {
@@ -218,8 +274,8 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
         return;
     }
     const int nu = ncol >> 5;
-    u32 tb0, tb2;
-    iq4_pin((u32)(rb >> 62) & threadIdx.x, tb0, tb2);  // codebook words in registers (same bits)
+    u32 tl0, tl1, th0, th1, tb2;  // codebook words in registers (same bits)
+    iq4s_pin((u32)(rb >> 62) & threadIdx.x, tl0, tl1, th0, th1, tb2);
     int4 xa[GR_XU], xb[GR_XU];
     float xs[GR_XU];
     const int sb = lane & 7;  // the lane's sub-block in every unit round (32 u + lane)
@@ -247,7 +303,7 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
             for (int j = 0; j < RPW; j++) {
                 const u32 row = st + (u32)((warp + 16 * j) * rb);
                 acc[j] = 0.f;
-                if (PROBE) {
+                if (DEC == BK_PROBE) {
                     acc[j] = (float)bk_lds2(row + 8 * lane).x;
                 } else {
 #pragma unroll
@@ -255,7 +311,13 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
                         if (lane + 32 * u < nu) {
                             uint2 h, qa, qb;
                             bk_unit(row, oh[u], oq[u], h, qa, qb);
-                            acc[j] += xs[u] * iq4_unit_il(h, qa, qb, sb, xa[u], xb[u], tb0, tb2);
+                            if (DEC == BK_SIGN) {
+                                u32 a[8], c[8];
+                                iq4s_codes(qa, qb, a, c, tl0, tl1, th0, th1);
+                                acc[j] += xs[u] * (iq4_unit_scale(h, sb) * (float)iq4s_dot8(a, c, xa[u], xb[u]));
+                            } else {
+                                acc[j] += xs[u] * iq4_unit_il(h, qa, qb, sb, xa[u], xb[u], tl0, tb2);
+                            }
                         }
                     }
                 }
@@ -279,13 +341,11 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
 #define BK_GU_ARGS                                                                                               \
     const u8 *G, const u8 *U, i64 rb, i64 es, const int *ids, int k, int npairs, int grows, int nst, const i8 *xq, \
         const float *xd, int ncol, i8 *aq, float *ad, int ld
-#define BK_GU_INST(sr)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_blk##sr##_iq4_xs(BK_GU_ARGS) {        \
-        gate_up_blk<sr, false>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);                \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_blkp##sr##_iq4_xs(BK_GU_ARGS) {       \
-        gate_up_blk<sr, true>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);                 \
+#define BK_GU_ONE(name, sr, dec)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_##name##sr##_iq4_xs(BK_GU_ARGS) {     \
+        gate_up_blk<sr, dec>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);                  \
     }
+#define BK_GU_INST(sr) BK_GU_ONE(blk, sr, BK_SIGN) BK_GU_ONE(blkl, sr, BK_LOOKUP) BK_GU_ONE(blkp, sr, BK_PROBE)
 BK_GU_INST(8)
 BK_GU_INST(16)
 BK_GU_INST(32)
@@ -300,9 +360,11 @@ BK_GU_INST(32)
 // before the PDL wait and starts the ring at once: they were written by the router, which
 // completed before the previous kernel (a gate/up kernel: it waits before it triggers) let this
 // one start (moe_down_rx4's argument); it reads them through L2. The consumers and the epilogue
-// wait before reading the activations and routing weights.
+// wait before reading the activations and routing weights. DEC as in gate_up_blk (BK_LOOKUP:
+// iq4_decode_t + iq4_dot on the activations as stored; BK_SIGN: iq4s_codes on them interleaved
+// by iq4_x_il; the same integers).
 // grid (min(SMs, tasks)), block BK_THREADS, dynamic shared memory BK_HDR + nst x RS k rb.
-template <int RS, bool PROBE>
+template <int RS, int DEC>
 __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, const int* ids, const float* wts, int k,
                                          int nt, int nst, const i8* aq, const float* ad, int ff, float* hidden, i64 hs) {
     static_assert(RS == 4 || RS == 8, "stage rows");
@@ -354,8 +416,8 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
         return;
     }
     const int upe = ff >> 5, nu = 2 * upe;
-    u32 tb0, tb2;
-    iq4_pin((u32)(rb >> 62) & threadIdx.x, tb0, tb2);
+    u32 tl0, tl1, th0, th1, tb2;
+    iq4s_pin((u32)(rb >> 62) & threadIdx.x, tl0, tl1, th0, th1, tb2);
     const int j_ex = warp >> 1, half = warp & 1;
     // The lane's units of a row pair (the same for every pair): row rr[i] of the pair, unit uu[i].
     int uu[DG_U], rr[DG_U];
@@ -386,6 +448,7 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
                     const int4* xp = (const int4*)(aq + (i64)p * ff + uu[i] * 32);
                     xa[i] = xp[0];
                     xb[i] = xp[1];
+                    if (DEC == BK_SIGN) iq4_x_il(xa[i], xb[i]);
                     xs[i] = ad[(i64)p * upe + uu[i]];
                 }
             }
@@ -398,7 +461,7 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
         for (int q = 0; q < NPR; q++) {
             const int w0 = half * (RS / 2) + 2 * q;  // the pair's first row in the stage
             s[q][0] = s[q][1] = 0.f;
-            if (PROBE) {
+            if (DEC == BK_PROBE) {
                 s[q][0] = (float)bk_lds2(ring_s + (u32)(b * sb_bytes) + 8 * lane).x;
             } else if (active && w0 < nr) {
                 const u32 st = ring_s + (u32)(b * sb_bytes + ((i64)j_ex * RS + w0) * rb);
@@ -407,9 +470,16 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
                     if (lane + 32 * i < nu && w0 + rr[i] < nr) {
                         uint2 h, qa, qb;
                         bk_unit(st, oh[i], oq[i], h, qa, qb);
-                        u32 lo[4], hi[4];
-                        float sc = iq4_decode_t<true>(h, qa, qb, uu[i] & 7, lo, hi, tb0, tb2);
-                        float v = xs[i] * (sc * (float)iq4_dot(lo, hi, xa[i], xb[i]));
+                        float v;
+                        if (DEC == BK_SIGN) {
+                            u32 a[8], c[8];
+                            iq4s_codes(qa, qb, a, c, tl0, tl1, th0, th1);
+                            v = xs[i] * (iq4_unit_scale(h, uu[i] & 7) * (float)iq4s_dot8(a, c, xa[i], xb[i]));
+                        } else {
+                            u32 lo[4], hi[4];
+                            float sc = iq4_decode_t<true>(h, qa, qb, uu[i] & 7, lo, hi, tl0, tb2);
+                            v = xs[i] * (sc * (float)iq4_dot(lo, hi, xa[i], xb[i]));
+                        }
                         if (rr[i]) s[q][1] += v;
                         else s[q][0] += v;
                     }
@@ -439,12 +509,10 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
 #define BK_DN_ARGS                                                                                                \
     const u8 *W, i64 rb, i64 es, int rows, const int *ids, const float *wts, int k, int nt, int nst, const i8 *aq, \
         const float *ad, int ff, float *hidden, i64 hs
-#define BK_DN_INST(rs)                                                                                            \
-    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_down_blk##rs##_iq4_xs(BK_DN_ARGS) {            \
-        down_blk<rs, false>(W, rb, es, rows, ids, wts, k, nt, nst, aq, ad, ff, hidden, hs);                         \
-    }                                                                                                             \
-    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_down_blkp##rs##_iq4_xs(BK_DN_ARGS) {           \
-        down_blk<rs, true>(W, rb, es, rows, ids, wts, k, nt, nst, aq, ad, ff, hidden, hs);                          \
+#define BK_DN_ONE(name, rs, dec)                                                                                 \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_down_##name##rs##_iq4_xs(BK_DN_ARGS) {         \
+        down_blk<rs, dec>(W, rb, es, rows, ids, wts, k, nt, nst, aq, ad, ff, hidden, hs);                           \
     }
+#define BK_DN_INST(rs) BK_DN_ONE(blk, rs, BK_SIGN) BK_DN_ONE(blkl, rs, BK_LOOKUP) BK_DN_ONE(blkp, rs, BK_PROBE)
 BK_DN_INST(4)
 BK_DN_INST(8)

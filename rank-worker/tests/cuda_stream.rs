@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use common::gpu::{Rng, bits, dot, gpu, launch_us, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
 use minimax_rank::cuda::fast::{self, GateUpKind};
-use minimax_rank::cuda::stream::{set_stream_rows_cap, set_stream_stage_cap};
+use minimax_rank::cuda::stream::{set_stream_lookup, set_stream_rows_cap, set_stream_stage_cap};
 use minimax_rank::cuda::{DevMat, Gpu};
 use minimax_shared::quant::{self, GgmlType};
 
@@ -64,17 +64,22 @@ fn streamed_gate_up_matches_psx() {
             (g.download(&aq).unwrap(), g.download(&ad).unwrap())
         };
         let want = run(false);
-        for rows in [32usize, 16, 8] {
-            set_stream_rows_cap(Some((rows, 8)));
-            for cap in [None, Some(2)] {
-                set_stream_stage_cap(cap);
-                for rep in 0..2 {
-                    let got = run(true);
-                    assert_eq!(got.0, want.0, "{h} -> {ff}, {rows}-row stages, stage cap {cap:?}: q8 codes differ from psx (rep {rep})");
-                    assert_eq!(bits(&got.1), bits(&want.1), "{h} -> {ff}, {rows}-row stages, stage cap {cap:?}: q8 scales differ from psx (rep {rep})");
+        for lookup in [false, true] {
+            set_stream_lookup(Some(lookup));
+            let dec = if lookup { "lookup decode" } else { "sign decode" };
+            for rows in [32usize, 16, 8] {
+                set_stream_rows_cap(Some((rows, 8)));
+                for cap in [None, Some(2)] {
+                    set_stream_stage_cap(cap);
+                    for rep in 0..2 {
+                        let got = run(true);
+                        assert_eq!(got.0, want.0, "{h} -> {ff}, {dec}, {rows}-row stages, stage cap {cap:?}: q8 codes differ from psx (rep {rep})");
+                        assert_eq!(bits(&got.1), bits(&want.1), "{h} -> {ff}, {dec}, {rows}-row stages, stage cap {cap:?}: q8 scales differ from psx (rep {rep})");
+                    }
                 }
             }
         }
+        set_stream_lookup(None);
         set_stream_stage_cap(None);
         set_stream_rows_cap(None);
         let (c, s) = &want;
@@ -151,6 +156,13 @@ fn streamed_combine_down_matches_f64() {
         set_stream_rows_cap(Some((32, 4)));
         assert_eq!(bits(&run(&dm)), bits(&got), "top-{k} {rows} rows: 4-row stages differ from 8-row ones");
         set_stream_rows_cap(None);
+        // The lookup decode: the same integer dot products, so the same bits.
+        set_stream_lookup(Some(true));
+        for cap in [None, Some(2)] {
+            set_stream_stage_cap(cap);
+            assert_eq!(bits(&run(&dm)), bits(&got), "top-{k} {rows} rows, stage cap {cap:?}: the lookup decode differs from the sign decode");
+        }
+        set_stream_lookup(None);
         set_stream_stage_cap(None);
         eprintln!("streamed combining down {nt} tokens x top-{k} of {e}, {ff} -> {rows}: every row within {worst:.2e} of f64 (relative to the sum of |terms|), deterministic");
     }
@@ -222,6 +234,9 @@ fn streamed_kernels_speed() {
         for cap in [8usize, 2] {
             set_stream_stage_cap(Some(cap));
             row(&format!("gate/up streamed, {sr}+{sr} rows x {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
+            set_stream_lookup(Some(true));
+            row(&format!("gate/up streamed, lookup decode, {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
+            set_stream_lookup(None);
             set_stream_probe(true);
             row(&format!("gate/up probe (no arithmetic), {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
             set_stream_probe(false);
@@ -235,6 +250,9 @@ fn streamed_kernels_speed() {
         for cap in [8usize, 2] {
             set_stream_stage_cap(Some(cap));
             row(&format!("down streamed, {rs} rows x {k} experts x {} stages", cap.min(nmax)), time(&dn_st), dn_bytes);
+            set_stream_lookup(Some(true));
+            row(&format!("down streamed, lookup decode, {} stages", cap.min(nmax)), time(&dn_st), dn_bytes);
+            set_stream_lookup(None);
             set_stream_probe(true);
             row(&format!("down probe, {} stages", cap.min(nmax)), time(&dn_st), dn_bytes);
             set_stream_probe(false);

@@ -497,29 +497,40 @@ fn moe_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// `--stream-ab`: the streamed expert kernels (kernels/stream.cu) against the register ones at
-/// batch 1 (steps of several tokens group their MoE by expert, which does not stream), graph
-/// replay, alternating, three rounds; then stage shapes and ring caps; then the per-kernel
-/// split of a batch-1 step with the streamed kernels.
+/// `--stream-ab`: the streamed expert kernels (kernels/stream.cu, with the lookup and with the
+/// sign decode) against the register ones at batch 1 (steps of several tokens group their MoE
+/// by expert, which does not stream), graph replay, alternating, three rounds; then stage
+/// shapes and ring caps; then the per-kernel split of a batch-1 step with the streamed kernels.
 fn stream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
-    use minimax_rank::cuda::stream::{set_stream, set_stream_rows_cap, set_stream_stage_cap};
+    use minimax_rank::cuda::stream::{set_stream, set_stream_lookup, set_stream_rows_cap, set_stream_stage_cap};
     let mut fin = true;
     let b = 1usize;
     let steps: usize = 40;
     let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take((5 + steps + 2).div_ceil(PAGE))).collect();
     let mut toks = start_streams(m, &pts)?;
     let mut s = 0;
-    let mut r = [0f64; 2];
+    let mut r = [0f64; 3];
     for _round in 0..3 {
-        for (i, on) in [false, true].into_iter().enumerate() {
+        // register kernels; streamed with psx's lookup decode; streamed with the sign decode
+        for (i, (on, lookup)) in [(false, false), (true, true), (true, false)].into_iter().enumerate() {
             set_stream(Some(on));
+            set_stream_lookup(Some(lookup));
             m.clear_graphs();
             fin &= stream_step(m, &pts, &mut toks, s)?;
             s += 1;
             r[i] += replay_ms(m, b, 30)? / 3.0;
         }
     }
-    println!("stream A/B batch 1: register kernels {:.3} ms ({:.1} tok/s), streamed experts {:.3} ms ({:.1} tok/s) (graph replay)", r[0], 1e3 / r[0], r[1], 1e3 / r[1]);
+    set_stream_lookup(None);
+    println!(
+        "stream A/B batch 1: register kernels {:.3} ms ({:.1} tok/s), streamed lookup decode {:.3} ms ({:.1} tok/s), streamed sign decode {:.3} ms ({:.1} tok/s) (graph replay)",
+        r[0],
+        1e3 / r[0],
+        r[1],
+        1e3 / r[1],
+        r[2],
+        1e3 / r[2]
+    );
     set_stream(Some(true));
     for (gr, dr) in [(32usize, 8usize), (16, 8), (8, 4)] {
         set_stream_rows_cap(Some((gr, dr)));

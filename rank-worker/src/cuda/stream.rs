@@ -30,6 +30,33 @@ pub fn set_stream(on: Option<bool>) {
     STREAM.set(on);
 }
 
+static LOOKUP: EnvFlag = EnvFlag::new("MINIMAX_STREAM_LOOKUP", false);
+
+/// Whether the streamed kernels' consumers decode IQ4_XS codes with psx's lookup-and-select
+/// (`blkl` kernels, `MINIMAX_STREAM_LOOKUP=1`) instead of the sign-replicating `prmt` decode
+/// (`blk`, the default: fewer integer-ALU instructions per unit, twice the dp4a). Both give the
+/// same integer dot products, so the same bits; the switch exists for A/B runs.
+pub fn stream_lookup() -> bool {
+    LOOKUP.get()
+}
+
+/// Overrides [`stream_lookup`] (A/B runs and tests; `None` = back to the environment). Drop
+/// captured graphs after a change.
+pub fn set_stream_lookup(on: Option<bool>) {
+    LOOKUP.set(on);
+}
+
+/// Kernel-name stem of the streamed kernels in force: probe, lookup or sign decode.
+fn stem() -> &'static str {
+    if probe() {
+        "blkp"
+    } else if stream_lookup() {
+        "blkl"
+    } else {
+        "blk"
+    }
+}
+
 static STAGE_CAP: AtomicUsize = AtomicUsize::new(0);
 
 /// Caps the ring stages of the streamed kernels (tests: 2 makes every ring wrap; A/B runs;
@@ -166,7 +193,7 @@ impl Gpu {
         let smem = HDR + nst * 2 * sr * gate.row_bytes;
         let mid = [Arg::P(ids), Arg::I(k as i32), Arg::I(npairs as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32)];
         let grid = self.stream_grid(npairs * (gate.rows / 32))?;
-        let name = format!("moe_gate_up_{}{sr}_iq4_xs", if probe() { "blkp" } else { "blk" });
+        let name = format!("moe_gate_up_{}{sr}_iq4_xs", stem());
         self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))?;
         Ok(true)
     }
@@ -191,7 +218,7 @@ impl Gpu {
         let smem = HDR + nst * rs * k * down.row_bytes;
         let grid = self.stream_grid(nt * down.rows.div_ceil(rs))?;
         let mid = [Arg::P(ids), Arg::P(wts), Arg::I(k as i32), Arg::I(nt as i32), Arg::I(nst as i32)];
-        let name = format!("moe_down_{}{rs}_iq4_xs", if probe() { "blkp" } else { "blk" });
+        let name = format!("moe_down_{}{rs}_iq4_xs", stem());
         self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &down_args(down, &mid, aq, ad, &[Arg::P(hidden), Arg::L(hs as i64)]))?;
         Ok(true)
     }
