@@ -368,6 +368,10 @@ __device__ __forceinline__ u32 mq_saddr(const void* p) {
 __device__ __forceinline__ void mq_cp16(void* dst, const void* src) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(mq_saddr(dst)), "l"(src) : "memory");
 }
+// mq_cp16 to a shared-space address (converted once by the caller, offsets added in 32 bits).
+__device__ __forceinline__ void mq_cp16s(u32 dst, const void* src) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(dst), "l"(src) : "memory");
+}
 __device__ __forceinline__ void mq_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 template <int N> __device__ __forceinline__ void mq_wait() { asm volatile("cp.async.wait_group %0;" ::"n"(N) : "memory"); }
 
@@ -810,8 +814,8 @@ template <int T, int BM, int MI> __host__ __device__ constexpr int mi_smem(int s
     return st * mi_stage<T, BM>() + 8 * MI * (MQT<T>::KS / 32) * 8 * 8 + 2 * BM * 4;
 }
 
-__device__ __forceinline__ void mi_cp8(void* dst, const void* src) {
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(mq_saddr(dst)), "l"(src) : "memory");
+__device__ __forceinline__ void mi_cp8(u32 dst, const void* src) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
 }
 
 // d = s32 A·B + bits(1.5·2^23) for A 16x32 s8 (row), B 32x8 s8 (col).
@@ -896,14 +900,16 @@ __device__ __forceinline__ void mi_stage_mma(float (*acc)[NI][4], const u8* cons
 
 // The weight tile of one stage when every row spans NPR 16-byte pieces from an aligned start:
 // piece p of the tile (row p / NPR, piece p % NPR) by thread p % 256, rows from a (row 0's
-// aligned start) rb bytes apart, into rows SP bytes apart; rows from nrows on are skipped.
+// aligned start) rb bytes apart, into rows SP bytes apart from shared address ws; rows from
+// nrows on are skipped. Offsets in 32 bits (the caller keeps MQ_BR rows below 2^32 bytes): a
+// copy is a few integer instructions, not a 64-bit product and an address-space conversion.
 template <int NPR, int SP>
-__device__ __forceinline__ void mi_copy_rows(u8* ws, const u8* a, i64 rb, int nrows, int tid) {
+__device__ __forceinline__ void mi_copy_rows(u32 ws, const u8* a, u32 rb, int nrows, int tid) {
 #pragma unroll
     for (int m = 0; m < (MQ_BR * NPR + MQ_THREADS - 1) / MQ_THREADS; m++) {
         const int pc = tid + MQ_THREADS * m;
         const int r = pc / NPR, ch = pc - r * NPR;
-        if (pc < MQ_BR * NPR && r < nrows) mq_cp16(ws + r * SP + 16 * ch, a + (i64)r * rb + 16 * ch);
+        if (pc < MQ_BR * NPR && r < nrows) mq_cp16s(ws + (u32)(r * SP + 16 * ch), a + ((u32)r * rb + (u32)(16 * ch)));
     }
 }
 
@@ -933,6 +939,15 @@ __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols,
     const bool lr_ok = r0 + lr < rows;
     const u8* lrow = W + (i64)(r0 + lr) * rb;
     const bool rb16 = (rb & 15) == 0;
+    // Constant-piece copies take 32-bit row offsets (MQ_BR rows of rb bytes below 2^32).
+    const bool rb32 = rb16 && rb < ((i64)1 << 24);
+    // X copies: thread tid takes piece xc_ch of token columns xc_j0, xc_j0 + 256 / XCH, ...; the
+    // columns' parity is the thread's own (256 / XCH is even), so its swizzled offset inside a
+    // column is fixed. X scales likewise: chunk xs_c of columns xs_j0, xs_j0 + 256 / NCH, ...
+    static_assert(MQ_THREADS % (2 * XCH) == 0 && MQ_THREADS % (2 * NCH) == 0, "X copy mapping");
+    const int xc_ch = tid % XCH, xc_j0 = tid / XCH, xs_c = tid % NCH, xs_j0 = tid / NCH;
+    const u32 xc_off = (u32)((((xc_ch >> 2) ^ (xc_j0 & 1)) << 6) + ((xc_ch & 3) << 4));
+    const u32 sm_s = mq_saddr(sm);
     // Byte offset of row r's stage data inside its shared-memory row (the 16-byte-aligned span
     // starts there): the same for every row when rows are 16-byte multiples apart.
     auto row_mis = [&](const u8* wk, int r) -> int {
@@ -950,11 +965,12 @@ __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols,
             // types): pieces by a constant divisor, one base address a stage (~12 instructions
             // a copy instead of ~45; the same pieces, in the same order, as linear below).
             const u64 sbase = (u64)(W + (i64)r0 * rb + (i64)(k0 / BE) * BB);
-            const int npr = rb16 ? (int)(((sbase & 15) + nbytes + 15) >> 4) : 0;
+            const int npr = rb32 ? (int)(((sbase & 15) + nbytes + 15) >> 4) : 0;
+            const u32 ws_s = sm_s + (u32)(slot * STB);
             if (wlin && npr == 9) {
-                mi_copy_rows<9, SP>(ws, (const u8*)(sbase & ~(u64)15), rb, min(MQ_BR, rows - r0), tid);
+                mi_copy_rows<9, SP>(ws_s, (const u8*)(sbase & ~(u64)15), (u32)rb, min(MQ_BR, rows - r0), tid);
             } else if (wlin && npr == 10) {
-                mi_copy_rows<10, SP>(ws, (const u8*)(sbase & ~(u64)15), rb, min(MQ_BR, rows - r0), tid);
+                mi_copy_rows<10, SP>(ws_s, (const u8*)(sbase & ~(u64)15), (u32)rb, min(MQ_BR, rows - r0), tid);
             } else if (wlin) {
                 // Linear (the default): consecutive threads take consecutive 16-byte pieces of
                 // the whole tile, rows recomputed per piece (~45 instructions a copy, but each
@@ -978,20 +994,24 @@ __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols,
                 for (int ch = 0; ch < WCH; ch += 2)
                     if (ch + lh < nch) mq_cp16(d + 16 * (ch + lh), (const void*)(a + 16 * (ch + lh)));
             }
-            u8* xsm = ws + WSZ;
-            int xch = (nv + 63) / 64 * 4;
-            // Only the tile's valid token columns (xr[j] >= 0 exactly for j < nxv).
-            for (int i = tid; i < nxv * XCH; i += MQ_THREADS) {
-                int j = i / XCH, ch = i - j * XCH;
-                int xrow = xr[j];
-                if (xrow >= 0 && ch < xch)
-                    mq_cp16(xsm + j * KS + (((ch >> 2) ^ (j & 1)) << 6) + ((ch & 3) << 4), Xq + (i64)xrow * xqp + k0 + 16 * ch);
+            const u32 xsm_s = ws_s + WSZ;
+            const int xch = (nv + 63) / 64 * 4;
+            // Only the tile's valid token columns (xr[j] >= 0 exactly for j < nxv); the same
+            // pieces as one loop over (column, piece), each thread a fixed piece.
+            if (xc_ch < xch) {
+                const u8* xsrc = Xq + k0 + 16 * xc_ch;
+                for (int j = xc_j0; j < nxv; j += MQ_THREADS / XCH) {
+                    const int xrow = xr[j];
+                    if (xrow >= 0) mq_cp16s(xsm_s + (u32)(j * KS) + xc_off, xsrc + (i64)xrow * xqp);
+                }
             }
-            u8* xss = xsm + XSZ;
-            for (int i = tid; i < nxv * NCH; i += MQ_THREADS) {
-                int j = i / NCH, c = i - j * NCH;
-                int xrow = xr[j];
-                if (xrow >= 0 && 32 * c < nv) mi_cp8(xss + (c * BM + j) * 8, Xs + (i64)xrow * xsp + 2 * (k0 / 32 + c));
+            const u32 xss_s = xsm_s + XSZ;
+            if (32 * xs_c < nv) {
+                const float* ssrc = Xs + 2 * (k0 / 32 + xs_c);
+                for (int j = xs_j0; j < nxv; j += MQ_THREADS / NCH) {
+                    const int xrow = xr[j];
+                    if (xrow >= 0) mi_cp8(xss_s + (u32)((xs_c * BM + j) * 8), ssrc + (i64)xrow * xsp);
+                }
             }
         }
         mq_commit();

@@ -36,6 +36,7 @@
 #define BK_MAXST 8                  // most ring stages
 #define BK_NAB 4                    // hand-over buffers (tasks between consumers and epilogue)
 #define BK_HDR 2048                 // barriers (256 bytes), then the hand-over buffers
+#define STREAM_MAXK 8               // most experts per token of the down (two consumer warps each)
 #define BK_LOOKUP 0                 // consumers decode with psx's lookup-and-select (iq4_unit_il)
 #define BK_SIGN 1                   // consumers decode with the sign-replicating prmt (iq4s_codes)
 #define BK_PROBE 2                  // consumers skip the arithmetic (timing probes)
@@ -245,8 +246,13 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
     if (warp == BK_PW) {
         if (lane == 0) {
             int n = 0;
+            // The next task's expert is read before this task's copies issue (their memory
+            // clobber would otherwise hold the read, and its L2 round trip, behind them).
+            int e_next = t0 < t1 ? ids[t0 / nrg] : 0;
             for (int task = t0; task < t1; task++) {
-                i64 off = (i64)ids[task / nrg] * es + (i64)((task % nrg) * 32) * rb;
+                const int e = e_next;
+                if (task + 1 < t1) e_next = ids[(task + 1) / nrg];
+                i64 off = (i64)e * es + (i64)((task % nrg) * 32) * rb;
                 for (int s = 0; s < 32 / SR; s++, n++) {
                     int b = n % nst;
                     bk_mb_wait(&empty[b], ((n / nst) & 1) ^ 1);
@@ -384,16 +390,25 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
     bk_range(nt * nrg, t0, t1);
     if (warp == BK_PW) {
         if (lane == 0) {
+            // The token's expert offsets, read once per token and all at once: read inside the
+            // copy loop, each id waited for an L2 round trip before its copy could issue (the
+            // copies' memory clobber keeps later loads behind them), 8 in a row per task.
+            i64 eo[STREAM_MAXK];
+            int t_ids = -1;
             for (int task = t0, n = 0; task < t1; task++, n++) {
                 const int t = task / nrg, r0 = (task % nrg) * RS, nr = min(RS, rows - r0);
+                if (t != t_ids) {
+#pragma unroll
+                    for (int j = 0; j < STREAM_MAXK; j++) eo[j] = j < k ? (i64)__ldcg(ids + t * k + j) * es : 0;
+                    t_ids = t;
+                }
                 const int b = n % nst;
                 bk_mb_wait(&empty[b], ((n / nst) & 1) ^ 1);
                 u8* dst = ring + b * sb_bytes;
                 bk_mb_expect(&full[b], (u32)(k * nr * rb));
-                for (int j = 0; j < k; j++) {
-                    const int e = __ldcg(ids + t * k + j);
-                    bk_copy(dst + (i64)j * RS * rb, W + (i64)e * es + (i64)r0 * rb, (u32)(nr * rb), &full[b]);
-                }
+#pragma unroll
+                for (int j = 0; j < STREAM_MAXK; j++)
+                    if (j < k) bk_copy(dst + (i64)j * RS * rb, W + eo[j] + (i64)r0 * rb, (u32)(nr * rb), &full[b]);
             }
         }
         return;
