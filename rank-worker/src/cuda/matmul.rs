@@ -730,18 +730,18 @@ impl Gpu {
 
     /// [`Gpu::group_experts_fast`] for the int8 kernels when `int8`: tiles of 64 pairs from 12
     /// pairs per expert on average (tiles at most half or a quarter full run half or a quarter
-    /// of the MMAs), else 16. Measured (H200, M2.7, 32 distinct prompts in one step, which route
-    /// over nearly every expert): 5 pairs an expert, 16-pair tiles 103.7 ms against 121.0 with
-    /// 64; 8 pairs, 114.6 against 128.2; 16 pairs, 167.8 against 145.1 (the threshold was 4
-    /// pairs). Session 11, after the kernels' copy and decode savings, 16 pairs an expert: 32-pair
-    /// tiles 116-119 ms against 121-123 with 64 for distinct prompts, but 84-85 against 77 for
-    /// one synthetic 512-token prompt, which concentrates its routing on fewer experts (160
-    /// tokens: 48 vs 59 ms with 16). How much a real prompt concentrates is not known here, so
-    /// 64 stays (3% given up in one case rather than 10% in the other).
+    /// of the MMAs), else 32. Measured (H200, M2.7, forward + greedy reduction), session 12,
+    /// below 12 pairs an expert (16 / 32 / 64-pair tiles): 32 distinct 5-token prompts 81.3 /
+    /// 81.4 / 92.5 ms, one 160-token prompt 49.0 / 42.1 / 43.0 ms (session 10, before the
+    /// kernels' copy and decode savings, 16 won at 5-8 pairs). At 16 pairs an expert 32-pair
+    /// tiles win for 32 distinct 16-token prompts (112.7 against 118.8 ms) and lose for one
+    /// synthetic 512-token prompt, which concentrates its routing on fewer experts (81.8 against
+    /// 75.8); how much a real prompt concentrates is not known here, so 64 stays there. Tiles
+    /// sized per expert were tried and lost in both cases (docs/CUDA.md).
     pub fn group_experts_fast_for(&self, ids: u64, npairs: usize, n_experts: usize, int8: bool) -> Result<ExpertGroups, CudaError> {
         let nt = match GROUP_TILE.load(Ordering::Relaxed) {
             0 if int8 && npairs >= 12 * n_experts => 4,
-            0 if int8 => 1,
+            0 if int8 => 2,
             0 if npairs < 8 * n_experts => 1,
             0 if npairs < 24 * n_experts => 2,
             0 => 4,
