@@ -17,8 +17,10 @@
 //
 // Block: BK_CW consumer warps, the producer warp, the epilogue warp; grid = one block per SM
 // (fewer with fewer tasks), each block a contiguous range of the step's tasks, walked in the
-// same order by all three roles. Ring: full[i] (the producer's expect_tx + the copies' bytes)
-// and empty[i] (one arrival per consumer warp) mbarriers; hand-over buffers: afull[a] (one
+// same order by all three roles. Ring: full barriers (the producer's expect_tx + the copies'
+// bytes; a stage's parts land on barriers of their own: the gate/up's gate and up rows, the
+// down's experts, so a consumer warp starts when its part is in) and empty[i] (one arrival per
+// consumer warp) mbarriers; hand-over buffers: afull[a] (one
 // arrival per consumer warp) and aempty[a] (the epilogue warp); phase parity by round. Rows are
 // whole 16-byte multiples (host: fast_mat) of at most 96 units per lane round (3 per lane):
 // gate/up inputs of <= 3072 columns, down rows of <= 1536 columns, top-k <= 8.
@@ -129,6 +131,12 @@ __device__ __forceinline__ void bk_init_n(u64* full, u64* empty, u64* afull, u64
         bk_mb_fence_init();
     }
 }
+// n extra ring barriers (count 1: the producer's expect_tx + bytes), by thread 0, before
+// bk_init's block barrier.
+__device__ __forceinline__ void bk_init_extra(u64* b, int n) {
+    if (threadIdx.x == 0)
+        for (int i = 0; i < n; i++) bk_mb_init(&b[i], 1);
+}
 // bk_init_n with BK_NAB hand-over buffers, then the block barrier.
 __device__ __forceinline__ void bk_init(u64* full, u64* empty, u64* afull, u64* aempty, int nst) {
     bk_init_n(full, empty, afull, aempty, nst, BK_NAB);
@@ -234,9 +242,13 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
     u64* aempty = afull + BK_NAB;
     float* sg = (float*)(bk_sm + 256);  // [BK_NAB][32]
     float* su = sg + BK_NAB * 32;       // [BK_NAB][32]
+    // A stage's up rows land on fullu[i] and its gate rows on full[i], so that the warps with
+    // gate rows start while the up rows are still on their way.
+    u64* fullu = (u64*)(su + BK_NAB * 32);  // [BK_MAXST]
     u8* ring = bk_sm + BK_HDR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const i64 sb_bytes = 2 * SR * rb;
+    bk_init_extra(fullu, nst);
     bk_init(full, empty, afull, aempty, nst);
     pdl_wait();  // ids come from the router, the input from norm_q8 of this step
     pdl_trigger();
@@ -258,9 +270,10 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
                     bk_mb_wait(&empty[b], ((n / nst) & 1) ^ 1);
                     u8* dst = ring + b * sb_bytes;
                     i64 o = off + (i64)(s * SR) * rb;
-                    bk_mb_expect(&full[b], (u32)sb_bytes);
+                    bk_mb_expect(&full[b], (u32)(SR * rb));
                     bk_copy(dst, G + o, (u32)(SR * rb), &full[b]);
-                    bk_copy(dst + SR * rb, U + o, (u32)(SR * rb), &full[b]);
+                    bk_mb_expect(&fullu[b], (u32)(SR * rb));
+                    bk_copy(dst + SR * rb, U + o, (u32)(SR * rb), &fullu[b]);
                 }
             }
         }
@@ -302,12 +315,16 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
         bk_mb_wait(&aempty[a], ((it / BK_NAB) & 1) ^ 1);  // the epilogue is done with buffer a
         for (int s = 0; s < 32 / SR; s++, n++) {
             const int b = n % nst;
-            bk_mb_wait(&full[b], (n / nst) & 1);
             const u32 st = ring_s + (u32)(b * sb_bytes);
             float acc[RPW];
+            // Stage rows below SR are gate rows (full[b]), the others up rows (fullu[b]); a
+            // warp's rows warp + 16 j go up with j, so it waits for each half before its first
+            // row there.
 #pragma unroll
             for (int j = 0; j < RPW; j++) {
-                const u32 row = st + (u32)((warp + 16 * j) * rb);
+                const int q = warp + 16 * j;
+                if (j == 0 || (q >= SR && q - 16 < SR)) bk_mb_wait(q < SR ? &full[b] : &fullu[b], (n / nst) & 1);
+                const u32 row = st + (u32)(q * rb);
                 acc[j] = 0.f;
                 if (DEC == BK_PROBE) {
                     acc[j] = (float)bk_lds2(row + 8 * lane).x;
@@ -381,9 +398,13 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
     u64* afull = empty + BK_MAXST;
     u64* aempty = afull + BK_NAB;
     float* dsum = (float*)(bk_sm + 256);  // [BK_NAB][RS][8]
+    // Expert j's rows of stage i land on fullx[i * STREAM_MAXK + j] (full[] is unused), so each
+    // consumer warp waits for its own expert's rows only, the first of them a stage's first copy.
+    u64* fullx = (u64*)(dsum + BK_NAB * RS * 8);  // [BK_MAXST][STREAM_MAXK]
     u8* ring = bk_sm + BK_HDR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const i64 sb_bytes = (i64)RS * k * rb;
+    bk_init_extra(fullx, nst * STREAM_MAXK);
     bk_init(full, empty, afull, aempty, nst);
     const int nrg = (rows + RS - 1) / RS;
     int t0, t1;
@@ -405,10 +426,13 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
                 const int b = n % nst;
                 bk_mb_wait(&empty[b], ((n / nst) & 1) ^ 1);
                 u8* dst = ring + b * sb_bytes;
-                bk_mb_expect(&full[b], (u32)(k * nr * rb));
 #pragma unroll
                 for (int j = 0; j < STREAM_MAXK; j++)
-                    if (j < k) bk_copy(dst + (i64)j * RS * rb, W + eo[j] + (i64)r0 * rb, (u32)(nr * rb), &full[b]);
+                    if (j < k) {
+                        u64* fb = &fullx[b * STREAM_MAXK + j];
+                        bk_mb_expect(fb, (u32)(nr * rb));
+                        bk_copy(dst + (i64)j * RS * rb, W + eo[j] + (i64)r0 * rb, (u32)(nr * rb), fb);
+                    }
             }
         }
         return;
@@ -470,7 +494,10 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
             p_x = p;
         }
         bk_mb_wait(&aempty[a], ((it / BK_NAB) & 1) ^ 1);
-        bk_mb_wait(&full[b], (it / nst) & 1);
+        // Warps without an expert (k < 8) wait for expert 0's rows: every warp must see the
+        // stage's round before it arrives on empty[b], or an idle warp could arrive twice in one
+        // phase.
+        bk_mb_wait(&fullx[b * STREAM_MAXK + (active ? j_ex : 0)], (it / nst) & 1);
         float s[NPR][2];
 #pragma unroll
         for (int q = 0; q < NPR; q++) {

@@ -1,9 +1,9 @@
 //! The streamed IQ4_XS expert kernels (kernels/stream.cu, rank-worker/src/cuda/stream.rs)
 //! against the register kernels they stand in for and against f64 products of the dequantized
 //! weights: the gate/up bit for bit against `moe_gate_up_psx`, the down (with the weighted
-//! combine) against f64 and deterministic. Every comparison runs with as many ring stages as
-//! fit and with 2 (every ring wraps many times), twice. Outputs are poisoned first. Needs a
-//! GPU: run with `--ignored`.
+//! combine) against f64 and deterministic. Every comparison runs with the default ring, with as
+//! many ring stages as fit and with 2 (every ring wraps many times), twice. Outputs are
+//! poisoned first. Needs a GPU: run with `--ignored`.
 #![cfg(feature = "cuda")]
 
 mod common;
@@ -146,7 +146,8 @@ fn streamed_combine_down_matches_f64() {
                 worst = worst.max((gv - want).abs() / scale);
             }
         }
-        for cap in [None, Some(2)] {
+        // The default ring (2 stages), 2 and as many as fit (up to 8: rings that do not wrap).
+        for cap in [None, Some(2), Some(8)] {
             set_stream_stage_cap(cap);
             for rep in 0..2 {
                 assert_eq!(bits(&run(&dm)), bits(&got), "top-{k} {rows} rows, stage cap {cap:?}: not deterministic (rep {rep})");
@@ -246,9 +247,9 @@ fn streamed_kernels_speed() {
     for rows in [8usize, 4] {
         set_stream_rows_cap(Some((32, rows)));
         set_stream_stage_cap(None);
-        let (rs, nmax) = g.down_stream_plan(&dm, k).unwrap().unwrap();
         for cap in [8usize, 2] {
             set_stream_stage_cap(Some(cap));
+            let (rs, nmax) = g.down_stream_plan(&dm, k).unwrap().unwrap();
             row(&format!("down streamed, {rs} rows x {k} experts x {} stages", cap.min(nmax)), time(&dn_st), dn_bytes);
             set_stream_lookup(Some(true));
             row(&format!("down streamed, lookup decode, {} stages", cap.min(nmax)), time(&dn_st), dn_bytes);

@@ -113,6 +113,8 @@ const HDR: usize = 2048;
 const MAX_STAGES: usize = 8;
 /// Units a lane round covers (3 per lane).
 const ROUND_UNITS: usize = 96;
+/// Ring stages of the streamed down unless a cap is set (see [`Gpu::down_stream_plan`]).
+const DOWN_STAGES: usize = 2;
 /// Most experts per token the down handles (two consumer warps each).
 pub const STREAM_MAX_K: usize = 8;
 
@@ -150,16 +152,20 @@ impl Gpu {
     /// (output rows per stage, ring stages) of the streamed down at top-`k`: 8 rows when 2
     /// stages of them fit; None otherwise (4-row stages, which a 99 KB sm_120 block would get,
     /// measured slower than `rx4` on an H200: they run only when [`set_stream_rows_cap`] asks).
+    /// Two stages unless [`set_stream_stage_cap`] or `MINIMAX_STREAM_STAGES` sets the cap: with all of a block's ~3 tasks
+    /// in flight at once (4 stages) its first stage lands later (H200, M2.7 batch 1: 11.9 vs
+    /// 11.2 us a launch, 4.526 vs 4.476 ms a step).
     pub fn down_stream_plan(&self, down: &DevMat, k: usize) -> Result<Option<(usize, usize)>, CudaError> {
         let shapes = down.ty == GgmlType::IQ4_XS && fast_mat(down) && 2 * (down.cols / 32) <= ROUND_UNITS && (1..=STREAM_MAX_K).contains(&k);
         if !shapes {
             return Ok(None);
         }
         let cap = ROWS_CAP[1].load(Ordering::Relaxed);
+        let capped = STAGE_CAP.load(Ordering::Relaxed) != 0 || std::env::var_os("MINIMAX_STREAM_STAGES").is_some();
         for rs in [8usize, 4].into_iter().filter(|&r| if cap == 0 { r == 8 } else { r <= cap.max(4) }) {
             let n = self.ring_stages(HDR, rs * k * down.row_bytes)?;
             if n >= 2 {
-                return Ok(Some((rs, n)));
+                return Ok(Some((rs, if capped { n } else { DOWN_STAGES.min(n) })));
             }
         }
         Ok(None)
