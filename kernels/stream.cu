@@ -18,7 +18,7 @@
 // Block: BK_CW consumer warps, the producer warp, the epilogue warp; grid = one block per SM
 // (fewer with fewer tasks), each block a contiguous range of the step's tasks, walked in the
 // same order by all three roles. Ring: full barriers (the producer's expect_tx + the copies'
-// bytes; a stage's parts land on barriers of their own: the gate/up's gate and up rows, the
+// bytes; a stage's parts land on barriers of their own: the gate/up's 16-row parts, the
 // down's experts, so a consumer warp starts when its part is in) and empty[i] (one arrival per
 // consumer warp) mbarriers; hand-over buffers: afull[a] (one
 // arrival per consumer warp) and aempty[a] (the epilogue warp); phase parity by round. Rows are
@@ -242,13 +242,15 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
     u64* aempty = afull + BK_NAB;
     float* sg = (float*)(bk_sm + 256);  // [BK_NAB][32]
     float* su = sg + BK_NAB * 32;       // [BK_NAB][32]
-    // A stage's up rows land on fullu[i] and its gate rows on full[i], so that the warps with
-    // gate rows start while the up rows are still on their way.
-    u64* fullu = (u64*)(su + BK_NAB * 32);  // [BK_MAXST]
+    // Stage rows [16 p, 16 p + 16) land on fullq[i][p] (full[i] is unused), so that a consumer
+    // warp, whose rows are warp + 16 j, starts on its row j as soon as those 16 rows are in.
+    // With 8-row stages the one part is the whole stage.
+    constexpr int NP = SR >= 16 ? SR / 8 : 1;  // parts a stage
+    u64* fullq = (u64*)(su + BK_NAB * 32);      // [BK_MAXST][4]
     u8* ring = bk_sm + BK_HDR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const i64 sb_bytes = 2 * SR * rb;
-    bk_init_extra(fullu, nst);
+    bk_init_extra(fullq, nst * 4);
     bk_init(full, empty, afull, aempty, nst);
     pdl_wait();  // ids come from the router, the input from norm_q8 of this step
     pdl_trigger();
@@ -270,10 +272,19 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
                     bk_mb_wait(&empty[b], ((n / nst) & 1) ^ 1);
                     u8* dst = ring + b * sb_bytes;
                     i64 o = off + (i64)(s * SR) * rb;
-                    bk_mb_expect(&full[b], (u32)(SR * rb));
-                    bk_copy(dst, G + o, (u32)(SR * rb), &full[b]);
-                    bk_mb_expect(&fullu[b], (u32)(SR * rb));
-                    bk_copy(dst + SR * rb, U + o, (u32)(SR * rb), &fullu[b]);
+                    if (SR >= 16) {
+#pragma unroll
+                        for (int p = 0; p < NP; p++) {
+                            u64* fb = &fullq[b * 4 + p];
+                            const bool up = 16 * p >= SR;
+                            bk_mb_expect(fb, (u32)(16 * rb));
+                            bk_copy(dst + 16 * p * rb, (up ? U : G) + o + (i64)(16 * p - (up ? SR : 0)) * rb, (u32)(16 * rb), fb);
+                        }
+                    } else {
+                        bk_mb_expect(&fullq[b * 4], (u32)sb_bytes);
+                        bk_copy(dst, G + o, (u32)(SR * rb), &fullq[b * 4]);
+                        bk_copy(dst + SR * rb, U + o, (u32)(SR * rb), &fullq[b * 4]);
+                    }
                 }
             }
         }
@@ -317,13 +328,11 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
             const int b = n % nst;
             const u32 st = ring_s + (u32)(b * sb_bytes);
             float acc[RPW];
-            // Stage rows below SR are gate rows (full[b]), the others up rows (fullu[b]); a
-            // warp's rows warp + 16 j go up with j, so it waits for each half before its first
-            // row there.
+            // Row j of the warp (stage row warp + 16 j: gate rows below SR) is in part j.
 #pragma unroll
             for (int j = 0; j < RPW; j++) {
                 const int q = warp + 16 * j;
-                if (j == 0 || (q >= SR && q - 16 < SR)) bk_mb_wait(q < SR ? &full[b] : &fullu[b], (n / nst) & 1);
+                bk_mb_wait(&fullq[b * 4 + j], (n / nst) & 1);
                 const u32 row = st + (u32)(q * rb);
                 acc[j] = 0.f;
                 if (DEC == BK_PROBE) {
