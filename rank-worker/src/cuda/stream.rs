@@ -76,6 +76,12 @@ fn stage_cap() -> usize {
     }
 }
 
+/// Whether `MINIMAX_STREAM_STAGES` sets the ring cap (read once).
+fn stage_cap_from_env() -> bool {
+    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *V.get_or_init(|| std::env::var_os("MINIMAX_STREAM_STAGES").is_some())
+}
+
 /// Largest gate/up stage rows and down stage rows (0 = no cap).
 static ROWS_CAP: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
 
@@ -161,7 +167,7 @@ impl Gpu {
             return Ok(None);
         }
         let cap = ROWS_CAP[1].load(Ordering::Relaxed);
-        let capped = STAGE_CAP.load(Ordering::Relaxed) != 0 || std::env::var_os("MINIMAX_STREAM_STAGES").is_some();
+        let capped = STAGE_CAP.load(Ordering::Relaxed) != 0 || stage_cap_from_env();
         for rs in [8usize, 4].into_iter().filter(|&r| if cap == 0 { r == 8 } else { r <= cap.max(4) }) {
             let n = self.ring_stages(HDR, rs * k * down.row_bytes)?;
             if n >= 2 {
