@@ -66,20 +66,20 @@ pub fn set_stream_stage_cap(cap: Option<usize>) {
     STAGE_CAP.store(cap.map(|c| c.max(2)).unwrap_or(0), Ordering::Relaxed);
 }
 
-fn stage_cap() -> usize {
+/// The ring cap asked for: [`set_stream_stage_cap`], else `MINIMAX_STREAM_STAGES` (read once),
+/// else none (`None`: as many stages as fit, except the down's default, [`DOWN_STAGES`]).
+fn stage_cap_set() -> Option<usize> {
     match STAGE_CAP.load(Ordering::Relaxed) {
         0 => {
-            static V: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
-            *V.get_or_init(|| std::env::var("MINIMAX_STREAM_STAGES").ok().and_then(|v| v.parse().ok()).unwrap_or(MAX_STAGES).clamp(2, MAX_STAGES))
+            static V: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+            *V.get_or_init(|| std::env::var("MINIMAX_STREAM_STAGES").ok().and_then(|v| v.parse::<usize>().ok()).map(|c| c.clamp(2, MAX_STAGES)))
         }
-        c => c.min(MAX_STAGES),
+        c => Some(c.min(MAX_STAGES)),
     }
 }
 
-/// Whether `MINIMAX_STREAM_STAGES` sets the ring cap (read once).
-fn stage_cap_from_env() -> bool {
-    static V: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *V.get_or_init(|| std::env::var_os("MINIMAX_STREAM_STAGES").is_some())
+fn stage_cap() -> usize {
+    stage_cap_set().unwrap_or(MAX_STAGES)
 }
 
 /// Largest gate/up stage rows and down stage rows (0 = no cap).
@@ -158,16 +158,16 @@ impl Gpu {
     /// (output rows per stage, ring stages) of the streamed down at top-`k`: 8 rows when 2
     /// stages of them fit; None otherwise (4-row stages, which a 99 KB sm_120 block would get,
     /// measured slower than `rx4` on an H200: they run only when [`set_stream_rows_cap`] asks).
-    /// Two stages unless [`set_stream_stage_cap`] or `MINIMAX_STREAM_STAGES` sets the cap: with all of a block's ~3 tasks
-    /// in flight at once (4 stages) its first stage lands later (H200, M2.7 batch 1: 11.9 vs
-    /// 11.2 us a launch, 4.526 vs 4.476 ms a step).
+    /// Two stages unless [`set_stream_stage_cap`] or `MINIMAX_STREAM_STAGES` sets the cap: with
+    /// all of a block's ~3 tasks in flight at once (4 stages) its first stage lands later (H200,
+    /// M2.7 batch 1: 11.9 vs 11.2 us a launch, 4.526 vs 4.476 ms a step).
     pub fn down_stream_plan(&self, down: &DevMat, k: usize) -> Result<Option<(usize, usize)>, CudaError> {
         let shapes = down.ty == GgmlType::IQ4_XS && fast_mat(down) && 2 * (down.cols / 32) <= ROUND_UNITS && (1..=STREAM_MAX_K).contains(&k);
         if !shapes {
             return Ok(None);
         }
         let cap = ROWS_CAP[1].load(Ordering::Relaxed);
-        let capped = STAGE_CAP.load(Ordering::Relaxed) != 0 || stage_cap_from_env();
+        let capped = stage_cap_set().is_some();
         for rs in [8usize, 4].into_iter().filter(|&r| if cap == 0 { r == 8 } else { r <= cap.max(4) }) {
             let n = self.ring_stages(HDR, rs * k * down.row_bytes)?;
             if n >= 2 {
