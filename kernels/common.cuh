@@ -210,7 +210,8 @@ __device__ __forceinline__ void iq4_lookup(u32 w, u32& lo, u32& hi) {
 // word i of a unit. fast.cu interleaves the activations to match (iq4_x_il: x0, x16, x1, x17,
 // ..), once per token in registers, so the dp4a sums are the same integers; the int8 GEMMs
 // convert X in that order (the MMA's k slots permuted alike). prmt's selector uses bits 15:0
-// only, and every selector nibble here has bit 3 clear (no sign replication).
+// only. iq4_lookup_il's selector nibbles have bit 3 clear (plain byte picks); stream.cu's
+// iq4s_codes sets bit 3 on purpose (sign replication of the picked byte).
 __device__ __forceinline__ u32 iq4_prmt(u32 a, u32 b, u32 s) {
     u32 r;
     asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(s));

@@ -390,6 +390,81 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32p(const float* 
     router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
 }
 
+// ------------------------------------------------ RMSNorm folded into its consumer ------
+// norm_q8_row's RMSNorm (f32 sum of squares) computed by W warps instead of 1024 threads, bit
+// for bit: real warp `warp` plays the virtual warps warp + W m (m < 32 / W) with the same lanes,
+// so every virtual warp's butterfly runs on one real warp, and the 32 virtual warp sums meet in
+// part[] and are added as there (virtual thread v holds elements v + 1024 i, zero past n, which
+// leave its fma chain unchanged). Loads xv / wv (element (m, i) of this thread), returns
+// 1 / rms. BAR 0: __syncthreads; else named barrier BAR over the W warps. n % 32 == 0,
+// n <= 1024 MAXI.
+template <int BAR, int W>
+__device__ __forceinline__ void nv_bar() {
+    if (BAR == 0) __syncthreads();
+    else asm volatile("bar.sync %0, %1;" ::"r"(BAR), "r"(32 * W) : "memory");
+}
+template <int W, int MAXI, int BAR>
+__device__ __forceinline__ float norm_virtual(const float* xr, const float* w, int n, float eps,
+                                              float (&xv)[32 / W][MAXI], float (&wv)[32 / W][MAXI], float* part,
+                                              int warp, int lane) {
+    constexpr int M = 32 / W;
+#pragma unroll
+    for (int m = 0; m < M; m++)
+#pragma unroll
+        for (int i = 0; i < MAXI; i++) {
+            int idx = ((warp + W * m) << 5) + lane + 1024 * i;
+            xv[m][i] = idx < n ? __ldcg(xr + idx) : 0.f;  // written by other blocks (stream.cu's down)
+            wv[m][i] = idx < n ? w[idx] : 1.f;
+        }
+#pragma unroll
+    for (int m = 0; m < M; m++) {
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < MAXI; i++) ss = __fmaf_rn(xv[m][i], xv[m][i], ss);
+        ss = warp_sum(ss);
+        if (lane == 0) part[warp + W * m] = ss;
+    }
+    nv_bar<BAR, W>();
+    float t = warp_sum(part[lane]);
+    return 1.0f / sqrtf(t / (float)n + eps);
+}
+
+// norm_q8 (RMSNorm weight nw, q8 into q / d) and router_topk_f32 in one launch: every block
+// normalizes token t's row itself (norm_virtual: the values of norm_q8's f32 output, bit for
+// bit) into shared memory, its warps write their share of the q8 groups, then it runs
+// router_topk_f32's rows on the shared copy (router_row: same sums, same order). One kernel
+// boundary fewer on the decode step's critical path; logits, ids, weights and q8 bit-identical
+// to norm_q8 + router_topk_f32. Same grid as router_topk_f32, dynamic shared memory 4 n bytes;
+// n % 128 == 0, n <= 1024 RN_MAXI.
+#define RN_MAXI 4
+extern "C" __global__ void __launch_bounds__(128) router_topk_norm_f32(
+    const float* W, int rows, int n, const float* x, i64 xs, const float* nw, float eps, float* y, i64 ys,
+    const float* bias, int k, int gating, int* ids, float* w, u32* cnt, i8* q, float* d) {
+    pdl_enter();
+    extern __shared__ float4 rn_sm[];
+    float* xn = (float*)rn_sm;
+    __shared__ float part[32];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y;
+    {
+        float xv[8][RN_MAXI], wv[8][RN_MAXI];
+        const float inv = norm_virtual<4, RN_MAXI, 0>(x + (i64)t * xs, nw, n, eps, xv, wv, part, warp, lane);
+#pragma unroll
+        for (int m = 0; m < 8; m++)
+#pragma unroll
+            for (int i = 0; i < RN_MAXI; i++) {
+                int idx = ((warp + 4 * m) << 5) + lane + 1024 * i;
+                if (idx < n) xn[idx] = __fmul_rn(__fmul_rn(xv[m][i], inv), wv[m][i]);
+            }
+    }
+    __syncthreads();
+    for (int g = blockIdx.x * 4 + warp; g < (n >> 5); g += 4 * gridDim.x) {
+        float v = xn[(g << 5) + lane];
+        q[(i64)t * n + (g << 5) + lane] = (i8)q8_lane(v, d + (i64)t * (n >> 5) + g);
+    }
+    router_row(W, rows, n, xn, 0, y, ys, blockIdx.x * 4 + warp, t, lane, true);
+    router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
+}
+
 // ----------------------------------------------------------- weight staging -------------
 __device__ __forceinline__ int4 ld_stream(const int4* p) {
     int4 v;

@@ -395,10 +395,19 @@ BK_GU_INST(32)
 // wait before reading the activations and routing weights. DEC as in gate_up_blk (BK_LOOKUP:
 // iq4_decode_t + iq4_dot on the activations as stored; BK_SIGN: iq4s_codes on them interleaved
 // by iq4_x_il; the same integers).
+// With nw (the next RMSNorm's weight; null: none) the block that finishes last also runs
+// norm_q8 on the new residual rows (n = rows, eps) into nq / nd, bit for bit (norm_virtual, 16
+// consumer warps), so the next layer's q/k/v product follows the down directly: every block's
+// epilogue warp fences its rows and counts the block in *ncnt (zero before, left zero); the
+// consumers join it on named barrier 1. trig_late: the blocks let the next kernel launch after
+// their loops instead of at the start (the q/k/v's weight copies then overlap the norm, not the
+// down's own stream).
 // grid (min(SMs, tasks)), block BK_THREADS, dynamic shared memory BK_HDR + nst x RS k rb.
+#define DN_NORM_MAXI 4              // the fused norm's rows: <= 4096
 template <int RS, int DEC>
 __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, const int* ids, const float* wts, int k,
-                                         int nt, int nst, const i8* aq, const float* ad, int ff, float* hidden, i64 hs) {
+                                         int nt, int nst, const i8* aq, const float* ad, int ff, float* hidden, i64 hs,
+                                         const float* nw, float eps, i8* nq, float* nd, u32* ncnt, int trig_late) {
     static_assert(RS == 4 || RS == 8, "stage rows");
     constexpr int NPR = RS / 4;  // row pairs per consumer warp
     extern __shared__ __align__(128) u8 bk_sm[];
@@ -410,6 +419,9 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
     // Expert j's rows of stage i land on fullx[i * STREAM_MAXK + j] (full[] is unused), so each
     // consumer warp waits for its own expert's rows only, the first of them a stage's first copy.
     u64* fullx = (u64*)(dsum + BK_NAB * RS * 8);  // [BK_MAXST][STREAM_MAXK]
+    // The fused norm's 32 warp sums and the last-block flag, past fullx (ends at 1792 bytes).
+    float* npart = (float*)(bk_sm + 1856);
+    int* nlast = (int*)(bk_sm + 1984);
     u8* ring = bk_sm + BK_HDR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const i64 sb_bytes = (i64)RS * k * rb;
@@ -447,7 +459,7 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
         return;
     }
     pdl_wait();
-    pdl_trigger();
+    if (!trig_late) pdl_trigger();
     if (warp == BK_EW) {
         for (int task = t0, it = 0; task < t1; task++, it++) {
             const int a = it % BK_NAB;
@@ -460,6 +472,13 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
             }
             __syncwarp();
             if (lane == 0) bk_mb_arrive(&aempty[a]);
+        }
+        pdl_trigger();
+        if (nw) {
+            __threadfence();
+            __syncwarp();
+            if (lane == 0) *nlast = atomicAdd(ncnt, 1u) == gridDim.x - 1;
+            asm volatile("bar.sync 1, %0;" ::"r"(32 * (BK_CW + 1)) : "memory");
         }
         return;
     }
@@ -556,13 +575,38 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
             bk_mb_arrive(&afull[a]);
         }
     }
+    pdl_trigger();
+    if (!nw) return;
+    asm volatile("bar.sync 1, %0;" ::"r"(32 * (BK_CW + 1)) : "memory");
+    if (!*nlast) return;
+    __threadfence();
+    // The last block: norm_q8 of each token's new residual row by the 16 consumer warps.
+    for (int t = 0; t < nt; t++) {
+        float xv[2][DN_NORM_MAXI], wv[2][DN_NORM_MAXI];
+        const float inv =
+            norm_virtual<BK_CW, DN_NORM_MAXI, 2>(hidden + (i64)t * hs, nw, rows, eps, xv, wv, npart, warp, lane);
+#pragma unroll
+        for (int m = 0; m < 2; m++)
+#pragma unroll
+            for (int i = 0; i < DN_NORM_MAXI; i++) {
+                const int idx = ((warp + BK_CW * m) << 5) + lane + 1024 * i;
+                if (idx < rows) {  // warp-uniform: rows % 32 == 0
+                    const float v = __fmul_rn(__fmul_rn(xv[m][i], inv), wv[m][i]);
+                    nq[(i64)t * rows + idx] = (i8)q8_lane(v, nd + (i64)t * (rows >> 5) + (idx >> 5));
+                }
+            }
+        nv_bar<2, BK_CW>();  // npart is read by every warp before the next token writes it
+    }
+    if (threadIdx.x == 0) *ncnt = 0;
 }
 #define BK_DN_ARGS                                                                                                \
     const u8 *W, i64 rb, i64 es, int rows, const int *ids, const float *wts, int k, int nt, int nst, const i8 *aq, \
-        const float *ad, int ff, float *hidden, i64 hs
+        const float *ad, int ff, float *hidden, i64 hs, const float *nw, float eps, i8 *nq, float *nd, u32 *ncnt,  \
+        int trig_late
 #define BK_DN_ONE(name, rs, dec)                                                                                 \
     extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_down_##name##rs##_iq4_xs(BK_DN_ARGS) {         \
-        down_blk<rs, dec>(W, rb, es, rows, ids, wts, k, nt, nst, aq, ad, ff, hidden, hs);                           \
+        down_blk<rs, dec>(W, rb, es, rows, ids, wts, k, nt, nst, aq, ad, ff, hidden, hs, nw, eps, nq, nd, ncnt,     \
+                          trig_late);                                                                            \
     }
 #define BK_DN_INST(rs) BK_DN_ONE(blk, rs, BK_SIGN) BK_DN_ONE(blkl, rs, BK_LOOKUP) BK_DN_ONE(blkp, rs, BK_PROBE)
 BK_DN_INST(4)

@@ -671,6 +671,48 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
         }
         eprintln!("router_topk_f32 {rows}x{cols} top-{k} ({gating:?}), {nt} tokens, 2 launches: bit-identical to router_f32 + moe_route");
     }
+    // router_topk_norm_f32 (norm_q8 folded into router_topk_f32): q8, logits, ids and weights
+    // bit-identical to norm_q8 + router_topk_f32; residual rows strided; twice (counters back
+    // at zero); widths 128 (one partial virtual warp set), 3072 (M2.7) and 4096 (the widest).
+    for (rows, cols, k, nt, gating) in [(256usize, 3072usize, 8usize, 2usize, GatingFunc::Sigmoid), (37, 128, 5, 3, GatingFunc::Softmax), (64, 4096, 4, 1, GatingFunc::Sigmoid)] {
+        let xs = cols + 64;
+        let wm = rng.vec(rows * cols, 0.05);
+        let x = rng.vec(nt * xs, 2.0);
+        let nw = rng.vec(cols, 1.0);
+        let bias = rng.vec(rows, 0.3);
+        let bytes: Vec<u8> = wm.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let (_wb, dm) = upload_mat(&g, GgmlType::F32, &bytes, rows, cols, 0);
+        let (xb, nwb, bb) = (g.upload(&x).unwrap(), g.upload(&nw).unwrap(), g.upload(&bias).unwrap());
+        let cnt = g.zeros::<u32>(nt).unwrap();
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        let eps = 1e-6f32;
+        let (yn, rq, rd) = (poisoned(&g, nt * cols), g.upload(&vec![0x55i8; nt * cols]).unwrap(), poisoned(&g, nt * cols / 32));
+        g.norm_q8(g.ptr(&xb), xs, g.ptr(&nwb), cols, eps, g.ptr(&yn), cols, g.ptr(&rq), g.ptr(&rd), nt).unwrap();
+        let yr = poisoned(&g, nt * rows);
+        let ir = g.zeros::<i32>(nt * k).unwrap();
+        let wr = poisoned(&g, nt * k);
+        g.router_topk_f32(&dm, g.ptr(&yn), cols, g.ptr(&yr), rows, g.ptr(&bb), k, gating, g.ptr(&ir), g.ptr(&wr), g.ptr(&cnt), nt).unwrap();
+        let (want_q, want_d) = (g.download(&rq).unwrap(), g.download(&rd).unwrap());
+        let (want_y, want_i, want_w) = (g.download(&yr).unwrap(), g.download(&ir).unwrap(), g.download(&wr).unwrap());
+        assert!(want_d.iter().all(|d| d.is_finite()) && want_w.iter().all(|w| w.is_finite()), "reference outputs");
+        for rep in 0..2 {
+            let y = poisoned(&g, nt * rows);
+            let ids = g.zeros::<i32>(nt * k).unwrap();
+            g.fill_u32(g.ptr(&ids), nt * k, u32::MAX).unwrap();
+            let wb = poisoned(&g, nt * k);
+            let (q, d) = (g.upload(&vec![0x55i8; nt * cols]).unwrap(), poisoned(&g, nt * cols / 32));
+            g.router_topk_norm_f32(&dm, g.ptr(&xb), xs, g.ptr(&nwb), eps, g.ptr(&y), rows, g.ptr(&bb), k, gating, g.ptr(&ids), g.ptr(&wb), g.ptr(&cnt), g.ptr(&q), g.ptr(&d), nt).unwrap();
+            let what = format!("router_topk_norm_f32 {rows}x{cols} top-{k}, {nt} tokens, rep {rep}");
+            assert_eq!(g.download(&q).unwrap(), want_q, "{what}: q8 values");
+            assert_eq!(bits(&g.download(&d).unwrap()), bits(&want_d), "{what}: q8 scales");
+            assert_eq!(bits(&g.download(&y).unwrap()), bits(&want_y), "{what}: logits");
+            assert_eq!(g.download(&ids).unwrap(), want_i, "{what}: ids");
+            assert_eq!(bits(&g.download(&wb).unwrap()), bits(&want_w), "{what}: weights");
+            assert!(g.download(&cnt).unwrap().iter().all(|&c| c == 0), "{what}: counters not reset");
+        }
+        eprintln!("router_topk_norm_f32 {rows}x{cols} top-{k} ({gating:?}), {nt} tokens, 2 launches: bit-identical to norm_q8 + router_topk_f32");
+    }
+    assert!(g.router_topk_norm_f32(&upload_mat(&g, GgmlType::F32, &vec![0u8; 4 * 8 * 4224], 8, 4224, 0).1, 0, 4224, 0, 1e-6, 0, 8, 0, 2, GatingFunc::Sigmoid, 0, 0, 0, 0, 0, 1).is_err(), "rows wider than 4096 must be refused");
     // qk_norm_rope_store (bf16 cache): q and k full-width norm, partial RoPE per head, K and V
     // stored at their slots.
     for (qh, kh, hd, rot, theta) in [(48usize, 8usize, 128usize, 64usize, 5e6f32), (6, 1, 128, 128, 10000.0)] {

@@ -341,41 +341,15 @@ fn fast_path_pdl_prefetch_is_bit_identical() {
     let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
     let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 160 }, CudaOptions::default(), 11).unwrap();
     assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
-    let prompt: Vec<u32> = vec![1, 17, 4242, 99_999, 200_000];
     let all = PDL_ALL_PARTS;
     // (parts, graphs): the 2-rows-per-warp and the 1-row mvqs_*p both, early triggers alone.
     let settings = [(0, false), (all, false), (all, true), (PDL_PREFETCH_PARTS, true), ((PDL_PREFETCH_PARTS & !PDL_MVQS2) | PDL_ROUTER, true), (PDL_EARLY_PARTS, true), (0, true)];
     let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
-    let mut base = 0u32;
-    for (parts, graphs) in settings {
+    for (i, (parts, graphs)) in settings.into_iter().enumerate() {
         set_pdl_parts(Some(parts));
         m.clear_graphs();
         m.set_fast(true, graphs);
-        // Five sequences over their own pages.
-        let pts: Vec<Vec<u32>> = (0..5).map(|i| (base + 4 * i..base + 4 * i + 4).collect()).collect();
-        base += 20;
-        let step = |seq: usize, cached: usize, tokens: Vec<u32>| SeqStep { seq_id: seq as u64, page_table: pts[seq].clone(), cached_len: cached, tokens, logits: LogitsWanted::Last };
-        let mut out = Vec::new();
-        // Prompts: 5 + 3 tokens in one step (8 tokens), then three more sequences.
-        let o = m.forward(&ForwardBatch { seqs: vec![step(0, 0, prompt.clone()), step(1, 0, prompt[..3].to_vec())] }).unwrap();
-        out.push(o.logits.clone());
-        let mut tok = vec![argmax(o.row(0)).0, argmax(o.row(1)).0, 0, 0, 0];
-        let mut cached = vec![5usize, 3, 0, 0, 0];
-        let o = m.forward(&ForwardBatch { seqs: (2..5).map(|i| step(i, 0, prompt[..i].to_vec())).collect() }).unwrap();
-        out.push(o.logits.clone());
-        for i in 2..5 {
-            tok[i] = argmax(o.row(i - 2)).0;
-            cached[i] = i;
-        }
-        // One-token steps of sequence 0, a two-token step, a five-token step, one-token steps.
-        for nseq in [1usize, 1, 2, 5, 1, 5, 1] {
-            let o = m.forward(&ForwardBatch { seqs: (0..nseq).map(|i| step(i, cached[i], vec![tok[i]])).collect() }).unwrap();
-            for i in 0..nseq {
-                tok[i] = argmax(o.row(i)).0;
-                cached[i] += 1;
-            }
-            out.push(o.logits.clone());
-        }
+        let out = fast_step_series(&mut m, 20 * i as u32);
         assert!(out.iter().all(|l| l.iter().all(|x| x.is_finite())), "parts {parts:#x} graphs {graphs}: non-finite logits");
         runs.push(out);
     }
@@ -388,4 +362,67 @@ fn fast_path_pdl_prefetch_is_bit_identical() {
         }
     }
     eprintln!("m2.7:iq4xs:2 fast path: PDL prefetch / early-trigger variants bit-identical to the plain kernels over {} steps x {} settings", runs[0].len(), settings.len() - 1);
+}
+
+/// The step series of the bit-identity tests: prompts of 5 + 3 tokens in one step, three more
+/// sequences, then one-, two- and five-token decode steps, each sequence on its own 4 pages
+/// from `base` (fresh pages per call). The logits of every step.
+fn fast_step_series(m: &mut CudaModel, base: u32) -> Vec<Vec<f32>> {
+    let prompt: Vec<u32> = vec![1, 17, 4242, 99_999, 200_000];
+    let pts: Vec<Vec<u32>> = (0..5).map(|i| (base + 4 * i..base + 4 * i + 4).collect()).collect();
+    let step = |seq: usize, cached: usize, tokens: Vec<u32>| SeqStep { seq_id: seq as u64, page_table: pts[seq].clone(), cached_len: cached, tokens, logits: LogitsWanted::Last };
+    let mut out = Vec::new();
+    let o = m.forward(&ForwardBatch { seqs: vec![step(0, 0, prompt.clone()), step(1, 0, prompt[..3].to_vec())] }).unwrap();
+    out.push(o.logits.clone());
+    let mut tok = vec![argmax(o.row(0)).0, argmax(o.row(1)).0, 0, 0, 0];
+    let mut cached = vec![5usize, 3, 0, 0, 0];
+    let o = m.forward(&ForwardBatch { seqs: (2..5).map(|i| step(i, 0, prompt[..i].to_vec())).collect() }).unwrap();
+    out.push(o.logits.clone());
+    for i in 2..5 {
+        tok[i] = argmax(o.row(i - 2)).0;
+        cached[i] = i;
+    }
+    for nseq in [1usize, 1, 2, 5, 1, 5, 1] {
+        let o = m.forward(&ForwardBatch { seqs: (0..nseq).map(|i| step(i, cached[i], vec![tok[i]])).collect() }).unwrap();
+        for i in 0..nseq {
+            tok[i] = argmax(o.row(i)).0;
+            cached[i] += 1;
+        }
+        out.push(o.logits.clone());
+    }
+    out
+}
+
+/// The RMSNorms folded into the router (`router_topk_norm_f32`) and into the streamed down's last
+/// block (the next layer's attention norm, the output norm after the last layer), with either
+/// trigger point, direct and from graphs: logits bit-identical to the separate `norm_q8`
+/// launches at every step size (the down's fusion runs at one token).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_path_norm_fusion_is_bit_identical() {
+    use minimax_rank::cuda::fast::set_norm_fusion;
+    use minimax_shared::model::synthetic::SyntheticSpec;
+    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
+    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 12).unwrap();
+    assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
+    // (router, down, late trigger, graphs)
+    let settings = [(false, false, true, false), (true, false, true, false), (false, true, true, false), (true, true, true, true), (true, true, false, true), (false, false, true, true)];
+    let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
+    for (i, &(router, down, late, graphs)) in settings.iter().enumerate() {
+        set_norm_fusion(Some(router), Some(down), Some(late));
+        m.clear_graphs();
+        m.set_fast(true, graphs);
+        let out = fast_step_series(&mut m, 20 * i as u32);
+        assert!(out.iter().all(|l| l.iter().all(|x| x.is_finite())), "{:?}: non-finite logits", settings[i]);
+        runs.push(out);
+    }
+    set_norm_fusion(None, None, None);
+    m.clear_graphs();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (i, st) in settings.iter().enumerate().skip(1) {
+        for (s, (a, b)) in runs[0].iter().zip(&runs[i]).enumerate() {
+            assert!(bits(a) == bits(b), "{st:?} (router, down, late, graphs), step {s}: logits differ from separate norms (max |diff| {})", max_diff(a, b));
+        }
+    }
+    eprintln!("m2.7:iq4xs:2 fast path: fused norms bit-identical to separate norm_q8 launches over {} steps x {} settings", runs[0].len(), settings.len() - 1);
 }

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use common::gpu::{Rng, bits, dot, gpu, launch_us, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
 use minimax_rank::cuda::fast::{self, GateUpKind};
-use minimax_rank::cuda::stream::{set_stream_lookup, set_stream_rows_cap, set_stream_stage_cap};
+use minimax_rank::cuda::stream::{NextNorm, set_stream_lookup, set_stream_rows_cap, set_stream_stage_cap};
 use minimax_rank::cuda::{DevMat, Gpu};
 use minimax_shared::quant::{self, GgmlType};
 
@@ -165,6 +165,36 @@ fn streamed_combine_down_matches_f64() {
         }
         set_stream_lookup(None);
         set_stream_stage_cap(None);
+        // The next RMSNorm in the last block: the same residual bits, and q8 bit-identical to
+        // norm_q8 on them; the arrival counter back at zero; both trigger points; twice each.
+        if rows % 32 == 0 {
+            let nw = rng.vec(rows, 1.0);
+            let nwb = g.upload(&nw).unwrap();
+            let eps = 1e-6f32;
+            let hr = g.upload(&got).unwrap();
+            let rq = g.upload(&vec![0x55i8; nt * rows]).unwrap();
+            let rd = poisoned(&g, nt * rows / 32);
+            g.norm_q8(g.ptr(&hr), rows + 1, g.ptr(&nwb), rows, eps, 0, 0, g.ptr(&rq), g.ptr(&rd), nt).unwrap();
+            let (want_q, want_d) = (g.download(&rq).unwrap(), g.download(&rd).unwrap());
+            assert!(want_d.iter().all(|d| d.is_finite() && *d > 0.0), "norm_q8 reference scales");
+            let cnt = g.zeros::<u32>(1).unwrap();
+            for trig_late in [true, false] {
+                for rep in 0..2 {
+                    let hb = g.upload(&hid0).unwrap();
+                    let q = g.upload(&vec![0x55i8; nt * rows]).unwrap();
+                    let d = poisoned(&g, nt * rows / 32);
+                    let n = NextNorm { weight: g.ptr(&nwb), eps, q: g.ptr(&q), d: g.ptr(&d), cnt: g.ptr(&cnt), trig_late };
+                    assert!(g.try_down_stream_norm(&dm, g.ptr(&ib), g.ptr(&wb), k, nt, g.ptr(&aq), g.ptr(&ad), g.ptr(&hb), rows + 1, Some(&n)).unwrap(), "the fused-norm down must launch");
+                    g.sync().unwrap();
+                    let what = format!("top-{k} {rows} rows, fused norm (late trigger {trig_late}, rep {rep})");
+                    assert_eq!(bits(&g.download(&hb).unwrap()), bits(&got), "{what}: residual differs");
+                    assert_eq!(g.download(&q).unwrap(), want_q, "{what}: q8 values differ from norm_q8");
+                    assert_eq!(bits(&g.download(&d).unwrap()), bits(&want_d), "{what}: q8 scales differ from norm_q8");
+                    assert_eq!(g.download(&cnt).unwrap(), vec![0u32], "{what}: arrival counter not reset");
+                }
+            }
+            eprintln!("streamed down {nt} tokens x top-{k}, {rows} rows + next RMSNorm in the last block: residual and q8 bit-identical to the down + norm_q8");
+        }
         eprintln!("streamed combining down {nt} tokens x top-{k} of {e}, {ff} -> {rows}: every row within {worst:.2e} of f64 (relative to the sum of |terms|), deterministic");
     }
 }

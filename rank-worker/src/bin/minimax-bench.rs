@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--gstream-ab] [--mvmma-ab] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--gstream-ab] [--mvmma-ab] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -554,6 +554,47 @@ fn stream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--norm-ab`: the RMSNorms folded into their neighbours (fast::set_norm_fusion) against
+/// separate `norm_q8` launches, graph replay, alternating, three rounds: at batch 1 none /
+/// router only / router + down (late trigger) / router + down (early trigger); at batch 4 and
+/// 32 (no streamed down there) none / router. Then the batch-1 per-kernel split.
+fn norm_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
+    use minimax_rank::cuda::fast::set_norm_fusion;
+    let mut fin = true;
+    let steps: usize = 40;
+    for b in [1usize, 4, 32] {
+        let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take((5 + steps + 2).div_ceil(PAGE))).collect();
+        let mut toks = start_streams(m, &pts)?;
+        let cfgs: &[(&str, bool, bool, bool)] = if b == 1 {
+            &[("separate", false, false, true), ("router", true, false, true), ("router+down late", true, true, true), ("router+down early", true, true, false)]
+        } else {
+            &[("separate", false, false, true), ("router", true, false, true)]
+        };
+        let mut r = vec![0f64; cfgs.len()];
+        let mut s = 0;
+        for _round in 0..3 {
+            for (i, &(_, router, down, late)) in cfgs.iter().enumerate() {
+                set_norm_fusion(Some(router), Some(down), Some(late));
+                m.clear_graphs();
+                fin &= stream_step(m, &pts, &mut toks, s)?;
+                s += 1;
+                r[i] += replay_ms(m, b, 30)? / 3.0;
+            }
+        }
+        let cells: Vec<String> = cfgs.iter().zip(&r).map(|(c, t)| format!("{} {t:.3} ms ({:.1} tok/s)", c.0, 1e3 * b as f64 / t)).collect();
+        println!("norm fusion A/B batch {b}: {} (graph replay, mean of 3 alternating rounds)", cells.join(", "));
+    }
+    set_norm_fusion(None, None, None);
+    let pts: Vec<Vec<u32>> = vec![pages.take(9usize.div_ceil(PAGE))];
+    let mut toks = start_streams(m, &pts)?;
+    m.clear_graphs();
+    fin &= stream_step(m, &pts, &mut toks, 0)?;
+    print_split(&profile_step(m, 1)?, "batch-1 decode step, norms fused (defaults)");
+    m.clear_graphs();
+    anyhow::ensure!(fin, "non-finite or out-of-vocabulary picks in the norm A/B");
+    Ok(())
+}
+
 /// `--prompts N,P`: the first step of an N-stream round (N sequences with P-token prompts in one
 /// step, on the prefill path, as the HTTP benchmark's rounds start), against one sequence of
 /// N x P tokens: forward plus the greedy reduction of the wanted rows, three runs each on fresh
@@ -752,6 +793,9 @@ fn main() -> anyhow::Result<()> {
     }
     if flag("--stream-ab") {
         return stream_ab(&mut m, &mut pages);
+    }
+    if flag("--norm-ab") {
+        return norm_ab(&mut m, &mut pages);
     }
     if flag("--gstream-ab") {
         return gstream_ab(&mut m, &mut pages);

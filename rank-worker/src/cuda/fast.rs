@@ -431,6 +431,42 @@ pub fn set_pdl_prefetch(on: Option<bool>) {
     PDL_PREFETCH.set(on);
 }
 
+static FUSE_ROUTER_NORM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FUSE_ROUTER_NORM", true);
+static FUSE_DOWN_NORM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FUSE_DOWN_NORM", true);
+static DOWN_TRIG_LATE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_DOWN_TRIG_LATE", true);
+
+/// Whether the MoE's RMSNorm runs inside the fused router (`router_topk_norm_f32`: one kernel
+/// boundary fewer a layer; `MINIMAX_FUSE_ROUTER_NORM=0` = `norm_q8` + `router_topk_f32`).
+/// Bit-identical either way.
+pub fn fuse_router_norm() -> bool {
+    FUSE_ROUTER_NORM.get()
+}
+
+/// Whether the streamed down's last block runs the next layer's attention RMSNorm (and, after
+/// the last layer, the output norm), so no `norm_q8` launch sits between the down and the
+/// q/k/v product (`MINIMAX_FUSE_DOWN_NORM=0` = separate). Bit-identical either way.
+pub fn fuse_down_norm() -> bool {
+    FUSE_DOWN_NORM.get()
+}
+
+/// With [`fuse_down_norm`]: whether the down lets the next kernel launch only after its loops
+/// (`MINIMAX_DOWN_TRIG_LATE=0`: at its start, as without the fusion), so the q/k/v's weight
+/// copies overlap the norm rather than the down's own weight stream.
+pub fn down_trig_late() -> bool {
+    DOWN_TRIG_LATE.get()
+}
+
+/// Overrides the three switches above (A/B runs and tests; `None` = back to the environment).
+/// Drop captured graphs after a change (`CudaModel::clear_graphs`).
+pub fn set_norm_fusion(router: Option<bool>, down: Option<bool>, late: Option<bool>) {
+    FUSE_ROUTER_NORM.set(router);
+    FUSE_DOWN_NORM.set(down);
+    DOWN_TRIG_LATE.set(late);
+}
+
+/// Widest row the fused norms take (`RN_MAXI` / `DN_NORM_MAXI` x 1024 in the kernels).
+pub const FUSED_NORM_MAX: usize = 4096;
+
 /// Whether `norm_q8` and `attn_merge6` let the next kernel launch before they wait for the
 /// previous one (`norm_q8e`, `attn_merge6e`; `MINIMAX_PDL_EARLY=1`; off by default: slower
 /// on an H200, docs/CUDA.md), so the next kernel's pre-wait loads overlap more.
@@ -801,6 +837,46 @@ impl Gpu {
                 Arg::P(ids),
                 Arg::P(wts),
                 Arg::P(cnt),
+            ],
+        )
+    }
+
+    /// `norm_q8` of `x` (weight `nw`, into `xq` / `xd`) and [`Gpu::router_topk_f32`] on its
+    /// output in one launch (`router_topk_norm_f32`): the same q8, logits, ids and weights, bit
+    /// for bit, one kernel boundary fewer. Rows of `w.cols` % 128 == 0 and at most
+    /// [`FUSED_NORM_MAX`]; `x` rows `xs` apart.
+    #[allow(clippy::too_many_arguments)]
+    pub fn router_topk_norm_f32(&self, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, nt: usize) -> Result<(), CudaError> {
+        if !fast_router(w) || w.cols % 128 != 0 || w.cols > FUSED_NORM_MAX || w.rows > ROUTE_FAST_MAX_E || k > 32 || k > w.rows || k == 0 {
+            return Err(CudaError::Shape(format!("router_topk_norm_f32: {:?} {}x{}, top-{k}", w.ty, w.rows, w.cols)));
+        }
+        let g = match gating {
+            minimax_shared::model::GatingFunc::Sigmoid => 2,
+            minimax_shared::model::GatingFunc::Softmax => 1,
+        };
+        self.launch_pdl(
+            "router_topk_norm_f32",
+            (ceil_div(w.rows, 4), nt as u32, 1),
+            128,
+            (4 * w.cols) as u32,
+            &[
+                Arg::P(w.ptr),
+                Arg::I(w.rows as i32),
+                Arg::I(w.cols as i32),
+                Arg::P(x),
+                Arg::L(xs as i64),
+                Arg::P(nw),
+                Arg::F(eps),
+                Arg::P(y),
+                Arg::L(ys as i64),
+                Arg::P(bias),
+                Arg::I(k as i32),
+                Arg::I(g),
+                Arg::P(ids),
+                Arg::P(wts),
+                Arg::P(cnt),
+                Arg::P(xq),
+                Arg::P(xd),
             ],
         )
     }
@@ -1189,6 +1265,8 @@ pub(crate) struct FastWs {
     pub rcnt: CudaSlice<u32>,
     /// Arrival counters of `attn_dec6m_*`, one per (token, KV head) (kept zero).
     pub acnt: CudaSlice<u32>,
+    /// Arrival counter of the streamed down's fused norm (kept zero).
+    pub ncnt: CudaSlice<u32>,
     /// Pairs grouped by expert (`moe_group`): `1 + 3 E + MAX_FAST_TOKENS k` i32.
     pub grp: CudaSlice<i32>,
     /// Grouped down products per pair, `[MAX_FAST_TOKENS k][hidden]` f32.
@@ -1231,6 +1309,7 @@ impl FastWs {
             ss: g.zeros(2 * t)?,
             rcnt: g.zeros(t)?,
             acnt: g.zeros(t * c.n_kv_heads.max(1))?,
+            ncnt: g.zeros(1)?,
             grp: g.zeros(1 + 3 * c.n_experts + t * c.n_experts_used)?,
             dpart: g.zeros(t * c.n_experts_used * c.hidden)?,
             logits: g.zeros(t * c.vocab_size)?,

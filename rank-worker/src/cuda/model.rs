@@ -417,8 +417,15 @@ impl CudaModel {
         }
         // MINIMAX_ATTN_FUSE=1: decode attention merges its splits in its last block.
         let acnt = if super::fast::attn_fusion() && nsplit <= super::fast::ATTN_FUSE_MAX_SPLIT { Some(g.ptr(&ws.acnt)) } else { None };
+        // Whether xq / xd already hold this layer's attention norm (the previous layer's streamed
+        // down ran it in its last block: fast::fuse_down_norm).
+        let mut normed = false;
+        let fuse_router = super::fast::fuse_router_norm() && h % 128 == 0 && h <= super::fast::FUSED_NORM_MAX;
+        let fuse_down = super::fast::fuse_down_norm() && !tp && super::stream::stream_on();
         for (li, l) in self.layers.iter().enumerate() {
-            g.norm_q8(hid, h, l.attn_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
+            if !std::mem::take(&mut normed) {
+                g.norm_q8(hid, h, l.attn_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
+            }
             g.matvec_q8_any(&[(&l.wq, p(&ws.q), qw), (&l.wk, p(&ws.k), kw), (&l.wv, p(&ws.v), vw)], xq, xd, h, nt, false)?;
             let (kc, vc) = (g.ptr(&self.kc[li]), g.ptr(&self.vc[li]));
             if tp {
@@ -455,12 +462,15 @@ impl CudaModel {
             if tp {
                 all_reduce(hid, nt * h)?;
             }
-            g.norm_q8(hid, h, l.ffn_norm, h, c.rms_eps, nrm, h, xq, xd, nt)?;
             use super::fast::{ROUTE_FAST_MAX_E, RouteMode, route_mode};
             let rmode = if e <= ROUTE_FAST_MAX_E && k <= 32 { route_mode() } else { RouteMode::Exact };
-            if fast_router(&l.router) && rmode == RouteMode::Fused {
+            if fast_router(&l.router) && rmode == RouteMode::Fused && fuse_router {
+                g.router_topk_norm_f32(&l.router, hid, h, l.ffn_norm, c.rms_eps, p(&ws.rl), e, l.bias, k, c.gating, ids, wts, g.ptr(&ws.rcnt), xq, xd, nt)?;
+            } else if fast_router(&l.router) && rmode == RouteMode::Fused {
+                g.norm_q8(hid, h, l.ffn_norm, h, c.rms_eps, nrm, h, xq, xd, nt)?;
                 g.router_topk_f32(&l.router, nrm, h, p(&ws.rl), e, l.bias, k, c.gating, ids, wts, g.ptr(&ws.rcnt), nt)?;
             } else {
+                g.norm_q8(hid, h, l.ffn_norm, h, c.rms_eps, nrm, h, xq, xd, nt)?;
                 if fast_router(&l.router) {
                     g.router_f32(&l.router, nrm, h, p(&ws.rl), e, nt)?;
                 } else {
@@ -492,14 +502,29 @@ impl CudaModel {
                 g.moe_down_grp_any(&dn, grp, e, nslots, aq, ad, p(&ws.dpart), !(tp && !lead))?;
                 g.moe_combine_grp(p(&ws.dpart), wts, k, dn.rows, hid, h, nt)?;
             } else {
-                g.moe_down_q8_any(&dn, ids, wts, k, aq, ad, hid, h, nt)?;
+                // The next norm: the next layer's, or the output norm after a last stage's last layer.
+                let next_w = match self.layers.get(li + 1) {
+                    Some(nl) => Some(nl.attn_norm),
+                    None if self.part.last_stage => Some(self.out_norm),
+                    None => None,
+                };
+                let next = next_w.filter(|_| fuse_down).map(|w| super::stream::NextNorm { weight: w, eps: c.rms_eps, q: xq, d: xd, cnt: g.ptr(&ws.ncnt), trig_late: super::fast::down_trig_late() });
+                normed = match next {
+                    Some(n) if !super::fast_kq::kq_fast_mat(&dn) => g.try_down_stream_norm(&dn, ids, wts, k, nt, aq, ad, hid, h, Some(&n))?,
+                    _ => false,
+                };
+                if !normed {
+                    g.moe_down_q8_any(&dn, ids, wts, k, aq, ad, hid, h, nt)?;
+                }
             }
             if tp {
                 all_reduce(hid, nt * h)?;
             }
         }
         if self.part.last_stage {
-            g.norm_q8(hid, h, self.out_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
+            if !normed {
+                g.norm_q8(hid, h, self.out_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
+            }
             g.matvec_q8_any(&[(&self.head, p(&ws.logits), c.vocab_size)], xq, xd, h, nt, false)?;
         }
         Ok(())

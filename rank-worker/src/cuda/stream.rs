@@ -111,6 +111,22 @@ pub(super) fn probe() -> bool {
     PROBE.load(Ordering::Relaxed)
 }
 
+/// The next layer's RMSNorm (or the output norm) run by the streamed down's last block on the
+/// residual rows it just finished: `norm_q8` of them into `q` / `d`, bit for bit.
+#[derive(Clone, Copy, Debug)]
+pub struct NextNorm {
+    /// The norm's weight (f32, the down's rows long).
+    pub weight: u64,
+    pub eps: f32,
+    /// q8 output: `[nt][rows]` int8 and `[nt][rows / 32]` f32 scales.
+    pub q: u64,
+    pub d: u64,
+    /// One u32 arrival counter, zero before the launch (left zero).
+    pub cnt: u64,
+    /// Let the next kernel launch after the loops instead of at the start.
+    pub trig_late: bool,
+}
+
 /// Threads of a block: 16 consumer warps, the producer and the epilogue warp (`BK_THREADS`).
 const THREADS: u32 = 32 * 18;
 /// Shared memory before the ring: barriers and the hand-over buffers (`BK_HDR`).
@@ -224,6 +240,17 @@ impl Gpu {
     /// [`Gpu::moe_down_stream`] if it fits (true: launched), else nothing (false).
     #[allow(clippy::too_many_arguments)]
     pub(super) fn try_down_stream(&self, down: &DevMat, ids: u64, wts: u64, k: usize, nt: usize, aq: u64, ad: u64, hidden: u64, hs: usize) -> Result<bool, CudaError> {
+        self.try_down_stream_norm(down, ids, wts, k, nt, aq, ad, hidden, hs, None)
+    }
+
+    /// [`Gpu::try_down_stream`], and with `next` the next RMSNorm of the new residual rows in
+    /// the down's last block (see [`NextNorm`]); false (nothing launched) when the down does
+    /// not fit or `next` cannot be fused (rows above [`super::fast::FUSED_NORM_MAX`]).
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_down_stream_norm(&self, down: &DevMat, ids: u64, wts: u64, k: usize, nt: usize, aq: u64, ad: u64, hidden: u64, hs: usize, next: Option<&NextNorm>) -> Result<bool, CudaError> {
+        if next.is_some() && (down.rows > super::fast::FUSED_NORM_MAX || down.rows % 32 != 0) {
+            return Ok(false);
+        }
         let Some((rs, nst)) = self.down_stream_plan(down, k)? else {
             return Ok(false);
         };
@@ -231,7 +258,12 @@ impl Gpu {
         let grid = self.stream_grid(nt * down.rows.div_ceil(rs))?;
         let mid = [Arg::P(ids), Arg::P(wts), Arg::I(k as i32), Arg::I(nt as i32), Arg::I(nst as i32)];
         let name = format!("moe_down_{}{rs}_iq4_xs", stem());
-        self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &down_args(down, &mid, aq, ad, &[Arg::P(hidden), Arg::L(hs as i64)]))?;
+        let (nw, eps, nq, nd, cnt, late) = match next {
+            Some(n) => (n.weight, n.eps, n.q, n.d, n.cnt, n.trig_late),
+            None => (0, 0.0, 0, 0, 0, false),
+        };
+        let tail = [Arg::P(hidden), Arg::L(hs as i64), Arg::P(nw), Arg::F(eps), Arg::P(nq), Arg::P(nd), Arg::P(cnt), Arg::I(late as i32)];
+        self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &down_args(down, &mid, aq, ad, &tail))?;
         Ok(true)
     }
 }
