@@ -555,22 +555,24 @@ fn stream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
 /// router only / router + down (late trigger) / router + down (early trigger); at batch 4 and
 /// 32 (no streamed down there) none / router. Then the batch-1 per-kernel split.
 fn norm_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
-    use minimax_rank::cuda::fast::set_norm_fusion;
+    use minimax_rank::cuda::fast::{set_norm_fusion, set_router_norm_pre};
     let mut fin = true;
     let steps: usize = 40;
     for b in [1usize, 4, 32] {
         let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take((5 + steps + 2).div_ceil(PAGE))).collect();
         let mut toks = start_streams(m, &pts)?;
-        let cfgs: &[(&str, bool, bool, bool)] = if b == 1 {
-            &[("separate", false, false, true), ("router", true, false, true), ("router+down late", true, true, true), ("router+down early", true, true, false)]
+        // (name, router fused, down fused, late trigger, router rows before the norm)
+        let cfgs: &[(&str, bool, bool, bool, bool)] = if b == 1 {
+            &[("separate", false, false, true, false), ("router", true, false, true, false), ("router-w", true, false, true, true), ("router-w+down late", true, true, true, true), ("router-w+down early", true, true, false, true), ("down early", false, true, false, false)]
         } else {
-            &[("separate", false, false, true), ("router", true, false, true)]
+            &[("separate", false, false, true, false), ("router", true, false, true, false), ("router-w", true, false, true, true)]
         };
         let mut r = vec![0f64; cfgs.len()];
         let mut s = 0;
         for _round in 0..3 {
-            for (i, &(_, router, down, late)) in cfgs.iter().enumerate() {
+            for (i, &(_, router, down, late, pre)) in cfgs.iter().enumerate() {
                 set_norm_fusion(Some(router), Some(down), Some(late));
+                set_router_norm_pre(Some(pre));
                 m.clear_graphs();
                 fin &= stream_step(m, &pts, &mut toks, s)?;
                 s += 1;
@@ -581,6 +583,7 @@ fn norm_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
         println!("norm fusion A/B batch {b}: {} (graph replay, mean of 3 alternating rounds)", cells.join(", "));
     }
     set_norm_fusion(None, None, None);
+    set_router_norm_pre(None);
     let pts: Vec<Vec<u32>> = vec![pages.take(9usize.div_ceil(PAGE))];
     let mut toks = start_streams(m, &pts)?;
     m.clear_graphs();

@@ -433,6 +433,19 @@ pub fn set_pdl_prefetch(on: Option<bool>) {
 
 static FUSE_ROUTER_NORM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FUSE_ROUTER_NORM", true);
 static FUSE_DOWN_NORM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FUSE_DOWN_NORM", true);
+static ROUTER_NORM_PRE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTER_NORM_PRE", true);
+
+/// With [`fuse_router_norm`]: whether each warp loads the first part of its router row before
+/// the norm (`router_topk_norm_f32w`; `MINIMAX_ROUTER_NORM_PRE=0` = after it). Bit-identical.
+pub fn router_norm_pre() -> bool {
+    ROUTER_NORM_PRE.get()
+}
+
+/// Overrides [`router_norm_pre`] (`None` = back to the environment). Drop captured graphs.
+pub fn set_router_norm_pre(on: Option<bool>) {
+    ROUTER_NORM_PRE.set(on);
+}
+
 static DOWN_TRIG_LATE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_DOWN_TRIG_LATE", true);
 
 /// Whether the MoE's RMSNorm runs inside the fused router (`router_topk_norm_f32`: one kernel
@@ -855,7 +868,7 @@ impl Gpu {
             minimax_shared::model::GatingFunc::Softmax => 1,
         };
         self.launch_pdl(
-            "router_topk_norm_f32",
+            if router_norm_pre() { "router_topk_norm_f32w" } else { "router_topk_norm_f32" },
             (ceil_div(w.rows, 4), nt as u32, 1),
             128,
             (4 * w.cols) as u32,
