@@ -228,12 +228,8 @@ __device__ __forceinline__ void bk_unit(u32 row, u32 oh, u32 oq, uint2& h, uint2
 // sign-replicating iq4s_codes, BK_LOOKUP ("blkl", A/B runs) psx's iq4_unit_il; both give the same
 // integer dot products, so the same bits. BK_PROBE (the "blkp" kernels, timing only): the
 // consumers skip the arithmetic.
-// PR (the "blkr" kernels): each 16-row part is also released on a barrier of its own
-// (emptyq[i][p], one arrival per consumer warp once its row of that part is read), so the
-// producer refills a stage's first part while its last parts are still being read; else the
-// whole stage on empty[i] once a warp's rows are all read.
 // grid (min(SMs, tasks)), block BK_THREADS, dynamic shared memory BK_HDR + nst x 2 SR rb.
-template <int SR, int DEC, bool PR = false>
+template <int SR, int DEC>
 __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k, int npairs,
                                             int grows, int nst, const i8* xq, const float* xd, int ncol, i8* aq,
                                             float* ad, int ld) {
@@ -251,13 +247,10 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
     // With 8-row stages the one part is the whole stage.
     constexpr int NP = SR >= 16 ? SR / 8 : 1;  // parts a stage
     u64* fullq = (u64*)(su + BK_NAB * 32);      // [BK_MAXST][4]
-    u64* emptyq = fullq + BK_MAXST * 4;         // [BK_MAXST][4] (PR; ends at 1792 bytes)
     u8* ring = bk_sm + BK_HDR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const i64 sb_bytes = 2 * SR * rb;
     bk_init_extra(fullq, nst * 4);
-    if (PR && threadIdx.x == 0)
-        for (int i = 0; i < nst * 4; i++) bk_mb_init(&emptyq[i], BK_CW);
     bk_init(full, empty, afull, aempty, nst);
     pdl_wait();  // ids come from the router, the input from norm_q8 of this step
     pdl_trigger();
@@ -276,21 +269,18 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
                 i64 off = (i64)e * es + (i64)((task % nrg) * 32) * rb;
                 for (int s = 0; s < 32 / SR; s++, n++) {
                     int b = n % nst;
-                    const u32 par = ((n / nst) & 1) ^ 1;
-                    if (!PR) bk_mb_wait(&empty[b], par);
+                    bk_mb_wait(&empty[b], ((n / nst) & 1) ^ 1);
                     u8* dst = ring + b * sb_bytes;
                     i64 o = off + (i64)(s * SR) * rb;
                     if (SR >= 16) {
 #pragma unroll
                         for (int p = 0; p < NP; p++) {
-                            if (PR) bk_mb_wait(&emptyq[b * 4 + p], par);
                             u64* fb = &fullq[b * 4 + p];
                             const bool up = 16 * p >= SR;
                             bk_mb_expect(fb, (u32)(16 * rb));
                             bk_copy(dst + 16 * p * rb, (up ? U : G) + o + (i64)(16 * p - (up ? SR : 0)) * rb, (u32)(16 * rb), fb);
                         }
                     } else {
-                        if (PR) bk_mb_wait(&emptyq[b * 4], par);
                         bk_mb_expect(&fullq[b * 4], (u32)sb_bytes);
                         bk_copy(dst, G + o, (u32)(SR * rb), &fullq[b * 4]);
                         bk_copy(dst + SR * rb, U + o, (u32)(SR * rb), &fullq[b * 4]);
@@ -363,17 +353,12 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
                         }
                     }
                 }
-                // Part j read (8-row stages: the one part, after the warp's one row).
-                if (PR && (SR >= 16 || j == RPW - 1)) {
-                    __syncwarp();
-                    if (lane == 0) bk_mb_arrive(&emptyq[b * 4 + (SR >= 16 ? j : 0)]);
-                }
             }
 #pragma unroll
             for (int j = 0; j < RPW; j++) acc[j] = warp_sum(acc[j]);
             __syncwarp();
             if (lane == 0) {
-                if (!PR) bk_mb_arrive(&empty[b]);
+                bk_mb_arrive(&empty[b]);
 #pragma unroll
                 for (int j = 0; j < RPW; j++) {
                     const int q = warp + 16 * j;  // stage row: gate rows [0, SR), up rows [SR, 2 SR)
@@ -388,13 +373,11 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
 #define BK_GU_ARGS                                                                                               \
     const u8 *G, const u8 *U, i64 rb, i64 es, const int *ids, int k, int npairs, int grows, int nst, const i8 *xq, \
         const float *xd, int ncol, i8 *aq, float *ad, int ld
-#define BK_GU_ONE(name, sr, dec, pr)                                                                             \
+#define BK_GU_ONE(name, sr, dec)                                                                                 \
     extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_##name##sr##_iq4_xs(BK_GU_ARGS) {     \
-        gate_up_blk<sr, dec, pr>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);              \
+        gate_up_blk<sr, dec>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);                  \
     }
-#define BK_GU_INST(sr)                                                                                           \
-    BK_GU_ONE(blk, sr, BK_SIGN, false)                                                                           \
-    BK_GU_ONE(blkr, sr, BK_SIGN, true) BK_GU_ONE(blkl, sr, BK_LOOKUP, false) BK_GU_ONE(blkp, sr, BK_PROBE, false)
+#define BK_GU_INST(sr) BK_GU_ONE(blk, sr, BK_SIGN) BK_GU_ONE(blkl, sr, BK_LOOKUP) BK_GU_ONE(blkp, sr, BK_PROBE)
 BK_GU_INST(8)
 BK_GU_INST(16)
 BK_GU_INST(32)

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use common::gpu::{Rng, bits, dot, gpu, launch_us, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
 use minimax_rank::cuda::fast::{self, GateUpKind};
-use minimax_rank::cuda::stream::{NextNorm, set_part_release, set_stream_lookup, set_stream_rows_cap, set_stream_stage_cap};
+use minimax_rank::cuda::stream::{NextNorm, set_stream_lookup, set_stream_rows_cap, set_stream_stage_cap};
 use minimax_rank::cuda::{DevMat, Gpu};
 use minimax_shared::quant::{self, GgmlType};
 
@@ -64,15 +64,9 @@ fn streamed_gate_up_matches_psx() {
             (g.download(&aq).unwrap(), g.download(&ad).unwrap())
         };
         let want = run(false);
-        // (lookup decode, parts released on their own barriers: the blkr kernels)
-        for (lookup, release) in [(false, false), (false, true), (true, false)] {
+        for lookup in [false, true] {
             set_stream_lookup(Some(lookup));
-            set_part_release(Some(release));
-            let dec = match (lookup, release) {
-                (true, _) => "lookup decode",
-                (false, true) => "sign decode, per-part release",
-                _ => "sign decode",
-            };
+            let dec = if lookup { "lookup decode" } else { "sign decode" };
             for rows in [32usize, 16, 8] {
                 set_stream_rows_cap(Some((rows, 8)));
                 for cap in [None, Some(2)] {
@@ -86,7 +80,6 @@ fn streamed_gate_up_matches_psx() {
             }
         }
         set_stream_lookup(None);
-        set_part_release(None);
         set_stream_stage_cap(None);
         set_stream_rows_cap(None);
         let (c, s) = &want;
@@ -271,11 +264,7 @@ fn streamed_kernels_speed() {
         let (sr, nmax) = g.gate_up_stream_plan(&gm, &um).unwrap().unwrap();
         for cap in [8usize, 2] {
             set_stream_stage_cap(Some(cap));
-            set_part_release(Some(false));
             row(&format!("gate/up streamed, {sr}+{sr} rows x {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
-            set_part_release(Some(true));
-            row(&format!("gate/up streamed, per-part release, {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
-            set_part_release(None);
             set_stream_lookup(Some(true));
             row(&format!("gate/up streamed, lookup decode, {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
             set_stream_lookup(None);

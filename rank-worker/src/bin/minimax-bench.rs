@@ -502,21 +502,20 @@ fn moe_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
 /// by expert, which does not stream), graph replay, alternating, three rounds; then stage
 /// shapes and ring caps; then the per-kernel split of a batch-1 step with the streamed kernels.
 fn stream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
-    use minimax_rank::cuda::stream::{set_part_release, set_stream, set_stream_lookup, set_stream_rows_cap, set_stream_stage_cap};
+    use minimax_rank::cuda::stream::{set_stream, set_stream_lookup, set_stream_rows_cap, set_stream_stage_cap};
     let mut fin = true;
     let b = 1usize;
     let steps: usize = 40;
     let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take((5 + steps + 2).div_ceil(PAGE))).collect();
     let mut toks = start_streams(m, &pts)?;
     let mut s = 0;
-    // (name, streamed, lookup decode, gate/up per-part release)
-    let cfgs = [("register kernels", false, false, false), ("streamed lookup decode", true, true, false), ("streamed sign decode", true, false, false), ("streamed sign decode + per-part release", true, false, true)];
-    let mut r = [0f64; 4];
+    // (name, streamed, lookup decode)
+    let cfgs = [("register kernels", false, false), ("streamed lookup decode", true, true), ("streamed sign decode", true, false)];
+    let mut r = [0f64; 3];
     for _round in 0..3 {
-        for (i, &(_, on, lookup, release)) in cfgs.iter().enumerate() {
+        for (i, &(_, on, lookup)) in cfgs.iter().enumerate() {
             set_stream(Some(on));
             set_stream_lookup(Some(lookup));
-            set_part_release(Some(release));
             m.clear_graphs();
             fin &= stream_step(m, &pts, &mut toks, s)?;
             s += 1;
@@ -524,7 +523,6 @@ fn stream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
         }
     }
     set_stream_lookup(None);
-    set_part_release(None);
     let cells: Vec<String> = cfgs.iter().zip(&r).map(|(c, t)| format!("{} {t:.3} ms ({:.1} tok/s)", c.0, 1e3 / t)).collect();
     println!("stream A/B batch 1: {} (graph replay, mean of 3 alternating rounds)", cells.join(", "));
     set_stream(Some(true));

@@ -57,30 +57,6 @@ fn stem() -> &'static str {
     }
 }
 
-static PART_RELEASE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_STREAM_PART_RELEASE", true);
-
-/// Whether the streamed gate/up releases each 16-row part of a stage on its own barrier (the
-/// `blkr` kernels: the producer refills a stage's first part while its last parts are being
-/// read; `MINIMAX_STREAM_PART_RELEASE=0` = the whole stage at once). Bit-identical.
-pub fn part_release() -> bool {
-    PART_RELEASE.get()
-}
-
-/// Overrides [`part_release`] (A/B runs and tests; `None` = back to the environment). Drop
-/// captured graphs after a change.
-pub fn set_part_release(on: Option<bool>) {
-    PART_RELEASE.set(on);
-}
-
-/// Kernel-name stem of the streamed gate/up: [`stem`], `blkr` for the sign decode with
-/// [`part_release`].
-fn gate_up_stem() -> &'static str {
-    match stem() {
-        "blk" if part_release() => "blkr",
-        s => s,
-    }
-}
-
 static STAGE_CAP: AtomicUsize = AtomicUsize::new(0);
 
 /// Caps the ring stages of the streamed kernels (tests: 2 makes every ring wrap; A/B runs;
@@ -245,7 +221,7 @@ impl Gpu {
         let smem = HDR + nst * 2 * sr * gate.row_bytes;
         let mid = [Arg::P(ids), Arg::I(k as i32), Arg::I(npairs as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32)];
         let grid = self.stream_grid(npairs * (gate.rows / 32))?;
-        let name = format!("moe_gate_up_{}{sr}_iq4_xs", gate_up_stem());
+        let name = format!("moe_gate_up_{}{sr}_iq4_xs", stem());
         self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))?;
         Ok(true)
     }
