@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--gstream-ab] [--mvmma-ab] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -606,6 +606,51 @@ fn norm_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `--skip-ab`: what each part of a decode step costs inside the replayed graph: the step with
+/// everything, then without each part in turn (fast::set_skip_mask; garbage outputs), graph
+/// replay, alternating, three rounds; the difference per layer is the part's share of the
+/// critical path (overlap with its neighbours included), at batch 1 and 32.
+fn skip_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
+    use minimax_rank::cuda::fast::{set_skip_mask, skip};
+    let layers = m.config().n_layers as f64;
+    let parts = [
+        ("everything", 0u32),
+        ("attention norm", skip::ATTN_NORM),
+        ("q/k/v", skip::QKV),
+        ("q/k norm + RoPE + store", skip::QK),
+        ("attention + merge", skip::ATTN),
+        ("o-projection", skip::O),
+        ("MoE norm + router", skip::ROUTE),
+        ("expert gate/up", skip::GATE_UP),
+        ("expert down", skip::DOWN),
+        ("all but the experts", skip::ATTN_NORM | skip::QKV | skip::QK | skip::ATTN | skip::O | skip::ROUTE),
+        ("all but attention's products", skip::ATTN_NORM | skip::QK | skip::ATTN | skip::ROUTE | skip::GATE_UP | skip::DOWN),
+    ];
+    for b in [1usize, 32] {
+        let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take(8usize.div_ceil(PAGE))).collect();
+        let toks = start_streams(m, &pts)?;
+        let mut r = vec![0f64; parts.len()];
+        for _round in 0..3 {
+            for (i, &(_, mask)) in parts.iter().enumerate() {
+                set_skip_mask(mask);
+                m.clear_graphs();
+                // One direct step at the streams' next position captures the graph.
+                let seqs = (0..b).map(|j| step(100 + j as u64, &pts[j], 5, vec![toks[j]], LogitsWanted::Last)).collect();
+                m.forward_stage_lazy(&ForwardBatch { seqs })?;
+                r[i] += replay_ms(m, b, 30)? / 3.0;
+            }
+        }
+        set_skip_mask(0);
+        m.clear_graphs();
+        println!("skip A/B batch {b} (graph replay, mean of 3 alternating rounds; outputs garbage when a part is left out):");
+        println!("  {:<32} {:>10} {:>14}", "left out", "step ms", "saved us/layer");
+        for (i, (name, _)) in parts.iter().enumerate() {
+            println!("  {:<32} {:>10.3} {:>14.2}", name, r[i], (r[0] - r[i]) * 1e3 / layers);
+        }
+    }
+    Ok(())
+}
+
 /// `--prompts N,P`: the first step of an N-stream round (N sequences with P-token prompts in one
 /// step, on the prefill path, as the HTTP benchmark's rounds start), against one sequence of
 /// N x P tokens: forward plus the greedy reduction of the wanted rows, three runs each on fresh
@@ -804,6 +849,9 @@ fn main() -> anyhow::Result<()> {
     }
     if flag("--stream-ab") {
         return stream_ab(&mut m, &mut pages);
+    }
+    if flag("--skip-ab") {
+        return skip_ab(&mut m, &mut pages);
     }
     if flag("--norm-ab") {
         return norm_ab(&mut m, &mut pages);

@@ -7,7 +7,7 @@
 //! else takes the exact path in `model.rs`.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU8, AtomicU32, AtomicUsize, Ordering};
 
 use cudarc::driver::{CudaGraph, CudaSlice};
 use minimax_shared::model::ModelConfig;
@@ -429,6 +429,41 @@ pub fn pdl_prefetch() -> bool {
 /// captured graphs after a change (`CudaModel::clear_graphs`).
 pub fn set_pdl_prefetch(on: Option<bool>) {
     PDL_PREFETCH.set(on);
+}
+
+/// Parts of a fast step that [`set_skip_mask`] can leave out (timing attribution only: the
+/// outputs are garbage; `minimax-bench --skip-ab`).
+pub mod skip {
+    /// The attention RMSNorm (`norm_q8`, when no fused norm ran it).
+    pub const ATTN_NORM: u32 = 1;
+    /// The q/k/v product.
+    pub const QKV: u32 = 2;
+    /// q/k norm + RoPE + KV store.
+    pub const QK: u32 = 4;
+    /// Decode attention and its merge.
+    pub const ATTN: u32 = 8;
+    /// The o-projection.
+    pub const O: u32 = 16;
+    /// The MoE RMSNorm and the router (fused or not).
+    pub const ROUTE: u32 = 32;
+    /// The expert gate/up.
+    pub const GATE_UP: u32 = 64;
+    /// The expert down (and a norm fused into it).
+    pub const DOWN: u32 = 128;
+}
+
+static SKIP: AtomicU32 = AtomicU32::new(0);
+
+/// Leaves the [`skip`] parts out of every later fast step (benchmarks only: what a part costs
+/// inside a replayed graph is the step's time with it minus without it). Drop captured graphs
+/// after a change. 0 = run everything (the default).
+pub fn set_skip_mask(mask: u32) {
+    SKIP.store(mask, Ordering::Relaxed);
+}
+
+/// The parts [`set_skip_mask`] leaves out.
+pub fn skip_mask() -> u32 {
+    SKIP.load(Ordering::Relaxed)
 }
 
 static FUSE_ROUTER_NORM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FUSE_ROUTER_NORM", true);

@@ -422,11 +422,16 @@ impl CudaModel {
         let mut normed = false;
         let fuse_router = super::fast::fuse_router_norm() && h % 128 == 0 && h <= super::fast::FUSED_NORM_MAX;
         let fuse_down = super::fast::fuse_down_norm() && !tp && super::stream::stream_on();
+        // Timing attribution only (minimax-bench --skip-ab): launches left out of the step.
+        use super::fast::skip as sk;
+        let run = |part: u32| super::fast::skip_mask() & part == 0;
         for (li, l) in self.layers.iter().enumerate() {
-            if !std::mem::take(&mut normed) {
+            if !std::mem::take(&mut normed) && run(sk::ATTN_NORM) {
                 g.norm_q8(hid, h, l.attn_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
             }
-            g.matvec_q8_any(&[(&l.wq, p(&ws.q), qw), (&l.wk, p(&ws.k), kw), (&l.wv, p(&ws.v), vw)], xq, xd, h, nt, false)?;
+            if run(sk::QKV) {
+                g.matvec_q8_any(&[(&l.wq, p(&ws.q), qw), (&l.wk, p(&ws.k), kw), (&l.wv, p(&ws.v), vw)], xq, xd, h, nt, false)?;
+            }
             let (kc, vc) = (g.ptr(&self.kc[li]), g.ptr(&self.vc[li]));
             if tp {
                 g.launch("tp_qk_sumsq", (nt as u32, 2, 1), 256, 0, &[Arg::P(p(&ws.q)), Arg::L(qw as i64), Arg::P(p(&ws.k)), Arg::L(kw as i64), Arg::I(qw as i32), Arg::I(kw as i32), Arg::P(ssp)])?;
@@ -456,15 +461,22 @@ impl CudaModel {
                 qk_args.extend([Arg::P(ssp), Arg::I((c.n_heads * c.head_dim) as i32), Arg::I((c.n_kv_heads * c.head_dim) as i32)]);
             }
             let qk_name = super::fast::qk_norm_rope_name(tp, kvs);
-            g.launch_pdl(&qk_name, (nt as u32, 2, 1), 1024, 0, &qk_args)?;
-            g.attn_decode(kvs, p(&ws.q), qw, kc, vc, (m_pos, m_seq, m_ptoff, m_pts), self.page_size, self.kv_heads, nsplit, scale, p(&ws.part), p(&ws.att), ow, xq, xd, acnt, nt)?;
-            g.matvec_q8_any(&[(&l.wo, hid, h)], xq, xd, ow, nt, lead)?;
+            if run(sk::QK) {
+                g.launch_pdl(&qk_name, (nt as u32, 2, 1), 1024, 0, &qk_args)?;
+            }
+            if run(sk::ATTN) {
+                g.attn_decode(kvs, p(&ws.q), qw, kc, vc, (m_pos, m_seq, m_ptoff, m_pts), self.page_size, self.kv_heads, nsplit, scale, p(&ws.part), p(&ws.att), ow, xq, xd, acnt, nt)?;
+            }
+            if run(sk::O) {
+                g.matvec_q8_any(&[(&l.wo, hid, h)], xq, xd, ow, nt, lead)?;
+            }
             if tp {
                 all_reduce(hid, nt * h)?;
             }
             use super::fast::{ROUTE_FAST_MAX_E, RouteMode, route_mode};
             let rmode = if e <= ROUTE_FAST_MAX_E && k <= 32 { route_mode() } else { RouteMode::Exact };
-            if fast_router(&l.router) && rmode == RouteMode::Fused && fuse_router {
+            if !run(sk::ROUTE) {
+            } else if fast_router(&l.router) && rmode == RouteMode::Fused && fuse_router {
                 g.router_topk_norm_f32(&l.router, hid, h, l.ffn_norm, c.rms_eps, p(&ws.rl), e, l.bias, k, c.gating, ids, wts, g.ptr(&ws.rcnt), xq, xd, nt)?;
             } else if fast_router(&l.router) && rmode == RouteMode::Fused {
                 g.norm_q8(hid, h, l.ffn_norm, h, c.rms_eps, nrm, h, xq, xd, nt)?;
@@ -488,7 +500,8 @@ impl CudaModel {
             // Steps of several tokens: pairs grouped by expert, each chosen expert read once.
             let grouped = super::fast::use_grouped(nt, &l.gate, &dn, e);
             let (grp, nslots) = (g.ptr(&ws.grp), (nt * k).min(e));
-            if grouped {
+            if !run(sk::GATE_UP) {
+            } else if grouped {
                 g.moe_group(ids, nt * k, e, grp)?;
                 g.moe_gate_up_grp_any(&l.gate, &l.up, grp, e, nslots, k, xq, xd, aq, ad, dn.cols)?;
             } else {
@@ -497,7 +510,8 @@ impl CudaModel {
             if tp && !lead {
                 memset_f32_zero(g, hid, nt * h)?;
             }
-            if grouped {
+            if !run(sk::DOWN) {
+            } else if grouped {
                 // Right after the gate/up, except for a rank's memset of its partial sum.
                 g.moe_down_grp_any(&dn, grp, e, nslots, aq, ad, p(&ws.dpart), !(tp && !lead))?;
                 g.moe_combine_grp(p(&ws.dpart), wts, k, dn.rows, hid, h, nt)?;
