@@ -192,19 +192,22 @@ impl RankWorld for Supervisor {
         Box::pin(async move {
             let clients = self.live(generation)?;
             let timeout = self.inner.cfg.step_timeout;
-            let mut set = tokio::task::JoinSet::new();
-            for (r, mut c) in clients.into_iter().enumerate() {
-                let req = req.clone();
-                set.spawn(async move {
-                    let res = tokio::time::timeout(timeout, c.step(req)).await;
-                    (r, res)
-                });
-            }
-            let mut out: Vec<Option<StepResponse>> = vec![None; set.len()];
+            // Every rank's call polled in this task (not a spawned task per rank): a step is on
+            // the decode loop's critical path, and each task hand-over costs a thread wake-up.
+            let n = clients.len();
+            let mut calls: futures_util::stream::FuturesUnordered<_> = clients
+                .into_iter()
+                .enumerate()
+                .map(|(r, mut c)| {
+                    let req = req.clone();
+                    async move { (r, tokio::time::timeout(timeout, c.step(req)).await) }
+                })
+                .collect();
+            let mut out: Vec<Option<StepResponse>> = vec![None; n];
             let mut state = self.inner.state.subscribe();
             let gathered = async {
-                while let Some(j) = set.join_next().await {
-                    let (r, res) = j.map_err(|e| WorldError::Broken(format!("step task: {e}")))?;
+                use futures_util::StreamExt;
+                while let Some((r, res)) = calls.next().await {
                     match res {
                         Err(_) => return Err(WorldError::Broken(format!("rank {r} did not answer step within {timeout:?}"))),
                         Ok(Err(status)) if status.code() == tonic::Code::InvalidArgument => return Err(WorldError::Rejected(format!("rank {r} refused the step: {}", status.message()))),

@@ -466,8 +466,8 @@ pub fn skip_mask() -> u32 {
     SKIP.load(Ordering::Relaxed)
 }
 
-static FUSE_ROUTER_NORM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FUSE_ROUTER_NORM", true);
-static FUSE_DOWN_NORM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FUSE_DOWN_NORM", true);
+static FUSE_ROUTER_NORM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FUSE_ROUTER_NORM", false);
+static FUSE_DOWN_NORM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FUSE_DOWN_NORM", false);
 static ROUTER_NORM_PRE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTER_NORM_PRE", true);
 
 /// With [`fuse_router_norm`]: whether each warp loads the first part of its router row before
@@ -481,7 +481,7 @@ pub fn set_router_norm_pre(on: Option<bool>) {
     ROUTER_NORM_PRE.set(on);
 }
 
-static DOWN_TRIG_LATE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_DOWN_TRIG_LATE", true);
+static DOWN_TRIG_LATE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_DOWN_TRIG_LATE", false);
 
 /// Whether the MoE's RMSNorm runs inside the fused router (`router_topk_norm_f32`: one kernel
 /// boundary fewer a layer; `MINIMAX_FUSE_ROUTER_NORM=0` = `norm_q8` + `router_topk_f32`).

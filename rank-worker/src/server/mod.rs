@@ -298,7 +298,10 @@ impl Rank for RankService {
         let shared = self.shared.clone();
         let req = req.into_inner();
         let pipelined = shared.cfg.parallelism == Parallelism::Pipeline && shared.cfg.world_size > 1;
-        let res = tokio::task::spawn_blocking(move || {
+        // On this worker thread (block_in_place: the runtime moves its other tasks away), not
+        // on the blocking pool: a step is on the decode loop's critical path, and the hand-over
+        // to a pool thread and back cost two thread wake-ups per step.
+        let res = tokio::task::block_in_place(move || {
             if pipelined {
                 return pipelined_step(&shared, &req);
             }
@@ -328,9 +331,7 @@ impl Rank for RankService {
                 }
                 Err(e) => Err(e.into()),
             }
-        })
-        .await
-        .map_err(|e| Status::internal(e.to_string()))?;
+        });
         if res.is_err() && self.shared.state() != pb::RankState::Ready {
             self.shared.set_health(false).await;
         }
