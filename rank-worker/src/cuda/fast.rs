@@ -468,7 +468,7 @@ pub fn skip_mask() -> u32 {
 
 static FUSE_ROUTER_NORM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FUSE_ROUTER_NORM", false);
 static FUSE_DOWN_NORM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FUSE_DOWN_NORM", false);
-static ROUTER_NORM_PRE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTER_NORM_PRE", true);
+static ROUTER_NORM_PRE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTER_NORM_PRE", false);
 
 /// With [`fuse_router_norm`]: whether each warp loads the first part of its router row before
 /// the norm (`router_topk_norm_f32w`; `MINIMAX_ROUTER_NORM_PRE=0` = after it). Bit-identical.
