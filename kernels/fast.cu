@@ -437,17 +437,14 @@ __device__ __forceinline__ float norm_virtual(const float* xr, const float* w, i
 // to norm_q8 + router_topk_f32. Same grid as router_topk_f32, dynamic shared memory 4 n bytes;
 // n % 128 == 0, n <= 1024 RN_MAXI.
 #define RN_MAXI 4
-extern "C" __global__ void __launch_bounds__(128) router_topk_norm_f32(
-    const float* W, int rows, int n, const float* x, i64 xs, const float* nw, float eps, float* y, i64 ys,
-    const float* bias, int k, int gating, int* ids, float* w, u32* cnt, i8* q, float* d) {
-    pdl_enter();
-    extern __shared__ float4 rn_sm[];
-    float* xn = (float*)rn_sm;
+// The fused routers' first part (128 threads, every block): the token's row xr normalized
+// (weight nw) into xn (shared), then this block's share of its q8 groups into qt / dt.
+__device__ __forceinline__ void router_norm_prologue(const float* xr, const float* nw, int n, float eps, float* xn,
+                                                     i8* qt, float* dt, int warp, int lane) {
     __shared__ float part[32];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y;
     {
         float xv[8][RN_MAXI], wv[8][RN_MAXI];
-        const float inv = norm_virtual<4, RN_MAXI, 0>(x + (i64)t * xs, nw, n, eps, xv, wv, part, warp, lane);
+        const float inv = norm_virtual<4, RN_MAXI, 0>(xr, nw, n, eps, xv, wv, part, warp, lane);
 #pragma unroll
         for (int m = 0; m < 8; m++)
 #pragma unroll
@@ -457,10 +454,17 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_norm_f32(
             }
     }
     __syncthreads();
-    for (int g = blockIdx.x * 4 + warp; g < (n >> 5); g += 4 * gridDim.x) {
-        float v = xn[(g << 5) + lane];
-        q[(i64)t * n + (g << 5) + lane] = (i8)q8_lane(v, d + (i64)t * (n >> 5) + g);
-    }
+    for (int g = blockIdx.x * 4 + warp; g < (n >> 5); g += 4 * gridDim.x)
+        qt[(g << 5) + lane] = (i8)q8_lane(xn[(g << 5) + lane], dt + g);
+}
+extern "C" __global__ void __launch_bounds__(128) router_topk_norm_f32(
+    const float* W, int rows, int n, const float* x, i64 xs, const float* nw, float eps, float* y, i64 ys,
+    const float* bias, int k, int gating, int* ids, float* w, u32* cnt, i8* q, float* d) {
+    pdl_enter();
+    extern __shared__ float4 rn_sm[];
+    float* xn = (float*)rn_sm;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y;
+    router_norm_prologue(x + (i64)t * xs, nw, n, eps, xn, q + (i64)t * n, d + (i64)t * (n >> 5), warp, lane);
     router_row(W, rows, n, xn, 0, y, ys, blockIdx.x * 4 + warp, t, lane, true);
     router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
 }
@@ -474,7 +478,6 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_norm_f32w(
     pdl_enter();
     extern __shared__ float4 rn_sm[];
     float* xn = (float*)rn_sm;
-    __shared__ float part[32];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y;
     const int r = blockIdx.x * 4 + warp, n4 = n >> 2;
     const bool live = r < rows;
@@ -485,22 +488,7 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_norm_f32w(
         int idx = lane + 32 * i;
         if (live && idx < n4) w0[i] = __ldg(wr + idx);
     }
-    {
-        float xv[8][RN_MAXI], wv[8][RN_MAXI];
-        const float inv = norm_virtual<4, RN_MAXI, 0>(x + (i64)t * xs, nw, n, eps, xv, wv, part, warp, lane);
-#pragma unroll
-        for (int m = 0; m < 8; m++)
-#pragma unroll
-            for (int i = 0; i < RN_MAXI; i++) {
-                int idx = ((warp + 4 * m) << 5) + lane + 1024 * i;
-                if (idx < n) xn[idx] = __fmul_rn(__fmul_rn(xv[m][i], inv), wv[m][i]);
-            }
-    }
-    __syncthreads();
-    for (int g = blockIdx.x * 4 + warp; g < (n >> 5); g += 4 * gridDim.x) {
-        float v = xn[(g << 5) + lane];
-        q[(i64)t * n + (g << 5) + lane] = (i8)q8_lane(v, d + (i64)t * (n >> 5) + g);
-    }
+    router_norm_prologue(x + (i64)t * xs, nw, n, eps, xn, q + (i64)t * n, d + (i64)t * (n >> 5), warp, lane);
     if (live) {
         const float4* xt = (const float4*)xn;
         float acc = 0.f;
