@@ -469,54 +469,6 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_norm_f32(
     router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
 }
 
-// router_topk_norm_f32 with the warp's first RT_UNR float4 of its router row loaded before the
-// norm (they do not depend on it), so their DRAM latency overlaps the norm's L2 loads and sums;
-// then the same sums in the same order as router_row (bit-identical). Same arguments and grid.
-extern "C" __global__ void __launch_bounds__(128) router_topk_norm_f32w(
-    const float* W, int rows, int n, const float* x, i64 xs, const float* nw, float eps, float* y, i64 ys,
-    const float* bias, int k, int gating, int* ids, float* w, u32* cnt, i8* q, float* d) {
-    pdl_enter();
-    extern __shared__ float4 rn_sm[];
-    float* xn = (float*)rn_sm;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y;
-    const int r = blockIdx.x * 4 + warp, n4 = n >> 2;
-    const bool live = r < rows;
-    const float4* wr = (const float4*)(W + (i64)(live ? r : 0) * n);
-    float4 w0[RT_UNR];
-#pragma unroll
-    for (int i = 0; i < RT_UNR; i++) {
-        int idx = lane + 32 * i;
-        if (live && idx < n4) w0[i] = __ldg(wr + idx);
-    }
-    router_norm_prologue(x + (i64)t * xs, nw, n, eps, xn, q + (i64)t * n, d + (i64)t * (n >> 5), warp, lane);
-    if (live) {
-        const float4* xt = (const float4*)xn;
-        float acc = 0.f;
-        for (int base = 0; base < n4; base += 32 * RT_UNR) {
-            float4 wv[RT_UNR], xv[RT_UNR];
-#pragma unroll
-            for (int i = 0; i < RT_UNR; i++) {
-                int idx = base + lane + 32 * i;
-                if (idx < n4) {
-                    wv[i] = base == 0 ? w0[i] : __ldg(wr + idx);
-                    xv[i] = xt[idx];
-                }
-            }
-#pragma unroll
-            for (int i = 0; i < RT_UNR; i++) {
-                int idx = base + lane + 32 * i;
-                if (idx < n4) acc += wv[i].x * xv[i].x + wv[i].y * xv[i].y + wv[i].z * xv[i].z + wv[i].w * xv[i].w;
-            }
-        }
-        acc = warp_sum(acc);
-        if (lane == 0) {
-            y[(i64)t * ys + r] = acc;
-            __threadfence();
-        }
-    }
-    router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
-}
-
 // ----------------------------------------------------------- weight staging -------------
 __device__ __forceinline__ int4 ld_stream(const int4* p) {
     int4 v;

@@ -695,9 +695,7 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
         let (want_q, want_d) = (g.download(&rq).unwrap(), g.download(&rd).unwrap());
         let (want_y, want_i, want_w) = (g.download(&yr).unwrap(), g.download(&ir).unwrap(), g.download(&wr).unwrap());
         assert!(want_d.iter().all(|d| d.is_finite()) && want_w.iter().all(|w| w.is_finite()), "reference outputs");
-        for rep in 0..4 {
-            // Reps 0, 1: the row loads after the norm; 2, 3: before it (router_topk_norm_f32w).
-            minimax_rank::cuda::fast::set_router_norm_pre(Some(rep >= 2));
+        for rep in 0..2 {
             let y = poisoned(&g, nt * rows);
             let ids = g.zeros::<i32>(nt * k).unwrap();
             g.fill_u32(g.ptr(&ids), nt * k, u32::MAX).unwrap();
@@ -712,8 +710,7 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
             assert_eq!(bits(&g.download(&wb).unwrap()), bits(&want_w), "{what}: weights");
             assert!(g.download(&cnt).unwrap().iter().all(|&c| c == 0), "{what}: counters not reset");
         }
-        minimax_rank::cuda::fast::set_router_norm_pre(None);
-        eprintln!("router_topk_norm_f32 (and its f32w form) {rows}x{cols} top-{k} ({gating:?}), {nt} tokens, 2 launches each: bit-identical to norm_q8 + router_topk_f32");
+        eprintln!("router_topk_norm_f32 {rows}x{cols} top-{k} ({gating:?}), {nt} tokens, 2 launches: bit-identical to norm_q8 + router_topk_f32");
     }
     assert!(g.router_topk_norm_f32(&upload_mat(&g, GgmlType::F32, &vec![0u8; 4 * 8 * 4224], 8, 4224, 0).1, 0, 4224, 0, 1e-6, 0, 8, 0, 2, GatingFunc::Sigmoid, 0, 0, 0, 0, 0, 1).is_err(), "rows wider than 4096 must be refused");
     // qk_norm_rope_store (bf16 cache): q and k full-width norm, partial RoPE per head, K and V

@@ -549,40 +549,38 @@ fn stream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
 }
 
 /// `--norm-ab`: the RMSNorms folded into their neighbours (fast::set_norm_fusion) against
-/// separate `norm_q8` launches, graph replay, alternating, three rounds: at batch 1 none /
-/// router only / router + down (late trigger) / router + down (early trigger); at batch 4 and
-/// 32 (no streamed down there) none / router. Then the batch-1 per-kernel split.
+/// separate `norm_q8` launches, graph replay, alternating, three rounds: at batch 1 the router
+/// and the streamed down's fusions alone and together, the down's two trigger points, and
+/// `norm_q8e`; at batch 4 and 32 (no streamed down there) the router's. Then the batch-1
+/// per-kernel split with the defaults.
 fn norm_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
-    use minimax_rank::cuda::fast::{PDL_NORM_EARLY, PDL_PREFETCH_PARTS, set_norm_fusion, set_pdl_parts, set_router_norm_pre};
+    use minimax_rank::cuda::fast::{PDL_NORM_EARLY, PDL_PREFETCH_PARTS, set_norm_fusion, set_pdl_parts};
     let mut fin = true;
     let early = Some(PDL_PREFETCH_PARTS | PDL_NORM_EARLY);
     let steps: usize = 40;
     for b in [1usize, 4, 32] {
         let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take((5 + steps + 2).div_ceil(PAGE))).collect();
         let mut toks = start_streams(m, &pts)?;
-        // (name, router fused, down fused, late trigger, router rows before the norm, PDL parts:
-        // None = default, early = norm_q8e, whose early trigger lets the q/k/v start its weight
-        // copies during the down, as the fused down's early trigger does)
-        let cfgs: Vec<(&str, bool, bool, bool, bool, Option<u32>)> = if b == 1 {
+        // (name, router fused, down fused, late trigger, PDL parts: None = default, early =
+        // norm_q8e, whose early trigger lets the q/k/v start its weight copies during the down,
+        // as the fused down's early trigger does)
+        let cfgs: Vec<(&str, bool, bool, bool, Option<u32>)> = if b == 1 {
             vec![
-                ("separate", false, false, true, false, None),
-                ("router", true, false, true, false, None),
-                ("router-w", true, false, true, true, None),
-                ("router-w+down late", true, true, true, true, None),
-                ("router-w+down early", true, true, false, true, None),
-                ("down early", false, true, false, false, None),
-                ("separate, norm_q8e", false, false, true, false, early),
-                ("router-w, norm_q8e", true, false, true, true, early),
+                ("separate", false, false, false, None),
+                ("router", true, false, false, None),
+                ("down early", false, true, false, None),
+                ("down late", false, true, true, None),
+                ("router+down early", true, true, false, None),
+                ("separate, norm_q8e", false, false, false, early),
             ]
         } else {
-            vec![("separate", false, false, true, false, None), ("router", true, false, true, false, None), ("router-w", true, false, true, true, None), ("separate, norm_q8e", false, false, true, false, early)]
+            vec![("separate", false, false, false, None), ("router", true, false, false, None), ("separate, norm_q8e", false, false, false, early)]
         };
         let mut r = vec![0f64; cfgs.len()];
         let mut s = 0;
         for _round in 0..3 {
-            for (i, &(_, router, down, late, pre, parts)) in cfgs.iter().enumerate() {
+            for (i, &(_, router, down, late, parts)) in cfgs.iter().enumerate() {
                 set_norm_fusion(Some(router), Some(down), Some(late));
-                set_router_norm_pre(Some(pre));
                 set_pdl_parts(parts);
                 m.clear_graphs();
                 fin &= stream_step(m, &pts, &mut toks, s)?;
@@ -594,7 +592,6 @@ fn norm_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
         println!("norm fusion A/B batch {b}: {} (graph replay, mean of 3 alternating rounds)", cells.join(", "));
     }
     set_norm_fusion(None, None, None);
-    set_router_norm_pre(None);
     set_pdl_parts(None);
     let pts: Vec<Vec<u32>> = vec![pages.take(9usize.div_ceil(PAGE))];
     let mut toks = start_streams(m, &pts)?;

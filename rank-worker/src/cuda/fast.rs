@@ -467,39 +467,28 @@ pub fn skip_mask() -> u32 {
 }
 
 static FUSE_ROUTER_NORM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FUSE_ROUTER_NORM", false);
-static FUSE_DOWN_NORM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FUSE_DOWN_NORM", false);
-static ROUTER_NORM_PRE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTER_NORM_PRE", false);
-
-/// With [`fuse_router_norm`]: whether each warp loads the first part of its router row before
-/// the norm (`router_topk_norm_f32w`; `MINIMAX_ROUTER_NORM_PRE=0` = after it). Bit-identical.
-pub fn router_norm_pre() -> bool {
-    ROUTER_NORM_PRE.get()
-}
-
-/// Overrides [`router_norm_pre`] (`None` = back to the environment). Drop captured graphs.
-pub fn set_router_norm_pre(on: Option<bool>) {
-    ROUTER_NORM_PRE.set(on);
-}
+static FUSE_DOWN_NORM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FUSE_DOWN_NORM", true);
 
 static DOWN_TRIG_LATE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_DOWN_TRIG_LATE", false);
 
 /// Whether the MoE's RMSNorm runs inside the fused router (`router_topk_norm_f32`: one kernel
-/// boundary fewer a layer; `MINIMAX_FUSE_ROUTER_NORM=0` = `norm_q8` + `router_topk_f32`).
-/// Bit-identical either way.
+/// boundary fewer a layer; `MINIMAX_FUSE_ROUTER_NORM=1`; off by default: slower at batch 1 and
+/// 32 on an H200, docs/CUDA.md). Bit-identical either way.
 pub fn fuse_router_norm() -> bool {
     FUSE_ROUTER_NORM.get()
 }
 
 /// Whether the streamed down's last block runs the next layer's attention RMSNorm (and, after
 /// the last layer, the output norm), so no `norm_q8` launch sits between the down and the
-/// q/k/v product (`MINIMAX_FUSE_DOWN_NORM=0` = separate). Bit-identical either way.
+/// q/k/v product (the default: 0.8 % faster at batch 1 on an H200; `MINIMAX_FUSE_DOWN_NORM=0`
+/// = separate). Bit-identical either way.
 pub fn fuse_down_norm() -> bool {
     FUSE_DOWN_NORM.get()
 }
 
 /// With [`fuse_down_norm`]: whether the down lets the next kernel launch only after its loops
-/// (`MINIMAX_DOWN_TRIG_LATE=0`: at its start, as without the fusion), so the q/k/v's weight
-/// copies overlap the norm rather than the down's own weight stream.
+/// (`MINIMAX_DOWN_TRIG_LATE=1`; off by default: slower) instead of at its start, so the q/k/v's
+/// weight copies would overlap the norm rather than the down's own weight stream.
 pub fn down_trig_late() -> bool {
     DOWN_TRIG_LATE.get()
 }
@@ -903,7 +892,7 @@ impl Gpu {
             minimax_shared::model::GatingFunc::Softmax => 1,
         };
         self.launch_pdl(
-            if router_norm_pre() { "router_topk_norm_f32w" } else { "router_topk_norm_f32" },
+            "router_topk_norm_f32",
             (ceil_div(w.rows, 4), nt as u32, 1),
             128,
             (4 * w.cols) as u32,
