@@ -429,15 +429,8 @@ __device__ __forceinline__ float norm_virtual(const float* xr, const float* w, i
     return 1.0f / sqrtf(t / (float)n + eps);
 }
 
-// norm_q8 (RMSNorm weight nw, q8 into q / d) and router_topk_f32 in one launch: every block
-// normalizes token t's row itself (norm_virtual: the values of norm_q8's f32 output, bit for
-// bit) into shared memory, its warps write their share of the q8 groups, then it runs
-// router_topk_f32's rows on the shared copy (router_row: same sums, same order). One kernel
-// boundary fewer on the decode step's critical path; logits, ids, weights and q8 bit-identical
-// to norm_q8 + router_topk_f32. Same grid as router_topk_f32, dynamic shared memory 4 n bytes;
-// n % 128 == 0, n <= 1024 RN_MAXI.
 #define RN_MAXI 4
-// The fused routers' first part (128 threads, every block): the token's row xr normalized
+// router_topk_norm_f32's first part (128 threads, every block): the token's row xr normalized
 // (weight nw) into xn (shared), then this block's share of its q8 groups into qt / dt.
 __device__ __forceinline__ void router_norm_prologue(const float* xr, const float* nw, int n, float eps, float* xn,
                                                      i8* qt, float* dt, int warp, int lane) {
@@ -457,6 +450,12 @@ __device__ __forceinline__ void router_norm_prologue(const float* xr, const floa
     for (int g = blockIdx.x * 4 + warp; g < (n >> 5); g += 4 * gridDim.x)
         qt[(g << 5) + lane] = (i8)q8_lane(xn[(g << 5) + lane], dt + g);
 }
+// norm_q8 (RMSNorm weight nw, q8 into q / d) and router_topk_f32 in one launch: every block
+// normalizes token t's row itself (norm_virtual: the values of norm_q8's f32 output, bit for
+// bit) into shared memory, its warps write their share of the q8 groups, then it runs
+// router_topk_f32's rows on the shared copy (router_row: same sums, same order). Logits, ids,
+// weights and q8 bit-identical to norm_q8 + router_topk_f32. Same grid as router_topk_f32,
+// dynamic shared memory 4 n bytes; n % 128 == 0, n <= 1024 RN_MAXI.
 extern "C" __global__ void __launch_bounds__(128) router_topk_norm_f32(
     const float* W, int rows, int n, const float* x, i64 xs, const float* nw, float eps, float* y, i64 ys,
     const float* bias, int k, int gating, int* ids, float* w, u32* cnt, i8* q, float* d) {

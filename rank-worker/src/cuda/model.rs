@@ -523,9 +523,10 @@ impl CudaModel {
                     None => None,
                 };
                 let next = next_w.filter(|_| fuse_down).map(|w| super::stream::NextNorm { weight: w, eps: c.rms_eps, q: xq, d: xd, cnt: g.ptr(&ws.ncnt), trig_late: super::fast::down_trig_late() });
+                // The streamed down's plan refuses what it cannot take (K-quants among them).
                 normed = match next {
-                    Some(n) if !super::fast_kq::kq_fast_mat(&dn) => g.try_down_stream_norm(&dn, ids, wts, k, nt, aq, ad, hid, h, Some(&n))?,
-                    _ => false,
+                    Some(n) => g.try_down_stream_norm(&dn, ids, wts, k, nt, aq, ad, hid, h, Some(&n))?,
+                    None => false,
                 };
                 if !normed {
                     g.moe_down_q8_any(&dn, ids, wts, k, aq, ad, hid, h, nt)?;
