@@ -419,7 +419,7 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
     // whole-row: one 24-chunk phase, or 12 + 1 for WholeShort; MMA: K halves of 7 + 6 chunks in
     // phases of 2, 66 rows = 4 full 16-row tiles + 2, 37 tokens = a full and a partial
     // 32-token tile) and at 25 chunks (whole-row: 24 + 1), IQ4_XS at 9.
-    for (ty, cols) in [(GgmlType::Q8_0, 256 * 13), (GgmlType::Q8_0, 256 * 25), (GgmlType::IQ4_XS, 512 * 9)] {
+    for (ty, cols) in [(GgmlType::Q8_0, 256 * 13), (GgmlType::Q8_0, 256 * 25), (GgmlType::Q8_0, 256 * 24), (GgmlType::IQ4_XS, 512 * 9)] {
         let rows = [37usize, 8, 21];
         let mats: Vec<Vec<u8>> = rows.iter().map(|&r| random_rows(&mut rng, ty, r, cols)).collect();
         let up: Vec<_> = mats.iter().zip(rows).map(|(b, r)| upload_mat(&g, ty, b, r, cols, 0)).collect();
@@ -434,12 +434,28 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
                 // The tensor-core kind in its three forms: mvmma3 bit-identical to mvmma, mvmma8
                 // (8 K ranges) within the bound like every kind.
                 let mut mma_bits: Option<Vec<Vec<u32>>> = None;
-                for (kind, mk) in [(MvqKind::Staged, None), (MvqKind::Whole, None), (MvqKind::WholeShort, None), (MvqKind::Mma, Some(Mvmma::W4R4)), (MvqKind::Mma, Some(Mvmma::W4R3)), (MvqKind::Mma, Some(Mvmma::W8R3))] {
+                // mvx_q8_0 (activations in shared memory; `mk` None with Mma, `kw` its warp
+                // groups a block): 13 and 25 chunks in one K part (25 in 5 parts at 32 tokens:
+                // partial sums + arrival counters), 24 in one or two parts of two warp groups,
+                // 1 or 2 token tiles; 37 tokens fall back to mvmma.
+                for (kind, mk, kw) in [(MvqKind::Staged, None, 0u8), (MvqKind::Whole, None, 0), (MvqKind::WholeShort, None, 0), (MvqKind::Mma, Some(Mvmma::W4R4), 0), (MvqKind::Mma, Some(Mvmma::W4R3), 0), (MvqKind::Mma, Some(Mvmma::W8R3), 0), (MvqKind::Mma, None, 1), (MvqKind::Mma, None, 2)] {
                     fast::set_mvmma(mk.map(Some));
+                    fast::set_mvx(Some(mk.is_none()));
+                    fast::set_mvx_kw(Some(kw));
+                    if kind == MvqKind::Mma && mk.is_none() && (nv == 13 || nv == 32) && !acc && ty == GgmlType::Q8_0 {
+                        let p = g.mvx_plan(cols / 256, cols, nv, 66, g.ptr(&qb), g.ptr(&db)).expect("mvx_q8_0 must take a 13- or 32-token Q8_0 product on this card");
+                        eprintln!("mvx plan, {cols} columns, {nv} tokens: {p:?}");
+                        assert!(p.kw == kw as usize || (p.kw == 1 && (cols / 256 / p.ks) % 2 == 1), "warp groups of {p:?}");
+                        if nv == 32 && cols >= 256 * 24 {
+                            assert!(p.ks > 1, "{cols} columns x 32 tokens must be split in K parts: {p:?}");
+                        }
+                    }
                     let yb: Vec<_> = (0..3).map(|i| if acc { g.upload(&y0[i]).unwrap() } else { poisoned(&g, nv * ys[i]) }).collect();
                     let segs: Vec<_> = (0..3).map(|i| (&up[i].1, g.ptr(&yb[i]), ys[i])).collect();
                     g.matvec_q8_with(kind, &segs, g.ptr(&qb), g.ptr(&db), cols, nv, acc).unwrap();
                     fast::set_mvmma(None);
+                    fast::set_mvx(None);
+                    fast::set_mvx_kw(None);
                     if matches!(mk, Some(Mvmma::W4R4 | Mvmma::W4R3)) && ty == GgmlType::Q8_0 {
                         let outs: Vec<Vec<u32>> = yb.iter().map(|b| bits(&g.download(b).unwrap())).collect();
                         match &mma_bits {
@@ -469,12 +485,12 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
                         }
                     }
                     if nv == 37 && acc {
-                        eprintln!("mvq     {ty:<7} {kind:?} {mk:?} 3 segs x {cols} nv<=37: max |diff| / sum|w x| {worst:.2e}");
+                        eprintln!("mvq     {ty:<7} {kind:?} {mk:?} kw {kw} 3 segs x {cols} nv<=37: max |diff| / sum|w x| {worst:.2e}");
                     }
                 }
             }
         }
-        if cols == 256 * 25 {
+        if cols == 256 * 25 || cols == 256 * 24 {
             continue;
         }
         // Fused MoE: gate/up/SiLU -> q8, then down + weighted combine into the residual.

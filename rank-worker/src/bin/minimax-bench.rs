@@ -718,8 +718,18 @@ fn mvmma_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     fn set(auto: Option<bool>) {
         set_mvmma(auto.map(|a| if a { None } else { Some(Mvmma::W4R4) }));
     }
-    switch_ab(m, pages, "dense Q8_0 products on tensor cores", ["mvmma everywhere", "automatic choice"], set)?;
+    minimax_rank::cuda::fast::set_mvx(Some(false));
+    switch_ab(m, pages, "dense Q8_0 products on tensor cores (mvx off)", ["mvmma everywhere", "automatic choice"], set)?;
     set_mvmma(None);
+    minimax_rank::cuda::fast::set_mvx(None);
+    m.clear_graphs();
+    // mvx_q8_0 (activations staged in shared memory) against the automatic mvmma choice.
+    switch_ab(m, pages, "dense Q8_0 products: mvx_q8_0", ["mvmma (automatic)", "mvx_q8_0"], |on| minimax_rank::cuda::fast::set_mvx(on))?;
+    minimax_rank::cuda::fast::set_mvx(None);
+    m.clear_graphs();
+    // Its warp groups: one (every warp a whole K part) against two (column halves) everywhere.
+    switch_ab(m, pages, "mvx_q8_0 warp groups", ["one group", "two groups"], |on| minimax_rank::cuda::fast::set_mvx_kw(on.map(|b| if b { 2 } else { 1 })))?;
+    minimax_rank::cuda::fast::set_mvx_kw(None);
     m.clear_graphs();
     Ok(())
 }

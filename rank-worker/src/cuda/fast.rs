@@ -174,6 +174,71 @@ impl Mvmma {
     }
 }
 
+/// Floats of partial sums the K-split `mvx_q8_0` products may use (parts x tokens x rows).
+pub const MVX_PART_CAP: usize = 2 * 32 * 16384;
+/// Arrival counters of the K-split `mvx_q8_0` products (one per 8-row task).
+pub const MVX_CNT_CAP: usize = 2048;
+
+/// Whether 4-32-token Q8_0 products take `mvx_q8_0` where it fits (`MINIMAX_MVX`, default on;
+/// 0 = the `mvmma*` kernels); [`set_mvx`] overrides (tests, A/B runs).
+static MVX_FORCED: AtomicU8 = AtomicU8::new(u8::MAX);
+fn mvx_on() -> bool {
+    let mut v = MVX_FORCED.load(Ordering::Relaxed);
+    if v == u8::MAX {
+        v = (std::env::var("MINIMAX_MVX").as_deref() != Ok("0")) as u8;
+        MVX_FORCED.store(v, Ordering::Relaxed);
+    }
+    v == 1
+}
+/// Forces `mvx_q8_0` on or off (`Some`), or back to `MINIMAX_MVX` (`None`). Captured graphs keep
+/// the kernels they were captured with.
+pub fn set_mvx(on: Option<bool>) {
+    MVX_FORCED.store(on.map_or(u8::MAX, |b| b as u8), Ordering::Relaxed);
+}
+
+/// A launch of `mvx_q8_0` (see [`Gpu::mvx_plan`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct MvxPlan {
+    /// Kernel name (`mvx_q8_0_{token tiles}_{ring buffers}`).
+    pub name: String,
+    /// (blocks, K parts, 1).
+    pub grid: (u32, u32, u32),
+    /// K parts (grid y).
+    pub ks: usize,
+    /// Warp groups a block, each a column range of the block's part (block 256 kw threads).
+    pub kw: usize,
+    /// Dynamic shared memory of a block.
+    pub smem: usize,
+}
+
+/// Shared memory of an `mvx_q8_0` block: `mt` 16-token tiles of a K part of `kcols` columns
+/// (rows of kcols + 16 bytes, then their f32 scales) and 8 `kw` warps' rings of `nb` 8-row
+/// chunks.
+pub fn mvx_smem(mt: usize, kcols: usize, nb: usize, kw: usize) -> usize {
+    16 * mt * (kcols + 16) + 16 * mt * kcols / 8 + 8 * kw * nb * 8 * CH
+}
+
+/// Column ranges a block's warps split its K part into (`MINIMAX_MVX_KW=1|2`, [`set_mvx_kw`];
+/// 0 = the default, one); u8::MAX = not read yet.
+static MVX_KW: AtomicU8 = AtomicU8::new(u8::MAX);
+fn mvx_kw_forced() -> u8 {
+    let mut v = MVX_KW.load(Ordering::Relaxed);
+    if v == u8::MAX {
+        v = match std::env::var("MINIMAX_MVX_KW").as_deref() {
+            Ok("1") => 1,
+            Ok("2") => 2,
+            _ => 0,
+        };
+        MVX_KW.store(v, Ordering::Relaxed);
+    }
+    v
+}
+/// Forces the `mvx_q8_0` warp split (`Some(1 | 2)`; `Some(0)` = the default), or back to the
+/// environment (`None`).
+pub fn set_mvx_kw(kw: Option<u8>) {
+    MVX_KW.store(kw.unwrap_or(u8::MAX), Ordering::Relaxed);
+}
+
 /// Forced kernel (1 + `Mvmma as u8`; 0 = by the grid, see [`mvmma_kind`]); u8::MAX = not read
 /// from `MINIMAX_MVMMA` yet.
 static MVMMA_FORCED: AtomicU8 = AtomicU8::new(u8::MAX);
@@ -789,6 +854,39 @@ impl Gpu {
         )
     }
 
+    /// The `mvx_q8_0` launch of a Q8_0 product of `rows` rows over `nchunks` chunks for `nv`
+    /// tokens, or `None` where it does not apply (off, over 32 or below 2 tokens, activations
+    /// not 16-byte aligned or not a multiple of 128 wide, no K split that fits the card's
+    /// shared memory and the scratch). K parts: the fewest that fit; ring: 6 buffers a warp
+    /// where they fit, else 4. Blocks: one an SM over the parts, no more than the 8-row tasks
+    /// need.
+    pub fn mvx_plan(&self, nchunks: usize, ncol: usize, nv: usize, rows: usize, xq: u64, xd: u64) -> Option<MvxPlan> {
+        if !mvx_on() || !(2..=32).contains(&nv) || ncol % 128 != 0 || xq % 16 != 0 || xd % 16 != 0 || nchunks == 0 || self.arch < 80 {
+            return None;
+        }
+        let mt = nv.div_ceil(16);
+        let optin = self.smem_optin();
+        let ntask = rows.div_ceil(8);
+        let scratch_ok = |parts: usize| parts == 1 || (parts * nv * rows <= MVX_PART_CAP && ntask <= MVX_CNT_CAP);
+        for ks in 1..=8usize {
+            if nchunks % ks != 0 || !scratch_ok(ks) {
+                continue;
+            }
+            let kcols = nchunks / ks * 256;
+            let Some(nb) = [6usize, 4].into_iter().find(|&nb| mvx_smem(mt, kcols, nb, 1) <= optin) else { continue };
+            let bx = (self.sm_count() / ks).max(1);
+            // Two warp groups on column halves (the partial sums then go through the scratch):
+            // opt-in only, slower everywhere measured (session 14: batch 32 35.31 against 35.10
+            // ms a step with one group).
+            let two = (nchunks / ks) % 2 == 0 && scratch_ok(2 * ks) && mvx_smem(mt, kcols, 3, 2) <= optin;
+            let kw = if mvx_kw_forced() == 2 && two { 2 } else { 1 };
+            let nb = if kw == 2 { 3 } else { nb };
+            let bx = bx.min(ntask.div_ceil(8));
+            return Some(MvxPlan { name: format!("mvx_q8_0_{mt}_{nb}_{kw}"), grid: (bx as u32, ks as u32, 1), ks, kw, smem: mvx_smem(mt, kcols, nb, kw) });
+        }
+        None
+    }
+
     /// `y_s[v] (+)= W_s x_q[v]` for up to three matrices `segs` = (W, y, y stride) sharing one
     /// q8 input of `ncol` columns, `nv` vectors.
     pub fn matvec_q8(&self, segs: &[(&DevMat, u64, usize)], xq: u64, xd: u64, ncol: usize, nv: usize, accumulate: bool) -> Result<(), CudaError> {
@@ -819,6 +917,11 @@ impl Gpu {
         let (args, rows) = mv_args(segs, nchunks, xq, xd, ncol, nv, accumulate);
         let mma = ty == GgmlType::Q8_0 && (kind == MvqKind::Mma || (kind == MvqKind::Auto && nv >= MMA_MIN_TOKENS));
         if mma {
+            if let Some(plan) = self.mvx_plan(nchunks, ncol, nv, rows, xq, xd) {
+                let mut args = args;
+                args.extend([Arg::I(plan.ks as i32), Arg::P(self.ptr(&self.mvx_scratch.0)), Arg::P(self.ptr(&self.mvx_scratch.1))]);
+                return self.launch_pdl(&plan.name, plan.grid, 256 * plan.kw as u32, plan.smem as u32, &args);
+            }
             let grid = (ceil_div(rows, 16), ceil_div(nv, 32), 1);
             let (stem, threads, smem) = mvmma_kind((grid.0 * grid.1) as usize, nchunks, self.sm_count(), self.smem_optin()).launch();
             let name = if pdl_part(PDL_MMA) { format!("{stem}p") } else { stem.to_string() };

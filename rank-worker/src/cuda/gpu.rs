@@ -127,6 +127,9 @@ pub struct Gpu {
     /// cuBLAS for the dense prefill products, created on first use (`None`: not available;
     /// see [`Gpu::blas`]).
     pub(super) blas: OnceLock<Option<super::blas::Blas>>,
+    /// Partial sums and arrival counters of the K-split `mvx_q8_0` products (see
+    /// [`Gpu::mvx_plan`]); allocated with the device so no step allocates (counters zero).
+    pub(super) mvx_scratch: (CudaSlice<f32>, CudaSlice<u32>),
 }
 
 /// Checks that the CUDA driver library can be loaded (instead of a panic in the bindings).
@@ -179,7 +182,8 @@ impl Gpu {
             _ => 4,
         };
         let pdl = arch >= 90 && std::env::var("MINIMAX_PDL").map(|v| v != "0").unwrap_or(true);
-        Ok(Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), smem_allowed: Mutex::new(HashMap::new()), prof: Mutex::new(None), pdl, gu_rows, blas: OnceLock::new() })
+        let mvx_scratch = (stream.alloc_zeros::<f32>(super::fast::MVX_PART_CAP)?, stream.alloc_zeros::<u32>(super::fast::MVX_CNT_CAP)?);
+        Ok(Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), smem_allowed: Mutex::new(HashMap::new()), prof: Mutex::new(None), pdl, gu_rows, blas: OnceLock::new(), mvx_scratch })
     }
 
     /// The kernel `name`, looked up once in the loaded modules.
