@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -734,15 +734,15 @@ fn mvmma_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// A/B of a kernel switch (`set(Some(false))` then `set(Some(true))`) at batch 4 / 16 / 32
+/// A/B of a kernel switch (`set(Some(false))` then `set(Some(true))`) at batch 4 / 8 / 16 / 32
 /// (served-like prompts), graph replay, alternating, three rounds; prints ms per step and tok/s
 /// and returns the 32 streams (pages, next tokens, next step index).
 fn switch_ab(m: &mut CudaModel, pages: &mut Pages, what: &str, names: [&str; 2], set: fn(Option<bool>)) -> anyhow::Result<(Vec<Vec<u32>>, Vec<u32>, usize)> {
-    let bs = [4usize, 16, 32];
+    let bs = [4usize, 8, 16, 32];
     let pts: Vec<Vec<u32>> = (0..32).map(|_| pages.take(8)).collect();
     let mut toks = start_streams(m, &pts)?;
     let mut s = 0;
-    let mut r = [[0f64; 3]; 2];
+    let mut r = [[0f64; 4]; 2];
     for _round in 0..3 {
         for (i, on) in [false, true].into_iter().enumerate() {
             set(Some(on));
@@ -868,6 +868,11 @@ fn main() -> anyhow::Result<()> {
     }
     if flag("--mvmma-ab") {
         return mvmma_ab(&mut m, &mut pages);
+    }
+    if flag("--router-ab") {
+        switch_ab(&mut m, &mut pages, "router of several tokens", ["router_topk_f32", "router_topk_f32g (grouped)"], minimax_rank::cuda::fast::set_router_grouped)?;
+        minimax_rank::cuda::fast::set_router_grouped(None);
+        return Ok(());
     }
     if let Some(v) = arg("--prompts") {
         let (n, p) = v.split_once(',').and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?))).ok_or_else(|| anyhow::anyhow!("--prompts N,P"))?;
