@@ -390,57 +390,6 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32p(const float* 
     router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
 }
 
-// router_topk_f32 for steps of several tokens: a block takes 4 rows (a warp each) x a group of
-// up to RG_TG tokens, whose rows it stages in shared memory once, and each warp reads its weight
-// row once for the whole group (router_topk_f32 re-reads the row and the token's x from L2 for
-// every (row, token): ~200 MB of L2 reads a layer at 32 tokens). Per (row, token) the same sums
-// in the same order as router_row, so logits, ids and weights are bit-identical to
-// router_topk_f32. The last block of a token group (cnt[group], reset by it) runs the top-k,
-// warp w for token w, w + 4, ... of the group. grid (ceil(rows / 4), ceil(nt / RG_TG)), block
-// 128, dynamic shared memory RG_TG x n floats; n % 4 == 0, x rows 16-byte aligned.
-#define RG_TG 8
-extern "C" __global__ void __launch_bounds__(128) router_topk_f32g(const float* W, int rows, int n, const float* x,
-                                                                   i64 xs, int nt, float* y, i64 ys, const float* bias,
-                                                                   int k, int gating, int* ids, float* w, u32* cnt) {
-    extern __shared__ __align__(16) u8 dyn_smem[];
-    float4* xsm = (float4*)dyn_smem;
-    pdl_enter();
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n4 = n >> 2;
-    const int t0 = blockIdx.y * RG_TG, tg = min(RG_TG, nt - t0);
-    for (int i = threadIdx.x; i < tg * n4; i += blockDim.x) {
-        const int t = i / n4, c = i - t * n4;
-        xsm[i] = ((const float4*)(x + (i64)(t0 + t) * xs))[c];
-    }
-    __syncthreads();
-    const int r = blockIdx.x * 4 + warp;
-    if (r < rows) {
-        const float4* wr = (const float4*)(W + (i64)r * n);
-        float acc[RG_TG];
-#pragma unroll
-        for (int t = 0; t < RG_TG; t++) acc[t] = 0.f;
-        for (int idx = lane; idx < n4; idx += 32) {
-            const float4 wv = __ldg(wr + idx);
-#pragma unroll
-            for (int t = 0; t < RG_TG; t++)
-                if (t < tg) {
-                    const float4 xv = xsm[t * n4 + idx];
-                    acc[t] += wv.x * xv.x + wv.y * xv.y + wv.z * xv.z + wv.w * xv.w;
-                }
-        }
-#pragma unroll
-        for (int t = 0; t < RG_TG; t++) {
-            const float v = warp_sum(acc[t]);
-            if (t < tg && lane == 0) y[(i64)(t0 + t) * ys + r] = v;
-        }
-    }
-    if (arrive_last(cnt + blockIdx.y, gridDim.x)) {
-        for (int t = warp; t < tg; t += 4)
-            route_topk_warp(y + (i64)(t0 + t) * ys, bias, rows, k, gating, ids + (t0 + t) * k, w + (t0 + t) * k, lane);
-        __syncthreads();
-        if (threadIdx.x == 0) cnt[blockIdx.y] = 0;
-    }
-}
-
 // ------------------------------------------------ RMSNorm folded into its consumer ------
 // norm_q8_row's RMSNorm (f32 sum of squares) computed by W warps instead of 1024 threads, bit
 // for bit: real warp `warp` plays the virtual warps warp + W m (m < 32 / W) with the same lanes,

@@ -174,26 +174,6 @@ impl Mvmma {
     }
 }
 
-/// Tokens a block of `router_topk_f32g` stages (`RG_TG` in kernels/fast.cu).
-pub const ROUTER_GROUP_TOKENS: usize = 8;
-/// Whether router products of several tokens take `router_topk_f32g` (`MINIMAX_ROUTER_GRP`,
-/// default on; 0 = `router_topk_f32`, one warp per (row, token)); [`set_router_grouped`]
-/// overrides.
-static ROUTER_GRP: AtomicU8 = AtomicU8::new(u8::MAX);
-fn router_grouped() -> bool {
-    let mut v = ROUTER_GRP.load(Ordering::Relaxed);
-    if v == u8::MAX {
-        v = (std::env::var("MINIMAX_ROUTER_GRP").as_deref() != Ok("0")) as u8;
-        ROUTER_GRP.store(v, Ordering::Relaxed);
-    }
-    v == 1
-}
-/// Forces `router_topk_f32g` on or off for steps of several tokens (`Some`), or back to the
-/// environment (`None`). Captured graphs keep the kernels they were captured with.
-pub fn set_router_grouped(on: Option<bool>) {
-    ROUTER_GRP.store(on.map_or(u8::MAX, |b| b as u8), Ordering::Relaxed);
-}
-
 /// Floats of partial sums the K-split `mvx_q8_0` products may use (parts x tokens x rows).
 pub const MVX_PART_CAP: usize = 2 * 32 * 16384;
 /// Arrival counters of the K-split `mvx_q8_0` products (one per 8-row task).
@@ -976,33 +956,6 @@ impl Gpu {
             minimax_shared::model::GatingFunc::Sigmoid => 2,
             minimax_shared::model::GatingFunc::Softmax => 1,
         };
-        // Several tokens: router_topk_f32g (token groups staged in shared memory, each weight
-        // row read once a group; bit-identical).
-        let gsmem = ROUTER_GROUP_TOKENS * w.cols * 4;
-        if nt >= 2 && router_grouped() && gsmem <= self.smem_optin() {
-            return self.launch_pdl(
-                "router_topk_f32g",
-                (ceil_div(w.rows, 4), ceil_div(nt, ROUTER_GROUP_TOKENS), 1),
-                128,
-                gsmem as u32,
-                &[
-                    Arg::P(w.ptr),
-                    Arg::I(w.rows as i32),
-                    Arg::I(w.cols as i32),
-                    Arg::P(x),
-                    Arg::L(xs as i64),
-                    Arg::I(nt as i32),
-                    Arg::P(y),
-                    Arg::L(ys as i64),
-                    Arg::P(bias),
-                    Arg::I(k as i32),
-                    Arg::I(g),
-                    Arg::P(ids),
-                    Arg::P(wts),
-                    Arg::P(cnt),
-                ],
-            );
-        }
         // router_topk_f32p: the weight row in registers before the wait (rows of <= 3072).
         let pre = pdl_part(PDL_ROUTER) && w.cols <= ROUTER_PRE_MAX_COLS;
         self.launch_pdl(
