@@ -199,7 +199,7 @@ pub fn set_mvx(on: Option<bool>) {
 /// A launch of `mvx_q8_0` (see [`Gpu::mvx_plan`]).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct MvxPlan {
-    /// Kernel name (`mvx_q8_0_{token tiles}_{ring buffers}`).
+    /// Kernel name (`mvx_q8_0_{token tiles}_{ring buffers}_{warp groups}`).
     pub name: String,
     /// (blocks, K parts, 1).
     pub grid: (u32, u32, u32),
