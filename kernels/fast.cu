@@ -1039,7 +1039,6 @@ MVMMA_INST(mvmma_q8_0, MM8_NB, 4)
 MVMMA_INST(mvmma3_q8_0, 3, 4)
 MVMMA_INST(mvmma8_q8_0, 3, 8)
 
-
 // ------------------------------------------------------------- MoE (decode) -------------
 
 // Pair p = blockIdx.y (token p / k, expert ids[p]): act[p][r] = silu(gate_r . x) * (up_r . x)

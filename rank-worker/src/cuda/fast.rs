@@ -181,19 +181,14 @@ pub const MVX_CNT_CAP: usize = 2048;
 
 /// Whether 4-32-token Q8_0 products take `mvx_q8_0` where it fits (`MINIMAX_MVX`, default on;
 /// 0 = the `mvmma*` kernels); [`set_mvx`] overrides (tests, A/B runs).
-static MVX_FORCED: AtomicU8 = AtomicU8::new(u8::MAX);
+static MVX: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_MVX", true);
 fn mvx_on() -> bool {
-    let mut v = MVX_FORCED.load(Ordering::Relaxed);
-    if v == u8::MAX {
-        v = (std::env::var("MINIMAX_MVX").as_deref() != Ok("0")) as u8;
-        MVX_FORCED.store(v, Ordering::Relaxed);
-    }
-    v == 1
+    MVX.get()
 }
 /// Forces `mvx_q8_0` on or off (`Some`), or back to `MINIMAX_MVX` (`None`). Captured graphs keep
 /// the kernels they were captured with.
 pub fn set_mvx(on: Option<bool>) {
-    MVX_FORCED.store(on.map_or(u8::MAX, |b| b as u8), Ordering::Relaxed);
+    MVX.set(on);
 }
 
 /// A launch of `mvx_q8_0` (see [`Gpu::mvx_plan`]).
