@@ -184,6 +184,10 @@ __device__ __forceinline__ bool arrive_last(u32* cnt, u32 nblocks) {
 // aligned rows). A warp per (row, token), 12 float4 loads per lane in flight per round.
 // grid (ceil(rows / 4), nt), block 128.
 #define RT_UNR 12
+// One step of a router row's sum (every router kernel's, so that they agree bit for bit).
+__device__ __forceinline__ float router_acc(float acc, float4 w, float4 x) {
+    return acc + (w.x * x.x + w.y * x.y + w.z * x.z + w.w * x.w);
+}
 // One router row: y[t][r] = W row r . x[t] by warp (r, t); lane 0 writes it (and, with fence,
 // makes it visible device-wide before returning: the fused top-k's last block reads it).
 __device__ __forceinline__ void router_row(const float* W, int rows, int n, const float* x, i64 xs, float* y, i64 ys,
@@ -206,7 +210,7 @@ __device__ __forceinline__ void router_row(const float* W, int rows, int n, cons
 #pragma unroll
         for (int i = 0; i < RT_UNR; i++) {
             int idx = base + lane + 32 * i;
-            if (idx < n4) acc += wv[i].x * xv[i].x + wv[i].y * xv[i].y + wv[i].z * xv[i].z + wv[i].w * xv[i].w;
+            if (idx < n4) acc = router_acc(acc, wv[i], xv[i]);
         }
     }
     acc = warp_sum(acc);
@@ -342,6 +346,65 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32(const float* W
     router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
 }
 
+// router_topk_f32 for several tokens: warp (row, group of up to 4 tokens) loads each round of
+// its weight row once and dots it with each token's x (router_topk_f32 re-reads the row for
+// every token: at 32 tokens 100 MB of the ~200 MB of L2 reads a layer). Per (row, token) the
+// same sums in the same order as router_row: logits, ids and weights bit-identical. A block
+// counts itself for each of its tokens; the last block of token t0 + w runs its top-k in warp
+// w. grid (ceil(rows / 4), ceil(nt / 4)), block 128.
+extern "C" __global__ void __launch_bounds__(128) router_topk_f32t4(const float* W, int rows, int n, const float* x,
+                                                                    i64 xs, int nt, float* y, i64 ys, const float* bias,
+                                                                    int k, int gating, int* ids, float* w, u32* cnt) {
+    pdl_enter();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, r = blockIdx.x * 4 + warp;
+    const int t0 = blockIdx.y * 4, tn = min(4, nt - t0), n4 = n >> 2;
+    if (r < rows) {
+        const float4* wr = (const float4*)(W + (i64)r * n);
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        for (int base = 0; base < n4; base += 32 * RT_UNR) {
+            float4 wv[RT_UNR];
+#pragma unroll
+            for (int i = 0; i < RT_UNR; i++) {
+                const int idx = base + lane + 32 * i;
+                if (idx < n4) wv[i] = __ldg(wr + idx);
+            }
+#pragma unroll
+            for (int tt = 0; tt < 4; tt++) {
+                if (tt >= tn) break;
+                const float4* xt = (const float4*)(x + (i64)(t0 + tt) * xs);
+                float4 xv[RT_UNR];
+#pragma unroll
+                for (int i = 0; i < RT_UNR; i++) {
+                    const int idx = base + lane + 32 * i;
+                    if (idx < n4) xv[i] = xt[idx];
+                }
+#pragma unroll
+                for (int i = 0; i < RT_UNR; i++) {
+                    const int idx = base + lane + 32 * i;
+                    if (idx < n4) acc[tt] = router_acc(acc[tt], wv[i], xv[i]);
+                }
+            }
+        }
+#pragma unroll
+        for (int tt = 0; tt < 4; tt++) {
+            const float v = warp_sum(acc[tt]);
+            if (tt < tn && lane == 0) {
+                y[(i64)(t0 + tt) * ys + r] = v;
+                __threadfence();
+            }
+        }
+    }
+    __shared__ int last[4];
+    __syncthreads();
+    if (threadIdx.x < tn) last[threadIdx.x] = atomicAdd(&cnt[t0 + threadIdx.x], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (warp < tn && last[warp]) {
+        __threadfence();
+        route_topk_warp(y + (i64)(t0 + warp) * ys, bias, rows, k, gating, ids + (t0 + warp) * k, w + (t0 + warp) * k, lane);
+        if (lane == 0) cnt[t0 + warp] = 0;
+    }
+}
+
 // router_topk_f32 with the weight row loaded into registers before pdl_wait (RT_PRE float4
 // per lane: rows of at most 32 * RT_PRE * 4 = 3072 floats; the host checks), so the router's
 // 3 MB overlap the previous kernel. Then x in rounds of RT_UNR and the same sums in the same
@@ -377,8 +440,7 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32p(const float* 
             for (int i = 0; i < RT_UNR; i++) {
                 int idx = lane + 32 * (b + i);
                 if (idx < n4)
-                    acc += wv[b + i].x * xv[i].x + wv[b + i].y * xv[i].y + wv[b + i].z * xv[i].z +
-                           wv[b + i].w * xv[i].w;
+                    acc = router_acc(acc, wv[b + i], xv[i]);
             }
         }
         acc = warp_sum(acc);
@@ -860,6 +922,21 @@ __device__ __forceinline__ void mma_s8_16832(int (&c)[4], const u32 (&a)[4], u32
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(0), "r"(0), "r"(0), "r"(0));
 }
 
+// The mma.m16n8k32 B fragment of lane (g, t) from the Q8_0 block at blk, the j-th 34-byte
+// block of a 272-byte chunk row staged at a 4-byte boundary: b0 = quants 4t..4t+3, b1 = 16+4t..
+// (odd blocks start 2 bytes into a word, so their quants are word-aligned; even ones are
+// realigned with byte_perm).
+__device__ __forceinline__ void q8_0_bfrag(const u8* blk, int j, int t, u32& b0, u32& b1) {
+    if (j & 1) {
+        b0 = *(const u32*)(blk + 2 + 4 * t);
+        b1 = *(const u32*)(blk + 18 + 4 * t);
+    } else {
+        const u32* wp = (const u32*)blk;
+        b0 = __byte_perm(wp[t], wp[t + 1], 0x5432);
+        b1 = __byte_perm(wp[4 + t], wp[5 + t], 0x5432);
+    }
+}
+
 // PRE: the first NB - 1 ring chunks (weights) are issued before pdl_wait (mvmma_q8_0p).
 // NB: ring buffers per warp (4: mvmma_q8_0*, 3: mvmma3_q8_0*, whose 52 KB let four blocks share
 // an SM: q/k/v's 512 blocks at M2.7 size run in one wave instead of 1.3; the host picks it only
@@ -955,14 +1032,7 @@ __device__ __forceinline__ void mvmma_q8_0_impl(const u8* W0, i64 rb0, int rows0
             for (int q = 0; q < 2; q++) {
                 const u8* blk = b + (q * 8 + g) * CH + j * 34;
                 u32 b0, b1;
-                if (j & 1) {  // the block starts 2 bytes into a word: its quants are word-aligned
-                    b0 = *(const u32*)(blk + 2 + 4 * t);
-                    b1 = *(const u32*)(blk + 18 + 4 * t);
-                } else {
-                    const u32* wp = (const u32*)blk;
-                    b0 = __byte_perm(wp[t], wp[t + 1], 0x5432);
-                    b1 = __byte_perm(wp[4 + t], wp[5 + t], 0x5432);
-                }
+                q8_0_bfrag(blk, j, t, b0, b1);
                 // This lane's output columns: rows q * 8 + 2t and + 1.
                 float dw0 = f16_to_f32(*(const u16*)(b + (q * 8 + 2 * t) * CH + j * 34));
                 float dw1 = f16_to_f32(*(const u16*)(b + (q * 8 + 2 * t + 1) * CH + j * 34));

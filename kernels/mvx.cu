@@ -39,12 +39,12 @@ __device__ __forceinline__ void mvx_q8_0_impl(const u8* W0, i64 rb0, int rows0, 
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int wg = warp >> 3, w8 = warp & 7;
     const int pch = nchunks / ks, c0 = blockIdx.y * pch;  // the block's K part (chunks)
-    const int kcols = pch * 256, xpitch = kcols + 16, nsc = kcols / 32;
+    const int kcols = pch * 256, xpitch = kcols + 16, nsc = kcols / 32, spitch = nsc + 4;
     const int wch = pch / KW, wc0 = wg * wch;  // this warp's chunks within the part
     const int nparts = ks * KW, pidx = blockIdx.y * KW + wg;
     u8* xs = dyn_smem;
     float* xds = (float*)(dyn_smem + 16 * MT * xpitch);
-    u8* ring = (u8*)(xds + 16 * MT * nsc) + warp * (NB * MVX_RB);
+    u8* ring = (u8*)(xds + 16 * MT * spitch) + warp * (NB * MVX_RB);
     const int rows = rows0 + rows1 + rows2, ntask = (rows + 7) >> 3;
     const int wstride = gridDim.x * 8, first = blockIdx.x * 8 + w8;
     const int total = (first < ntask ? (ntask - 1 - first) / wstride + 1 : 0) * wch;
@@ -94,7 +94,7 @@ __device__ __forceinline__ void mvx_q8_0_impl(const u8* W0, i64 rb0, int rows0, 
         }
         for (int p = threadIdx.x; p < nvh * sp; p += blockDim.x) {
             const int tok = p / sp, q = p - tok * sp;
-            cp_async16(xds + tok * nsc + q * 4, xd + (i64)tok * (ncol / 32) + c0 * 8 + q * 4);
+            cp_async16(xds + tok * spitch + q * 4, xd + (i64)tok * (ncol / 32) + c0 * 8 + q * 4);
         }
         cp_async_commit();
         cp_async_wait<0>();
@@ -103,7 +103,7 @@ __device__ __forceinline__ void mvx_q8_0_impl(const u8* W0, i64 rb0, int rows0, 
     // ldmatrix row of this lane: token (lane & 7) + 8 ((lane >> 3) & 1), bytes 16 (lane >> 4);
     // this lane's q8 scales: tokens g and g + 8 of each tile.
     const u8* xl = xs + ((lane & 7) + 8 * ((lane >> 3) & 1)) * xpitch + 16 * (lane >> 4) + wc0 * 256;
-    const float* dxl = xds + g * nsc + wc0 * 8;
+    const float* dxl = xds + g * spitch + wc0 * 8;
     float acc[MT][4];
 #pragma unroll
     for (int m = 0; m < MT; m++)
@@ -123,19 +123,12 @@ __device__ __forceinline__ void mvx_q8_0_impl(const u8* W0, i64 rb0, int rows0, 
 #pragma unroll
             for (int m = 0; m < MT; m++) {
                 ldsm_x4(a[m], xl + m * 16 * xpitch + kb * 32);
-                dx[m][0] = dxl[16 * m * nsc + kb];
-                dx[m][1] = dxl[(16 * m + 8) * nsc + kb];
+                dx[m][0] = dxl[16 * m * spitch + kb];
+                dx[m][1] = dxl[(16 * m + 8) * spitch + kb];
             }
             const u8* blk = b + g * CH + j * 34;
             u32 b0, b1;
-            if (j & 1) {  // the block starts 2 bytes into a word: its quants are word-aligned
-                b0 = *(const u32*)(blk + 2 + 4 * t);
-                b1 = *(const u32*)(blk + 18 + 4 * t);
-            } else {
-                const u32* wp = (const u32*)blk;
-                b0 = __byte_perm(wp[t], wp[t + 1], 0x5432);
-                b1 = __byte_perm(wp[4 + t], wp[5 + t], 0x5432);
-            }
+            q8_0_bfrag(blk, j, t, b0, b1);
             // This lane's output columns: rows 2t and 2t + 1 of the task.
             const float dw0 = f16_to_f32(*(const u16*)(b + (2 * t) * CH + j * 34));
             const float dw1 = f16_to_f32(*(const u16*)(b + (2 * t + 1) * CH + j * 34));
@@ -169,6 +162,7 @@ __device__ __forceinline__ void mvx_q8_0_impl(const u8* W0, i64 rb0, int rows0, 
             u32 prev = 0;
             if (lane == 0) prev = atomicAdd(cnt + task, 1u);
             prev = __shfl_sync(0xffffffffu, prev, 0);
+            __syncwarp();
             store = prev == (u32)nparts - 1;
             if (store) {
                 __threadfence();

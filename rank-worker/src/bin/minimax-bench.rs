@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -868,6 +868,12 @@ fn main() -> anyhow::Result<()> {
     }
     if flag("--mvmma-ab") {
         return mvmma_ab(&mut m, &mut pages);
+    }
+    if flag("--router-ab") {
+        use minimax_rank::cuda::fast::set_router_t4_min;
+        switch_ab(&mut m, &mut pages, "router of several tokens", ["router_topk_f32", "router_topk_f32t4"], |on| set_router_t4_min(on.map(|b| if b { 2 } else { 99 })))?;
+        set_router_t4_min(None);
+        return Ok(());
     }
     if let Some(v) = arg("--prompts") {
         let (n, p) = v.split_once(',').and_then(|(a, b)| Some((a.parse().ok()?, b.parse().ok()?))).ok_or_else(|| anyhow::anyhow!("--prompts N,P"))?;

@@ -174,6 +174,23 @@ impl Mvmma {
     }
 }
 
+/// Fewest tokens for which [`Gpu::router_topk_f32`] takes `router_topk_f32t4`
+/// (`MINIMAX_ROUTER_T4_MIN`, default 2; [`set_router_t4_min`]); usize::MAX = not read yet.
+static ROUTER_T4_MIN: AtomicUsize = AtomicUsize::new(usize::MAX);
+fn router_t4_min() -> usize {
+    let mut v = ROUTER_T4_MIN.load(Ordering::Relaxed);
+    if v == usize::MAX {
+        v = std::env::var("MINIMAX_ROUTER_T4_MIN").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
+        ROUTER_T4_MIN.store(v, Ordering::Relaxed);
+    }
+    v
+}
+/// Sets the token count from which the router reads each weight row once for 4 tokens
+/// (`Some(n)`; a value above 32 = never), or back to the environment (`None`).
+pub fn set_router_t4_min(n: Option<usize>) {
+    ROUTER_T4_MIN.store(n.unwrap_or(usize::MAX), Ordering::Relaxed);
+}
+
 /// Floats of partial sums the K-split `mvx_q8_0` products may use (parts x tokens x rows).
 pub const MVX_PART_CAP: usize = 2 * 32 * 16384;
 /// Arrival counters of the K-split `mvx_q8_0` products (one per 8-row task).
@@ -210,7 +227,7 @@ pub struct MvxPlan {
 /// (rows of kcols + 16 bytes, then their f32 scales) and 8 `kw` warps' rings of `nb` 8-row
 /// chunks.
 pub fn mvx_smem(mt: usize, kcols: usize, nb: usize, kw: usize) -> usize {
-    16 * mt * (kcols + 16) + 16 * mt * kcols / 8 + 8 * kw * nb * 8 * CH
+    16 * mt * (kcols + 16) + 16 * mt * (kcols / 8 + 16) + 8 * kw * nb * 8 * CH
 }
 
 /// Column ranges a block's warps split its K part into (`MINIMAX_MVX_KW=1|2`, [`set_mvx_kw`];
@@ -951,29 +968,20 @@ impl Gpu {
             minimax_shared::model::GatingFunc::Sigmoid => 2,
             minimax_shared::model::GatingFunc::Softmax => 1,
         };
+        // Several tokens: router_topk_f32t4 (a weight row's round read once for 4 tokens; its
+        // arguments: router_topk_f32's with the token count after x's stride).
+        let t4 = nt >= router_t4_min();
+        let mut args = vec![Arg::P(w.ptr), Arg::I(w.rows as i32), Arg::I(w.cols as i32), Arg::P(x), Arg::L(xs as i64)];
+        if t4 {
+            args.push(Arg::I(nt as i32));
+        }
+        args.extend([Arg::P(y), Arg::L(ys as i64), Arg::P(bias), Arg::I(k as i32), Arg::I(g), Arg::P(ids), Arg::P(wts), Arg::P(cnt)]);
+        if t4 {
+            return self.launch_pdl("router_topk_f32t4", (ceil_div(w.rows, 4), ceil_div(nt, 4), 1), 128, 0, &args);
+        }
         // router_topk_f32p: the weight row in registers before the wait (rows of <= 3072).
         let pre = pdl_part(PDL_ROUTER) && w.cols <= ROUTER_PRE_MAX_COLS;
-        self.launch_pdl(
-            if pre { "router_topk_f32p" } else { "router_topk_f32" },
-            (ceil_div(w.rows, 4), nt as u32, 1),
-            128,
-            0,
-            &[
-                Arg::P(w.ptr),
-                Arg::I(w.rows as i32),
-                Arg::I(w.cols as i32),
-                Arg::P(x),
-                Arg::L(xs as i64),
-                Arg::P(y),
-                Arg::L(ys as i64),
-                Arg::P(bias),
-                Arg::I(k as i32),
-                Arg::I(g),
-                Arg::P(ids),
-                Arg::P(wts),
-                Arg::P(cnt),
-            ],
-        )
+        self.launch_pdl(if pre { "router_topk_f32p" } else { "router_topk_f32" }, (ceil_div(w.rows, 4), nt as u32, 1), 128, 0, &args)
     }
 
     /// `norm_q8` of `x` (weight `nw`, into `xq` / `xd`) and [`Gpu::router_topk_f32`] on its
