@@ -115,6 +115,30 @@ __device__ __forceinline__ void bk_copy(void* dst, const void* src, u32 bytes, u
                  : "memory");
 #endif
 }
+// Asks L2 for `bytes` (a multiple of 16, 16-byte aligned) at src without waiting (no
+// shared memory, no completion): cp.async.bulk.prefetch.L2.
+__device__ __forceinline__ void bk_prefetch_l2(const void* src, u32 bytes) {
+#if BK_PTX
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
+#endif
+}
+// This block's share of the next kernel's expert matrices (npairs of them, pbytes each, expert
+// ids[p] at pf + ids[p] pes) asked of L2 in pieces of at most 64 KB: the gate/up's producer
+// issues it once its own copies are out (position pf_at), so the down that follows finds its
+// weights in L2 instead of DRAM (the gate/up is bound by its decode arithmetic, ~2.5 of the
+// 4.3 TB/s, which leaves DRAM room during its last stages).
+__device__ __forceinline__ void bk_prefetch_experts(const u8* pf, i64 pes, i64 pbytes, const int* ids, int npairs) {
+    const i64 total = (i64)npairs * pbytes;
+    i64 a = (total * blockIdx.x / gridDim.x) & ~(i64)255;
+    const i64 b = blockIdx.x + 1 == gridDim.x ? total : (total * (blockIdx.x + 1) / gridDim.x) & ~(i64)255;
+    while (a < b) {
+        const int p = (int)(a / pbytes);
+        const i64 off = a - (i64)p * pbytes;
+        const i64 len = min(min(b - a, pbytes - off), (i64)65536);
+        bk_prefetch_l2(pf + (i64)ids[p] * pes + off, (u32)len & ~15u);
+        a += len;
+    }
+}
 // The block's barriers, by thread 0 (the caller then needs a block barrier): ring full[i] (the
 // producer's arrival + bytes) and empty[i] (the consumer warps), nab hand-over buffers afull[a]
 // (the consumer warps) and aempty[a] (the epilogue warp).
@@ -232,7 +256,7 @@ __device__ __forceinline__ void bk_unit(u32 row, u32 oh, u32 oq, uint2& h, uint2
 template <int SR, int DEC>
 __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k, int npairs,
                                             int grows, int nst, const i8* xq, const float* xd, int ncol, i8* aq,
-                                            float* ad, int ld) {
+                                            float* ad, int ld, const u8* pf, i64 pes, i64 pbytes, int pf_at) {
     static_assert(SR == 8 || SR == 16 || SR == 32, "stage rows");
     constexpr int RPW = SR / 8;  // rows per consumer warp and stage
     extern __shared__ __align__(128) u8 bk_sm[];
@@ -264,6 +288,7 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
             // clobber would otherwise hold the read, and its L2 round trip, behind them).
             int e_next = t0 < t1 ? ids[t0 / nrg] : 0;
             for (int task = t0; task < t1; task++) {
+                if (pf && task - t0 == pf_at) bk_prefetch_experts(pf, pes, pbytes, ids, npairs);
                 const int e = e_next;
                 if (task + 1 < t1) e_next = ids[(task + 1) / nrg];
                 i64 off = (i64)e * es + (i64)((task % nrg) * 32) * rb;
@@ -287,6 +312,7 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
                     }
                 }
             }
+            if (pf && pf_at >= t1 - t0) bk_prefetch_experts(pf, pes, pbytes, ids, npairs);
         }
         return;
     }
@@ -372,10 +398,10 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
 }
 #define BK_GU_ARGS                                                                                               \
     const u8 *G, const u8 *U, i64 rb, i64 es, const int *ids, int k, int npairs, int grows, int nst, const i8 *xq, \
-        const float *xd, int ncol, i8 *aq, float *ad, int ld
+        const float *xd, int ncol, i8 *aq, float *ad, int ld, const u8 *pf, i64 pes, i64 pbytes, int pf_at
 #define BK_GU_ONE(name, sr, dec)                                                                                 \
     extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_##name##sr##_iq4_xs(BK_GU_ARGS) {     \
-        gate_up_blk<sr, dec>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);                  \
+        gate_up_blk<sr, dec>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld, pf, pes, pbytes, pf_at); \
     }
 #define BK_GU_INST(sr) BK_GU_ONE(blk, sr, BK_SIGN) BK_GU_ONE(blkl, sr, BK_LOOKUP) BK_GU_ONE(blkp, sr, BK_PROBE)
 BK_GU_INST(8)

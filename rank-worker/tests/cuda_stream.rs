@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use common::gpu::{Rng, bits, dot, gpu, launch_us, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
 use minimax_rank::cuda::fast::{self, GateUpKind};
-use minimax_rank::cuda::stream::{NextNorm, set_stream_lookup, set_stream_rows_cap, set_stream_stage_cap};
+use minimax_rank::cuda::stream::{NextNorm, set_down_prefetch, set_stream_lookup, set_stream_rows_cap, set_stream_stage_cap};
 use minimax_rank::cuda::{DevMat, Gpu};
 use minimax_shared::quant::{self, GgmlType};
 
@@ -82,6 +82,19 @@ fn streamed_gate_up_matches_psx() {
         set_stream_lookup(None);
         set_stream_stage_cap(None);
         set_stream_rows_cap(None);
+        // The L2 prefetch of the next kernel's expert matrices (here the up tensor's: any
+        // stacked expert tensor) at the first task, a middle one and after the last: same bits.
+        for at in [0usize, 1, 1 << 20] {
+            set_down_prefetch(Some(Some(at)));
+            let aq = g.zeros::<i8>(np * ld).unwrap();
+            g.fill_u32(g.ptr(&aq), np * ld / 4, 0x7f7f_7f7f).unwrap();
+            let ad = poisoned(&g, np * ld / 32);
+            assert!(g.try_gate_up_stream_pf(&gm, &um, g.ptr(&ib), k, np, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), ld, Some(&um)).unwrap());
+            g.sync().unwrap();
+            assert_eq!(g.download(&aq).unwrap(), want.0, "{h} -> {ff}, down prefetch at task {at}: q8 codes differ");
+            assert_eq!(bits(&g.download(&ad).unwrap()), bits(&want.1), "{h} -> {ff}, down prefetch at task {at}: q8 scales differ");
+        }
+        set_down_prefetch(None);
         let (c, s) = &want;
         for p in 0..np {
             assert!(c[p * ld + ff..(p + 1) * ld].iter().all(|&q| q == 0x7f), "pair {p}: the pad was written");

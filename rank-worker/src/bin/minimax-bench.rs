@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--pf-ab] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -548,6 +548,28 @@ fn stream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// A batch-1 A/B over named settings (`set(i)` switches to setting i): graph replay of a
+/// batch-1 step, the settings alternating, three rounds, mean ms a step.
+fn b1_ab(m: &mut CudaModel, pages: &mut Pages, what: &str, names: &[&str], set: &dyn Fn(usize)) -> anyhow::Result<()> {
+    let steps: usize = 20 * names.len() + 4;
+    let pts: Vec<Vec<u32>> = vec![pages.take((5 + steps + 2).div_ceil(PAGE))];
+    let mut toks = start_streams(m, &pts)?;
+    let mut r = vec![0f64; names.len()];
+    let mut s = 0;
+    for _round in 0..3 {
+        for (i, t) in r.iter_mut().enumerate() {
+            set(i);
+            m.clear_graphs();
+            anyhow::ensure!(stream_step(m, &pts, &mut toks, s)?, "non-finite or out-of-vocabulary picks ({what}, {})", names[i]);
+            s += 1;
+            *t += replay_ms(m, 1, 30)? / 3.0;
+        }
+    }
+    let cells: Vec<String> = names.iter().zip(&r).map(|(n, t)| format!("{n} {t:.3} ms ({:.1} tok/s)", 1e3 / t)).collect();
+    println!("{what} A/B, batch 1 (graph replay, mean of 3 alternating rounds): {}", cells.join(", "));
+    Ok(())
+}
+
 /// `--norm-ab`: the RMSNorms folded into their neighbours (fast::set_norm_fusion) against
 /// separate `norm_q8` launches, graph replay, alternating, three rounds: at batch 1 the router
 /// and the streamed down's fusions alone and together, the down's two trigger points, and
@@ -869,8 +891,18 @@ fn main() -> anyhow::Result<()> {
     if flag("--mvmma-ab") {
         return mvmma_ab(&mut m, &mut pages);
     }
+    if flag("--pf-ab") {
+        use minimax_rank::cuda::stream::set_down_prefetch;
+        let at = [None, Some(0usize), Some(1), Some(2), Some(1 << 20)];
+        b1_ab(&mut m, &mut pages, "down weights asked of L2 by the gate/up", &["off", "task 0", "task 1", "task 2", "after"], &|i| set_down_prefetch(Some(at[i])))?;
+        set_down_prefetch(None);
+        m.clear_graphs();
+        return Ok(());
+    }
     if flag("--router-ab") {
-        use minimax_rank::cuda::fast::set_router_t4_min;
+        use minimax_rank::cuda::fast::{set_router_t4_min, set_router_wide};
+        b1_ab(&mut m, &mut pages, "router", &["router_topk_f32", "router_topk_f32w"], &|i| set_router_wide(Some(i == 1)))?;
+        set_router_wide(None);
         switch_ab(&mut m, &mut pages, "router of several tokens", ["router_topk_f32", "router_topk_f32t4"], |on| set_router_t4_min(on.map(|b| if b { 2 } else { 99 })))?;
         set_router_t4_min(None);
         return Ok(());

@@ -191,6 +191,21 @@ pub fn set_router_t4_min(n: Option<usize>) {
     ROUTER_T4_MIN.store(n.unwrap_or(usize::MAX), Ordering::Relaxed);
 }
 
+static ROUTER_WIDE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTER_WIDE", false);
+
+/// Whether routers below [`router_t4_min`] tokens take `router_topk_f32w` (2 warps a block,
+/// twice the blocks, a whole row of up to 3072 floats in flight a lane; bit-identical) instead
+/// of `router_topk_f32` (`MINIMAX_ROUTER_WIDE`).
+pub fn router_wide() -> bool {
+    ROUTER_WIDE.get()
+}
+
+/// Overrides [`router_wide`] (A/B runs and tests; `None` = back to the environment). Drop
+/// captured graphs after a change.
+pub fn set_router_wide(on: Option<bool>) {
+    ROUTER_WIDE.set(on);
+}
+
 /// Floats of partial sums the K-split `mvx_q8_0` products may use (parts x tokens x rows).
 pub const MVX_PART_CAP: usize = 2 * 32 * 16384;
 /// Arrival counters of the K-split `mvx_q8_0` products (one per 8-row task).
@@ -978,6 +993,9 @@ impl Gpu {
         args.extend([Arg::P(y), Arg::L(ys as i64), Arg::P(bias), Arg::I(k as i32), Arg::I(g), Arg::P(ids), Arg::P(wts), Arg::P(cnt)]);
         if t4 {
             return self.launch_pdl("router_topk_f32t4", (ceil_div(w.rows, 4), ceil_div(nt, 4), 1), 128, 0, &args);
+        }
+        if router_wide() {
+            return self.launch_pdl("router_topk_f32w", (ceil_div(w.rows, 2), nt as u32, 1), 64, 0, &args);
         }
         // router_topk_f32p: the weight row in registers before the wait (rows of <= 3072).
         let pre = pdl_part(PDL_ROUTER) && w.cols <= ROUTER_PRE_MAX_COLS;

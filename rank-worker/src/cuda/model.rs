@@ -504,7 +504,7 @@ impl CudaModel {
             } else if grouped {
                 g.moe_group(ids, nt * k, e, grp)?;
                 g.moe_gate_up_grp_any(&l.gate, &l.up, grp, e, nslots, k, xq, xd, aq, ad, dn.cols)?;
-            } else {
+            } else if !(super::stream::stream_on() && g.try_gate_up_stream_pf(&l.gate, &l.up, ids, k, nt * k, xq, xd, aq, ad, dn.cols, Some(&dn))?) {
                 g.moe_gate_up_q8_any(&l.gate, &l.up, ids, k, xq, xd, aq, ad, nt * k, dn.cols)?;
             }
             if tp && !lead {

@@ -111,6 +111,34 @@ pub(super) fn probe() -> bool {
     PROBE.load(Ordering::Relaxed)
 }
 
+/// Where the streamed gate/up's producer asks L2 for the down's expert matrices: before the
+/// copies of its task `n` (0, 1, ...; past its last task: after all its copies), or never
+/// (`None`, the default). `MINIMAX_DOWN_PF=N` or [`set_down_prefetch`].
+static DOWN_PF: AtomicUsize = AtomicUsize::new(usize::MAX);
+
+/// The down prefetch position in force (see [`DOWN_PF`]).
+pub fn down_prefetch() -> Option<usize> {
+    let mut v = DOWN_PF.load(Ordering::Relaxed);
+    if v == usize::MAX {
+        v = std::env::var("MINIMAX_DOWN_PF").ok().and_then(|s| s.parse::<usize>().ok()).map_or(usize::MAX - 1, |n| n.min(1 << 20));
+        DOWN_PF.store(v, Ordering::Relaxed);
+    }
+    (v < usize::MAX - 1).then_some(v)
+}
+
+/// Overrides [`down_prefetch`] (`Some(Some(n))`: at task n; `Some(None)`: never; `None`: back
+/// to the environment). Drop captured graphs after a change.
+pub fn set_down_prefetch(at: Option<Option<usize>>) {
+    DOWN_PF.store(
+        match at {
+            None => usize::MAX,
+            Some(None) => usize::MAX - 1,
+            Some(Some(n)) => n.min(1 << 20),
+        },
+        Ordering::Relaxed,
+    );
+}
+
 /// The next layer's RMSNorm (or the output norm) run by the streamed down's last block on the
 /// residual rows it just finished: `norm_q8` of them into `q` / `d`, bit for bit.
 #[derive(Clone, Copy, Debug)]
@@ -214,6 +242,13 @@ impl Gpu {
     /// dispatcher's form, one plan per launch.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn try_gate_up_stream(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<bool, CudaError> {
+        self.try_gate_up_stream_pf(gate, up, ids, k, npairs, xq, xd, aq, ad, ld, None)
+    }
+
+    /// [`Gpu::try_gate_up_stream`] that also asks L2 for `down`'s matrices of the same experts
+    /// (the down kernel after it) at [`down_prefetch`]'s position, when one is set. Same outputs.
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_gate_up_stream_pf(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize, down: Option<&DevMat>) -> Result<bool, CudaError> {
         let plan = self.gate_up_stream_plan(gate, up)?;
         let Some((sr, nst)) = plan.filter(|_| ld >= gate.rows && ld % 32 == 0 && k > 0) else {
             return Ok(false);
@@ -222,7 +257,13 @@ impl Gpu {
         let mid = [Arg::P(ids), Arg::I(k as i32), Arg::I(npairs as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32)];
         let grid = self.stream_grid(npairs * (gate.rows / 32))?;
         let name = format!("moe_gate_up_{}{sr}_iq4_xs", stem());
-        self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))?;
+        let mut args = gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld);
+        let pf = down.zip(down_prefetch()).filter(|(d, _)| d.row_bytes % 16 == 0 && d.expert_stride % 16 == 0);
+        match pf {
+            Some((d, at)) => args.extend([Arg::P(d.ptr), Arg::L(d.expert_stride as i64), Arg::L((d.rows * d.row_bytes) as i64), Arg::I(at as i32)]),
+            None => args.extend([Arg::P(0), Arg::L(0), Arg::L(0), Arg::I(0)]),
+        }
+        self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &args)?;
         Ok(true)
     }
 
