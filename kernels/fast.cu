@@ -190,9 +190,6 @@ __device__ __forceinline__ float router_acc(float acc, float4 w, float4 x) {
 }
 // One router row: y[t][r] = W row r . x[t] by warp (r, t); lane 0 writes it (and, with fence,
 // makes it visible device-wide before returning: the fused top-k's last block reads it).
-// UNR float4 a lane a round; every UNR gives the same sums in the same order (acc runs over the
-// row's float4 in index order across rounds), so the same bits.
-template <int UNR = RT_UNR>
 __device__ __forceinline__ void router_row(const float* W, int rows, int n, const float* x, i64 xs, float* y, i64 ys,
                                            int r, int t, int lane, bool fence) {
     if (r >= rows) return;
@@ -200,10 +197,10 @@ __device__ __forceinline__ void router_row(const float* W, int rows, int n, cons
     const float4* xt = (const float4*)(x + (i64)t * xs);
     int n4 = n >> 2;
     float acc = 0.f;
-    for (int base = 0; base < n4; base += 32 * UNR) {
-        float4 wv[UNR], xv[UNR];
+    for (int base = 0; base < n4; base += 32 * RT_UNR) {
+        float4 wv[RT_UNR], xv[RT_UNR];
 #pragma unroll
-        for (int i = 0; i < UNR; i++) {
+        for (int i = 0; i < RT_UNR; i++) {
             int idx = base + lane + 32 * i;
             if (idx < n4) {
                 wv[i] = __ldg(wr + idx);
@@ -211,7 +208,7 @@ __device__ __forceinline__ void router_row(const float* W, int rows, int n, cons
             }
         }
 #pragma unroll
-        for (int i = 0; i < UNR; i++) {
+        for (int i = 0; i < RT_UNR; i++) {
             int idx = base + lane + 32 * i;
             if (idx < n4) acc = router_acc(acc, wv[i], xv[i]);
         }
@@ -346,20 +343,6 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32(const float* W
     pdl_enter();
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y;
     router_row(W, rows, n, x, xs, y, ys, blockIdx.x * 4 + warp, t, lane, true);
-    router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
-}
-
-// router_topk_f32 spread wider for one token: 2 warps a block (grid ceil(rows / 2): 128 blocks
-// for 256 experts, so every SM streams router rows instead of half of them) and a whole 3072-
-// float row in flight a lane at once (router_row<RT_WIDE>: one round instead of two). Same sums
-// in the same order: bit-identical to router_topk_f32. grid (ceil(rows / 2), nt), block 64.
-#define RT_WIDE 24
-extern "C" __global__ void __launch_bounds__(64) router_topk_f32w(const float* W, int rows, int n, const float* x,
-                                                                 i64 xs, float* y, i64 ys, const float* bias, int k,
-                                                                 int gating, int* ids, float* w, u32* cnt) {
-    pdl_enter();
-    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y;
-    router_row<RT_WIDE>(W, rows, n, x, xs, y, ys, blockIdx.x * 2 + warp, t, lane, true);
     router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
 }
 

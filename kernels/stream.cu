@@ -115,30 +115,6 @@ __device__ __forceinline__ void bk_copy(void* dst, const void* src, u32 bytes, u
                  : "memory");
 #endif
 }
-// Asks L2 for `bytes` (a multiple of 16, 16-byte aligned) at src without waiting (no
-// shared memory, no completion): cp.async.bulk.prefetch.L2.
-__device__ __forceinline__ void bk_prefetch_l2(const void* src, u32 bytes) {
-#if BK_PTX
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-#endif
-}
-// This block's share of the next kernel's expert matrices (npairs of them, pbytes each, expert
-// ids[p] at pf + ids[p] pes) asked of L2 in pieces of at most 64 KB: the gate/up's producer
-// issues it once its own copies are out (position pf_at), so the down that follows finds its
-// weights in L2 instead of DRAM (the gate/up is bound by its decode arithmetic, ~2.5 of the
-// 4.3 TB/s, which leaves DRAM room during its last stages).
-__device__ __forceinline__ void bk_prefetch_experts(const u8* pf, i64 pes, i64 pbytes, const int* ids, int npairs) {
-    const i64 total = (i64)npairs * pbytes;
-    i64 a = (total * blockIdx.x / gridDim.x) & ~(i64)255;
-    const i64 b = blockIdx.x + 1 == gridDim.x ? total : (total * (blockIdx.x + 1) / gridDim.x) & ~(i64)255;
-    while (a < b) {
-        const int p = (int)(a / pbytes);
-        const i64 off = a - (i64)p * pbytes;
-        const i64 len = min(min(b - a, pbytes - off), (i64)65536);
-        bk_prefetch_l2(pf + (i64)ids[p] * pes + off, (u32)len & ~15u);
-        a += len;
-    }
-}
 // The block's barriers, by thread 0 (the caller then needs a block barrier): ring full[i] (the
 // producer's arrival + bytes) and empty[i] (the consumer warps), nab hand-over buffers afull[a]
 // (the consumer warps) and aempty[a] (the epilogue warp).
@@ -253,82 +229,87 @@ __device__ __forceinline__ void bk_unit(u32 row, u32 oh, u32 oq, uint2& h, uint2
 // integer dot products, so the same bits. BK_PROBE (the "blkp" kernels, timing only): the
 // consumers skip the arithmetic.
 // grid (min(SMs, tasks)), block BK_THREADS, dynamic shared memory BK_HDR + nst x 2 SR rb.
-template <int SR, int DEC>
-__device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k, int npairs,
-                                            int grows, int nst, const i8* xq, const float* xd, int ncol, i8* aq,
-                                            float* ad, int ld, const u8* pf, i64 pes, i64 pbytes, int pf_at) {
-    static_assert(SR == 8 || SR == 16 || SR == 32, "stage rows");
-    constexpr int RPW = SR / 8;  // rows per consumer warp and stage
-    extern __shared__ __align__(128) u8 bk_sm[];
-    u64* full = (u64*)bk_sm;
-    u64* empty = full + BK_MAXST;
-    u64* afull = empty + BK_MAXST;
-    u64* aempty = afull + BK_NAB;
-    float* sg = (float*)(bk_sm + 256);  // [BK_NAB][32]
-    float* su = sg + BK_NAB * 32;       // [BK_NAB][32]
-    // Stage rows [16 p, 16 p + 16) land on fullq[i][p] (full[i] is unused), so that a consumer
-    // warp, whose rows are warp + 16 j, starts on its row j as soon as those 16 rows are in.
-    // With 8-row stages the one part is the whole stage.
+// The gate/up's shared-memory header (BK_HDR bytes at h): ring empty[i] barriers, hand-over
+// barriers afull / aempty, the hand-over sums sg / su ([BK_NAB][32] each), and fullq: stage
+// rows [16 p, 16 p + 16) land on fullq[i][p], so that a consumer warp, whose rows are warp + 16
+// j, starts on its row j as soon as those 16 rows are in (8-row stages: the one part is the
+// whole stage).
+struct BkGu {
+    u64 *full, *empty, *afull, *aempty, *fullq;
+    float *sg, *su;
+};
+__device__ __forceinline__ BkGu bk_gu_hdr(u8* h) {
+    BkGu g;
+    g.full = (u64*)h;
+    g.empty = g.full + BK_MAXST;
+    g.afull = g.empty + BK_MAXST;
+    g.aempty = g.afull + BK_NAB;
+    g.sg = (float*)(h + 256);
+    g.su = g.sg + BK_NAB * 32;
+    g.fullq = (u64*)(g.su + BK_NAB * 32);  // [BK_MAXST][4]
+    return g;
+}
+// The gate/up's barriers, by thread 0 (the caller then needs a block barrier).
+__device__ __forceinline__ void bk_gu_init(const BkGu& g, int nst) {
+    bk_init_extra(g.fullq, nst * 4);
+    bk_init_n(g.full, g.empty, g.afull, g.aempty, nst, BK_NAB);
+}
+// The gate/up's producer (lane 0 of the producer warp): the copies of tasks [t0, t1); returns
+// how many stages it filled (the fused kernel's down waits for each slot's last release).
+template <int SR>
+__device__ __forceinline__ int gu_produce(const BkGu& g, u8* ring, const u8* G, const u8* U, i64 rb, i64 es,
+                                          const int* ids, int nrg, int t0, int t1, int nst) {
     constexpr int NP = SR >= 16 ? SR / 8 : 1;  // parts a stage
-    u64* fullq = (u64*)(su + BK_NAB * 32);      // [BK_MAXST][4]
-    u8* ring = bk_sm + BK_HDR;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     const i64 sb_bytes = 2 * SR * rb;
-    bk_init_extra(fullq, nst * 4);
-    bk_init(full, empty, afull, aempty, nst);
-    pdl_wait();  // ids come from the router, the input from norm_q8 of this step
-    pdl_trigger();
-    const int nrg = grows >> 5;
-    int t0, t1;
-    bk_range(npairs * nrg, t0, t1);
-    if (warp == BK_PW) {
-        if (lane == 0) {
-            int n = 0;
-            // The next task's expert is read before this task's copies issue (their memory
-            // clobber would otherwise hold the read, and its L2 round trip, behind them).
-            int e_next = t0 < t1 ? ids[t0 / nrg] : 0;
-            for (int task = t0; task < t1; task++) {
-                if (pf && task - t0 == pf_at) bk_prefetch_experts(pf, pes, pbytes, ids, npairs);
-                const int e = e_next;
-                if (task + 1 < t1) e_next = ids[(task + 1) / nrg];
-                i64 off = (i64)e * es + (i64)((task % nrg) * 32) * rb;
-                for (int s = 0; s < 32 / SR; s++, n++) {
-                    int b = n % nst;
-                    bk_mb_wait(&empty[b], ((n / nst) & 1) ^ 1);
-                    u8* dst = ring + b * sb_bytes;
-                    i64 o = off + (i64)(s * SR) * rb;
-                    if (SR >= 16) {
+    int n = 0;
+    // The next task's expert is read before this task's copies issue (their memory clobber
+    // would otherwise hold the read, and its L2 round trip, behind them).
+    int e_next = t0 < t1 ? ids[t0 / nrg] : 0;
+    for (int task = t0; task < t1; task++) {
+        const int e = e_next;
+        if (task + 1 < t1) e_next = ids[(task + 1) / nrg];
+        i64 off = (i64)e * es + (i64)((task % nrg) * 32) * rb;
+        for (int s = 0; s < 32 / SR; s++, n++) {
+            int b = n % nst;
+            bk_mb_wait(&g.empty[b], ((n / nst) & 1) ^ 1);
+            u8* dst = ring + b * sb_bytes;
+            i64 o = off + (i64)(s * SR) * rb;
+            if (SR >= 16) {
 #pragma unroll
-                        for (int p = 0; p < NP; p++) {
-                            u64* fb = &fullq[b * 4 + p];
-                            const bool up = 16 * p >= SR;
-                            bk_mb_expect(fb, (u32)(16 * rb));
-                            bk_copy(dst + 16 * p * rb, (up ? U : G) + o + (i64)(16 * p - (up ? SR : 0)) * rb, (u32)(16 * rb), fb);
-                        }
-                    } else {
-                        bk_mb_expect(&fullq[b * 4], (u32)sb_bytes);
-                        bk_copy(dst, G + o, (u32)(SR * rb), &fullq[b * 4]);
-                        bk_copy(dst + SR * rb, U + o, (u32)(SR * rb), &fullq[b * 4]);
-                    }
+                for (int p = 0; p < NP; p++) {
+                    u64* fb = &g.fullq[b * 4 + p];
+                    const bool up = 16 * p >= SR;
+                    bk_mb_expect(fb, (u32)(16 * rb));
+                    bk_copy(dst + 16 * p * rb, (up ? U : G) + o + (i64)(16 * p - (up ? SR : 0)) * rb, (u32)(16 * rb), fb);
                 }
+            } else {
+                bk_mb_expect(&g.fullq[b * 4], (u32)sb_bytes);
+                bk_copy(dst, G + o, (u32)(SR * rb), &g.fullq[b * 4]);
+                bk_copy(dst + SR * rb, U + o, (u32)(SR * rb), &g.fullq[b * 4]);
             }
-            if (pf && pf_at >= t1 - t0) bk_prefetch_experts(pf, pes, pbytes, ids, npairs);
         }
-        return;
     }
-    if (warp == BK_EW) {
-        for (int task = t0, it = 0; task < t1; task++, it++) {
-            const int a = it % BK_NAB;
-            bk_mb_wait(&afull[a], (it / BK_NAB) & 1);
-            const int p = task / nrg, rg = task % nrg;
-            float v = silu_times(sg[a * 32 + lane], su[a * 32 + lane]);
-            int q = q8_lane(v, ad + (i64)p * (ld / 32) + rg);
-            aq[(i64)p * ld + rg * 32 + lane] = (i8)q;
-            __syncwarp();
-            if (lane == 0) bk_mb_arrive(&aempty[a]);
-        }
-        return;
+    return n;
+}
+// The gate/up's epilogue warp: SiLU x up of each task's 32 rows -> q8.
+__device__ __forceinline__ void gu_epilogue(const BkGu& g, int nrg, int t0, int t1, i8* aq, float* ad, int ld, int lane) {
+    for (int task = t0, it = 0; task < t1; task++, it++) {
+        const int a = it % BK_NAB;
+        bk_mb_wait(&g.afull[a], (it / BK_NAB) & 1);
+        const int p = task / nrg, rg = task % nrg;
+        float v = silu_times(g.sg[a * 32 + lane], g.su[a * 32 + lane]);
+        int q = q8_lane(v, ad + (i64)p * (ld / 32) + rg);
+        aq[(i64)p * ld + rg * 32 + lane] = (i8)q;
+        __syncwarp();
+        if (lane == 0) bk_mb_arrive(&g.aempty[a]);
     }
+}
+// A gate/up consumer warp: its rows of every stage of tasks [t0, t1).
+template <int SR, int DEC>
+__device__ __forceinline__ void gu_consume(const BkGu& g, const u8* ring, i64 rb, int k, int nrg, int t0, int t1,
+                                           int nst, const i8* xq, const float* xd, int ncol, int warp, int lane) {
+    constexpr int RPW = SR / 8;  // rows per consumer warp and stage
+    const i64 sb_bytes = 2 * SR * rb;
     const int nu = ncol >> 5;
     u32 tl0, tl1, th0, th1, tb2;  // codebook words in registers (same bits)
     iq4s_pin((u32)(rb >> 62) & threadIdx.x, tl0, tl1, th0, th1, tb2);
@@ -349,7 +330,7 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
             t_x = tok;
         }
         const int a = it % BK_NAB;
-        bk_mb_wait(&aempty[a], ((it / BK_NAB) & 1) ^ 1);  // the epilogue is done with buffer a
+        bk_mb_wait(&g.aempty[a], ((it / BK_NAB) & 1) ^ 1);  // the epilogue is done with buffer a
         for (int s = 0; s < 32 / SR; s++, n++) {
             const int b = n % nst;
             const u32 st = ring_s + (u32)(b * sb_bytes);
@@ -358,7 +339,7 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
 #pragma unroll
             for (int j = 0; j < RPW; j++) {
                 const int q = warp + 16 * j;
-                bk_mb_wait(&fullq[b * 4 + j], (n / nst) & 1);
+                bk_mb_wait(&g.fullq[b * 4 + j], (n / nst) & 1);
                 const u32 row = st + (u32)(q * rb);
                 acc[j] = 0.f;
                 if (DEC == BK_PROBE) {
@@ -384,24 +365,48 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
             for (int j = 0; j < RPW; j++) acc[j] = warp_sum(acc[j]);
             __syncwarp();
             if (lane == 0) {
-                bk_mb_arrive(&empty[b]);
+                bk_mb_arrive(&g.empty[b]);
 #pragma unroll
                 for (int j = 0; j < RPW; j++) {
                     const int q = warp + 16 * j;  // stage row: gate rows [0, SR), up rows [SR, 2 SR)
-                    (q < SR ? sg : su)[a * 32 + s * SR + (q % SR)] = acc[j];
+                    (q < SR ? g.sg : g.su)[a * 32 + s * SR + (q % SR)] = acc[j];
                 }
             }
         }
         __syncwarp();
-        if (lane == 0) bk_mb_arrive(&afull[a]);
+        if (lane == 0) bk_mb_arrive(&g.afull[a]);
+    }
+}
+template <int SR, int DEC>
+__device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k, int npairs,
+                                            int grows, int nst, const i8* xq, const float* xd, int ncol, i8* aq,
+                                            float* ad, int ld) {
+    static_assert(SR == 8 || SR == 16 || SR == 32, "stage rows");
+    extern __shared__ __align__(128) u8 bk_sm[];
+    const BkGu g = bk_gu_hdr(bk_sm);
+    u8* ring = bk_sm + BK_HDR;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    bk_gu_init(g, nst);
+    __syncthreads();
+    pdl_wait();  // ids come from the router, the input from norm_q8 of this step
+    pdl_trigger();
+    const int nrg = grows >> 5;
+    int t0, t1;
+    bk_range(npairs * nrg, t0, t1);
+    if (warp == BK_PW) {
+        if (lane == 0) gu_produce<SR>(g, ring, G, U, rb, es, ids, nrg, t0, t1, nst);
+    } else if (warp == BK_EW) {
+        gu_epilogue(g, nrg, t0, t1, aq, ad, ld, lane);
+    } else {
+        gu_consume<SR, DEC>(g, ring, rb, k, nrg, t0, t1, nst, xq, xd, ncol, warp, lane);
     }
 }
 #define BK_GU_ARGS                                                                                               \
     const u8 *G, const u8 *U, i64 rb, i64 es, const int *ids, int k, int npairs, int grows, int nst, const i8 *xq, \
-        const float *xd, int ncol, i8 *aq, float *ad, int ld, const u8 *pf, i64 pes, i64 pbytes, int pf_at
+        const float *xd, int ncol, i8 *aq, float *ad, int ld
 #define BK_GU_ONE(name, sr, dec)                                                                                 \
     extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_##name##sr##_iq4_xs(BK_GU_ARGS) {     \
-        gate_up_blk<sr, dec>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld, pf, pes, pbytes, pf_at); \
+        gate_up_blk<sr, dec>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);                  \
     }
 #define BK_GU_INST(sr) BK_GU_ONE(blk, sr, BK_SIGN) BK_GU_ONE(blkl, sr, BK_LOOKUP) BK_GU_ONE(blkp, sr, BK_PROBE)
 BK_GU_INST(8)
@@ -430,84 +435,104 @@ BK_GU_INST(32)
 // down's own stream).
 // grid (min(SMs, tasks)), block BK_THREADS, dynamic shared memory BK_HDR + nst x RS k rb.
 #define DN_NORM_MAXI 4              // the fused norm's rows: <= 4096
-template <int RS, int DEC>
-__device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, const int* ids, const float* wts, int k,
-                                         int nt, int nst, const i8* aq, const float* ad, int ff, float* hidden, i64 hs,
-                                         const float* nw, float eps, i8* nq, float* nd, u32* ncnt, int trig_late) {
-    static_assert(RS == 4 || RS == 8, "stage rows");
-    constexpr int NPR = RS / 4;  // row pairs per consumer warp
-    extern __shared__ __align__(128) u8 bk_sm[];
-    u64* full = (u64*)bk_sm;
-    u64* empty = full + BK_MAXST;
-    u64* afull = empty + BK_MAXST;
-    u64* aempty = afull + BK_NAB;
-    float* dsum = (float*)(bk_sm + 256);  // [BK_NAB][RS][8]
-    // Expert j's rows of stage i land on fullx[i * STREAM_MAXK + j] (full[] is unused), so each
-    // consumer warp waits for its own expert's rows only, the first of them a stage's first copy.
-    u64* fullx = (u64*)(dsum + BK_NAB * RS * 8);  // [BK_MAXST][STREAM_MAXK]
-    // The fused norm's 32 warp sums and the last-block flag, past fullx (ends at 1792 bytes).
-    float* npart = (float*)(bk_sm + 1856);
-    int* nlast = (int*)(bk_sm + 1984);
-    u8* ring = bk_sm + BK_HDR;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+// The down's shared-memory header (BK_HDR bytes at h): ring empty[i], hand-over afull / aempty,
+// the hand-over sums dsum ([BK_NAB][RS][8]), fullx (expert j's rows of stage i land on
+// fullx[i * STREAM_MAXK + j], so each consumer warp waits for its own expert's rows only, the
+// first of them a stage's first copy), the fused norm's 32 warp sums and the last-block flag.
+struct BkDn {
+    u64 *full, *empty, *afull, *aempty, *fullx;
+    float *dsum, *npart;
+    int* nlast;
+};
+template <int RS>
+__device__ __forceinline__ BkDn bk_dn_hdr(u8* h) {
+    BkDn d;
+    d.full = (u64*)h;
+    d.empty = d.full + BK_MAXST;
+    d.afull = d.empty + BK_MAXST;
+    d.aempty = d.afull + BK_NAB;
+    d.dsum = (float*)(h + 256);
+    d.fullx = (u64*)(d.dsum + BK_NAB * RS * 8);  // [BK_MAXST][STREAM_MAXK], ends at 1792 bytes
+    d.npart = (float*)(h + 1856);
+    d.nlast = (int*)(h + 1984);
+    return d;
+}
+template <int RS>
+__device__ __forceinline__ void bk_dn_init(const BkDn& d, int nst) {
+    bk_init_extra(d.fullx, nst * STREAM_MAXK);
+    bk_init_n(d.full, d.empty, d.afull, d.aempty, nst, BK_NAB);
+}
+// The down's producer (lane 0 of the producer warp): the copies of tasks [t0, t1). With gu (the
+// fused kernel) the ring's memory was the gate/up's (gnst slots of gsb bytes, gn stages filled
+// by this block): a slot's first fill waits for the last release of each gate/up slot it covers.
+template <int RS>
+__device__ __forceinline__ void dn_produce(const BkDn& d, u8* ring, const u8* W, i64 rb, i64 es, int rows,
+                                           const int* ids, int k, int nrg, int t0, int t1, int nst, const BkGu* gu,
+                                           int gnst, i64 gsb, int gn) {
     const i64 sb_bytes = (i64)RS * k * rb;
-    bk_init_extra(fullx, nst * STREAM_MAXK);
-    bk_init(full, empty, afull, aempty, nst);
-    const int nrg = (rows + RS - 1) / RS;
-    int t0, t1;
-    bk_range(nt * nrg, t0, t1);
-    if (warp == BK_PW) {
-        if (lane == 0) {
-            // The token's expert offsets, read once per token and all at once: read inside the
-            // copy loop, each id waited for an L2 round trip before its copy could issue (the
-            // copies' memory clobber keeps later loads behind them), 8 in a row per task.
-            i64 eo[STREAM_MAXK];
-            int t_ids = -1;
-            for (int task = t0, n = 0; task < t1; task++, n++) {
-                const int t = task / nrg, r0 = (task % nrg) * RS, nr = min(RS, rows - r0);
-                if (t != t_ids) {
+    // The token's expert offsets, read once per token and all at once: read inside the copy
+    // loop, each id waited for an L2 round trip before its copy could issue (the copies' memory
+    // clobber keeps later loads behind them), 8 in a row per task.
+    i64 eo[STREAM_MAXK];
+    int t_ids = -1;
+    for (int task = t0, n = 0; task < t1; task++, n++) {
+        const int t = task / nrg, r0 = (task % nrg) * RS, nr = min(RS, rows - r0);
+        if (t != t_ids) {
 #pragma unroll
-                    for (int j = 0; j < STREAM_MAXK; j++) eo[j] = j < k ? (i64)__ldcg(ids + t * k + j) * es : 0;
-                    t_ids = t;
-                }
-                const int b = n % nst;
-                bk_mb_wait(&empty[b], ((n / nst) & 1) ^ 1);
-                u8* dst = ring + b * sb_bytes;
-#pragma unroll
-                for (int j = 0; j < STREAM_MAXK; j++)
-                    if (j < k) {
-                        u64* fb = &fullx[b * STREAM_MAXK + j];
-                        bk_mb_expect(fb, (u32)(nr * rb));
-                        bk_copy(dst + (i64)j * RS * rb, W + eo[j] + (i64)r0 * rb, (u32)(nr * rb), fb);
-                    }
+            for (int j = 0; j < STREAM_MAXK; j++) eo[j] = j < k ? (i64)__ldcg(ids + t * k + j) * es : 0;
+            t_ids = t;
+        }
+        const int b = n % nst;
+        if (gu && n < nst) {
+            const i64 lo = b * sb_bytes, hi = lo + sb_bytes - 1;
+            for (int gb = (int)(lo / gsb); gb <= (int)(hi / gsb) && gb < min(gnst, gn); gb++) {
+                const int last = gb + ((gn - 1 - gb) / gnst) * gnst;  // the slot's last fill
+                bk_mb_wait(&gu->empty[gb], (last / gnst) & 1);
             }
         }
-        return;
-    }
-    pdl_wait();
-    if (!trig_late) pdl_trigger();
-    if (warp == BK_EW) {
-        for (int task = t0, it = 0; task < t1; task++, it++) {
-            const int a = it % BK_NAB;
-            bk_mb_wait(&afull[a], (it / BK_NAB) & 1);
-            const int t = task / nrg, r0 = (task % nrg) * RS, nr = min(RS, rows - r0);
-            if (lane < nr) {
-                float sum = 0.f;
-                for (int j = 0; j < k; j++) sum += wts[t * k + j] * dsum[(a * RS + lane) * 8 + j];
-                hidden[(i64)t * hs + r0 + lane] += sum;
+        bk_mb_wait(&d.empty[b], ((n / nst) & 1) ^ 1);
+        u8* dst = ring + b * sb_bytes;
+#pragma unroll
+        for (int j = 0; j < STREAM_MAXK; j++)
+            if (j < k) {
+                u64* fb = &d.fullx[b * STREAM_MAXK + j];
+                bk_mb_expect(fb, (u32)(nr * rb));
+                bk_copy(dst + (i64)j * RS * rb, W + eo[j] + (i64)r0 * rb, (u32)(nr * rb), fb);
             }
-            __syncwarp();
-            if (lane == 0) bk_mb_arrive(&aempty[a]);
-        }
-        pdl_trigger();
-        if (nw) {
-            __threadfence();
-            __syncwarp();
-            if (lane == 0) *nlast = atomicAdd(ncnt, 1u) == gridDim.x - 1;
-            asm volatile("bar.sync 1, %0;" ::"r"(32 * (BK_CW + 1)) : "memory");
-        }
-        return;
     }
+}
+// The down's epilogue warp: hidden[t][r] += sum_j wts[t k + j] d[r][j] (j in order); with the
+// fused norm (nw), the block's arrival on ncnt and the meeting with the consumers (named barrier 1).
+template <int RS>
+__device__ __forceinline__ void dn_epilogue(const BkDn& d, int rows, const float* wts, int k, int nrg, int t0, int t1,
+                                            float* hidden, i64 hs, const float* nw, u32* ncnt, int lane) {
+    for (int task = t0, it = 0; task < t1; task++, it++) {
+        const int a = it % BK_NAB;
+        bk_mb_wait(&d.afull[a], (it / BK_NAB) & 1);
+        const int t = task / nrg, r0 = (task % nrg) * RS, nr = min(RS, rows - r0);
+        if (lane < nr) {
+            float sum = 0.f;
+            for (int j = 0; j < k; j++) sum += wts[t * k + j] * d.dsum[(a * RS + lane) * 8 + j];
+            hidden[(i64)t * hs + r0 + lane] += sum;
+        }
+        __syncwarp();
+        if (lane == 0) bk_mb_arrive(&d.aempty[a]);
+    }
+    pdl_trigger();
+    if (nw) {
+        __threadfence();
+        __syncwarp();
+        if (lane == 0) *d.nlast = atomicAdd(ncnt, 1u) == gridDim.x - 1;
+        asm volatile("bar.sync 1, %0;" ::"r"(32 * (BK_CW + 1)) : "memory");
+    }
+}
+// A down consumer warp: expert j = warp / 2 of every task's stage, its rows half. CG: read the
+// activations through L2 (the fused kernel: other blocks wrote them in this launch).
+template <int RS, int DEC, bool CG>
+__device__ __forceinline__ void dn_consume(const BkDn& d, const u8* ring, i64 rb, int rows, int k, int nrg, int t0,
+                                           int t1, int nst, const i8* aq, const float* ad, int ff, int warp, int lane) {
+    constexpr int NPR = RS / 4;  // row pairs per consumer warp
+    const i64 sb_bytes = (i64)RS * k * rb;
     const int upe = ff >> 5, nu = 2 * upe;
     u32 tl0, tl1, th0, th1, tb2;
     iq4s_pin((u32)(rb >> 62) & threadIdx.x, tl0, tl1, th0, th1, tb2);
@@ -539,19 +564,19 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
                 xs[i] = 0.f;
                 if (lane + 32 * i < nu) {
                     const int4* xp = (const int4*)(aq + (i64)p * ff + uu[i] * 32);
-                    xa[i] = xp[0];
-                    xb[i] = xp[1];
+                    xa[i] = CG ? __ldcg(xp) : xp[0];
+                    xb[i] = CG ? __ldcg(xp + 1) : xp[1];
                     if (DEC == BK_SIGN) iq4_x_il(xa[i], xb[i]);
-                    xs[i] = ad[(i64)p * upe + uu[i]];
+                    xs[i] = CG ? __ldcg(ad + (i64)p * upe + uu[i]) : ad[(i64)p * upe + uu[i]];
                 }
             }
             p_x = p;
         }
-        bk_mb_wait(&aempty[a], ((it / BK_NAB) & 1) ^ 1);
+        bk_mb_wait(&d.aempty[a], ((it / BK_NAB) & 1) ^ 1);
         // Warps without an expert (k < 8) wait for expert 0's rows: every warp must see the
         // stage's round before it arrives on empty[b], or an idle warp could arrive twice in one
         // phase.
-        bk_mb_wait(&fullx[b * STREAM_MAXK + (active ? j_ex : 0)], (it / nst) & 1);
+        bk_mb_wait(&d.fullx[b * STREAM_MAXK + (active ? j_ex : 0)], (it / nst) & 1);
         float s[NPR][2];
 #pragma unroll
         for (int q = 0; q < NPR; q++) {
@@ -589,28 +614,30 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
         }
         __syncwarp();
         if (lane == 0) {
-            bk_mb_arrive(&empty[b]);
+            bk_mb_arrive(&d.empty[b]);
             if (active) {
 #pragma unroll
                 for (int q = 0; q < NPR; q++) {
                     const int w0 = half * (RS / 2) + 2 * q;
-                    dsum[(a * RS + w0) * 8 + j_ex] = s[q][0];
-                    dsum[(a * RS + w0 + 1) * 8 + j_ex] = s[q][1];
+                    d.dsum[(a * RS + w0) * 8 + j_ex] = s[q][0];
+                    d.dsum[(a * RS + w0 + 1) * 8 + j_ex] = s[q][1];
                 }
             }
-            bk_mb_arrive(&afull[a]);
+            bk_mb_arrive(&d.afull[a]);
         }
     }
-    pdl_trigger();
-    if (!nw) return;
+}
+// The consumers' tail with the fused norm: meet the epilogue on named barrier 1; in the block
+// that counted last, norm_q8 of each token's new residual row by the 16 consumer warps.
+__device__ __forceinline__ void dn_norm_tail(const BkDn& d, int rows, int nt, float* hidden, i64 hs, const float* nw,
+                                             float eps, i8* nq, float* nd, u32* ncnt, int warp, int lane) {
     asm volatile("bar.sync 1, %0;" ::"r"(32 * (BK_CW + 1)) : "memory");
-    if (!*nlast) return;
+    if (!*d.nlast) return;
     __threadfence();
-    // The last block: norm_q8 of each token's new residual row by the 16 consumer warps.
     for (int t = 0; t < nt; t++) {
         float xv[2][DN_NORM_MAXI], wv[2][DN_NORM_MAXI];
         const float inv =
-            norm_virtual<BK_CW, DN_NORM_MAXI, 2>(hidden + (i64)t * hs, nw, rows, eps, xv, wv, npart, warp, lane);
+            norm_virtual<BK_CW, DN_NORM_MAXI, 2>(hidden + (i64)t * hs, nw, rows, eps, xv, wv, d.npart, warp, lane);
 #pragma unroll
         for (int m = 0; m < 2; m++)
 #pragma unroll
@@ -625,6 +652,34 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
     }
     if (threadIdx.x == 0) *ncnt = 0;
 }
+template <int RS, int DEC>
+__device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, const int* ids, const float* wts, int k,
+                                         int nt, int nst, const i8* aq, const float* ad, int ff, float* hidden, i64 hs,
+                                         const float* nw, float eps, i8* nq, float* nd, u32* ncnt, int trig_late) {
+    static_assert(RS == 4 || RS == 8, "stage rows");
+    extern __shared__ __align__(128) u8 bk_sm[];
+    const BkDn d = bk_dn_hdr<RS>(bk_sm);
+    u8* ring = bk_sm + BK_HDR;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    bk_dn_init<RS>(d, nst);
+    __syncthreads();
+    const int nrg = (rows + RS - 1) / RS;
+    int t0, t1;
+    bk_range(nt * nrg, t0, t1);
+    if (warp == BK_PW) {
+        if (lane == 0) dn_produce<RS>(d, ring, W, rb, es, rows, ids, k, nrg, t0, t1, nst, nullptr, 0, 1, 0);
+        return;
+    }
+    pdl_wait();
+    if (!trig_late) pdl_trigger();
+    if (warp == BK_EW) {
+        dn_epilogue<RS>(d, rows, wts, k, nrg, t0, t1, hidden, hs, nw, ncnt, lane);
+        return;
+    }
+    dn_consume<RS, DEC, false>(d, ring, rb, rows, k, nrg, t0, t1, nst, aq, ad, ff, warp, lane);
+    pdl_trigger();
+    if (nw) dn_norm_tail(d, rows, nt, hidden, hs, nw, eps, nq, nd, ncnt, warp, lane);
+}
 #define BK_DN_ARGS                                                                                                \
     const u8 *W, i64 rb, i64 es, int rows, const int *ids, const float *wts, int k, int nt, int nst, const i8 *aq, \
         const float *ad, int ff, float *hidden, i64 hs, const float *nw, float eps, i8 *nq, float *nd, u32 *ncnt,  \
@@ -637,3 +692,92 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
 #define BK_DN_INST(rs) BK_DN_ONE(blk, rs, BK_SIGN) BK_DN_ONE(blkl, rs, BK_LOOKUP) BK_DN_ONE(blkp, rs, BK_PROBE)
 BK_DN_INST(4)
 BK_DN_INST(8)
+
+// ---------------------------------------------------------- gate/up + down, one launch -------
+// A grid-wide meeting point on gbar = {arrivals, generation} (zero before the first launch; the
+// arrivals are left zero): bk_grid_arrive by one thread a block after its writes and a fence;
+// the last of gridDim.x arrivals resets the count and bumps the generation, which waiters,
+// holding the generation they read before their block could arrive, wait to see change.
+__device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
+    u32 v;
+    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
+    return v;
+}
+__device__ __forceinline__ void bk_grid_arrive(u32* gbar) {
+    if (atomicAdd(&gbar[0], 1u) == gridDim.x - 1) {
+        gbar[0] = 0;
+        __threadfence();
+        atomicAdd(&gbar[1], 1u);
+    }
+}
+__device__ __forceinline__ void bk_grid_wait(const u32* gbar, u32 gen) {
+    while (ld_acquire_u32(gbar + 1) == gen) __nanosleep(64);
+}
+// moe_gate_up_blk and moe_down_blk of the same step in one launch (one pair per slot: batch
+// 1), so the down's weights stream into the ring while the gate/up computes. Same roles, same
+// arithmetic, same bits as the two kernels. The producer issues the gate/up's copies, then the
+// down's into the same ring memory (dnst slots of the down's stage size), each slot's first fill
+// after the last release of the gate/up slots under it; the epilogue warp finishes the gate/up
+// tasks, fences and arrives on the grid meeting point, then does the down's epilogue; the
+// consumers decode the gate/up stages, wait for every block's activations (the meeting point),
+// then decode the down's stages, whose copies are by then in. The down's optional fused norm
+// (nw) as in moe_down_blk. Needs every block resident at once: one block an SM (its shared
+// memory takes the SM), grid <= SMs, nothing else on the device holding SMs for good (the host
+// launches it only without tensor parallelism).
+// grid (min(SMs, max(tasks))), block BK_THREADS, dynamic shared memory 2 BK_HDR + gnst x 2 SR grb.
+template <int SR, int RS, int DEC>
+__device__ __forceinline__ void gate_up_down_blk(const u8* G, const u8* U, i64 grb, i64 ges, int grows, int gnst,
+                                                 const u8* W, i64 drb, i64 des, int drows, int dnst, const int* ids,
+                                                 const float* wts, int k, int nt, const i8* xq, const float* xd,
+                                                 int ncol, i8* aq, float* ad, int ld, float* hidden, i64 hs,
+                                                 const float* nw, float eps, i8* nq, float* nd, u32* ncnt, u32* gbar) {
+    extern __shared__ __align__(128) u8 bk_sm[];
+    const BkGu g = bk_gu_hdr(bk_sm);
+    const BkDn d = bk_dn_hdr<RS>(bk_sm + BK_HDR);
+    u8* ring = bk_sm + 2 * BK_HDR;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    bk_gu_init(g, gnst);
+    bk_dn_init<RS>(d, dnst);
+    // The generation before this block can arrive (its epilogue starts after the barrier below).
+    const u32 gen = warp < BK_CW ? ld_acquire_u32(gbar + 1) : 0u;
+    __syncthreads();
+    pdl_wait();  // ids come from the router, the input from norm_q8 of this step
+    pdl_trigger();
+    const int gnrg = grows >> 5, dnrg = (drows + RS - 1) / RS;
+    int g0, g1, d0, d1;
+    bk_range(nt * k * gnrg, g0, g1);
+    bk_range(nt * dnrg, d0, d1);
+    if (warp == BK_PW) {
+        if (lane == 0) {
+            const int gn = gu_produce<SR>(g, ring, G, U, grb, ges, ids, gnrg, g0, g1, gnst);
+            dn_produce<RS>(d, ring, W, drb, des, drows, ids, k, dnrg, d0, d1, dnst, &g, gnst, 2 * SR * grb, gn);
+        }
+        return;
+    }
+    if (warp == BK_EW) {
+        gu_epilogue(g, gnrg, g0, g1, aq, ad, ld, lane);
+        __threadfence();
+        __syncwarp();
+        if (lane == 0) bk_grid_arrive(gbar);
+        dn_epilogue<RS>(d, drows, wts, k, dnrg, d0, d1, hidden, hs, nw, ncnt, lane);
+        return;
+    }
+    gu_consume<SR, DEC>(g, ring, grb, k, gnrg, g0, g1, gnst, xq, xd, ncol, warp, lane);
+    bk_grid_wait(gbar, gen);
+    dn_consume<RS, DEC, true>(d, ring, drb, drows, k, dnrg, d0, d1, dnst, aq, ad, ld, warp, lane);
+    pdl_trigger();
+    if (nw) dn_norm_tail(d, drows, nt, hidden, hs, nw, eps, nq, nd, ncnt, warp, lane);
+}
+#define BK_GUD_ARGS                                                                                              \
+    const u8 *G, const u8 *U, i64 grb, i64 ges, int grows, int gnst, const u8 *W, i64 drb, i64 des, int drows,   \
+        int dnst, const int *ids, const float *wts, int k, int nt, const i8 *xq, const float *xd, int ncol, i8 *aq, \
+        float *ad, int ld, float *hidden, i64 hs, const float *nw, float eps, i8 *nq, float *nd, u32 *ncnt,       \
+        u32 *gbar
+#define BK_GUD_ONE(sr)                                                                                           \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gud_blk##sr##_iq4_xs(BK_GUD_ARGS) {          \
+        gate_up_down_blk<sr, 8, BK_SIGN>(G, U, grb, ges, grows, gnst, W, drb, des, drows, dnst, ids, wts, k, nt,  \
+                                         xq, xd, ncol, aq, ad, ld, hidden, hs, nw, eps, nq, nd, ncnt, gbar);      \
+    }
+BK_GUD_ONE(8)
+BK_GUD_ONE(16)
+BK_GUD_ONE(32)

@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--pf-ab] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--gud-ab] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -891,18 +891,15 @@ fn main() -> anyhow::Result<()> {
     if flag("--mvmma-ab") {
         return mvmma_ab(&mut m, &mut pages);
     }
-    if flag("--pf-ab") {
-        use minimax_rank::cuda::stream::set_down_prefetch;
-        let at = [None, Some(0usize), Some(1), Some(2), Some(1 << 20)];
-        b1_ab(&mut m, &mut pages, "down weights asked of L2 by the gate/up", &["off", "task 0", "task 1", "task 2", "after"], &|i| set_down_prefetch(Some(at[i])))?;
-        set_down_prefetch(None);
+    if flag("--gud-ab") {
+        use minimax_rank::cuda::stream::set_fuse_gud;
+        b1_ab(&mut m, &mut pages, "expert gate/up + down", &["two launches", "one launch (moe_gud)"], &|i| set_fuse_gud(Some(i == 1)))?;
+        set_fuse_gud(None);
         m.clear_graphs();
         return Ok(());
     }
     if flag("--router-ab") {
-        use minimax_rank::cuda::fast::{set_router_t4_min, set_router_wide};
-        b1_ab(&mut m, &mut pages, "router", &["router_topk_f32", "router_topk_f32w"], &|i| set_router_wide(Some(i == 1)))?;
-        set_router_wide(None);
+        use minimax_rank::cuda::fast::set_router_t4_min;
         switch_ab(&mut m, &mut pages, "router of several tokens", ["router_topk_f32", "router_topk_f32t4"], |on| set_router_t4_min(on.map(|b| if b { 2 } else { 99 })))?;
         set_router_t4_min(None);
         return Ok(());

@@ -175,12 +175,14 @@ impl Mvmma {
 }
 
 /// Fewest tokens for which [`Gpu::router_topk_f32`] takes `router_topk_f32t4`
-/// (`MINIMAX_ROUTER_T4_MIN`, default 2; [`set_router_t4_min`]); usize::MAX = not read yet.
+/// (`MINIMAX_ROUTER_T4_MIN`, default 16; [`set_router_t4_min`]); usize::MAX = not read yet.
+/// Measured (H200, M2.7, graph replay): slower at 4 and 8 tokens (9.33 / 13.72 ms a step
+/// against 9.08 / 13.51), even at 16 (21.89 / 21.93), faster at 32 (34.55 / 34.91).
 static ROUTER_T4_MIN: AtomicUsize = AtomicUsize::new(usize::MAX);
 fn router_t4_min() -> usize {
     let mut v = ROUTER_T4_MIN.load(Ordering::Relaxed);
     if v == usize::MAX {
-        v = std::env::var("MINIMAX_ROUTER_T4_MIN").ok().and_then(|s| s.parse().ok()).unwrap_or(2);
+        v = std::env::var("MINIMAX_ROUTER_T4_MIN").ok().and_then(|s| s.parse().ok()).unwrap_or(16);
         ROUTER_T4_MIN.store(v, Ordering::Relaxed);
     }
     v
@@ -189,21 +191,6 @@ fn router_t4_min() -> usize {
 /// (`Some(n)`; a value above 32 = never), or back to the environment (`None`).
 pub fn set_router_t4_min(n: Option<usize>) {
     ROUTER_T4_MIN.store(n.unwrap_or(usize::MAX), Ordering::Relaxed);
-}
-
-static ROUTER_WIDE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTER_WIDE", false);
-
-/// Whether routers below [`router_t4_min`] tokens take `router_topk_f32w` (2 warps a block,
-/// twice the blocks, a whole row of up to 3072 floats in flight a lane; bit-identical) instead
-/// of `router_topk_f32` (`MINIMAX_ROUTER_WIDE`).
-pub fn router_wide() -> bool {
-    ROUTER_WIDE.get()
-}
-
-/// Overrides [`router_wide`] (A/B runs and tests; `None` = back to the environment). Drop
-/// captured graphs after a change.
-pub fn set_router_wide(on: Option<bool>) {
-    ROUTER_WIDE.set(on);
 }
 
 /// Floats of partial sums the K-split `mvx_q8_0` products may use (parts x tokens x rows).
@@ -994,9 +981,6 @@ impl Gpu {
         if t4 {
             return self.launch_pdl("router_topk_f32t4", (ceil_div(w.rows, 4), ceil_div(nt, 4), 1), 128, 0, &args);
         }
-        if router_wide() {
-            return self.launch_pdl("router_topk_f32w", (ceil_div(w.rows, 2), nt as u32, 1), 64, 0, &args);
-        }
         // router_topk_f32p: the weight row in registers before the wait (rows of <= 3072).
         let pre = pdl_part(PDL_ROUTER) && w.cols <= ROUTER_PRE_MAX_COLS;
         self.launch_pdl(if pre { "router_topk_f32p" } else { "router_topk_f32" }, (ceil_div(w.rows, 4), nt as u32, 1), 128, 0, &args)
@@ -1428,6 +1412,9 @@ pub(crate) struct FastWs {
     pub acnt: CudaSlice<u32>,
     /// Arrival counter of the streamed down's fused norm (kept zero).
     pub ncnt: CudaSlice<u32>,
+    /// Grid meeting point of the one-launch gate/up + down (`moe_gud_*`): arrivals (kept
+    /// zero) and a generation.
+    pub gbar: CudaSlice<u32>,
     /// Pairs grouped by expert (`moe_group`): `1 + 3 E + MAX_FAST_TOKENS k` i32.
     pub grp: CudaSlice<i32>,
     /// Grouped down products per pair, `[MAX_FAST_TOKENS k][hidden]` f32.
@@ -1471,6 +1458,7 @@ impl FastWs {
             rcnt: g.zeros(t)?,
             acnt: g.zeros(t * c.n_kv_heads.max(1))?,
             ncnt: g.zeros(1)?,
+            gbar: g.zeros(2)?,
             grp: g.zeros(1 + 3 * c.n_experts + t * c.n_experts_used)?,
             dpart: g.zeros(t * c.n_experts_used * c.hidden)?,
             logits: g.zeros(t * c.vocab_size)?,

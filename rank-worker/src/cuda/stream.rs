@@ -111,32 +111,18 @@ pub(super) fn probe() -> bool {
     PROBE.load(Ordering::Relaxed)
 }
 
-/// Where the streamed gate/up's producer asks L2 for the down's expert matrices: before the
-/// copies of its task `n` (0, 1, ...; past its last task: after all its copies), or never
-/// (`None`, the default). `MINIMAX_DOWN_PF=N` or [`set_down_prefetch`].
-static DOWN_PF: AtomicUsize = AtomicUsize::new(usize::MAX);
+static FUSE_GUD: EnvFlag = EnvFlag::new("MINIMAX_FUSE_GUD", false);
 
-/// The down prefetch position in force (see [`DOWN_PF`]).
-pub fn down_prefetch() -> Option<usize> {
-    let mut v = DOWN_PF.load(Ordering::Relaxed);
-    if v == usize::MAX {
-        v = std::env::var("MINIMAX_DOWN_PF").ok().and_then(|s| s.parse::<usize>().ok()).map_or(usize::MAX - 1, |n| n.min(1 << 20));
-        DOWN_PF.store(v, Ordering::Relaxed);
-    }
-    (v < usize::MAX - 1).then_some(v)
+/// Whether one-pair-per-slot steps run the gate/up and the down in one launch (`moe_gud_*`,
+/// [`Gpu::try_gate_up_down_stream`]) where it fits (`MINIMAX_FUSE_GUD`).
+pub fn fuse_gud() -> bool {
+    FUSE_GUD.get()
 }
 
-/// Overrides [`down_prefetch`] (`Some(Some(n))`: at task n; `Some(None)`: never; `None`: back
-/// to the environment). Drop captured graphs after a change.
-pub fn set_down_prefetch(at: Option<Option<usize>>) {
-    DOWN_PF.store(
-        match at {
-            None => usize::MAX,
-            Some(None) => usize::MAX - 1,
-            Some(Some(n)) => n.min(1 << 20),
-        },
-        Ordering::Relaxed,
-    );
+/// Overrides [`fuse_gud`] (A/B runs and tests; `None` = back to the environment). Drop captured
+/// graphs after a change.
+pub fn set_fuse_gud(on: Option<bool>) {
+    FUSE_GUD.set(on);
 }
 
 /// The next layer's RMSNorm (or the output norm) run by the streamed down's last block on the
@@ -199,6 +185,84 @@ impl Gpu {
         Ok(None)
     }
 
+    /// (gate rows per stage, gate/up ring stages, down ring stages) of the one-launch gate/up
+    /// + down (`moe_gud_*`): the gate/up's plan after two headers, and as many 8-row down
+    /// stages (the down's shape checks) as the same ring memory holds, at least 2.
+    pub fn gate_up_down_plan(&self, gate: &DevMat, up: &DevMat, down: &DevMat, k: usize) -> Result<Option<(usize, usize, usize)>, CudaError> {
+        let shapes = gate.ty == GgmlType::IQ4_XS && up.ty == gate.ty && fast_mat(gate) && fast_mat(up) && gate.row_bytes == up.row_bytes && gate.rows % 32 == 0 && gate.cols / 32 <= ROUND_UNITS;
+        let dshapes = down.ty == GgmlType::IQ4_XS && fast_mat(down) && 2 * (down.cols / 32) <= ROUND_UNITS && (1..=STREAM_MAX_K).contains(&k);
+        if !shapes || !dshapes {
+            return Ok(None);
+        }
+        for sr in [32usize, 16, 8] {
+            let n = self.ring_stages(2 * HDR, 2 * sr * gate.row_bytes)?;
+            if n >= 2 {
+                let dn = (n * 2 * sr * gate.row_bytes / (8 * k * down.row_bytes)).min(MAX_STAGES);
+                return Ok((dn >= 2).then_some((sr, n, dn)));
+            }
+        }
+        Ok(None)
+    }
+
+    /// The streamed gate/up and down of one step in one launch (`moe_gud_*`): the outputs of
+    /// [`Gpu::try_gate_up_stream`] then [`Gpu::try_down_stream_norm`], bit for bit, with the
+    /// down's weights streaming in while the gate/up computes. `gbar`: 2 u32, zero before the
+    /// first launch (the arrival count is left zero). Every block must be resident at once
+    /// (one an SM): not for devices shared with kernels that hold SMs (tensor parallelism's
+    /// collectives). False (nothing launched) when it does not fit.
+    #[allow(clippy::too_many_arguments)]
+    pub fn try_gate_up_down_stream(&self, gate: &DevMat, up: &DevMat, down: &DevMat, ids: u64, wts: u64, k: usize, nt: usize, xq: u64, xd: u64, aq: u64, ad: u64, hidden: u64, hs: usize, next: Option<&NextNorm>, gbar: u64) -> Result<bool, CudaError> {
+        if next.is_some() && (down.rows > super::fast::FUSED_NORM_MAX || down.rows % 32 != 0) {
+            return Ok(false);
+        }
+        let ld = down.cols;
+        if ld < gate.rows || ld % 32 != 0 || k == 0 || probe() || stream_lookup() {
+            return Ok(false);
+        }
+        let Some((sr, gnst, dnst)) = self.gate_up_down_plan(gate, up, down, k)? else {
+            return Ok(false);
+        };
+        let smem = 2 * HDR + gnst * 2 * sr * gate.row_bytes;
+        let grid = self.stream_grid((nt * k * (gate.rows / 32)).max(nt * down.rows.div_ceil(8)))?;
+        let (nw, eps, nq, nd, cnt) = match next {
+            Some(n) => (n.weight, n.eps, n.q, n.d, n.cnt),
+            None => (0, 0.0, 0, 0, 0),
+        };
+        let args = [
+            Arg::P(gate.ptr),
+            Arg::P(up.ptr),
+            Arg::L(gate.row_bytes as i64),
+            Arg::L(gate.expert_stride as i64),
+            Arg::I(gate.rows as i32),
+            Arg::I(gnst as i32),
+            Arg::P(down.ptr),
+            Arg::L(down.row_bytes as i64),
+            Arg::L(down.expert_stride as i64),
+            Arg::I(down.rows as i32),
+            Arg::I(dnst as i32),
+            Arg::P(ids),
+            Arg::P(wts),
+            Arg::I(k as i32),
+            Arg::I(nt as i32),
+            Arg::P(xq),
+            Arg::P(xd),
+            Arg::I(gate.cols as i32),
+            Arg::P(aq),
+            Arg::P(ad),
+            Arg::I(ld as i32),
+            Arg::P(hidden),
+            Arg::L(hs as i64),
+            Arg::P(nw),
+            Arg::F(eps),
+            Arg::P(nq),
+            Arg::P(nd),
+            Arg::P(cnt),
+            Arg::P(gbar),
+        ];
+        self.launch_pdl(&format!("moe_gud_blk{sr}_iq4_xs"), (grid, 1, 1), THREADS, smem as u32, &args)?;
+        Ok(true)
+    }
+
     /// (output rows per stage, ring stages) of the streamed down at top-`k`: 8 rows when 2
     /// stages of them fit; None otherwise (4-row stages, which a 99 KB sm_120 block would get,
     /// measured slower than `rx4` on an H200: they run only when [`set_stream_rows_cap`] asks).
@@ -242,13 +306,6 @@ impl Gpu {
     /// dispatcher's form, one plan per launch.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn try_gate_up_stream(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<bool, CudaError> {
-        self.try_gate_up_stream_pf(gate, up, ids, k, npairs, xq, xd, aq, ad, ld, None)
-    }
-
-    /// [`Gpu::try_gate_up_stream`] that also asks L2 for `down`'s matrices of the same experts
-    /// (the down kernel after it) at [`down_prefetch`]'s position, when one is set. Same outputs.
-    #[allow(clippy::too_many_arguments)]
-    pub fn try_gate_up_stream_pf(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize, down: Option<&DevMat>) -> Result<bool, CudaError> {
         let plan = self.gate_up_stream_plan(gate, up)?;
         let Some((sr, nst)) = plan.filter(|_| ld >= gate.rows && ld % 32 == 0 && k > 0) else {
             return Ok(false);
@@ -257,13 +314,7 @@ impl Gpu {
         let mid = [Arg::P(ids), Arg::I(k as i32), Arg::I(npairs as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32)];
         let grid = self.stream_grid(npairs * (gate.rows / 32))?;
         let name = format!("moe_gate_up_{}{sr}_iq4_xs", stem());
-        let mut args = gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld);
-        let pf = down.zip(down_prefetch()).filter(|(d, _)| d.row_bytes % 16 == 0 && d.expert_stride % 16 == 0);
-        match pf {
-            Some((d, at)) => args.extend([Arg::P(d.ptr), Arg::L(d.expert_stride as i64), Arg::L((d.rows * d.row_bytes) as i64), Arg::I(at as i32)]),
-            None => args.extend([Arg::P(0), Arg::L(0), Arg::L(0), Arg::I(0)]),
-        }
-        self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &args)?;
+        self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))?;
         Ok(true)
     }
 
