@@ -306,7 +306,7 @@ __device__ __forceinline__ void gu_epilogue(const BkGu& g, int nrg, int t0, int 
 }
 // A gate/up consumer warp: its rows of every stage of tasks [t0, t1).
 template <int SR, int DEC>
-__device__ __forceinline__ void gu_consume(const BkGu& g, const u8* ring, i64 rb, int k, int nrg, int t0, int t1,
+__device__ __forceinline__ int gu_consume(const BkGu& g, const u8* ring, i64 rb, int k, int nrg, int t0, int t1,
                                            int nst, const i8* xq, const float* xd, int ncol, int warp, int lane) {
     constexpr int RPW = SR / 8;  // rows per consumer warp and stage
     const i64 sb_bytes = 2 * SR * rb;
@@ -376,6 +376,7 @@ __device__ __forceinline__ void gu_consume(const BkGu& g, const u8* ring, i64 rb
         __syncwarp();
         if (lane == 0) bk_mb_arrive(&g.afull[a]);
     }
+    return n;
 }
 template <int SR, int DEC>
 __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k, int npairs,
@@ -462,13 +463,26 @@ __device__ __forceinline__ void bk_dn_init(const BkDn& d, int nst) {
     bk_init_extra(d.fullx, nst * STREAM_MAXK);
     bk_init_n(d.full, d.empty, d.afull, d.aempty, nst, BK_NAB);
 }
+// The ring slot of the down's n-th stage, its slots rotated by rot (the fused kernel starts on the
+// slots whose gate/up memory frees first), and which use of that slot it is.
+__device__ __forceinline__ void dn_slot(int n, int rot, int nst, int& b, int& round) {
+    const int v = n + rot;
+    b = v % nst;
+    round = v / nst - (b < rot ? 1 : 0);
+}
+// The down's ring rotation in the fused kernel: its first stages go where the gate/up's slot
+// gn % gnst (the first of them to be released for good) was.
+__device__ __forceinline__ int dn_rot(int gn, int gnst, i64 gsb, i64 dsb, int dnst) {
+    return (int)(((i64)(gn % gnst) * gsb / dsb) % dnst);
+}
 // The down's producer (lane 0 of the producer warp): the copies of tasks [t0, t1). With gu (the
 // fused kernel) the ring's memory was the gate/up's (gnst slots of gsb bytes, gn stages filled
-// by this block): a slot's first fill waits for the last release of each gate/up slot it covers.
+// by this block): a slot's first fill waits for the last release of each gate/up slot it covers;
+// rot as in dn_slot.
 template <int RS>
 __device__ __forceinline__ void dn_produce(const BkDn& d, u8* ring, const u8* W, i64 rb, i64 es, int rows,
                                            const int* ids, int k, int nrg, int t0, int t1, int nst, const BkGu* gu,
-                                           int gnst, i64 gsb, int gn) {
+                                           int gnst, i64 gsb, int gn, int rot) {
     const i64 sb_bytes = (i64)RS * k * rb;
     // The token's expert offsets, read once per token and all at once: read inside the copy
     // loop, each id waited for an L2 round trip before its copy could issue (the copies' memory
@@ -482,15 +496,16 @@ __device__ __forceinline__ void dn_produce(const BkDn& d, u8* ring, const u8* W,
             for (int j = 0; j < STREAM_MAXK; j++) eo[j] = j < k ? (i64)__ldcg(ids + t * k + j) * es : 0;
             t_ids = t;
         }
-        const int b = n % nst;
-        if (gu && n < nst) {
+        int b, round;
+        dn_slot(n, rot, nst, b, round);
+        if (gu && round == 0) {
             const i64 lo = b * sb_bytes, hi = lo + sb_bytes - 1;
             for (int gb = (int)(lo / gsb); gb <= (int)(hi / gsb) && gb < min(gnst, gn); gb++) {
                 const int last = gb + ((gn - 1 - gb) / gnst) * gnst;  // the slot's last fill
                 bk_mb_wait(&gu->empty[gb], (last / gnst) & 1);
             }
         }
-        bk_mb_wait(&d.empty[b], ((n / nst) & 1) ^ 1);
+        bk_mb_wait(&d.empty[b], (round & 1) ^ 1);
         u8* dst = ring + b * sb_bytes;
 #pragma unroll
         for (int j = 0; j < STREAM_MAXK; j++)
@@ -530,7 +545,8 @@ __device__ __forceinline__ void dn_epilogue(const BkDn& d, int rows, const float
 // activations through L2 (the fused kernel: other blocks wrote them in this launch).
 template <int RS, int DEC, bool CG>
 __device__ __forceinline__ void dn_consume(const BkDn& d, const u8* ring, i64 rb, int rows, int k, int nrg, int t0,
-                                           int t1, int nst, const i8* aq, const float* ad, int ff, int warp, int lane) {
+                                           int t1, int nst, const i8* aq, const float* ad, int ff, int rot, int warp,
+                                           int lane) {
     constexpr int NPR = RS / 4;  // row pairs per consumer warp
     const i64 sb_bytes = (i64)RS * k * rb;
     const int upe = ff >> 5, nu = 2 * upe;
@@ -555,7 +571,9 @@ __device__ __forceinline__ void dn_consume(const BkDn& d, const u8* ring, i64 rb
     int p_x = -1;
     for (int task = t0, it = 0; task < t1; task++, it++) {
         const int t = task / nrg, r0 = (task % nrg) * RS, nr = min(RS, rows - r0);
-        const int b = it % nst, a = it % BK_NAB;
+        const int a = it % BK_NAB;
+        int b, round;
+        dn_slot(it, rot, nst, b, round);
         const bool active = j_ex < k;
         const int p = t * k + j_ex;
         if (active && p != p_x) {
@@ -576,7 +594,7 @@ __device__ __forceinline__ void dn_consume(const BkDn& d, const u8* ring, i64 rb
         // Warps without an expert (k < 8) wait for expert 0's rows: every warp must see the
         // stage's round before it arrives on empty[b], or an idle warp could arrive twice in one
         // phase.
-        bk_mb_wait(&d.fullx[b * STREAM_MAXK + (active ? j_ex : 0)], (it / nst) & 1);
+        bk_mb_wait(&d.fullx[b * STREAM_MAXK + (active ? j_ex : 0)], round & 1);
         float s[NPR][2];
 #pragma unroll
         for (int q = 0; q < NPR; q++) {
@@ -667,7 +685,7 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
     int t0, t1;
     bk_range(nt * nrg, t0, t1);
     if (warp == BK_PW) {
-        if (lane == 0) dn_produce<RS>(d, ring, W, rb, es, rows, ids, k, nrg, t0, t1, nst, nullptr, 0, 1, 0);
+        if (lane == 0) dn_produce<RS>(d, ring, W, rb, es, rows, ids, k, nrg, t0, t1, nst, nullptr, 0, 1, 0, 0);
         return;
     }
     pdl_wait();
@@ -676,7 +694,7 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
         dn_epilogue<RS>(d, rows, wts, k, nrg, t0, t1, hidden, hs, nw, ncnt, lane);
         return;
     }
-    dn_consume<RS, DEC, false>(d, ring, rb, rows, k, nrg, t0, t1, nst, aq, ad, ff, warp, lane);
+    dn_consume<RS, DEC, false>(d, ring, rb, rows, k, nrg, t0, t1, nst, aq, ad, ff, 0, warp, lane);
     pdl_trigger();
     if (nw) dn_norm_tail(d, rows, nt, hidden, hs, nw, eps, nq, nd, ncnt, warp, lane);
 }
@@ -750,7 +768,8 @@ __device__ __forceinline__ void gate_up_down_blk(const u8* G, const u8* U, i64 g
     if (warp == BK_PW) {
         if (lane == 0) {
             const int gn = gu_produce<SR>(g, ring, G, U, grb, ges, ids, gnrg, g0, g1, gnst);
-            dn_produce<RS>(d, ring, W, drb, des, drows, ids, k, dnrg, d0, d1, dnst, &g, gnst, 2 * SR * grb, gn);
+            const int rot = dn_rot(gn, gnst, 2 * SR * grb, (i64)RS * k * drb, dnst);
+            dn_produce<RS>(d, ring, W, drb, des, drows, ids, k, dnrg, d0, d1, dnst, &g, gnst, 2 * SR * grb, gn, rot);
         }
         return;
     }
@@ -762,9 +781,10 @@ __device__ __forceinline__ void gate_up_down_blk(const u8* G, const u8* U, i64 g
         dn_epilogue<RS>(d, drows, wts, k, dnrg, d0, d1, hidden, hs, nw, ncnt, lane);
         return;
     }
-    gu_consume<SR, DEC>(g, ring, grb, k, gnrg, g0, g1, gnst, xq, xd, ncol, warp, lane);
+    const int gn = gu_consume<SR, DEC>(g, ring, grb, k, gnrg, g0, g1, gnst, xq, xd, ncol, warp, lane);
+    const int rot = dn_rot(gn, gnst, 2 * SR * grb, (i64)RS * k * drb, dnst);
     bk_grid_wait(gbar, gen);
-    dn_consume<RS, DEC, true>(d, ring, drb, drows, k, dnrg, d0, d1, dnst, aq, ad, ld, warp, lane);
+    dn_consume<RS, DEC, true>(d, ring, drb, drows, k, dnrg, d0, d1, dnst, aq, ad, ld, rot, warp, lane);
     pdl_trigger();
     if (nw) dn_norm_tail(d, drows, nt, hidden, hs, nw, eps, nq, nd, ncnt, warp, lane);
 }

@@ -355,6 +355,19 @@ fn streamed_kernels_speed() {
     }
     set_stream_stage_cap(None);
     set_stream_rows_cap(None);
+    // Gate/up then down, two launches against one (moe_gud), with 32- and 16-row gate/up stages.
+    let gbar = g.zeros::<u32>(2).unwrap();
+    let two = |i: usize| {
+        gu_st(i);
+        dn_st(i);
+    };
+    let one = |i: usize| assert!(g.try_gate_up_down_stream(&gm, &um, &dm, g.ptr(&sets[i % 8]), g.ptr(&wb), k, 1, g.ptr(&xq), g.ptr(&xd), g.ptr(&oq), g.ptr(&od), g.ptr(&hid), h, None, g.ptr(&gbar)).unwrap());
+    for rows in [32usize, 16] {
+        set_stream_rows_cap(Some((rows, 8)));
+        row(&format!("gate/up + down, two launches, {rows}-row gate/up stages"), time(&two), gu_bytes + dn_bytes);
+        row(&format!("gate/up + down, one launch, {rows}-row gate/up stages"), time(&one), gu_bytes + dn_bytes);
+    }
+    set_stream_rows_cap(None);
     eprintln!("streamed expert kernels, M2.7 shapes, 1 token x top-8 (per launch, weight bytes / time):\n{}", lines.join("\n"));
 }
 

@@ -892,9 +892,13 @@ fn main() -> anyhow::Result<()> {
         return mvmma_ab(&mut m, &mut pages);
     }
     if flag("--gud-ab") {
-        use minimax_rank::cuda::stream::set_fuse_gud;
-        b1_ab(&mut m, &mut pages, "expert gate/up + down", &["two launches", "one launch (moe_gud)"], &|i| set_fuse_gud(Some(i == 1)))?;
+        use minimax_rank::cuda::stream::{set_fuse_gud, set_stream_rows_cap};
+        b1_ab(&mut m, &mut pages, "expert gate/up + down", &["two launches", "one launch, 32-row stages", "one launch, 16-row stages"], &|i| {
+            set_fuse_gud(Some(i > 0));
+            set_stream_rows_cap(if i == 2 { Some((16, 8)) } else { None });
+        })?;
         set_fuse_gud(None);
+        set_stream_rows_cap(None);
         m.clear_graphs();
         return Ok(());
     }

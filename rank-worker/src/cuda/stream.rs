@@ -186,15 +186,16 @@ impl Gpu {
     }
 
     /// (gate rows per stage, gate/up ring stages, down ring stages) of the one-launch gate/up
-    /// + down (`moe_gud_*`): the gate/up's plan after two headers, and as many 8-row down
-    /// stages (the down's shape checks) as the same ring memory holds, at least 2.
+    /// + down (`moe_gud_*`): the gate/up's plan after two headers (its rows capped by
+    /// [`set_stream_rows_cap`]), and as many 8-row down stages (the down's shape checks) as the
+    /// same ring memory holds, at least 2.
     pub fn gate_up_down_plan(&self, gate: &DevMat, up: &DevMat, down: &DevMat, k: usize) -> Result<Option<(usize, usize, usize)>, CudaError> {
         let shapes = gate.ty == GgmlType::IQ4_XS && up.ty == gate.ty && fast_mat(gate) && fast_mat(up) && gate.row_bytes == up.row_bytes && gate.rows % 32 == 0 && gate.cols / 32 <= ROUND_UNITS;
         let dshapes = down.ty == GgmlType::IQ4_XS && fast_mat(down) && 2 * (down.cols / 32) <= ROUND_UNITS && (1..=STREAM_MAX_K).contains(&k);
         if !shapes || !dshapes {
             return Ok(None);
         }
-        for sr in [32usize, 16, 8] {
+        for sr in [32usize, 16, 8].into_iter().filter(|&r| rows_ok(0, r) || r == 8) {
             let n = self.ring_stages(2 * HDR, 2 * sr * gate.row_bytes)?;
             if n >= 2 {
                 let dn = (n * 2 * sr * gate.row_bytes / (8 * k * down.row_bytes)).min(MAX_STAGES);
