@@ -346,6 +346,51 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32(const float* W
     router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
 }
 
+// router_topk_f32 for one token with its whole weight row in flight at once: each lane issues
+// the loads of RT_X float4 of the row (a 3072-float row in one round instead of two), then the
+// block stages the token's x in shared memory (x is in L2: written by the norm just before)
+// while they are in flight, and the lanes dot the row with x read from shared memory. One DRAM
+// round trip a row instead of two; the same sums in the same order (router_row's), so
+// bit-identical. grid (ceil(rows / 4), nt), block 128, dynamic shared memory 4 n bytes.
+#define RT_X 24
+extern "C" __global__ void __launch_bounds__(128) router_topk_f32x(const float* W, int rows, int n, const float* x,
+                                                                  i64 xs, float* y, i64 ys, const float* bias, int k,
+                                                                  int gating, int* ids, float* w, u32* cnt) {
+    extern __shared__ float4 rx_sm[];
+    pdl_enter();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y, r = blockIdx.x * 4 + warp;
+    const int n4 = n >> 2;
+    const bool live = r < rows;
+    const float4* wr = (const float4*)(W + (i64)(live ? r : 0) * n);
+    const float4* xt = (const float4*)(x + (i64)t * xs);
+    float acc = 0.f;
+    for (int base = 0; base < n4; base += 32 * RT_X) {
+        float4 wv[RT_X];
+#pragma unroll
+        for (int i = 0; i < RT_X; i++) {
+            const int idx = base + lane + 32 * i;
+            if (live && idx < n4) wv[i] = __ldg(wr + idx);
+        }
+        if (base == 0) {
+            for (int i = threadIdx.x; i < n4; i += 128) rx_sm[i] = xt[i];
+            __syncthreads();
+        }
+#pragma unroll
+        for (int i = 0; i < RT_X; i++) {
+            const int idx = base + lane + 32 * i;
+            if (live && idx < n4) acc = router_acc(acc, wv[i], rx_sm[idx]);
+        }
+    }
+    if (live) {
+        acc = warp_sum(acc);
+        if (lane == 0) {
+            y[(i64)t * ys + r] = acc;
+            __threadfence();
+        }
+    }
+    router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
+}
+
 // router_topk_f32 for several tokens: warp (row, group of up to 4 tokens) loads each round of
 // its weight row once and dots it with each token's x (router_topk_f32 re-reads the row for
 // every token: at 32 tokens 100 MB of the ~200 MB of L2 reads a layer). Per (row, token) the

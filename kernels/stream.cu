@@ -254,10 +254,9 @@ __device__ __forceinline__ void bk_gu_init(const BkGu& g, int nst) {
     bk_init_extra(g.fullq, nst * 4);
     bk_init_n(g.full, g.empty, g.afull, g.aempty, nst, BK_NAB);
 }
-// The gate/up's producer (lane 0 of the producer warp): the copies of tasks [t0, t1); returns
-// how many stages it filled (the fused kernel's down waits for each slot's last release).
+// The gate/up's producer (lane 0 of the producer warp): the copies of tasks [t0, t1).
 template <int SR>
-__device__ __forceinline__ int gu_produce(const BkGu& g, u8* ring, const u8* G, const u8* U, i64 rb, i64 es,
+__device__ __forceinline__ void gu_produce(const BkGu& g, u8* ring, const u8* G, const u8* U, i64 rb, i64 es,
                                           const int* ids, int nrg, int t0, int t1, int nst) {
     constexpr int NP = SR >= 16 ? SR / 8 : 1;  // parts a stage
     const i64 sb_bytes = 2 * SR * rb;
@@ -289,7 +288,6 @@ __device__ __forceinline__ int gu_produce(const BkGu& g, u8* ring, const u8* G, 
             }
         }
     }
-    return n;
 }
 // The gate/up's epilogue warp: SiLU x up of each task's 32 rows -> q8.
 __device__ __forceinline__ void gu_epilogue(const BkGu& g, int nrg, int t0, int t1, i8* aq, float* ad, int ld, int lane) {
@@ -306,7 +304,7 @@ __device__ __forceinline__ void gu_epilogue(const BkGu& g, int nrg, int t0, int 
 }
 // A gate/up consumer warp: its rows of every stage of tasks [t0, t1).
 template <int SR, int DEC>
-__device__ __forceinline__ int gu_consume(const BkGu& g, const u8* ring, i64 rb, int k, int nrg, int t0, int t1,
+__device__ __forceinline__ void gu_consume(const BkGu& g, const u8* ring, i64 rb, int k, int nrg, int t0, int t1,
                                            int nst, const i8* xq, const float* xd, int ncol, int warp, int lane) {
     constexpr int RPW = SR / 8;  // rows per consumer warp and stage
     const i64 sb_bytes = 2 * SR * rb;
@@ -376,7 +374,6 @@ __device__ __forceinline__ int gu_consume(const BkGu& g, const u8* ring, i64 rb,
         __syncwarp();
         if (lane == 0) bk_mb_arrive(&g.afull[a]);
     }
-    return n;
 }
 template <int SR, int DEC>
 __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k, int npairs,
@@ -463,26 +460,10 @@ __device__ __forceinline__ void bk_dn_init(const BkDn& d, int nst) {
     bk_init_extra(d.fullx, nst * STREAM_MAXK);
     bk_init_n(d.full, d.empty, d.afull, d.aempty, nst, BK_NAB);
 }
-// The ring slot of the down's n-th stage, its slots rotated by rot (the fused kernel starts on the
-// slots whose gate/up memory frees first), and which use of that slot it is.
-__device__ __forceinline__ void dn_slot(int n, int rot, int nst, int& b, int& round) {
-    const int v = n + rot;
-    b = v % nst;
-    round = v / nst - (b < rot ? 1 : 0);
-}
-// The down's ring rotation in the fused kernel: its first stages go where the gate/up's slot
-// gn % gnst (the first of them to be released for good) was.
-__device__ __forceinline__ int dn_rot(int gn, int gnst, i64 gsb, i64 dsb, int dnst) {
-    return (int)(((i64)(gn % gnst) * gsb / dsb) % dnst);
-}
-// The down's producer (lane 0 of the producer warp): the copies of tasks [t0, t1). With gu (the
-// fused kernel) the ring's memory was the gate/up's (gnst slots of gsb bytes, gn stages filled
-// by this block): a slot's first fill waits for the last release of each gate/up slot it covers;
-// rot as in dn_slot.
+// The down's producer (lane 0 of the producer warp): the copies of tasks [t0, t1).
 template <int RS>
 __device__ __forceinline__ void dn_produce(const BkDn& d, u8* ring, const u8* W, i64 rb, i64 es, int rows,
-                                           const int* ids, int k, int nrg, int t0, int t1, int nst, const BkGu* gu,
-                                           int gnst, i64 gsb, int gn, int rot) {
+                                           const int* ids, int k, int nrg, int t0, int t1, int nst) {
     const i64 sb_bytes = (i64)RS * k * rb;
     // The token's expert offsets, read once per token and all at once: read inside the copy
     // loop, each id waited for an L2 round trip before its copy could issue (the copies' memory
@@ -496,16 +477,8 @@ __device__ __forceinline__ void dn_produce(const BkDn& d, u8* ring, const u8* W,
             for (int j = 0; j < STREAM_MAXK; j++) eo[j] = j < k ? (i64)__ldcg(ids + t * k + j) * es : 0;
             t_ids = t;
         }
-        int b, round;
-        dn_slot(n, rot, nst, b, round);
-        if (gu && round == 0) {
-            const i64 lo = b * sb_bytes, hi = lo + sb_bytes - 1;
-            for (int gb = (int)(lo / gsb); gb <= (int)(hi / gsb) && gb < min(gnst, gn); gb++) {
-                const int last = gb + ((gn - 1 - gb) / gnst) * gnst;  // the slot's last fill
-                bk_mb_wait(&gu->empty[gb], (last / gnst) & 1);
-            }
-        }
-        bk_mb_wait(&d.empty[b], (round & 1) ^ 1);
+        const int b = n % nst;
+        bk_mb_wait(&d.empty[b], ((n / nst) & 1) ^ 1);
         u8* dst = ring + b * sb_bytes;
 #pragma unroll
         for (int j = 0; j < STREAM_MAXK; j++)
@@ -541,12 +514,10 @@ __device__ __forceinline__ void dn_epilogue(const BkDn& d, int rows, const float
         asm volatile("bar.sync 1, %0;" ::"r"(32 * (BK_CW + 1)) : "memory");
     }
 }
-// A down consumer warp: expert j = warp / 2 of every task's stage, its rows half. CG: read the
-// activations through L2 (the fused kernel: other blocks wrote them in this launch).
-template <int RS, int DEC, bool CG>
+// A down consumer warp: expert j = warp / 2 of every task's stage, its rows half.
+template <int RS, int DEC>
 __device__ __forceinline__ void dn_consume(const BkDn& d, const u8* ring, i64 rb, int rows, int k, int nrg, int t0,
-                                           int t1, int nst, const i8* aq, const float* ad, int ff, int rot, int warp,
-                                           int lane) {
+                                           int t1, int nst, const i8* aq, const float* ad, int ff, int warp, int lane) {
     constexpr int NPR = RS / 4;  // row pairs per consumer warp
     const i64 sb_bytes = (i64)RS * k * rb;
     const int upe = ff >> 5, nu = 2 * upe;
@@ -571,9 +542,7 @@ __device__ __forceinline__ void dn_consume(const BkDn& d, const u8* ring, i64 rb
     int p_x = -1;
     for (int task = t0, it = 0; task < t1; task++, it++) {
         const int t = task / nrg, r0 = (task % nrg) * RS, nr = min(RS, rows - r0);
-        const int a = it % BK_NAB;
-        int b, round;
-        dn_slot(it, rot, nst, b, round);
+        const int b = it % nst, a = it % BK_NAB;
         const bool active = j_ex < k;
         const int p = t * k + j_ex;
         if (active && p != p_x) {
@@ -582,10 +551,10 @@ __device__ __forceinline__ void dn_consume(const BkDn& d, const u8* ring, i64 rb
                 xs[i] = 0.f;
                 if (lane + 32 * i < nu) {
                     const int4* xp = (const int4*)(aq + (i64)p * ff + uu[i] * 32);
-                    xa[i] = CG ? __ldcg(xp) : xp[0];
-                    xb[i] = CG ? __ldcg(xp + 1) : xp[1];
+                    xa[i] = xp[0];
+                    xb[i] = xp[1];
                     if (DEC == BK_SIGN) iq4_x_il(xa[i], xb[i]);
-                    xs[i] = CG ? __ldcg(ad + (i64)p * upe + uu[i]) : ad[(i64)p * upe + uu[i]];
+                    xs[i] = ad[(i64)p * upe + uu[i]];
                 }
             }
             p_x = p;
@@ -594,7 +563,7 @@ __device__ __forceinline__ void dn_consume(const BkDn& d, const u8* ring, i64 rb
         // Warps without an expert (k < 8) wait for expert 0's rows: every warp must see the
         // stage's round before it arrives on empty[b], or an idle warp could arrive twice in one
         // phase.
-        bk_mb_wait(&d.fullx[b * STREAM_MAXK + (active ? j_ex : 0)], round & 1);
+        bk_mb_wait(&d.fullx[b * STREAM_MAXK + (active ? j_ex : 0)], (it / nst) & 1);
         float s[NPR][2];
 #pragma unroll
         for (int q = 0; q < NPR; q++) {
@@ -685,7 +654,7 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
     int t0, t1;
     bk_range(nt * nrg, t0, t1);
     if (warp == BK_PW) {
-        if (lane == 0) dn_produce<RS>(d, ring, W, rb, es, rows, ids, k, nrg, t0, t1, nst, nullptr, 0, 1, 0, 0);
+        if (lane == 0) dn_produce<RS>(d, ring, W, rb, es, rows, ids, k, nrg, t0, t1, nst);
         return;
     }
     pdl_wait();
@@ -694,7 +663,7 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
         dn_epilogue<RS>(d, rows, wts, k, nrg, t0, t1, hidden, hs, nw, ncnt, lane);
         return;
     }
-    dn_consume<RS, DEC, false>(d, ring, rb, rows, k, nrg, t0, t1, nst, aq, ad, ff, 0, warp, lane);
+    dn_consume<RS, DEC>(d, ring, rb, rows, k, nrg, t0, t1, nst, aq, ad, ff, warp, lane);
     pdl_trigger();
     if (nw) dn_norm_tail(d, rows, nt, hidden, hs, nw, eps, nq, nd, ncnt, warp, lane);
 }
@@ -711,93 +680,3 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
 BK_DN_INST(4)
 BK_DN_INST(8)
 
-// ---------------------------------------------------------- gate/up + down, one launch -------
-// A grid-wide meeting point on gbar = {arrivals, generation} (zero before the first launch; the
-// arrivals are left zero): bk_grid_arrive by one thread a block after its writes and a fence;
-// the last of gridDim.x arrivals resets the count and bumps the generation, which waiters,
-// holding the generation they read before their block could arrive, wait to see change.
-__device__ __forceinline__ u32 ld_acquire_u32(const u32* p) {
-    u32 v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void bk_grid_arrive(u32* gbar) {
-    if (atomicAdd(&gbar[0], 1u) == gridDim.x - 1) {
-        gbar[0] = 0;
-        __threadfence();
-        atomicAdd(&gbar[1], 1u);
-    }
-}
-__device__ __forceinline__ void bk_grid_wait(const u32* gbar, u32 gen) {
-    while (ld_acquire_u32(gbar + 1) == gen) __nanosleep(64);
-}
-// moe_gate_up_blk and moe_down_blk of the same step in one launch (one pair per slot: batch
-// 1), so the down's weights stream into the ring while the gate/up computes. Same roles, same
-// arithmetic, same bits as the two kernels. The producer issues the gate/up's copies, then the
-// down's into the same ring memory (dnst slots of the down's stage size), each slot's first fill
-// after the last release of the gate/up slots under it; the epilogue warp finishes the gate/up
-// tasks, fences and arrives on the grid meeting point, then does the down's epilogue; the
-// consumers decode the gate/up stages, wait for every block's activations (the meeting point),
-// then decode the down's stages, whose copies are by then in. The down's optional fused norm
-// (nw) as in moe_down_blk. Needs every block resident at once: one block an SM (its shared
-// memory takes the SM), grid <= SMs, nothing else on the device holding SMs for good (the host
-// launches it only without tensor parallelism).
-// grid (min(SMs, max(tasks))), block BK_THREADS, dynamic shared memory 2 BK_HDR + gnst x 2 SR grb.
-template <int SR, int RS, int DEC>
-__device__ __forceinline__ void gate_up_down_blk(const u8* G, const u8* U, i64 grb, i64 ges, int grows, int gnst,
-                                                 const u8* W, i64 drb, i64 des, int drows, int dnst, const int* ids,
-                                                 const float* wts, int k, int nt, const i8* xq, const float* xd,
-                                                 int ncol, i8* aq, float* ad, int ld, float* hidden, i64 hs,
-                                                 const float* nw, float eps, i8* nq, float* nd, u32* ncnt, u32* gbar) {
-    extern __shared__ __align__(128) u8 bk_sm[];
-    const BkGu g = bk_gu_hdr(bk_sm);
-    const BkDn d = bk_dn_hdr<RS>(bk_sm + BK_HDR);
-    u8* ring = bk_sm + 2 * BK_HDR;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    bk_gu_init(g, gnst);
-    bk_dn_init<RS>(d, dnst);
-    // The generation before this block can arrive (its epilogue starts after the barrier below).
-    const u32 gen = warp < BK_CW ? ld_acquire_u32(gbar + 1) : 0u;
-    __syncthreads();
-    pdl_wait();  // ids come from the router, the input from norm_q8 of this step
-    pdl_trigger();
-    const int gnrg = grows >> 5, dnrg = (drows + RS - 1) / RS;
-    int g0, g1, d0, d1;
-    bk_range(nt * k * gnrg, g0, g1);
-    bk_range(nt * dnrg, d0, d1);
-    if (warp == BK_PW) {
-        if (lane == 0) {
-            const int gn = gu_produce<SR>(g, ring, G, U, grb, ges, ids, gnrg, g0, g1, gnst);
-            const int rot = dn_rot(gn, gnst, 2 * SR * grb, (i64)RS * k * drb, dnst);
-            dn_produce<RS>(d, ring, W, drb, des, drows, ids, k, dnrg, d0, d1, dnst, &g, gnst, 2 * SR * grb, gn, rot);
-        }
-        return;
-    }
-    if (warp == BK_EW) {
-        gu_epilogue(g, gnrg, g0, g1, aq, ad, ld, lane);
-        __threadfence();
-        __syncwarp();
-        if (lane == 0) bk_grid_arrive(gbar);
-        dn_epilogue<RS>(d, drows, wts, k, dnrg, d0, d1, hidden, hs, nw, ncnt, lane);
-        return;
-    }
-    const int gn = gu_consume<SR, DEC>(g, ring, grb, k, gnrg, g0, g1, gnst, xq, xd, ncol, warp, lane);
-    const int rot = dn_rot(gn, gnst, 2 * SR * grb, (i64)RS * k * drb, dnst);
-    bk_grid_wait(gbar, gen);
-    dn_consume<RS, DEC, true>(d, ring, drb, drows, k, dnrg, d0, d1, dnst, aq, ad, ld, rot, warp, lane);
-    pdl_trigger();
-    if (nw) dn_norm_tail(d, drows, nt, hidden, hs, nw, eps, nq, nd, ncnt, warp, lane);
-}
-#define BK_GUD_ARGS                                                                                              \
-    const u8 *G, const u8 *U, i64 grb, i64 ges, int grows, int gnst, const u8 *W, i64 drb, i64 des, int drows,   \
-        int dnst, const int *ids, const float *wts, int k, int nt, const i8 *xq, const float *xd, int ncol, i8 *aq, \
-        float *ad, int ld, float *hidden, i64 hs, const float *nw, float eps, i8 *nq, float *nd, u32 *ncnt,       \
-        u32 *gbar
-#define BK_GUD_ONE(sr)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gud_blk##sr##_iq4_xs(BK_GUD_ARGS) {          \
-        gate_up_down_blk<sr, 8, BK_SIGN>(G, U, grb, ges, grows, gnst, W, drb, des, drows, dnst, ids, wts, k, nt,  \
-                                         xq, xd, ncol, aq, ad, ld, hidden, hs, nw, eps, nq, nd, ncnt, gbar);      \
-    }
-BK_GUD_ONE(8)
-BK_GUD_ONE(16)
-BK_GUD_ONE(32)

@@ -661,8 +661,20 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
     // be back at zero), rows not a multiple of the 4-row block.
     // Also router_topk_f32t4 (4 tokens a warp): 3 tokens (one partial group), 9 (two groups
     // and one token), 4 (one full group).
-    for (rows, cols, k, nt, gating, t4) in [(256usize, 3072usize, 8usize, 3usize, GatingFunc::Sigmoid, false), (256, 3072, 8, 3, GatingFunc::Sigmoid, true), (256, 3072, 8, 9, GatingFunc::Sigmoid, true), (37, 1000, 5, 4, GatingFunc::Softmax, false), (37, 1000, 5, 4, GatingFunc::Softmax, true)] {
+    // And router_topk_f32x (a row's loads at once, x in shared memory): M2.7's one token, 37
+    // rows of 1000 (a partial round, an odd last block), 4000 columns (two rounds), 2 tokens.
+    for (rows, cols, k, nt, gating, t4, rx) in [
+        (256usize, 3072usize, 8usize, 3usize, GatingFunc::Sigmoid, false, false),
+        (256, 3072, 8, 3, GatingFunc::Sigmoid, true, false),
+        (256, 3072, 8, 9, GatingFunc::Sigmoid, true, false),
+        (37, 1000, 5, 4, GatingFunc::Softmax, false, false),
+        (37, 1000, 5, 4, GatingFunc::Softmax, true, false),
+        (256, 3072, 8, 1, GatingFunc::Sigmoid, false, true),
+        (37, 1000, 5, 1, GatingFunc::Softmax, false, true),
+        (64, 4000, 4, 2, GatingFunc::Sigmoid, false, true),
+    ] {
         fast::set_router_t4_min(Some(if t4 { 2 } else { 99 }));
+        fast::set_router_x(Some(rx));
         let wm = rng.vec(rows * cols, 0.05);
         let x = rng.vec(nt * cols, 2.0);
         let bias = rng.vec(rows, 0.3);
@@ -689,7 +701,8 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
             assert!(g.download(&cnt).unwrap().iter().all(|&c| c == 0), "router_topk_f32 left its counters non-zero");
         }
         fast::set_router_t4_min(None);
-        eprintln!("router_topk_f32 {rows}x{cols} top-{k} ({gating:?}), {nt} tokens, t4 {t4}, 2 launches: bit-identical to router_f32 + moe_route");
+        fast::set_router_x(None);
+        eprintln!("router_topk_f32 {rows}x{cols} top-{k} ({gating:?}), {nt} tokens, t4 {t4}, x staged {rx}, 2 launches: bit-identical to router_f32 + moe_route");
     }
     // router_topk_norm_f32 (norm_q8 folded into router_topk_f32): q8, logits, ids and weights
     // bit-identical to norm_q8 + router_topk_f32; residual rows strided; twice (counters back

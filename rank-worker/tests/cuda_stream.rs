@@ -199,70 +199,6 @@ fn streamed_combine_down_matches_f64() {
     }
 }
 
-/// The gate/up and down in one launch (`moe_gud_*`) against the two streamed kernels: the q8
-/// activations, the residual and the fused next norm's q8 bit-identical; the arrival counters
-/// back at zero and the generation one further each launch; three launches in a row. M2.7's
-/// batch-1 shape (3072 -> 1536 -> 3072, top-8 of 16) with and without the norm, and top-3 of 6
-/// over 2 tokens (2560 -> 1536: a partial lane round; fewer experts than consumer warp pairs).
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn one_launch_gate_up_down_matches_two() {
-    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let g = gpu();
-    let mut rng = Rng(0x5eed_0fa5_7000_0107);
-    for &(e, k, nt, h, ff, norm) in &[(16usize, 8usize, 1usize, 3072usize, 1536usize, true), (16, 8, 1, 3072, 1536, false), (6, 3, 2, 2560, 1536, true)] {
-        let gate = random_rows(&mut rng, TY, e * ff, h);
-        let upw = random_rows(&mut rng, TY, e * ff, h);
-        let down = random_rows(&mut rng, TY, e * h, ff);
-        let (_g1, gm) = upload_mat(&g, TY, &gate, ff, h, e);
-        let (_g2, um) = upload_mat(&g, TY, &upw, ff, h, e);
-        let (_g3, dm) = upload_mat(&g, TY, &down, h, ff, e);
-        assert!(g.gate_up_down_plan(&gm, &um, &dm, k).unwrap().is_some(), "{h} -> {ff}: the one-launch kernel must fit");
-        let ids = routed(&mut rng, nt, k, e);
-        let wts: Vec<f32> = (0..nt * k).map(|_| rng.f().abs() * 0.5 + 0.05).collect();
-        let x = rng.vec(nt * h, 2.0);
-        let (hq, hd) = q8_host(&x);
-        let hid0 = rng.vec(nt * h, 1.0);
-        let nw = rng.vec(h, 1.0);
-        let (ib, wb, nwb) = (g.upload(&ids).unwrap(), g.upload(&wts).unwrap(), g.upload(&nw).unwrap());
-        let np = nt * k;
-        let (cnt, gbar) = (g.zeros::<u32>(1).unwrap(), g.zeros::<u32>(2).unwrap());
-        // Runs the step; returns (activation q8, scales, residual, next q8, next scales).
-        let run = |fused: bool| {
-            let (xq, xd) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
-            let aq = g.zeros::<i8>(np * ff).unwrap();
-            g.fill_u32(g.ptr(&aq), np * ff / 4, 0x7f7f_7f7f).unwrap();
-            let ad = poisoned(&g, np * ff / 32);
-            let hb = g.upload(&hid0).unwrap();
-            // The next norm writes over the gate/up's input, as in the model.
-            let n = NextNorm { weight: g.ptr(&nwb), eps: 1e-6, q: g.ptr(&xq), d: g.ptr(&xd), cnt: g.ptr(&cnt), trig_late: false };
-            let next = norm.then_some(&n);
-            if fused {
-                assert!(g.try_gate_up_down_stream(&gm, &um, &dm, g.ptr(&ib), g.ptr(&wb), k, nt, g.ptr(&xq), g.ptr(&xd), g.ptr(&aq), g.ptr(&ad), g.ptr(&hb), h, next, g.ptr(&gbar)).unwrap(), "the one-launch kernel must launch");
-            } else {
-                g.moe_gate_up_stream(&gm, &um, g.ptr(&ib), k, np, g.ptr(&xq), g.ptr(&xd), g.ptr(&aq), g.ptr(&ad), ff).unwrap();
-                assert!(g.try_down_stream_norm(&dm, g.ptr(&ib), g.ptr(&wb), k, nt, g.ptr(&aq), g.ptr(&ad), g.ptr(&hb), h, next).unwrap(), "the streamed down must launch");
-            }
-            g.sync().unwrap();
-            (g.download(&aq).unwrap(), bits(&g.download(&ad).unwrap()), bits(&g.download(&hb).unwrap()), g.download(&xq).unwrap(), bits(&g.download(&xd).unwrap()))
-        };
-        let want = run(false);
-        assert!(want.2.iter().zip(&hid0).any(|(a, b)| *a != b.to_bits()), "the down must change the residual");
-        for rep in 0..3u32 {
-            let got = run(true);
-            let what = format!("top-{k} of {e}, {nt} tokens, {h} -> {ff}, norm {norm}, launch {rep}");
-            assert_eq!(got.0, want.0, "{what}: activation q8 differ");
-            assert_eq!(got.1, want.1, "{what}: activation scales differ");
-            assert_eq!(got.2, want.2, "{what}: residual differs");
-            assert_eq!(got.3, want.3, "{what}: next norm's q8 differ");
-            assert_eq!(got.4, want.4, "{what}: next norm's scales differ");
-            assert_eq!(g.download(&cnt).unwrap(), vec![0u32], "{what}: norm counter not reset");
-            assert_eq!(g.download(&gbar).unwrap(), vec![0u32, rep + 1], "{what}: meeting point");
-        }
-        eprintln!("one-launch gate/up + down, top-{k} of {e}, {nt} tokens, {h} -> {ff}, norm {norm}: bit-identical to the two kernels, 3 launches");
-    }
-}
-
 /// What the streamed kernels do not take is refused with an error naming the kernel (never a
 /// wrong result): inputs of more than 96 units a lane round, top-k above 8, down rows of more
 /// than 48 units.
@@ -354,19 +290,6 @@ fn streamed_kernels_speed() {
         }
     }
     set_stream_stage_cap(None);
-    set_stream_rows_cap(None);
-    // Gate/up then down, two launches against one (moe_gud), with 32- and 16-row gate/up stages.
-    let gbar = g.zeros::<u32>(2).unwrap();
-    let two = |i: usize| {
-        gu_st(i);
-        dn_st(i);
-    };
-    let one = |i: usize| assert!(g.try_gate_up_down_stream(&gm, &um, &dm, g.ptr(&sets[i % 8]), g.ptr(&wb), k, 1, g.ptr(&xq), g.ptr(&xd), g.ptr(&oq), g.ptr(&od), g.ptr(&hid), h, None, g.ptr(&gbar)).unwrap());
-    for rows in [32usize, 16] {
-        set_stream_rows_cap(Some((rows, 8)));
-        row(&format!("gate/up + down, two launches, {rows}-row gate/up stages"), time(&two), gu_bytes + dn_bytes);
-        row(&format!("gate/up + down, one launch, {rows}-row gate/up stages"), time(&one), gu_bytes + dn_bytes);
-    }
     set_stream_rows_cap(None);
     eprintln!("streamed expert kernels, M2.7 shapes, 1 token x top-8 (per launch, weight bytes / time):\n{}", lines.join("\n"));
 }

@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--gud-ab] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -891,19 +891,10 @@ fn main() -> anyhow::Result<()> {
     if flag("--mvmma-ab") {
         return mvmma_ab(&mut m, &mut pages);
     }
-    if flag("--gud-ab") {
-        use minimax_rank::cuda::stream::{set_fuse_gud, set_stream_rows_cap};
-        b1_ab(&mut m, &mut pages, "expert gate/up + down", &["two launches", "one launch, 32-row stages", "one launch, 16-row stages"], &|i| {
-            set_fuse_gud(Some(i > 0));
-            set_stream_rows_cap(if i == 2 { Some((16, 8)) } else { None });
-        })?;
-        set_fuse_gud(None);
-        set_stream_rows_cap(None);
-        m.clear_graphs();
-        return Ok(());
-    }
     if flag("--router-ab") {
-        use minimax_rank::cuda::fast::set_router_t4_min;
+        use minimax_rank::cuda::fast::{set_router_t4_min, set_router_x};
+        b1_ab(&mut m, &mut pages, "router", &["router_topk_f32", "router_topk_f32x"], &|i| set_router_x(Some(i == 1)))?;
+        set_router_x(None);
         switch_ab(&mut m, &mut pages, "router of several tokens", ["router_topk_f32", "router_topk_f32t4"], |on| set_router_t4_min(on.map(|b| if b { 2 } else { 99 })))?;
         set_router_t4_min(None);
         return Ok(());

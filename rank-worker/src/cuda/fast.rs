@@ -193,6 +193,24 @@ pub fn set_router_t4_min(n: Option<usize>) {
     ROUTER_T4_MIN.store(n.unwrap_or(usize::MAX), Ordering::Relaxed);
 }
 
+static ROUTER_X: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTER_X", false);
+
+/// Whether routers below [`router_t4_min`] tokens take `router_topk_f32x` (a row's loads all in
+/// flight at once, the token's x in shared memory; bit-identical) instead of `router_topk_f32`
+/// (`MINIMAX_ROUTER_X`).
+pub fn router_x() -> bool {
+    ROUTER_X.get()
+}
+
+/// Overrides [`router_x`] (A/B runs and tests; `None` = back to the environment). Drop captured
+/// graphs after a change.
+pub fn set_router_x(on: Option<bool>) {
+    ROUTER_X.set(on);
+}
+
+/// Widest router row `router_topk_f32x` stages in shared memory (16 KB).
+pub const ROUTER_X_MAX_COLS: usize = 4096;
+
 /// Floats of partial sums the K-split `mvx_q8_0` products may use (parts x tokens x rows).
 pub const MVX_PART_CAP: usize = 2 * 32 * 16384;
 /// Arrival counters of the K-split `mvx_q8_0` products (one per 8-row task).
@@ -981,6 +999,10 @@ impl Gpu {
         if t4 {
             return self.launch_pdl("router_topk_f32t4", (ceil_div(w.rows, 4), ceil_div(nt, 4), 1), 128, 0, &args);
         }
+        // router_topk_f32x: the whole row in flight at once, x staged in shared memory.
+        if router_x() && w.cols <= ROUTER_X_MAX_COLS {
+            return self.launch_pdl("router_topk_f32x", (ceil_div(w.rows, 4), nt as u32, 1), 128, (4 * w.cols) as u32, &args);
+        }
         // router_topk_f32p: the weight row in registers before the wait (rows of <= 3072).
         let pre = pdl_part(PDL_ROUTER) && w.cols <= ROUTER_PRE_MAX_COLS;
         self.launch_pdl(if pre { "router_topk_f32p" } else { "router_topk_f32" }, (ceil_div(w.rows, 4), nt as u32, 1), 128, 0, &args)
@@ -1412,9 +1434,6 @@ pub(crate) struct FastWs {
     pub acnt: CudaSlice<u32>,
     /// Arrival counter of the streamed down's fused norm (kept zero).
     pub ncnt: CudaSlice<u32>,
-    /// Grid meeting point of the one-launch gate/up + down (`moe_gud_*`): arrivals (kept
-    /// zero) and a generation.
-    pub gbar: CudaSlice<u32>,
     /// Pairs grouped by expert (`moe_group`): `1 + 3 E + MAX_FAST_TOKENS k` i32.
     pub grp: CudaSlice<i32>,
     /// Grouped down products per pair, `[MAX_FAST_TOKENS k][hidden]` f32.
@@ -1458,7 +1477,6 @@ impl FastWs {
             rcnt: g.zeros(t)?,
             acnt: g.zeros(t * c.n_kv_heads.max(1))?,
             ncnt: g.zeros(1)?,
-            gbar: g.zeros(2)?,
             grp: g.zeros(1 + 3 * c.n_experts + t * c.n_experts_used)?,
             dpart: g.zeros(t * c.n_experts_used * c.hidden)?,
             logits: g.zeros(t * c.vocab_size)?,

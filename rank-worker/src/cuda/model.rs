@@ -500,19 +500,7 @@ impl CudaModel {
             // Steps of several tokens: pairs grouped by expert, each chosen expert read once.
             let grouped = super::fast::use_grouped(nt, &l.gate, &dn, e);
             let (grp, nslots) = (g.ptr(&ws.grp), (nt * k).min(e));
-            // The next norm: the next layer's, or the output norm after a last stage's last layer.
-            let next_w = match self.layers.get(li + 1) {
-                Some(nl) => Some(nl.attn_norm),
-                None if self.part.last_stage => Some(self.out_norm),
-                None => None,
-            };
-            let next = next_w.filter(|_| fuse_down && !grouped).map(|w| super::stream::NextNorm { weight: w, eps: c.rms_eps, q: xq, d: xd, cnt: g.ptr(&ws.ncnt), trig_late: super::fast::down_trig_late() });
-            // Gate/up and down in one launch (not with tensor parallelism: it needs every block
-            // resident at once, and a rank's collectives may hold SMs).
-            let gud = !grouped && !tp && run(sk::GATE_UP) && run(sk::DOWN) && super::stream::stream_on() && super::stream::fuse_gud() && g.try_gate_up_down_stream(&l.gate, &l.up, &dn, ids, wts, k, nt, xq, xd, aq, ad, hid, h, next.as_ref(), g.ptr(&ws.gbar))?;
-            if gud {
-                normed = next.is_some();
-            } else if !run(sk::GATE_UP) {
+            if !run(sk::GATE_UP) {
             } else if grouped {
                 g.moe_group(ids, nt * k, e, grp)?;
                 g.moe_gate_up_grp_any(&l.gate, &l.up, grp, e, nslots, k, xq, xd, aq, ad, dn.cols)?;
@@ -522,12 +510,19 @@ impl CudaModel {
             if tp && !lead {
                 memset_f32_zero(g, hid, nt * h)?;
             }
-            if gud || !run(sk::DOWN) {
+            if !run(sk::DOWN) {
             } else if grouped {
                 // Right after the gate/up, except for a rank's memset of its partial sum.
                 g.moe_down_grp_any(&dn, grp, e, nslots, aq, ad, p(&ws.dpart), !(tp && !lead))?;
                 g.moe_combine_grp(p(&ws.dpart), wts, k, dn.rows, hid, h, nt)?;
             } else {
+                // The next norm: the next layer's, or the output norm after a last stage's last layer.
+                let next_w = match self.layers.get(li + 1) {
+                    Some(nl) => Some(nl.attn_norm),
+                    None if self.part.last_stage => Some(self.out_norm),
+                    None => None,
+                };
+                let next = next_w.filter(|_| fuse_down).map(|w| super::stream::NextNorm { weight: w, eps: c.rms_eps, q: xq, d: xd, cnt: g.ptr(&ws.ncnt), trig_late: super::fast::down_trig_late() });
                 // The streamed down's plan refuses what it cannot take (K-quants among them).
                 normed = match next {
                     Some(n) => g.try_down_stream_norm(&dn, ids, wts, k, nt, aq, ad, hid, h, Some(&n))?,

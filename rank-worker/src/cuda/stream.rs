@@ -111,20 +111,6 @@ pub(super) fn probe() -> bool {
     PROBE.load(Ordering::Relaxed)
 }
 
-static FUSE_GUD: EnvFlag = EnvFlag::new("MINIMAX_FUSE_GUD", false);
-
-/// Whether one-pair-per-slot steps run the gate/up and the down in one launch (`moe_gud_*`,
-/// [`Gpu::try_gate_up_down_stream`]) where it fits (`MINIMAX_FUSE_GUD`).
-pub fn fuse_gud() -> bool {
-    FUSE_GUD.get()
-}
-
-/// Overrides [`fuse_gud`] (A/B runs and tests; `None` = back to the environment). Drop captured
-/// graphs after a change.
-pub fn set_fuse_gud(on: Option<bool>) {
-    FUSE_GUD.set(on);
-}
-
 /// The next layer's RMSNorm (or the output norm) run by the streamed down's last block on the
 /// residual rows it just finished: `norm_q8` of them into `q` / `d`, bit for bit.
 #[derive(Clone, Copy, Debug)]
@@ -183,85 +169,6 @@ impl Gpu {
             }
         }
         Ok(None)
-    }
-
-    /// (gate rows per stage, gate/up ring stages, down ring stages) of the one-launch gate/up
-    /// + down (`moe_gud_*`): the gate/up's plan after two headers (its rows capped by
-    /// [`set_stream_rows_cap`]), and as many 8-row down stages (the down's shape checks) as the
-    /// same ring memory holds, at least 2.
-    pub fn gate_up_down_plan(&self, gate: &DevMat, up: &DevMat, down: &DevMat, k: usize) -> Result<Option<(usize, usize, usize)>, CudaError> {
-        let shapes = gate.ty == GgmlType::IQ4_XS && up.ty == gate.ty && fast_mat(gate) && fast_mat(up) && gate.row_bytes == up.row_bytes && gate.rows % 32 == 0 && gate.cols / 32 <= ROUND_UNITS;
-        let dshapes = down.ty == GgmlType::IQ4_XS && fast_mat(down) && 2 * (down.cols / 32) <= ROUND_UNITS && (1..=STREAM_MAX_K).contains(&k);
-        if !shapes || !dshapes {
-            return Ok(None);
-        }
-        for sr in [32usize, 16, 8].into_iter().filter(|&r| rows_ok(0, r) || r == 8) {
-            let n = self.ring_stages(2 * HDR, 2 * sr * gate.row_bytes)?;
-            if n >= 2 {
-                let dn = (n * 2 * sr * gate.row_bytes / (8 * k * down.row_bytes)).min(MAX_STAGES);
-                return Ok((dn >= 2).then_some((sr, n, dn)));
-            }
-        }
-        Ok(None)
-    }
-
-    /// The streamed gate/up and down of one step in one launch (`moe_gud_*`): the outputs of
-    /// [`Gpu::try_gate_up_stream`] then [`Gpu::try_down_stream_norm`], bit for bit, with the
-    /// down's weights streaming in while the gate/up computes. `gbar`: 2 u32, zero before the
-    /// first launch (the arrival count is left zero). Every block must be resident at once
-    /// (one an SM): not for devices shared with kernels that hold SMs (tensor parallelism's
-    /// collectives). False (nothing launched) when it does not fit.
-    #[allow(clippy::too_many_arguments)]
-    pub fn try_gate_up_down_stream(&self, gate: &DevMat, up: &DevMat, down: &DevMat, ids: u64, wts: u64, k: usize, nt: usize, xq: u64, xd: u64, aq: u64, ad: u64, hidden: u64, hs: usize, next: Option<&NextNorm>, gbar: u64) -> Result<bool, CudaError> {
-        if next.is_some() && (down.rows > super::fast::FUSED_NORM_MAX || down.rows % 32 != 0) {
-            return Ok(false);
-        }
-        let ld = down.cols;
-        if ld < gate.rows || ld % 32 != 0 || k == 0 || probe() || stream_lookup() {
-            return Ok(false);
-        }
-        let Some((sr, gnst, dnst)) = self.gate_up_down_plan(gate, up, down, k)? else {
-            return Ok(false);
-        };
-        let smem = 2 * HDR + gnst * 2 * sr * gate.row_bytes;
-        let grid = self.stream_grid((nt * k * (gate.rows / 32)).max(nt * down.rows.div_ceil(8)))?;
-        let (nw, eps, nq, nd, cnt) = match next {
-            Some(n) => (n.weight, n.eps, n.q, n.d, n.cnt),
-            None => (0, 0.0, 0, 0, 0),
-        };
-        let args = [
-            Arg::P(gate.ptr),
-            Arg::P(up.ptr),
-            Arg::L(gate.row_bytes as i64),
-            Arg::L(gate.expert_stride as i64),
-            Arg::I(gate.rows as i32),
-            Arg::I(gnst as i32),
-            Arg::P(down.ptr),
-            Arg::L(down.row_bytes as i64),
-            Arg::L(down.expert_stride as i64),
-            Arg::I(down.rows as i32),
-            Arg::I(dnst as i32),
-            Arg::P(ids),
-            Arg::P(wts),
-            Arg::I(k as i32),
-            Arg::I(nt as i32),
-            Arg::P(xq),
-            Arg::P(xd),
-            Arg::I(gate.cols as i32),
-            Arg::P(aq),
-            Arg::P(ad),
-            Arg::I(ld as i32),
-            Arg::P(hidden),
-            Arg::L(hs as i64),
-            Arg::P(nw),
-            Arg::F(eps),
-            Arg::P(nq),
-            Arg::P(nd),
-            Arg::P(cnt),
-            Arg::P(gbar),
-        ];
-        self.launch_pdl(&format!("moe_gud_blk{sr}_iq4_xs"), (grid, 1, 1), THREADS, smem as u32, &args)?;
-        Ok(true)
     }
 
     /// (output rows per stage, ring stages) of the streamed down at top-`k`: 8 rows when 2
