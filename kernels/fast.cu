@@ -857,6 +857,43 @@ __device__ __forceinline__ void mvqs_q8(const u8* W0, i64 rb0, int rows0, float*
         mvqs_q8<nt, warps, maxch, true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2,   \
                                         nchunks, xq, xd, ncol, nv, acc);                                         \
     }
+// mvqs_q8_0_1lp (the batch-1 o-projection, y0 += W0 x: one vector, one segment) with the next
+// RMSNorm in its last block: every block counts itself in *cnt once its rows are stored and
+// fenced; the block that counts last runs norm_q8 of the new row y0[0, rows0) (weight nw, eps)
+// into ny (f32; null: none) and nq / nd, bit for bit (norm_virtual over its 4 warps, as the
+// fused router's prologue), and resets *cnt. rows0 % 32 == 0, rows0 <= 1024 RN_MAXI.
+extern "C" __global__ void __launch_bounds__(128) mvqs_q8_0_1lpn(
+    const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
+    const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,
+    int nv, int acc, const float* nw, float eps, float* ny, i8* nq, float* nd, u32* cnt) {
+    mvqs_q8<1, 4, 24, true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq, xd,
+                            ncol, nv, acc);
+    __shared__ int last;
+    __shared__ float part[32];
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(cnt, 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    pdl_wait();  // (a warp without a row skipped it in mvqs_q8)
+    __threadfence();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = rows0;
+    float xv[8][RN_MAXI], wv[8][RN_MAXI];
+    const float inv = norm_virtual<4, RN_MAXI, 0>(y0, nw, n, eps, xv, wv, part, warp, lane);
+#pragma unroll
+    for (int m = 0; m < 8; m++)
+#pragma unroll
+        for (int i = 0; i < RN_MAXI; i++) {
+            const int idx = ((warp + 4 * m) << 5) + lane + 1024 * i;
+            if (idx < n) {  // warp-uniform: n % 32 == 0
+                const float v = __fmul_rn(__fmul_rn(xv[m][i], inv), wv[m][i]);
+                if (ny) ny[idx] = v;
+                nq[idx] = (i8)q8_lane(v, nd + (idx >> 5));
+            }
+        }
+    if (threadIdx.x == 0) *cnt = 0;
+}
+
 MVQS_INST(1, s, 8, 12)
 MVQS_INST(4, s, 8, 12)
 MVQS_INST(8, s, 8, 12)

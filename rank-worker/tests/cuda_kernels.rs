@@ -1516,3 +1516,56 @@ fn fast_pdl_prewait_products_match_plain_and_cpu() {
     }
     eprintln!("mvqs_*p / mvqs_*s2p: within 1e-5 of sum |w x| and bit-identical to mvqs_* (5 / 12 / 24 chunks, 1-3 vectors)");
 }
+
+/// The batch-1 o-projection with the MoE's RMSNorm in its last block (`mvqs_q8_0_1lpn`)
+/// against `mvqs_q8_0_1lp` + `norm_q8`: the residual, the f32 norm and its q8 bit-identical,
+/// the q8 written over the product's own input (as in the model), the counter back at zero;
+/// three launches. M2.7's shape (3072 x 6144) and 2048 x 3584 (14 chunks); with and without the
+/// f32 output.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_o_projection_with_fused_norm_is_bit_identical() {
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_00d7);
+    let ty = GgmlType::Q8_0;
+    for (rows, cols, with_y) in [(3072usize, 6144usize, true), (2048, 3584, false)] {
+        let wm = random_rows(&mut rng, ty, rows, cols);
+        let (_wb, w) = upload_mat(&g, ty, &wm, rows, cols, 0);
+        let (hq, hd) = q8_host(&rng.vec(cols, 2.0));
+        let hid0 = rng.vec(rows, 1.0);
+        let nw = rng.vec(rows, 1.0);
+        let nwb = g.upload(&nw).unwrap();
+        let eps = 1e-6f32;
+        let cnt = g.zeros::<u32>(1).unwrap();
+        // (residual, f32 norm, q8 values, q8 scales)
+        let run = |fused: bool| {
+            let (xq, xd) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
+            let hb = g.upload(&hid0).unwrap();
+            let ny = poisoned(&g, rows);
+            let ptr_y = if with_y { g.ptr(&ny) } else { 0 };
+            if fused {
+                let n = fast::RowNorm { weight: g.ptr(&nwb), eps, y: ptr_y, q: g.ptr(&xq), d: g.ptr(&xd), cnt: g.ptr(&cnt) };
+                assert!(g.matvec_q8_norm(&w, g.ptr(&hb), g.ptr(&xq), g.ptr(&xd), &n).unwrap(), "{rows}x{cols}: the fused o-projection must launch");
+            } else {
+                g.matvec_q8_with(MvqKind::Whole, &[(&w, g.ptr(&hb), rows)], g.ptr(&xq), g.ptr(&xd), cols, 1, true).unwrap();
+                g.norm_q8(g.ptr(&hb), rows, g.ptr(&nwb), rows, eps, ptr_y, rows, g.ptr(&xq), g.ptr(&xd), 1).unwrap();
+            }
+            g.sync().unwrap();
+            let qv = g.download(&xq).unwrap()[..rows].to_vec();
+            let qd = g.download(&xd).unwrap()[..rows / 32].to_vec();
+            (bits(&g.download(&hb).unwrap()), bits(&g.download(&ny).unwrap()), qv, bits(&qd))
+        };
+        let want = run(false);
+        assert!(want.0.iter().zip(&hid0).any(|(a, b)| *a != b.to_bits()), "the product must change the residual");
+        for rep in 0..3 {
+            let got = run(true);
+            let what = format!("{rows}x{cols}, f32 output {with_y}, launch {rep}");
+            assert_eq!(got.0, want.0, "{what}: residual differs");
+            assert_eq!(got.1, want.1, "{what}: f32 norm differs");
+            assert_eq!(got.2, want.2, "{what}: q8 values differ");
+            assert_eq!(got.3, want.3, "{what}: q8 scales differ");
+            assert_eq!(g.download(&cnt).unwrap(), vec![0u32], "{what}: counter not reset");
+        }
+        eprintln!("mvqs_q8_0_1lpn {rows}x{cols}: residual, norm and q8 bit-identical to mvqs_q8_0_1lp + norm_q8, 3 launches");
+    }
+}
