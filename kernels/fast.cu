@@ -857,14 +857,45 @@ __device__ __forceinline__ void mvqs_q8(const u8* W0, i64 rb0, int rows0, float*
         mvqs_q8<nt, warps, maxch, true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2,   \
                                         nchunks, xq, xd, ncol, nv, acc);                                         \
     }
+// The RMSNorm of the last block of mvqs_q8_0_1lpn (below): norm_virtual's sums (the same fma
+// chains per virtual warp, the same butterflies, the same meeting of the 32 sums), then the
+// outputs from a second read of the row (holding it in registers, as norm_virtual does, would
+// double the product's registers in every block). Not inlined: its registers stay its own.
+__device__ __noinline__ void row_norm_q8_4w(const float* x, const float* nw, int n, float eps, float* ny, i8* nq,
+                                            float* nd, float* part) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+#pragma unroll
+    for (int m = 0; m < 8; m++) {
+        float xv[RN_MAXI];
+#pragma unroll
+        for (int i = 0; i < RN_MAXI; i++) {
+            const int idx = ((warp + 4 * m) << 5) + lane + 1024 * i;
+            xv[i] = idx < n ? __ldcg(x + idx) : 0.f;
+        }
+        float ss = 0.f;
+#pragma unroll
+        for (int i = 0; i < RN_MAXI; i++) ss = __fmaf_rn(xv[i], xv[i], ss);
+        ss = warp_sum(ss);
+        if (lane == 0) part[warp + 4 * m] = ss;
+    }
+    __syncthreads();
+    const float inv = 1.0f / sqrtf(warp_sum(part[lane]) / (float)n + eps);
+    for (int m = 0; m < 8; m++)
+        for (int i = 0; i < RN_MAXI; i++) {
+            const int idx = ((warp + 4 * m) << 5) + lane + 1024 * i;
+            if (idx < n) {  // warp-uniform: n % 32 == 0
+                const float v = __fmul_rn(__fmul_rn(__ldcg(x + idx), inv), nw[idx]);
+                if (ny) ny[idx] = v;
+                nq[idx] = (i8)q8_lane(v, nd + (idx >> 5));
+            }
+        }
+}
 // mvqs_q8_0_1lp (the batch-1 o-projection, y0 += W0 x: one vector, one segment) with the next
 // RMSNorm in its last block: every block counts itself in *cnt once its rows are stored and
 // fenced; the block that counts last runs norm_q8 of the new row y0[0, rows0) (weight nw, eps)
-// into ny (f32; null: none) and nq / nd, bit for bit (norm_virtual over its 4 warps, as the
-// fused router's prologue), and resets *cnt. rows0 % 32 == 0, rows0 <= 1024 RN_MAXI. At most
-// 64 registers (8 blocks an SM, as mvqs_q8_0_1lp: the o-projection's 768 blocks in one wave);
-// the norm, which only the last block runs, may spill.
-extern "C" __global__ void __launch_bounds__(128, 8) mvqs_q8_0_1lpn(
+// into ny (f32; null: none) and nq / nd, bit for bit (row_norm_q8_4w), and resets *cnt.
+// rows0 % 32 == 0, rows0 <= 1024 RN_MAXI.
+extern "C" __global__ void __launch_bounds__(128) mvqs_q8_0_1lpn(
     const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
     const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,
     int nv, int acc, const float* nw, float eps, float* ny, i8* nq, float* nd, u32* cnt) {
@@ -879,37 +910,7 @@ extern "C" __global__ void __launch_bounds__(128, 8) mvqs_q8_0_1lpn(
     if (!last) return;
     pdl_wait();  // (a warp without a row skipped it in mvqs_q8)
     __threadfence();
-    // norm_virtual's sums (the same fma chains per virtual warp, the same butterflies and the
-    // same meeting of the 32 sums), then the outputs from a second read of the row: holding the
-    // row in registers as norm_virtual does would double the product's registers for all blocks.
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, n = rows0;
-#pragma unroll
-    for (int m = 0; m < 8; m++) {
-        float xv[RN_MAXI];
-#pragma unroll
-        for (int i = 0; i < RN_MAXI; i++) {
-            const int idx = ((warp + 4 * m) << 5) + lane + 1024 * i;
-            xv[i] = idx < n ? __ldcg(y0 + idx) : 0.f;
-        }
-        float ss = 0.f;
-#pragma unroll
-        for (int i = 0; i < RN_MAXI; i++) ss = __fmaf_rn(xv[i], xv[i], ss);
-        ss = warp_sum(ss);
-        if (lane == 0) part[warp + 4 * m] = ss;
-    }
-    __syncthreads();
-    const float inv = 1.0f / sqrtf(warp_sum(part[lane]) / (float)n + eps);
-#pragma unroll 1
-    for (int m = 0; m < 8; m++)
-#pragma unroll 1
-        for (int i = 0; i < RN_MAXI; i++) {
-            const int idx = ((warp + 4 * m) << 5) + lane + 1024 * i;
-            if (idx < n) {  // warp-uniform: n % 32 == 0
-                const float v = __fmul_rn(__fmul_rn(__ldcg(y0 + idx), inv), nw[idx]);
-                if (ny) ny[idx] = v;
-                nq[idx] = (i8)q8_lane(v, nd + (idx >> 5));
-            }
-        }
+    row_norm_q8_4w(y0, nw, rows0, eps, ny, nq, nd, part);
     if (threadIdx.x == 0) *cnt = 0;
 }
 
