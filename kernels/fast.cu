@@ -798,21 +798,20 @@ __device__ __forceinline__ void mvqs_dot(const u8* sm, int nch, int c0, const i8
 }
 
 // PRE: the first phase's cp.async copies are issued before pdl_wait (the "p" kernels; weights
-// only, so they overlap the previous kernel), the activations are read after it. The staging
-// memory: the block's own, or with EXT the caller's sm_ext (WARPS x MAXCH x CH bytes, 16-aligned).
-template <int NT, int WARPS, int MAXCH, bool PRE = false, bool EXT = false>
+// only, so they overlap the previous kernel), the activations are read after it.
+template <int NT, int WARPS, int MAXCH, bool PRE = false>
 __device__ __forceinline__ void mvqs_q8(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1,
                                         int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2, float* y2,
                                         i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol, int nv,
-                                        int accumulate, u8* sm_ext = nullptr) {
-    __shared__ __align__(16) u8 sm_own[EXT ? 1 : WARPS][MAXCH * CH];
+                                        int accumulate) {
+    __shared__ __align__(16) u8 sm_all[WARPS][MAXCH * CH];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int r = blockIdx.x * WARPS + warp;
     int v0 = blockIdx.y * NT;
     MV_SEGMENT_OR_RETURN();
     int nv_here = min(NT, nv - v0);
     const u8* row = W + r * rb;
-    u8* sm = EXT ? sm_ext + warp * (MAXCH * CH) : sm_own[warp];
+    u8* sm = sm_all[warp];
     const i8* xqv = xq + (i64)v0 * ncol;
     const float* xdv = xd + (i64)v0 * (ncol / 32);
     float acc[NT];
@@ -858,72 +857,6 @@ __device__ __forceinline__ void mvqs_q8(const u8* W0, i64 rb0, int rows0, float*
         mvqs_q8<nt, warps, maxch, true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2,   \
                                         nchunks, xq, xd, ncol, nv, acc);                                         \
     }
-// The RMSNorm of the last block of mvqs_q8_0_1lpn (below): norm_virtual's sums (the same fma
-// chains per virtual warp, the same butterflies, the same meeting of the 32 sums), then the
-// outputs from the row kept in shared memory xs (the products' staging memory, 16 KB of its 26:
-// the row in registers, as norm_virtual keeps it, would double the product's registers in every
-// block). Not inlined: its registers stay its own.
-__device__ __noinline__ void row_norm_q8_4w(const float* x, const float* nw, int n, float eps, float* ny, i8* nq,
-                                            float* nd, float* part, float* xs) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    {
-        float xv[8][RN_MAXI];  // every load in flight at once
-#pragma unroll
-        for (int m = 0; m < 8; m++)
-#pragma unroll
-            for (int i = 0; i < RN_MAXI; i++) {
-                const int idx = ((warp + 4 * m) << 5) + lane + 1024 * i;
-                xv[m][i] = idx < n ? __ldcg(x + idx) : 0.f;
-                if (idx < n) xs[idx] = xv[m][i];
-            }
-#pragma unroll
-        for (int m = 0; m < 8; m++) {
-            float ss = 0.f;
-#pragma unroll
-            for (int i = 0; i < RN_MAXI; i++) ss = __fmaf_rn(xv[m][i], xv[m][i], ss);
-            ss = warp_sum(ss);
-            if (lane == 0) part[warp + 4 * m] = ss;
-        }
-    }
-    __syncthreads();
-    const float inv = 1.0f / sqrtf(warp_sum(part[lane]) / (float)n + eps);
-#pragma unroll 2
-    for (int m = 0; m < 8; m++)
-#pragma unroll
-        for (int i = 0; i < RN_MAXI; i++) {
-            const int idx = ((warp + 4 * m) << 5) + lane + 1024 * i;
-            if (idx < n) {  // warp-uniform: n % 32 == 0
-                const float v = __fmul_rn(__fmul_rn(xs[idx], inv), nw[idx]);
-                if (ny) ny[idx] = v;
-                nq[idx] = (i8)q8_lane(v, nd + (idx >> 5));
-            }
-        }
-}
-// mvqs_q8_0_1lp (the batch-1 o-projection, y0 += W0 x: one vector, one segment) with the next
-// RMSNorm in its last block: every block counts itself in *cnt once its rows are stored and
-// fenced; the block that counts last runs norm_q8 of the new row y0[0, rows0) (weight nw, eps)
-// into ny (f32; null: none) and nq / nd, bit for bit (row_norm_q8_4w), and resets *cnt.
-// rows0 % 32 == 0, rows0 <= 1024 RN_MAXI.
-extern "C" __global__ void __launch_bounds__(128) mvqs_q8_0_1lpn(
-    const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
-    const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,
-    int nv, int acc, const float* nw, float eps, float* ny, i8* nq, float* nd, u32* cnt) {
-    __shared__ __align__(16) u8 sm[4 * 24 * CH];  // the products' staging, then the norm's row
-    mvqs_q8<1, 4, 24, true, true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq,
-                                  xd, ncol, nv, acc, sm);
-    __shared__ int last;
-    __shared__ float part[32];
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) last = atomicAdd(cnt, 1u) == gridDim.x - 1;
-    __syncthreads();
-    if (!last) return;
-    pdl_wait();  // (a warp without a row skipped it in mvqs_q8)
-    __threadfence();
-    row_norm_q8_4w(y0, nw, rows0, eps, ny, nq, nd, part, (float*)sm);
-    if (threadIdx.x == 0) *cnt = 0;
-}
-
 MVQS_INST(1, s, 8, 12)
 MVQS_INST(4, s, 8, 12)
 MVQS_INST(8, s, 8, 12)

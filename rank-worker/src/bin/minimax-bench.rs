@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--onorm-ab] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -890,17 +890,6 @@ fn main() -> anyhow::Result<()> {
     }
     if flag("--mvmma-ab") {
         return mvmma_ab(&mut m, &mut pages);
-    }
-    if flag("--onorm-ab") {
-        use minimax_rank::cuda::fast::{set_o_norm_fusion, set_router_x};
-        b1_ab(&mut m, &mut pages, "MoE norm", &["separate norm_q8", "in the o-projection's last block", "o-projection + router_topk_f32x"], &|i| {
-            set_o_norm_fusion(Some(i > 0));
-            set_router_x(Some(i == 2));
-        })?;
-        set_o_norm_fusion(None);
-        set_router_x(None);
-        m.clear_graphs();
-        return Ok(());
     }
     if flag("--router-ab") {
         use minimax_rank::cuda::fast::{set_router_t4_min, set_router_x};

@@ -598,35 +598,6 @@ pub fn set_norm_fusion(router: Option<bool>, down: Option<bool>, late: Option<bo
     DOWN_TRIG_LATE.set(late);
 }
 
-static FUSE_O_NORM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_FUSE_O_NORM", false);
-
-/// Whether the batch-1 o-projection runs the MoE's RMSNorm in its last block
-/// (`mvqs_q8_0_1lpn`, [`Gpu::matvec_q8_norm`]; `MINIMAX_FUSE_O_NORM`) instead of a separate
-/// `norm_q8`; bit-identical.
-pub fn fuse_o_norm() -> bool {
-    FUSE_O_NORM.get()
-}
-
-/// Overrides [`fuse_o_norm`] (A/B runs and tests; `None` = back to the environment). Drop
-/// captured graphs after a change.
-pub fn set_o_norm_fusion(on: Option<bool>) {
-    FUSE_O_NORM.set(on);
-}
-
-/// An RMSNorm a product kernel runs on its finished output row in its last block.
-#[derive(Clone, Copy, Debug)]
-pub struct RowNorm {
-    /// The norm's weight (f32, the row's length).
-    pub weight: u64,
-    pub eps: f32,
-    /// f32 output (0: none), then the q8 output: int8 values and f32 scales per 32.
-    pub y: u64,
-    pub q: u64,
-    pub d: u64,
-    /// One u32 arrival counter, zero before the launch (left zero).
-    pub cnt: u64,
-}
-
 /// Widest row the fused norms take (`RN_MAXI` / `DN_NORM_MAXI` x 1024 in the kernels).
 pub const FUSED_NORM_MAX: usize = 4096;
 
@@ -1003,24 +974,6 @@ impl Gpu {
         }
         let name = if name.starts_with("mvqs") && pdl_part(PDL_MVQS) { name + "p" } else { name };
         self.launch_pdl(&name, (ceil_div(rows, warps), ceil_div(nv, nt), 1), 32 * warps as u32, 0, &args)
-    }
-
-    /// One token's `y += w x` (Q8_0, rows of 13-24 chunks: the o-projection) with `norm` run on
-    /// the finished `y` by the last block (`mvqs_q8_0_1lpn`): `y` as [`Gpu::matvec_q8`] with
-    /// `accumulate`, the norm's outputs as [`Gpu::norm_q8`] on it, bit for bit. False (nothing
-    /// launched) where it does not apply: other types or widths, rows not a multiple of 32 or
-    /// above [`FUSED_NORM_MAX`], `MINIMAX_MVQ` other than the default, the PDL weight prefetch off.
-    #[allow(clippy::too_many_arguments)]
-    pub fn matvec_q8_norm(&self, w: &DevMat, y: u64, xq: u64, xd: u64, norm: &RowNorm) -> Result<bool, CudaError> {
-        let nchunks = w.row_bytes / CH;
-        let fits = w.ty == GgmlType::Q8_0 && fast_mat(w) && (13..=24).contains(&nchunks) && w.rows % 32 == 0 && w.rows <= FUSED_NORM_MAX;
-        if !fits || !matches!(MvqKind::from_env(), MvqKind::Auto | MvqKind::Whole) || !pdl_part(PDL_MVQS) {
-            return Ok(false);
-        }
-        let (mut args, rows) = mv_args(&[(w, y, w.rows)], nchunks, xq, xd, w.cols, 1, true);
-        args.extend([Arg::P(norm.weight), Arg::F(norm.eps), Arg::P(norm.y), Arg::P(norm.q), Arg::P(norm.d), Arg::P(norm.cnt)]);
-        self.launch_pdl("mvqs_q8_0_1lpn", (ceil_div(rows, 4), 1, 1), 128, 0, &args)?;
-        Ok(true)
     }
 
     /// Router product and top-k in one launch (`router_topk_f32`): the logits of
@@ -1481,8 +1434,6 @@ pub(crate) struct FastWs {
     pub acnt: CudaSlice<u32>,
     /// Arrival counter of the streamed down's fused norm (kept zero).
     pub ncnt: CudaSlice<u32>,
-    /// Arrival counter of the o-projection's fused norm (kept zero).
-    pub ocnt: CudaSlice<u32>,
     /// Pairs grouped by expert (`moe_group`): `1 + 3 E + MAX_FAST_TOKENS k` i32.
     pub grp: CudaSlice<i32>,
     /// Grouped down products per pair, `[MAX_FAST_TOKENS k][hidden]` f32.
@@ -1526,7 +1477,6 @@ impl FastWs {
             rcnt: g.zeros(t)?,
             acnt: g.zeros(t * c.n_kv_heads.max(1))?,
             ncnt: g.zeros(1)?,
-            ocnt: g.zeros(1)?,
             grp: g.zeros(1 + 3 * c.n_experts + t * c.n_experts_used)?,
             dpart: g.zeros(t * c.n_experts_used * c.hidden)?,
             logits: g.zeros(t * c.vocab_size)?,

@@ -422,7 +422,6 @@ impl CudaModel {
         let mut normed = false;
         let fuse_router = super::fast::fuse_router_norm() && h % 128 == 0 && h <= super::fast::FUSED_NORM_MAX;
         let fuse_down = super::fast::fuse_down_norm() && !tp && super::stream::stream_on();
-        let o_norm = super::fast::fuse_o_norm() && h % 32 == 0 && h <= super::fast::FUSED_NORM_MAX;
         // Timing attribution only (minimax-bench --skip-ab): launches left out of the step.
         use super::fast::skip as sk;
         let run = |part: u32| super::fast::skip_mask() & part == 0;
@@ -468,30 +467,19 @@ impl CudaModel {
             if run(sk::ATTN) {
                 g.attn_decode(kvs, p(&ws.q), qw, kc, vc, (m_pos, m_seq, m_ptoff, m_pts), self.page_size, self.kv_heads, nsplit, scale, p(&ws.part), p(&ws.att), ow, xq, xd, acnt, nt)?;
             }
-            use super::fast::{ROUTE_FAST_MAX_E, RouteMode, route_mode};
-            let rmode = if e <= ROUTE_FAST_MAX_E && k <= 32 { route_mode() } else { RouteMode::Exact };
-            // One token: the MoE's RMSNorm in the o-projection's last block (before the router,
-            // which reads its f32 output; the gate/up its q8).
-            let mut o_normed = false;
             if run(sk::O) {
-                if nt == 1 && !tp && o_norm && run(sk::ROUTE) && fast_router(&l.router) && rmode == RouteMode::Fused && !fuse_router {
-                    let n = super::fast::RowNorm { weight: l.ffn_norm, eps: c.rms_eps, y: nrm, q: xq, d: xd, cnt: g.ptr(&ws.ocnt) };
-                    o_normed = g.matvec_q8_norm(&l.wo, hid, xq, xd, &n)?;
-                }
-                if !o_normed {
-                    g.matvec_q8_any(&[(&l.wo, hid, h)], xq, xd, ow, nt, lead)?;
-                }
+                g.matvec_q8_any(&[(&l.wo, hid, h)], xq, xd, ow, nt, lead)?;
             }
             if tp {
                 all_reduce(hid, nt * h)?;
             }
+            use super::fast::{ROUTE_FAST_MAX_E, RouteMode, route_mode};
+            let rmode = if e <= ROUTE_FAST_MAX_E && k <= 32 { route_mode() } else { RouteMode::Exact };
             if !run(sk::ROUTE) {
             } else if fast_router(&l.router) && rmode == RouteMode::Fused && fuse_router {
                 g.router_topk_norm_f32(&l.router, hid, h, l.ffn_norm, c.rms_eps, p(&ws.rl), e, l.bias, k, c.gating, ids, wts, g.ptr(&ws.rcnt), xq, xd, nt)?;
             } else if fast_router(&l.router) && rmode == RouteMode::Fused {
-                if !o_normed {
-                    g.norm_q8(hid, h, l.ffn_norm, h, c.rms_eps, nrm, h, xq, xd, nt)?;
-                }
+                g.norm_q8(hid, h, l.ffn_norm, h, c.rms_eps, nrm, h, xq, xd, nt)?;
                 g.router_topk_f32(&l.router, nrm, h, p(&ws.rl), e, l.bias, k, c.gating, ids, wts, g.ptr(&ws.rcnt), nt)?;
             } else {
                 g.norm_q8(hid, h, l.ffn_norm, h, c.rms_eps, nrm, h, xq, xd, nt)?;
