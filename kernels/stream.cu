@@ -234,16 +234,28 @@ __device__ __forceinline__ void bk_unit(u32 row, u32 oh, u32 oq, uint2& h, uint2
 // rows [16 p, 16 p + 16) land on fullq[i][p], so that a consumer warp, whose rows are warp + 16
 // j, starts on its row j as soon as those 16 rows are in (8-row stages: the one part is the
 // whole stage).
-struct BkGu {
-    u64 *full, *empty, *afull, *aempty, *fullq;
+// Both headers start with the ring's and the hand-over's barriers (256 bytes).
+struct BkBars {
+    u64 *full, *empty, *afull, *aempty;
+};
+__device__ __forceinline__ BkBars bk_bars(u8* h) {
+    BkBars b;
+    b.full = (u64*)h;
+    b.empty = b.full + BK_MAXST;
+    b.afull = b.empty + BK_MAXST;
+    b.aempty = b.afull + BK_NAB;
+    return b;
+}
+__device__ __forceinline__ void bk_bars_init(const BkBars& b, int nst) {
+    bk_init_n(b.full, b.empty, b.afull, b.aempty, nst, BK_NAB);
+}
+struct BkGu : BkBars {
+    u64* fullq;
     float *sg, *su;
 };
 __device__ __forceinline__ BkGu bk_gu_hdr(u8* h) {
     BkGu g;
-    g.full = (u64*)h;
-    g.empty = g.full + BK_MAXST;
-    g.afull = g.empty + BK_MAXST;
-    g.aempty = g.afull + BK_NAB;
+    static_cast<BkBars&>(g) = bk_bars(h);
     g.sg = (float*)(h + 256);
     g.su = g.sg + BK_NAB * 32;
     g.fullq = (u64*)(g.su + BK_NAB * 32);  // [BK_MAXST][4]
@@ -252,7 +264,7 @@ __device__ __forceinline__ BkGu bk_gu_hdr(u8* h) {
 // The gate/up's barriers, by thread 0 (the caller then needs a block barrier).
 __device__ __forceinline__ void bk_gu_init(const BkGu& g, int nst) {
     bk_init_extra(g.fullq, nst * 4);
-    bk_init_n(g.full, g.empty, g.afull, g.aempty, nst, BK_NAB);
+    bk_bars_init(g, nst);
 }
 // The gate/up's producer (lane 0 of the producer warp): the copies of tasks [t0, t1).
 template <int SR>
@@ -437,18 +449,15 @@ BK_GU_INST(32)
 // the hand-over sums dsum ([BK_NAB][RS][8]), fullx (expert j's rows of stage i land on
 // fullx[i * STREAM_MAXK + j], so each consumer warp waits for its own expert's rows only, the
 // first of them a stage's first copy), the fused norm's 32 warp sums and the last-block flag.
-struct BkDn {
-    u64 *full, *empty, *afull, *aempty, *fullx;
+struct BkDn : BkBars {
+    u64* fullx;
     float *dsum, *npart;
     int* nlast;
 };
 template <int RS>
 __device__ __forceinline__ BkDn bk_dn_hdr(u8* h) {
     BkDn d;
-    d.full = (u64*)h;
-    d.empty = d.full + BK_MAXST;
-    d.afull = d.empty + BK_MAXST;
-    d.aempty = d.afull + BK_NAB;
+    static_cast<BkBars&>(d) = bk_bars(h);
     d.dsum = (float*)(h + 256);
     d.fullx = (u64*)(d.dsum + BK_NAB * RS * 8);  // [BK_MAXST][STREAM_MAXK], ends at 1792 bytes
     d.npart = (float*)(h + 1856);
@@ -458,7 +467,7 @@ __device__ __forceinline__ BkDn bk_dn_hdr(u8* h) {
 template <int RS>
 __device__ __forceinline__ void bk_dn_init(const BkDn& d, int nst) {
     bk_init_extra(d.fullx, nst * STREAM_MAXK);
-    bk_init_n(d.full, d.empty, d.afull, d.aempty, nst, BK_NAB);
+    bk_bars_init(d, nst);
 }
 // The down's producer (lane 0 of the producer warp): the copies of tasks [t0, t1).
 template <int RS>
