@@ -125,7 +125,7 @@ def main():
     ap.add_argument("--decode-tokens", type=int, default=100)
     ap.add_argument("--prefill", default="512,513,8192,32768")
     ap.add_argument("--streams", default="1,4,16,32")
-    ap.add_argument("--stream-tokens", type=int, default=64, help="tokens each concurrent stream decodes")
+    ap.add_argument("--stream-tokens", default="64", help="tokens each concurrent stream decodes; a comma list runs the stream rounds once for each (e.g. 32,128)")
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--mixed", type=int, default=0, help="prompt length of the mixed-load round: an N-token prompt arrives while 4 streams decode; its TTFT and the streams' inter-token gaps during its prefill (0: skip)")
     a = ap.parse_args()
@@ -165,13 +165,17 @@ def main():
         ttft = arr[0] - t0
         rows.append((f"TTFT, {n}-token prompt (ms) / prefill tok/s", f"{ttft * 1000:.1f} / {n / ttft:.0f}"))
 
-    for s in [int(x) for x in a.streams.split(",") if x]:
+    lengths = [int(x) for x in str(a.stream_tokens).split(",") if x]
+    rounds = [(s, n) for n in lengths for s in [int(x) for x in a.streams.split(",") if x]]
+    for s, ntok in rounds:
         results = [None] * s
         errors = []
+        # With several round lengths each row names its length.
+        what = f"{s} streams" if len(lengths) == 1 else f"{s} streams x {ntok} tokens"
 
         def worker(i, prompt):
             try:
-                results[i] = stream_completion(a.url, a.api_key, prompt, a.stream_tokens, a.timeout)
+                results[i] = stream_completion(a.url, a.api_key, prompt, ntok, a.timeout)
             except Exception as e:  # reported below; a failed stream fails the benchmark
                 errors.append(e)
 
@@ -186,19 +190,19 @@ def main():
         joined = time.perf_counter()
         if errors:
             # Keep what was measured: print the table so far, then fail.
-            print(f"error at {s} streams: {errors[0]}", file=sys.stderr)
-            rows.append((f"{s} streams", f"FAILED: {str(errors[0])[:120]}"))
+            print(f"error at {what}: {errors[0]}", file=sys.stderr)
+            rows.append((what, f"FAILED: {str(errors[0])[:120]}"))
             print_table(info, ctx, a.url, rows)
             sys.exit(1)
         end = max((r[1][-1] for r in results if r[1]), default=time.perf_counter())
         tokens = sum(len(r[1]) for r in results)
         itl = [b - a_ for r in results for a_, b in zip(r[1], r[1][1:])]
-        rows.append((f"{s} streams: aggregate tok/s, ITL p50 / p99 (ms)",
+        rows.append((f"{what}: aggregate tok/s, ITL p50 / p99 (ms)",
                      f"{tokens / (end - start):.1f}, {pct(itl, 50) * 1000:.1f} / {pct(itl, 99) * 1000:.1f}"))
-        # Every stream decodes exactly stream_tokens (ignore_eos): tokens over the wall time of
+        # Every stream decodes exactly ntok tokens (ignore_eos): tokens over the wall time of
         # the whole round, whether or not every token's chunk carries text.
-        rows.append((f"{s} streams: {s * a.stream_tokens} tokens / wall time of the round (tok/s)", f"{s * a.stream_tokens / (joined - start):.1f}"))
-        r = step_row(f"{s} streams", c0, step_counters(a.url, a.api_key))
+        rows.append((f"{what}: {s * ntok} tokens / wall time of the round (tok/s)", f"{s * ntok / (joined - start):.1f}"))
+        r = step_row(what, c0, step_counters(a.url, a.api_key))
         if r:
             rows.append(r)
 
