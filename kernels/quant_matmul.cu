@@ -818,29 +818,38 @@ __device__ __forceinline__ void mi_cp8(u32 dst, const void* src) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 8;" ::"r"(dst), "l"(src) : "memory");
 }
 
-// d = s32 A·B + bits(1.5·2^23) for A 16x32 s8 (row), B 32x8 s8 (col).
-__device__ __forceinline__ void mi_mma(u32* d, const u32* a, u32 b0, u32 b1) {
+// The constants of the products: the IQ4_XS codebook words that prmt takes from registers and
+// the accumulator input bits(1.5·2^23). Literals (mi_k_lit) in the mi kernels; the mt kernels
+// pass them XORed with a zero the compiler cannot see (mi_k_pinned), so that ptxas keeps them in
+// registers instead of re-materializing them before every prmt and MMA (~6 moves a chunk).
+struct MiK {
+    u32 t0, t2, mg;
+};
+__device__ __forceinline__ MiK mi_k_lit() { return MiK{IQ4_T0, IQ4_T2, MI_MAGIC}; }
+__device__ __forceinline__ MiK mi_k_pinned(u32 z) { return MiK{IQ4_T0 ^ z, IQ4_T2 ^ z, MI_MAGIC ^ z}; }
+
+// d = s32 A·B + bits(1.5·2^23) (k.mg) for A 16x32 s8 (row), B 32x8 s8 (col).
+__device__ __forceinline__ void mi_mma(u32* d, const u32* a, u32 b0, u32 b1, MiK k) {
     asm("mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%10,%11,%12,%13};"
         : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(MI_MAGIC), "r"(MI_MAGIC), "r"(MI_MAGIC),
-          "r"(MI_MAGIC));
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(k.mg), "r"(k.mg), "r"(k.mg), "r"(k.mg));
 }
 
 
 // int8 A fragments of chunk c (32 columns) of rows g (p0) and g + 8 (p1): a[0] = row g, columns
 // 4t..4t+3; a[1] = row g + 8, same; a[2] / a[3] columns 16 + 4t.. of rows g / g + 8.
-template <int T> __device__ __forceinline__ void mi_dq(const u8* p0, const u8* p1, int c, int t, u32* a);
+template <int T> __device__ __forceinline__ void mi_dq(const u8* p0, const u8* p1, int c, int t, u32* a, MiK k);
 // IQ4_XS A fragments in iq4_lookup_il's order (common.cuh): a0 = values (4t, 16+4t, 4t+1,
 // 16+4t+1), a2 = (4t+2, 16+4t+2, 4t+3, 16+4t+3) of one u32 of a sub-block's qs, 6 byte permutes
 // and 4 integer operations for 8 codes instead of iq4_lookup's sorted order. The MMA's k order
 // is then permuted inside each thread's 8 k slots, and X is converted with the same permutation
 // (mi_x, perm), so the products are unchanged.
-template <> __device__ __forceinline__ void mi_dq<T_IQ4_XS>(const u8* p0, const u8* p1, int c, int t, u32* a) {
+template <> __device__ __forceinline__ void mi_dq<T_IQ4_XS>(const u8* p0, const u8* p1, int c, int t, u32* a, MiK k) {
     // Fragments a0 / a2 (row g) and a1 / a3 (row g + 8) in the permuted k order.
-    iq4_lookup_il(*(const u32*)(p0 + 8 + 16 * c + 4 * t), a[0], a[2]);
-    iq4_lookup_il(*(const u32*)(p1 + 8 + 16 * c + 4 * t), a[1], a[3]);
+    iq4_lookup_il(*(const u32*)(p0 + 8 + 16 * c + 4 * t), a[0], a[2], k.t0, k.t2);
+    iq4_lookup_il(*(const u32*)(p1 + 8 + 16 * c + 4 * t), a[1], a[3], k.t0, k.t2);
 }
-template <> __device__ __forceinline__ void mi_dq<T_Q8_0>(const u8* p0, const u8* p1, int c, int t, u32* a) {
+template <> __device__ __forceinline__ void mi_dq<T_Q8_0>(const u8* p0, const u8* p1, int c, int t, u32* a, MiK) {
     int off = 34 * c + 2 + 4 * t;
     a[0] = mq_ld4a2(p0 + off);
     a[2] = mq_ld4a2(p0 + off + 16);
@@ -852,7 +861,7 @@ template <> __device__ __forceinline__ void mi_dq<T_Q8_0>(const u8* p0, const u8
 // acc[mi][ni] += w_scale · x_scale · (A · B); the warp's tokens start at column j0.
 template <int T, int BM, int MI, int NI, int NX>
 __device__ __forceinline__ void mi_chunk(float (*acc)[NI][4], const u32 (*a)[4], const uint4* b, int h, const float2* scw,
-                                         const u8* xss, int c, int j0, int g, int t) {
+                                         const u8* xss, int c, int j0, int g, int t, MiK k) {
     constexpr int NCH = MQT<T>::KS / 32;
     float2 w[MI];
 #pragma unroll
@@ -864,7 +873,7 @@ __device__ __forceinline__ void mi_chunk(float (*acc)[NI][4], const u32 (*a)[4],
 #pragma unroll
         for (int mi = 0; mi < MI; mi++) {
             u32 d[4];
-            mi_mma(d, a[mi], b0, b1);
+            mi_mma(d, a[mi], b0, b1, k);
             acc[mi][ni][0] = fmaf(fmaf(__uint_as_float(d[0]), s.x, s.y), w[mi].x, acc[mi][ni][0]);
             acc[mi][ni][1] = fmaf(fmaf(__uint_as_float(d[1]), s.z, s.w), w[mi].x, acc[mi][ni][1]);
             acc[mi][ni][2] = fmaf(fmaf(__uint_as_float(d[2]), s.x, s.y), w[mi].y, acc[mi][ni][2]);
@@ -874,10 +883,10 @@ __device__ __forceinline__ void mi_chunk(float (*acc)[NI][4], const u32 (*a)[4],
 }
 
 // The products of one stage for the first NX n8 tiles. p[2·mi] / p[2·mi + 1]: the raw rows g and
-// g + 8 of m16 tile mi.
+// g + 8 of m16 tile mi; sw: whether this thread's X rows hold their 64-byte halves swapped.
 template <int T, int BM, int MI, int NI, int NX>
 __device__ __forceinline__ void mi_stage_mma(float (*acc)[NI][4], const u8* const* p, const u8* xsm, const u8* xss,
-                                             const float2* scw, int nc, int j0, int g, int t) {
+                                             const float2* scw, int nc, int j0, int g, int t, int sw, MiK k) {
     constexpr int NCH = MQT<T>::KS / 32;
 #pragma unroll
     for (int cp = 0; cp < NCH / 2; cp++) {
@@ -885,15 +894,15 @@ __device__ __forceinline__ void mi_stage_mma(float (*acc)[NI][4], const u8* cons
             uint4 b[NX];
 #pragma unroll
             for (int ni = 0; ni < NX; ni++)
-                b[ni] = *(const uint4*)(xsm + (j0 + ni * 8 + g) * MQT<T>::KS + ((cp ^ (g & 1)) << 6) + 16 * t);
+                b[ni] = *(const uint4*)(xsm + (j0 + ni * 8 + g) * MQT<T>::KS + ((cp ^ sw) << 6) + 16 * t);
             u32 a[2][MI][4];
 #pragma unroll
             for (int mi = 0; mi < MI; mi++) {
-                mi_dq<T>(p[2 * mi], p[2 * mi + 1], 2 * cp, t, a[0][mi]);
-                mi_dq<T>(p[2 * mi], p[2 * mi + 1], 2 * cp + 1, t, a[1][mi]);
+                mi_dq<T>(p[2 * mi], p[2 * mi + 1], 2 * cp, t, a[0][mi], k);
+                mi_dq<T>(p[2 * mi], p[2 * mi + 1], 2 * cp + 1, t, a[1][mi], k);
             }
-            mi_chunk<T, BM, MI, NI, NX>(acc, a[0], b, 0, scw, xss, 2 * cp, j0, g, t);
-            if (2 * cp + 1 < nc) mi_chunk<T, BM, MI, NI, NX>(acc, a[1], b, 1, scw, xss, 2 * cp + 1, j0, g, t);
+            mi_chunk<T, BM, MI, NI, NX>(acc, a[0], b, 0, scw, xss, 2 * cp, j0, g, t, k);
+            if (2 * cp + 1 < nc) mi_chunk<T, BM, MI, NI, NX>(acc, a[1], b, 1, scw, xss, 2 * cp + 1, j0, g, t, k);
         }
     }
 }
@@ -1079,11 +1088,11 @@ __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols,
         __syncwarp();
         const int nc = min(KS, cols - k0) / 32;
         if (NI >= 4 && nvw <= 2 * NI)
-            mi_stage_mma<T, BM, MI, NI, (NI >= 4 ? NI / 4 : NI)>(acc, p, xsm, xss, scw, nc, j0, g, t);
+            mi_stage_mma<T, BM, MI, NI, (NI >= 4 ? NI / 4 : NI)>(acc, p, xsm, xss, scw, nc, j0, g, t, g & 1, mi_k_lit());
         else if (NI >= 2 && nvw <= 4 * NI)
-            mi_stage_mma<T, BM, MI, NI, (NI >= 2 ? NI / 2 : NI)>(acc, p, xsm, xss, scw, nc, j0, g, t);
+            mi_stage_mma<T, BM, MI, NI, (NI >= 2 ? NI / 2 : NI)>(acc, p, xsm, xss, scw, nc, j0, g, t, g & 1, mi_k_lit());
         else
-            mi_stage_mma<T, BM, MI, NI, NI>(acc, p, xsm, xss, scw, nc, j0, g, t);
+            mi_stage_mma<T, BM, MI, NI, NI>(acc, p, xsm, xss, scw, nc, j0, g, t, g & 1, mi_k_lit());
     }
     mq_wait<0>();
     // Epilogue: c0/c1 at (row g, tokens 2t, 2t+1), c2/c3 at row g + 8.
@@ -1149,14 +1158,16 @@ __device__ __forceinline__ void mi_grouped(const u8* W, i64 rb, i64 es, int rows
 // X conversion to int8 (see above): grid (rows, ceil(cols / 128)), block 32; lane l quantizes
 // columns 4l..4l+3 of its 128 (8 lanes = one 32-column chunk). x = silu(X) * U when U is given
 // (the experts' gated activation, same formula as silu_mul). cols % 32 == 0.
-__device__ __forceinline__ void mi_x(const float* X, i64 xs, const float* U, int cols, u8* Xq, i64 xqp, float* S, i64 sp,
-                                     int perm) {
-    int r = blockIdx.x, l = threadIdx.x, c = blockIdx.y * 128 + 4 * l;
+// Source row `r` of X (and U) becomes row `o` of Xq; its scales go to S + o·srs + kc·scs (floats);
+// `swap`: the row's 64-byte halves exchanged (the grouped layout of the mt kernels, odd rows).
+__device__ __forceinline__ void mi_x_row(const float* X, i64 xs, const float* U, int cols, u8* Xq, i64 xqp, float* S, i64 srs,
+                                         i64 scs, int perm, i64 r, i64 o, int swap) {
+    int l = threadIdx.x, c = blockIdx.y * 128 + 4 * l;
     float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
     if (c < cols) {
-        x = *(const float4*)(X + (i64)r * xs + c);
+        x = *(const float4*)(X + r * xs + c);
         if (U) {
-            float4 u = *(const float4*)(U + (i64)r * xs + c);
+            float4 u = *(const float4*)(U + r * xs + c);
             x.x = silu_times(x.x, u.x);
             x.y = silu_times(x.y, u.y);
             x.z = silu_times(x.z, u.z);
@@ -1184,10 +1195,14 @@ __device__ __forceinline__ void mi_x(const float* X, i64 xs, const float* U, int
     if (perm) packed = (l & 4) ? __byte_perm(other, packed, 0x7362u) : __byte_perm(packed, other, 0x5140u);
     if (c < cols) {
         int kc = c >> 5, u = (c >> 2) & 7;
-        int off = (kc >> 1) * 64 + 16 * (u & 3) + 8 * (kc & 1) + 4 * (u >> 2);
-        *(u32*)(Xq + (i64)r * xqp + off) = packed;
-        if (u == 0) *(float2*)(S + (i64)r * sp + 2 * kc) = make_float2(d, -MI_MAGIC_F * d);
+        int off = (((kc >> 1) ^ swap) * 64) + 16 * (u & 3) + 8 * (kc & 1) + 4 * (u >> 2);
+        *(u32*)(Xq + o * xqp + off) = packed;
+        if (u == 0) *(float2*)(S + o * srs + kc * scs) = make_float2(d, -MI_MAGIC_F * d);
     }
+}
+__device__ __forceinline__ void mi_x(const float* X, i64 xs, const float* U, int cols, u8* Xq, i64 xqp, float* S, i64 sp,
+                                     int perm) {
+    mi_x_row(X, xs, U, cols, Xq, xqp, S, sp, 2, perm, blockIdx.x, blockIdx.x, 0);
 }
 // Two names for the benchmark's per-phase split: mm_x_i8 (dense products), mmg_x_i8 (experts).
 extern "C" __global__ void mm_x_i8(const float* X, i64 xs, const float* U, int cols, u8* Xq, i64 xqp, float* S, i64 sp,
@@ -1225,5 +1240,186 @@ extern "C" __global__ void mmg_x_i8(const float* X, i64 xs, const float* U, int 
     MI_INST_CFG(name, T, 64, 2, 4, m4)
 MI_INST(iq4_xs, T_IQ4_XS)
 MI_INST(q8_0, T_Q8_0)
+
+
+// ================================================================================================
+// int8 grouped IQ4_XS products through tensor-memory copies (mt, sm_90 and newer): the mi products
+// (same fragments, MMAs and fold) with each stage's operands brought by three TMA copies that
+// one thread issues onto the stage's mbarrier, instead of ~20 address computations and copies
+// per thread and stage (at 16 tokens an expert the mi kernels spend as many instructions on a
+// stage's copies and setup as on its products):
+//   - the weight tile: 128 rows x 144 bytes (the stage's super-block, 136 bytes, and 8 of the
+//     next: TMA boxes are 16-byte multiples; past the row's end they are zero-filled), rows
+//     MT_WP = 144 bytes apart in shared memory (36 words: conflict-free fragment loads);
+//   - the X tile: BM rows of 256 bytes. X is converted in grouped order (mmg_xg_i8: row i holds
+//     pair list[i]), so a tile's tokens are consecutive rows from its start s; odd rows hold
+//     their 64-byte halves swapped (the conflict-free B loads: a thread's swap is (s + g) & 1);
+//   - the X scales, stored chunk-major (S[kc][i], float2): a box of BM rows x 8 chunks lands as
+//     [chunk][token], the layout mi_chunk reads.
+// Rows past the tensor (the last row block, the last tiles' tokens) are zero-filled by the copy
+// and never stored. Weights need rows of whole 512-column multiples (16-byte row strides).
+// ================================================================================================
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define MT_PTX 1
+#else
+#define MT_PTX 0
+#endif
+
+// A CUtensorMap, passed by value (__grid_constant__): the copies take its parameter address,
+// which must be 128-byte aligned (CUDA 13 aligns CUtensorMap to 128; at 64 the copy faults).
+struct __align__(128) MtMap {
+    unsigned long long v[16];
+};
+
+#define MT_WP 144
+template <int BM> __host__ __device__ constexpr int mt_stage() { return MQ_BR * MT_WP + BM * 256 + BM * 64; }
+// ST stages, per-warp weight scales (8 warps x 8 chunks x 8 rows, float2), Y row map, mbarriers.
+template <int BM> __host__ __device__ constexpr int mt_smem(int st) { return st * mt_stage<BM>() + 8 * 8 * 8 * 8 + BM * 4 + st * 8; }
+
+__device__ __forceinline__ void mt_bar_init(u32 b) {
+#if MT_PTX
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(b) : "memory");
+#endif
+}
+__device__ __forceinline__ void mt_bar_fence() {
+#if MT_PTX
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void mt_bar_expect(u32 b, u32 bytes) {
+#if MT_PTX
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(b), "r"(bytes) : "memory");
+#endif
+}
+__device__ __forceinline__ void mt_bar_wait(u32 b, u32 parity) {
+#if MT_PTX
+    u32 ok;
+    do {
+        asm volatile(
+            "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}"
+            : "=r"(ok)
+            : "r"(b), "r"(parity)
+            : "memory");
+    } while (!ok);
+#endif
+}
+__device__ __forceinline__ void mt_copy2(u32 dst, const MtMap* m, int c0, int c1, u32 b) {
+#if MT_PTX
+    asm volatile("cp.async.bulk.tensor.2d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+                 "l"(m), "r"(c0), "r"(c1), "r"(b)
+                 : "memory");
+#endif
+}
+__device__ __forceinline__ void mt_copy3(u32 dst, const MtMap* m, int c0, int c1, int c2, u32 b) {
+#if MT_PTX
+    asm volatile("cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3, %4}], [%5];" ::"r"(dst),
+                 "l"(m), "r"(c0), "r"(c1), "r"(c2), "r"(b)
+                 : "memory");
+#endif
+}
+
+// One grouped tile (blockIdx.y: tile, blockIdx.x: 128-row block) of W[e] (map tw: bytes x rows x
+// experts) times the grouped X (tx: bytes x pairs; ts: pair scales x chunks), ST stages of 256
+// columns; Y row list[s + j] for the tile's token j < c. 8 warps of 16 rows, each all BM tokens.
+template <int NI>
+__device__ __forceinline__ void mt_grouped(const MtMap* tw, const MtMap* tx, const MtMap* ts, int rows, int cols, float* Y, i64 ys,
+                                           const int* tiles, const int* ntiles, const int* list, int ST) {
+    extern __shared__ __align__(128) u8 mt_sm[];
+    constexpr int BM = 8 * NI, KS = 256, NCH = 8, STB = mt_stage<BM>(), WSZ = MQ_BR * MT_WP, XSZ = BM * KS;
+    const int tile = blockIdx.y;
+    if (tile >= *ntiles) return;
+    const int e = tiles[3 * tile], s = tiles[3 * tile + 1], c = tiles[3 * tile + 2];
+    const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
+    const int r0 = blockIdx.x * MQ_BR, rw = warp * 16;
+    u8* sm = mt_sm;
+    float2* scw = (float2*)(sm + ST * STB) + warp * (NCH * 8);
+    int* yr = (int*)(sm + ST * STB + 8 * 8 * 8 * 8);
+    const u32 sm_s = mq_saddr(sm), bar_s = mq_saddr(yr + BM);
+    for (int j = tid; j < BM; j += MQ_THREADS) yr[j] = j < c ? list[s + j] : -1;
+    if (tid == 0) {
+        for (int i = 0; i < ST; i++) mt_bar_init(bar_s + 8 * i);
+        mt_bar_fence();
+    }
+    __syncthreads();
+    const int nk = cols / KS;
+    auto issue = [&](int ks) {
+        if (tid == 0 && ks < nk) {
+            const int slot = ks % ST;
+            const u32 ws = sm_s + (u32)(slot * STB), b = bar_s + 8 * slot;
+            mt_bar_expect(b, (u32)STB);
+            mt_copy3(ws, tw, ks * 136, r0, e, b);
+            mt_copy2(ws + WSZ, tx, ks * KS, s, b);
+            mt_copy2(ws + WSZ + XSZ, ts, s, ks * NCH, b);
+        }
+    };
+    for (int i = 0; i < ST - 1; i++) issue(i);
+    // The codebook words and the MMA's accumulator input, pinned in registers.
+    const MiK k = mi_k_pinned((u32)cols >> 31);
+    const int sw = (s + g) & 1;
+    float acc[1][NI][4];
+#pragma unroll
+    for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) acc[0][ni][q] = 0.f;
+    for (int ks = 0; ks < nk; ks++) {
+        // Every warp is done with stage ks - 1: its slot takes stage ks + ST - 1.
+        __syncthreads();
+        issue(ks + ST - 1);
+        const int slot = ks % ST;
+        mt_bar_wait(bar_s + 8 * slot, (u32)((ks / ST) & 1));
+        const u8* ws = sm + slot * STB;
+        const u8* xsm = ws + WSZ;
+        const u8* xss = xsm + XSZ;
+        const u8* p[2] = {ws + (rw + g) * MT_WP, ws + (rw + 8 + g) * MT_WP};
+        {
+            // Lane l: row l % 16 of the warp, sub-blocks 4 (l / 16) .. + 3 (as mi_tile).
+            const int rr = lane & 15, i0 = (lane >> 4) * 4;
+            const u8* row = ws + (rw + rr) * MT_WP;
+            const u32 hd = *(const u32*)row, sl = *(const u32*)(row + 4);
+            const float d = f16_to_f32((u16)(hd & 0xffffu));
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int i = i0 + q;
+                const int ls = (int)((sl >> (4 * i)) & 15u) | (int)(((hd >> (16 + 2 * i)) & 3u) << 4);
+                ((float*)scw)[(i * 8 + (rr & 7)) * 2 + (rr >> 3)] = __fmul_rn(d, (float)(ls - 32));
+            }
+        }
+        __syncwarp();
+        if (NI >= 4 && c <= 2 * NI)
+            mi_stage_mma<T_IQ4_XS, BM, 1, NI, (NI >= 4 ? NI / 4 : NI)>(acc, p, xsm, xss, scw, NCH, 0, g, t, sw, k);
+        else if (NI >= 2 && c <= 4 * NI)
+            mi_stage_mma<T_IQ4_XS, BM, 1, NI, (NI >= 2 ? NI / 2 : NI)>(acc, p, xsm, xss, scw, NCH, 0, g, t, sw, k);
+        else
+            mi_stage_mma<T_IQ4_XS, BM, 1, NI, NI>(acc, p, xsm, xss, scw, NCH, 0, g, t, sw, k);
+    }
+    // Epilogue: c0/c1 at (row g, tokens 2t, 2t+1), c2/c3 at row g + 8.
+#pragma unroll
+    for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+        for (int q = 0; q < 4; q++) {
+            const int r = r0 + rw + g + 8 * (q >> 1);
+            const int yrow = yr[ni * 8 + 2 * t + (q & 1)];
+            if (r < rows && yrow >= 0) Y[(i64)yrow * ys + r] = acc[0][ni][q];
+        }
+}
+
+#define MT_INST(BM, NI)                                                                                              \
+    extern "C" __global__ void __launch_bounds__(MQ_THREADS, 2) mmg_t8_iq4_xs_##BM(                                  \
+        const __grid_constant__ MtMap tw, const __grid_constant__ MtMap tx, const __grid_constant__ MtMap ts, int rows, \
+        int cols, float* Y, i64 ys, const int* tiles, const int* ntiles, const int* list, int st) {                  \
+        mt_grouped<NI>(&tw, &tx, &ts, rows, cols, Y, ys, tiles, ntiles, list, st);                                    \
+    }
+MT_INST(16, 2)
+MT_INST(32, 4)
+MT_INST(64, 8)
+
+// X in the mt kernels' grouped order: grid (pairs, ceil(cols / 128)), block 32; row i of Xq from
+// row list[i] / x_div of X (and U), halves swapped on odd rows, scales at S[kc·sp + i] (float2).
+extern "C" __global__ void mmg_xg_i8(const float* X, i64 xs, const float* U, int cols, const int* list, int x_div, u8* Xq, i64 xqp,
+                                     float* S, i64 sp) {
+    const i64 i = blockIdx.x;
+    mi_x_row(X, xs, U, cols, Xq, xqp, S, 2, 2 * sp, 1, list[i] / x_div, i, (int)(i & 1));
+}
 
 #endif  // MM_PASSES == 1

@@ -464,6 +464,99 @@ fn int8_grouped_gemm_matches_q8_twin() {
     set_int8_linear_copies(None);
 }
 
+/// The TMA form of the int8 grouped IQ4_XS products (`mmg_t8_*`, X converted in grouped order
+/// by `mmg_xg_i8`): rows off the 128-row block (zero-filled by the copies, never stored), 512 and
+/// 1536 columns (one and three 512-column multiples: 2 and 6 stages), every token tile (16, 32,
+/// 64; tiles of an expert with one pair, tiles of 65+ pairs), NaN-poisoned outputs whose
+/// padding column must stay NaN: every output against the q8 twin, and bit for bit against the
+/// `mmg_i8` kernels (same fragments, MMAs and fold order); then the unfit shapes it refuses.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn tma_grouped_gemm_matches_q8_twin_and_int8_kernels() {
+    use minimax_rank::cuda::tma_experts::set_tma_experts;
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    set_gemm_fast(true);
+    set_tma_experts(Some(true));
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0031);
+    let (tokens, k, ne) = (100usize, 3usize, 9usize);
+    // Expert 0: every token (two 64-pair tiles); expert 2: token 5 only; 1, 4, 6: none.
+    let mut ids = Vec::new();
+    for t in 0..tokens {
+        let mut chosen = vec![0usize, if t == 5 { 2 } else { [3, 5, 7, 8][rng.below(4)] }];
+        while chosen.len() < k {
+            let e = [3usize, 5, 7, 8][rng.below(4)];
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        ids.extend(chosen.iter().map(|&e| e as i32));
+    }
+    let np = ids.len();
+    let idd = g.upload(&ids).unwrap();
+    let ty = GgmlType::IQ4_XS;
+    for (rows, cols) in [(150usize, 512usize), (200, 1536)] {
+        let w = random_rows(&mut rng, ty, ne * rows, cols);
+        let wf = dequant(ty, &w, ne * rows, cols);
+        let (_wb, m) = upload_mat(&g, ty, &w, rows, cols, ne);
+        assert!(g.tma_expert_fits(&m) || g.arch < 90, "{rows} x {cols} IQ4_XS experts should fit the TMA kernels");
+        if g.arch < 90 {
+            eprintln!("sm_{} has no TMA: skipped", g.arch);
+            return;
+        }
+        let xs = cols + 8;
+        let x = rng.vec(tokens * xs, 1.0);
+        let xq = q8_twin(&x, tokens, xs, cols);
+        let xd = g.upload(&x).unwrap();
+        let ys = rows + 1;
+        let yd = g.zeros::<f32>(np * ys).unwrap();
+        let ref_d = g.zeros::<f32>(np * ys).unwrap();
+        for nt in [1usize, 2, 4] {
+            let grp = g.group_experts_with(g.ptr(&idd), np, ne, nt).unwrap();
+            // The mmg_i8 kernels (default layout) as the bit-exact reference.
+            set_int8_mi(Some(1));
+            g.fill_u32(g.ptr(&ref_d), np * ys, NAN).unwrap();
+            g.matmul_experts_with(&m, &grp, g.ptr(&xd), xs, k, g.ptr(&ref_d), ys, INT8_PASSES).unwrap();
+            let gx = g.grouped_x(&grp, g.ptr(&xd), xs, None, k, cols).unwrap();
+            g.fill_u32(g.ptr(&yd), np * ys, NAN).unwrap();
+            g.profile_begin();
+            g.matmul_experts_tma(&m, &grp, &gx, g.ptr(&yd), ys).unwrap();
+            let prof = g.profile_end().unwrap();
+            assert!(prof.iter().any(|(n, _)| n == &format!("mmg_t8_iq4_xs_{}", 16 * nt)), "launched {prof:?}");
+            let (y, yref) = (g.download(&yd).unwrap(), g.download(&ref_d).unwrap());
+            let mut chk = Int8Check::new();
+            for p in 0..np {
+                let (e, t) = (ids[p] as usize, p / k);
+                for r in 0..rows {
+                    let wr = &wf[(e * rows + r) * cols..(e * rows + r + 1) * cols];
+                    chk.one(y[p * ys + r], wr, &xq[t * cols..(t + 1) * cols], &x[t * xs..t * xs + cols], 0.0, &|| {
+                        format!("TMA grouped {rows} x {cols} tile {} pair {p} (expert {e}) row {r}", 16 * nt)
+                    });
+                    assert_eq!(y[p * ys + r].to_bits(), yref[p * ys + r].to_bits(), "TMA vs mmg_i8, tile {} pair {p} row {r}", 16 * nt);
+                }
+                assert!(y[p * ys + rows].is_nan(), "TMA grouped: wrote past the rows of pair {p}");
+            }
+            let (twin, exact) = chk.finish(&format!("TMA grouped {rows} x {cols} tile {}", 16 * nt));
+            eprintln!("TMA grouped IQ4_XS {rows} x {cols} tile {}: vs twin worst {:.2e} rms {twin:.2e}; vs exact rms {exact:.2e}; identical to mmg_i8", 16 * nt, chk.worst_twin);
+        }
+    }
+    set_int8_mi(None);
+    // Unfit shapes: 256 columns (rows of 136 bytes), Q8_0, the switch off.
+    let w = random_rows(&mut rng, ty, 2 * 64, 256);
+    let (_wb, m) = upload_mat(&g, ty, &w, 64, 256, 2);
+    assert!(!g.tma_expert_fits(&m), "256-column IQ4_XS rows are not 16-byte strides");
+    let w8 = random_rows(&mut rng, GgmlType::Q8_0, 2 * 64, 512);
+    let (_wb8, m8) = upload_mat(&g, GgmlType::Q8_0, &w8, 64, 512, 2);
+    assert!(!g.tma_expert_fits(&m8), "Q8_0 has no TMA kernel");
+    let w4 = random_rows(&mut rng, ty, 2 * 64, 512);
+    let (_wb4, m4) = upload_mat(&g, ty, &w4, 64, 512, 2);
+    set_tma_experts(Some(false));
+    assert!(!g.tma_expert_fits(&m4), "switched off");
+    set_tma_experts(Some(true));
+    assert!(g.tma_expert_fits(&m4));
+    set_tma_experts(None);
+}
+
 /// Throughput of the int8 GEMMs at M2.7 shapes (IQ4_XS experts 1536 x 3072 with 16 and 128
 /// pairs per expert, as a 512-token prefill and a 4096-token chunk route them uniformly; a
 /// Q8_0 6144 x 3072 dense product of 4096 tokens) for every warp layout and stage count: the
@@ -517,6 +610,38 @@ fn int8_gemm_speed() {
                 );
             }
         }
+        // The TMA kernels (sm_90+) at 32- and 64-pair tiles, against mmg_i8 at the same tile;
+        // the grouped X conversion timed on its own.
+        minimax_rank::cuda::tma_experts::set_tma_experts(Some(true));
+        if g.tma_expert_fits(&m) {
+            set_int8_mi(None);
+            set_int8_stages(None);
+            set_int8_linear_copies(None);
+            for nt in [2usize, 4] {
+                let grp = g.group_experts_with(g.ptr(&idd), np, ne, nt).unwrap();
+                let mut old = || g.matmul_experts_with(&m, &grp, g.ptr(&xd), cols, k, g.ptr(&yd), rows, INT8_PASSES).unwrap();
+                let t_old = time(&mut old);
+                let gx = g.grouped_x(&grp, g.ptr(&xd), cols, None, k, cols).unwrap();
+                let mut conv = || drop(g.grouped_x(&grp, g.ptr(&xd), cols, None, k, cols).unwrap());
+                let t_conv = time(&mut conv);
+                let mut run = || g.matmul_experts_tma(&m, &grp, &gx, g.ptr(&yd), rows).unwrap();
+                let t = time(&mut run);
+                let y = g.download(&yd).unwrap();
+                assert!(y.iter().all(|v| v.is_finite()), "non-finite output");
+                eprintln!(
+                    "int8 speed grouped IQ4_XS {rows}x{cols}, {} pairs an expert, tile {}: mmg_i8 {:.1} us ({:.0} TOPS, {:.2} TB/s of weights), TMA {:.1} us ({:.0} TOPS, {:.2} TB/s) + grouped X conversion {:.1} us",
+                    np / ne,
+                    16 * nt,
+                    t_old * 1e6,
+                    2.0 * (np * rows * cols) as f64 / t_old / 1e12,
+                    m.n_bytes() as f64 / t_old / 1e12,
+                    t * 1e6,
+                    2.0 * (np * rows * cols) as f64 / t / 1e12,
+                    m.n_bytes() as f64 / t / 1e12,
+                    t_conv * 1e6
+                );
+            }
+        }
     }
     let (rows, n) = (6144usize, 4096usize);
     let w = random_rows(&mut rng, GgmlType::Q8_0, rows, cols);
@@ -532,6 +657,7 @@ fn int8_gemm_speed() {
     }
     set_int8_mi(None);
     set_int8_stages(None);
+    minimax_rank::cuda::tma_experts::set_tma_experts(None);
     set_int8_linear_copies(None);
 }
 
@@ -740,25 +866,30 @@ fn moe_experts_gate_up_down_match_cpu() {
     let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
     let g = gpu();
     let mut rng = Rng(0x5eed_0005);
-    let (h, ff, ne, k) = (256usize, 96usize, 12usize, 4usize);
-    for (fast, ty, tokens, prec) in [
-        (true, GgmlType::IQ4_XS, 45usize, GemmPrecision::Bf16x3),
-        (true, GgmlType::Q8_0, 200, GemmPrecision::Bf16x3),
-        (true, GgmlType::Q4_K, 40, GemmPrecision::Bf16x3),
-        (true, GgmlType::IQ4_XS, 20, GemmPrecision::Bf16x3),
-        (true, GgmlType::Q6_K, 300, GemmPrecision::Bf16x3),
-        (false, GgmlType::IQ4_XS, 45, GemmPrecision::Bf16x3),
-        (false, GgmlType::Q4_K, 40, GemmPrecision::Bf16x3),
+    let (ne, k) = (12usize, 4usize);
+    minimax_rank::cuda::tma_experts::set_tma_experts(Some(true));
+    for (fast, ty, tokens, prec, wide) in [
+        (true, GgmlType::IQ4_XS, 45usize, GemmPrecision::Bf16x3, false),
+        (true, GgmlType::Q8_0, 200, GemmPrecision::Bf16x3, false),
+        (true, GgmlType::Q4_K, 40, GemmPrecision::Bf16x3, false),
+        (true, GgmlType::IQ4_XS, 20, GemmPrecision::Bf16x3, false),
+        (true, GgmlType::Q6_K, 300, GemmPrecision::Bf16x3, false),
+        (false, GgmlType::IQ4_XS, 45, GemmPrecision::Bf16x3, false),
+        (false, GgmlType::Q4_K, 40, GemmPrecision::Bf16x3, false),
         // int8: x and SiLU(gate)·up quantized to q8 (down's input in the fused conversion);
         // Q4_K gate/up with Q8_0 down mixes the 3-pass and int8 kernels.
-        (true, GgmlType::IQ4_XS, 45, GemmPrecision::Int8),
-        (true, GgmlType::Q8_0, 200, GemmPrecision::Int8),
-        (true, GgmlType::Q4_K, 40, GemmPrecision::Int8),
+        (true, GgmlType::IQ4_XS, 45, GemmPrecision::Int8, false),
+        (true, GgmlType::Q8_0, 200, GemmPrecision::Int8, false),
+        (true, GgmlType::Q4_K, 40, GemmPrecision::Int8, false),
+        // wide: 512 x 512 IQ4_XS gate, up and down, the TMA kernels on sm_90+ (checked below).
+        (true, GgmlType::IQ4_XS, 45, GemmPrecision::Int8, true),
+        (true, GgmlType::IQ4_XS, 300, GemmPrecision::Int8, true),
     ] {
+        let (h, ff) = if wide { (512usize, 512usize) } else { (256, 96) };
         set_gemm_fast(fast);
         set_gemm_precision(prec);
         // down's input is ff = 96 wide: K-quants need 256-wide rows, so down is Q8_0 then.
-        let dty = if ty.block_elems() == 256 { GgmlType::Q8_0 } else { ty };
+        let dty = if ff % ty.block_elems() != 0 { GgmlType::Q8_0 } else { ty };
         let gw = random_rows(&mut rng, ty, ne * ff, h);
         let uw = random_rows(&mut rng, ty, ne * ff, h);
         let dw = random_rows(&mut rng, dty, ne * h, ff);
@@ -773,7 +904,11 @@ fn moe_experts_gate_up_down_match_cpu() {
         let (act, ub, out) = (g.zeros::<f32>(np * ff).unwrap(), g.zeros::<f32>(np * ff).unwrap(), g.zeros::<f32>(np * h).unwrap());
         g.fill_u32(g.ptr(&out), np * h, NAN).unwrap();
         g.fill_u32(g.ptr(&act), np * ff, NAN).unwrap();
+        g.profile_begin();
         g.moe_experts((&gm, &um, &dm), g.ptr(&idd), np, k, g.ptr(&xd), h, (g.ptr(&act), g.ptr(&ub), ff), (g.ptr(&out), h)).unwrap();
+        let prof = g.profile_end().unwrap();
+        let tma = prof.iter().filter(|(n, _)| n.starts_with("mmg_t8_iq4_xs")).count();
+        assert_eq!(tma, if wide && g.arch >= 90 { 3 } else { 0 }, "TMA expert launches ({ty:?}, {h} x {ff}): {prof:?}");
         let y = g.download(&out).unwrap();
         // The CPU twin in f64; the intermediate activation's own error feeds down, so the
         // bound is relative to the output RMS (3 passes: ~1e-5 of each; 1e-3 allowed; int8:
@@ -798,12 +933,13 @@ fn moe_experts_gate_up_down_match_cpu() {
             }
         }
         let rel = (se / ss).sqrt();
-        eprintln!("moe_experts {ty:?}/{dty:?} {tokens} tokens x {k}, fast {fast}, {prec:?}: rms rel error {rel:.2e} (grouped: {})", tokens > 32);
+        eprintln!("moe_experts {ty:?}/{dty:?} {h} x {ff}, {tokens} tokens x {k}, fast {fast}, {prec:?}: rms rel error {rel:.2e} (grouped: {}, TMA: {})", tokens > 32, tma > 0);
         let lim = if prec == GemmPrecision::Int8 { 2e-2 } else { 1e-3 };
         assert!(rel < lim, "{ty:?} fast {fast} {prec:?}: rms rel error {rel:.2e}");
     }
     set_gemm_fast(true);
     set_gemm_precision(GemmPrecision::Bf16x3);
+    minimax_rank::cuda::tma_experts::set_tma_experts(None);
 }
 
 const PAGE: usize = 16;

@@ -717,6 +717,72 @@ fn prompts_step(m: &mut CudaModel, pages: &mut Pages, n: usize, p: usize) -> any
     Ok(())
 }
 
+/// `--tma-ab`: prefill steps with the int8 expert products through per-thread copies
+/// (`mmg_i8`) and through TMA copies (`mmg_t8`, kernels/quant_matmul.cu), alternating in one
+/// process, best of three after a warm-up: distinct short prompts (routing over nearly every
+/// expert), one 512-token prompt, a 4,096-token chunk, an 8,192-token prefill in two chunks;
+/// then the per-kernel split of a 32 x 16-token step with each.
+fn tma_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
+    use minimax_rank::cuda::tma_experts::set_tma_experts;
+    let greedy = minimax_shared::sampling::SamplingSpec { temperature: 0.0, ..Default::default() };
+    let mut round = 0usize;
+    let mut rows = Vec::new();
+    // One step of `seqs` fresh `len`-token prompts (or an 8k prompt in two 4096-token chunks).
+    let mut run = |m: &mut CudaModel, pages: &mut Pages, seqs: usize, len: usize| -> anyhow::Result<f64> {
+        round += 1;
+        if len == 8192 {
+            let pt = pages.take(8192 / PAGE);
+            m.gpu().sync()?;
+            let t = Instant::now();
+            for c0 in (0..8192).step_by(4096) {
+                let toks: Vec<u32> = (c0..c0 + 4096).map(|j| pseudo_token(j, 7000 + round)).collect();
+                m.forward(&ForwardBatch { seqs: vec![step(7000 + round as u64, &pt, c0, toks, LogitsWanted::Last)] })?;
+            }
+            return Ok(ms(t));
+        }
+        let batch = ForwardBatch {
+            seqs: (0..seqs).map(|i| step(9000 + (round * 64 + i) as u64, &pages.take(len.div_ceil(PAGE)), 0, (0..len).map(|j| pseudo_token(j, round * 64 + i)).collect(), LogitsWanted::Last)).collect(),
+        };
+        m.gpu().sync()?;
+        let t = Instant::now();
+        let out = m.forward_stage_lazy(&batch)?.ok_or_else(|| anyhow::anyhow!("no logits"))?;
+        let (reds, _) = out.reduce(&vec![(greedy.clone(), None); seqs])?;
+        anyhow::ensure!(reds.iter().all(|r| r.is_ok()), "a greedy reduction failed");
+        Ok(ms(t))
+    };
+    println!("\nint8 expert products: per-thread copies (mmg_i8) / TMA copies (mmg_t8), best of 3 after a warm-up, alternating:");
+    for (seqs, len) in [(32usize, 16usize), (32, 5), (1, 512), (16, 256), (1, 4096), (1, 8192)] {
+        let mut best = [f64::MAX; 2];
+        for r in 0..4 {
+            for (i, on) in [false, true].into_iter().enumerate() {
+                set_tma_experts(Some(on));
+                let t = run(m, pages, seqs, len)?;
+                if r > 0 {
+                    best[i] = best[i].min(t);
+                }
+            }
+        }
+        println!("  {seqs} x {len} tokens: {:.1} / {:.1} ms ({:+.1}%)", best[0], best[1], 100.0 * (best[1] / best[0] - 1.0));
+        rows.push(format!("| {seqs} x {len} | {:.1} | {:.1} |", best[0], best[1]));
+    }
+    for on in [false, true] {
+        set_tma_experts(Some(on));
+        let batch = ForwardBatch {
+            seqs: (0..32).map(|i| step(8000 + i as u64, &pages.take(1), 0, (0..16).map(|j| pseudo_token(j, 5000 + i)).collect(), LogitsWanted::Last)).collect(),
+        };
+        m.gpu().profile_begin();
+        m.forward(&batch)?;
+        let prof = m.gpu().profile_end()?;
+        print_split(&prof, &format!("32 x 16-token prompt step, TMA experts {on}"));
+    }
+    set_tma_experts(None);
+    println!("| prompts in one step | mmg_i8 ms | mmg_t8 ms |\n| --- | --- | --- |");
+    for r in rows {
+        println!("{r}");
+    }
+    Ok(())
+}
+
 /// `--gstream-ab`: the grouped streamed expert kernels (kernels/gstream.cu) against the grouped
 /// register kernels (`grpf`) at batch 4 / 16 / 32 (served-like prompts), graph replay,
 /// alternating, three rounds; then the per-kernel split of a batch-32 step with them.
@@ -890,6 +956,9 @@ fn main() -> anyhow::Result<()> {
     }
     if flag("--mvmma-ab") {
         return mvmma_ab(&mut m, &mut pages);
+    }
+    if flag("--tma-ab") {
+        return tma_ab(&mut m, &mut pages);
     }
     if flag("--router-ab") {
         use minimax_rank::cuda::fast::{set_router_t4_min, set_router_x};

@@ -54,6 +54,8 @@ pub enum Arg {
     L(i64),
     U(u32),
     F(f32),
+    /// A 128-byte CUtensorMap passed by value (`__grid_constant__`; see `tma_experts`).
+    M([u64; 16]),
 }
 
 /// The arguments of the dense `y[n] = W x[n]` kernels (`mv_*` and `mm_*`): W (address, row
@@ -232,6 +234,7 @@ impl Gpu {
                 Arg::L(v) => b.arg(v),
                 Arg::U(v) => b.arg(v),
                 Arg::F(v) => b.arg(v),
+                Arg::M(v) => b.arg(v),
             };
         }
         let cfg = LaunchConfig { grid_dim: grid, block_dim: (block, 1, 1), shared_mem_bytes: smem };
@@ -247,7 +250,7 @@ impl Gpu {
     /// in kernels/fast.cu do; every other kernel goes through [`Gpu::launch`]. Off (plain
     /// launch) before sm_90 or with `MINIMAX_PDL=0`.
     pub fn launch_pdl(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg]) -> Result<(), CudaError> {
-        if !self.pdl || self.prof.lock().unwrap().is_some() {
+        if !self.pdl || self.prof.lock().unwrap().is_some() || args.iter().any(|a| matches!(a, Arg::M(_))) {
             return self.launch(name, grid, block, smem, args);
         }
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
@@ -264,6 +267,7 @@ impl Gpu {
                 Arg::L(v) => v as u64,
                 Arg::U(v) => v as u64,
                 Arg::F(v) => v.to_bits() as u64,
+                Arg::M(_) => unreachable!("tensor maps take the plain launch above"),
             })
             .collect();
         let mut params: Vec<*mut std::ffi::c_void> = vals.iter_mut().map(|v| v as *mut u64 as *mut std::ffi::c_void).collect();

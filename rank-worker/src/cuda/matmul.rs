@@ -874,6 +874,14 @@ impl Gpu {
             // One conversion of x for gate and up; SiLU(gate)·up fused into the conversion of
             // down's input.
             let grp = self.group_experts_fast_for(ids, npairs, gate.n_experts, pg == INT8_PASSES && pd == INT8_PASSES)?;
+            if pg == INT8_PASSES && pd == INT8_PASSES && [gate, up, down].iter().all(|w| self.tma_expert_fits(w)) {
+                // IQ4_XS experts through TMA copies (tma_experts.rs): X in grouped order.
+                let xa = self.grouped_x(&grp, x, xs, None, k, gate.cols)?;
+                self.matmul_experts_tma(gate, &grp, &xa, act, ff)?;
+                self.matmul_experts_tma(up, &grp, &xa, ub, ff)?;
+                let xd = self.grouped_x(&grp, act, ff, Some(ub), 1, ff)?;
+                return self.matmul_experts_tma(down, &grp, &xd, out, h);
+            }
             let bm = 16 * grp.nt;
             let mins = |w: &DevMat| fast_geom(w.ty).map(|g| g.min).unwrap_or(false);
             let xa = self.fast_x("mmg_x", x, xs, None, npairs.div_ceil(k), gate.cols, pg, mins(gate) || mins(up), gate.ty)?;

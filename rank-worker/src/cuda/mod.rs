@@ -19,6 +19,7 @@ pub mod nvrtc;
 pub mod peer_allreduce;
 pub mod pipeline;
 pub mod stream;
+pub mod tma_experts;
 pub mod upload;
 
 pub use error::CudaError;
