@@ -803,6 +803,9 @@ MQ_INST(q8_0, T_Q8_0)
 
 #define MI_MAGIC 0x4B400000u
 #define MI_MAGIC_F 12582912.0f
+// Row pitch (in float2) of the mt kernels' X-scale tile: 8 chunks + 2 (80 bytes: the tokens of a
+// lane quad land on distinct banks).
+#define MT_SP 10
 
 // Stage bytes: raw rows, X tile, X scales.
 template <int T, int BM> __host__ __device__ constexpr int mi_stage() {
@@ -859,7 +862,8 @@ template <> __device__ __forceinline__ void mi_dq<T_Q8_0>(const u8* p0, const u8
 
 // The products of chunk c for the first NX n8 tiles of the warp's MI m16 tiles:
 // acc[mi][ni] += w_scale · x_scale · (A · B); the warp's tokens start at column j0.
-template <int T, int BM, int MI, int NI, int NX>
+// XT: X scales token-major, rows of MT_SP chunks (the mt kernels), else chunk-major.
+template <int T, int BM, int MI, int NI, int NX, int XT = 0>
 __device__ __forceinline__ void mi_chunk(float (*acc)[NI][4], const u32 (*a)[4], const uint4* b, int h, const float2* scw,
                                          const u8* xss, int c, int j0, int g, int t, MiK k) {
     constexpr int NCH = MQT<T>::KS / 32;
@@ -868,7 +872,14 @@ __device__ __forceinline__ void mi_chunk(float (*acc)[NI][4], const u32 (*a)[4],
     for (int mi = 0; mi < MI; mi++) w[mi] = scw[(mi * NCH + c) * 8 + g];
 #pragma unroll
     for (int ni = 0; ni < NX; ni++) {
-        float4 s = *(const float4*)(xss + (c * BM + j0 + ni * 8 + 2 * t) * 8);
+        float4 s;
+        if (XT) {
+            const float2 s0 = *(const float2*)(xss + ((j0 + ni * 8 + 2 * t) * MT_SP + c) * 8);
+            const float2 s1 = *(const float2*)(xss + ((j0 + ni * 8 + 2 * t + 1) * MT_SP + c) * 8);
+            s = make_float4(s0.x, s0.y, s1.x, s1.y);
+        } else {
+            s = *(const float4*)(xss + (c * BM + j0 + ni * 8 + 2 * t) * 8);
+        }
         const u32 b0 = h ? b[ni].z : b[ni].x, b1 = h ? b[ni].w : b[ni].y;
 #pragma unroll
         for (int mi = 0; mi < MI; mi++) {
@@ -884,7 +895,7 @@ __device__ __forceinline__ void mi_chunk(float (*acc)[NI][4], const u32 (*a)[4],
 
 // The products of one stage for the first NX n8 tiles. p[2·mi] / p[2·mi + 1]: the raw rows g and
 // g + 8 of m16 tile mi; sw: whether this thread's X rows hold their 64-byte halves swapped.
-template <int T, int BM, int MI, int NI, int NX>
+template <int T, int BM, int MI, int NI, int NX, int XT = 0>
 __device__ __forceinline__ void mi_stage_mma(float (*acc)[NI][4], const u8* const* p, const u8* xsm, const u8* xss,
                                              const float2* scw, int nc, int j0, int g, int t, int sw, MiK k) {
     constexpr int NCH = MQT<T>::KS / 32;
@@ -901,8 +912,8 @@ __device__ __forceinline__ void mi_stage_mma(float (*acc)[NI][4], const u8* cons
                 mi_dq<T>(p[2 * mi], p[2 * mi + 1], 2 * cp, t, a[0][mi], k);
                 mi_dq<T>(p[2 * mi], p[2 * mi + 1], 2 * cp + 1, t, a[1][mi], k);
             }
-            mi_chunk<T, BM, MI, NI, NX>(acc, a[0], b, 0, scw, xss, 2 * cp, j0, g, t, k);
-            if (2 * cp + 1 < nc) mi_chunk<T, BM, MI, NI, NX>(acc, a[1], b, 1, scw, xss, 2 * cp + 1, j0, g, t, k);
+            mi_chunk<T, BM, MI, NI, NX, XT>(acc, a[0], b, 0, scw, xss, 2 * cp, j0, g, t, k);
+            if (2 * cp + 1 < nc) mi_chunk<T, BM, MI, NI, NX, XT>(acc, a[1], b, 1, scw, xss, 2 * cp + 1, j0, g, t, k);
         }
     }
 }
@@ -1160,9 +1171,10 @@ __device__ __forceinline__ void mi_grouped(const u8* W, i64 rb, i64 es, int rows
 // (the experts' gated activation, same formula as silu_mul). cols % 32 == 0.
 // Source row `r` of X (and U) becomes row `o` of Xq; its scales go to S + o·srs + kc·scs (floats);
 // `swap`: the row's 64-byte halves exchanged (the grouped layout of the mt kernels, odd rows).
+// Columns cb·128 .. + 127 of the row, lane l taking 4 of them (a full warp).
 __device__ __forceinline__ void mi_x_row(const float* X, i64 xs, const float* U, int cols, u8* Xq, i64 xqp, float* S, i64 srs,
-                                         i64 scs, int perm, i64 r, i64 o, int swap) {
-    int l = threadIdx.x, c = blockIdx.y * 128 + 4 * l;
+                                         i64 scs, int perm, i64 r, i64 o, int swap, int cb, int l) {
+    int c = cb * 128 + 4 * l;
     float4 x = make_float4(0.f, 0.f, 0.f, 0.f);
     if (c < cols) {
         x = *(const float4*)(X + r * xs + c);
@@ -1202,7 +1214,7 @@ __device__ __forceinline__ void mi_x_row(const float* X, i64 xs, const float* U,
 }
 __device__ __forceinline__ void mi_x(const float* X, i64 xs, const float* U, int cols, u8* Xq, i64 xqp, float* S, i64 sp,
                                      int perm) {
-    mi_x_row(X, xs, U, cols, Xq, xqp, S, sp, 2, perm, blockIdx.x, blockIdx.x, 0);
+    mi_x_row(X, xs, U, cols, Xq, xqp, S, sp, 2, perm, blockIdx.x, blockIdx.x, 0, blockIdx.y, threadIdx.x);
 }
 // Two names for the benchmark's per-phase split: mm_x_i8 (dense products), mmg_x_i8 (experts).
 extern "C" __global__ void mm_x_i8(const float* X, i64 xs, const float* U, int cols, u8* Xq, i64 xqp, float* S, i64 sp,
@@ -1254,10 +1266,12 @@ MI_INST(q8_0, T_Q8_0)
 //   - the X tile: BM rows of 256 bytes. X is converted in grouped order (mmg_xg_i8: row i holds
 //     pair list[i]), so a tile's tokens are consecutive rows from its start s; odd rows hold
 //     their 64-byte halves swapped (the conflict-free B loads: a thread's swap is (s + g) & 1);
-//   - the X scales, stored chunk-major (S[kc][i], float2): a box of BM rows x 8 chunks lands as
-//     [chunk][token], the layout mi_chunk reads.
-// Rows past the tensor (the last row block, the last tiles' tokens) are zero-filled by the copy
-// and never stored. Weights need rows of whole 512-column multiples (16-byte row strides).
+//   - the X scales (float2 per row and chunk, rows of cols / 32): a box of BM rows x MT_SP chunks
+//     (the stage's 8 and 2 of the next: 80-byte rows, conflict-free reads of a lane quad's tokens).
+// A copy's innermost start must be 16-byte aligned: the weight box of an odd super-block starts
+// 8 bytes early (its rows then begin at byte 8 of their pitch). Rows past the tensor (the last
+// row block, the last tiles' tokens, chunks past the row) are zero-filled by the copies and
+// never stored. Weights need rows of whole 512-column multiples (16-byte row strides).
 // ================================================================================================
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define MT_PTX 1
@@ -1272,7 +1286,7 @@ struct __align__(128) MtMap {
 };
 
 #define MT_WP 144
-template <int BM> __host__ __device__ constexpr int mt_stage() { return MQ_BR * MT_WP + BM * 256 + BM * 64; }
+template <int BM> __host__ __device__ constexpr int mt_stage() { return MQ_BR * MT_WP + BM * 256 + BM * MT_SP * 8; }
 // ST stages, per-warp weight scales (8 warps x 8 chunks x 8 rows, float2), Y row map, mbarriers.
 template <int BM> __host__ __device__ constexpr int mt_smem(int st) { return st * mt_stage<BM>() + 8 * 8 * 8 * 8 + BM * 4 + st * 8; }
 
@@ -1348,9 +1362,9 @@ __device__ __forceinline__ void mt_grouped(const MtMap* tw, const MtMap* tx, con
             const int slot = ks % ST;
             const u32 ws = sm_s + (u32)(slot * STB), b = bar_s + 8 * slot;
             mt_bar_expect(b, (u32)STB);
-            mt_copy3(ws, tw, ks * 136, r0, e, b);
+            mt_copy3(ws, tw, ks * 136 - 8 * (ks & 1), r0, e, b);
             mt_copy2(ws + WSZ, tx, ks * KS, s, b);
-            mt_copy2(ws + WSZ + XSZ, ts, s, ks * NCH, b);
+            mt_copy2(ws + WSZ + XSZ, ts, ks * NCH, s, b);
         }
     };
     for (int i = 0; i < ST - 1; i++) issue(i);
@@ -1371,11 +1385,13 @@ __device__ __forceinline__ void mt_grouped(const MtMap* tw, const MtMap* tx, con
         const u8* ws = sm + slot * STB;
         const u8* xsm = ws + WSZ;
         const u8* xss = xsm + XSZ;
-        const u8* p[2] = {ws + (rw + g) * MT_WP, ws + (rw + 8 + g) * MT_WP};
+        // Odd super-blocks begin 8 bytes into their rows (the copy's aligned start).
+        const int mis = 8 * (ks & 1);
+        const u8* p[2] = {ws + (rw + g) * MT_WP + mis, ws + (rw + 8 + g) * MT_WP + mis};
         {
             // Lane l: row l % 16 of the warp, sub-blocks 4 (l / 16) .. + 3 (as mi_tile).
             const int rr = lane & 15, i0 = (lane >> 4) * 4;
-            const u8* row = ws + (rw + rr) * MT_WP;
+            const u8* row = ws + (rw + rr) * MT_WP + mis;
             const u32 hd = *(const u32*)row, sl = *(const u32*)(row + 4);
             const float d = f16_to_f32((u16)(hd & 0xffffu));
 #pragma unroll
@@ -1387,11 +1403,11 @@ __device__ __forceinline__ void mt_grouped(const MtMap* tw, const MtMap* tx, con
         }
         __syncwarp();
         if (NI >= 4 && c <= 2 * NI)
-            mi_stage_mma<T_IQ4_XS, BM, 1, NI, (NI >= 4 ? NI / 4 : NI)>(acc, p, xsm, xss, scw, NCH, 0, g, t, sw, k);
+            mi_stage_mma<T_IQ4_XS, BM, 1, NI, (NI >= 4 ? NI / 4 : NI), 1>(acc, p, xsm, xss, scw, NCH, 0, g, t, sw, k);
         else if (NI >= 2 && c <= 4 * NI)
-            mi_stage_mma<T_IQ4_XS, BM, 1, NI, (NI >= 2 ? NI / 2 : NI)>(acc, p, xsm, xss, scw, NCH, 0, g, t, sw, k);
+            mi_stage_mma<T_IQ4_XS, BM, 1, NI, (NI >= 2 ? NI / 2 : NI), 1>(acc, p, xsm, xss, scw, NCH, 0, g, t, sw, k);
         else
-            mi_stage_mma<T_IQ4_XS, BM, 1, NI, NI>(acc, p, xsm, xss, scw, NCH, 0, g, t, sw, k);
+            mi_stage_mma<T_IQ4_XS, BM, 1, NI, NI, 1>(acc, p, xsm, xss, scw, NCH, 0, g, t, sw, k);
     }
     // Epilogue: c0/c1 at (row g, tokens 2t, 2t+1), c2/c3 at row g + 8.
 #pragma unroll
@@ -1414,12 +1430,16 @@ MT_INST(16, 2)
 MT_INST(32, 4)
 MT_INST(64, 8)
 
-// X in the mt kernels' grouped order: grid (pairs, ceil(cols / 128)), block 32; row i of Xq from
-// row list[i] / x_div of X (and U), halves swapped on odd rows, scales at S[kc·sp + i] (float2).
+// X in the mt kernels' grouped order: grid (ceil(rows / 8)), block 256, a warp a row walking its
+// 128-column blocks; row i of Xq from row list[i] / x_div of X (and U), halves swapped on odd
+// rows, scales at S[i·cols/32 + kc].
 extern "C" __global__ void mmg_xg_i8(const float* X, i64 xs, const float* U, int cols, const int* list, int x_div, u8* Xq, i64 xqp,
-                                     float* S, i64 sp) {
-    const i64 i = blockIdx.x;
-    mi_x_row(X, xs, U, cols, Xq, xqp, S, 2, 2 * sp, 1, list[i] / x_div, i, (int)(i & 1));
+                                     float* S, int rows) {
+    const i64 i = (i64)blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (i >= rows) return;
+    const i64 r = list[i] / x_div;
+    for (int cb = 0; cb < (cols + 127) / 128; cb++)
+        mi_x_row(X, xs, U, cols, Xq, xqp, S, 2 * (cols / 32), 2, 1, r, i, (int)(i & 1), cb, threadIdx.x & 31);
 }
 
 #endif  // MM_PASSES == 1

@@ -750,20 +750,24 @@ fn tma_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
         anyhow::ensure!(reds.iter().all(|r| r.is_ok()), "a greedy reduction failed");
         Ok(ms(t))
     };
-    println!("\nint8 expert products: per-thread copies (mmg_i8) / TMA copies (mmg_t8), best of 3 after a warm-up, alternating:");
+    println!("\nint8 expert products: mmg_i8 / mmg_t8 (automatic expert tiles) / mmg_t8 with 32-pair / 64-pair tiles, best of 3 after a warm-up, alternating:");
+    use minimax_rank::cuda::set_group_tile;
+    let variants: [(bool, Option<usize>); 4] = [(false, None), (true, None), (true, Some(2)), (true, Some(4))];
     for (seqs, len) in [(32usize, 16usize), (32, 5), (1, 512), (16, 256), (1, 4096), (1, 8192)] {
-        let mut best = [f64::MAX; 2];
+        let mut best = [f64::MAX; 4];
         for r in 0..4 {
-            for (i, on) in [false, true].into_iter().enumerate() {
+            for (i, &(on, tile)) in variants.iter().enumerate() {
                 set_tma_experts(Some(on));
+                set_group_tile(tile);
                 let t = run(m, pages, seqs, len)?;
                 if r > 0 {
                     best[i] = best[i].min(t);
                 }
             }
         }
-        println!("  {seqs} x {len} tokens: {:.1} / {:.1} ms ({:+.1}%)", best[0], best[1], 100.0 * (best[1] / best[0] - 1.0));
-        rows.push(format!("| {seqs} x {len} | {:.1} | {:.1} |", best[0], best[1]));
+        set_group_tile(None);
+        println!("  {seqs} x {len} tokens: {:.1} / {:.1} / {:.1} / {:.1} ms ({:+.1}%)", best[0], best[1], best[2], best[3], 100.0 * (best[1] / best[0] - 1.0));
+        rows.push(format!("| {seqs} x {len} | {:.1} | {:.1} | {:.1} | {:.1} |", best[0], best[1], best[2], best[3]));
     }
     for on in [false, true] {
         set_tma_experts(Some(on));
@@ -776,7 +780,7 @@ fn tma_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
         print_split(&prof, &format!("32 x 16-token prompt step, TMA experts {on}"));
     }
     set_tma_experts(None);
-    println!("| prompts in one step | mmg_i8 ms | mmg_t8 ms |\n| --- | --- | --- |");
+    println!("| prompts in one step | mmg_i8 ms | mmg_t8 ms | mmg_t8, 32-pair tiles | mmg_t8, 64-pair tiles |\n| --- | --- | --- | --- | --- |");
     for r in rows {
         println!("{r}");
     }

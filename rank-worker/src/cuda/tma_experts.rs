@@ -15,8 +15,8 @@ use super::gpu::{Arg, DevMat, Gpu};
 use super::matmul::ExpertGroups;
 use minimax_shared::quant::GgmlType;
 
-/// The TMA expert kernels where they apply (`MINIMAX_I8_TMA`; off until measured on a GPU).
-static TMA_ON: EnvFlag = EnvFlag::new("MINIMAX_I8_TMA", false);
+/// The TMA expert kernels where they apply (`MINIMAX_I8_TMA`, on by default).
+static TMA_ON: EnvFlag = EnvFlag::new("MINIMAX_I8_TMA", true);
 
 /// Forces the TMA expert kernels on or off (`None`: back to `MINIMAX_I8_TMA`); for benchmarks
 /// and tests.
@@ -29,14 +29,16 @@ pub fn tma_experts_on() -> bool {
     TMA_ON.get()
 }
 
-/// Rows of a weight block (`MQ_BR`) and the weight tile's row pitch in shared memory (`MT_WP`).
+/// Rows of a weight block (`MQ_BR`), the weight tile's row pitch in shared memory (`MT_WP`) and
+/// the X-scale tile's (`MT_SP` chunks).
 const BR: usize = 128;
 const WP: usize = 144;
+const SP: usize = 10;
 
 /// Dynamic shared memory of one `mmg_t8` block (`mt_smem`): `st` stages of the weight tile, the
 /// X tile and the X scales, the per-warp weight scales, the Y row map and the mbarriers.
 fn t8_smem(bm: usize, st: usize) -> usize {
-    st * (BR * WP + bm * 256 + bm * 64) + 8 * 8 * 8 * 8 + bm * 4 + st * 8
+    st * (BR * WP + bm * 256 + bm * SP * 8) + 8 * 8 * 8 * 8 + bm * 4 + st * 8
 }
 
 /// Stages of the `mmg_t8` kernels at token tile `bm`: as deep as two blocks an SM allow (4 at
@@ -53,14 +55,13 @@ fn t8_stages(bm: usize) -> usize {
 }
 
 /// X of one grouped product converted for the `mmg_t8` kernels: `rows` int8 rows of `cols`
-/// bytes (row i = pair `list[i]`, odd rows with their 64-byte halves swapped) and the scales
-/// chunk-major, `(d, -1.5·2^23·d)` pairs `spitch` apart per 32-column chunk.
+/// bytes (row i = pair `list[i]`, odd rows with their 64-byte halves swapped) and per row the
+/// scales of its 32-column chunks, `(d, -1.5·2^23·d)` pairs.
 pub struct GroupedX {
     xq: CudaSlice<u8>,
     s: CudaSlice<f32>,
     rows: usize,
     cols: usize,
-    spitch: usize,
 }
 
 /// A tiled tensor map over `dims` (innermost first) of `ty` elements at `addr`, rows `strides`
@@ -109,19 +110,18 @@ impl Gpu {
     /// (`xs` apart; `x = silu(x) * u` with `u`, same stride).
     pub fn grouped_x(&self, groups: &ExpertGroups, x: u64, xs: usize, u: Option<u64>, x_div: usize, cols: usize) -> Result<GroupedX, CudaError> {
         let rows = groups.npairs;
-        if cols % 32 != 0 || x_div == 0 || rows == 0 || x % 16 != 0 || xs % 4 != 0 {
+        if cols % 64 != 0 || x_div == 0 || rows == 0 || x % 16 != 0 || xs % 4 != 0 {
             return Err(CudaError::Shape(format!("grouped int8 X: {rows} pairs of {cols} columns, x_div {x_div}, X at {x:#x} stride {xs}")));
         }
-        // Scales: a 16-byte multiple of float2 per chunk (TMA strides).
-        let spitch = rows.next_multiple_of(2);
         // Every byte a product reads is written here (rows × cols, every chunk's scales of
-        // every row); the copies zero-fill what lies past them.
+        // every row: rows of cols / 32 float2, a 16-byte multiple); the copies zero-fill what
+        // lies past them.
         let xq = unsafe { self.stream.alloc::<u8>(rows * cols)? };
-        let s = unsafe { self.stream.alloc::<f32>(2 * spitch * (cols / 32))? };
+        let s = unsafe { self.stream.alloc::<f32>(2 * rows * (cols / 32))? };
         self.launch(
             "mmg_xg_i8",
-            (rows as u32, cols.div_ceil(128) as u32, 1),
-            32,
+            (rows.div_ceil(8) as u32, 1, 1),
+            256,
             0,
             &[
                 Arg::P(x),
@@ -133,10 +133,10 @@ impl Gpu {
                 Arg::P(self.ptr(&xq)),
                 Arg::L(cols as i64),
                 Arg::P(self.ptr(&s)),
-                Arg::L(spitch as i64),
+                Arg::I(rows as i32),
             ],
         )?;
-        Ok(GroupedX { xq, s, rows, cols, spitch })
+        Ok(GroupedX { xq, s, rows, cols })
     }
 
     /// For every grouped pair `p`: `y[p] = W[expert(p)] · x[p]` with X from [`Gpu::grouped_x`]
@@ -169,7 +169,7 @@ impl Gpu {
             &[WP as u32, BR as u32, 1],
         )?;
         let tx = tensor_map(Dt::CU_TENSOR_MAP_DATA_TYPE_UINT8, self.ptr(&gx.xq), &[gx.cols as u64, gx.rows as u64], &[gx.cols as u64], &[256, bm as u32])?;
-        let ts = tensor_map(Dt::CU_TENSOR_MAP_DATA_TYPE_UINT64, self.ptr(&gx.s), &[gx.spitch as u64, (gx.cols / 32) as u64], &[(gx.spitch * 8) as u64], &[bm as u32, 8])?;
+        let ts = tensor_map(Dt::CU_TENSOR_MAP_DATA_TYPE_UINT64, self.ptr(&gx.s), &[(gx.cols / 32) as u64, gx.rows as u64], &[(gx.cols / 32 * 8) as u64], &[SP as u32, bm as u32])?;
         self.launch(
             &name,
             (w.rows.div_ceil(BR) as u32, groups.max_tiles as u32, 1),
