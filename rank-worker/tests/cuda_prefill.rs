@@ -944,6 +944,49 @@ fn moe_experts_gate_up_down_match_cpu() {
 
 const PAGE: usize = 16;
 
+/// The bf16 copies of the attention weights (kept at load where memory allows) give a prefill
+/// the same logits, bit for bit, as the per-call conversion they replace, and no `dqb_` launch
+/// runs with them: the Q8_0 fixture's longest sequence, int8 and bf16 precisions (those whose
+/// Q8_0 products take cuBLAS).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn dense_bf16_copies_give_identical_prefill() {
+    use minimax_rank::cuda::model::DENSE_COPIES;
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let mut checked = 0;
+    for v in common::variants().into_iter().filter(|v| v.name == "q8_0") {
+        let seq = v.sequences.iter().max_by_key(|s| s.len()).unwrap();
+        let n_pages = seq.len().div_ceil(PAGE) + 1;
+        let batch = ForwardBatch {
+            seqs: vec![SeqStep { seq_id: 1, page_table: (0..n_pages as u32).collect(), cached_len: 0, tokens: seq.clone(), logits: LogitsWanted::All }],
+        };
+        let m = Arc::new(GgufModel::open(&v.gguf).unwrap());
+        for prec in [GemmPrecision::Int8, GemmPrecision::Bf16] {
+            set_gemm_precision(prec);
+            let mut gm = CudaModel::load(m.clone(), KvSpec { page_size: PAGE, n_pages }, CudaOptions { device: 0, kv_dtype: KvDtype::F32, ..Default::default() }).unwrap();
+            assert!(gm.dense_bf16_kept(), "{}: bf16 copies not kept", v.model);
+            let mut run = |on: bool| {
+                DENSE_COPIES.set(Some(on));
+                gm.gpu().profile_begin();
+                let out = gm.forward(&batch).unwrap();
+                let dqb = gm.gpu().profile_end().unwrap().iter().filter(|(n, _)| n.starts_with("dqb_")).count();
+                (out, dqb)
+            };
+            let (per_call, dqb_off) = run(false);
+            let (copies, dqb_on) = run(true);
+            assert!(dqb_off > 0 && dqb_on == 0, "{} {prec:?}: dqb launches {dqb_off} per call, {dqb_on} with copies", v.model);
+            assert!(per_call.logits.iter().all(|x| x.is_finite()));
+            let same = per_call.logits.iter().zip(&copies.logits).all(|(a, b)| a.to_bits() == b.to_bits());
+            assert!(same, "{} {prec:?}: logits differ with the bf16 copies (max |diff| {:.2e})", v.model, common::max_diff(&per_call.logits, &copies.logits));
+            eprintln!("{}/{} {} tokens, {prec:?}: identical logits with the bf16 copies ({dqb_off} dqb launches saved)", v.model, v.name, seq.len());
+            checked += 1;
+        }
+    }
+    DENSE_COPIES.set(None);
+    set_gemm_precision(GemmPrecision::Bf16x3);
+    assert!(checked >= 2, "no q8_0 fixture variant");
+}
+
 /// A fixture model's longest sequence (> 100 tokens) in one prefill step: CUDA logits (f32 KV,
 /// so only the products differ) against the CPU backend at every position. 3 bf16 passes (the
 /// default): max |diff| ≤ 2e-2 (the bound; measured ~1e-5 like the f32 matvec). 1 pass

@@ -205,19 +205,37 @@ impl Gpu {
         self.blas_bf16(b, w, xb, y, ys, n, accumulate)
     }
 
+    /// Whether [`Gpu::matvec_shared`] runs these weights times `n` rows of `x` through cuBLAS
+    /// with one conversion of X.
+    pub fn shared_blas_takes(&self, ws: &[&DevMat], x: u64, xs: usize, n: usize) -> bool {
+        let cols = ws.first().map(|w| w.cols).unwrap_or(0);
+        n > super::GEMM_MIN_TOKENS && ws.iter().all(|w| w.cols == cols && w.ty != GgmlType::F32 && self.gemm_unfit(w, x, xs).is_none() && self.blas_takes(w, n))
+    }
+
+    /// Whether a dense product of `w` times `n` rows of `x` runs through cuBLAS (what
+    /// [`Gpu::matvec`] then [`Gpu::matmul`] decide).
+    pub fn dense_blas_takes(&self, w: &DevMat, x: u64, xs: usize, n: usize) -> bool {
+        n > super::GEMM_MIN_TOKENS && self.gemm_unfit(w, x, xs).is_none() && self.blas_takes(w, n)
+    }
+
     /// Several products of one input (q, k and v of a layer): `Y_i = X · W_iᵀ` for each
     /// (W_i, Y_i, its stride). Through cuBLAS (when it takes every one) X is converted once;
     /// otherwise each goes through [`Gpu::matvec`].
     pub fn matvec_shared(&self, prods: &[(&DevMat, u64, usize)], x: u64, xs: usize, n: usize) -> Result<(), CudaError> {
-        let cols = prods.first().map(|p| p.0.cols).unwrap_or(0);
-        let shared = n > super::GEMM_MIN_TOKENS
-            && prods.iter().all(|(w, _, _)| w.cols == cols && w.ty != GgmlType::F32 && self.gemm_unfit(w, x, xs).is_none() && self.blas_takes(w, n));
-        if !shared {
+        let ws: Vec<&DevMat> = prods.iter().map(|p| p.0).collect();
+        if !self.shared_blas_takes(&ws, x, xs, n) {
             for &(w, y, ys) in prods {
                 self.matvec(w, x, xs, y, ys, n, false)?;
             }
             return Ok(());
         }
+        self.blas_shared(prods, x, xs, n)
+    }
+
+    /// [`Gpu::matvec_shared`]'s cuBLAS branch without its checks: callers decided with
+    /// [`Gpu::shared_blas_takes`] (on the quantized weights, when these are their bf16 copies).
+    pub fn blas_shared(&self, prods: &[(&DevMat, u64, usize)], x: u64, xs: usize, n: usize) -> Result<(), CudaError> {
+        let cols = prods.first().map(|p| p.0.cols).unwrap_or(0);
         let b = self.blas().ok_or_else(|| CudaError::Shape("matvec_shared: cuBLAS is not available".into()))?;
         for &(w, _, ys) in prods {
             blas_shape(w, xs, ys, n)?;
@@ -226,6 +244,28 @@ impl Gpu {
         let xb = self.blas_x(b, x, xs, n, cols)?;
         for &(w, y, ys) in prods {
             self.blas_bf16(b, w, xb, y, ys, n, false)?;
+        }
+        Ok(())
+    }
+
+    /// Dequantizes `w` (not F32 / BF16) to packed bf16 rows at `out` (`rows × cols` elements),
+    /// as the per-call conversion of [`Gpu::matmul_blas`] does: its persistent copy.
+    pub fn dequant_bf16(&self, w: &DevMat, out: u64) -> Result<(), CudaError> {
+        if matches!(w.ty, GgmlType::F32 | GgmlType::BF16) || w.n_experts > 0 || (w.ty.block_elems() > 1 && w.cols % 32 != 0) {
+            return Err(CudaError::Shape(format!("dequant_bf16: {} {} x {}", w.ty.name(), w.rows, w.cols)));
+        }
+        let tn = w.ty.name().to_ascii_lowercase();
+        let per_row = if w.ty.block_elems() == 1 { w.cols } else { w.cols / 32 };
+        let slice = ((i32::MAX as usize - 256) / per_row).clamp(1, w.rows.max(1));
+        for r0 in (0..w.rows).step_by(slice) {
+            let rc = slice.min(w.rows - r0);
+            self.launch(
+                &format!("dqb_{tn}"),
+                ((rc * per_row).div_ceil(256) as u32, 1, 1),
+                256,
+                0,
+                &[Arg::P(w.ptr + (r0 * w.row_bytes) as u64), Arg::L(w.row_bytes as i64), Arg::I(rc as i32), Arg::I(w.cols as i32), Arg::P(out + (r0 * w.cols * 2) as u64)],
+            )?;
         }
         Ok(())
     }

@@ -109,7 +109,29 @@ pub struct CudaModel {
     /// Benchmark switch: the fast path's tensor-parallel all-reduces are enqueued (true, the
     /// only correct setting) or skipped (kernel time alone; wrong results).
     tp_collectives: bool,
+    /// Per layer, bf16 copies of q, k, v and o for prefill's cuBLAS products (empty: none; see
+    /// [`CudaModel::build_dense_bf16`]), and the memory they live in.
+    dense_bf16: Vec<[DevMat; 4]>,
+    _dense_bufs: Vec<CudaSlice<u16>>,
 }
+
+/// Why bf16 copies of the attention weights are kept or not (`MINIMAX_DENSE_BF16`): `1` always
+/// (a load error when memory lacks), `0` never, unset: when the memory left after the weights
+/// and the KV cache holds them with [`DENSE_BF16_HEADROOM`] to spare.
+fn dense_bf16_policy() -> Option<bool> {
+    match std::env::var("MINIMAX_DENSE_BF16").as_deref() {
+        Ok("1") => Some(true),
+        Ok("0") => Some(false),
+        _ => None,
+    }
+}
+
+/// Benchmark switch: prefill uses the bf16 copies when kept (true) or dequantizes per call.
+pub static DENSE_COPIES: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_DENSE_BF16_USE", true);
+
+/// Device memory that must stay free after the bf16 copies (prefill's activations, cuBLAS
+/// workspace, graphs): 2 GiB.
+const DENSE_BF16_HEADROOM: usize = 2 << 30;
 
 /// Per-step device buffers.
 struct Step {
@@ -234,6 +256,8 @@ impl CudaModel {
             ff,
             comm: None,
             tp_collectives: true,
+            dense_bf16: Vec::new(),
+            _dense_bufs: Vec::new(),
         };
         let fl = m.fast_layers();
         m.fast_off = if !opts.fast_decode {
@@ -249,7 +273,51 @@ impl CudaModel {
             Some(why) => tracing::info!("CUDA fast decode path off: {why}"),
         }
         m.warm_blas()?;
+        m.build_dense_bf16()?;
         Ok(m)
+    }
+
+    /// Keeps bf16 copies of every layer's q, k, v and o weights (Q8_0 / IQ4_XS: prefill's cuBLAS
+    /// products dequantize them per call, `dqb_*`, 4.5 ms of a 512-token M2.7 prefill on one H200)
+    /// where the policy allows ([`dense_bf16_policy`]): the same values the per-call conversion
+    /// produces, so prefill results do not change. 5.5 GB at M2.7 size (one GPU).
+    fn build_dense_bf16(&mut self) -> Result<(), CudaError> {
+        let policy = dense_bf16_policy();
+        // The types the default (int8) precision sends through cuBLAS.
+        let convertible = |w: &DevMat| matches!(w.ty, GgmlType::Q8_0 | GgmlType::IQ4_XS) && w.n_experts == 0 && w.cols % 32 == 0 && w.rows > 0;
+        if policy == Some(false) || !super::blas::blas_on() || self.layers.is_empty() || !self.layers.iter().all(|l| [&l.wq, &l.wk, &l.wv, &l.wo].iter().all(|w| convertible(w))) {
+            return Ok(());
+        }
+        let need: usize = self.layers.iter().map(|l| [&l.wq, &l.wk, &l.wv, &l.wo].iter().map(|w| w.rows * w.cols * 2).sum::<usize>()).sum();
+        self.gpu.ctx.bind_to_thread()?;
+        let (free, _) = cudarc::driver::result::mem_get_info()?;
+        if policy.is_none() && free < need + DENSE_BF16_HEADROOM {
+            tracing::info!(need_gb = need as f64 / 1e9, free_gb = free as f64 / 1e9, "bf16 copies of the attention weights not kept (memory); prefill dequantizes them per call");
+            return Ok(());
+        }
+        let t = std::time::Instant::now();
+        let mut copies = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            let mut one = [l.wq, l.wk, l.wv, l.wo];
+            for w in one.iter_mut() {
+                // Every element is written by the conversion below.
+                let buf = unsafe { self.gpu.stream.alloc::<u16>(w.rows * w.cols)? };
+                let p = self.gpu.ptr(&buf);
+                self.gpu.dequant_bf16(w, p)?;
+                *w = DevMat { ptr: p, ty: GgmlType::BF16, rows: w.rows, cols: w.cols, row_bytes: w.cols * 2, n_experts: 0, expert_stride: 0 };
+                self._dense_bufs.push(buf);
+            }
+            copies.push(one);
+        }
+        self.gpu.sync()?;
+        self.dense_bf16 = copies;
+        tracing::info!(gb = need as f64 / 1e9, free_gb_before = free as f64 / 1e9, ms = t.elapsed().as_secs_f64() * 1e3, "bf16 copies of the attention weights kept for prefill");
+        Ok(())
+    }
+
+    /// Whether prefill's q, k, v and o products use the bf16 copies (built at load).
+    pub fn dense_bf16_kept(&self) -> bool {
+        !self.dense_bf16.is_empty()
     }
 
     /// Creates cuBLAS and runs the dense prefill products of one layer once on zeros (512 and
@@ -859,7 +927,18 @@ impl CudaModel {
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         for (li, l) in self.layers.iter().enumerate() {
             g.rms_norm(hid, h, l.attn_norm, nrm, h, nt, h, c.rms_eps)?;
-            g.matvec_shared(&[(&l.wq, p(&q), qw), (&l.wk, p(&kb), kw), (&l.wv, p(&vb), vw)], nrm, h, nt)?;
+            // The bf16 copies where the quantized weights would take cuBLAS (same values).
+            let dense = self.dense_bf16.get(li).filter(|_| DENSE_COPIES.get());
+            match dense {
+                Some(d) if g.shared_blas_takes(&[&l.wq, &l.wk, &l.wv], nrm, h, nt) => g.blas_shared(&[(&d[0], p(&q), qw), (&d[1], p(&kb), kw), (&d[2], p(&vb), vw)], nrm, h, nt)?,
+                _ => g.matvec_shared(&[(&l.wq, p(&q), qw), (&l.wk, p(&kb), kw), (&l.wv, p(&vb), vw)], nrm, h, nt)?,
+            }
+            let o_proj = |y: u64, acc: bool| -> Result<(), CudaError> {
+                match dense {
+                    Some(d) if g.dense_blas_takes(&l.wo, p(&att), ow, nt) => g.matmul_blas(&d[3], p(&att), ow, y, h, nt, acc),
+                    _ => g.matvec(&l.wo, p(&att), ow, y, h, nt, acc),
+                }
+            };
             if tp {
                 self.tp_qk_norm(l, &mut q, &mut kb, nt)?;
             } else {
@@ -896,11 +975,11 @@ impl CudaModel {
                 },
             )?;
             if tp {
-                g.matvec(&l.wo, p(&att), ow, p(&partial), h, nt, false)?;
+                o_proj(p(&partial), false)?;
                 self.reduce(&mut partial)?;
                 g.moe_combine(hid, p(&partial), p(&ones), 1, h, nt)?;
             } else {
-                g.matvec(&l.wo, p(&att), ow, hid, h, nt, true)?;
+                o_proj(hid, true)?;
             }
 
             g.rms_norm(hid, h, l.ffn_norm, nrm, h, nt, h, c.rms_eps)?;
