@@ -196,7 +196,9 @@ fn ms(t: Instant) -> f64 {
 /// Device-to-device copy bandwidth (bytes read + written per second), 4 GiB buffers.
 fn copy_bandwidth(m: &CudaModel) -> anyhow::Result<f64> {
     let g = m.gpu();
-    let n = 1usize << 32;
+    // 1 GiB buffers: far past the 50 MB L2, and they fit beside the weights, a 32k KV cache
+    // and the attention weights' bf16 copies on one H200.
+    let n = 1usize << 30;
     let a = g.zeros::<u8>(n)?;
     let mut b = g.zeros::<u8>(n)?;
     g.stream.memcpy_dtod(&a, &mut b)?;
