@@ -862,6 +862,21 @@ template <> __device__ __forceinline__ void mi_dq<T_Q8_0>(const u8* p0, const u8
 
 // The products of chunk c for the first NX n8 tiles of the warp's MI m16 tiles:
 // acc[mi][ni] += w_scale · x_scale · (A · B); the warp's tokens start at column j0.
+// The IQ4_XS sub-block scales of a warp's 16 rows for one stage into scw ([chunk][g] = {row g,
+// row g + 8}): lane l reads row l % 16's super-block header (d, scales_h | scales_l; rows
+// 4-byte aligned) at `row` and decodes sub-blocks 4 (l / 16) .. + 3 with mq_scale's f32 operations.
+__device__ __forceinline__ void mi_iq4_scales(const u8* row, int lane, float2* scw) {
+    const int rr = lane & 15, i0 = (lane >> 4) * 4;
+    const u32 hd = *(const u32*)row, sl = *(const u32*)(row + 4);
+    const float d = f16_to_f32((u16)(hd & 0xffffu));
+#pragma unroll
+    for (int q = 0; q < 4; q++) {
+        const int i = i0 + q;
+        const int ls = (int)((sl >> (4 * i)) & 15u) | (int)(((hd >> (16 + 2 * i)) & 3u) << 4);
+        ((float*)scw)[(i * 8 + (rr & 7)) * 2 + (rr >> 3)] = __fmul_rn(d, (float)(ls - 32));
+    }
+}
+
 // XT: X scales token-major, rows of MT_SP chunks (the mt kernels), else chunk-major.
 template <int T, int BM, int MI, int NI, int NX, int XT = 0>
 __device__ __forceinline__ void mi_chunk(float (*acc)[NI][4], const u32 (*a)[4], const uint4* b, int h, const float2* scw,
@@ -1072,19 +1087,8 @@ __device__ __forceinline__ void mi_tile(const u8* W, i64 rb, int rows, int cols,
         }
         // Scales of the warp's rows for this stage: [mi][chunk][g] = {row g, row g + 8} of tile mi.
         if constexpr (T == T_IQ4_XS && MI == 1) {
-            // Lane l: row l % 16 of the warp, sub-blocks 4 (l / 16) .. + 3, from one read of the
-            // super-block header (d, scales_h | scales_l; rows are 4-byte aligned): the same
-            // f32 operations as mq_scale.
-            const int rr = lane & 15, i0 = (lane >> 4) * 4;
-            const u8* row = ws + (rw + rr) * SP + row_mis(wk, rw + rr);
-            const u32 hd = *(const u32*)row, sl = *(const u32*)(row + 4);
-            const float d = f16_to_f32((u16)(hd & 0xffffu));
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int i = i0 + q;
-                const int ls = (int)((sl >> (4 * i)) & 15u) | (int)(((hd >> (16 + 2 * i)) & 3u) << 4);
-                ((float*)scw)[(i * 8 + (rr & 7)) * 2 + (rr >> 3)] = __fmul_rn(d, (float)(ls - 32));
-            }
+            const int rr = lane & 15;
+            mi_iq4_scales(ws + (rw + rr) * SP + row_mis(wk, rw + rr), lane, scw);
         } else {
             for (int e = lane; e < MI * NCH * 16; e += 32) {
                 int m = e / (NCH * 16), f = e - m * (NCH * 16);
@@ -1388,19 +1392,7 @@ __device__ __forceinline__ void mt_grouped(const MtMap* tw, const MtMap* tx, con
         // Odd super-blocks begin 8 bytes into their rows (the copy's aligned start).
         const int mis = 8 * (ks & 1);
         const u8* p[2] = {ws + (rw + g) * MT_WP + mis, ws + (rw + 8 + g) * MT_WP + mis};
-        {
-            // Lane l: row l % 16 of the warp, sub-blocks 4 (l / 16) .. + 3 (as mi_tile).
-            const int rr = lane & 15, i0 = (lane >> 4) * 4;
-            const u8* row = ws + (rw + rr) * MT_WP + mis;
-            const u32 hd = *(const u32*)row, sl = *(const u32*)(row + 4);
-            const float d = f16_to_f32((u16)(hd & 0xffffu));
-#pragma unroll
-            for (int q = 0; q < 4; q++) {
-                const int i = i0 + q;
-                const int ls = (int)((sl >> (4 * i)) & 15u) | (int)(((hd >> (16 + 2 * i)) & 3u) << 4);
-                ((float*)scw)[(i * 8 + (rr & 7)) * 2 + (rr >> 3)] = __fmul_rn(d, (float)(ls - 32));
-            }
-        }
+        mi_iq4_scales(ws + (rw + (lane & 15)) * MT_WP + mis, lane, scw);
         __syncwarp();
         if (NI >= 4 && c <= 2 * NI)
             mi_stage_mma<T_IQ4_XS, BM, 1, NI, (NI >= 4 ? NI / 4 : NI), 1>(acc, p, xsm, xss, scw, NCH, 0, g, t, sw, k);

@@ -272,6 +272,40 @@ impl Int8Check {
     }
 }
 
+/// Every output of a grouped int8 product (`y`: pair p's row at `p * ys`, then one NaN-poisoned
+/// padding column that must stay NaN) against the q8 twin: weights `wf` (`rows × cols` per
+/// expert), X rows `xs` apart with their twin `xq`, pair p = token p / k.
+fn check_grouped(y: &[f32], ys: usize, (rows, cols): (usize, usize), ids: &[i32], k: usize, wf: &[f32], (x, xq, xs): (&[f32], &[f64], usize), what: &str) -> Int8Check {
+    let mut chk = Int8Check::new();
+    for p in 0..ids.len() {
+        let (e, t) = (ids[p] as usize, p / k);
+        for r in 0..rows {
+            let wr = &wf[(e * rows + r) * cols..(e * rows + r + 1) * cols];
+            chk.one(y[p * ys + r], wr, &xq[t * cols..(t + 1) * cols], &x[t * xs..t * xs + cols], 0.0, &|| format!("{what} pair {p} (expert {e}) row {r}"));
+        }
+        assert!(y[p * ys + rows].is_nan(), "{what}: wrote past the rows of pair {p}");
+    }
+    chk
+}
+
+/// Routing of `tokens` tokens to `k` (≥ 2) of 9 experts: expert 0 takes every token (two
+/// 64-pair tiles at 100 tokens), expert 2 token 5 only, experts 1, 4 and 6 none, the rest random
+/// among 3, 5, 7 and 8.
+fn skewed_routing(rng: &mut Rng, tokens: usize, k: usize) -> Vec<i32> {
+    let mut ids = Vec::new();
+    for t in 0..tokens {
+        let mut chosen = vec![0usize, if t == 5 { 2 } else { [3, 5, 7, 8][rng.below(4)] }];
+        while chosen.len() < k {
+            let e = [3usize, 5, 7, 8][rng.below(4)];
+            if !chosen.contains(&e) {
+                chosen.push(e);
+            }
+        }
+        ids.extend(chosen.iter().map(|&e| e as i32));
+    }
+    ids
+}
+
 /// The int8 kernels (IQ4_XS, Q8_0): dense products at every token tile (16, 32, 64; tiles with
 /// at most half or a quarter of their tokens valid run the half- or quarter-width code), 2, 3
 /// (default) and 4 pipeline stages, accumulate on and off, strided X
@@ -410,18 +444,7 @@ fn int8_grouped_gemm_matches_q8_twin() {
     let g = gpu();
     let mut rng = Rng(0x5eed_0019);
     let (tokens, k, ne) = (100usize, 3usize, 9usize);
-    // Expert 0: every token; expert 2: token 5 only; 1, 4, 6: none.
-    let mut ids = Vec::new();
-    for t in 0..tokens {
-        let mut chosen = vec![0usize, if t == 5 { 2 } else { [3, 5, 7, 8][rng.below(4)] }];
-        while chosen.len() < k {
-            let e = [3usize, 5, 7, 8][rng.below(4)];
-            if !chosen.contains(&e) {
-                chosen.push(e);
-            }
-        }
-        ids.extend(chosen.iter().map(|&e| e as i32));
-    }
+    let ids = skewed_routing(&mut rng, tokens, k);
     let np = ids.len();
     assert_eq!(ids.iter().filter(|&&e| e == 2).count(), 1);
     let idd = g.upload(&ids).unwrap();
@@ -445,17 +468,7 @@ fn int8_grouped_gemm_matches_q8_twin() {
             g.fill_u32(g.ptr(&yd), np * ys, NAN).unwrap();
             g.matmul_experts_with(&m, &grp, g.ptr(&xd), xs, k, g.ptr(&yd), ys, INT8_PASSES).unwrap();
             let y = g.download(&yd).unwrap();
-            let mut chk = Int8Check::new();
-            for p in 0..np {
-                let (e, t) = (ids[p] as usize, p / k);
-                for r in 0..rows {
-                    let wr = &wf[(e * rows + r) * cols..(e * rows + r + 1) * cols];
-                    chk.one(y[p * ys + r], wr, &xq[t * cols..(t + 1) * cols], &x[t * xs..t * xs + cols], 0.0, &|| {
-                        format!("int8 grouped {ty:?} tile {} pair {p} (expert {e}) row {r}", 16 * nt)
-                    });
-                }
-                assert!(y[p * ys + rows].is_nan(), "int8 grouped {ty:?}: wrote past the rows of pair {p}");
-            }
+            let chk = check_grouped(&y, ys, (rows, cols), &ids, k, &wf, (&x, &xq, xs), &format!("int8 grouped {ty:?} tile {}", 16 * nt));
             let (twin, exact) = chk.finish(&format!("int8 grouped {ty:?} {cols} columns tile {} warp m16 tiles {mi}", 16 * nt));
             eprintln!("int8 grouped {ty:?} {cols} columns tile {} mi {mi}: vs twin worst {:.2e} rms {twin:.2e}; vs exact worst {:.2e} rms {exact:.2e}", 16 * nt, chk.worst_twin, chk.worst_exact);
         }
@@ -480,18 +493,7 @@ fn tma_grouped_gemm_matches_q8_twin_and_int8_kernels() {
     let g = gpu();
     let mut rng = Rng(0x5eed_0031);
     let (tokens, k, ne) = (100usize, 3usize, 9usize);
-    // Expert 0: every token (two 64-pair tiles); expert 2: token 5 only; 1, 4, 6: none.
-    let mut ids = Vec::new();
-    for t in 0..tokens {
-        let mut chosen = vec![0usize, if t == 5 { 2 } else { [3, 5, 7, 8][rng.below(4)] }];
-        while chosen.len() < k {
-            let e = [3usize, 5, 7, 8][rng.below(4)];
-            if !chosen.contains(&e) {
-                chosen.push(e);
-            }
-        }
-        ids.extend(chosen.iter().map(|&e| e as i32));
-    }
+    let ids = skewed_routing(&mut rng, tokens, k);
     let np = ids.len();
     let idd = g.upload(&ids).unwrap();
     let ty = GgmlType::IQ4_XS;
@@ -524,17 +526,9 @@ fn tma_grouped_gemm_matches_q8_twin_and_int8_kernels() {
             let prof = g.profile_end().unwrap();
             assert!(prof.iter().any(|(n, _)| n == &format!("mmg_t8_iq4_xs_{}", 16 * nt)), "launched {prof:?}");
             let (y, yref) = (g.download(&yd).unwrap(), g.download(&ref_d).unwrap());
-            let mut chk = Int8Check::new();
-            for p in 0..np {
-                let (e, t) = (ids[p] as usize, p / k);
-                for r in 0..rows {
-                    let wr = &wf[(e * rows + r) * cols..(e * rows + r + 1) * cols];
-                    chk.one(y[p * ys + r], wr, &xq[t * cols..(t + 1) * cols], &x[t * xs..t * xs + cols], 0.0, &|| {
-                        format!("TMA grouped {rows} x {cols} tile {} pair {p} (expert {e}) row {r}", 16 * nt)
-                    });
-                    assert_eq!(y[p * ys + r].to_bits(), yref[p * ys + r].to_bits(), "TMA vs mmg_i8, tile {} pair {p} row {r}", 16 * nt);
-                }
-                assert!(y[p * ys + rows].is_nan(), "TMA grouped: wrote past the rows of pair {p}");
+            let chk = check_grouped(&y, ys, (rows, cols), &ids, k, &wf, (&x, &xq, xs), &format!("TMA grouped {rows} x {cols} tile {}", 16 * nt));
+            for (i, (a, b)) in y.iter().zip(&yref).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "TMA vs mmg_i8, tile {} pair {} row {}", 16 * nt, i / ys, i % ys);
             }
             let (twin, exact) = chk.finish(&format!("TMA grouped {rows} x {cols} tile {}", 16 * nt));
             eprintln!("TMA grouped IQ4_XS {rows} x {cols} tile {}: vs twin worst {:.2e} rms {twin:.2e}; vs exact rms {exact:.2e}; identical to mmg_i8", 16 * nt, chk.worst_twin);

@@ -672,25 +672,27 @@ fn skip_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// ms of one step's forward plus the greedy reduction of its wanted rows (as served).
+fn timed_step(m: &mut CudaModel, batch: &ForwardBatch) -> anyhow::Result<f64> {
+    let greedy = minimax_shared::sampling::SamplingSpec { temperature: 0.0, ..Default::default() };
+    m.gpu().sync()?;
+    let t = Instant::now();
+    let out = m.forward_stage_lazy(batch)?.ok_or_else(|| anyhow::anyhow!("no logits"))?;
+    let (reds, _) = out.reduce(&vec![(greedy, None); batch.seqs.len()])?;
+    anyhow::ensure!(reds.iter().all(|r| r.is_ok()), "a greedy reduction failed");
+    Ok(ms(t))
+}
+
 /// `--prompts N,P`: the first step of an N-stream round (N sequences with P-token prompts in one
 /// step, on the prefill path, as the HTTP benchmark's rounds start), against one sequence of
 /// N x P tokens: forward plus the greedy reduction of the wanted rows, three runs each on fresh
 /// pages; then the per-kernel split of the N-sequence step.
 fn prompts_step(m: &mut CudaModel, pages: &mut Pages, n: usize, p: usize) -> anyhow::Result<()> {
-    let greedy = minimax_shared::sampling::SamplingSpec { temperature: 0.0, ..Default::default() };
     // `seqs` fresh sequences (ids and prompts from `first` on) of `len` pseudo-random tokens.
     let prompts = |pages: &mut Pages, seqs: usize, len: usize, first: usize| ForwardBatch {
         seqs: (0..seqs).map(|i| step(9000 + (first + i) as u64, &pages.take(len.div_ceil(PAGE)), 0, (0..len).map(|j| pseudo_token(j, first + i)).collect(), LogitsWanted::Last)).collect(),
     };
-    let mut run = |m: &mut CudaModel, seqs: usize, len: usize, round: usize| -> anyhow::Result<f64> {
-        let batch = prompts(pages, seqs, len, round * 64);
-        m.gpu().sync()?;
-        let t = Instant::now();
-        let out = m.forward_stage_lazy(&batch)?.ok_or_else(|| anyhow::anyhow!("no logits"))?;
-        let (reds, _) = out.reduce(&vec![(greedy.clone(), None); seqs])?;
-        anyhow::ensure!(reds.iter().all(|r| r.is_ok()), "a greedy reduction failed");
-        Ok(ms(t))
-    };
+    let mut run = |m: &mut CudaModel, seqs: usize, len: usize, round: usize| -> anyhow::Result<f64> { timed_step(m, &prompts(pages, seqs, len, round * 64)) };
     // Distinct short prompts route their tokens over nearly every expert; one long synthetic
     // prompt concentrates them (its hidden states converge as attention averages), so the
     // single-sequence figures are optimistic. Expert tiles: automatic, then 16 / 32 / 64 tokens.
@@ -726,7 +728,6 @@ fn prompts_step(m: &mut CudaModel, pages: &mut Pages, n: usize, p: usize) -> any
 /// then the per-kernel split of a 32 x 16-token step with each.
 fn tma_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     use minimax_rank::cuda::tma_experts::set_tma_experts;
-    let greedy = minimax_shared::sampling::SamplingSpec { temperature: 0.0, ..Default::default() };
     let mut round = 0usize;
     let mut rows = Vec::new();
     // One step of `seqs` fresh `len`-token prompts (or an 8k prompt in two 4096-token chunks).
@@ -745,12 +746,7 @@ fn tma_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
         let batch = ForwardBatch {
             seqs: (0..seqs).map(|i| step(9000 + (round * 64 + i) as u64, &pages.take(len.div_ceil(PAGE)), 0, (0..len).map(|j| pseudo_token(j, round * 64 + i)).collect(), LogitsWanted::Last)).collect(),
         };
-        m.gpu().sync()?;
-        let t = Instant::now();
-        let out = m.forward_stage_lazy(&batch)?.ok_or_else(|| anyhow::anyhow!("no logits"))?;
-        let (reds, _) = out.reduce(&vec![(greedy.clone(), None); seqs])?;
-        anyhow::ensure!(reds.iter().all(|r| r.is_ok()), "a greedy reduction failed");
-        Ok(ms(t))
+        timed_step(m, &batch)
     };
     println!("\nint8 expert products: mmg_i8 / mmg_t8 (automatic expert tiles) / mmg_t8 with 32-pair / 64-pair tiles, best of 3 after a warm-up, alternating:");
     use minimax_rank::cuda::set_group_tile;
