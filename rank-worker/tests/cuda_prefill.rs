@@ -862,24 +862,25 @@ fn moe_experts_gate_up_down_match_cpu() {
     let mut rng = Rng(0x5eed_0005);
     let (ne, k) = (12usize, 4usize);
     minimax_rank::cuda::tma_experts::set_tma_experts(Some(true));
-    for (fast, ty, tokens, prec, wide) in [
-        (true, GgmlType::IQ4_XS, 45usize, GemmPrecision::Bf16x3, false),
-        (true, GgmlType::Q8_0, 200, GemmPrecision::Bf16x3, false),
-        (true, GgmlType::Q4_K, 40, GemmPrecision::Bf16x3, false),
-        (true, GgmlType::IQ4_XS, 20, GemmPrecision::Bf16x3, false),
-        (true, GgmlType::Q6_K, 300, GemmPrecision::Bf16x3, false),
-        (false, GgmlType::IQ4_XS, 45, GemmPrecision::Bf16x3, false),
-        (false, GgmlType::Q4_K, 40, GemmPrecision::Bf16x3, false),
+    for (fast, ty, tokens, prec, (h, ff)) in [
+        (true, GgmlType::IQ4_XS, 45usize, GemmPrecision::Bf16x3, (256usize, 96usize)),
+        (true, GgmlType::Q8_0, 200, GemmPrecision::Bf16x3, (256, 96)),
+        (true, GgmlType::Q4_K, 40, GemmPrecision::Bf16x3, (256, 96)),
+        (true, GgmlType::IQ4_XS, 20, GemmPrecision::Bf16x3, (256, 96)),
+        (true, GgmlType::Q6_K, 300, GemmPrecision::Bf16x3, (256, 96)),
+        (false, GgmlType::IQ4_XS, 45, GemmPrecision::Bf16x3, (256, 96)),
+        (false, GgmlType::Q4_K, 40, GemmPrecision::Bf16x3, (256, 96)),
         // int8: x and SiLU(gate)·up quantized to q8 (down's input in the fused conversion);
         // Q4_K gate/up with Q8_0 down mixes the 3-pass and int8 kernels.
-        (true, GgmlType::IQ4_XS, 45, GemmPrecision::Int8, false),
-        (true, GgmlType::Q8_0, 200, GemmPrecision::Int8, false),
-        (true, GgmlType::Q4_K, 40, GemmPrecision::Int8, false),
-        // wide: 512 x 512 IQ4_XS gate, up and down, the TMA kernels on sm_90+ (checked below).
-        (true, GgmlType::IQ4_XS, 45, GemmPrecision::Int8, true),
-        (true, GgmlType::IQ4_XS, 300, GemmPrecision::Int8, true),
+        (true, GgmlType::IQ4_XS, 45, GemmPrecision::Int8, (256, 96)),
+        (true, GgmlType::Q8_0, 200, GemmPrecision::Int8, (256, 96)),
+        (true, GgmlType::Q4_K, 40, GemmPrecision::Int8, (256, 96)),
+        // 512 x 512 IQ4_XS gate, up and down: the TMA kernels on sm_90+ (checked below); 512 x
+        // 96: gate and up through them, a 96-wide Q8_0 down through mmg_i8.
+        (true, GgmlType::IQ4_XS, 45, GemmPrecision::Int8, (512, 512)),
+        (true, GgmlType::IQ4_XS, 300, GemmPrecision::Int8, (512, 512)),
+        (true, GgmlType::IQ4_XS, 45, GemmPrecision::Int8, (512, 96)),
     ] {
-        let (h, ff) = if wide { (512usize, 512usize) } else { (256, 96) };
         set_gemm_fast(fast);
         set_gemm_precision(prec);
         // down's input is ff = 96 wide: K-quants need 256-wide rows, so down is Q8_0 then.
@@ -902,7 +903,10 @@ fn moe_experts_gate_up_down_match_cpu() {
         g.moe_experts((&gm, &um, &dm), g.ptr(&idd), np, k, g.ptr(&xd), h, (g.ptr(&act), g.ptr(&ub), ff), (g.ptr(&out), h)).unwrap();
         let prof = g.profile_end().unwrap();
         let tma = prof.iter().filter(|(n, _)| n.starts_with("mmg_t8_iq4_xs")).count();
-        assert_eq!(tma, if wide && g.arch >= 90 { 3 } else { 0 }, "TMA expert launches ({ty:?}, {h} x {ff}): {prof:?}");
+        // TMA launches where the products are int8 IQ4_XS with 512-column multiples.
+        let tma_fits = |t: GgmlType, cols: usize| g.arch >= 90 && fast && tokens > 32 && prec == GemmPrecision::Int8 && t == GgmlType::IQ4_XS && cols % 512 == 0;
+        let want = 2 * tma_fits(ty, h) as usize + tma_fits(dty, ff) as usize;
+        assert_eq!(tma, want, "TMA expert launches ({ty:?}/{dty:?}, {h} x {ff}): {prof:?}");
         let y = g.download(&out).unwrap();
         // The CPU twin in f64; the intermediate activation's own error feeds down, so the
         // bound is relative to the output RMS (3 passes: ~1e-5 of each; 1e-3 allowed; int8:

@@ -887,29 +887,44 @@ impl Gpu {
         if fast {
             // One conversion of x for gate and up; SiLU(gate)·up fused into the conversion of
             // down's input.
-            if pg == INT8_PASSES && pd == INT8_PASSES && [gate, up, down].iter().all(|w| self.tma_expert_fits(w)) {
-                // IQ4_XS experts through TMA copies (tma_experts.rs): X in grouped order.
-                let grp = self.group_experts_tma(ids, npairs, gate.n_experts)?;
-                let xa = self.grouped_x(&grp, x, xs, None, k, gate.cols)?;
-                self.matmul_experts_tma(gate, &grp, &xa, act, ff)?;
-                self.matmul_experts_tma(up, &grp, &xa, ub, ff)?;
-                let xd = self.grouped_x(&grp, act, ff, Some(ub), 1, ff)?;
-                return self.matmul_experts_tma(down, &grp, &xd, out, h);
-            }
-            let grp = self.group_experts_fast_for(ids, npairs, gate.n_experts, pg == INT8_PASSES && pd == INT8_PASSES)?;
-            let bm = 16 * grp.nt;
+            // IQ4_XS experts through TMA copies where they fit (tma_experts.rs: X in grouped
+            // order), gate/up and down each on their own (a tensor-parallel slice's down may not).
+            let gu_tma = pg == INT8_PASSES && self.tma_expert_fits(gate) && self.tma_expert_fits(up);
+            let dn_tma = pd == INT8_PASSES && self.tma_expert_fits(down);
+            let grp_t = if gu_tma || dn_tma { Some(self.group_experts_tma(ids, npairs, gate.n_experts)?) } else { None };
+            let grp = if gu_tma && dn_tma { None } else { Some(self.group_experts_fast_for(ids, npairs, gate.n_experts, pg == INT8_PASSES && pd == INT8_PASSES)?) };
             let mins = |w: &DevMat| fast_geom(w.ty).map(|g| g.min).unwrap_or(false);
-            let xa = self.fast_x("mmg_x", x, xs, None, npairs.div_ceil(k), gate.cols, pg, mins(gate) || mins(up), gate.ty)?;
-            self.launch_fast(gate, &xa, act, ff, bm, Some((&grp, k)), 0, false, None)?;
-            // int8 X is laid out for IQ4_XS weights or for the others: a mixed pair converts twice.
-            let xu = if pg == INT8_PASSES && (up.ty == GgmlType::IQ4_XS) != xa.perm {
-                Some(self.fast_x("mmg_x", x, xs, None, npairs.div_ceil(k), up.cols, pg, mins(up), up.ty)?)
-            } else {
-                None
+            match (&grp_t, &grp) {
+                (Some(gt), _) if gu_tma => {
+                    let xa = self.grouped_x(gt, x, xs, None, k, gate.cols)?;
+                    self.matmul_experts_tma(gate, gt, &xa, act, ff)?;
+                    self.matmul_experts_tma(up, gt, &xa, ub, ff)?;
+                }
+                (_, Some(g)) => {
+                    let bm = 16 * g.nt;
+                    let xa = self.fast_x("mmg_x", x, xs, None, npairs.div_ceil(k), gate.cols, pg, mins(gate) || mins(up), gate.ty)?;
+                    self.launch_fast(gate, &xa, act, ff, bm, Some((g, k)), 0, false, None)?;
+                    // int8 X is laid out for IQ4_XS weights or for the others: a mixed pair converts twice.
+                    let xu = if pg == INT8_PASSES && (up.ty == GgmlType::IQ4_XS) != xa.perm {
+                        Some(self.fast_x("mmg_x", x, xs, None, npairs.div_ceil(k), up.cols, pg, mins(up), up.ty)?)
+                    } else {
+                        None
+                    };
+                    self.launch_fast(up, xu.as_ref().unwrap_or(&xa), ub, ff, bm, Some((g, k)), 0, false, None)?;
+                }
+                _ => return Err(CudaError::Shape("moe_experts: no grouping for gate/up".into())),
+            }
+            return match (&grp_t, &grp) {
+                (Some(gt), _) if dn_tma => {
+                    let xd = self.grouped_x(gt, act, ff, Some(ub), 1, ff)?;
+                    self.matmul_experts_tma(down, gt, &xd, out, h)
+                }
+                (_, Some(g)) => {
+                    let xd = self.fast_x("mmg_x", act, ff, Some(ub), npairs, ff, pd, mins(down), down.ty)?;
+                    self.launch_fast(down, &xd, out, h, 16 * g.nt, Some((g, 1)), 0, false, None)
+                }
+                _ => Err(CudaError::Shape("moe_experts: no grouping for down".into())),
             };
-            self.launch_fast(up, xu.as_ref().unwrap_or(&xa), ub, ff, bm, Some((&grp, k)), 0, false, None)?;
-            let xd = self.fast_x("mmg_x", act, ff, Some(ub), npairs, ff, pd, mins(down), down.ty)?;
-            return self.launch_fast(down, &xd, out, h, bm, Some((&grp, 1)), 0, false, None);
         }
         if grouped {
             let grp = self.group_experts(ids, npairs, gate.n_experts)?;
