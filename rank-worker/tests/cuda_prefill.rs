@@ -272,6 +272,29 @@ impl Int8Check {
     }
 }
 
+/// One grouped int8 case on the device: `ne` experts of `rows × cols` random `ty` weights (and
+/// their dequantized values), X of `tokens` rows `cols + 8` floats apart (and its q8 twin).
+struct GroupedCase {
+    _wb: CudaSlice<u8>,
+    m: DevMat,
+    wf: Vec<f32>,
+    x: Vec<f32>,
+    xq: Vec<f64>,
+    xd: CudaSlice<f32>,
+    xs: usize,
+}
+
+fn grouped_case(g: &Gpu, rng: &mut Rng, ty: GgmlType, (ne, rows, cols): (usize, usize, usize), tokens: usize) -> GroupedCase {
+    let w = random_rows(rng, ty, ne * rows, cols);
+    let wf = dequant(ty, &w, ne * rows, cols);
+    let (_wb, m) = upload_mat(g, ty, &w, rows, cols, ne);
+    let xs = cols + 8;
+    let x = rng.vec(tokens * xs, 1.0);
+    let xq = q8_twin(&x, tokens, xs, cols);
+    let xd = g.upload(&x).unwrap();
+    GroupedCase { _wb, m, wf, x, xq, xd, xs }
+}
+
 /// Every output of a grouped int8 product (`y`: pair p's row at `p * ys`, then one NaN-poisoned
 /// padding column that must stay NaN) against the q8 twin: weights `wf` (`rows × cols` per
 /// expert), X rows `xs` apart with their twin `xq`, pair p = token p / k.
@@ -451,13 +474,7 @@ fn int8_grouped_gemm_matches_q8_twin() {
     // Also 512 columns (rows 272 bytes apart: the copies' constant-pieces path, 9 a row).
     for (ty, cols) in [GgmlType::IQ4_XS, GgmlType::Q8_0].into_iter().flat_map(|ty| [(ty, cols_for(ty)), (ty, 512)]) {
         let rows = 150;
-        let w = random_rows(&mut rng, ty, ne * rows, cols);
-        let wf = dequant(ty, &w, ne * rows, cols);
-        let (_wb, m) = upload_mat(&g, ty, &w, rows, cols, ne);
-        let xs = cols + 8;
-        let x = rng.vec(tokens * xs, 1.0);
-        let xq = q8_twin(&x, tokens, xs, cols);
-        let xd = g.upload(&x).unwrap();
+        let GroupedCase { _wb, m, wf, x, xq, xd, xs } = grouped_case(&g, &mut rng, ty, (ne, rows, cols), tokens);
         let ys = rows + 1;
         let yd = g.zeros::<f32>(np * ys).unwrap();
         for (nt, mi) in [1usize, 2, 4].into_iter().flat_map(|nt| [1usize, 2, 4].map(|mi| (nt, mi))) {
@@ -498,18 +515,12 @@ fn tma_grouped_gemm_matches_q8_twin_and_int8_kernels() {
     let idd = g.upload(&ids).unwrap();
     let ty = GgmlType::IQ4_XS;
     for (rows, cols) in [(150usize, 512usize), (200, 1536)] {
-        let w = random_rows(&mut rng, ty, ne * rows, cols);
-        let wf = dequant(ty, &w, ne * rows, cols);
-        let (_wb, m) = upload_mat(&g, ty, &w, rows, cols, ne);
+        let GroupedCase { _wb, m, wf, x, xq, xd, xs } = grouped_case(&g, &mut rng, ty, (ne, rows, cols), tokens);
         assert!(g.tma_expert_fits(&m) || g.arch < 90, "{rows} x {cols} IQ4_XS experts should fit the TMA kernels");
         if g.arch < 90 {
             eprintln!("sm_{} has no TMA: skipped", g.arch);
             return;
         }
-        let xs = cols + 8;
-        let x = rng.vec(tokens * xs, 1.0);
-        let xq = q8_twin(&x, tokens, xs, cols);
-        let xd = g.upload(&x).unwrap();
         let ys = rows + 1;
         let yd = g.zeros::<f32>(np * ys).unwrap();
         let ref_d = g.zeros::<f32>(np * ys).unwrap();
