@@ -672,6 +672,14 @@ fn skip_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// `seqs` fresh sequences (ids and prompts from `first` on) of `len` pseudo-random tokens, one
+/// step of prompts wanting their last logits.
+fn fresh_prompts(pages: &mut Pages, seqs: usize, len: usize, first: usize) -> ForwardBatch {
+    ForwardBatch {
+        seqs: (0..seqs).map(|i| step(9000 + (first + i) as u64, &pages.take(len.div_ceil(PAGE)), 0, (0..len).map(|j| pseudo_token(j, first + i)).collect(), LogitsWanted::Last)).collect(),
+    }
+}
+
 /// ms of one step's forward plus the greedy reduction of its wanted rows (as served).
 fn timed_step(m: &mut CudaModel, batch: &ForwardBatch) -> anyhow::Result<f64> {
     let greedy = minimax_shared::sampling::SamplingSpec { temperature: 0.0, ..Default::default() };
@@ -688,11 +696,7 @@ fn timed_step(m: &mut CudaModel, batch: &ForwardBatch) -> anyhow::Result<f64> {
 /// N x P tokens: forward plus the greedy reduction of the wanted rows, three runs each on fresh
 /// pages; then the per-kernel split of the N-sequence step.
 fn prompts_step(m: &mut CudaModel, pages: &mut Pages, n: usize, p: usize) -> anyhow::Result<()> {
-    // `seqs` fresh sequences (ids and prompts from `first` on) of `len` pseudo-random tokens.
-    let prompts = |pages: &mut Pages, seqs: usize, len: usize, first: usize| ForwardBatch {
-        seqs: (0..seqs).map(|i| step(9000 + (first + i) as u64, &pages.take(len.div_ceil(PAGE)), 0, (0..len).map(|j| pseudo_token(j, first + i)).collect(), LogitsWanted::Last)).collect(),
-    };
-    let mut run = |m: &mut CudaModel, seqs: usize, len: usize, round: usize| -> anyhow::Result<f64> { timed_step(m, &prompts(pages, seqs, len, round * 64)) };
+    let mut run = |m: &mut CudaModel, seqs: usize, len: usize, round: usize| -> anyhow::Result<f64> { timed_step(m, &fresh_prompts(pages, seqs, len, round * 64)) };
     // Distinct short prompts route their tokens over nearly every expert; one long synthetic
     // prompt concentrates them (its hidden states converge as attention averages), so the
     // single-sequence figures are optimistic. Expert tiles: automatic, then 16 / 32 / 64 tokens.
@@ -713,7 +717,7 @@ fn prompts_step(m: &mut CudaModel, pages: &mut Pages, n: usize, p: usize) -> any
         }
     }
     minimax_rank::cuda::set_group_tile(None);
-    let batch = prompts(pages, n, p, round * 64);
+    let batch = fresh_prompts(pages, n, p, round * 64);
     m.gpu().profile_begin();
     m.forward(&batch)?;
     let prof = m.gpu().profile_end()?;
@@ -743,10 +747,7 @@ fn tma_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
             }
             return Ok(ms(t));
         }
-        let batch = ForwardBatch {
-            seqs: (0..seqs).map(|i| step(9000 + (round * 64 + i) as u64, &pages.take(len.div_ceil(PAGE)), 0, (0..len).map(|j| pseudo_token(j, round * 64 + i)).collect(), LogitsWanted::Last)).collect(),
-        };
-        timed_step(m, &batch)
+        timed_step(m, &fresh_prompts(pages, seqs, len, round * 64))
     };
     println!("\nint8 expert products: mmg_i8 / mmg_t8 (automatic expert tiles) / mmg_t8 with 32-pair / 64-pair tiles, best of 3 after a warm-up, alternating:");
     use minimax_rank::cuda::set_group_tile;

@@ -254,18 +254,11 @@ impl Gpu {
         if matches!(w.ty, GgmlType::F32 | GgmlType::BF16) || w.n_experts > 0 || (w.ty.block_elems() > 1 && w.cols % 32 != 0) {
             return Err(CudaError::Shape(format!("dequant_bf16: {} {} x {}", w.ty.name(), w.rows, w.cols)));
         }
-        let tn = w.ty.name().to_ascii_lowercase();
+        // Row slices of at most i32::MAX - 256 threads (one launch each).
         let per_row = if w.ty.block_elems() == 1 { w.cols } else { w.cols / 32 };
         let slice = ((i32::MAX as usize - 256) / per_row).clamp(1, w.rows.max(1));
         for r0 in (0..w.rows).step_by(slice) {
-            let rc = slice.min(w.rows - r0);
-            self.launch(
-                &format!("dqb_{tn}"),
-                ((rc * per_row).div_ceil(256) as u32, 1, 1),
-                256,
-                0,
-                &[Arg::P(w.ptr + (r0 * w.row_bytes) as u64), Arg::L(w.row_bytes as i64), Arg::I(rc as i32), Arg::I(w.cols as i32), Arg::P(out + (r0 * w.cols * 2) as u64)],
-            )?;
+            self.dqb_rows(w, r0, slice.min(w.rows - r0), out + (r0 * w.cols * 2) as u64)?;
         }
         Ok(())
     }
@@ -332,22 +325,29 @@ impl Gpu {
         if w.ty == GgmlType::BF16 {
             return gemm(w.ptr, w.row_bytes / 2, w.rows, y);
         }
-        let tn = w.ty.name().to_ascii_lowercase();
         // Row slices of at most SLICE_ELEMS dequantized elements (whole matrix when it fits).
         let slice = (SLICE_ELEMS.load(Ordering::Relaxed) / w.cols).clamp(1, w.rows);
-        let per_row = if w.ty.block_elems() == 1 { w.cols } else { w.cols / 32 };
         let wb = scratch(self, &b.wbuf, slice * w.cols)?;
         for r0 in (0..w.rows).step_by(slice) {
             let rc = slice.min(w.rows - r0);
-            let threads = rc * per_row;
-            if threads >= i32::MAX as usize {
-                return Err(CudaError::Shape(format!("matmul_blas: {rc} rows of {} columns in one slice", w.cols)));
-            }
-            let wp = w.ptr + (r0 * w.row_bytes) as u64;
-            self.launch(&format!("dqb_{tn}"), (threads.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::P(wp), Arg::L(w.row_bytes as i64), Arg::I(rc as i32), Arg::I(w.cols as i32), Arg::P(wb)])?;
+            self.dqb_rows(w, r0, rc, wb)?;
             gemm(wb, w.cols, rc, y + (r0 * 4) as u64)?;
         }
         Ok(())
+    }
+
+    /// Rows `r0 .. r0 + rc` of `w` dequantized by `dqb_TY` to packed bf16 at `out` (`rc × cols`
+    /// elements): one launch, so at most `i32::MAX` threads (one per 32-element chunk, or per
+    /// element for float types).
+    fn dqb_rows(&self, w: &DevMat, r0: usize, rc: usize, out: u64) -> Result<(), CudaError> {
+        let per_row = if w.ty.block_elems() == 1 { w.cols } else { w.cols / 32 };
+        let threads = rc * per_row;
+        if threads >= i32::MAX as usize {
+            return Err(CudaError::Shape(format!("matmul_blas: {rc} rows of {} columns in one slice", w.cols)));
+        }
+        let wp = w.ptr + (r0 * w.row_bytes) as u64;
+        let tn = w.ty.name().to_ascii_lowercase();
+        self.launch(&format!("dqb_{tn}"), (threads.div_ceil(256) as u32, 1, 1), 256, 0, &[Arg::P(wp), Arg::L(w.row_bytes as i64), Arg::I(rc as i32), Arg::I(w.cols as i32), Arg::P(out)])
     }
 }
 

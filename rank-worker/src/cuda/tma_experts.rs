@@ -44,7 +44,10 @@ fn t8_smem(bm: usize, st: usize) -> usize {
 /// Stages of the `mmg_t8` kernels at token tile `bm`: as deep as two blocks an SM allow (4 at
 /// 16 tokens, 3 at 32, 2 at 64), or `MINIMAX_T8_STAGES` (2..4) when set.
 fn t8_stages(bm: usize) -> usize {
-    if let Some(st) = std::env::var("MINIMAX_T8_STAGES").ok().and_then(|v| v.parse::<usize>().ok()).filter(|s| (2..=4).contains(s)) {
+    // Read once: this runs at every expert launch of a prefill.
+    static FORCED: std::sync::OnceLock<Option<usize>> = std::sync::OnceLock::new();
+    let forced = FORCED.get_or_init(|| std::env::var("MINIMAX_T8_STAGES").ok().and_then(|v| v.parse::<usize>().ok()).filter(|s| (2..=4).contains(s)));
+    if let Some(st) = *forced {
         return st;
     }
     match bm {
