@@ -1340,7 +1340,7 @@ __device__ __forceinline__ void mt_copy3(u32 dst, const MtMap* m, int c0, int c1
 // One grouped tile (blockIdx.y: tile, blockIdx.x: 128-row block) of W[e] (map tw: bytes x rows x
 // experts) times the grouped X (tx: bytes x pairs; ts: pair scales x chunks), ST stages of 256
 // columns; Y row list[s + j] for the tile's token j < c. 8 warps of 16 rows, each all BM tokens.
-template <int NI>
+template <int NI, int MI>
 __device__ __forceinline__ void mt_grouped(const MtMap* tw, const MtMap* tx, const MtMap* ts, int rows, int cols, float* Y, i64 ys,
                                            const int* tiles, const int* ntiles, const int* list, int ST) {
     extern __shared__ __align__(128) u8 mt_sm[];
@@ -1349,12 +1349,12 @@ __device__ __forceinline__ void mt_grouped(const MtMap* tw, const MtMap* tx, con
     if (tile >= *ntiles) return;
     const int e = tiles[3 * tile], s = tiles[3 * tile + 1], c = tiles[3 * tile + 2];
     const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5, g = lane >> 2, t = lane & 3;
-    const int r0 = blockIdx.x * MQ_BR, rw = warp * 16;
+    const int r0 = blockIdx.x * MQ_BR, rw = warp * 16 * MI;
     u8* sm = mt_sm;
-    float2* scw = (float2*)(sm + ST * STB) + warp * (NCH * 8);
+    float2* scw = (float2*)(sm + ST * STB) + warp * (MI * NCH * 8);
     int* yr = (int*)(sm + ST * STB + 8 * 8 * 8 * 8);
     const u32 sm_s = mq_saddr(sm), bar_s = mq_saddr(yr + BM);
-    for (int j = tid; j < BM; j += MQ_THREADS) yr[j] = j < c ? list[s + j] : -1;
+    for (int j = tid; j < BM; j += blockDim.x) yr[j] = j < c ? list[s + j] : -1;
     if (tid == 0) {
         for (int i = 0; i < ST; i++) mt_bar_init(bar_s + 8 * i);
         mt_bar_fence();
@@ -1375,11 +1375,13 @@ __device__ __forceinline__ void mt_grouped(const MtMap* tw, const MtMap* tx, con
     // The codebook words and the MMA's accumulator input, pinned in registers.
     const MiK k = mi_k_pinned((u32)cols >> 31);
     const int sw = (s + g) & 1;
-    float acc[1][NI][4];
+    float acc[MI][NI][4];
 #pragma unroll
-    for (int ni = 0; ni < NI; ni++)
+    for (int mi = 0; mi < MI; mi++)
 #pragma unroll
-        for (int q = 0; q < 4; q++) acc[0][ni][q] = 0.f;
+        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) acc[mi][ni][q] = 0.f;
     for (int ks = 0; ks < nk; ks++) {
         // Every warp is done with stage ks - 1: its slot takes stage ks + ST - 1.
         __syncthreads();
@@ -1391,32 +1393,44 @@ __device__ __forceinline__ void mt_grouped(const MtMap* tw, const MtMap* tx, con
         const u8* xss = xsm + XSZ;
         // Odd super-blocks begin 8 bytes into their rows (the copy's aligned start).
         const int mis = 8 * (ks & 1);
-        const u8* p[2] = {ws + (rw + g) * MT_WP + mis, ws + (rw + 8 + g) * MT_WP + mis};
-        mi_iq4_scales(ws + (rw + (lane & 15)) * MT_WP + mis, lane, scw);
+        const u8* p[2 * MI];
+#pragma unroll
+        for (int h = 0; h < 2 * MI; h++) p[h] = ws + (rw + 8 * h + g) * MT_WP + mis;
+#pragma unroll
+        for (int mi = 0; mi < MI; mi++) mi_iq4_scales(ws + (rw + 16 * mi + (lane & 15)) * MT_WP + mis, lane, scw + mi * NCH * 8);
         __syncwarp();
         if (NI >= 4 && c <= 2 * NI)
-            mi_stage_mma<T_IQ4_XS, BM, 1, NI, (NI >= 4 ? NI / 4 : NI), 1>(acc, p, xsm, xss, scw, NCH, 0, g, t, sw, k);
+            mi_stage_mma<T_IQ4_XS, BM, MI, NI, (NI >= 4 ? NI / 4 : NI), 1>(acc, p, xsm, xss, scw, NCH, 0, g, t, sw, k);
         else if (NI >= 2 && c <= 4 * NI)
-            mi_stage_mma<T_IQ4_XS, BM, 1, NI, (NI >= 2 ? NI / 2 : NI), 1>(acc, p, xsm, xss, scw, NCH, 0, g, t, sw, k);
+            mi_stage_mma<T_IQ4_XS, BM, MI, NI, (NI >= 2 ? NI / 2 : NI), 1>(acc, p, xsm, xss, scw, NCH, 0, g, t, sw, k);
         else
-            mi_stage_mma<T_IQ4_XS, BM, 1, NI, NI, 1>(acc, p, xsm, xss, scw, NCH, 0, g, t, sw, k);
+            mi_stage_mma<T_IQ4_XS, BM, MI, NI, NI, 1>(acc, p, xsm, xss, scw, NCH, 0, g, t, sw, k);
     }
-    // Epilogue: c0/c1 at (row g, tokens 2t, 2t+1), c2/c3 at row g + 8.
+    // Epilogue: c0/c1 at (row g, tokens 2t, 2t+1), c2/c3 at row g + 8 of each m16 tile.
 #pragma unroll
-    for (int ni = 0; ni < NI; ni++)
+    for (int mi = 0; mi < MI; mi++)
 #pragma unroll
-        for (int q = 0; q < 4; q++) {
-            const int r = r0 + rw + g + 8 * (q >> 1);
-            const int yrow = yr[ni * 8 + 2 * t + (q & 1)];
-            if (r < rows && yrow >= 0) Y[(i64)yrow * ys + r] = acc[0][ni][q];
-        }
+        for (int ni = 0; ni < NI; ni++)
+#pragma unroll
+            for (int q = 0; q < 4; q++) {
+                const int r = r0 + rw + 16 * mi + g + 8 * (q >> 1);
+                const int yrow = yr[ni * 8 + 2 * t + (q & 1)];
+                if (r < rows && yrow >= 0) Y[(i64)yrow * ys + r] = acc[mi][ni][q];
+            }
 }
 
+// mmg_t8: 8 warps of 16 rows; mmg_t8w: 4 warps of 32 rows (two m16 tiles against each B fragment
+// load: half the shared-memory reads of X a block, at half the warps).
 #define MT_INST(BM, NI)                                                                                              \
     extern "C" __global__ void __launch_bounds__(MQ_THREADS, 2) mmg_t8_iq4_xs_##BM(                                  \
         const __grid_constant__ MtMap tw, const __grid_constant__ MtMap tx, const __grid_constant__ MtMap ts, int rows, \
         int cols, float* Y, i64 ys, const int* tiles, const int* ntiles, const int* list, int st) {                  \
-        mt_grouped<NI>(&tw, &tx, &ts, rows, cols, Y, ys, tiles, ntiles, list, st);                                    \
+        mt_grouped<NI, 1>(&tw, &tx, &ts, rows, cols, Y, ys, tiles, ntiles, list, st);                                 \
+    }                                                                                                                \
+    extern "C" __global__ void __launch_bounds__(MQ_THREADS / 2, 2) mmg_t8w_iq4_xs_##BM(                             \
+        const __grid_constant__ MtMap tw, const __grid_constant__ MtMap tx, const __grid_constant__ MtMap ts, int rows, \
+        int cols, float* Y, i64 ys, const int* tiles, const int* ntiles, const int* list, int st) {                  \
+        mt_grouped<NI, 2>(&tw, &tx, &ts, rows, cols, Y, ys, tiles, ntiles, list, st);                                 \
     }
 MT_INST(16, 2)
 MT_INST(32, 4)

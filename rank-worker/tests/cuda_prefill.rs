@@ -524,7 +524,8 @@ fn tma_grouped_gemm_matches_q8_twin_and_int8_kernels() {
         let ys = rows + 1;
         let yd = g.zeros::<f32>(np * ys).unwrap();
         let ref_d = g.zeros::<f32>(np * ys).unwrap();
-        for nt in [1usize, 2, 4] {
+        for (nt, wide) in [1usize, 2, 4].into_iter().flat_map(|nt| [(nt, false), (nt, true)]) {
+            minimax_rank::cuda::tma_experts::set_tma_wide(Some(wide));
             let grp = g.group_experts_with(g.ptr(&idd), np, ne, nt).unwrap();
             // The mmg_i8 kernels (default layout) as the bit-exact reference.
             set_int8_mi(Some(1));
@@ -535,15 +536,16 @@ fn tma_grouped_gemm_matches_q8_twin_and_int8_kernels() {
             g.profile_begin();
             g.matmul_experts_tma(&m, &grp, &gx, g.ptr(&yd), ys).unwrap();
             let prof = g.profile_end().unwrap();
-            assert!(prof.iter().any(|(n, _)| n == &format!("mmg_t8_iq4_xs_{}", 16 * nt)), "launched {prof:?}");
+            assert!(prof.iter().any(|(n, _)| n == &format!("mmg_t8{}_iq4_xs_{}", if wide { "w" } else { "" }, 16 * nt)), "launched {prof:?}");
             let (y, yref) = (g.download(&yd).unwrap(), g.download(&ref_d).unwrap());
-            let chk = check_grouped(&y, ys, (rows, cols), &ids, k, &wf, (&x, &xq, xs), &format!("TMA grouped {rows} x {cols} tile {}", 16 * nt));
+            let chk = check_grouped(&y, ys, (rows, cols), &ids, k, &wf, (&x, &xq, xs), &format!("TMA grouped {rows} x {cols} tile {} wide {wide}", 16 * nt));
             for (i, (a, b)) in y.iter().zip(&yref).enumerate() {
                 assert_eq!(a.to_bits(), b.to_bits(), "TMA vs mmg_i8, tile {} pair {} row {}", 16 * nt, i / ys, i % ys);
             }
-            let (twin, exact) = chk.finish(&format!("TMA grouped {rows} x {cols} tile {}", 16 * nt));
-            eprintln!("TMA grouped IQ4_XS {rows} x {cols} tile {}: vs twin worst {:.2e} rms {twin:.2e}; vs exact rms {exact:.2e}; identical to mmg_i8", 16 * nt, chk.worst_twin);
+            let (twin, exact) = chk.finish(&format!("TMA grouped {rows} x {cols} tile {} wide {wide}", 16 * nt));
+            eprintln!("TMA grouped IQ4_XS {rows} x {cols} tile {} wide {wide}: vs twin worst {:.2e} rms {twin:.2e}; vs exact rms {exact:.2e}; identical to mmg_i8", 16 * nt, chk.worst_twin);
         }
+        minimax_rank::cuda::tma_experts::set_tma_wide(None);
     }
     set_int8_mi(None);
     // Unfit shapes: 256 columns (rows of 136 bytes), Q8_0, the switch off.
@@ -631,6 +633,11 @@ fn int8_gemm_speed() {
                 let t_conv = time(&mut conv);
                 let mut run = || g.matmul_experts_tma(&m, &grp, &gx, g.ptr(&yd), rows).unwrap();
                 let t = time(&mut run);
+                minimax_rank::cuda::tma_experts::set_tma_wide(Some(true));
+                let mut run_w = || g.matmul_experts_tma(&m, &grp, &gx, g.ptr(&yd), rows).unwrap();
+                let t_w = time(&mut run_w);
+                minimax_rank::cuda::tma_experts::set_tma_wide(None);
+                eprintln!("int8 speed grouped IQ4_XS {rows}x{cols}, {} pairs an expert, tile {}: TMA wide warps (mmg_t8w) {:.1} us against {:.1}", np / ne, 16 * nt, t_w * 1e6, t * 1e6);
                 let y = g.download(&yd).unwrap();
                 assert!(y.iter().all(|v| v.is_finite()), "non-finite output");
                 eprintln!(

@@ -18,6 +18,15 @@ use minimax_shared::quant::GgmlType;
 /// The TMA expert kernels where they apply (`MINIMAX_I8_TMA`, on by default).
 static TMA_ON: EnvFlag = EnvFlag::new("MINIMAX_I8_TMA", true);
 
+/// The wide-warp form (`mmg_t8w`: 4 warps of 32 rows a block, each B fragment load feeding two
+/// m16 tiles) instead of 8 warps of 16 rows (`MINIMAX_T8_WIDE`, off by default: an A/B).
+static TMA_WIDE: EnvFlag = EnvFlag::new("MINIMAX_T8_WIDE", false);
+
+/// Forces the wide-warp TMA kernels on or off (`None`: back to `MINIMAX_T8_WIDE`).
+pub fn set_tma_wide(on: Option<bool>) {
+    TMA_WIDE.set(on);
+}
+
 /// Forces the TMA expert kernels on or off (`None`: back to `MINIMAX_I8_TMA`); for benchmarks
 /// and tests.
 pub fn set_tma_experts(on: Option<bool>) {
@@ -160,7 +169,8 @@ impl Gpu {
         let bm = 16 * groups.nt;
         let st = t8_stages(bm);
         let sm = t8_smem(bm, st);
-        let name = format!("mmg_t8_iq4_xs_{bm}");
+        let wide = TMA_WIDE.get();
+        let name = format!("mmg_t8{}_iq4_xs_{bm}", if wide { "w" } else { "" });
         if sm > self.smem_optin() {
             return Err(CudaError::Shape(format!("{name}: {sm} bytes of shared memory")));
         }
@@ -176,7 +186,7 @@ impl Gpu {
         self.launch(
             &name,
             (w.rows.div_ceil(BR) as u32, groups.max_tiles as u32, 1),
-            256,
+            if wide { 128 } else { 256 },
             sm as u32,
             &[
                 Arg::M(tw),
