@@ -734,52 +734,66 @@ fn tma_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     use minimax_rank::cuda::tma_experts::set_tma_experts;
     let mut round = 0usize;
     let mut rows = Vec::new();
-    // One step of `seqs` fresh `len`-token prompts (or an 8k prompt in two 4096-token chunks).
-    let mut run = |m: &mut CudaModel, pages: &mut Pages, seqs: usize, len: usize| -> anyhow::Result<f64> {
+    // One step of `seqs` fresh `len`-token prompts, or (`chunk` > 0) one `len`-token prompt in
+    // `chunk`-token steps.
+    let mut run = |m: &mut CudaModel, pages: &mut Pages, seqs: usize, len: usize, chunk: usize| -> anyhow::Result<f64> {
         round += 1;
-        if len == 8192 {
-            let pt = pages.take(8192 / PAGE);
+        if chunk > 0 {
+            let pt = pages.take(len.div_ceil(PAGE));
             m.gpu().sync()?;
             let t = Instant::now();
-            for c0 in (0..8192).step_by(4096) {
-                let toks: Vec<u32> = (c0..c0 + 4096).map(|j| pseudo_token(j, 7000 + round)).collect();
+            for c0 in (0..len).step_by(chunk) {
+                let toks: Vec<u32> = (c0..(c0 + chunk).min(len)).map(|j| pseudo_token(j, 7000 + round)).collect();
                 m.forward(&ForwardBatch { seqs: vec![step(7000 + round as u64, &pt, c0, toks, LogitsWanted::Last)] })?;
             }
             return Ok(ms(t));
         }
         timed_step(m, &fresh_prompts(pages, seqs, len, round * 64))
     };
-    println!("\nint8 expert products: mmg_i8 / mmg_t8 (automatic expert tiles) / mmg_t8 with 32-pair / 64-pair tiles, best of 3 after a warm-up, alternating:");
+    println!("\nint8 expert products: mmg_i8 / mmg_t8 (automatic expert tiles) / mmg_t8w (wide warps) automatic / 32-pair / 64-pair tiles, best of 3 after a warm-up, alternating:");
     use minimax_rank::cuda::set_group_tile;
-    let variants: [(bool, Option<usize>); 4] = [(false, None), (true, None), (true, Some(2)), (true, Some(4))];
-    for (seqs, len) in [(32usize, 16usize), (32, 5), (1, 512), (16, 256), (1, 4096), (1, 8192)] {
-        let mut best = [f64::MAX; 4];
+    use minimax_rank::cuda::tma_experts::set_tma_wide;
+    let variants: [(bool, Option<usize>, bool); 5] = [(false, None, false), (true, None, false), (true, None, true), (true, Some(2), true), (true, Some(4), true)];
+    for (seqs, len, chunk) in [(32usize, 16usize, 0usize), (32, 5, 0), (1, 512, 0), (1, 513, 0), (16, 256, 0), (1, 4096, 0), (1, 8192, 4096), (1, 8192, 8192)] {
+        let mut best = [f64::MAX; 5];
         for r in 0..4 {
-            for (i, &(on, tile)) in variants.iter().enumerate() {
+            for (i, &(on, tile, wide)) in variants.iter().enumerate() {
                 set_tma_experts(Some(on));
                 set_group_tile(tile);
-                let t = run(m, pages, seqs, len)?;
+                set_tma_wide(Some(wide));
+                let t = run(m, pages, seqs, len, chunk)?;
                 if r > 0 {
                     best[i] = best[i].min(t);
                 }
             }
         }
         set_group_tile(None);
-        println!("  {seqs} x {len} tokens: {:.1} / {:.1} / {:.1} / {:.1} ms ({:+.1}%)", best[0], best[1], best[2], best[3], 100.0 * (best[1] / best[0] - 1.0));
-        rows.push(format!("| {seqs} x {len} | {:.1} | {:.1} | {:.1} | {:.1} |", best[0], best[1], best[2], best[3]));
+        set_tma_wide(None);
+        let label = if chunk > 0 { format!("{seqs} x {len} in {chunk}-token chunks") } else { format!("{seqs} x {len}") };
+        println!("  {label} tokens: {:.1} / {:.1} / {:.1} / {:.1} / {:.1} ms (t8 {:+.1}%, t8w {:+.1}%)", best[0], best[1], best[2], best[3], best[4], 100.0 * (best[1] / best[0] - 1.0), 100.0 * (best[2] / best[1] - 1.0));
+        rows.push(format!("| {label} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} |", best[0], best[1], best[2], best[3], best[4]));
     }
-    for on in [false, true] {
+    for len in [512usize, 513] {
+        let batch = fresh_prompts(pages, 1, len, 900 + len);
+        m.gpu().profile_begin();
+        m.forward(&batch)?;
+        let prof = m.gpu().profile_end()?;
+        print_split(&prof, &format!("one {len}-token prompt, default kernels"));
+    }
+    for (on, wide) in [(false, false), (true, false), (true, true)] {
         set_tma_experts(Some(on));
+        set_tma_wide(Some(wide));
         let batch = ForwardBatch {
             seqs: (0..32).map(|i| step(8000 + i as u64, &pages.take(1), 0, (0..16).map(|j| pseudo_token(j, 5000 + i)).collect(), LogitsWanted::Last)).collect(),
         };
         m.gpu().profile_begin();
         m.forward(&batch)?;
         let prof = m.gpu().profile_end()?;
-        print_split(&prof, &format!("32 x 16-token prompt step, TMA experts {on}"));
+        print_split(&prof, &format!("32 x 16-token prompt step, TMA experts {on}, wide {wide}"));
     }
     set_tma_experts(None);
-    println!("| prompts in one step | mmg_i8 ms | mmg_t8 ms | mmg_t8, 32-pair tiles | mmg_t8, 64-pair tiles |\n| --- | --- | --- | --- | --- |");
+    set_tma_wide(None);
+    println!("| prompts in one step | mmg_i8 ms | mmg_t8 ms | mmg_t8w ms | mmg_t8w, 32-pair tiles | mmg_t8w, 64-pair tiles |\n| --- | --- | --- | --- | --- | --- |");
     for r in rows {
         println!("{r}");
     }
