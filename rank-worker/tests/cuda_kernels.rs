@@ -166,8 +166,10 @@ fn rope_ref(x: &mut [f32], hd: usize, rot: usize, pos: usize, theta: f32) {
 fn rms_norm_and_partial_rope_match_cpu() {
     let g = gpu();
     let mut rng = Rng(42);
-    // Full-width q norm (6 heads of 32 = 192 wide) and a 3072-wide hidden norm.
-    for (n, nrows) in [(192usize, 5usize), (3072, 3), (1000, 2)] {
+    // Full-width q norm (6 heads of 32 = 192 wide), a 3072-wide hidden norm, M2.7's q norm
+    // (6144) and the largest float4 width (8192) on `rms_norm_v4`; widths that are not a
+    // multiple of 4 or past 8192 on the scalar kernel.
+    for (n, nrows) in [(192usize, 5usize), (3072, 3), (1000, 2), (6144, 3), (8192, 2), (1002, 2), (8196, 2)] {
         let x = rng.vec(nrows * n, 3.0);
         let w = rng.vec(n, 1.0);
         let (xb, wb) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());

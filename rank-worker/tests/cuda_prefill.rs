@@ -631,13 +631,14 @@ fn int8_gemm_speed() {
                 let gx = g.grouped_x(&grp, g.ptr(&xd), cols, None, k, cols).unwrap();
                 let mut conv = || drop(g.grouped_x(&grp, g.ptr(&xd), cols, None, k, cols).unwrap());
                 let t_conv = time(&mut conv);
+                minimax_rank::cuda::tma_experts::set_tma_wide(Some(false));
                 let mut run = || g.matmul_experts_tma(&m, &grp, &gx, g.ptr(&yd), rows).unwrap();
                 let t = time(&mut run);
                 minimax_rank::cuda::tma_experts::set_tma_wide(Some(true));
                 let mut run_w = || g.matmul_experts_tma(&m, &grp, &gx, g.ptr(&yd), rows).unwrap();
                 let t_w = time(&mut run_w);
                 minimax_rank::cuda::tma_experts::set_tma_wide(None);
-                eprintln!("int8 speed grouped IQ4_XS {rows}x{cols}, {} pairs an expert, tile {}: TMA wide warps (mmg_t8w) {:.1} us against {:.1}", np / ne, 16 * nt, t_w * 1e6, t * 1e6);
+                eprintln!("int8 speed grouped IQ4_XS {rows}x{cols}, {} pairs an expert, tile {}: TMA wide warps (mmg_t8w) {:.1} us against mmg_t8 {:.1}", np / ne, 16 * nt, t_w * 1e6, t * 1e6);
                 let y = g.download(&yd).unwrap();
                 assert!(y.iter().all(|v| v.is_finite()), "non-finite output");
                 eprintln!(

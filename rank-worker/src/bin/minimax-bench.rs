@@ -780,6 +780,16 @@ fn tma_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
         let prof = m.gpu().profile_end()?;
         print_split(&prof, &format!("one {len}-token prompt, default kernels"));
     }
+    {
+        // The second 4096-token chunk of an 8k prompt (4096 cached positions).
+        let pt = pages.take(8192 / PAGE);
+        let chunk = |c0: usize| ForwardBatch { seqs: vec![step(7999, &pt, c0, (c0..c0 + 4096).map(|j| pseudo_token(j, 7999)).collect(), LogitsWanted::Last)] };
+        m.forward(&chunk(0))?;
+        m.gpu().profile_begin();
+        m.forward(&chunk(4096))?;
+        let prof = m.gpu().profile_end()?;
+        print_split(&prof, "second 4096-token chunk of an 8k prompt, default kernels");
+    }
     for (on, wide) in [(false, false), (true, false), (true, true)] {
         set_tma_experts(Some(on));
         set_tma_wide(Some(wide));

@@ -437,8 +437,10 @@ impl Gpu {
     /// RMSNorm of `nrows` rows of width `n` (in place when `x == y`).
     #[allow(clippy::too_many_arguments)]
     pub fn rms_norm(&self, x: u64, xs: usize, w: u64, y: u64, ys: usize, nrows: usize, n: usize, eps: f32) -> Result<(), CudaError> {
+        // The float4 form (one read of x, vector loads) where widths and addresses allow it.
+        let v4 = n % 4 == 0 && n <= 4 * 8 * 256 && xs % 4 == 0 && ys % 4 == 0 && (x | w | y) % 16 == 0;
         self.launch(
-            "rms_norm",
+            if v4 { "rms_norm_v4" } else { "rms_norm" },
             (nrows as u32, 1, 1),
             256,
             0,
