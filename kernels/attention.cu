@@ -437,7 +437,7 @@ __device__ __forceinline__ void fb_load_tile(u16* dst, const u16* src, int k0, i
     }
 }
 
-template <int KV, int D>
+template <int KV, int D, bool DB>
 __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,
                                             const int* seq_start, const int* pt_off, const u32* page_tables,
                                             int page_size, int kv_heads, int group, float sl2, float* out, i64 os,
@@ -447,9 +447,11 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
     constexpr int ND = D / 8;
     constexpr int NB = FB_BN / 8;
     constexpr int NT = 32 * FB_WARPS;
+    // DB: two K and two V buffers (K(t+1) and V(t+1) fetched a whole tile ahead).
+    constexpr int NBUF = DB ? 2 : 1;
     u16* sq = fb_dyn;
     u16* sk = sq + FB_BM * LD;
-    u16* sv = sk + FB_BN * LD;
+    u16* sv = sk + NBUF * FB_BN * LD;
     __shared__ int s_lim[FB_WARPS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
     const int tile = n_tiles - 1 - (int)blockIdx.x;
@@ -486,6 +488,10 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
     const int n_kt = (kv_len + FB_BN - 1) / FB_BN;
     fb_load_tile<D, LD, FB_BN, NT>(sk, kc, 0, kv_len, pt, page_size, kv_heads, kvh);
     cp_async_commit();
+    if (DB) {
+        fb_load_tile<D, LD, FB_BN, NT>(sv, vc, 0, kv_len, pt, page_size, kv_heads, kvh);
+        cp_async_commit();
+    }
 
     // Q rows of the block -> shared, rounded to the cache type (rows past the sequence: zeros).
     {
@@ -522,15 +528,24 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
     // ldmatrix lane addresses. Q (x4, A fragment of m16 tile 0; tile 1 is 16 rows on):
     // matrices (rows 0-7 | 8-15) x (dims 0-7 | 8-15).
     const u32 q_lane = smem_addr(sq) + ((warp * 32 + (lane & 15)) * LD + (lane >> 4) * 8) * 2;
-    const u32 k_lane = smem_addr(sk) + (((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8) * 2;
-    const u32 v_lane = smem_addr(sv) + ((lane & 15) * LD + (lane >> 4) * 8) * 2;
+    const u32 k_lane0 = smem_addr(sk) + (((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8) * 2;
+    const u32 v_lane0 = smem_addr(sv) + ((lane & 15) * LD + (lane >> 4) * 8) * 2;
 
     for (int kt = 0; kt < n_kt; kt++) {
         const int k0 = kt * FB_BN;
-        cp_async_wait<0>();
-        __syncthreads();  // K(kt) (and Q) landed for everyone; every warp is done with V(kt-1)
-        fb_load_tile<D, LD, FB_BN, NT>(sv, vc, k0, kv_len, pt, page_size, kv_heads, kvh);
-        cp_async_commit();
+        const u32 buf = DB ? (u32)(kt & 1) * (FB_BN * LD * 2) : 0u;
+        const u32 k_lane = k_lane0 + buf, v_lane = v_lane0 + buf;
+        if (DB) {
+            cp_async_wait<1>();  // K(kt) landed (V(kt) may still be in flight)
+            __syncthreads();     // ... for everyone (and Q); every warp is done with K(kt-1)
+            if (kt + 1 < n_kt) fb_load_tile<D, LD, FB_BN, NT>(sk + (buf ^ (FB_BN * LD * 2)) / 2, kc, k0 + FB_BN, kv_len, pt, page_size, kv_heads, kvh);
+            cp_async_commit();
+        } else {
+            cp_async_wait<0>();
+            __syncthreads();  // K(kt) (and Q) landed for everyone; every warp is done with V(kt-1)
+            fb_load_tile<D, LD, FB_BN, NT>(sv, vc, k0, kv_len, pt, page_size, kv_heads, kvh);
+            cp_async_commit();
+        }
         const bool active = k0 <= wl;  // some row of this warp sees a key of this tile
         u32 pa[2][FB_BN / 16][4];  // P as A fragments (rounded to the cache type)
         if (active) {
@@ -603,11 +618,18 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
                     pa[mt][jk][3] = fa_pack<KV>(sc[mt][2 * jk + 1][2], sc[mt][2 * jk + 1][3]);
                 }
         }
-        __syncthreads();  // every warp is done reading K(kt)
-        if (kt + 1 < n_kt) fb_load_tile<D, LD, FB_BN, NT>(sk, kc, k0 + FB_BN, kv_len, pt, page_size, kv_heads, kvh);
-        cp_async_commit();
-        cp_async_wait<1>();
-        __syncthreads();  // V(kt) landed for everyone
+        if (DB) {
+            cp_async_wait<1>();  // V(kt) landed (K(kt+1) may still be in flight)
+            __syncthreads();     // ... for everyone; every warp is done with V(kt-1)
+            if (kt + 1 < n_kt) fb_load_tile<D, LD, FB_BN, NT>(sv + (buf ^ (FB_BN * LD * 2)) / 2, vc, k0 + FB_BN, kv_len, pt, page_size, kv_heads, kvh);
+            cp_async_commit();
+        } else {
+            __syncthreads();  // every warp is done reading K(kt)
+            if (kt + 1 < n_kt) fb_load_tile<D, LD, FB_BN, NT>(sk, kc, k0 + FB_BN, kv_len, pt, page_size, kv_heads, kvh);
+            cp_async_commit();
+            cp_async_wait<1>();
+            __syncthreads();  // V(kt) landed for everyone
+        }
         if (active) {
 #pragma unroll
             for (int jk = 0; jk < FB_BN / 16; jk++) {
@@ -643,8 +665,15 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
         flash_##name##_##D(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,                 \
                            const int* seq_start, const int* pt_off, const u32* page_tables, int page_size,       \
                            int kv_heads, int group, float sl2, float* out, i64 os, int n_tiles) {                \
-        flash2_impl<KV, D>(q, qs, kc, vc, pos, seq_start, pt_off, page_tables, page_size, kv_heads, group, sl2, \
-                           out, os, n_tiles);                                                                    \
+        flash2_impl<KV, D, false>(q, qs, kc, vc, pos, seq_start, pt_off, page_tables, page_size, kv_heads, group, \
+                                  sl2, out, os, n_tiles);                                                        \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * FB_WARPS)                                                  \
+        flashdb_##name##_##D(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,               \
+                             const int* seq_start, const int* pt_off, const u32* page_tables, int page_size,     \
+                             int kv_heads, int group, float sl2, float* out, i64 os, int n_tiles) {              \
+        flash2_impl<KV, D, true>(q, qs, kc, vc, pos, seq_start, pt_off, page_tables, page_size, kv_heads, group, \
+                                 sl2, out, os, n_tiles);                                                         \
     }
 
 FB_INST(f16, KV_F16, 32)

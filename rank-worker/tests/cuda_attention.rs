@@ -26,7 +26,7 @@ mod common;
 
 use common::gpu::{NAN, Rng, gpu, poisoned};
 use cudarc::driver::CudaSlice;
-use minimax_rank::cuda::flash::{FLASH_MIN_TOKENS, FLASH_ROWS, FLASH_WIDE, FLASH64_ROWS, FlashKernel, flash_unsupported};
+use minimax_rank::cuda::flash::{FLASH_DB, FLASH_MIN_TOKENS, FLASH_ROWS, FLASH_WIDE, FLASH64_ROWS, FlashKernel, flash_unsupported};
 use minimax_rank::cuda::{AttnArgs, Gpu, KvDtype};
 use minimax_shared::quant::GgmlType;
 
@@ -299,6 +299,11 @@ fn cases() -> Vec<Case> {
     ]
 }
 
+/// The flash kernels this card's shared memory takes at head width `hd`.
+fn kernels(g: &Gpu, hd: usize) -> Vec<FlashKernel> {
+    [FlashKernel::Rows128, FlashKernel::Rows64, FlashKernel::Rows128Db].into_iter().filter(|k| k.smem(hd) <= g.smem_optin()).collect()
+}
+
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn flash_attention_matches_f64_reference() {
@@ -319,6 +324,7 @@ fn flash_attention_matches_f64_reference() {
                     match g.flash_kernel(&a) {
                         FlashKernel::Rows128 => format!("flash_{kv}_{}", c.hd),
                         FlashKernel::Rows64 => format!("flash64_{kv}_{}", c.hd),
+                        FlashKernel::Rows128Db => format!("flashdb_{kv}_{}", c.hd),
                     }
                 }
             };
@@ -332,8 +338,8 @@ fn flash_attention_matches_f64_reference() {
                 c.seqs.len()
             );
             if dt != KvDtype::F32 {
-                // Both flash kernels explicitly, whichever the dispatch picked.
-                for k in [FlashKernel::Rows128, FlashKernel::Rows64] {
+                // Every flash kernel the card fits explicitly, whichever the dispatch picked.
+                for k in kernels(&g, c.hd) {
                     let outk = poisoned(&g, b.nt * b.os);
                     g.flash_attention_with(dt, &args(&g, &c, &b, &outk), k).unwrap();
                     let gotk = g.download(&outk).unwrap();
@@ -377,7 +383,7 @@ fn attention_dispatch_keeps_decode_steps_on_the_per_token_kernel() {
     // The flash kernel on the same decode batch is still right (a decode token is a tile of
     // `group` rows).
     let reference = reference(&c, &b, KvDtype::F16);
-    for k in [FlashKernel::Rows128, FlashKernel::Rows64] {
+    for k in kernels(&g, c.hd) {
         let out = poisoned(&g, b.nt * b.os);
         let a = args(&g, &c, &b, &out);
         g.flash_attention_with(KvDtype::F16, &a, k).unwrap();
@@ -390,8 +396,13 @@ fn attention_dispatch_keeps_decode_steps_on_the_per_token_kernel() {
     // The 128-row kernel at any size (unless MINIMAX_FLASH_WIDE=0; here: its override).
     let big = AttnArgs { max_seq_tokens: 4096, n_seqs: 8, ..a };
     FLASH_WIDE.set(Some(true));
-    assert_eq!(g.flash_kernel(&a), FlashKernel::Rows128);
+    // Double-buffered where the card's shared memory takes it (MINIMAX_FLASH_DB), else single.
+    let wide = if FlashKernel::Rows128Db.smem(128) <= g.smem_optin() { FlashKernel::Rows128Db } else { FlashKernel::Rows128 };
+    assert_eq!(g.flash_kernel(&a), wide);
+    assert_eq!(g.flash_kernel(&big), wide);
+    FLASH_DB.set(Some(false));
     assert_eq!(g.flash_kernel(&big), FlashKernel::Rows128);
+    FLASH_DB.set(None);
     FLASH_WIDE.set(Some(false));
     assert_eq!(g.flash_kernel(&a), FlashKernel::Rows64);
     assert_eq!(g.flash_kernel(&big), FlashKernel::Rows64);
@@ -497,25 +508,29 @@ fn flash_attention_speed_at_m27_shapes() {
     };
     let k128 = FlashKernel::Rows128;
     let k64 = FlashKernel::Rows64;
+    // The double-buffered kernel where it fits (else its column repeats the 128-row kernel).
+    let kdb = if FlashKernel::Rows128Db.smem(128) <= g.smem_optin() { FlashKernel::Rows128Db } else { k128 };
     eprintln!("flash timing on {} (sm_{}), M2.7 heads 48/8 x 128, f16 KV, page 16, one sequence; kernel time (CUDA events), causal FLOPs", g.name, g.arch);
-    eprintln!("| chunk | prefix | per-token kernel ms | TFLOP/s | flash64 ms | TFLOP/s | flash (128 rows) ms | TFLOP/s | vs flash64 | auto | max |flash - per-token| |");
-    eprintln!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    eprintln!("| chunk | prefix | per-token kernel ms | TFLOP/s | flash64 ms | TFLOP/s | flash (128 rows) ms | TFLOP/s | flashdb ms | TFLOP/s | vs flash64 | auto | max |flash - per-token| |");
+    eprintln!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     for (chunk, prefix) in [(512usize, 0usize), (4096, 4096), (4096, 28672)] {
         let (b, nt, flops, mx) = setup(&[(prefix, chunk)]);
         let a = mk(&b, nt, mx, &out);
         let a2 = mk(&b, nt, mx, &out2);
         let t64 = time_ms(&g, 1, 5, &|| g.flash_attention_with(dt, &a, k64).unwrap());
         let tf = time_ms(&g, 1, 5, &|| g.flash_attention_with(dt, &a, k128).unwrap());
+        let tdb = time_ms(&g, 1, 5, &|| g.flash_attention_with(dt, &a, kdb).unwrap());
         let (w, r) = if chunk <= 512 { (1, 3) } else { (0, 1) };
         let to = time_ms(&g, w, r, &|| g.attention_per_token(dt, &a2).unwrap());
         let (x, y) = (g.download(&out).unwrap(), g.download(&out2).unwrap());
         let n = nt * qw;
         let d = x[..n].iter().zip(&y[..n]).map(|(a, b)| (a - b).abs()).fold(0f32, |m, v| if v.is_nan() { f32::NAN } else { m.max(v) });
         eprintln!(
-            "| {chunk} | {prefix} | {to:.3} | {:.1} | {t64:.3} | {:.1} | {tf:.3} | {:.1} | {:.2}x | {:?} | {d:.1e} |",
+            "| {chunk} | {prefix} | {to:.3} | {:.1} | {t64:.3} | {:.1} | {tf:.3} | {:.1} | {tdb:.3} | {:.1} | {:.2}x | {:?} | {d:.1e} |",
             flops / to / 1e9,
             flops / t64 / 1e9,
             flops / tf / 1e9,
+            flops / tdb / 1e9,
             t64 / tf,
             g.flash_kernel(&a)
         );
@@ -525,7 +540,7 @@ fn flash_attention_speed_at_m27_shapes() {
     {
         let (b, nt, flops, mx) = setup(&[(4096, 4096)]);
         let a = mk(&b, nt, mx, &out);
-        for k in [k64, k128] {
+        for k in [k64, k128, kdb] {
             let tf = time_ms(&g, 1, 3, &|| g.flash_attention_with(KvDtype::BF16, &a, k).unwrap());
             eprintln!("flash {k:?} bf16 (same bits read as bf16) chunk 4096 prefix 4096: {tf:.3} ms, {:.1} TFLOP/s", flops / tf / 1e9);
         }
@@ -533,15 +548,16 @@ fn flash_attention_speed_at_m27_shapes() {
     // Small launches: 1..4 sequences x chunks of 512-2048 at prefix 0 / 4096 (fewer 128-row
     // blocks than SMs for some; the 64-row kernel's twice as many blocks did not win any).
     eprintln!("small launches (f16), ms:");
-    eprintln!("| seqs x chunk @ prefix | flash64 | flash (128 rows) | auto |");
-    eprintln!("| --- | --- | --- | --- |");
+    eprintln!("| seqs x chunk @ prefix | flash64 | flash (128 rows) | flashdb | auto |");
+    eprintln!("| --- | --- | --- | --- | --- |");
     for (ns, chunk, prefix) in [(1usize, 512usize, 0usize), (1, 512, 4096), (2, 512, 4096), (1, 1024, 0), (1, 1024, 4096), (4, 512, 4096), (1, 2048, 0)] {
         let seqs = vec![(prefix, chunk); ns];
         let (b, nt, _, mx) = setup(&seqs);
         let a = AttnArgs { n_seqs: ns, ..mk(&b, nt, mx, &out) };
         let t64 = time_ms(&g, 1, 5, &|| g.flash_attention_with(dt, &a, k64).unwrap());
         let tf = time_ms(&g, 1, 5, &|| g.flash_attention_with(dt, &a, k128).unwrap());
-        eprintln!("| {ns} x {chunk} @ {prefix} | {t64:.4} | {tf:.4} | {:?} |", g.flash_kernel(&a));
+        let tdb = time_ms(&g, 1, 5, &|| g.flash_attention_with(dt, &a, kdb).unwrap());
+        eprintln!("| {ns} x {chunk} @ {prefix} | {t64:.4} | {tf:.4} | {tdb:.4} | {:?} |", g.flash_kernel(&a));
     }
     // Crossover: 8 sequences at prefix 4096 with n new tokens each.
     eprintln!("crossover, 8 sequences x n new tokens at prefix 4096:");

@@ -22,6 +22,10 @@ const FLASH_KEYS: usize = 64;
 /// the 128-row kernel.
 pub static FLASH_WIDE: EnvFlag = EnvFlag::new("MINIMAX_FLASH_WIDE", true);
 
+/// `MINIMAX_FLASH_DB=0` keeps the 128-row kernel's single K/V buffers where the double-buffered
+/// form (`flashdb_*`) fits the card's shared memory (sm_90: yes; sm_120: no).
+pub static FLASH_DB: EnvFlag = EnvFlag::new("MINIMAX_FLASH_DB", true);
+
 /// Which flash kernel runs a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FlashKernel {
@@ -30,13 +34,16 @@ pub enum FlashKernel {
     Rows128,
     /// `flash64_*`: 64 rows a block, Q in registers.
     Rows64,
+    /// `flashdb_*`: [`FlashKernel::Rows128`] with two K and two V buffers, each fetched a whole
+    /// tile ahead (104 KB of shared memory at head width 128: sm_90's two blocks an SM).
+    Rows128Db,
 }
 
 impl FlashKernel {
     /// Rows per block.
     pub fn rows(self) -> usize {
         match self {
-            FlashKernel::Rows128 => FLASH_ROWS,
+            FlashKernel::Rows128 | FlashKernel::Rows128Db => FLASH_ROWS,
             FlashKernel::Rows64 => FLASH64_ROWS,
         }
     }
@@ -46,6 +53,7 @@ impl FlashKernel {
     pub fn smem(self, d: usize) -> usize {
         match self {
             FlashKernel::Rows128 => (FLASH_ROWS + 2 * FLASH_KEYS) * (d + 8) * 2,
+            FlashKernel::Rows128Db => (FLASH_ROWS + 4 * FLASH_KEYS) * (d + 8) * 2,
             FlashKernel::Rows64 => 0,
         }
     }
@@ -86,8 +94,15 @@ impl Gpu {
     /// The flash kernel for `a`: the 128-row kernel, or the 64-row one with
     /// `MINIMAX_FLASH_WIDE=0`. The 128-row kernel measured faster at every launch size tried on
     /// an H200, down to 8 decode tokens (64 blocks), so no size rule (docs/CUDA.md).
-    pub fn flash_kernel(&self, _a: &AttnArgs) -> FlashKernel {
-        if FLASH_WIDE.get() { FlashKernel::Rows128 } else { FlashKernel::Rows64 }
+    /// The double-buffered form where it fits the card (`MINIMAX_FLASH_DB`).
+    pub fn flash_kernel(&self, a: &AttnArgs) -> FlashKernel {
+        if !FLASH_WIDE.get() {
+            FlashKernel::Rows64
+        } else if FLASH_DB.get() && FlashKernel::Rows128Db.smem(a.hd) <= self.smem_optin() {
+            FlashKernel::Rows128Db
+        } else {
+            FlashKernel::Rows128
+        }
     }
 
     /// [`Gpu::flash_attention`] with the kernel given (tests and A/B runs).
@@ -119,8 +134,12 @@ impl Gpu {
         let name = match k {
             FlashKernel::Rows128 => format!("flash_{}_{}", dt.suffix(), a.hd),
             FlashKernel::Rows64 => format!("flash64_{}_{}", dt.suffix(), a.hd),
+            FlashKernel::Rows128Db => format!("flashdb_{}_{}", dt.suffix(), a.hd),
         };
         let smem = k.smem(a.hd);
+        if smem > self.smem_optin() {
+            return Err(CudaError::Shape(format!("{name}: {smem} bytes of shared memory (the card allows {})", self.smem_optin())));
+        }
         self.launch(
             &name,
             (n_tiles as u32, a.kv_heads as u32, a.n_seqs as u32),

@@ -473,7 +473,7 @@ impl Gpu {
     }
 
     /// Largest dynamic shared memory a block may opt in to on this device.
-    pub(super) fn smem_optin(&self) -> usize {
+    pub fn smem_optin(&self) -> usize {
         self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map(|v| v as usize).unwrap_or(MAX_SMEM)
     }
 
