@@ -174,11 +174,15 @@ fn rms_norm_and_partial_rope_match_cpu() {
         let w = rng.vec(n, 1.0);
         let (xb, wb) = (g.upload(&x).unwrap(), g.upload(&w).unwrap());
         let yb = poisoned(&g, nrows * n);
+        g.profile_begin();
         g.rms_norm(g.ptr(&xb), n, g.ptr(&wb), g.ptr(&yb), n, nrows, n, 1e-5).unwrap();
+        let prof = g.profile_end().unwrap();
+        let want_kernel = if n % 4 == 0 && n <= 8192 { "rms_norm_v4" } else { "rms_norm" };
+        assert!(prof.iter().map(|(k, _)| k.as_str()).eq([want_kernel]), "rms_norm {n}: launched {prof:?}");
         let got = g.download(&yb).unwrap();
         let want: Vec<f32> = x.chunks(n).flat_map(|r| rms_norm_ref(r, &w, 1e-5)).collect();
         let worst = check(&format!("rms_norm {n}"), &got, &want, |i| 2e-6 * (1.0 + want[i].abs()));
-        eprintln!("rms_norm width {n}: max |diff| {worst:.2e}");
+        eprintln!("rms_norm width {n} ({want_kernel}): max |diff| {worst:.2e}");
     }
     for (heads, hd, rot, theta) in [(6usize, 32usize, 24usize, 12345.0f32), (4, 64, 32, 50000.0), (48, 128, 64, 5e6)] {
         let nrows = 5;
