@@ -1448,4 +1448,25 @@ extern "C" __global__ void mmg_xg_i8(const float* X, i64 xs, const float* U, int
         mi_x_row(X, xs, U, cols, Xq, xqp, S, 2 * (cols / 32), 2, 1, r, i, (int)(i & 1), cb, threadIdx.x & 31);
 }
 
+// The grouped X of a product whose pairs share token rows (gate/up: x_div = top-k) from rows
+// converted once per token (mmg_x_i8 with the IQ4_XS order, no swap): row i of Xq is row
+// list[i] / x_div of Xt with the 64-byte halves of each 128-byte block swapped on odd rows (16-byte
+// chunk j goes to j ^ 4), its scales copied. A warp a row; cols a multiple of 64. Bytes and scales
+// are those mmg_xg_i8 writes (the same conversion per token, then copies).
+extern "C" __global__ void mmg_xg_gather(const u8* Xt, const float* St, int cols, const int* list, int x_div, u8* Xq,
+                                         float* S, int rows) {
+    const i64 i = (i64)blockIdx.x * 8 + (threadIdx.x >> 5);
+    if (i >= rows) return;
+    const int lane = threadIdx.x & 31;
+    const i64 r = list[i] / x_div;
+    const uint4* src = (const uint4*)(Xt + r * cols);
+    uint4* dst = (uint4*)(Xq + i * cols);
+    const int sw = (int)(i & 1) * 4;
+    for (int j = lane; j < cols / 16; j += 32) dst[j ^ sw] = src[j];
+    // Scales: cols / 32 float2 a row = cols / 64 chunks of 16 bytes.
+    const uint4* ss = (const uint4*)(St + r * (cols / 16));
+    uint4* sd = (uint4*)(S + i * (cols / 16));
+    for (int j = lane; j < cols / 64; j += 32) sd[j] = ss[j];
+}
+
 #endif  // MM_PASSES == 1

@@ -531,7 +531,22 @@ fn tma_grouped_gemm_matches_q8_twin_and_int8_kernels() {
             set_int8_mi(Some(1));
             g.fill_u32(g.ptr(&ref_d), np * ys, NAN).unwrap();
             g.matmul_experts_with(&m, &grp, g.ptr(&xd), xs, k, g.ptr(&ref_d), ys, INT8_PASSES).unwrap();
+            // Grouped X converted once per token and gathered (the default) is byte for byte the
+            // per-pair conversion.
+            use minimax_rank::cuda::tma_experts::set_xg_gather;
+            set_xg_gather(Some(true));
+            g.profile_begin();
             let gx = g.grouped_x(&grp, g.ptr(&xd), xs, None, k, cols).unwrap();
+            let prof = g.profile_end().unwrap();
+            assert!(prof.iter().map(|(n, _)| n.as_str()).eq(["mmg_x_i8", "mmg_xg_gather"]), "gathered X launched {prof:?}");
+            set_xg_gather(Some(false));
+            let gx_direct = g.grouped_x(&grp, g.ptr(&xd), xs, None, k, cols).unwrap();
+            set_xg_gather(None);
+            let (b1, s1) = gx.buffers();
+            let (b2, s2) = gx_direct.buffers();
+            assert!(g.download(b1).unwrap() == g.download(b2).unwrap(), "gathered X bytes differ from mmg_xg_i8's");
+            let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
+            assert!(bits(g.download(s1).unwrap()) == bits(g.download(s2).unwrap()), "gathered X scales differ from mmg_xg_i8's");
             g.fill_u32(g.ptr(&yd), np * ys, NAN).unwrap();
             g.profile_begin();
             g.matmul_experts_tma(&m, &grp, &gx, g.ptr(&yd), ys).unwrap();
@@ -631,6 +646,10 @@ fn int8_gemm_speed() {
                 let gx = g.grouped_x(&grp, g.ptr(&xd), cols, None, k, cols).unwrap();
                 let mut conv = || drop(g.grouped_x(&grp, g.ptr(&xd), cols, None, k, cols).unwrap());
                 let t_conv = time(&mut conv);
+                minimax_rank::cuda::tma_experts::set_xg_gather(Some(false));
+                let t_conv_direct = time(&mut conv);
+                minimax_rank::cuda::tma_experts::set_xg_gather(None);
+                eprintln!("int8 speed grouped X of {np} pairs ({k} a token) x {cols}: converted once a token and gathered {:.1} us, every pair converted {:.1} us", t_conv * 1e6, t_conv_direct * 1e6);
                 minimax_rank::cuda::tma_experts::set_tma_wide(Some(false));
                 let mut run = || g.matmul_experts_tma(&m, &grp, &gx, g.ptr(&yd), rows).unwrap();
                 let t = time(&mut run);

@@ -264,9 +264,9 @@ fn fast_smem(g: FastGeom, bm: usize, planes: usize) -> usize {
 /// IQ4_XS kernels (`iq4_lookup_il`), which only IQ4_XS weights may multiply.
 pub struct FastX {
     perm: bool,
-    xc: CudaSlice<u8>,
+    pub(super) xc: CudaSlice<u8>,
     pitch: usize,
-    sums: Option<CudaSlice<f32>>,
+    pub(super) sums: Option<CudaSlice<f32>>,
     spitch: usize,
     rows: usize,
     cols: usize,
@@ -506,7 +506,7 @@ impl Gpu {
     /// fast path's bf16 planes for `passes`, with 32-column sums when `sums`. `kernel`: "mm_x"
     /// or "mmg_x" (the same kernel, named for the benchmark's dense / MoE split).
     #[allow(clippy::too_many_arguments)]
-    fn fast_x(&self, kernel: &str, x: u64, xs: usize, u: Option<u64>, rows: usize, cols: usize, passes: usize, sums: bool, for_ty: GgmlType) -> Result<FastX, CudaError> {
+    pub(super) fn fast_x(&self, kernel: &str, x: u64, xs: usize, u: Option<u64>, rows: usize, cols: usize, passes: usize, sums: bool, for_ty: GgmlType) -> Result<FastX, CudaError> {
         if passes == INT8_PASSES {
             let perm = for_ty == GgmlType::IQ4_XS;
             // int8 in 64-column groups (the last one padded), (scale, correction) per 32 columns.

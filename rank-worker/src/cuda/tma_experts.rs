@@ -12,7 +12,7 @@ use cudarc::driver::sys::{self, CUtensorMapDataType as Dt};
 use super::env_flag::EnvFlag;
 use super::error::CudaError;
 use super::gpu::{Arg, DevMat, Gpu};
-use super::matmul::ExpertGroups;
+use super::matmul::{ExpertGroups, INT8_PASSES};
 use minimax_shared::quant::GgmlType;
 
 /// The TMA expert kernels where they apply (`MINIMAX_I8_TMA`, on by default).
@@ -22,6 +22,16 @@ static TMA_ON: EnvFlag = EnvFlag::new("MINIMAX_I8_TMA", true);
 /// m16 tiles) instead of 8 warps of 16 rows (`MINIMAX_T8_WIDE`, on by default: 8k prefill 866 →
 /// 786 ms on one H200, the same at 512 tokens; `=0` keeps `mmg_t8` for A/B).
 static TMA_WIDE: EnvFlag = EnvFlag::new("MINIMAX_T8_WIDE", true);
+
+/// Gate/up's grouped X by converting each token once and copying its row to its pairs
+/// (`mmg_x_i8` + `mmg_xg_gather`) instead of converting every pair's row (`mmg_xg_i8`, 8 times a
+/// token at top-8); the same bytes (`MINIMAX_XG_GATHER`, on by default).
+static XG_GATHER: EnvFlag = EnvFlag::new("MINIMAX_XG_GATHER", true);
+
+/// Forces the convert-once-and-gather grouped X on or off (`None`: back to `MINIMAX_XG_GATHER`).
+pub fn set_xg_gather(on: Option<bool>) {
+    XG_GATHER.set(on);
+}
 
 /// Forces the wide-warp TMA kernels on or off (`None`: back to `MINIMAX_T8_WIDE`).
 pub fn set_tma_wide(on: Option<bool>) {
@@ -81,6 +91,13 @@ pub struct GroupedX {
     cols: usize,
 }
 
+impl GroupedX {
+    /// The int8 rows and their scales (tests compare the two ways of building them).
+    pub fn buffers(&self) -> (&CudaSlice<u8>, &CudaSlice<f32>) {
+        (&self.xq, &self.s)
+    }
+}
+
 /// A tiled tensor map over `dims` (innermost first) of `ty` elements at `addr`, rows `strides`
 /// bytes apart (one per outer dimension), copied in boxes of `bx`.
 fn tensor_map(ty: Dt, addr: u64, dims: &[u64], strides: &[u64], bx: &[u32]) -> Result<[u64; 16], CudaError> {
@@ -135,6 +152,27 @@ impl Gpu {
         // lies past them.
         let xq = unsafe { self.stream.alloc::<u8>(rows * cols)? };
         let s = unsafe { self.stream.alloc::<f32>(2 * rows * (cols / 32))? };
+        if u.is_none() && x_div > 1 && XG_GATHER.get() {
+            // Each token's row converted once (the IQ4_XS order, no swap), then copied to its pairs.
+            let xt = self.fast_x("mmg_x", x, xs, None, rows.div_ceil(x_div), cols, INT8_PASSES, false, GgmlType::IQ4_XS)?;
+            self.launch(
+                "mmg_xg_gather",
+                (rows.div_ceil(8) as u32, 1, 1),
+                256,
+                0,
+                &[
+                    Arg::P(self.ptr(&xt.xc)),
+                    Arg::P(xt.sums.as_ref().map(|b| self.ptr(b)).unwrap_or(0)),
+                    Arg::I(cols as i32),
+                    Arg::P(self.ptr(&groups.list)),
+                    Arg::I(x_div as i32),
+                    Arg::P(self.ptr(&xq)),
+                    Arg::P(self.ptr(&s)),
+                    Arg::I(rows as i32),
+                ],
+            )?;
+            return Ok(GroupedX { xq, s, rows, cols });
+        }
         self.launch(
             "mmg_xg_i8",
             (rows.div_ceil(8) as u32, 1, 1),
