@@ -886,9 +886,38 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
     } else {
         let l = tokio::net::TcpListener::bind(&cfg.listen).await.map_err(|source| ServeError::Listen { addr: cfg.listen.clone(), source })?;
         tracing::info!(rank = cfg.rank, "serving on {}", l.local_addr().map(|a| a.to_string()).unwrap_or_default());
-        router.serve_with_incoming_shutdown(tokio_stream::wrappers::TcpListenerStream::new(l), stop).await
+        router.serve_with_incoming_shutdown(tcp_incoming(l), stop).await
     };
     shared.abort_comms("stopped");
     res?;
     Ok(())
+}
+
+/// The rank's accepted TCP connections with Nagle's algorithm off: a step's answer (HTTP/2
+/// headers, data and trailers) must not wait for the gateway's delayed ACK when ranks serve
+/// another host (the gateway's side sets `tcp_nodelay` on its endpoint).
+fn tcp_incoming(l: tokio::net::TcpListener) -> impl tokio_stream::Stream<Item = std::io::Result<tokio::net::TcpStream>> {
+    tokio_stream::StreamExt::map(tokio_stream::wrappers::TcpListenerStream::new(l), |c| {
+        c.and_then(|s| {
+            s.set_nodelay(true)?;
+            Ok(s)
+        })
+    })
+}
+
+#[cfg(test)]
+mod tcp_tests {
+    /// Every connection the rank accepts over TCP has TCP_NODELAY set.
+    #[tokio::test]
+    async fn accepted_tcp_connections_have_nodelay() {
+        let l = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = l.local_addr().unwrap();
+        let mut incoming = Box::pin(super::tcp_incoming(l));
+        for _ in 0..2 {
+            let client = tokio::net::TcpStream::connect(addr).await.unwrap();
+            let s = tokio_stream::StreamExt::next(&mut incoming).await.unwrap().unwrap();
+            assert!(s.nodelay().unwrap(), "accepted connection without TCP_NODELAY");
+            drop(client);
+        }
+    }
 }
