@@ -1522,3 +1522,28 @@ fn fast_pdl_prewait_products_match_plain_and_cpu() {
     }
     eprintln!("mvqs_*p / mvqs_*s2p: within 1e-5 of sum |w x| and bit-identical to mvqs_* (5 / 12 / 24 chunks, 1-3 vectors)");
 }
+
+/// The default memory pool keeps freed memory across synchronizations when asked
+/// (`set_pool_keep(true)`, `MINIMAX_POOL_KEEP`) and hands it back otherwise (trimmed at once).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn memory_pool_keeps_or_returns_freed_memory() {
+    let g = gpu();
+    const BYTES: usize = 256 << 20;
+    for keep in [true, false, true] {
+        g.set_pool_keep(keep).unwrap();
+        let b = g.zeros::<u8>(BYTES).unwrap();
+        drop(b);
+        g.sync().unwrap();
+        let (now, high) = g.pool_reserved().unwrap();
+        eprintln!("pool keep {keep}: reserved {now} bytes after a freed {BYTES}-byte buffer and a sync (high-water mark {high})");
+        assert!(high >= BYTES as u64, "the pool never held the buffer: high-water mark {high}");
+        if keep {
+            assert!(now >= BYTES as u64, "keep: the pool handed back the freed buffer ({now} bytes left)");
+        } else {
+            assert!(now < BYTES as u64, "release threshold 0: the pool still holds {now} bytes after the sync");
+        }
+    }
+    g.set_pool_keep(false).unwrap();
+    assert!(g.pool_reserved().unwrap().0 < BYTES as u64, "trim after turning keep off");
+}

@@ -725,6 +725,50 @@ fn prompts_step(m: &mut CudaModel, pages: &mut Pages, n: usize, p: usize) -> any
     Ok(())
 }
 
+/// ms of one step of `seqs` fresh `len`-token prompts (forward + greedy reduction), or
+/// (`chunk` > 0) of one `len`-token prompt in `chunk`-token steps; `round` makes the tokens fresh.
+fn prefill_case(m: &mut CudaModel, pages: &mut Pages, seqs: usize, len: usize, chunk: usize, round: usize) -> anyhow::Result<f64> {
+    if chunk > 0 {
+        let pt = pages.take(len.div_ceil(PAGE));
+        m.gpu().sync()?;
+        let t = Instant::now();
+        for c0 in (0..len).step_by(chunk) {
+            let toks: Vec<u32> = (c0..(c0 + chunk).min(len)).map(|j| pseudo_token(j, 7000 + round)).collect();
+            m.forward(&ForwardBatch { seqs: vec![step(7000 + round as u64, &pt, c0, toks, LogitsWanted::Last)] })?;
+        }
+        return Ok(ms(t));
+    }
+    timed_step(m, &fresh_prompts(pages, seqs, len, round * 64))
+}
+
+/// `--pool-ab`: prefill steps with the default memory pool handing its free memory back at every
+/// synchronization (CUDA's default) and keeping it (`MINIMAX_POOL_KEEP`, src/cuda/mem_pool.rs),
+/// alternating, best of 3 after a warm-up; then the pool's reserved bytes.
+fn pool_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
+    println!("\nmemory pool: free memory handed back at each sync / kept, best of 3 after a warm-up, alternating (ms):");
+    println!("| prefill | handed back | kept | change |\n| --- | --- | --- | --- |");
+    let mut round = 50_000usize;
+    for (seqs, len, chunk) in [(1usize, 512usize, 0usize), (32, 16, 0), (1, 4096, 0), (1, 8192, 4096)] {
+        let mut best = [f64::MAX; 2];
+        for r in 0..4 {
+            for (i, keep) in [false, true].into_iter().enumerate() {
+                m.gpu().set_pool_keep(keep)?;
+                round += 1;
+                let t = prefill_case(m, pages, seqs, len, chunk, round)?;
+                if r > 0 {
+                    best[i] = best[i].min(t);
+                }
+            }
+        }
+        let label = if chunk > 0 { format!("{seqs} x {len} in {chunk}-token chunks") } else { format!("{seqs} x {len}") };
+        println!("| {label} | {:.1} | {:.1} | {:+.1}% |", best[0], best[1], 100.0 * (best[1] / best[0] - 1.0));
+    }
+    let (now, high) = m.gpu().pool_reserved()?;
+    println!("pool reserved now {:.2} GB, high-water mark {:.2} GB", now as f64 / 1e9, high as f64 / 1e9);
+    m.gpu().set_pool_keep(minimax_rank::cuda::mem_pool::POOL_KEEP.get())?;
+    Ok(())
+}
+
 /// `--tma-ab`: prefill steps with the int8 expert products through per-thread copies
 /// (`mmg_i8`) and through TMA copies (`mmg_t8`, kernels/quant_matmul.cu), alternating in one
 /// process, best of three after a warm-up: distinct short prompts (routing over nearly every
@@ -734,21 +778,9 @@ fn tma_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     use minimax_rank::cuda::tma_experts::set_tma_experts;
     let mut round = 0usize;
     let mut rows = Vec::new();
-    // One step of `seqs` fresh `len`-token prompts, or (`chunk` > 0) one `len`-token prompt in
-    // `chunk`-token steps.
     let mut run = |m: &mut CudaModel, pages: &mut Pages, seqs: usize, len: usize, chunk: usize| -> anyhow::Result<f64> {
         round += 1;
-        if chunk > 0 {
-            let pt = pages.take(len.div_ceil(PAGE));
-            m.gpu().sync()?;
-            let t = Instant::now();
-            for c0 in (0..len).step_by(chunk) {
-                let toks: Vec<u32> = (c0..(c0 + chunk).min(len)).map(|j| pseudo_token(j, 7000 + round)).collect();
-                m.forward(&ForwardBatch { seqs: vec![step(7000 + round as u64, &pt, c0, toks, LogitsWanted::Last)] })?;
-            }
-            return Ok(ms(t));
-        }
-        timed_step(m, &fresh_prompts(pages, seqs, len, round * 64))
+        prefill_case(m, pages, seqs, len, chunk, round)
     };
     println!("\nint8 expert products: mmg_i8 / mmg_t8 (automatic expert tiles) / mmg_t8w (wide warps) automatic / 32-pair / 64-pair tiles, best of 3 after a warm-up, alternating:");
     use minimax_rank::cuda::set_group_tile;
@@ -986,6 +1018,9 @@ fn main() -> anyhow::Result<()> {
     }
     if flag("--tma-ab") {
         return tma_ab(&mut m, &mut pages);
+    }
+    if flag("--pool-ab") {
+        return pool_ab(&mut m, &mut pages);
     }
     if flag("--router-ab") {
         use minimax_rank::cuda::fast::{set_router_t4_min, set_router_x};

@@ -185,7 +185,11 @@ impl Gpu {
         };
         let pdl = arch >= 90 && std::env::var("MINIMAX_PDL").map(|v| v != "0").unwrap_or(true);
         let mvx_scratch = (stream.alloc_zeros::<f32>(super::fast::MVX_PART_CAP)?, stream.alloc_zeros::<u32>(super::fast::MVX_CNT_CAP)?);
-        Ok(Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), smem_allowed: Mutex::new(HashMap::new()), prof: Mutex::new(None), pdl, gu_rows, blas: OnceLock::new(), mvx_scratch })
+        let gpu = Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), smem_allowed: Mutex::new(HashMap::new()), prof: Mutex::new(None), pdl, gu_rows, blas: OnceLock::new(), mvx_scratch };
+        if super::mem_pool::POOL_KEEP.get() {
+            gpu.set_pool_keep(true)?;
+        }
+        Ok(gpu)
     }
 
     /// The kernel `name`, looked up once in the loaded modules.

@@ -13,6 +13,7 @@ pub mod flash;
 pub mod gpu;
 pub mod gstream;
 pub mod matmul;
+pub mod mem_pool;
 pub mod model;
 pub mod nccl;
 pub mod nvrtc;
