@@ -327,6 +327,68 @@ fn fast_path_fused_launches_are_bit_identical() {
     eprintln!("m2.7:iq4xs:2 fast path: fused / fused + graphs / separate + graphs bit-identical to separate launches over {} steps", runs[0].len());
 }
 
+/// Unsplit decode attention at short contexts (`fast::set_attn_short`, `MINIMAX_ATTN_SHORT`):
+/// a step whose contexts are all at most `ATTN_SHORT_MAX_CTX` runs `attn_dec6tm_*` with one
+/// split and no `attn_merge6`; a longer context keeps the split kernels and the merge. Logits
+/// match the split form up to f32 rounding (other summation order) and the greedy tokens are
+/// the same, directly and from the step graphs.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_path_short_context_attention_matches_split_form() {
+    use minimax_rank::cuda::fast::{ATTN_SHORT_MAX_CTX, set_attn_short};
+    use minimax_shared::model::synthetic::SyntheticSpec;
+    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
+    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 13).unwrap();
+    assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
+    // Kernels of one direct (no graph) one-token step at context `cached + 1`.
+    let kernels_at = |m: &mut CudaModel, short: bool, cached: usize, base: u32| -> Vec<String> {
+        set_attn_short(Some(short));
+        m.set_fast(true, false);
+        let pt: Vec<u32> = (base..base + (cached + 2).div_ceil(PAGE) as u32).collect();
+        let prompt: Vec<u32> = (0..cached as u32).map(|i| (i * 7919 + 3) % 200_000).collect();
+        m.forward(&ForwardBatch { seqs: vec![SeqStep { seq_id: 900 + base as u64, page_table: pt.clone(), cached_len: 0, tokens: prompt, logits: LogitsWanted::Last }] }).unwrap();
+        m.gpu().profile_begin();
+        m.forward(&ForwardBatch { seqs: vec![SeqStep { seq_id: 900 + base as u64, page_table: pt, cached_len: cached, tokens: vec![5], logits: LogitsWanted::Last }] }).unwrap();
+        m.gpu().profile_end().unwrap().into_iter().map(|(n, _)| n).collect()
+    };
+    let has = |ks: &[String], p: &str| ks.iter().any(|k| k.starts_with(p));
+    let ks = kernels_at(&mut m, true, 40, 0);
+    assert!(has(&ks, "attn_dec6tm_") && !has(&ks, "attn_merge6"), "short context, attn_short on: {ks:?}");
+    let ks = kernels_at(&mut m, false, 40, 10);
+    assert!(has(&ks, "attn_merge6") && !has(&ks, "attn_dec6tm_"), "short context, attn_short off: {ks:?}");
+    let ks = kernels_at(&mut m, true, ATTN_SHORT_MAX_CTX + 20, 20);
+    assert!(has(&ks, "attn_merge6"), "context past ATTN_SHORT_MAX_CTX keeps the split form: {ks:?}");
+    // The step series with and without, direct and from graphs.
+    let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
+    for (i, (short, graphs)) in [(false, false), (true, false), (true, true)].into_iter().enumerate() {
+        set_attn_short(Some(short));
+        m.clear_graphs();
+        m.set_fast(true, graphs);
+        runs.push(fast_step_series(&mut m, 60 + 20 * i as u32));
+    }
+    set_attn_short(None);
+    m.set_fast(true, true);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut worst = 0f32;
+    for (s, (a, b)) in runs[0].iter().zip(&runs[1]).enumerate() {
+        let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d = max_diff(a, b);
+        assert!(d.is_finite() && d <= 1e-3 * scale.max(1.0), "step {s}: unsplit attention logits off by {d} (|logit| <= {scale})");
+        worst = worst.max(d / scale.max(1.0));
+        for (ra, rb) in a.chunks(spec_vocab(&m)).zip(b.chunks(spec_vocab(&m))) {
+            assert_eq!(argmax(ra).0, argmax(rb).0, "step {s}: greedy token differs with unsplit attention");
+        }
+    }
+    for (s, (a, b)) in runs[1].iter().zip(&runs[2]).enumerate() {
+        assert!(bits(a) == bits(b), "step {s}: unsplit attention from graphs differs from direct launches (max |diff| {})", max_diff(a, b));
+    }
+    eprintln!("m2.7:iq4xs:2 fast path: unsplit short-context attention within {worst:.1e} (relative to the largest logit) of the split form, greedy tokens identical, graphs bit-identical to direct");
+}
+
+fn spec_vocab(m: &CudaModel) -> usize {
+    m.config().vocab_size
+}
+
 /// The PDL variants (weights loaded before `griddepcontrol.wait`: `mvqs_*p`, `mvqs_*s2p`, `mvmma_q8_0p`,
 /// `router_topk_f32p`, `qk_norm_rope_store_p_*`; `norm_q8e` / `attn_merge6e` triggering the
 /// next launch before their wait) give logits bit-identical to the plain kernels at M2.7

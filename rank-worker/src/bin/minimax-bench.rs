@@ -1019,6 +1019,12 @@ fn main() -> anyhow::Result<()> {
     if flag("--tma-ab") {
         return tma_ab(&mut m, &mut pages);
     }
+    if flag("--short-ab") {
+        use minimax_rank::cuda::fast::set_attn_short;
+        b1_ab(&mut m, &mut pages, "decode attention at short context", &["split + merge", "unsplit (attn_short)"], &|i| set_attn_short(Some(i == 1)))?;
+        set_attn_short(None);
+        return Ok(());
+    }
     if flag("--pool-ab") {
         return pool_ab(&mut m, &mut pages);
     }

@@ -485,6 +485,27 @@ pub fn set_attn_fusion(on: Option<bool>) {
     ATTN_FUSE.set(on);
 }
 
+static ATTN_SHORT: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ATTN_SHORT", false);
+
+/// Longest context (cached + new tokens of a step's longest sequence) whose decode attention
+/// [`attn_short`] runs unsplit.
+pub const ATTN_SHORT_MAX_CTX: usize = 256;
+
+/// Whether fast steps whose contexts are all at most [`ATTN_SHORT_MAX_CTX`] run decode
+/// attention as one block per (token, KV head) that normalizes its own output (`attn_dec6tm_*`
+/// with one split: no `attn_merge6` launch, no partials) instead of one split per SM and a
+/// merge (`MINIMAX_ATTN_SHORT=1`; opt-in until measured: `minimax-bench --short-ab`). Such
+/// steps get their own graphs (keyed by tokens and this choice).
+pub fn attn_short() -> bool {
+    ATTN_SHORT.get()
+}
+
+/// Overrides [`attn_short`] (A/B runs and tests; `None` = back to the environment). Graphs are
+/// keyed by the choice, so no graph needs dropping.
+pub fn set_attn_short(on: Option<bool>) {
+    ATTN_SHORT.set(on);
+}
+
 /// Most attention splits `attn_dec6m_*` merges (`AD_MAXSPLIT`).
 pub const ATTN_FUSE_MAX_SPLIT: usize = 128;
 
@@ -1443,7 +1464,10 @@ pub(crate) struct FastWs {
     /// [tokens | pos | seq | slots | pt_off] (MAX_FAST_TOKENS each) then page tables.
     pub meta: CudaSlice<i32>,
     pub pts_cap: usize,
-    pub graphs: HashMap<usize, Graph>,
+    /// Captured steps by (tokens, unsplit short-context attention: [`attn_short`]).
+    pub graphs: HashMap<(usize, bool), Graph>,
+    /// The attention form of the last step run (what [`crate::cuda::CudaModel::replay_fast_step`] replays).
+    pub last_short: bool,
 }
 
 /// A captured step. CUDA graph objects are not internally synchronized; the model owning them
@@ -1484,6 +1508,7 @@ impl FastWs {
             meta: g.zeros(5 * t + pts_cap)?,
             pts_cap,
             graphs: HashMap::new(),
+            last_short: false,
         })
     }
 }

@@ -446,7 +446,9 @@ impl CudaModel {
     }
 
     /// Enqueues one fast step of `nt` tokens whose metadata is already in the workspace.
-    fn enqueue_fast(&self, nt: usize) -> Result<(), CudaError> {
+    /// `short`: every context of the step is at most `fast::ATTN_SHORT_MAX_CTX` and
+    /// `fast::attn_short` is on (unsplit decode attention).
+    fn enqueue_fast(&self, nt: usize, short: bool) -> Result<(), CudaError> {
         let c = &self.cfg;
         let g = &self.gpu;
         let ws = self.fast.as_ref().unwrap();
@@ -476,7 +478,7 @@ impl CudaModel {
         let ssp = p(&ws.ss);
         let (aq, ad, ids, wts) = (g.ptr(&ws.aq), p(&ws.ad), g.ptr(&ws.ids), p(&ws.wts));
         let kvs = if self.kv_dtype == KvDtype::BF16 { "bf16" } else { "f16" };
-        let nsplit = nsplit_for(nt);
+        let nsplit = if short { 1 } else { nsplit_for(nt) };
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         // Pipeline stages after the first find their input in `hidden` (received before the
         // step's graph); stages before the last stop after their layers (sent after it).
@@ -484,7 +486,8 @@ impl CudaModel {
             g.dequant_rows(&self.embd, m_tok, nt, hid, h)?;
         }
         // MINIMAX_ATTN_FUSE=1: decode attention merges its splits in its last block.
-        let acnt = if super::fast::attn_fusion() && nsplit <= super::fast::ATTN_FUSE_MAX_SPLIT { Some(g.ptr(&ws.acnt)) } else { None };
+        // Short contexts (fast::attn_short): one split whose block normalizes its own output.
+        let acnt = if short || (super::fast::attn_fusion() && nsplit <= super::fast::ATTN_FUSE_MAX_SPLIT) { Some(g.ptr(&ws.acnt)) } else { None };
         // Whether xq / xd already hold this layer's attention norm (the previous layer's streamed
         // down ran it in its last block: fast::fuse_down_norm).
         let mut normed = false;
@@ -659,20 +662,24 @@ impl CudaModel {
             let comm = self.comm.as_ref().ok_or_else(|| CudaError::Shape("pipeline stage has no NCCL communicator (JOIN first)".into()))?;
             comm.recv(&mut dst, self.part.pp_rank - 1)?;
         }
-        let have_graph = self.fast.as_ref().unwrap().graphs.contains_key(&nt);
+        let max_ctx = batch.seqs.iter().map(|s| s.cached_len + s.tokens.len()).max().unwrap_or(0);
+        let short = super::fast::attn_short() && max_ctx <= super::fast::ATTN_SHORT_MAX_CTX;
+        self.fast.as_mut().unwrap().last_short = short;
+        let key = (nt, short);
+        let have_graph = self.fast.as_ref().unwrap().graphs.contains_key(&key);
         if self.opts.graphs && have_graph {
-            self.fast.as_ref().unwrap().graphs[&nt].0.launch()?;
+            self.fast.as_ref().unwrap().graphs[&key].0.launch()?;
         } else {
-            self.enqueue_fast(nt)?;
+            self.enqueue_fast(nt, short)?;
             if self.opts.graphs {
                 self.gpu.sync()?;
                 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
                 self.gpu.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-                let r = self.enqueue_fast(nt);
+                let r = self.enqueue_fast(nt, short);
                 let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0))?;
                 r?;
                 if let Some(gr) = graph {
-                    self.fast.as_mut().unwrap().graphs.insert(nt, super::fast::Graph(gr));
+                    self.fast.as_mut().unwrap().graphs.insert(key, super::fast::Graph(gr));
                 }
             }
         }
@@ -692,9 +699,10 @@ impl CudaModel {
     /// reading logits back (benchmark: kernel time of a step; graphs as configured).
     pub fn replay_fast_step(&mut self, nt: usize) -> Result<(), CudaError> {
         let ws = self.fast.as_ref().ok_or_else(|| CudaError::Shape("fast path off".into()))?;
-        match ws.graphs.get(&nt) {
+        let short = ws.last_short;
+        match ws.graphs.get(&(nt, short)) {
             Some(gr) if self.opts.graphs => gr.0.launch()?,
-            _ => self.enqueue_fast(nt)?,
+            _ => self.enqueue_fast(nt, short)?,
         }
         Ok(())
     }
