@@ -437,11 +437,14 @@ __device__ __forceinline__ void fb_load_tile(u16* dst, const u16* src, int k0, i
     }
 }
 
-template <int KV, int D, bool DB>
+// SPLIT (flashs_ / flashsdb_): blockIdx.x = tile * nsplit + split; the block takes its split's
+// share of the tile's key tiles and writes unnormalized partials (o[D], m, l per row) to part
+// (split-major, then token, then head); flash_merge combines them into out.
+template <int KV, int D, bool DB, bool SPLIT = false>
 __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,
                                             const int* seq_start, const int* pt_off, const u32* page_tables,
                                             int page_size, int kv_heads, int group, float sl2, float* out, i64 os,
-                                            int n_tiles) {
+                                            int n_tiles, int nsplit = 1, float* part = nullptr) {
     constexpr int LD = D + 8;
     constexpr int KC = D / 16;
     constexpr int ND = D / 8;
@@ -454,7 +457,8 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
     u16* sv = sk + NBUF * FB_BN * LD;
     __shared__ int s_lim[FB_WARPS];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, c = lane & 3;
-    const int tile = n_tiles - 1 - (int)blockIdx.x;
+    const int tile = n_tiles - 1 - (int)blockIdx.x / (SPLIT ? nsplit : 1);
+    const int split = SPLIT ? (int)blockIdx.x % nsplit : 0;
     const int kvh = blockIdx.y, s = blockIdx.z;
     const int t0 = seq_start[s];
     const int nrows = (seq_start[s + 1] - t0) * group;
@@ -486,10 +490,17 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
     for (int w = 0; w < FB_WARPS; w++) kv_len = max(kv_len, s_lim[w]);
 
     const int n_kt = (kv_len + FB_BN - 1) / FB_BN;
-    fb_load_tile<D, LD, FB_BN, NT>(sk, kc, 0, kv_len, pt, page_size, kv_heads, kvh);
+    // This block's key tiles: all, or its split's share (an empty share writes m = -inf, l = 0).
+    int kt_begin = 0, kt_end = n_kt;
+    if (SPLIT) {
+        const int per = (n_kt + nsplit - 1) / nsplit;
+        kt_begin = min(n_kt, split * per);
+        kt_end = min(n_kt, kt_begin + per);
+    }
+    fb_load_tile<D, LD, FB_BN, NT>(sk, kc, kt_begin * FB_BN, kv_len, pt, page_size, kv_heads, kvh);
     cp_async_commit();
     if (DB) {
-        fb_load_tile<D, LD, FB_BN, NT>(sv, vc, 0, kv_len, pt, page_size, kv_heads, kvh);
+        fb_load_tile<D, LD, FB_BN, NT>(sv, vc, kt_begin * FB_BN, kv_len, pt, page_size, kv_heads, kvh);
         cp_async_commit();
     }
 
@@ -531,14 +542,14 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
     const u32 k_lane0 = smem_addr(sk) + (((lane & 7) + ((lane >> 4) << 3)) * LD + ((lane >> 3) & 1) * 8) * 2;
     const u32 v_lane0 = smem_addr(sv) + ((lane & 15) * LD + (lane >> 4) * 8) * 2;
 
-    for (int kt = 0; kt < n_kt; kt++) {
+    for (int kt = kt_begin; kt < kt_end; kt++) {
         const int k0 = kt * FB_BN;
-        const u32 buf = DB ? (u32)(kt & 1) * (FB_BN * LD * 2) : 0u;
+        const u32 buf = DB ? (u32)((kt - kt_begin) & 1) * (FB_BN * LD * 2) : 0u;
         const u32 k_lane = k_lane0 + buf, v_lane = v_lane0 + buf;
         if (DB) {
             cp_async_wait<1>();  // K(kt) landed (V(kt) may still be in flight)
             __syncthreads();     // ... for everyone (and Q); every warp is done with K(kt-1)
-            if (kt + 1 < n_kt) fb_load_tile<D, LD, FB_BN, NT>(sk + (buf ^ (FB_BN * LD * 2)) / 2, kc, k0 + FB_BN, kv_len, pt, page_size, kv_heads, kvh);
+            if (kt + 1 < kt_end) fb_load_tile<D, LD, FB_BN, NT>(sk + (buf ^ (FB_BN * LD * 2)) / 2, kc, k0 + FB_BN, kv_len, pt, page_size, kv_heads, kvh);
             cp_async_commit();
         } else {
             cp_async_wait<0>();
@@ -621,11 +632,11 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
         if (DB) {
             cp_async_wait<1>();  // V(kt) landed (K(kt+1) may still be in flight)
             __syncthreads();     // ... for everyone; every warp is done with V(kt-1)
-            if (kt + 1 < n_kt) fb_load_tile<D, LD, FB_BN, NT>(sv + (buf ^ (FB_BN * LD * 2)) / 2, vc, k0 + FB_BN, kv_len, pt, page_size, kv_heads, kvh);
+            if (kt + 1 < kt_end) fb_load_tile<D, LD, FB_BN, NT>(sv + (buf ^ (FB_BN * LD * 2)) / 2, vc, k0 + FB_BN, kv_len, pt, page_size, kv_heads, kvh);
             cp_async_commit();
         } else {
             __syncthreads();  // every warp is done reading K(kt)
-            if (kt + 1 < n_kt) fb_load_tile<D, LD, FB_BN, NT>(sk, kc, k0 + FB_BN, kv_len, pt, page_size, kv_heads, kvh);
+            if (kt + 1 < kt_end) fb_load_tile<D, LD, FB_BN, NT>(sk, kc, k0 + FB_BN, kv_len, pt, page_size, kv_heads, kvh);
             cp_async_commit();
             cp_async_wait<1>();
             __syncthreads();  // V(kt) landed for everyone
@@ -653,11 +664,41 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
         li += __shfl_xor_sync(0xffffffffu, li, 2);
         if (qp[j] < 0) continue;
         const int r = r0 + warp * 32 + mt * 16 + g + 8 * i;
+        if (SPLIT) {
+            // Unnormalized: o, the row's running max m (raw score units) and l.
+            const int heads = kv_heads * group;
+            float* dst = part + ((i64)split * seq_start[gridDim.z] + t0 + r / group) * heads * (D + 2) + (i64)(kvh * group + r % group) * (D + 2);
+#pragma unroll
+            for (int n = 0; n < ND; n++) *(float2*)(dst + n * 8 + 2 * c) = make_float2(o[mt][n][2 * i], o[mt][n][2 * i + 1]);
+            if (c == 0) *(float2*)(dst + D) = make_float2(m[j], li);
+            continue;
+        }
         float* dst = out + (i64)(t0 + r / group) * os + (i64)(kvh * group + r % group) * D + 2 * c;
         const float inv = 1.f / li;
 #pragma unroll
         for (int n = 0; n < ND; n++) *(float2*)(dst + n * 8) = make_float2(o[mt][n][2 * i] * inv, o[mt][n][2 * i + 1] * inv);
     }
+}
+
+// out[t][h] of a split flash launch: sum over the splits with l > 0 of w o / sum of w l, w =
+// 2^((m - M) sl2), M the largest such m. grid (tokens, heads), block D.
+extern "C" __global__ void flash_merge(const float* part, int nsplit, int ntok, int heads, int D, float sl2, float* out, i64 os) {
+    const int t = blockIdx.x, h = blockIdx.y, d = threadIdx.x;
+    const i64 stride = (i64)ntok * heads * (D + 2);
+    const float* p = part + ((i64)t * heads + h) * (D + 2);
+    float M = NEG_INF;
+    for (int sp = 0; sp < nsplit; sp++)
+        if (p[sp * stride + D + 1] > 0.f) M = fmaxf(M, p[sp * stride + D]);
+    float L = 0.f, O = 0.f;
+    for (int sp = 0; sp < nsplit; sp++) {
+        const float l = p[sp * stride + D + 1];
+        if (l > 0.f) {
+            const float w = fa_exp2((p[sp * stride + D] - M) * sl2);
+            L = fmaf(l, w, L);
+            O = fmaf(p[sp * stride + d], w, O);
+        }
+    }
+    out[(i64)t * os + (i64)h * D + d] = O / L;
 }
 
 #define FB_INST(name, KV, D)                                                                                     \
@@ -674,6 +715,22 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
                              int kv_heads, int group, float sl2, float* out, i64 os, int n_tiles) {              \
         flash2_impl<KV, D, true>(q, qs, kc, vc, pos, seq_start, pt_off, page_tables, page_size, kv_heads, group, \
                                  sl2, out, os, n_tiles);                                                         \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * FB_WARPS)                                                  \
+        flashs_##name##_##D(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,                \
+                            const int* seq_start, const int* pt_off, const u32* page_tables, int page_size,      \
+                            int kv_heads, int group, float sl2, float* out, i64 os, int n_tiles, int nsplit,     \
+                            float* part) {                                                                       \
+        flash2_impl<KV, D, false, true>(q, qs, kc, vc, pos, seq_start, pt_off, page_tables, page_size, kv_heads, \
+                                        group, sl2, out, os, n_tiles, nsplit, part);                             \
+    }                                                                                                            \
+    extern "C" __global__ void __launch_bounds__(32 * FB_WARPS)                                                  \
+        flashsdb_##name##_##D(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,              \
+                              const int* seq_start, const int* pt_off, const u32* page_tables, int page_size,    \
+                              int kv_heads, int group, float sl2, float* out, i64 os, int n_tiles, int nsplit,   \
+                              float* part) {                                                                     \
+        flash2_impl<KV, D, true, true>(q, qs, kc, vc, pos, seq_start, pt_off, page_tables, page_size, kv_heads,  \
+                                       group, sl2, out, os, n_tiles, nsplit, part);                              \
     }
 
 FB_INST(f16, KV_F16, 32)

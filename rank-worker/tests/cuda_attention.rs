@@ -346,6 +346,18 @@ fn flash_attention_matches_f64_reference() {
                     let (worst, rms) = check(&format!("{} {dt:?} {k:?}", c.name), dt, false, &c, &b, &gotk, &reference);
                     eprintln!("attention {:<26} kv {dt:?}: {:<15} max |diff| {worst:.2e}, rms diff/typical {rms:.2}", c.name, format!("{k:?}"));
                 }
+                // Keys split over 2, 3 and 5 blocks per row tile, merged by flash_merge (empty
+                // splits included: short tiles have fewer key tiles than splits).
+                for k in kernels(&g, c.hd).into_iter().filter(|&k| k != FlashKernel::Rows64) {
+                    for ns in [2usize, 3, 5] {
+                        let outk = poisoned(&g, b.nt * b.os);
+                        let names = launched(&g, || g.flash_attention_split(dt, &args(&g, &c, &b, &outk), k, ns).unwrap());
+                        assert_eq!(names.last().map(|s| s.as_str()), Some("flash_merge"), "{} {k:?} split {ns}: launched {names:?}", c.name);
+                        let gotk = g.download(&outk).unwrap();
+                        let (worst, rms) = check(&format!("{} {dt:?} {k:?} split {ns}", c.name), dt, false, &c, &b, &gotk, &reference);
+                        eprintln!("attention {:<26} kv {dt:?}: {:<15} split {ns}: max |diff| {worst:.2e}, rms diff/typical {rms:.2}", c.name, format!("{k:?}"));
+                    }
+                }
             }
             if dt != KvDtype::F32 {
                 // The per-token kernel on the same 16-bit cache, exact up to f32 (q unrounded
@@ -548,8 +560,8 @@ fn flash_attention_speed_at_m27_shapes() {
     // Small launches: 1..4 sequences x chunks of 512-2048 at prefix 0 / 4096 (fewer 128-row
     // blocks than SMs for some; the 64-row kernel's twice as many blocks did not win any).
     eprintln!("small launches (f16), ms:");
-    eprintln!("| seqs x chunk @ prefix | flash64 | flash (128 rows) | flashdb | auto |");
-    eprintln!("| --- | --- | --- | --- | --- |");
+    eprintln!("| seqs x chunk @ prefix | flash64 | flash (128 rows) | flashdb | flashdb, keys split 2 / 3 / 4 | auto |");
+    eprintln!("| --- | --- | --- | --- | --- | --- |");
     for (ns, chunk, prefix) in [(1usize, 512usize, 0usize), (1, 512, 4096), (2, 512, 4096), (1, 1024, 0), (1, 1024, 4096), (4, 512, 4096), (1, 2048, 0)] {
         let seqs = vec![(prefix, chunk); ns];
         let (b, nt, _, mx) = setup(&seqs);
@@ -557,7 +569,8 @@ fn flash_attention_speed_at_m27_shapes() {
         let t64 = time_ms(&g, 1, 5, &|| g.flash_attention_with(dt, &a, k64).unwrap());
         let tf = time_ms(&g, 1, 5, &|| g.flash_attention_with(dt, &a, k128).unwrap());
         let tdb = time_ms(&g, 1, 5, &|| g.flash_attention_with(dt, &a, kdb).unwrap());
-        eprintln!("| {ns} x {chunk} @ {prefix} | {t64:.4} | {tf:.4} | {tdb:.4} | {:?} |", g.flash_kernel(&a));
+        let tsp: Vec<String> = [2usize, 3, 4].iter().map(|&n| format!("{:.4}", time_ms(&g, 1, 5, &|| g.flash_attention_split(dt, &a, kdb, n).unwrap()))).collect();
+        eprintln!("| {ns} x {chunk} @ {prefix} | {t64:.4} | {tf:.4} | {tdb:.4} | {} | {:?} |", tsp.join(" / "), g.flash_kernel(&a));
     }
     // Crossover: 8 sequences at prefix 4096 with n new tokens each.
     eprintln!("crossover, 8 sequences x n new tokens at prefix 4096:");

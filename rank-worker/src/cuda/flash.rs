@@ -26,6 +26,19 @@ pub static FLASH_WIDE: EnvFlag = EnvFlag::new("MINIMAX_FLASH_WIDE", true);
 /// form (`flashdb_*`) fits the card's shared memory (sm_90: yes; sm_120: no).
 pub static FLASH_DB: EnvFlag = EnvFlag::new("MINIMAX_FLASH_DB", true);
 
+/// `MINIMAX_FLASH_SPLIT=N` (2..=8; unset or 0: off, the default until measured): a flash launch
+/// of the 128-row kernels with fewer blocks than two per SM, whose longest sequence has at least
+/// [`FLASH_SPLIT_MIN_TOKENS`] new tokens, splits each row tile's keys over N blocks
+/// (`flashs_*` / `flashsdb_*`) and merges the partials (`flash_merge`): the heaviest tile of a
+/// short prefill otherwise runs its key tiles one after another while SMs idle.
+pub fn flash_split_env() -> usize {
+    static N: std::sync::OnceLock<usize> = std::sync::OnceLock::new();
+    *N.get_or_init(|| std::env::var("MINIMAX_FLASH_SPLIT").ok().and_then(|v| v.parse::<usize>().ok()).filter(|n| (2..=8).contains(n)).unwrap_or(0))
+}
+
+/// Fewest new tokens of the launch's longest sequence for which [`flash_split_env`] splits.
+pub const FLASH_SPLIT_MIN_TOKENS: usize = 256;
+
 /// Which flash kernel runs a call.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FlashKernel {
@@ -88,7 +101,17 @@ impl Gpu {
     /// equal q/k and v head widths of 32, 64 or 128, 16-byte aligned caches and 8-byte aligned
     /// q/out rows.
     pub fn flash_attention(&self, dt: KvDtype, a: &AttnArgs) -> Result<(), CudaError> {
-        self.flash_attention_with(dt, a, self.flash_kernel(a))
+        let k = self.flash_kernel(a);
+        let n = flash_split_env();
+        if n >= 2 && k != FlashKernel::Rows64 && a.max_seq_tokens >= FLASH_SPLIT_MIN_TOKENS && a.kv_heads > 0 {
+            use cudarc::driver::sys::CUdevice_attribute;
+            let sms = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
+            let blocks = (a.max_seq_tokens * (a.heads / a.kv_heads)).div_ceil(FLASH_ROWS) * a.kv_heads * a.n_seqs;
+            if blocks < 2 * sms {
+                return self.flash_attention_split(dt, a, k, n);
+            }
+        }
+        self.flash_attention_with(dt, a, k)
     }
 
     /// The flash kernel for `a`: the 128-row kernel, or the 64-row one with
@@ -107,24 +130,7 @@ impl Gpu {
 
     /// [`Gpu::flash_attention`] with the kernel given (tests and A/B runs).
     pub fn flash_attention_with(&self, dt: KvDtype, a: &AttnArgs, k: FlashKernel) -> Result<(), CudaError> {
-        if let Some(why) = flash_unsupported(dt, a) {
-            return Err(CudaError::Shape(format!("flash attention: {why}")));
-        }
-        if a.kv_heads == 0 || a.heads % a.kv_heads != 0 || a.page_size == 0 {
-            return Err(CudaError::Shape(format!("flash attention: heads {}/{}, page size {}", a.heads, a.kv_heads, a.page_size)));
-        }
-        if a.kc % 16 != 0 || a.vc % 16 != 0 || a.q % 8 != 0 || a.out % 8 != 0 || a.qs % 2 != 0 || a.os % 2 != 0 {
-            return Err(CudaError::Shape(format!(
-                "flash attention: alignment (caches {:#x}/{:#x} need 16 bytes; q {:#x}, out {:#x} 8 bytes; strides {}/{} even)",
-                a.kc, a.vc, a.q, a.out, a.qs, a.os
-            )));
-        }
-        if a.qs < a.heads * a.hd || a.os < a.heads * a.vd {
-            return Err(CudaError::Shape(format!("flash attention: row strides {}/{} narrower than {} heads x {}", a.qs, a.os, a.heads, a.hd)));
-        }
-        if a.n_seqs > 65535 || a.kv_heads > 65535 {
-            return Err(CudaError::Shape(format!("flash attention: {} sequences x {} KV heads (max 65535 each)", a.n_seqs, a.kv_heads)));
-        }
+        self.flash_checks(dt, a, k)?;
         if a.nt == 0 || a.max_seq_tokens == 0 {
             return Ok(());
         }
@@ -137,9 +143,6 @@ impl Gpu {
             FlashKernel::Rows128Db => format!("flashdb_{}_{}", dt.suffix(), a.hd),
         };
         let smem = k.smem(a.hd);
-        if smem > self.smem_optin() {
-            return Err(CudaError::Shape(format!("{name}: {smem} bytes of shared memory (the card allows {})", self.smem_optin())));
-        }
         self.launch(
             &name,
             (n_tiles as u32, a.kv_heads as u32, a.n_seqs as u32),
@@ -162,6 +165,87 @@ impl Gpu {
                 Arg::L(a.os as i64),
                 Arg::I(n_tiles as i32),
             ],
+        )
+    }
+
+    /// The argument checks of every flash launch (errors, never a bad launch).
+    fn flash_checks(&self, dt: KvDtype, a: &AttnArgs, k: FlashKernel) -> Result<(), CudaError> {
+        if let Some(why) = flash_unsupported(dt, a) {
+            return Err(CudaError::Shape(format!("flash attention: {why}")));
+        }
+        if a.kv_heads == 0 || a.heads % a.kv_heads != 0 || a.page_size == 0 {
+            return Err(CudaError::Shape(format!("flash attention: heads {}/{}, page size {}", a.heads, a.kv_heads, a.page_size)));
+        }
+        if a.kc % 16 != 0 || a.vc % 16 != 0 || a.q % 8 != 0 || a.out % 8 != 0 || a.qs % 2 != 0 || a.os % 2 != 0 {
+            return Err(CudaError::Shape(format!(
+                "flash attention: alignment (caches {:#x}/{:#x} need 16 bytes; q {:#x}, out {:#x} 8 bytes; strides {}/{} even)",
+                a.kc, a.vc, a.q, a.out, a.qs, a.os
+            )));
+        }
+        if a.qs < a.heads * a.hd || a.os < a.heads * a.vd {
+            return Err(CudaError::Shape(format!("flash attention: row strides {}/{} narrower than {} heads x {}", a.qs, a.os, a.heads, a.hd)));
+        }
+        if a.n_seqs > 65535 || a.kv_heads > 65535 {
+            return Err(CudaError::Shape(format!("flash attention: {} sequences x {} KV heads (max 65535 each)", a.n_seqs, a.kv_heads)));
+        }
+        let smem = k.smem(a.hd);
+        if smem > self.smem_optin() {
+            return Err(CudaError::Shape(format!("flash {k:?}: {smem} bytes of shared memory (the card allows {})", self.smem_optin())));
+        }
+        Ok(())
+    }
+
+    /// [`Gpu::flash_attention_with`] with each row tile's keys split over `nsplit` blocks
+    /// (`flashs_*` / `flashsdb_*`, 128-row kernels only) and the partials merged by
+    /// `flash_merge` (tests and A/B runs; [`flash_split_env`] makes `flash_attention` take it).
+    pub fn flash_attention_split(&self, dt: KvDtype, a: &AttnArgs, k: FlashKernel, nsplit: usize) -> Result<(), CudaError> {
+        if k == FlashKernel::Rows64 || nsplit == 0 || nsplit > 64 {
+            return Err(CudaError::Shape(format!("split flash attention: kernel {k:?}, {nsplit} splits")));
+        }
+        self.flash_checks(dt, a, k)?;
+        if a.nt == 0 || a.max_seq_tokens == 0 {
+            return Ok(());
+        }
+        let group = a.heads / a.kv_heads;
+        let n_tiles = (a.max_seq_tokens * group).div_ceil(k.rows());
+        let sl2 = a.scale * std::f32::consts::LOG2_E;
+        let name = match k {
+            FlashKernel::Rows128Db => format!("flashsdb_{}_{}", dt.suffix(), a.hd),
+            _ => format!("flashs_{}_{}", dt.suffix(), a.hd),
+        };
+        // Partials: nsplit x tokens x heads x (hd + 2) f32, every entry written by its split.
+        let part = unsafe { self.stream.alloc::<f32>(nsplit * a.nt * a.heads * (a.hd + 2))? };
+        self.launch(
+            &name,
+            ((n_tiles * nsplit) as u32, a.kv_heads as u32, a.n_seqs as u32),
+            128,
+            k.smem(a.hd) as u32,
+            &[
+                Arg::P(a.q),
+                Arg::L(a.qs as i64),
+                Arg::P(a.kc),
+                Arg::P(a.vc),
+                Arg::P(a.pos),
+                Arg::P(a.seq_start),
+                Arg::P(a.pt_off),
+                Arg::P(a.page_tables),
+                Arg::I(a.page_size as i32),
+                Arg::I(a.kv_heads as i32),
+                Arg::I(group as i32),
+                Arg::F(sl2),
+                Arg::P(a.out),
+                Arg::L(a.os as i64),
+                Arg::I(n_tiles as i32),
+                Arg::I(nsplit as i32),
+                Arg::P(self.ptr(&part)),
+            ],
+        )?;
+        self.launch(
+            "flash_merge",
+            (a.nt as u32, a.heads as u32, 1),
+            a.hd as u32,
+            0,
+            &[Arg::P(self.ptr(&part)), Arg::I(nsplit as i32), Arg::I(a.nt as i32), Arg::I(a.heads as i32), Arg::I(a.hd as i32), Arg::F(sl2), Arg::P(a.out), Arg::L(a.os as i64)],
         )
     }
 
