@@ -81,6 +81,27 @@ pub const FLASH_MIN_TOKENS: usize = 8;
 /// Head widths the flash kernel is instantiated for (q/k and v widths equal).
 pub const FLASH_HEAD_DIMS: [usize; 3] = [32, 64, 128];
 
+/// The arguments every flash kernel takes first (q, caches, metadata, scale, output, tiles).
+fn flash_args(a: &AttnArgs, group: usize, sl2: f32, n_tiles: usize) -> [Arg; 15] {
+    [
+        Arg::P(a.q),
+        Arg::L(a.qs as i64),
+        Arg::P(a.kc),
+        Arg::P(a.vc),
+        Arg::P(a.pos),
+        Arg::P(a.seq_start),
+        Arg::P(a.pt_off),
+        Arg::P(a.page_tables),
+        Arg::I(a.page_size as i32),
+        Arg::I(a.kv_heads as i32),
+        Arg::I(group as i32),
+        Arg::F(sl2),
+        Arg::P(a.out),
+        Arg::L(a.os as i64),
+        Arg::I(n_tiles as i32),
+    ]
+}
+
 /// Why the flash kernel cannot run `a` with a `dt` cache (`None`: it can).
 pub fn flash_unsupported(dt: KvDtype, a: &AttnArgs) -> Option<String> {
     if dt == KvDtype::F32 {
@@ -130,13 +151,9 @@ impl Gpu {
 
     /// [`Gpu::flash_attention`] with the kernel given (tests and A/B runs).
     pub fn flash_attention_with(&self, dt: KvDtype, a: &AttnArgs, k: FlashKernel) -> Result<(), CudaError> {
-        self.flash_checks(dt, a, k)?;
-        if a.nt == 0 || a.max_seq_tokens == 0 {
+        let Some((group, n_tiles, sl2)) = self.flash_prep(dt, a, k)? else {
             return Ok(());
-        }
-        let group = a.heads / a.kv_heads;
-        let n_tiles = (a.max_seq_tokens * group).div_ceil(k.rows());
-        let sl2 = a.scale * std::f32::consts::LOG2_E;
+        };
         let name = match k {
             FlashKernel::Rows128 => format!("flash_{}_{}", dt.suffix(), a.hd),
             FlashKernel::Rows64 => format!("flash64_{}_{}", dt.suffix(), a.hd),
@@ -148,28 +165,13 @@ impl Gpu {
             (n_tiles as u32, a.kv_heads as u32, a.n_seqs as u32),
             128,
             smem as u32,
-            &[
-                Arg::P(a.q),
-                Arg::L(a.qs as i64),
-                Arg::P(a.kc),
-                Arg::P(a.vc),
-                Arg::P(a.pos),
-                Arg::P(a.seq_start),
-                Arg::P(a.pt_off),
-                Arg::P(a.page_tables),
-                Arg::I(a.page_size as i32),
-                Arg::I(a.kv_heads as i32),
-                Arg::I(group as i32),
-                Arg::F(sl2),
-                Arg::P(a.out),
-                Arg::L(a.os as i64),
-                Arg::I(n_tiles as i32),
-            ],
+            &flash_args(a, group, sl2, n_tiles),
         )
     }
 
-    /// The argument checks of every flash launch (errors, never a bad launch).
-    fn flash_checks(&self, dt: KvDtype, a: &AttnArgs, k: FlashKernel) -> Result<(), CudaError> {
+    /// Checks a flash launch's arguments (errors, never a bad launch); `None` when there is
+    /// nothing to compute, else (q heads per KV head, row tiles, softmax scale × log2 e).
+    fn flash_prep(&self, dt: KvDtype, a: &AttnArgs, k: FlashKernel) -> Result<Option<(usize, usize, f32)>, CudaError> {
         if let Some(why) = flash_unsupported(dt, a) {
             return Err(CudaError::Shape(format!("flash attention: {why}")));
         }
@@ -192,7 +194,11 @@ impl Gpu {
         if smem > self.smem_optin() {
             return Err(CudaError::Shape(format!("flash {k:?}: {smem} bytes of shared memory (the card allows {})", self.smem_optin())));
         }
-        Ok(())
+        if a.nt == 0 || a.max_seq_tokens == 0 {
+            return Ok(None);
+        }
+        let group = a.heads / a.kv_heads;
+        Ok(Some((group, (a.max_seq_tokens * group).div_ceil(k.rows()), a.scale * std::f32::consts::LOG2_E)))
     }
 
     /// [`Gpu::flash_attention_with`] with each row tile's keys split over `nsplit` blocks
@@ -202,13 +208,9 @@ impl Gpu {
         if k == FlashKernel::Rows64 || nsplit == 0 || nsplit > 64 {
             return Err(CudaError::Shape(format!("split flash attention: kernel {k:?}, {nsplit} splits")));
         }
-        self.flash_checks(dt, a, k)?;
-        if a.nt == 0 || a.max_seq_tokens == 0 {
+        let Some((group, n_tiles, sl2)) = self.flash_prep(dt, a, k)? else {
             return Ok(());
-        }
-        let group = a.heads / a.kv_heads;
-        let n_tiles = (a.max_seq_tokens * group).div_ceil(k.rows());
-        let sl2 = a.scale * std::f32::consts::LOG2_E;
+        };
         let name = match k {
             FlashKernel::Rows128Db => format!("flashsdb_{}_{}", dt.suffix(), a.hd),
             _ => format!("flashs_{}_{}", dt.suffix(), a.hd),
@@ -220,25 +222,7 @@ impl Gpu {
             ((n_tiles * nsplit) as u32, a.kv_heads as u32, a.n_seqs as u32),
             128,
             k.smem(a.hd) as u32,
-            &[
-                Arg::P(a.q),
-                Arg::L(a.qs as i64),
-                Arg::P(a.kc),
-                Arg::P(a.vc),
-                Arg::P(a.pos),
-                Arg::P(a.seq_start),
-                Arg::P(a.pt_off),
-                Arg::P(a.page_tables),
-                Arg::I(a.page_size as i32),
-                Arg::I(a.kv_heads as i32),
-                Arg::I(group as i32),
-                Arg::F(sl2),
-                Arg::P(a.out),
-                Arg::L(a.os as i64),
-                Arg::I(n_tiles as i32),
-                Arg::I(nsplit as i32),
-                Arg::P(self.ptr(&part)),
-            ],
+            &[flash_args(a, group, sl2, n_tiles).as_slice(), &[Arg::I(nsplit as i32), Arg::P(self.ptr(&part))]].concat(),
         )?;
         self.launch(
             "flash_merge",
