@@ -656,6 +656,9 @@ __device__ __forceinline__ void flash2_impl(const float* q, i64 qs, const u16* k
             }
         }
     }
+    // An empty split never waited for its prologue's (zero-filling) copies: none may be in
+    // flight when the block exits.
+    if (SPLIT) cp_async_wait<0>();
 #pragma unroll
     for (int j = 0; j < 4; j++) {
         const int mt = j >> 1, i = j & 1;
