@@ -1339,7 +1339,8 @@ __device__ __forceinline__ void mt_copy3(u32 dst, const MtMap* m, int c0, int c1
 
 // One grouped tile (blockIdx.y: tile, blockIdx.x: 128-row block) of W[e] (map tw: bytes x rows x
 // experts) times the grouped X (tx: bytes x pairs; ts: pair scales x chunks), ST stages of 256
-// columns; Y row list[s + j] for the tile's token j < c. 8 warps of 16 rows, each all BM tokens.
+// columns; Y row list[s + j] for the tile's token j < c. 8 / MI warps of 16·MI rows (MI m16 tiles
+// each), each all BM tokens.
 template <int NI, int MI>
 __device__ __forceinline__ void mt_grouped(const MtMap* tw, const MtMap* tx, const MtMap* ts, int rows, int cols, float* Y, i64 ys,
                                            const int* tiles, const int* ntiles, const int* list, int ST) {

@@ -125,10 +125,8 @@ impl Gpu {
         let k = self.flash_kernel(a);
         let n = flash_split_env();
         if n >= 2 && k != FlashKernel::Rows64 && a.max_seq_tokens >= FLASH_SPLIT_MIN_TOKENS && a.kv_heads > 0 {
-            use cudarc::driver::sys::CUdevice_attribute;
-            let sms = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
-            let blocks = (a.max_seq_tokens * (a.heads / a.kv_heads)).div_ceil(FLASH_ROWS) * a.kv_heads * a.n_seqs;
-            if blocks < 2 * sms {
+            let blocks = (a.max_seq_tokens * (a.heads / a.kv_heads)).div_ceil(k.rows()) * a.kv_heads * a.n_seqs;
+            if blocks < 2 * self.sm_count() {
                 return self.flash_attention_split(dt, a, k, n);
             }
         }
