@@ -31,7 +31,7 @@ run_tests() {
 run_tests cuda_prefill tma_grouped_gemm_matches_q8_twin_and_int8_kernels int8_gemm_speed
 run_tests cuda_attention flash_attention_matches_f64_reference flash_attention_speed_at_m27_shapes
 run_tests cuda_model fast_path_short_context_attention_matches_split_form
-run_tests cuda_kernels memory_pool_keeps_or_returns_freed_memory
+run_tests cuda_kernels memory_pool_keeps_or_returns_freed_memory fast_norm_router_and_qk_rope_match_cpu
 # NAME ENV... -- BENCH ARGS: one benchmark call under T_AB with the environment given.
 bench() {
   local name=$1
@@ -51,7 +51,7 @@ bench gather MINIMAX_XG_GATHER=1 -- --prefill-only --no-32k
 echo "== tests and A/Bs ($(( $(date +%s) - t0 )) s) =="
 printf '%s\n' "${summary[@]}"
 grep -hE "split [235]: max|keys split|flashdb, keys" "$out/cuda_attention.log" | head -20
-grep -hE "grouped X of|unsplit short-context|pool keep" "$out"/cuda_*.log | head -10
+grep -hE "grouped X of|unsplit short-context|pool keep|qk|FAILED|panicked" "$out"/cuda_*.log | head -10
 grep -hE "A/B, batch 1" "$out/bench_short_ab.log"
 grep -hE "^\| [0-9]|pool reserved" "$out/bench_pool_ab.log"
 for f in base split2 split3 split4 gather; do

@@ -1020,9 +1020,14 @@ fn main() -> anyhow::Result<()> {
         return tma_ab(&mut m, &mut pages);
     }
     if flag("--short-ab") {
-        use minimax_rank::cuda::fast::set_attn_short;
-        b1_ab(&mut m, &mut pages, "decode attention at short context", &["split + merge", "unsplit (attn_short)"], &|i| set_attn_short(Some(i == 1)))?;
+        use minimax_rank::cuda::fast::{set_attn_short, set_attn_short_fuse};
+        let names = ["split + merge", "unsplit (attn_short)", "unsplit + norms/RoPE fused (attn_dec6tq)"];
+        b1_ab(&mut m, &mut pages, "decode attention at short context", &names, &|i| {
+            set_attn_short(Some(i >= 1));
+            set_attn_short_fuse(Some(i == 2));
+        })?;
         set_attn_short(None);
+        set_attn_short_fuse(None);
         return Ok(());
     }
     if flag("--pool-ab") {

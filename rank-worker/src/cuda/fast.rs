@@ -506,6 +506,22 @@ pub fn set_attn_short(on: Option<bool>) {
     ATTN_SHORT.set(on);
 }
 
+static ATTN_SHORT_FUSE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ATTN_SHORT_FUSE", true);
+
+/// Whether a one-token step that takes [`attn_short`] runs the q/k norms, RoPE, the KV store
+/// and the attention in one launch (`attn_dec6tq_*`, bit-identical to `qk_norm_rope_store_p_*`
+/// + `attn_dec6tm_*`): one kernel fewer in batch-1 decode's chain (`MINIMAX_ATTN_SHORT_FUSE=0`
+/// keeps the two; only with [`attn_short`] on).
+pub fn attn_short_fuse() -> bool {
+    ATTN_SHORT_FUSE.get()
+}
+
+/// Overrides [`attn_short_fuse`] (A/B runs and tests; `None` = back to the environment). Drop
+/// captured graphs after a change (`CudaModel::clear_graphs`).
+pub fn set_attn_short_fuse(on: Option<bool>) {
+    ATTN_SHORT_FUSE.set(on);
+}
+
 /// Most attention splits `attn_dec6m_*` merges (`AD_MAXSPLIT`).
 pub const ATTN_FUSE_MAX_SPLIT: usize = 128;
 
@@ -1330,6 +1346,53 @@ impl Gpu {
                 self.launch_pdl(merge, ((kv_heads * GQA) as u32, nt as u32, 1), 128, 0, &[Arg::P(part), Arg::I(kv_heads as i32), Arg::I(nsplit as i32), Arg::P(out), Arg::L(os as i64), Arg::P(aq), Arg::P(ad), Arg::P(pos)])
             }
         }
+    }
+
+    /// One token's q/k norms, partial RoPE, KV store and unsplit decode attention in one
+    /// launch (`attn_dec6tq_*`, [`attn_short_fuse`]): `qk` = (q, k, v rows of the token, q width,
+    /// k width; v as wide as k, rows `kw` apart), `norm` = (q norm, k norm weights, eps),
+    /// `rope` = (rotary dims, theta), `meta` = (pos, seq, page-table offsets, pages, slots).
+    /// Output as [`Gpu::attn_decode`]: `out` (f32, stride `os`) and its q8 `aq` / `ad`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn attn_short_fused(&self, kv: &str, qk: (u64, u64, u64, usize, usize), norm: (u64, u64, f32), rope: (usize, f32), kc: u64, vc: u64, meta: (u64, u64, u64, u64, u64), page_size: usize, kv_heads: usize, scale: f32, out: u64, os: usize, aq: u64, ad: u64) -> Result<(), CudaError> {
+        let (q, k, v, qw, kw) = qk;
+        let (rot, theta) = rope;
+        if kv != "f16" && kv != "bf16" {
+            return Err(CudaError::Shape(format!("attention: KV cache type {kv} (f16 or bf16)")));
+        }
+        if page_size == 0 || kv_heads == 0 || kw != kv_heads * 128 || qw != kw * GQA || qw > QK_MAX_WIDTH || rot % 2 != 0 || rot > 128 {
+            return Err(CudaError::Shape(format!("attn_dec6tq: q width {qw}, k width {kw}, {kv_heads} KV heads of 128, rotary {rot} (<= 128, even), page size {page_size}")));
+        }
+        let (pos, seq, ptoff, pts, slots) = meta;
+        let args = [
+            Arg::P(q),
+            Arg::L(qw as i64),
+            Arg::P(k),
+            Arg::P(v),
+            Arg::L(kw as i64),
+            Arg::P(norm.0),
+            Arg::P(norm.1),
+            Arg::I(qw as i32),
+            Arg::I(kw as i32),
+            Arg::I(rot as i32),
+            Arg::F(theta),
+            Arg::F(norm.2),
+            Arg::P(slots),
+            Arg::P(kc),
+            Arg::P(vc),
+            Arg::P(pos),
+            Arg::P(seq),
+            Arg::P(ptoff),
+            Arg::P(pts),
+            Arg::I(page_size as i32),
+            Arg::I(kv_heads as i32),
+            Arg::F(scale),
+            Arg::P(out),
+            Arg::L(os as i64),
+            Arg::P(aq),
+            Arg::P(ad),
+        ];
+        self.launch_pdl(&format!("attn_dec6tq_{kv}"), (kv_heads as u32, 1, 1), 128, ATTN_MMA_SMEM as u32, &args)
     }
 
     /// Fused expert down + weighted combine: `hidden[t] += sum_j w[t,j] down[ids[t,j]] act[t,j]`.
