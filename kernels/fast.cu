@@ -575,6 +575,44 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_norm_f32(
     router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
 }
 
+// router_topk_norm_f32 with each warp's router row copied to shared memory before the PDL wait
+// (cp.async: no registers held, the copies land while the o-projection runs), so that after the
+// wait only the norm prologue (x from L2) and the dot from shared memory remain. Same norm, same
+// q8 share, same sums in the same order (router_row's: element lane + 32 i of the row's float4
+// in i order): bit-identical to router_topk_norm_f32. Same grid and arguments; dynamic shared
+// memory 4 n (x) + 16 n (the block's 4 rows) bytes.
+extern "C" __global__ void __launch_bounds__(128) router_topk_norm_f32s(
+    const float* W, int rows, int n, const float* x, i64 xs, const float* nw, float eps, float* y, i64 ys,
+    const float* bias, int k, int gating, int* ids, float* w, u32* cnt, i8* q, float* d) {
+    extern __shared__ float4 rn_sm[];
+    float* xn = (float*)rn_sm;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y, r = blockIdx.x * 4 + warp;
+    const int n4 = n >> 2;
+    const bool live = r < rows;
+    float4* ws = rn_sm + n4 + warp * n4;  // this warp's row
+    if (live) {
+        const float4* wr = (const float4*)(W + (i64)r * n);
+        for (int i = lane; i < n4; i += 32) cp_async16(ws + i, wr + i);
+    }
+    cp_async_commit();
+    pdl_wait();
+    pdl_trigger();
+    router_norm_prologue(x + (i64)t * xs, nw, n, eps, xn, q + (i64)t * n, d + (i64)t * (n >> 5), warp, lane);
+    cp_async_wait<0>();
+    __syncwarp();
+    if (live) {
+        const float4* x4 = (const float4*)xn;
+        float acc = 0.f;
+        for (int i = lane; i < n4; i += 32) acc = router_acc(acc, ws[i], x4[i]);
+        acc = warp_sum(acc);
+        if (lane == 0) {
+            y[(i64)t * ys + r] = acc;
+            __threadfence();
+        }
+    }
+    router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
+}
+
 // ----------------------------------------------------------- weight staging -------------
 __device__ __forceinline__ int4 ld_stream(const int4* p) {
     int4 v;
@@ -3129,6 +3167,35 @@ __device__ __forceinline__ void attn_short_fused(const float* q, i64 qs, const f
     pdl_trigger();
     const float* xq = q + t * qs;
     const float* xk = k + t * kvs;
+    // The whole q and k rows into shared memory (the ring's, before its first copy), every
+    // thread's float4 loads in flight at once (qw, kw multiples of 128: host).
+    float* rq = (float*)at_sm + 4 * G * AD_HD;
+    float* rk = rq + qw;
+    {
+        constexpr int NQ = QK_MAXV * 1024 / (4 * 32 * AD_WARPS);
+        float4 a[NQ], b[NQ / 8];
+#pragma unroll
+        for (int i = 0; i < NQ; i++) {
+            int j = threadIdx.x + i * 32 * AD_WARPS;
+            if (4 * j < qw) a[i] = ((const float4*)xq)[j];
+        }
+#pragma unroll
+        for (int i = 0; i < NQ / 8; i++) {
+            int j = threadIdx.x + i * 32 * AD_WARPS;
+            if (4 * j < kw) b[i] = ((const float4*)xk)[j];
+        }
+#pragma unroll
+        for (int i = 0; i < NQ; i++) {
+            int j = threadIdx.x + i * 32 * AD_WARPS;
+            if (4 * j < qw) ((float4*)rq)[j] = a[i];
+        }
+#pragma unroll
+        for (int i = 0; i < NQ / 8; i++) {
+            int j = threadIdx.x + i * 32 * AD_WARPS;
+            if (4 * j < kw) ((float4*)rk)[j] = b[i];
+        }
+    }
+    __syncthreads();
     // Sums of squares: virtual thread ((w + 4 m) << 5) + lane holds elements vt + 1024 i.
 #pragma unroll
     for (int m = 0; m < 8; m++) {
@@ -3137,8 +3204,8 @@ __device__ __forceinline__ void attn_short_fused(const float* q, i64 qs, const f
 #pragma unroll
         for (int i = 0; i < QK_MAXV; i++) {
             int idx = vt + 1024 * i;
-            float a = idx < qw ? xq[idx] : 0.f;
-            float b = idx < kw ? xk[idx] : 0.f;
+            float a = idx < qw ? rq[idx] : 0.f;
+            float b = idx < kw ? rk[idx] : 0.f;
             sq = __fmaf_rn(a, a, sq);
             sk = __fmaf_rn(b, b, sk);
         }
@@ -3152,14 +3219,14 @@ __device__ __forceinline__ void attn_short_fused(const float* q, i64 qs, const f
     __syncthreads();
     const float inv_q = 1.0f / sqrtf(warp_sum(qt_part[0][lane]) / (float)qw + eps);
     const float inv_k = 1.0f / sqrtf(warp_sum(qt_part[1][lane]) / (float)kw + eps);
-    // Shared memory (the attention ring's, before its first copy): [0, G 128) the rotated
-    // query heads, then the normalized query heads, then the normalized key head.
+    // Shared memory: [0, G 128) the rotated query heads, then the normalized query heads,
+    // then the normalized key head, then (from 4 G 128) the rows.
     float* qr = (float*)at_sm;
     float* qs_n = qr + G * AD_HD;
     float* ks_n = qs_n + G * AD_HD;
     const int q0 = kvh * G * AD_HD, k0 = kvh * AD_HD;
-    for (int j = threadIdx.x; j < G * AD_HD; j += blockDim.x) qs_n[j] = xq[q0 + j] * inv_q * qn[q0 + j];
-    for (int j = threadIdx.x; j < AD_HD; j += blockDim.x) ks_n[j] = xk[k0 + j] * inv_k * kn[k0 + j];
+    for (int j = threadIdx.x; j < G * AD_HD; j += blockDim.x) qs_n[j] = rq[q0 + j] * inv_q * qn[q0 + j];
+    for (int j = threadIdx.x; j < AD_HD; j += blockDim.x) ks_n[j] = rk[k0 + j] * inv_k * kn[k0 + j];
     __syncthreads();
     for (int j = threadIdx.x; j < G * AD_HD; j += blockDim.x) qr[j] = rope_elem(qs_n + j, j % AD_HD, half, rot, qt_cs, qt_sn);
     const i64 sl = (i64)slots[t];

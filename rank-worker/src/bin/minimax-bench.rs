@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--router-ns-ab] [--short-ab] [--pool-ab] [--tma-ab] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -1028,6 +1028,17 @@ fn main() -> anyhow::Result<()> {
         })?;
         set_attn_short(None);
         set_attn_short_fuse(None);
+        return Ok(());
+    }
+    if flag("--router-ns-ab") {
+        use minimax_rank::cuda::fast::{set_norm_fusion, set_router_norm_staged};
+        let names = ["norm_q8 + router_topk_f32x", "router_topk_norm_f32", "router_topk_norm_f32s (rows staged before the wait)"];
+        b1_ab(&mut m, &mut pages, "MoE norm + router", &names, &|i| {
+            set_norm_fusion(Some(i == 1), None, None);
+            set_router_norm_staged(Some(i == 2));
+        })?;
+        set_norm_fusion(None, None, None);
+        set_router_norm_staged(None);
         return Ok(());
     }
     if flag("--pool-ab") {

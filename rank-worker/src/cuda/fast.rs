@@ -636,6 +636,22 @@ pub fn set_norm_fusion(router: Option<bool>, down: Option<bool>, late: Option<bo
     DOWN_TRIG_LATE.set(late);
 }
 
+static ROUTER_NS: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTER_NS", false);
+
+/// Whether one-token steps run the MoE norm inside the router with the router rows copied to
+/// shared memory before the PDL wait (`router_topk_norm_f32s`, `MINIMAX_ROUTER_NS=1`): the
+/// fused router's norm then no longer delays its weight loads. Bit-identical to the separate
+/// norm; opt-in until measured (`minimax-bench --router-ns-ab`).
+pub fn router_norm_staged() -> bool {
+    ROUTER_NS.get()
+}
+
+/// Overrides [`router_norm_staged`] (A/B runs and tests; `None` = back to the environment).
+/// Drop captured graphs after a change (`CudaModel::clear_graphs`).
+pub fn set_router_norm_staged(on: Option<bool>) {
+    ROUTER_NS.set(on);
+}
+
 /// Widest row the fused norms take (`RN_MAXI` / `DN_NORM_MAXI` x 1024 in the kernels).
 pub const FUSED_NORM_MAX: usize = 4096;
 
@@ -1049,7 +1065,8 @@ impl Gpu {
     /// `norm_q8` of `x` (weight `nw`, into `xq` / `xd`) and [`Gpu::router_topk_f32`] on its
     /// output in one launch (`router_topk_norm_f32`): the same q8, logits, ids and weights, bit
     /// for bit, one kernel boundary fewer. Rows of `w.cols` % 128 == 0 and at most
-    /// [`FUSED_NORM_MAX`]; `x` rows `xs` apart.
+    /// [`FUSED_NORM_MAX`]; `x` rows `xs` apart. One token with [`router_norm_staged`]:
+    /// `router_topk_norm_f32s` (same bits).
     #[allow(clippy::too_many_arguments)]
     pub fn router_topk_norm_f32(&self, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, nt: usize) -> Result<(), CudaError> {
         if !fast_router(w) || w.cols % 128 != 0 || w.cols > FUSED_NORM_MAX || w.rows > ROUTE_FAST_MAX_E || k > 32 || k > w.rows || k == 0 {
@@ -1059,11 +1076,13 @@ impl Gpu {
             minimax_shared::model::GatingFunc::Sigmoid => 2,
             minimax_shared::model::GatingFunc::Softmax => 1,
         };
+        // One token with router_norm_staged: the rows staged before the wait (4 rows a block).
+        let staged = nt == 1 && router_norm_staged();
         self.launch_pdl(
-            "router_topk_norm_f32",
+            if staged { "router_topk_norm_f32s" } else { "router_topk_norm_f32" },
             (ceil_div(w.rows, 4), nt as u32, 1),
             128,
-            (4 * w.cols) as u32,
+            (if staged { 20 * w.cols } else { 4 * w.cols }) as u32,
             &[
                 Arg::P(w.ptr),
                 Arg::I(w.rows as i32),

@@ -494,7 +494,7 @@ impl CudaModel {
         // Whether xq / xd already hold this layer's attention norm (the previous layer's streamed
         // down ran it in its last block: fast::fuse_down_norm).
         let mut normed = false;
-        let fuse_router = super::fast::fuse_router_norm() && h % 128 == 0 && h <= super::fast::FUSED_NORM_MAX;
+        let fuse_router = (super::fast::fuse_router_norm() || (super::fast::router_norm_staged() && nt == 1)) && h % 128 == 0 && h <= super::fast::FUSED_NORM_MAX;
         let fuse_down = super::fast::fuse_down_norm() && !tp && super::stream::stream_on();
         // Timing attribution only (minimax-bench --skip-ab): launches left out of the step.
         use super::fast::skip as sk;
