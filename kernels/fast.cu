@@ -3149,7 +3149,7 @@ __device__ __forceinline__ void attn_short_fused(const float* q, i64 qs, const f
                                                  float theta, float eps, const int* slots, u16* kc, u16* vc,
                                                  const int* pos, const int* seq, const int* pt_off, const u32* pts,
                                                  int page_size, int kv_heads, float scale, float* out, i64 os, i8* aq,
-                                                 float* ad) {
+                                                 float* ad, const u8* pf0, i64 pb0, const u8* pf1, i64 pb1) {
     extern __shared__ __align__(128) u8 at_sm[];
     __shared__ float qt_part[2][32];
     __shared__ float qt_cs[QT_MAXHALF], qt_sn[QT_MAXHALF];
@@ -3165,6 +3165,16 @@ __device__ __forceinline__ void attn_short_fused(const float* q, i64 qs, const f
     }
     pdl_wait();
     pdl_trigger();
+    // fast::attn_l2_prefetch: the next products' weights (the o-projection's, the router's) asked
+    // of L2 while this phase leaves DRAM idle; one 32 KB bulk prefetch a thread and round.
+    {
+        const i64 piece = 32768, me = (i64)(blockIdx.z * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
+        const i64 all = (i64)gridDim.x * gridDim.z * blockDim.x;
+        for (i64 o = me * piece; o < pb0; o += all * piece)
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pf0 + o), "r"((u32)min(piece, pb0 - o)) : "memory");
+        for (i64 o = me * piece; o < pb1; o += all * piece)
+            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pf1 + o), "r"((u32)min(piece, pb1 - o)) : "memory");
+    }
     const float* xq = q + t * qs;
     const float* xk = k + t * kvs;
     // The whole q and k rows into shared memory (the ring's, before its first copy), every
@@ -3244,9 +3254,9 @@ __device__ __forceinline__ void attn_short_fused(const float* q, i64 qs, const f
         const float* q, i64 qs, const float* k, const float* v, i64 kvs, const float* qn, const float* kn, int qw, \
         int kw, int rot, float theta, float eps, const int* slots, u16* kc, u16* vc, const int* pos,               \
         const int* seq, const int* pt_off, const u32* pts, int page_size, int kv_heads, float scale, float* out,   \
-        i64 os, i8* aq, float* ad) {                                                                               \
+        i64 os, i8* aq, float* ad, const u8* pf0, i64 pb0, const u8* pf1, i64 pb1) {                               \
         attn_short_fused<6, KV, BF>(q, qs, k, v, kvs, qn, kn, qw, kw, rot, theta, eps, slots, kc, vc, pos, seq,    \
-                                    pt_off, pts, page_size, kv_heads, scale, out, os, aq, ad);                     \
+                                    pt_off, pts, page_size, kv_heads, scale, out, os, aq, ad, pf0, pb0, pf1, pb1); \
     }
 
 ATTQ_INST(f16, KV_F16, 0)

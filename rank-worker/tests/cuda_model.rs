@@ -337,7 +337,7 @@ fn fast_path_fused_launches_are_bit_identical() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fast_path_short_context_attention_matches_split_form() {
-    use minimax_rank::cuda::fast::{ATTN_SHORT_MAX_CTX, set_attn_short, set_attn_short_fuse};
+    use minimax_rank::cuda::fast::{ATTN_SHORT_MAX_CTX, set_attn_l2_prefetch, set_attn_short, set_attn_short_fuse};
     use minimax_shared::model::synthetic::SyntheticSpec;
     let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
     let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 13).unwrap();
@@ -367,15 +367,18 @@ fn fast_path_short_context_attention_matches_split_form() {
     // The step series with and without, direct and from graphs.
     let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
     // (short, fused, graphs): the one-token steps of the series take attn_dec6tq_* when fused.
-    for (i, (short, fuse, graphs)) in [(false, true, false), (true, true, false), (true, true, true), (true, false, false)].into_iter().enumerate() {
+    // The last run with the L2 prefetch of the o-projection's and router's weights (same bits).
+    for (i, (short, fuse, graphs)) in [(false, true, false), (true, true, false), (true, true, true), (true, false, false), (true, true, true)].into_iter().enumerate() {
         set_attn_short(Some(short));
         set_attn_short_fuse(Some(fuse));
+        set_attn_l2_prefetch(Some(i == 4));
         m.clear_graphs();
         m.set_fast(true, graphs);
         runs.push(fast_step_series(&mut m, 60 + 20 * i as u32));
     }
     set_attn_short(None);
     set_attn_short_fuse(None);
+    set_attn_l2_prefetch(None);
     m.set_fast(true, true);
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     let mut worst = 0f32;
@@ -393,6 +396,9 @@ fn fast_path_short_context_attention_matches_split_form() {
     }
     for (s, (a, b)) in runs[1].iter().zip(&runs[3]).enumerate() {
         assert!(bits(a) == bits(b), "step {s}: attn_dec6tq (norms + RoPE + store + attention in one launch) differs from qk_norm_rope_store + attn_dec6tm (max |diff| {})", max_diff(a, b));
+    }
+    for (s, (a, b)) in runs[2].iter().zip(&runs[4]).enumerate() {
+        assert!(bits(a) == bits(b), "step {s}: attn_dec6tq with the L2 prefetch differs (max |diff| {})", max_diff(a, b));
     }
     eprintln!("m2.7:iq4xs:2 fast path: unsplit short-context attention within {worst:.1e} (relative to the largest logit) of the split form, greedy tokens identical, graphs bit-identical to direct, the fused one-token kernel bit-identical to the two launches");
 }

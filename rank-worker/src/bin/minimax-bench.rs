@@ -1020,14 +1020,16 @@ fn main() -> anyhow::Result<()> {
         return tma_ab(&mut m, &mut pages);
     }
     if flag("--short-ab") {
-        use minimax_rank::cuda::fast::{set_attn_short, set_attn_short_fuse};
-        let names = ["split + merge", "unsplit (attn_short)", "unsplit + norms/RoPE fused (attn_dec6tq)"];
+        use minimax_rank::cuda::fast::{set_attn_l2_prefetch, set_attn_short, set_attn_short_fuse};
+        let names = ["split + merge", "unsplit (attn_short)", "unsplit + norms/RoPE fused (attn_dec6tq)", "attn_dec6tq + o/router L2 prefetch"];
         b1_ab(&mut m, &mut pages, "decode attention at short context", &names, &|i| {
             set_attn_short(Some(i >= 1));
-            set_attn_short_fuse(Some(i == 2));
+            set_attn_short_fuse(Some(i >= 2));
+            set_attn_l2_prefetch(Some(i == 3));
         })?;
         set_attn_short(None);
         set_attn_short_fuse(None);
+        set_attn_l2_prefetch(None);
         return Ok(());
     }
     if flag("--router-ns-ab") {

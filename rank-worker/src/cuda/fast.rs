@@ -522,6 +522,21 @@ pub fn set_attn_short_fuse(on: Option<bool>) {
     ATTN_SHORT_FUSE.set(on);
 }
 
+static ATTN_L2PF: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ATTN_L2PF", false);
+
+/// Whether `attn_dec6tq_*` ([`attn_short_fuse`]) asks L2 for the o-projection's and the router's
+/// weights after its wait, while its phase leaves DRAM idle (`MINIMAX_ATTN_L2PF=1`; opt-in
+/// until measured: `minimax-bench --short-ab`). Same bits either way.
+pub fn attn_l2_prefetch() -> bool {
+    ATTN_L2PF.get()
+}
+
+/// Overrides [`attn_l2_prefetch`] (A/B runs and tests; `None` = back to the environment). Drop
+/// captured graphs after a change (`CudaModel::clear_graphs`).
+pub fn set_attn_l2_prefetch(on: Option<bool>) {
+    ATTN_L2PF.set(on);
+}
+
 /// Most attention splits `attn_dec6m_*` merges (`AD_MAXSPLIT`).
 pub const ATTN_FUSE_MAX_SPLIT: usize = 128;
 
@@ -1372,8 +1387,13 @@ impl Gpu {
     /// k width; v as wide as k, rows `kw` apart), `norm` = (q norm, k norm weights, eps),
     /// `rope` = (rotary dims, theta), `meta` = (pos, seq, page-table offsets, pages, slots).
     /// Output as [`Gpu::attn_decode`]: `out` (f32, stride `os`) and its q8 `aq` / `ad`.
+    /// `prefetch`: two (address, bytes) ranges asked of L2 after the wait ([`attn_l2_prefetch`];
+    /// 16-byte aligned, bytes a multiple of 16; (0, 0) = none).
     #[allow(clippy::too_many_arguments)]
-    pub fn attn_short_fused(&self, kv: &str, qk: (u64, u64, u64, usize, usize), norm: (u64, u64, f32), rope: (usize, f32), kc: u64, vc: u64, meta: (u64, u64, u64, u64, u64), page_size: usize, kv_heads: usize, scale: f32, out: u64, os: usize, aq: u64, ad: u64) -> Result<(), CudaError> {
+    pub fn attn_short_fused(&self, kv: &str, qk: (u64, u64, u64, usize, usize), norm: (u64, u64, f32), rope: (usize, f32), kc: u64, vc: u64, meta: (u64, u64, u64, u64, u64), page_size: usize, kv_heads: usize, scale: f32, out: u64, os: usize, aq: u64, ad: u64, prefetch: [(u64, usize); 2]) -> Result<(), CudaError> {
+        if prefetch.iter().any(|&(p, n)| p % 16 != 0 || n % 16 != 0) {
+            return Err(CudaError::Shape(format!("attn_dec6tq: L2 prefetch ranges {prefetch:?} (16-byte aligned and sized)")));
+        }
         let (q, k, v, qw, kw) = qk;
         let (rot, theta) = rope;
         if kv != "f16" && kv != "bf16" {
@@ -1410,6 +1430,10 @@ impl Gpu {
             Arg::L(os as i64),
             Arg::P(aq),
             Arg::P(ad),
+            Arg::P(prefetch[0].0),
+            Arg::L(prefetch[0].1 as i64),
+            Arg::P(prefetch[1].0),
+            Arg::L(prefetch[1].1 as i64),
         ];
         self.launch_pdl(&format!("attn_dec6tq_{kv}"), (kv_heads as u32, 1, 1), 128, ATTN_MMA_SMEM as u32, &args)
     }

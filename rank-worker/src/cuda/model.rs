@@ -537,7 +537,9 @@ impl CudaModel {
             let qk_name = super::fast::qk_norm_rope_name(tp, kvs);
             if fuse_short {
                 if run(sk::ATTN) {
-                    g.attn_short_fused(kvs, (p(&ws.q), p(&ws.k), p(&ws.v), qw, kw), (l.q_norm, l.k_norm, c.rms_eps), (c.rotary_dim, c.rope_theta), kc, vc, (m_pos, m_seq, m_ptoff, m_pts, m_slot), self.page_size, self.kv_heads, scale, p(&ws.att), ow, xq, xd)?;
+                    let pf = |m: &super::gpu::DevMat| if m.ptr % 16 == 0 && (m.rows * m.row_bytes) % 16 == 0 { (m.ptr, m.rows * m.row_bytes) } else { (0, 0) };
+                    let prefetch = if super::fast::attn_l2_prefetch() { [pf(&l.wo), pf(&l.router)] } else { [(0, 0); 2] };
+                    g.attn_short_fused(kvs, (p(&ws.q), p(&ws.k), p(&ws.v), qw, kw), (l.q_norm, l.k_norm, c.rms_eps), (c.rotary_dim, c.rope_theta), kc, vc, (m_pos, m_seq, m_ptoff, m_pts, m_slot), self.page_size, self.kv_heads, scale, p(&ws.att), ow, xq, xd, prefetch)?;
                 }
             } else if run(sk::QK) {
                 g.launch_pdl(&qk_name, (nt as u32, 2, 1), 1024, 0, &qk_args)?;
