@@ -575,44 +575,6 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_norm_f32(
     router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
 }
 
-// router_topk_norm_f32 with each warp's router row copied to shared memory before the PDL wait
-// (cp.async: no registers held, the copies land while the o-projection runs), so that after the
-// wait only the norm prologue (x from L2) and the dot from shared memory remain. Same norm, same
-// q8 share, same sums in the same order (router_row's: element lane + 32 i of the row's float4
-// in i order): bit-identical to router_topk_norm_f32. Same grid and arguments; dynamic shared
-// memory 4 n (x) + 16 n (the block's 4 rows) bytes.
-extern "C" __global__ void __launch_bounds__(128) router_topk_norm_f32s(
-    const float* W, int rows, int n, const float* x, i64 xs, const float* nw, float eps, float* y, i64 ys,
-    const float* bias, int k, int gating, int* ids, float* w, u32* cnt, i8* q, float* d) {
-    extern __shared__ float4 rn_sm[];
-    float* xn = (float*)rn_sm;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y, r = blockIdx.x * 4 + warp;
-    const int n4 = n >> 2;
-    const bool live = r < rows;
-    float4* ws = rn_sm + n4 + warp * n4;  // this warp's row
-    if (live) {
-        const float4* wr = (const float4*)(W + (i64)r * n);
-        for (int i = lane; i < n4; i += 32) cp_async16(ws + i, wr + i);
-    }
-    cp_async_commit();
-    pdl_wait();
-    pdl_trigger();
-    router_norm_prologue(x + (i64)t * xs, nw, n, eps, xn, q + (i64)t * n, d + (i64)t * (n >> 5), warp, lane);
-    cp_async_wait<0>();
-    __syncwarp();
-    if (live) {
-        const float4* x4 = (const float4*)xn;
-        float acc = 0.f;
-        for (int i = lane; i < n4; i += 32) acc = router_acc(acc, ws[i], x4[i]);
-        acc = warp_sum(acc);
-        if (lane == 0) {
-            y[(i64)t * ys + r] = acc;
-            __threadfence();
-        }
-    }
-    router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
-}
-
 // ----------------------------------------------------------- weight staging -------------
 __device__ __forceinline__ int4 ld_stream(const int4* p) {
     int4 v;
@@ -2443,17 +2405,6 @@ FAST_INST(iq4_xs, T_IQ4_XS)
 #define QK_MAXV 8   // values per thread (block 1024: widths up to 8192)
 // PRE (qk_norm_rope_store_p_*): the norm weights and the RoPE angles (pos is step metadata)
 // before pdl_wait, the q / k row after it; same arithmetic (bit-identical).
-// Partial NeoX RoPE of the element at xs (dim dd of its head, the head's normalized values
-// around it in xs): (x0, x1) = (u[i], u[i + half]) -> (x0 c - x1 s, x1 c + x0 s) for dims
-// [0, rot), unchanged past rot. Explicit fma / mul so that every kernel using it rounds alike.
-__device__ __forceinline__ float rope_elem(const float* xs, int dd, int half, int rot, const float* cs,
-                                           const float* sn) {
-    float o = xs[0];
-    if (dd < half) return __fmaf_rn(o, cs[dd], -__fmul_rn(xs[half], sn[dd]));
-    if (dd < rot) return __fmaf_rn(o, cs[dd - half], __fmul_rn(xs[-half], sn[dd - half]));
-    return o;
-}
-
 template <int KV, bool PRE = false>
 __device__ __forceinline__ void qk_norm_rope_store_impl(float* q, i64 qs, float* k, const float* v, i64 kvs,
                                                         const float* qn, const float* kn, int qw, int kw, int vw,
@@ -2506,7 +2457,7 @@ __device__ __forceinline__ void qk_norm_rope_store_impl(float* q, i64 qs, float*
     }
     float ss = 0.f;
 #pragma unroll
-    for (int i = 0; i < QK_MAXV; i++) ss = __fmaf_rn(xv[i], xv[i], ss);
+    for (int i = 0; i < QK_MAXV; i++) ss += xv[i] * xv[i];
     ss = warp_sum(ss);
     if (lane == 0) part[warp] = ss;
     __syncthreads();
@@ -2535,7 +2486,10 @@ __device__ __forceinline__ void qk_norm_rope_store_impl(float* q, i64 qs, float*
     for (int i = 0; i < QK_MAXV; i++) {
         int idx = threadIdx.x + i * blockDim.x;
         if (idx < n) {
-            float o = rope_elem(xs + idx, idx % hd, half, rot, cs, sn);
+            int dd = idx % hd;
+            float o = xs[idx];
+            if (dd < half) o = o * cs[dd] - xs[idx + half] * sn[dd];
+            else if (dd < rot) o = o * cs[dd - half] + xs[idx - half] * sn[dd - half];
             x[idx] = o;
             if (is_k) kc[sl * kw + idx] = kv_store<KV>(o);
         }
@@ -2911,11 +2865,7 @@ template <int BF> __device__ __forceinline__ void at_split(float x0, float x1, u
     lo = at_pack<BF>(x0 - h0, x1 - h1);
 }
 
-// QSM (attn_dec6tq_*: one split, the block's G query heads already normalized and rotated in
-// the first G x 128 floats of the dynamic shared memory, unscaled): the Q fragments come from
-// there before the ring's first copies overwrite it, and the block writes its merged output and
-// q8 itself (what attn_merge_last does with one split, bit for bit).
-template <int G, int BF, bool MERGE = false, bool QSM = false>
+template <int G, int BF, bool MERGE = false>
 __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,
                                                const int* seq, const int* pt_off, const u32* pts, int page_size,
                                                int kv_heads, int nsplit, float scale, float* part, u32* cnt = nullptr,
@@ -2957,24 +2907,6 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
             cp_async16z(ks + AT_TILE * AD_HD * 2 + so, vb + sl * sstride, bytes);
         }
     };
-    // Q fragments (A of S = Q K^T), k-step kk: reg 0 / 2 = hi of head gr, dims 16 kk + 2 tq
-    // + {0, 1} / + {8, 9}; reg 1 / 3 = the lo parts (rows gr + 8).
-    u32 qa[8][4];
-    auto load_q = [&](const float* qb) {
-        bool hv = gr < G;
-        const float* qh = qb + (hv ? gr : 0) * AD_HD + 2 * tq;
-#pragma unroll
-        for (int kk = 0; kk < 8; kk++) {
-            float x0 = hv ? qh[16 * kk] * scale : 0.f, x1 = hv ? qh[16 * kk + 1] * scale : 0.f;
-            float x2 = hv ? qh[16 * kk + 8] * scale : 0.f, x3 = hv ? qh[16 * kk + 9] * scale : 0.f;
-            at_split<BF>(x0, x1, qa[kk][0], qa[kk][1]);
-            at_split<BF>(x2, x3, qa[kk][2], qa[kk][3]);
-        }
-    };
-    if (QSM) {
-        load_q((const float*)at_sm);
-        __syncthreads();  // every warp holds its Q before the ring overwrites it
-    }
     if (my_n > 0) issue(0, 0, slot_of(0));
     cp_async_commit();
 #pragma unroll
@@ -2983,7 +2915,20 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
         cp_async_commit();
     }
     i64 nslot = AT_NST - 1 < my_n ? slot_of(AT_NST - 1) : 0;
-    if (!QSM) load_q(q + t * qs + kvh * G * AD_HD);
+    // Q fragments (A of S = Q K^T), k-step kk: reg 0 / 2 = hi of head gr, dims 16 kk + 2 tq
+    // + {0, 1} / + {8, 9}; reg 1 / 3 = the lo parts (rows gr + 8).
+    u32 qa[8][4];
+    {
+        bool hv = gr < G;
+        const float* qh = q + t * qs + (kvh * G + (hv ? gr : 0)) * AD_HD + 2 * tq;
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) {
+            float x0 = hv ? qh[16 * kk] * scale : 0.f, x1 = hv ? qh[16 * kk + 1] * scale : 0.f;
+            float x2 = hv ? qh[16 * kk + 8] * scale : 0.f, x3 = hv ? qh[16 * kk + 9] * scale : 0.f;
+            at_split<BF>(x0, x1, qa[kk][0], qa[kk][1]);
+            at_split<BF>(x2, x3, qa[kk][2], qa[kk][3]);
+        }
+    }
     float o[16][4];
 #pragma unroll
     for (int n = 0; n < 16; n++) o[n][0] = o[n][1] = o[n][2] = o[n][3] = 0.f;
@@ -3089,16 +3034,6 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
             L += sm_l[w][g] * f;
             ov += ((const float*)(at_sm + w * AT_WBYTES))[g * AD_HD + d] * f;
         }
-        if (QSM) {
-            // attn_merge_last's operations with one split (its factor is __expf(M - M)).
-            int heads = kv_heads * G, h = kvh * G + g;
-            float f1 = __expf(M - M);
-            float v = __fmaf_rn(ov, f1, 0.f) / __fmaf_rn(L, f1, 0.f);
-            mout[t * mos + h * AD_HD + d] = v;
-            int qv = q8_lane(v, ad + (i64)t * (heads * AD_HD / 32) + h * 4 + (d >> 5));
-            aq[(i64)t * heads * AD_HD + h * AD_HD + d] = (i8)qv;
-            continue;
-        }
         out[2 * G + g * AD_HD + d] = ov;
         if (d == 0) {
             out[g] = M;
@@ -3132,132 +3067,3 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
 
 ATTT_INST(f16, 0)
 ATTT_INST(bf16, 1)
-
-// ------------------------- one-token decode at short context: q/k norm + RoPE + attention ---
-// attn_dec6tq_*: qk_norm_rope_store and attn_dec6tm_* with one split in one launch, for steps of
-// one token (batch-1 decode) whose context fits one block (fast::attn_short). Block (kv head,
-// 0, token), 128 threads. Every block sums the squares of the whole q and k rows in the order of
-// qk_norm_rope_store's 1024 threads (real warp w plays its virtual warps w + 4 m), normalizes and
-// rotates its G query heads into shared memory and its KV head's key into the cache (value
-// too), then runs the attention of attn_dect_impl on those. Bit-identical to the two launches.
-// A step's other tokens of the same sequence would read this block's cache rows: one token only.
-// Needs rot <= 2 * QT_MAXHALF, head dim 128, widths <= 1024 QK_MAXV.
-#define QT_MAXHALF 64
-template <int G, int KV, int BF>
-__device__ __forceinline__ void attn_short_fused(const float* q, i64 qs, const float* k, const float* v, i64 kvs,
-                                                 const float* qn, const float* kn, int qw, int kw, int rot,
-                                                 float theta, float eps, const int* slots, u16* kc, u16* vc,
-                                                 const int* pos, const int* seq, const int* pt_off, const u32* pts,
-                                                 int page_size, int kv_heads, float scale, float* out, i64 os, i8* aq,
-                                                 float* ad, const u8* pf0, i64 pb0, const u8* pf1, i64 pb1) {
-    extern __shared__ __align__(128) u8 at_sm[];
-    __shared__ float qt_part[2][32];
-    __shared__ float qt_cs[QT_MAXHALF], qt_sn[QT_MAXHALF];
-    const int kvh = blockIdx.x, t = blockIdx.z;
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int half = rot / 2;
-    if (threadIdx.x < half) {  // as qk_norm_rope_store_impl: one f64 sincos per pair index
-        double p = (double)pos[t];
-        double inv_freq = 1.0 / pow((double)theta, 2.0 * (double)threadIdx.x / (double)rot);
-        double a = p * inv_freq;
-        qt_cs[threadIdx.x] = (float)cos(a);
-        qt_sn[threadIdx.x] = (float)sin(a);
-    }
-    pdl_wait();
-    pdl_trigger();
-    // fast::attn_l2_prefetch: the next products' weights (the o-projection's, the router's) asked
-    // of L2 while this phase leaves DRAM idle; one 32 KB bulk prefetch a thread and round.
-    {
-        const i64 piece = 32768, me = (i64)(blockIdx.z * gridDim.x + blockIdx.x) * blockDim.x + threadIdx.x;
-        const i64 all = (i64)gridDim.x * gridDim.z * blockDim.x;
-        for (i64 o = me * piece; o < pb0; o += all * piece)
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pf0 + o), "r"((u32)min(piece, pb0 - o)) : "memory");
-        for (i64 o = me * piece; o < pb1; o += all * piece)
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(pf1 + o), "r"((u32)min(piece, pb1 - o)) : "memory");
-    }
-    const float* xq = q + t * qs;
-    const float* xk = k + t * kvs;
-    // The whole q and k rows into shared memory (the ring's, before its first copy), every
-    // thread's float4 loads in flight at once (qw, kw multiples of 128: host).
-    float* rq = (float*)at_sm + 4 * G * AD_HD;
-    float* rk = rq + qw;
-    {
-        constexpr int NQ = QK_MAXV * 1024 / (4 * 32 * AD_WARPS);
-        float4 a[NQ], b[NQ / 8];
-#pragma unroll
-        for (int i = 0; i < NQ; i++) {
-            int j = threadIdx.x + i * 32 * AD_WARPS;
-            if (4 * j < qw) a[i] = ((const float4*)xq)[j];
-        }
-#pragma unroll
-        for (int i = 0; i < NQ / 8; i++) {
-            int j = threadIdx.x + i * 32 * AD_WARPS;
-            if (4 * j < kw) b[i] = ((const float4*)xk)[j];
-        }
-#pragma unroll
-        for (int i = 0; i < NQ; i++) {
-            int j = threadIdx.x + i * 32 * AD_WARPS;
-            if (4 * j < qw) ((float4*)rq)[j] = a[i];
-        }
-#pragma unroll
-        for (int i = 0; i < NQ / 8; i++) {
-            int j = threadIdx.x + i * 32 * AD_WARPS;
-            if (4 * j < kw) ((float4*)rk)[j] = b[i];
-        }
-    }
-    __syncthreads();
-    // Sums of squares: virtual thread ((w + 4 m) << 5) + lane holds elements vt + 1024 i.
-#pragma unroll
-    for (int m = 0; m < 8; m++) {
-        int vt = ((warp + 4 * m) << 5) + lane;
-        float sq = 0.f, sk = 0.f;
-#pragma unroll
-        for (int i = 0; i < QK_MAXV; i++) {
-            int idx = vt + 1024 * i;
-            float a = idx < qw ? rq[idx] : 0.f;
-            float b = idx < kw ? rk[idx] : 0.f;
-            sq = __fmaf_rn(a, a, sq);
-            sk = __fmaf_rn(b, b, sk);
-        }
-        sq = warp_sum(sq);
-        sk = warp_sum(sk);
-        if (lane == 0) {
-            qt_part[0][warp + 4 * m] = sq;
-            qt_part[1][warp + 4 * m] = sk;
-        }
-    }
-    __syncthreads();
-    const float inv_q = 1.0f / sqrtf(warp_sum(qt_part[0][lane]) / (float)qw + eps);
-    const float inv_k = 1.0f / sqrtf(warp_sum(qt_part[1][lane]) / (float)kw + eps);
-    // Shared memory: [0, G 128) the rotated query heads, then the normalized query heads,
-    // then the normalized key head, then (from 4 G 128) the rows.
-    float* qr = (float*)at_sm;
-    float* qs_n = qr + G * AD_HD;
-    float* ks_n = qs_n + G * AD_HD;
-    const int q0 = kvh * G * AD_HD, k0 = kvh * AD_HD;
-    for (int j = threadIdx.x; j < G * AD_HD; j += blockDim.x) qs_n[j] = rq[q0 + j] * inv_q * qn[q0 + j];
-    for (int j = threadIdx.x; j < AD_HD; j += blockDim.x) ks_n[j] = rk[k0 + j] * inv_k * kn[k0 + j];
-    __syncthreads();
-    for (int j = threadIdx.x; j < G * AD_HD; j += blockDim.x) qr[j] = rope_elem(qs_n + j, j % AD_HD, half, rot, qt_cs, qt_sn);
-    const i64 sl = (i64)slots[t];
-    for (int j = threadIdx.x; j < AD_HD; j += blockDim.x) {
-        kc[sl * kw + k0 + j] = kv_store<KV>(rope_elem(ks_n + j, j, half, rot, qt_cs, qt_sn));
-        vc[sl * kw + k0 + j] = kv_store<KV>(v[t * kvs + k0 + j]);
-    }
-    __syncthreads();  // the key and value rows reach the ring's copies, Q its fragments
-    attn_dect_impl<G, BF, false, true>(nullptr, 0, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, 1, scale,
-                                       nullptr, nullptr, out, os, aq, ad);
-}
-
-#define ATTQ_INST(name, KV, BF)                                                                                    \
-    extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tq_##name(                                \
-        const float* q, i64 qs, const float* k, const float* v, i64 kvs, const float* qn, const float* kn, int qw, \
-        int kw, int rot, float theta, float eps, const int* slots, u16* kc, u16* vc, const int* pos,               \
-        const int* seq, const int* pt_off, const u32* pts, int page_size, int kv_heads, float scale, float* out,   \
-        i64 os, i8* aq, float* ad, const u8* pf0, i64 pb0, const u8* pf1, i64 pb1) {                               \
-        attn_short_fused<6, KV, BF>(q, qs, k, v, kvs, qn, kn, qw, kw, rot, theta, eps, slots, kc, vc, pos, seq,    \
-                                    pt_off, pts, page_size, kv_heads, scale, out, os, aq, ad, pf0, pb0, pf1, pb1); \
-    }
-
-ATTQ_INST(f16, KV_F16, 0)
-ATTQ_INST(bf16, KV_BF16, 1)

@@ -734,22 +734,13 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
         let (want_q, want_d) = (g.download(&rq).unwrap(), g.download(&rd).unwrap());
         let (want_y, want_i, want_w) = (g.download(&yr).unwrap(), g.download(&ir).unwrap(), g.download(&wr).unwrap());
         assert!(want_d.iter().all(|d| d.is_finite()) && want_w.iter().all(|w| w.is_finite()), "reference outputs");
-        // rep 2, 3: the rows staged before the wait (router_topk_norm_f32s, one token only).
-        for rep in 0..4 {
-            fast::set_router_norm_staged(Some(rep >= 2));
+        for rep in 0..2 {
             let y = poisoned(&g, nt * rows);
             let ids = g.zeros::<i32>(nt * k).unwrap();
             g.fill_u32(g.ptr(&ids), nt * k, u32::MAX).unwrap();
             let wb = poisoned(&g, nt * k);
             let (q, d) = (g.upload(&vec![0x55i8; nt * cols]).unwrap(), poisoned(&g, nt * cols / 32));
-            if rep >= 2 && nt == 1 {
-                g.profile_begin();
-            }
             g.router_topk_norm_f32(&dm, g.ptr(&xb), xs, g.ptr(&nwb), eps, g.ptr(&y), rows, g.ptr(&bb), k, gating, g.ptr(&ids), g.ptr(&wb), g.ptr(&cnt), g.ptr(&q), g.ptr(&d), nt).unwrap();
-            if rep >= 2 && nt == 1 {
-                let ks: Vec<String> = g.profile_end().unwrap().into_iter().map(|(n, _)| n).collect();
-                assert!(ks.iter().any(|n| n == "router_topk_norm_f32s"), "staged router not launched: {ks:?}");
-            }
             let what = format!("router_topk_norm_f32 {rows}x{cols} top-{k}, {nt} tokens, rep {rep}");
             assert_eq!(g.download(&q).unwrap(), want_q, "{what}: q8 values");
             assert_eq!(bits(&g.download(&d).unwrap()), bits(&want_d), "{what}: q8 scales");
@@ -758,8 +749,7 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
             assert_eq!(bits(&g.download(&wb).unwrap()), bits(&want_w), "{what}: weights");
             assert!(g.download(&cnt).unwrap().iter().all(|&c| c == 0), "{what}: counters not reset");
         }
-        fast::set_router_norm_staged(None);
-        eprintln!("router_topk_norm_f32 {rows}x{cols} top-{k} ({gating:?}), {nt} tokens, 4 launches (staged rows at one token): bit-identical to norm_q8 + router_topk_f32");
+        eprintln!("router_topk_norm_f32 {rows}x{cols} top-{k} ({gating:?}), {nt} tokens, 2 launches: bit-identical to norm_q8 + router_topk_f32");
     }
     assert!(g.router_topk_norm_f32(&upload_mat(&g, GgmlType::F32, &vec![0u8; 4 * 8 * 4224], 8, 4224, 0).1, 0, 4224, 0, 1e-6, 0, 8, 0, 2, GatingFunc::Sigmoid, 0, 0, 0, 0, 0, 1).is_err(), "rows wider than 4096 must be refused");
     // qk_norm_rope_store (bf16 cache): q and k full-width norm, partial RoPE per head, K and V

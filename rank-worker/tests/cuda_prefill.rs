@@ -940,7 +940,8 @@ fn moe_experts_gate_up_down_match_cpu() {
         g.profile_begin();
         g.moe_experts((&gm, &um, &dm), g.ptr(&idd), np, k, g.ptr(&xd), h, (g.ptr(&act), g.ptr(&ub), ff), (g.ptr(&out), h)).unwrap();
         let prof = g.profile_end().unwrap();
-        let tma = prof.iter().filter(|(n, _)| n.starts_with("mmg_t8_iq4_xs")).count();
+        // mmg_t8w_* by default, mmg_t8_* with MINIMAX_T8_WIDE=0.
+        let tma = prof.iter().filter(|(n, _)| n.starts_with("mmg_t8_iq4_xs") || n.starts_with("mmg_t8w_iq4_xs")).count();
         // TMA launches where the products are int8 IQ4_XS with 512-column multiples.
         let tma_fits = |t: GgmlType, cols: usize| g.arch >= 90 && fast && tokens > 32 && prec == GemmPrecision::Int8 && t == GgmlType::IQ4_XS && cols % 512 == 0;
         let want = 2 * tma_fits(ty, h) as usize + tma_fits(dty, ff) as usize;

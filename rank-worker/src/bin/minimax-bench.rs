@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--router-ns-ab] [--short-ab] [--pool-ab] [--tma-ab] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -741,6 +741,58 @@ fn prefill_case(m: &mut CudaModel, pages: &mut Pages, seqs: usize, len: usize, c
     timed_step(m, &fresh_prompts(pages, seqs, len, round * 64))
 }
 
+/// `--first-calls`: whether a prompt length the process has not seen yet costs more than the
+/// next prompt of that length (session 17 saw 513 tokens take 65-67 ms on the first call against
+/// 57.5 ms warm): three fresh prompts of each length in a row, lengths in a fixed order, after
+/// two 512-token warm-ups; then, at a length not seen yet, the first and second call's
+/// per-kernel time by family (events around each launch) and the families whose time differs
+/// most, with each call's wall time against its kernels' sum (what is host-side).
+fn first_calls(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
+    let mut round = 60_000usize;
+    for _ in 0..2 {
+        round += 1;
+        prefill_case(m, pages, 1, 512, 0, round)?;
+    }
+    println!("
+prefill of one fresh prompt, three calls in a row per length (ms):");
+    println!("| prompt tokens | first call | second | third |\n| --- | --- | --- | --- |");
+    for len in [513usize, 514, 520, 600, 777, 1000, 1500, 2047, 513] {
+        let mut t = [0f64; 3];
+        for v in t.iter_mut() {
+            round += 1;
+            *v = prefill_case(m, pages, 1, len, 0, round)?;
+        }
+        println!("| {len} | {:.1} | {:.1} | {:.1} |", t[0], t[1], t[2]);
+    }
+    let mut fams: Vec<Vec<(String, f32)>> = Vec::new();
+    for call in ["first", "second"] {
+        round += 1;
+        m.gpu().sync()?;
+        m.gpu().profile_begin();
+        let t = Instant::now();
+        prefill_case(m, pages, 1, 901, 0, round)?;
+        let wall = ms(t);
+        let prof = m.gpu().profile_end()?;
+        let sum: f32 = prof.iter().map(|p| p.1).sum();
+        println!("901 tokens, {call} call (profiled): wall {wall:.1} ms, kernels {sum:.1} ms in {} launches", prof.len());
+        let mut fam: Vec<(String, f32)> = Vec::new();
+        for (n, t) in prof {
+            match fam.iter_mut().find(|f| f.0 == n) {
+                Some(f) => f.1 += t,
+                None => fam.push((n, t)),
+            }
+        }
+        fams.push(fam);
+    }
+    let mut delta: Vec<(String, f32, f32)> = fams[0].iter().map(|(n, t)| (n.clone(), *t, fams[1].iter().find(|f| &f.0 == n).map_or(0.0, |f| f.1))).collect();
+    delta.sort_by(|a, b| (b.1 - b.2).abs().partial_cmp(&(a.1 - a.2).abs()).unwrap());
+    println!("| kernel | first call ms | second ms |\n| --- | --- | --- |");
+    for (n, a, b) in delta.iter().take(12) {
+        println!("| {n} | {a:.3} | {b:.3} |");
+    }
+    Ok(())
+}
+
 /// `--pool-ab`: prefill steps with the default memory pool handing its free memory back at every
 /// synchronization (CUDA's default) and keeping it (`MINIMAX_POOL_KEEP`, src/cuda/mem_pool.rs),
 /// alternating, best of 3 after a warm-up; then the pool's reserved bytes.
@@ -1020,28 +1072,13 @@ fn main() -> anyhow::Result<()> {
         return tma_ab(&mut m, &mut pages);
     }
     if flag("--short-ab") {
-        use minimax_rank::cuda::fast::{set_attn_l2_prefetch, set_attn_short, set_attn_short_fuse};
-        let names = ["split + merge", "unsplit (attn_short)", "unsplit + norms/RoPE fused (attn_dec6tq)", "attn_dec6tq + o/router L2 prefetch"];
-        b1_ab(&mut m, &mut pages, "decode attention at short context", &names, &|i| {
-            set_attn_short(Some(i >= 1));
-            set_attn_short_fuse(Some(i >= 2));
-            set_attn_l2_prefetch(Some(i == 3));
-        })?;
+        use minimax_rank::cuda::fast::set_attn_short;
+        b1_ab(&mut m, &mut pages, "decode attention at short context", &["split + merge", "unsplit (attn_short)"], &|i| set_attn_short(Some(i == 1)))?;
         set_attn_short(None);
-        set_attn_short_fuse(None);
-        set_attn_l2_prefetch(None);
         return Ok(());
     }
-    if flag("--router-ns-ab") {
-        use minimax_rank::cuda::fast::{set_norm_fusion, set_router_norm_staged};
-        let names = ["norm_q8 + router_topk_f32x", "router_topk_norm_f32", "router_topk_norm_f32s (rows staged before the wait)"];
-        b1_ab(&mut m, &mut pages, "MoE norm + router", &names, &|i| {
-            set_norm_fusion(Some(i == 1), None, None);
-            set_router_norm_staged(Some(i == 2));
-        })?;
-        set_norm_fusion(None, None, None);
-        set_router_norm_staged(None);
-        return Ok(());
+    if flag("--first-calls") {
+        return first_calls(&mut m, &mut pages);
     }
     if flag("--pool-ab") {
         return pool_ab(&mut m, &mut pages);

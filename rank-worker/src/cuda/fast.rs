@@ -506,37 +506,6 @@ pub fn set_attn_short(on: Option<bool>) {
     ATTN_SHORT.set(on);
 }
 
-static ATTN_SHORT_FUSE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ATTN_SHORT_FUSE", true);
-
-/// Whether a one-token step that takes [`attn_short`] runs the q/k norms, RoPE, the KV store
-/// and the attention in one launch (`attn_dec6tq_*`, bit-identical to `qk_norm_rope_store_p_*`
-/// + `attn_dec6tm_*`): one kernel fewer in batch-1 decode's chain (`MINIMAX_ATTN_SHORT_FUSE=0`
-/// keeps the two; only with [`attn_short`] on).
-pub fn attn_short_fuse() -> bool {
-    ATTN_SHORT_FUSE.get()
-}
-
-/// Overrides [`attn_short_fuse`] (A/B runs and tests; `None` = back to the environment). Drop
-/// captured graphs after a change (`CudaModel::clear_graphs`).
-pub fn set_attn_short_fuse(on: Option<bool>) {
-    ATTN_SHORT_FUSE.set(on);
-}
-
-static ATTN_L2PF: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ATTN_L2PF", false);
-
-/// Whether `attn_dec6tq_*` ([`attn_short_fuse`]) asks L2 for the o-projection's and the router's
-/// weights after its wait, while its phase leaves DRAM idle (`MINIMAX_ATTN_L2PF=1`; opt-in
-/// until measured: `minimax-bench --short-ab`). Same bits either way.
-pub fn attn_l2_prefetch() -> bool {
-    ATTN_L2PF.get()
-}
-
-/// Overrides [`attn_l2_prefetch`] (A/B runs and tests; `None` = back to the environment). Drop
-/// captured graphs after a change (`CudaModel::clear_graphs`).
-pub fn set_attn_l2_prefetch(on: Option<bool>) {
-    ATTN_L2PF.set(on);
-}
-
 /// Most attention splits `attn_dec6m_*` merges (`AD_MAXSPLIT`).
 pub const ATTN_FUSE_MAX_SPLIT: usize = 128;
 
@@ -649,22 +618,6 @@ pub fn set_norm_fusion(router: Option<bool>, down: Option<bool>, late: Option<bo
     FUSE_ROUTER_NORM.set(router);
     FUSE_DOWN_NORM.set(down);
     DOWN_TRIG_LATE.set(late);
-}
-
-static ROUTER_NS: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTER_NS", false);
-
-/// Whether one-token steps run the MoE norm inside the router with the router rows copied to
-/// shared memory before the PDL wait (`router_topk_norm_f32s`, `MINIMAX_ROUTER_NS=1`): the
-/// fused router's norm then no longer delays its weight loads. Bit-identical to the separate
-/// norm; opt-in until measured (`minimax-bench --router-ns-ab`).
-pub fn router_norm_staged() -> bool {
-    ROUTER_NS.get()
-}
-
-/// Overrides [`router_norm_staged`] (A/B runs and tests; `None` = back to the environment).
-/// Drop captured graphs after a change (`CudaModel::clear_graphs`).
-pub fn set_router_norm_staged(on: Option<bool>) {
-    ROUTER_NS.set(on);
 }
 
 /// Widest row the fused norms take (`RN_MAXI` / `DN_NORM_MAXI` x 1024 in the kernels).
@@ -1080,8 +1033,7 @@ impl Gpu {
     /// `norm_q8` of `x` (weight `nw`, into `xq` / `xd`) and [`Gpu::router_topk_f32`] on its
     /// output in one launch (`router_topk_norm_f32`): the same q8, logits, ids and weights, bit
     /// for bit, one kernel boundary fewer. Rows of `w.cols` % 128 == 0 and at most
-    /// [`FUSED_NORM_MAX`]; `x` rows `xs` apart. One token with [`router_norm_staged`]:
-    /// `router_topk_norm_f32s` (same bits).
+    /// [`FUSED_NORM_MAX`]; `x` rows `xs` apart.
     #[allow(clippy::too_many_arguments)]
     pub fn router_topk_norm_f32(&self, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, nt: usize) -> Result<(), CudaError> {
         if !fast_router(w) || w.cols % 128 != 0 || w.cols > FUSED_NORM_MAX || w.rows > ROUTE_FAST_MAX_E || k > 32 || k > w.rows || k == 0 {
@@ -1091,13 +1043,11 @@ impl Gpu {
             minimax_shared::model::GatingFunc::Sigmoid => 2,
             minimax_shared::model::GatingFunc::Softmax => 1,
         };
-        // One token with router_norm_staged: the rows staged before the wait (4 rows a block).
-        let staged = nt == 1 && router_norm_staged();
         self.launch_pdl(
-            if staged { "router_topk_norm_f32s" } else { "router_topk_norm_f32" },
+            "router_topk_norm_f32",
             (ceil_div(w.rows, 4), nt as u32, 1),
             128,
-            (if staged { 20 * w.cols } else { 4 * w.cols }) as u32,
+            (4 * w.cols) as u32,
             &[
                 Arg::P(w.ptr),
                 Arg::I(w.rows as i32),
@@ -1380,62 +1330,6 @@ impl Gpu {
                 self.launch_pdl(merge, ((kv_heads * GQA) as u32, nt as u32, 1), 128, 0, &[Arg::P(part), Arg::I(kv_heads as i32), Arg::I(nsplit as i32), Arg::P(out), Arg::L(os as i64), Arg::P(aq), Arg::P(ad), Arg::P(pos)])
             }
         }
-    }
-
-    /// One token's q/k norms, partial RoPE, KV store and unsplit decode attention in one
-    /// launch (`attn_dec6tq_*`, [`attn_short_fuse`]): `qk` = (q, k, v rows of the token, q width,
-    /// k width; v as wide as k, rows `kw` apart), `norm` = (q norm, k norm weights, eps),
-    /// `rope` = (rotary dims, theta), `meta` = (pos, seq, page-table offsets, pages, slots).
-    /// Output as [`Gpu::attn_decode`]: `out` (f32, stride `os`) and its q8 `aq` / `ad`.
-    /// `prefetch`: two (address, bytes) ranges asked of L2 after the wait ([`attn_l2_prefetch`];
-    /// 16-byte aligned, bytes a multiple of 16; (0, 0) = none).
-    #[allow(clippy::too_many_arguments)]
-    pub fn attn_short_fused(&self, kv: &str, qk: (u64, u64, u64, usize, usize), norm: (u64, u64, f32), rope: (usize, f32), kc: u64, vc: u64, meta: (u64, u64, u64, u64, u64), page_size: usize, kv_heads: usize, scale: f32, out: u64, os: usize, aq: u64, ad: u64, prefetch: [(u64, usize); 2]) -> Result<(), CudaError> {
-        if prefetch.iter().any(|&(p, n)| p % 16 != 0 || n % 16 != 0) {
-            return Err(CudaError::Shape(format!("attn_dec6tq: L2 prefetch ranges {prefetch:?} (16-byte aligned and sized)")));
-        }
-        let (q, k, v, qw, kw) = qk;
-        let (rot, theta) = rope;
-        if kv != "f16" && kv != "bf16" {
-            return Err(CudaError::Shape(format!("attention: KV cache type {kv} (f16 or bf16)")));
-        }
-        if page_size == 0 || kv_heads == 0 || kw != kv_heads * 128 || qw != kw * GQA || qw > QK_MAX_WIDTH || rot % 2 != 0 || rot > 128 {
-            return Err(CudaError::Shape(format!("attn_dec6tq: q width {qw}, k width {kw}, {kv_heads} KV heads of 128, rotary {rot} (<= 128, even), page size {page_size}")));
-        }
-        let (pos, seq, ptoff, pts, slots) = meta;
-        let args = [
-            Arg::P(q),
-            Arg::L(qw as i64),
-            Arg::P(k),
-            Arg::P(v),
-            Arg::L(kw as i64),
-            Arg::P(norm.0),
-            Arg::P(norm.1),
-            Arg::I(qw as i32),
-            Arg::I(kw as i32),
-            Arg::I(rot as i32),
-            Arg::F(theta),
-            Arg::F(norm.2),
-            Arg::P(slots),
-            Arg::P(kc),
-            Arg::P(vc),
-            Arg::P(pos),
-            Arg::P(seq),
-            Arg::P(ptoff),
-            Arg::P(pts),
-            Arg::I(page_size as i32),
-            Arg::I(kv_heads as i32),
-            Arg::F(scale),
-            Arg::P(out),
-            Arg::L(os as i64),
-            Arg::P(aq),
-            Arg::P(ad),
-            Arg::P(prefetch[0].0),
-            Arg::L(prefetch[0].1 as i64),
-            Arg::P(prefetch[1].0),
-            Arg::L(prefetch[1].1 as i64),
-        ];
-        self.launch_pdl(&format!("attn_dec6tq_{kv}"), (kv_heads as u32, 1, 1), 128, ATTN_MMA_SMEM as u32, &args)
     }
 
     /// Fused expert down + weighted combine: `hidden[t] += sum_j w[t,j] down[ids[t,j]] act[t,j]`.

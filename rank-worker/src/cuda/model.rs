@@ -487,14 +487,11 @@ impl CudaModel {
         }
         // MINIMAX_ATTN_FUSE=1: decode attention merges its splits in its last block.
         // Short contexts (fast::attn_short): one split whose block normalizes its own output.
-        // One-token steps at short context: the q/k norms, RoPE and KV store inside the
-        // attention's launch (fast::attn_short_fuse; widths checked by attn_short_fused).
-        let fuse_short = short && nt == 1 && !tp && super::fast::attn_short_fuse() && c.head_dim == 128 && c.v_head_dim == 128 && c.rotary_dim <= 128;
         let acnt = if short || (super::fast::attn_fusion() && nsplit <= super::fast::ATTN_FUSE_MAX_SPLIT) { Some(g.ptr(&ws.acnt)) } else { None };
         // Whether xq / xd already hold this layer's attention norm (the previous layer's streamed
         // down ran it in its last block: fast::fuse_down_norm).
         let mut normed = false;
-        let fuse_router = (super::fast::fuse_router_norm() || (super::fast::router_norm_staged() && nt == 1)) && h % 128 == 0 && h <= super::fast::FUSED_NORM_MAX;
+        let fuse_router = super::fast::fuse_router_norm() && h % 128 == 0 && h <= super::fast::FUSED_NORM_MAX;
         let fuse_down = super::fast::fuse_down_norm() && !tp && super::stream::stream_on();
         // Timing attribution only (minimax-bench --skip-ab): launches left out of the step.
         use super::fast::skip as sk;
@@ -535,16 +532,10 @@ impl CudaModel {
                 qk_args.extend([Arg::P(ssp), Arg::I((c.n_heads * c.head_dim) as i32), Arg::I((c.n_kv_heads * c.head_dim) as i32)]);
             }
             let qk_name = super::fast::qk_norm_rope_name(tp, kvs);
-            if fuse_short {
-                if run(sk::ATTN) {
-                    let pf = |m: &super::gpu::DevMat| if m.ptr % 16 == 0 && (m.rows * m.row_bytes) % 16 == 0 { (m.ptr, m.rows * m.row_bytes) } else { (0, 0) };
-                    let prefetch = if super::fast::attn_l2_prefetch() { [pf(&l.wo), pf(&l.router)] } else { [(0, 0); 2] };
-                    g.attn_short_fused(kvs, (p(&ws.q), p(&ws.k), p(&ws.v), qw, kw), (l.q_norm, l.k_norm, c.rms_eps), (c.rotary_dim, c.rope_theta), kc, vc, (m_pos, m_seq, m_ptoff, m_pts, m_slot), self.page_size, self.kv_heads, scale, p(&ws.att), ow, xq, xd, prefetch)?;
-                }
-            } else if run(sk::QK) {
+            if run(sk::QK) {
                 g.launch_pdl(&qk_name, (nt as u32, 2, 1), 1024, 0, &qk_args)?;
             }
-            if run(sk::ATTN) && !fuse_short {
+            if run(sk::ATTN) {
                 g.attn_decode(kvs, p(&ws.q), qw, kc, vc, (m_pos, m_seq, m_ptoff, m_pts), self.page_size, self.kv_heads, nsplit, scale, p(&ws.part), p(&ws.att), ow, xq, xd, acnt, nt)?;
             }
             if run(sk::O) {
