@@ -1154,13 +1154,12 @@ impl Gpu {
     /// Blocks of kernel `name` (block `threads`) the whole device holds at once: SMs x the
     /// occupancy calculator's blocks per SM (at least 1). Cached per device and kernel.
     pub fn resident_blocks(&self, name: &str, threads: u32) -> Result<usize, CudaError> {
-        use cudarc::driver::sys::CUdevice_attribute;
         static CACHE: std::sync::Mutex<Option<HashMap<(usize, String), usize>>> = std::sync::Mutex::new(None);
         let key = (self.ctx.ordinal(), name.to_string());
         if let Some(&v) = CACHE.lock().unwrap().get_or_insert_with(HashMap::new).get(&key) {
             return Ok(v);
         }
-        let sms = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
+        let sms = self.sm_count();
         let per_sm = self.func(name)?.occupancy_max_active_blocks_per_multiprocessor(threads, 0, None)?.max(1) as usize;
         let v = sms * per_sm;
         CACHE.lock().unwrap().get_or_insert_with(HashMap::new).insert(key, v);
@@ -1276,9 +1275,7 @@ impl Gpu {
         if let Some(n) = *FIXED.get_or_init(|| std::env::var("MINIMAX_ATTN_SPLITS").ok().and_then(|v| v.parse().ok()).filter(|&n: &usize| n > 0)) {
             return Ok(n.min(nsplit));
         }
-        use cudarc::driver::sys::CUdevice_attribute;
-        let sms = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
-        Ok((sms / (kv_heads * nt)).clamp(1, nsplit))
+        Ok((self.sm_count() / (kv_heads * nt)).clamp(1, nsplit))
     }
 
     /// [`Gpu::attn_decode`] with the kernel (`mma`: `attn_dec6t_*` / `attn_dec6tm_*`, else

@@ -132,6 +132,10 @@ pub struct Gpu {
     /// Partial sums and arrival counters of the K-split `mvx_q8_0` products (see
     /// [`Gpu::mvx_plan`]); allocated with the device so no step allocates (counters zero).
     pub(super) mvx_scratch: (CudaSlice<f32>, CudaSlice<u32>),
+    /// Streaming multiprocessors and the opt-in shared memory a block may have, read once at
+    /// creation: tile and kernel choices ask for them at every prefill launch.
+    pub(super) n_sms: usize,
+    pub(super) optin_smem: usize,
 }
 
 /// Checks that the CUDA driver library can be loaded (instead of a panic in the bindings).
@@ -185,7 +189,10 @@ impl Gpu {
         };
         let pdl = arch >= 90 && std::env::var("MINIMAX_PDL").map(|v| v != "0").unwrap_or(true);
         let mvx_scratch = (stream.alloc_zeros::<f32>(super::fast::MVX_PART_CAP)?, stream.alloc_zeros::<u32>(super::fast::MVX_CNT_CAP)?);
-        let gpu = Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), smem_allowed: Mutex::new(HashMap::new()), prof: Mutex::new(None), pdl, gu_rows, blas: OnceLock::new(), mvx_scratch };
+        use cudarc::driver::sys::CUdevice_attribute as A;
+        let n_sms = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
+        let optin_smem = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as usize;
+        let gpu = Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), smem_allowed: Mutex::new(HashMap::new()), prof: Mutex::new(None), pdl, gu_rows, blas: OnceLock::new(), mvx_scratch, n_sms, optin_smem };
         if super::mem_pool::POOL_KEEP.get() {
             gpu.set_pool_keep(true)?;
         }

@@ -8,7 +8,6 @@ use std::sync::atomic::{AtomicU8, Ordering};
 use super::env_flag::EnvFlag;
 
 use cudarc::driver::CudaSlice;
-use cudarc::driver::sys::CUdevice_attribute;
 use minimax_shared::quant::GgmlType;
 
 use super::error::CudaError;
@@ -298,7 +297,7 @@ pub struct ExpertGroups {
 impl Gpu {
     /// Number of streaming multiprocessors (for tile-size choices).
     pub(super) fn sm_count(&self) -> usize {
-        self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT).map(|v| v as usize).unwrap_or(132)
+        self.n_sms
     }
 
     /// Why the GEMM cannot take `w` with input `x` (`xs` apart), or `None` when it can:
@@ -474,7 +473,7 @@ impl Gpu {
 
     /// Largest dynamic shared memory a block may opt in to on this device.
     pub fn smem_optin(&self) -> usize {
-        self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).map(|v| v as usize).unwrap_or(MAX_SMEM)
+        self.optin_smem
     }
 
     /// Why the integer fast path cannot take `w` with input `x` (`xs` apart) at token tile

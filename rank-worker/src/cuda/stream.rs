@@ -8,7 +8,6 @@
 
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
-use cudarc::driver::sys::CUdevice_attribute;
 use minimax_shared::quant::GgmlType;
 
 use super::env_flag::EnvFlag;
@@ -149,7 +148,7 @@ impl Gpu {
         if self.arch < 90 || stage == 0 {
             return Ok(0);
         }
-        let optin = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as usize;
+        let optin = self.smem_optin();
         let n = optin.saturating_sub(fixed) / stage;
         Ok(if n >= 2 { n.min(stage_cap()) } else { 0 })
     }
@@ -195,7 +194,7 @@ impl Gpu {
 
     /// One block per SM, fewer when there are fewer tasks.
     pub(super) fn stream_grid(&self, tasks: usize) -> Result<u32, CudaError> {
-        let sms = self.ctx.attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
+        let sms = self.sm_count();
         Ok(sms.min(tasks.max(1)) as u32)
     }
 
