@@ -764,6 +764,8 @@ prefill of one fresh prompt, three calls in a row per length (ms):");
         }
         println!("| {len} | {:.1} | {:.1} | {:.1} |", t[0], t[1], t[2]);
     }
+    let (free, total) = cudarc::driver::result::mem_get_info()?;
+    println!("device memory free {:.2} of {:.2} GB", free as f64 / 1e9, total as f64 / 1e9);
     let mut fams: Vec<Vec<(String, f32)>> = Vec::new();
     for call in ["first", "second"] {
         round += 1;
@@ -1019,7 +1021,10 @@ fn dense_sweep(m: &CudaModel) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
+    // As the serving rank does (cuda/module_loading.rs); CUDA_MODULE_LOADING=LAZY for the A/B.
+    let loading = minimax_rank::cuda::module_loading::prefer_eager();
     tracing_subscriber::fmt().with_max_level(tracing::Level::INFO).init();
+    println!("CUDA module loading: {loading}");
     if world::requested() {
         // Several GPUs (--tp N / --pp N): rank-worker/src/bin/bench/world.rs.
         return world::main_world();
