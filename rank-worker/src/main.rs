@@ -208,10 +208,6 @@ fn build_kernels(_: &[u32]) -> Result<String, String> {
 }
 
 fn main() -> ExitCode {
-    // Before any CUDA call or thread: cuBLAS's kernels loaded with the context, not inside the
-    // first request that needs each (cuda/module_loading.rs).
-    #[cfg(feature = "cuda")]
-    minimax_rank::cuda::module_loading::prefer_eager();
     let cli = Cli::parse();
     match cli.cmd {
         Some(Cmd::Inspect { model }) => match GgufModel::open(&model) {

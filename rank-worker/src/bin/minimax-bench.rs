@@ -1021,10 +1021,7 @@ fn dense_sweep(m: &CudaModel) -> anyhow::Result<()> {
 }
 
 fn main() -> anyhow::Result<()> {
-    // As the serving rank does (cuda/module_loading.rs); CUDA_MODULE_LOADING=LAZY for the A/B.
-    let loading = minimax_rank::cuda::module_loading::prefer_eager();
     tracing_subscriber::fmt().with_max_level(tracing::Level::INFO).init();
-    println!("CUDA module loading: {loading}");
     if world::requested() {
         // Several GPUs (--tp N / --pp N): rank-worker/src/bin/bench/world.rs.
         return world::main_world();

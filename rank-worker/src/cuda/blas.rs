@@ -30,6 +30,14 @@ use super::matmul::{GemmPrecision, gemm_precision};
 /// cuBLAS for dense prefill products, on unless `MINIMAX_BLAS=0`.
 static BLAS: EnvFlag = EnvFlag::new("MINIMAX_BLAS", true);
 
+static BLAS_WARM_WIDE: EnvFlag = EnvFlag::new("MINIMAX_BLAS_WARM_WIDE", false);
+
+/// Whether model load warms cuBLAS at 256 token counts up to 4,096 instead of 512 and 2,048
+/// (`MINIMAX_BLAS_WARM_WIDE=1`; `CudaModel::warm_blas` says why).
+pub fn blas_warm_wide() -> bool {
+    BLAS_WARM_WIDE.get()
+}
+
 /// Whether dense products of many tokens go through cuBLAS ([`BLAS`] or what [`set_blas`] set).
 pub fn blas_on() -> bool {
     BLAS.get()

@@ -14,7 +14,6 @@ pub mod gpu;
 pub mod gstream;
 pub mod matmul;
 pub mod mem_pool;
-pub mod module_loading;
 pub mod model;
 pub mod nccl;
 pub mod nvrtc;

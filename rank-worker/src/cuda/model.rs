@@ -325,10 +325,20 @@ impl CudaModel {
     /// handle, its workspace and the loading of the kernels cuBLAS picks (measured: a 512-token
     /// prompt's TTFT 436 ms on a fresh server against 84 ms of prefill). A failure here turns
     /// the cuBLAS path off for this process (with a warning) instead of failing the load.
+    ///
+    /// With [`super::blas::blas_warm_wide`] it also runs every token count 64 j + r (r = 0, 1, 2,
+    /// 4; up to 4,096): a prompt length cuBLAS has not seen cost 8-13 ms more on its first call
+    /// (H200, `minimax-bench --first-calls`: 513 tokens 64-68 ms, then 57), the same with eager
+    /// module loading, and lengths next to one already seen (514, 520 after 513) only ~1 ms more,
+    /// so the cost is per kind of shape cuBLAS distinguishes, which these counts aim to cover.
     fn warm_blas(&self) -> Result<(), CudaError> {
         let Some(l) = self.layers.first() else { return Ok(()) };
         let g = &self.gpu;
-        let ns = [512usize, 2048];
+        let mut ns = vec![512usize, 2048];
+        if super::blas::blas_warm_wide() {
+            let lo = super::blas::blas_min_tokens().max(1);
+            ns = (1..=64usize).flat_map(|j| [0usize, 1, 2, 4].map(|r| 64 * j + r)).filter(|&n| n >= lo && n <= 4096).collect();
+        }
         let ws: Vec<&DevMat> = [&l.wq, &l.wk, &l.wv, &l.wo, &l.router].into_iter().filter(|w| ns.iter().all(|&n| g.blas_takes(w, n))).collect();
         if ws.is_empty() {
             return Ok(());
@@ -336,7 +346,7 @@ impl CudaModel {
         let t = std::time::Instant::now();
         let cols = ws.iter().map(|w| w.cols).max().unwrap_or(0);
         let rows = ws.iter().map(|w| w.rows).max().unwrap_or(0);
-        let n = ns[ns.len() - 1];
+        let n = ns.iter().copied().max().unwrap_or(0);
         let x = g.zeros::<f32>(n * cols)?;
         let y = g.zeros::<f32>(n * rows)?;
         let run = || -> Result<(), CudaError> {
@@ -348,7 +358,7 @@ impl CudaModel {
             g.sync()
         };
         match run() {
-            Ok(()) => tracing::info!(ms = t.elapsed().as_secs_f64() * 1e3, "cuBLAS ready for the dense prefill products"),
+            Ok(()) => tracing::info!(ms = t.elapsed().as_secs_f64() * 1e3, token_counts = ns.len(), "cuBLAS ready for the dense prefill products"),
             Err(e) => {
                 tracing::warn!(error = %e, "cuBLAS warm-up failed: dense prefill products use the built-in GEMMs");
                 super::blas::set_blas(Some(false));
