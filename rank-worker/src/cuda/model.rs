@@ -326,11 +326,12 @@ impl CudaModel {
     /// prompt's TTFT 436 ms on a fresh server against 84 ms of prefill). A failure here turns
     /// the cuBLAS path off for this process (with a warning) instead of failing the load.
     ///
-    /// With [`super::blas::blas_warm_wide`] it also runs every token count 64 j + r (r = 0, 1, 2,
-    /// 4; up to 4,096): a prompt length cuBLAS has not seen cost 8-13 ms more on its first call
-    /// (H200, `minimax-bench --first-calls`: 513 tokens 64-68 ms, then 57), the same with eager
-    /// module loading, and lengths next to one already seen (514, 520 after 513) only ~1 ms more,
-    /// so the cost is per kind of shape cuBLAS distinguishes, which these counts aim to cover.
+    /// With [`super::blas::blas_warm_wide`] (the default) it runs every token count 64 j + r
+    /// (r = 0, 1, 2, 4; from the cuBLAS threshold up to 4,096) instead: a prompt length cuBLAS
+    /// has not seen cost 7-9 ms more on its first call (H200, `minimax-bench --first-calls`: 513
+    /// tokens 64.8 ms, then 57.1), the same with eager module loading, and lengths next to one
+    /// seen (514, 520 after 513) ~1 ms. With these counts warmed the extra is 3.6-5.3 ms (513:
+    /// 60.9 then 57.3); the rest is per exact shape.
     fn warm_blas(&self) -> Result<(), CudaError> {
         let Some(l) = self.layers.first() else { return Ok(()) };
         let g = &self.gpu;
