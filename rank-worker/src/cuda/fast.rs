@@ -494,7 +494,8 @@ pub const ATTN_SHORT_MAX_CTX: usize = 256;
 /// Whether fast steps whose contexts are all at most [`ATTN_SHORT_MAX_CTX`] run decode
 /// attention as one block per (token, KV head) that normalizes its own output (`attn_dec6tm_*`
 /// with one split: no `attn_merge6` launch, no partials) instead of one split per SM and a
-/// merge (`MINIMAX_ATTN_SHORT=1`; opt-in until measured: `minimax-bench --short-ab`). Such
+/// merge (`MINIMAX_ATTN_SHORT=1`; opt-in: `minimax-bench --short-ab` measured no gain beyond
+/// run-to-run spread on an H200). Such
 /// steps get their own graphs (keyed by tokens and this choice).
 pub fn attn_short() -> bool {
     ATTN_SHORT.get()

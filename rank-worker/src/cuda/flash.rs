@@ -26,7 +26,8 @@ pub static FLASH_WIDE: EnvFlag = EnvFlag::new("MINIMAX_FLASH_WIDE", true);
 /// form (`flashdb_*`) fits the card's shared memory (sm_90: yes; sm_120: no).
 pub static FLASH_DB: EnvFlag = EnvFlag::new("MINIMAX_FLASH_DB", true);
 
-/// `MINIMAX_FLASH_SPLIT=N` (2..=8; unset or 0: off, the default until measured): a flash launch
+/// `MINIMAX_FLASH_SPLIT=N` (2..=8; unset or 0: off, the default; A/B only: slower on an H200, a
+/// 512-token prefill 56.0 → 58.4-60.7 ms, docs/CUDA.md): a flash launch
 /// of the 128-row kernels with fewer blocks than two per SM, whose longest sequence has at least
 /// [`FLASH_SPLIT_MIN_TOKENS`] new tokens, splits each row tile's keys over N blocks
 /// (`flashs_*` / `flashsdb_*`) and merges the partials (`flash_merge`): the heaviest tile of a

@@ -2,8 +2,8 @@
 //! device's default memory pool, whose release threshold is 0 by default: at each
 //! synchronization (every step ends with one) CUDA hands the pool's free memory back to the
 //! driver, so the next prefill step maps its workspace again. Keeping it (threshold u64::MAX,
-//! as caching allocators do) is opt-in until an A/B on a GPU (`minimax-bench --pool-ab`) says
-//! what it saves.
+//! as caching allocators do) is opt-in: `minimax-bench --pool-ab` measured under 1 % on prefill
+//! steps of an H200, for memory held at its high-water mark.
 
 use cudarc::driver::sys;
 

@@ -25,8 +25,8 @@ static TMA_WIDE: EnvFlag = EnvFlag::new("MINIMAX_T8_WIDE", true);
 
 /// Gate/up's grouped X by converting each token once and copying its row to its pairs
 /// (`mmg_x_i8` + `mmg_xg_gather`) instead of converting every pair's row (`mmg_xg_i8`, 8 times a
-/// token at top-8); meant to give the same bytes (`MINIMAX_XG_GATHER`, off by default: measured
-/// 9.7 → 7.1 ms a 4,096-token chunk, its byte-identity test not yet run on a GPU).
+/// token at top-8); the same bytes (`cuda_prefill` tma_grouped, H200). `MINIMAX_XG_GATHER`, off
+/// by default: conversions 9.7 → 7.1 ms a 4,096-token chunk, but the whole prefill no faster.
 static XG_GATHER: EnvFlag = EnvFlag::new("MINIMAX_XG_GATHER", false);
 
 /// Forces the convert-once-and-gather grouped X on or off (`None`: back to `MINIMAX_XG_GATHER`).
