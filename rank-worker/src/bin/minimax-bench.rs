@@ -151,9 +151,9 @@ fn stream_step(m: &mut CudaModel, pts: &[Vec<u32>], toks: &mut [u32], s: usize) 
     Ok(ok)
 }
 
-/// Prints a profiled step's kernel time by kernel family (dtype suffixes merged), largest first,
-/// so the next thing to speed up is the first line.
-fn print_split(prof: &[(String, f32)], what: &str) {
+/// A profile's kernel time by kernel family (dtype suffixes merged): (family, ms, launches), in
+/// order of first launch.
+fn kernel_families(prof: &[(String, f32)]) -> Vec<(String, f32, usize)> {
     let mut fam: Vec<(String, f32, usize)> = Vec::new();
     for (n, t) in prof {
         let key = n.trim_end_matches("_f16").trim_end_matches("_bf16").to_string();
@@ -165,6 +165,13 @@ fn print_split(prof: &[(String, f32)], what: &str) {
             None => fam.push((key, *t, 1)),
         }
     }
+    fam
+}
+
+/// Prints a profiled step's kernel time by kernel family (dtype suffixes merged), largest first,
+/// so the next thing to speed up is the first line.
+fn print_split(prof: &[(String, f32)], what: &str) {
+    let mut fam = kernel_families(prof);
     fam.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap());
     let tot: f32 = fam.iter().map(|f| f.1).sum();
     println!("\nper-kernel split of one {what} (events around each launch, no graph): total {tot:.3} ms, {} launches", prof.len());
@@ -766,7 +773,7 @@ prefill of one fresh prompt, three calls in a row per length (ms):");
     }
     let (free, total) = cudarc::driver::result::mem_get_info()?;
     println!("device memory free {:.2} of {:.2} GB", free as f64 / 1e9, total as f64 / 1e9);
-    let mut fams: Vec<Vec<(String, f32)>> = Vec::new();
+    let mut fams: Vec<Vec<(String, f32, usize)>> = Vec::new();
     for call in ["first", "second"] {
         round += 1;
         m.gpu().sync()?;
@@ -777,16 +784,9 @@ prefill of one fresh prompt, three calls in a row per length (ms):");
         let prof = m.gpu().profile_end()?;
         let sum: f32 = prof.iter().map(|p| p.1).sum();
         println!("901 tokens, {call} call (profiled): wall {wall:.1} ms, kernels {sum:.1} ms in {} launches", prof.len());
-        let mut fam: Vec<(String, f32)> = Vec::new();
-        for (n, t) in prof {
-            match fam.iter_mut().find(|f| f.0 == n) {
-                Some(f) => f.1 += t,
-                None => fam.push((n, t)),
-            }
-        }
-        fams.push(fam);
+        fams.push(kernel_families(&prof));
     }
-    let mut delta: Vec<(String, f32, f32)> = fams[0].iter().map(|(n, t)| (n.clone(), *t, fams[1].iter().find(|f| &f.0 == n).map_or(0.0, |f| f.1))).collect();
+    let mut delta: Vec<(String, f32, f32)> = fams[0].iter().map(|(n, t, _)| (n.clone(), *t, fams[1].iter().find(|f| &f.0 == n).map_or(0.0, |f| f.1))).collect();
     delta.sort_by(|a, b| (b.1 - b.2).abs().partial_cmp(&(a.1 - a.2).abs()).unwrap());
     println!("| kernel | first call ms | second ms |\n| --- | --- | --- |");
     for (n, a, b) in delta.iter().take(12) {

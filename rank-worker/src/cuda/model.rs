@@ -335,11 +335,12 @@ impl CudaModel {
     fn warm_blas(&self) -> Result<(), CudaError> {
         let Some(l) = self.layers.first() else { return Ok(()) };
         let g = &self.gpu;
-        let mut ns = vec![512usize, 2048];
-        if super::blas::blas_warm_wide() {
+        let ns: Vec<usize> = if super::blas::blas_warm_wide() {
             let lo = super::blas::blas_min_tokens().max(1);
-            ns = (1..=64usize).flat_map(|j| [0usize, 1, 2, 4].map(|r| 64 * j + r)).filter(|&n| n >= lo && n <= 4096).collect();
-        }
+            (1..=64usize).flat_map(|j| [0usize, 1, 2, 4].map(|r| 64 * j + r)).filter(|&n| n >= lo && n <= 4096).collect()
+        } else {
+            vec![512, 2048]
+        };
         let ws: Vec<&DevMat> = [&l.wq, &l.wk, &l.wv, &l.wo, &l.router].into_iter().filter(|w| ns.iter().all(|&n| g.blas_takes(w, n))).collect();
         if ws.is_empty() {
             return Ok(());
