@@ -488,3 +488,78 @@ fn fast_path_norm_fusion_is_bit_identical() {
     }
     eprintln!("m2.7:iq4xs:2 fast path: fused norms bit-identical to separate norm_q8 launches over {} steps x {} settings", runs[0].len(), settings.len() - 1);
 }
+
+/// The one-launch attention block (`ablk_*`, `attn_block::set_attn_block`): one-token steps run
+/// q/k/v, q/k norm + RoPE + KV store, split attention + merge, o-projection, MoE norm and router
+/// in one persistent launch a layer. Its logits are bit-identical to the chain of launches with
+/// the SIMT attention (`set_attn_mma(false)`) at M2.7 dimensions (2 layers), directly and from
+/// the step graphs, over the bit-identity series (steps of 1, 2 and 5 tokens: the others keep
+/// the chain) and over one-token steps at contexts of 600-604 and 2,100-2,103 positions (many
+/// splits, several pages). A race between its steps, a wrong split boundary or a stale read
+/// would show as a difference.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_path_attention_block_is_bit_identical() {
+    use minimax_rank::cuda::attn_block::set_attn_block;
+    use minimax_rank::cuda::fast::set_attn_mma;
+    use minimax_shared::model::synthetic::SyntheticSpec;
+    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
+    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 1200 }, CudaOptions::default(), 17).unwrap();
+    assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
+    assert!(m.block_off().is_none(), "attention block unavailable: {:?}", m.block_off());
+    // Kernels of one direct one-token step.
+    set_attn_mma(Some(false));
+    let kernels = |m: &mut CudaModel, block: bool, base: u32| -> Vec<String> {
+        set_attn_block(Some(block));
+        m.set_fast(true, false);
+        let pt: Vec<u32> = (base..base + 2).collect();
+        let st = |cached: usize, tokens: Vec<u32>| SeqStep { seq_id: 700 + base as u64, page_table: pt.clone(), cached_len: cached, tokens, logits: LogitsWanted::Last };
+        m.forward(&ForwardBatch { seqs: vec![st(0, vec![3, 4, 5])] }).unwrap();
+        m.gpu().profile_begin();
+        m.forward(&ForwardBatch { seqs: vec![st(3, vec![6])] }).unwrap();
+        m.gpu().profile_end().unwrap().into_iter().map(|(n, _)| n).collect()
+    };
+    let has = |ks: &[String], p: &str| ks.iter().any(|k| k.starts_with(p));
+    let ks = kernels(&mut m, true, 0);
+    assert!(has(&ks, "ablk_") && !has(&ks, "qk_norm_rope_store") && !has(&ks, "attn_dec6"), "block on: {ks:?}");
+    let ks = kernels(&mut m, false, 2);
+    assert!(!has(&ks, "ablk_") && has(&ks, "qk_norm_rope_store"), "block off: {ks:?}");
+    // Long contexts: a prompt of `n` tokens (prefill path), then four one-token steps.
+    let long = |m: &mut CudaModel, n: usize, base: u32| -> Vec<Vec<f32>> {
+        let pt: Vec<u32> = (base..base + (n + 6).div_ceil(PAGE) as u32).collect();
+        let st = |cached: usize, tokens: Vec<u32>| SeqStep { seq_id: 800 + base as u64, page_table: pt.clone(), cached_len: cached, tokens, logits: LogitsWanted::Last };
+        let prompt: Vec<u32> = (0..n as u32).map(|i| (i * 7919 + 11) % 200_000).collect();
+        let o = m.forward(&ForwardBatch { seqs: vec![st(0, prompt)] }).unwrap();
+        let mut tok = argmax(o.row(0)).0;
+        let mut out = Vec::new();
+        for i in 0..4 {
+            let o = m.forward(&ForwardBatch { seqs: vec![st(n + i, vec![tok])] }).unwrap();
+            tok = argmax(o.row(0)).0;
+            out.push(o.logits.clone());
+        }
+        out
+    };
+    let settings = [(false, false), (true, false), (true, true)];
+    let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
+    for (i, &(block, graphs)) in settings.iter().enumerate() {
+        set_attn_block(Some(block));
+        m.clear_graphs();
+        m.set_fast(true, graphs);
+        let base = 10 + 330 * i as u32;
+        let mut out = fast_step_series(&mut m, base);
+        out.extend(long(&mut m, 600, base + 20));
+        out.extend(long(&mut m, 2100, base + 60));
+        assert!(out.iter().all(|l| l.iter().all(|x| x.is_finite())), "block {block} graphs {graphs}: non-finite logits");
+        runs.push(out);
+    }
+    set_attn_block(None);
+    set_attn_mma(None);
+    m.clear_graphs();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (i, st) in settings.iter().enumerate().skip(1) {
+        for (s, (a, b)) in runs[0].iter().zip(&runs[i]).enumerate() {
+            assert!(bits(a) == bits(b), "{st:?} (block, graphs), step {s}: logits differ from the chain of launches (max |diff| {})", max_diff(a, b));
+        }
+    }
+    eprintln!("m2.7:iq4xs:2 fast path: one-launch attention block bit-identical to the SIMT chain over {} steps x {} settings", runs[0].len(), settings.len() - 1);
+}
