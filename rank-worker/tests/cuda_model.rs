@@ -567,3 +567,42 @@ fn fast_path_attention_block_is_bit_identical() {
     }
     eprintln!("m2.7:iq4xs:2 fast path: one-launch attention block bit-identical to the SIMT chain over {} steps x {} settings", runs[0].len(), settings.len() - 1);
 }
+
+/// The o-projection's and router's weights asked of L2 by the one-token decode attention
+/// (`fast::set_o_prefetch`, `attn_dec6tpf_*`): a cache hint only, so the logits stay
+/// bit-identical to the plain kernel, directly and from graphs, and the kernel is the one run.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_path_o_prefetch_is_bit_identical() {
+    use minimax_rank::cuda::fast::set_o_prefetch;
+    use minimax_shared::model::synthetic::SyntheticSpec;
+    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
+    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 19).unwrap();
+    assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
+    set_o_prefetch(Some(true));
+    m.set_fast(true, false);
+    let pt: Vec<u32> = vec![190, 191];
+    let st = |cached: usize, tokens: Vec<u32>| SeqStep { seq_id: 99, page_table: pt.clone(), cached_len: cached, tokens, logits: LogitsWanted::Last };
+    m.forward(&ForwardBatch { seqs: vec![st(0, vec![3, 4, 5])] }).unwrap();
+    m.gpu().profile_begin();
+    m.forward(&ForwardBatch { seqs: vec![st(3, vec![6])] }).unwrap();
+    let ks: Vec<String> = m.gpu().profile_end().unwrap().into_iter().map(|(n, _)| n).collect();
+    assert!(ks.iter().any(|k| k.starts_with("attn_dec6tpf_")), "prefetching attention not run: {ks:?}");
+    let settings = [(false, false), (true, false), (true, true)];
+    let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
+    for (i, &(on, graphs)) in settings.iter().enumerate() {
+        set_o_prefetch(Some(on));
+        m.clear_graphs();
+        m.set_fast(true, graphs);
+        runs.push(fast_step_series(&mut m, 20 * i as u32));
+    }
+    set_o_prefetch(None);
+    m.clear_graphs();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (i, st) in settings.iter().enumerate().skip(1) {
+        for (s, (a, b)) in runs[0].iter().zip(&runs[i]).enumerate() {
+            assert!(bits(a) == bits(b), "{st:?} (prefetch, graphs), step {s}: logits differ (max |diff| {})", max_diff(a, b));
+        }
+    }
+    eprintln!("m2.7:iq4xs:2 fast path: o/router prefetch bit-identical over {} steps", runs[0].len());
+}
