@@ -3087,42 +3087,10 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
     }
 }
 
-// This block's share of two weight ranges asked of L2 (cp.async.bulk.prefetch.L2, thread 0,
-// pieces of 16 KB): the grid's blocks split each range evenly (16-byte aligned). For the
-// one-token attention (attn_dec6tpf_*): the o-projection's and the router's weights, read right
-// after it, reach L2 while attention runs and DRAM is otherwise idle.
-__device__ __forceinline__ void grid_prefetch_l2(const u8* p0, i64 n0, const u8* p1, i64 n1) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    if (threadIdx.x != 0) return;
-    const i64 nb = (i64)gridDim.x * gridDim.y * gridDim.z;
-    const i64 id = ((i64)blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
-    const u8* ps[2] = {p0, p1};
-    const i64 ns[2] = {n0, n1};
-#pragma unroll
-    for (int r = 0; r < 2; r++) {
-        if (!ps[r]) continue;
-        i64 per = ((ns[r] + nb - 1) / nb + 15) & ~(i64)15;
-        i64 a = id * per, e = min(ns[r], a + per);
-        for (; a < e; a += 16384) {
-            u32 n = (u32)min((i64)16384, e - a);
-            asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(ps[r] + a), "r"(n) : "memory");
-        }
-    }
-#endif
-}
-
 #define ATTT_INST(name, BF)                                                                                      \
     extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6t_##name(                               \
         const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos, const int* seq, const int* pt_off, \
         const u32* pts, int page_size, int kv_heads, int nsplit, float scale, float* part) {                     \
-        pdl_enter();                                                                                             \
-        attn_dect_impl<6, BF>(q, qs, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, scale, part);   \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tpf_##name(                             \
-        const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos, const int* seq, const int* pt_off, \
-        const u32* pts, int page_size, int kv_heads, int nsplit, float scale, float* part, const u8* pf0,         \
-        i64 pn0, const u8* pf1, i64 pn1) {                                                                       \
-        grid_prefetch_l2(pf0, pn0, pf1, pn1);                                                                    \
         pdl_enter();                                                                                             \
         attn_dect_impl<6, BF>(q, qs, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, scale, part);   \
     }                                                                                                            \

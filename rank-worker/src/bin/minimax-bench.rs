@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--short-ab] [--block-ab] [--prefetch-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--short-ab] [--block-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -579,28 +579,6 @@ fn b1_ab(m: &mut CudaModel, pages: &mut Pages, what: &str, names: &[&str], set: 
     Ok(())
 }
 
-/// b1_ab at long contexts: one-token steps at `ctxs` cached positions (K/V filled randomly),
-/// graph replay, alternating, three rounds.
-fn ctx_ab(m: &mut CudaModel, pages: &mut Pages, what: &str, names: &[&str], set: &dyn Fn(usize), ctxs: &[usize]) -> anyhow::Result<()> {
-    m.fill_kv_random(5)?;
-    for &ctx in ctxs {
-        let pt = pages.take((ctx + 8).div_ceil(PAGE));
-        let mut r = vec![0f64; names.len()];
-        for _round in 0..3 {
-            for (i, t) in r.iter_mut().enumerate() {
-                set(i);
-                m.clear_graphs();
-                let o = m.forward(&ForwardBatch { seqs: vec![step(9, &pt, ctx, vec![7], LogitsWanted::Last)] })?;
-                anyhow::ensure!(finite(&o), "non-finite logits at context {ctx} ({})", names[i]);
-                *t += replay_ms(m, 1, 10)? / 3.0;
-            }
-        }
-        let cells: Vec<String> = names.iter().zip(&r).map(|(n, t)| format!("{n} {t:.3} ms")).collect();
-        println!("{what} A/B at {ctx} cached positions, batch 1 (graph replay, 3 rounds): {}", cells.join(", "));
-    }
-    Ok(())
-}
-
 /// `--block-ab`: the one-launch attention block (`ablk_*`, attn_block::set_attn_block) against
 /// the chain of launches with the tensor-core attention (the default) and with the SIMT
 /// attention (what the block computes, bit for bit): batch-1 graph replay at short context
@@ -618,7 +596,22 @@ fn block_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
         set_ablk_o_mode(if i >= 2 { Some(i as u32 - 2) } else { None });
     };
     b1_ab(m, pages, "attention block", &names, &set)?;
-    ctx_ab(m, pages, "attention block", &names, &set, &[2048, 8192, 32768])?;
+    m.fill_kv_random(5)?;
+    for ctx in [2048usize, 8192, 32768] {
+        let pt = pages.take((ctx + 8).div_ceil(PAGE));
+        let mut r = [0f64; 5];
+        for _round in 0..3 {
+            for (i, t) in r.iter_mut().enumerate() {
+                set(i);
+                m.clear_graphs();
+                let o = m.forward(&ForwardBatch { seqs: vec![step(9, &pt, ctx, vec![7], LogitsWanted::Last)] })?;
+                anyhow::ensure!(finite(&o), "non-finite logits at context {ctx} ({})", names[i]);
+                *t += replay_ms(m, 1, 10)? / 3.0;
+            }
+        }
+        let cells: Vec<String> = names.iter().zip(&r).map(|(n, t)| format!("{n} {t:.3} ms")).collect();
+        println!("attention block A/B at {ctx} cached positions, batch 1 (graph replay, 3 rounds): {}", cells.join(", "));
+    }
     set(3);
     m.clear_graphs();
     let pt = pages.take(2);
@@ -1175,15 +1168,6 @@ fn main() -> anyhow::Result<()> {
     }
     if flag("--block-ab") {
         return block_ab(&mut m, &mut pages);
-    }
-    if flag("--prefetch-ab") {
-        use minimax_rank::cuda::fast::set_o_prefetch;
-        let names = ["no prefetch", "o + router weights into L2 during attention"];
-        let set = |i: usize| set_o_prefetch(Some(i == 1));
-        b1_ab(&mut m, &mut pages, "o/router prefetch", &names, &set)?;
-        ctx_ab(&mut m, &mut pages, "o/router prefetch", &names, &set, &[8192, 32768])?;
-        set_o_prefetch(None);
-        return Ok(());
     }
     if flag("--first-calls") {
         return first_calls(&mut m, &mut pages);

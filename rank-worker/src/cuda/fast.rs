@@ -485,21 +485,6 @@ pub fn set_attn_fusion(on: Option<bool>) {
     ATTN_FUSE.set(on);
 }
 
-static O_PREFETCH: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_O_PREFETCH", false);
-
-/// Whether the decode attention's blocks ask L2 for the o-projection's and the router's
-/// weights before they wait for the q/k norm (`attn_dec6tpf_*`, `MINIMAX_O_PREFETCH=1`): DRAM
-/// is otherwise idle while attention runs, and those two products come right after it.
-pub fn o_prefetch() -> bool {
-    O_PREFETCH.get()
-}
-
-/// Overrides [`o_prefetch`] (A/B runs and tests; `None` = back to the environment). Drop
-/// captured graphs after a change.
-pub fn set_o_prefetch(on: Option<bool>) {
-    O_PREFETCH.set(on);
-}
-
 static ATTN_SHORT: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ATTN_SHORT", false);
 
 /// Longest context (cached + new tokens of a step's longest sequence) whose decode attention
@@ -1268,17 +1253,9 @@ impl Gpu {
     /// chosen by [`Gpu::attn_splits`].
     #[allow(clippy::too_many_arguments)]
     pub fn attn_decode(&self, kv: &str, q: u64, qs: usize, kc: u64, vc: u64, meta: (u64, u64, u64, u64), page_size: usize, kv_heads: usize, nsplit: usize, scale: f32, part: u64, out: u64, os: usize, aq: u64, ad: u64, cnt: Option<u64>, nt: usize) -> Result<(), CudaError> {
-        self.attn_decode_pf(kv, q, qs, kc, vc, meta, page_size, kv_heads, nsplit, scale, part, out, os, aq, ad, cnt, nt, None)
-    }
-
-    /// [`Gpu::attn_decode`] whose blocks first ask L2 for two weight ranges (address, bytes;
-    /// `attn_dec6tpf_*`, the tensor-core kernel with a separate merge only; see
-    /// [`o_prefetch`]): the weights read right after attention.
-    #[allow(clippy::too_many_arguments)]
-    pub fn attn_decode_pf(&self, kv: &str, q: u64, qs: usize, kc: u64, vc: u64, meta: (u64, u64, u64, u64), page_size: usize, kv_heads: usize, nsplit: usize, scale: f32, part: u64, out: u64, os: usize, aq: u64, ad: u64, cnt: Option<u64>, nt: usize, pf: Option<[(u64, u64); 2]>) -> Result<(), CudaError> {
         let mma = attn_mma();
         let ns = self.attn_splits(mma, kv_heads, nsplit, nt)?;
-        self.attn_decode_inner(mma, kv, q, qs, kc, vc, meta, page_size, kv_heads, ns, scale, part, out, os, aq, ad, cnt, nt, pf)
+        self.attn_decode_with(mma, kv, q, qs, kc, vc, meta, page_size, kv_heads, ns, scale, part, out, os, aq, ad, cnt, nt)
     }
 
     /// Split count of decode attention for `nt` tokens, at most `nsplit` (the caller's
@@ -1308,11 +1285,6 @@ impl Gpu {
     /// alike, so `attn_merge6` serves both.
     #[allow(clippy::too_many_arguments)]
     pub fn attn_decode_with(&self, mma: bool, kv: &str, q: u64, qs: usize, kc: u64, vc: u64, meta: (u64, u64, u64, u64), page_size: usize, kv_heads: usize, nsplit: usize, scale: f32, part: u64, out: u64, os: usize, aq: u64, ad: u64, cnt: Option<u64>, nt: usize) -> Result<(), CudaError> {
-        self.attn_decode_inner(mma, kv, q, qs, kc, vc, meta, page_size, kv_heads, nsplit, scale, part, out, os, aq, ad, cnt, nt, None)
-    }
-
-    #[allow(clippy::too_many_arguments)]
-    fn attn_decode_inner(&self, mma: bool, kv: &str, q: u64, qs: usize, kc: u64, vc: u64, meta: (u64, u64, u64, u64), page_size: usize, kv_heads: usize, nsplit: usize, scale: f32, part: u64, out: u64, os: usize, aq: u64, ad: u64, cnt: Option<u64>, nt: usize, pf: Option<[(u64, u64); 2]>) -> Result<(), CudaError> {
         if kv != "f16" && kv != "bf16" {
             return Err(CudaError::Shape(format!("attention: KV cache type {kv} (f16 or bf16)")));
         }
@@ -1351,13 +1323,7 @@ impl Gpu {
                 self.launch_pdl(&name, grid, 128, smem, &args)
             }
             None => {
-                match pf {
-                    Some([(p0, n0), (p1, n1)]) if mma => {
-                        args.extend([Arg::P(p0), Arg::L(n0 as i64), Arg::P(p1), Arg::L(n1 as i64)]);
-                        self.launch_pdl(&format!("attn_dec6tpf_{kv}"), grid, 128, smem, &args)?;
-                    }
-                    _ => self.launch_pdl(&name, grid, 128, smem, &args)?,
-                }
+                self.launch_pdl(&name, grid, 128, smem, &args)?;
                 let merge = if pdl_part(PDL_MERGE_EARLY) { "attn_merge6e" } else { "attn_merge6" };
                 self.launch_pdl(merge, ((kv_heads * GQA) as u32, nt as u32, 1), 128, 0, &[Arg::P(part), Arg::I(kv_heads as i32), Arg::I(nsplit as i32), Arg::P(out), Arg::L(os as i64), Arg::P(aq), Arg::P(ad), Arg::P(pos)])
             }

@@ -597,9 +597,7 @@ impl CudaModel {
                 g.launch_pdl(&qk_name, (nt as u32, 2, 1), 1024, 0, &qk_args)?;
             }
             if !block && run(sk::ATTN) {
-                // MINIMAX_O_PREFETCH: the o-projection's and router's weights into L2 meanwhile.
-                let pf = super::fast::o_prefetch().then(|| [(l.wo.ptr, (l.wo.rows * l.wo.row_bytes) as u64), (l.router.ptr, l.router.n_bytes() as u64)]);
-                g.attn_decode_pf(kvs, p(&ws.q), qw, kc, vc, (m_pos, m_seq, m_ptoff, m_pts), self.page_size, self.kv_heads, nsplit, scale, p(&ws.part), p(&ws.att), ow, xq, xd, acnt, nt, pf)?;
+                g.attn_decode(kvs, p(&ws.q), qw, kc, vc, (m_pos, m_seq, m_ptoff, m_pts), self.page_size, self.kv_heads, nsplit, scale, p(&ws.part), p(&ws.att), ow, xq, xd, acnt, nt)?;
             }
             if !block && run(sk::O) {
                 g.matvec_q8_any(&[(&l.wo, hid, h)], xq, xd, ow, nt, lead)?;
