@@ -73,35 +73,10 @@ __device__ __forceinline__ float ab_sumsq(const float* x, int n, float* part, in
     return warp_sum(part[lane]);
 }
 
-// Phase clock of thread 0 (timing attribution: tm != null, minimax-bench --block-ab): SM
-// cycles at mark i of block b into tm[b * 16 + i].
-__device__ __forceinline__ void ab_mark(long long* tm, int i) {
-    if (tm && threadIdx.x == 0) tm[blockIdx.x * 16 + i] = clock64();
-}
-
 __device__ __forceinline__ void ab_prefetch_l2(const void* p, u32 bytes) {
 #if BK_PTX
     asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
 #endif
-}
-
-// When the o-projection's rows are asked for (the omode argument): right after step 1 (bulk
-// copies into shared memory, the router's rows into L2), after the block's attention pairs
-// (blocks without pairs right after step 1), or at step 3 (cp.async, no prefetch).
-#define AB_O_EARLY 0
-#define AB_O_AFTER 1
-#define AB_O_LATE 2
-
-// By thread 0: the block's o rows [o0, o0 + on) into shared memory at 0 (bulk copies counted
-// on *bar), the router's rows b, b + G, ... into L2.
-__device__ __forceinline__ void ab_issue_o(u8* sm, const u8* Wo, i64 rbo, int o0, int on, const float* Wr, int E,
-                                           int h, u64* bar) {
-    if (threadIdx.x != 0) return;
-    if (on > 0) {
-        bk_mb_expect(bar, (u32)(on * rbo));
-        for (int j = 0; j < on; j++) bk_copy(sm + j * rbo, Wo + (i64)(o0 + j) * rbo, (u32)rbo, bar);
-    }
-    for (int r = blockIdx.x; r < E; r += gridDim.x) ab_prefetch_l2(Wr + (i64)r * h, (u32)(h * 4));
 }
 
 template <int KV, int BF>
@@ -117,7 +92,7 @@ __device__ __forceinline__ void ablk_impl(
     const u8* Wo, i64 rbo, int ncho, float* hid, int h,
     // step 4: MoE norm into xq / xd (the experts' input), router (E f32 rows) and top-k
     const float* fn, const float* Wr, int E, const float* bias, int topk, int gating, float* rl, int* ids,
-    float* wts, u32* rcnt, u32* ctr, long long* tm, int omode) {
+    float* wts, u32* rcnt, u32* ctr) {
     typedef typename KvT<KV>::T KT;
     extern __shared__ __align__(128) u8 ab_sm[];
     __shared__ float part_s[32];
@@ -126,7 +101,6 @@ __device__ __forceinline__ void ablk_impl(
     __shared__ int g_last[4];
     const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
     const int G = gridDim.x, b = blockIdx.x;
-    ab_mark(tm, 0);
     const int hd = AD_HD, half = rot / 2;
     const int p0 = pos[0];  // step metadata: uploaded before the step
     // o-projection rows of this block: [o0, o0 + on)
@@ -134,6 +108,12 @@ __device__ __forceinline__ void ablk_impl(
     if (tid == 0) {
         bk_mb_init(&ob_bar, 1);
         bk_mb_fence_init();
+    }
+    if (tid < half) {
+        double inv_freq = 1.0 / pow((double)theta, 2.0 * (double)tid / (double)rot);
+        double a = (double)p0 * inv_freq;
+        cs[tid] = (float)cos(a);
+        sn[tid] = (float)sin(a);
     }
 
     // ---- 1. q/k/v ------------------------------------------------------------------------
@@ -154,29 +134,18 @@ __device__ __forceinline__ void ablk_impl(
                 for (int i = lane; i < n16; i += 32) cp_async16(st + j * rbs + 16 * i, (const int4*)w + i);
             }
             if (rd == 0) {
-                // The RoPE angles (one f64 sincos per pair index, as qk_norm_rope_store_impl)
-                // while the rows are in flight.
-                if (tid < half) {
-                    double inv_freq = 1.0 / pow((double)theta, 2.0 * (double)tid / (double)rot);
-                    double a = (double)p0 * inv_freq;
-                    cs[tid] = (float)cos(a);
-                    sn[tid] = (float)sin(a);
-                }
                 pdl_wait();
-                ab_mark(tm, 1);
-                for (int i = tid; i < h / 16; i += blockDim.x)
-                    cp_async16(xq_s + 16 * mvqs_x_piece(i), (const int4*)xq + i);
+                for (int i = tid; i < h / 16; i += blockDim.x) cp_async16(xq_s + 16 * i, (const int4*)xq + i);
                 for (int i = tid; i < h / 128; i += blockDim.x) cp_async16(xd_s + 4 * i, (const int4*)xd + i);
             }
             cp_async_wait_all();
             __syncthreads();
-            ab_mark(tm, 2);
 #pragma unroll 1
             for (int j = 0; j < AB_RPW; j++) {
                 int r = gw + (rd * AB_RPW + j) * GW;
                 if (r >= total) break;
                 float acc[1] = {0.f};
-                mvqs_dot<1, true>(st + j * rbs, nch, 0, xq_s, xd_s, h, 1, acc, lane);
+                mvqs_dot<1>(st + j * rbs, nch, 0, xq_s, xd_s, h, 1, acc, lane);
                 float* y = r < qw ? q : r < qw + kw ? k : v;
                 int rr = r < qw ? r : r < qw + kw ? r - qw : r - qw - kw;
                 mv_store<1>(acc, y, 0, rr, 0, 1, lane, 0);
@@ -189,16 +158,19 @@ __device__ __forceinline__ void ablk_impl(
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
     __syncthreads();
-    ab_mark(tm, 3);
-    if (omode == AB_O_EARLY) ab_issue_o(ab_sm, Wo, rbo, o0, on, Wr, E, h, &ob_bar);
+    if (tid == 0) {
+        if (on > 0) {
+            bk_mb_expect(&ob_bar, (u32)(on * rbo));
+            for (int j = 0; j < on; j++) bk_copy(ab_sm + j * rbo, Wo + (i64)(o0 + j) * rbo, (u32)rbo, &ob_bar);
+        }
+        for (int r = b; r < E; r += G) ab_prefetch_l2(Wr + (i64)r * h, (u32)(h * 4));
+    }
     ab_grid_sync(ctr, G);
-    ab_mark(tm, 4);
 
     // ---- 2. q/k norm, RoPE, K/V store, attention, merge -----------------------------------
     const float inv_q = 1.0f / sqrtf(ab_sumsq(q, qw, part_s, warp, lane) / (float)qw + eps);
     __syncthreads();  // part_s reused
     const float inv_k = 1.0f / sqrtf(ab_sumsq(k, kw, part_s, warp, lane) / (float)kw + eps);
-    ab_mark(tm, 5);
     {
         const int gi = warp >> 2, gt = tid & 127, bar = 1 + gi;
         float* gsm = (float*)(ab_sm + AB_ORG) + gi * AB_GRP;
@@ -213,8 +185,6 @@ __device__ __forceinline__ void ablk_impl(
         const int npairs = kv_heads * active;
         KT* kc = (KT*)kc_;
         KT* vc = (KT*)vc_;
-        // AB_O_AFTER: blocks without pairs ask for their o rows now, the others after their pairs.
-        if (omode == AB_O_AFTER && b >= npairs) ab_issue_o(ab_sm, Wo, rbo, o0, on, Wr, E, h, &ob_bar);
         for (int pr = b + G * gi; pr < npairs; pr += 4 * G) {
             const int kvh = pr / active, sp = pr - kvh * active;
             // The group's 6 query heads: normalized (qk_norm_rope_store_impl's arithmetic), then
@@ -274,39 +244,25 @@ __device__ __forceinline__ void ablk_impl(
             ad_bar(bar);
         }
     }
-    __syncthreads();
-    if (omode == AB_O_AFTER && b < kv_heads * attn_active_splits(p0 + 1, nsplit)) ab_issue_o(ab_sm, Wo, rbo, o0, on, Wr, E, h, &ob_bar);
-    ab_mark(tm, 6);
     ab_grid_sync(ctr, 2 * G);
-    ab_mark(tm, 7);
 
     // ---- 3. o-projection into the residual --------------------------------------------------
     {
         const int ow = kv_heads * 6 * AD_HD;
         i8* mq_s = (i8*)(ab_sm + AB_ORG);
         float* md_s = (float*)(ab_sm + AB_ORG + ow);
-        if (omode == AB_O_LATE) {
-            const u8* src = Wo + (i64)o0 * rbo;
-            for (int i = tid; i < on * (int)(rbo / 16); i += blockDim.x) cp_async16(ab_sm + 16 * i, (const int4*)src + i);
-            if (tid == 0)
-                for (int r = b; r < E; r += G) ab_prefetch_l2(Wr + (i64)r * h, (u32)(h * 4));
-        }
-        for (int i = tid; i < ow / 16; i += blockDim.x) cp_async16(mq_s + 16 * mvqs_x_piece(i), (const int4*)mq + i);
+        for (int i = tid; i < ow / 16; i += blockDim.x) cp_async16(mq_s + 16 * i, (const int4*)mq + i);
         for (int i = tid; i < ow / 128; i += blockDim.x) cp_async16(md_s + 4 * i, (const int4*)md + i);
         cp_async_wait_all();
-        if (on > 0 && omode != AB_O_LATE) bk_mb_wait(&ob_bar, 0);
+        if (on > 0) bk_mb_wait(&ob_bar, 0);
         __syncthreads();
-        ab_mark(tm, 8);
         for (int j = warp; j < on; j += AB_WARPS) {
             float acc[1] = {0.f};
-            mvqs_dot<1, true>(ab_sm + j * rbo, ncho, 0, mq_s, md_s, ow, 1, acc, lane);
+            mvqs_dot<1>(ab_sm + j * rbo, ncho, 0, mq_s, md_s, ow, 1, acc, lane);
             mv_store<1>(acc, hid, 0, o0 + j, 0, 1, lane, 1);
         }
     }
-    __syncthreads();
-    ab_mark(tm, 9);
     ab_grid_sync(ctr, 3 * G);
-    ab_mark(tm, 10);
     pdl_trigger();
 
     // ---- 4. MoE norm, router, top-k ---------------------------------------------------------
@@ -322,12 +278,10 @@ __device__ __forceinline__ void ablk_impl(
                 if (idx < h) xn[idx] = __fmul_rn(__fmul_rn(xv[m][i], inv), wv[m][i]);
             }
         __syncthreads();
-        ab_mark(tm, 11);
         for (int g = b * AB_WARPS + warp; g < (h >> 5); g += AB_WARPS * G)
             xq[(g << 5) + lane] = (i8)q8_lane(xn[(g << 5) + lane], xd + g);
         router_row(Wr, E, h, xn, 0, rl, 0, b + G * warp, 0, lane, true);
         __syncthreads();
-        ab_mark(tm, 12);
         if (tid == 0) g_last[0] = atomicAdd(rcnt, 1u) == (u32)G - 1;
         __syncthreads();
         if (g_last[0] && warp == 0) {
@@ -337,7 +291,6 @@ __device__ __forceinline__ void ablk_impl(
                 *rcnt = 0;
                 *ctr = 0;
             }
-            ab_mark(tm, 13);
         }
     }
 }
@@ -350,11 +303,11 @@ __device__ __forceinline__ void ablk_impl(
         const int* pt_off, const u32* pts, int page_size, int kv_heads, int nsplit, float scale, float* part,    \
         u32* acnt, float* att, i8* mq, float* md, const u8* Wo, i64 rbo, int ncho, float* hid, int h,            \
         const float* fn, const float* Wr, int E, const float* bias, int topk, int gating, float* rl, int* ids,   \
-        float* wts, u32* rcnt, u32* ctr, long long* tm, int omode) {                                             \
+        float* wts, u32* rcnt, u32* ctr) {                                                                       \
         ablk_impl<KV, BF>(Wq, rbq, Wk, rbk, Wv, rbv, nch, xq, xd, q, k, v, qw, kw, vw, qn, kn, rot, pos, theta,  \
                           eps, slots, kc, vc, seq, pt_off, pts, page_size, kv_heads, nsplit, scale, part, acnt,  \
                           att, mq, md, Wo, rbo, ncho, hid, h, fn, Wr, E, bias, topk, gating, rl, ids, wts, rcnt, \
-                          ctr, tm, omode);                                                                                \
+                          ctr);                                                                                  \
     }
 ABLK_INST(f16, KV_F16, 0)
 ABLK_INST(bf16, KV_BF16, 1)

@@ -756,11 +756,7 @@ __device__ __forceinline__ void mvq_dense(const u8* W0, i64 rb0, int rows0, floa
 // block); rows longer than MAXCH chunks take several phases.
 // One phase of mvqs_q8: the warp's nch staged chunks (chunk c0 of the row onwards) dotted with
 // the NT vectors, each lane a pair of Q8_0 blocks at a time (see mvqs_q8).
-// SW (ablk_*, one vector in shared memory): the 16-byte pieces of x are stored swizzled,
-// piece j of pair P (64 bytes) at 4 P + (j ^ ((P >> 1) & 3)) (mvqs_x_piece), so that the
-// lanes' 64-byte-strided pair reads do not meet in the same banks; same values, same sums.
-__device__ __forceinline__ int mvqs_x_piece(int piece) { return piece ^ ((piece >> 3) & 3); }
-template <int NT, bool SW = false>
+template <int NT>
 __device__ __forceinline__ void mvqs_dot(const u8* sm, int nch, int c0, const i8* xqv, const float* xdv, int ncol,
                                          int nv_here, float (&acc)[NT], int lane) {
     for (int pp = lane; pp < nch * 4; pp += 32) {
@@ -777,15 +773,7 @@ __device__ __forceinline__ void mvqs_dot(const u8* sm, int nch, int c0, const i8
         for (int t = 0; t < NT; t++) {
             if (t < nv_here) {
                 const int4* xp = (const int4*)(xqv + (i64)t * ncol + kb * 32);
-                int4 a, b, c, d;
-                if (SW) {
-                    const int4* x0 = (const int4*)xqv;
-                    int pc = kb * 2;  // the pair's first piece
-                    a = x0[mvqs_x_piece(pc)], b = x0[mvqs_x_piece(pc + 1)], c = x0[mvqs_x_piece(pc + 2)],
-                    d = x0[mvqs_x_piece(pc + 3)];
-                } else {
-                    a = xp[0], b = xp[1], c = xp[2], d = xp[3];
-                }
+                int4 a = xp[0], b = xp[1], c = xp[2], d = xp[3];
                 float2 s = *(const float2*)(xdv + (i64)t * (ncol / 32) + kb);
                 int s0 = __dp4a(q0[0], a.x, 0);
                 s0 = __dp4a(q0[1], a.y, s0);

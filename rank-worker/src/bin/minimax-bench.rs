@@ -588,18 +588,16 @@ fn block_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     use minimax_rank::cuda::attn_block::set_attn_block;
     use minimax_rank::cuda::fast::set_attn_mma;
     println!("one-launch attention block: {}", m.block_off().unwrap_or("available"));
-    use minimax_rank::cuda::attn_block::{ABLK_O_MODES, set_ablk_o_mode};
-    let names = ["chain, tensor-core attention", "chain, SIMT attention", "ablk, o rows after q/k/v", "ablk, o rows after splits", "ablk, o rows at o"];
+    let names = ["chain, tensor-core attention", "chain, SIMT attention", "one launch (ablk)"];
     let set = |i: usize| {
         set_attn_mma(if i == 1 { Some(false) } else { None });
-        set_attn_block(Some(i >= 2));
-        set_ablk_o_mode(if i >= 2 { Some(i as u32 - 2) } else { None });
+        set_attn_block(Some(i == 2));
     };
     b1_ab(m, pages, "attention block", &names, &set)?;
     m.fill_kv_random(5)?;
     for ctx in [2048usize, 8192, 32768] {
         let pt = pages.take((ctx + 8).div_ceil(PAGE));
-        let mut r = [0f64; 5];
+        let mut r = [0f64; 3];
         for _round in 0..3 {
             for (i, t) in r.iter_mut().enumerate() {
                 set(i);
@@ -612,7 +610,7 @@ fn block_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
         let cells: Vec<String> = names.iter().zip(&r).map(|(n, t)| format!("{n} {t:.3} ms")).collect();
         println!("attention block A/B at {ctx} cached positions, batch 1 (graph replay, 3 rounds): {}", cells.join(", "));
     }
-    set(3);
+    set(2);
     m.clear_graphs();
     let pt = pages.take(2);
     m.forward(&ForwardBatch { seqs: vec![step(10, &pt, 0, vec![1, 2, 3], LogitsWanted::Last)] })?;
@@ -633,33 +631,6 @@ fn block_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
     }
     let cells: Vec<String> = fam.iter().map(|(n, t, c)| format!("{n} {t:.3} ms / {c}")).collect();
     println!("one-token step with the block, per kernel (events, no graph): {}", cells.join(", "));
-    // Phase clocks of the last layer's launch (thread 0 of every block, SM cycles), per o-row mode.
-    let kname = if m.gpu().arch >= 90 { "ablk_f16" } else { "ablk_bf16" };
-    let (regs, local) = m.gpu().kernel_regs(kname)?;
-    println!("{kname}: {regs} registers a thread, {local} bytes of local memory");
-    let sms = m.gpu().sm_count();
-    let buf = m.gpu().zeros::<i64>(16 * sms)?;
-    for (om, oname) in ABLK_O_MODES.iter().enumerate() {
-        set_ablk_o_mode(Some(om as u32));
-        minimax_rank::cuda::attn_block::set_phase_clocks(m.gpu().ptr(&buf));
-        m.set_fast(true, false);
-        let pt = pages.take(2);
-        m.forward(&ForwardBatch { seqs: vec![step(11 + om as u64, &pt, 0, vec![1, 2, 3], LogitsWanted::Last)] })?;
-        m.forward(&ForwardBatch { seqs: vec![step(11 + om as u64, &pt, 3, vec![4], LogitsWanted::Last)] })?;
-        minimax_rank::cuda::attn_block::set_phase_clocks(0);
-        m.set_fast(true, true);
-        let tm = m.gpu().download(&buf)?;
-        let marks = ["start", "pdl wait", "q/k/v staged", "q/k/v done", "barrier 1", "q/k sums", "attention", "barrier 2", "o rows + q8 in", "o done", "barrier 3", "norm", "router"];
-        let mut cells = Vec::new();
-        for i in 1..marks.len() {
-            let d: Vec<f64> = (0..sms).map(|b| (tm[16 * b + i] - tm[16 * b + i - 1]) as f64 / 1980.0).collect();
-            let mean = d.iter().sum::<f64>() / sms as f64;
-            let max = d.iter().cloned().fold(0f64, f64::max);
-            cells.push(format!("{} {mean:.2}/{max:.2}", marks[i]));
-        }
-        println!("ablk phases, {oname} (us at 1.98 GHz from the previous mark, mean/max over blocks; direct launch): {}", cells.join(", "));
-    }
-    set_ablk_o_mode(None);
     set_attn_mma(None);
     set_attn_block(None);
     m.clear_graphs();

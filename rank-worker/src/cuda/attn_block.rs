@@ -27,37 +27,6 @@ pub fn set_attn_block(on: Option<bool>) {
     ATTN_BLOCK.set(on);
 }
 
-/// Device address of a `16 x SMs` i64 buffer that every `ablk_*` launch fills with thread 0's
-/// clock at its phase marks (timing attribution, `minimax-bench --block-ab`; 0 = off).
-static PHASE_CLOCKS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// Sets (or clears, 0) the phase-clock buffer of [`PHASE_CLOCKS`]; graphs captured with one
-/// keep it.
-pub fn set_phase_clocks(ptr: u64) {
-    PHASE_CLOCKS.store(ptr, std::sync::atomic::Ordering::Relaxed);
-}
-
-/// When `ablk_*` asks for the o-projection's rows (kernels/attn_block.cu, AB_O_*): 0 right after
-/// the q/k/v product (bulk copies into shared memory while attention runs), 1 after the
-/// block's own attention splits, 2 at the o-projection itself (no prefetch).
-pub const ABLK_O_MODES: [&str; 3] = ["o rows after q/k/v", "o rows after the block's splits", "o rows at the o-projection"];
-/// `u32::MAX`: the environment's `MINIMAX_ABLK_O` (default 0).
-static O_MODE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(u32::MAX);
-
-/// The o-row mode of [`ABLK_O_MODES`] in use.
-pub fn ablk_o_mode() -> u32 {
-    match O_MODE.load(std::sync::atomic::Ordering::Relaxed) {
-        u32::MAX => std::env::var("MINIMAX_ABLK_O").ok().and_then(|v| v.parse().ok()).filter(|&m: &u32| (m as usize) < ABLK_O_MODES.len()).unwrap_or(0),
-        m => m,
-    }
-}
-
-/// Overrides [`ablk_o_mode`] (A/B runs; `None` = back to the environment). Drop captured
-/// graphs after a change.
-pub fn set_ablk_o_mode(m: Option<u32>) {
-    O_MODE.store(m.unwrap_or(u32::MAX), std::sync::atomic::Ordering::Relaxed);
-}
-
 /// Threads of an `ablk_*` block (AB_WARPS warps).
 const AB_THREADS: u32 = 512;
 /// Dynamic shared memory of an `ablk_*` block (AB_SMEM).
@@ -148,13 +117,6 @@ pub struct AttnBlockArgs<'a> {
 }
 
 impl Gpu {
-    /// Registers a thread and local (spill) bytes of kernel `name`.
-    pub fn kernel_regs(&self, name: &str) -> Result<(i32, i32), CudaError> {
-        use cudarc::driver::sys::CUfunction_attribute as A;
-        let f = self.func(name)?;
-        Ok((f.get_attribute(A::CU_FUNC_ATTRIBUTE_NUM_REGS)?, f.get_attribute(A::CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES)?))
-    }
-
     /// One `ablk_*` launch (see the module docs); `kv` = "f16" or "bf16". The caller has
     /// checked [`attn_block_plan`].
     pub fn attn_block_launch(&self, c: &ModelConfig, kv: &str, a: &AttnBlockArgs) -> Result<(), CudaError> {
@@ -218,8 +180,6 @@ impl Gpu {
             Arg::P(a.wts),
             Arg::P(a.rcnt),
             Arg::P(a.bcnt),
-            Arg::P(PHASE_CLOCKS.load(std::sync::atomic::Ordering::Relaxed)),
-            Arg::I(ablk_o_mode() as i32),
         ];
         self.launch_pdl(&format!("ablk_{kv}"), (self.sm_count() as u32, 1, 1), AB_THREADS, AB_SMEM as u32, &args)
     }
