@@ -2556,43 +2556,38 @@ __device__ __forceinline__ void attn_merge_impl(const float* part, int kv_heads,
 // sums over the splits in order: the same operations on the same values as attn_merge6
 // (bit-identical). nsplit <= AD_MAXSPLIT. block 128 (= AD_HD).
 #define AD_MAXSPLIT 128
-// Barrier of the AD_HD (128) threads that run a split or a merge: the whole block of the
-// attention kernels (id 0), or one 4-warp group of a larger block (id 1.., attn_block.cu).
-__device__ __forceinline__ void ad_bar(int id) { asm volatile("bar.sync %0, 128;" ::"r"(id) : "memory"); }
-// attn_merge_last's body on caller-provided shared memory (s_m, s_l: AD_MAXSPLIT x G floats,
-// s_M: 4 x G), run by the 128 threads d = 0..127 that meet at barrier `bar`.
 template <int G>
-__device__ __forceinline__ void attn_merge_core(const float* base, int nsplit, int active, int kvh, int t, int heads,
-                                                float* out, i64 os, i8* aq, float* ad, float (*s_m)[G],
-                                                float (*s_l)[G], float (*s_M)[G], int d, int bar) {
+__device__ __forceinline__ void attn_merge_last(const float* base, int nsplit, int active, int kvh, int t, int heads,
+                                                float* out, i64 os, i8* aq, float* ad) {
+    __shared__ float s_m[AD_MAXSPLIT][G], s_l[AD_MAXSPLIT][G], s_M[4][G];
     const int PS = G * (AD_HD + 2);
-    int warp = d >> 5, lane = d & 31;
-    for (int i = d; i < active * 2 * G; i += AD_HD) {
+    int d = threadIdx.x, warp = d >> 5, lane = d & 31;
+    for (int i = d; i < active * 2 * G; i += blockDim.x) {
         int sp = i / (2 * G), j = i - sp * 2 * G;
         float v = __ldcg(base + (i64)sp * PS + j);
         if (j < G) s_m[sp][j] = v;
         else s_l[sp][j - G] = v;
     }
-    ad_bar(bar);
+    __syncthreads();
     // M per head: max over the non-empty splits (exact in any order).
 #pragma unroll
     for (int g = 0; g < G; g++) {
         float m = NEG_INF;
-        for (int sp = d; sp < active; sp += AD_HD)
+        for (int sp = d; sp < active; sp += blockDim.x)
             if (s_l[sp][g] > 0.f) m = fmaxf(m, s_m[sp][g]);
         m = warp_max(m);
         if (lane == 0) s_M[warp][g] = m;
     }
-    ad_bar(bar);
+    __syncthreads();
     float Mg[G];
 #pragma unroll
     for (int g = 0; g < G; g++) Mg[g] = fmaxf(fmaxf(s_M[0][g], s_M[1][g]), fmaxf(s_M[2][g], s_M[3][g]));
-    ad_bar(bar);
+    __syncthreads();
     // s_m now holds the factors f = exp(m - M) (0 for empty splits; never read there).
-    for (int sp = d; sp < active; sp += AD_HD)
+    for (int sp = d; sp < active; sp += blockDim.x)
 #pragma unroll
         for (int g = 0; g < G; g++) s_m[sp][g] = s_l[sp][g] > 0.f ? __expf(s_m[sp][g] - Mg[g]) : 0.f;
-    ad_bar(bar);
+    __syncthreads();
     // Splits outer, heads inner: the G heads' loads of a split (and of the next splits,
     // unrolled) are in flight together, and no store comes before the last load. Per head the
     // sums still run over the splits in order.
@@ -2624,27 +2619,20 @@ __device__ __forceinline__ void attn_merge_core(const float* base, int nsplit, i
         aq[(i64)t * heads * AD_HD + h * AD_HD + d] = (i8)qv;
     }
 }
-template <int G>
-__device__ __forceinline__ void attn_merge_last(const float* base, int nsplit, int active, int kvh, int t, int heads,
-                                                float* out, i64 os, i8* aq, float* ad) {
-    __shared__ float s_m[AD_MAXSPLIT][G], s_l[AD_MAXSPLIT][G], s_M[4][G];
-    attn_merge_core<G>(base, nsplit, active, kvh, t, heads, out, os, aq, ad, s_m, s_l, s_M, threadIdx.x, 0);
-}
 
 // MERGE (attn_dec6m, MINIMAX_ATTN_FUSE): the last split block of (t, kvh) to finish
 // (arrive_last on cnt[t * kv_heads + kvh]) merges the G heads (attn_merge_last): attn_merge6
 // folded in, bit-identical.
-// One (KV head kvh, split sp, token t) of the SIMT split-K decode attention, by the 128 threads
-// tid = 0..127 that meet at barrier `bar` (ad_bar), on caller-provided shared memory; qg: the
-// token's first query head of the group (G heads of AD_HD floats, unscaled). Writes the split's
-// partial (m, l, o) to part.
-template <int G>
-__device__ __forceinline__ void attn_dec_part(const float* qg, const u16* kc, const u16* vc, const int* pos,
+template <int G, bool MERGE = false>
+__device__ __forceinline__ void attn_dec_impl(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,
                                               const int* seq, const int* pt_off, const u32* pts, int page_size,
-                                              int kv_heads, int nsplit, float scale, float* part, int bf, int kvh,
-                                              int sp, int t, int tid, int bar, float (*sm_m)[G], float (*sm_l)[G],
-                                              float (*sm_o)[G][AD_HD]) {
-    int warp = tid >> 5, lane = tid & 31;
+                                              int kv_heads, int nsplit, float scale, float* part, int bf,
+                                              u32* cnt = nullptr, float* mout = nullptr, i64 mos = 0,
+                                              i8* aq = nullptr, float* ad = nullptr) {
+    __shared__ float sm_m[AD_WARPS][G], sm_l[AD_WARPS][G];
+    __shared__ float sm_o[AD_WARPS][G][AD_HD];
+    int kvh = blockIdx.x, sp = blockIdx.y, t = blockIdx.z;
+    int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int half = lane >> 4, d0 = (lane & 15) * 8;
     int n_ctx = pos[t] + 1;
     int chunk = (n_ctx + nsplit - 1) / nsplit;
@@ -2654,7 +2642,7 @@ __device__ __forceinline__ void attn_dec_part(const float* qg, const u16* kc, co
     float qv[G][8], acc[G][8], m[G], l[G];
 #pragma unroll
     for (int g = 0; g < G; g++) {
-        const float* qh = qg + g * AD_HD + d0;
+        const float* qh = q + t * qs + (kvh * G + g) * AD_HD + d0;
 #pragma unroll
         for (int i = 0; i < 8; i++) {
             qv[g][i] = qh[i] * scale;
@@ -2730,9 +2718,9 @@ __device__ __forceinline__ void attn_dec_part(const float* qg, const u16* kc, co
             for (int i = 0; i < 8; i++) sm_o[warp][g][d0 + i] = acc[g][i];
         }
     }
-    ad_bar(bar);
+    __syncthreads();
     float* out = part + (((i64)t * kv_heads + kvh) * nsplit + sp) * (G * (AD_HD + 2));
-    for (int idx = tid; idx < G * AD_HD; idx += AD_HD) {
+    for (int idx = threadIdx.x; idx < G * AD_HD; idx += blockDim.x) {
         int g = idx / AD_HD, d = idx % AD_HD;
         float M = NEG_INF;
 #pragma unroll
@@ -2750,20 +2738,6 @@ __device__ __forceinline__ void attn_dec_part(const float* qg, const u16* kc, co
             out[G + g] = L;
         }
     }
-}
-
-template <int G, bool MERGE = false>
-__device__ __forceinline__ void attn_dec_impl(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,
-                                              const int* seq, const int* pt_off, const u32* pts, int page_size,
-                                              int kv_heads, int nsplit, float scale, float* part, int bf,
-                                              u32* cnt = nullptr, float* mout = nullptr, i64 mos = 0,
-                                              i8* aq = nullptr, float* ad = nullptr) {
-    __shared__ float sm_m[AD_WARPS][G], sm_l[AD_WARPS][G];
-    __shared__ float sm_o[AD_WARPS][G][AD_HD];
-    int kvh = blockIdx.x, sp = blockIdx.y, t = blockIdx.z;
-    int n_ctx = pos[t] + 1;
-    attn_dec_part<G>(q + t * qs + kvh * G * AD_HD, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, scale,
-                     part, bf, kvh, sp, t, threadIdx.x, 0, sm_m, sm_l, sm_o);
     if (MERGE) {
         if (arrive_last(cnt + t * kv_heads + kvh, gridDim.y)) {
             const float* base = part + ((i64)t * kv_heads + kvh) * nsplit * (G * (AD_HD + 2));

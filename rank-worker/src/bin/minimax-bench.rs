@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--short-ab] [--block-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -579,64 +579,6 @@ fn b1_ab(m: &mut CudaModel, pages: &mut Pages, what: &str, names: &[&str], set: 
     Ok(())
 }
 
-/// `--block-ab`: the one-launch attention block (`ablk_*`, attn_block::set_attn_block) against
-/// the chain of launches with the tensor-core attention (the default) and with the SIMT
-/// attention (what the block computes, bit for bit): batch-1 graph replay at short context
-/// (b1_ab), then at 2k, 8k and 32k cached positions (random K/V), alternating, three rounds;
-/// then one step's kernels with the block (events around each launch, no graph).
-fn block_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
-    use minimax_rank::cuda::attn_block::set_attn_block;
-    use minimax_rank::cuda::fast::set_attn_mma;
-    println!("one-launch attention block: {}", m.block_off().unwrap_or("available"));
-    let names = ["chain, tensor-core attention", "chain, SIMT attention", "one launch (ablk)"];
-    let set = |i: usize| {
-        set_attn_mma(if i == 1 { Some(false) } else { None });
-        set_attn_block(Some(i == 2));
-    };
-    b1_ab(m, pages, "attention block", &names, &set)?;
-    m.fill_kv_random(5)?;
-    for ctx in [2048usize, 8192, 32768] {
-        let pt = pages.take((ctx + 8).div_ceil(PAGE));
-        let mut r = [0f64; 3];
-        for _round in 0..3 {
-            for (i, t) in r.iter_mut().enumerate() {
-                set(i);
-                m.clear_graphs();
-                let o = m.forward(&ForwardBatch { seqs: vec![step(9, &pt, ctx, vec![7], LogitsWanted::Last)] })?;
-                anyhow::ensure!(finite(&o), "non-finite logits at context {ctx} ({})", names[i]);
-                *t += replay_ms(m, 1, 10)? / 3.0;
-            }
-        }
-        let cells: Vec<String> = names.iter().zip(&r).map(|(n, t)| format!("{n} {t:.3} ms")).collect();
-        println!("attention block A/B at {ctx} cached positions, batch 1 (graph replay, 3 rounds): {}", cells.join(", "));
-    }
-    set(2);
-    m.clear_graphs();
-    let pt = pages.take(2);
-    m.forward(&ForwardBatch { seqs: vec![step(10, &pt, 0, vec![1, 2, 3], LogitsWanted::Last)] })?;
-    m.set_fast(true, false);
-    m.gpu().profile_begin();
-    m.forward(&ForwardBatch { seqs: vec![step(10, &pt, 3, vec![4], LogitsWanted::Last)] })?;
-    let prof = m.gpu().profile_end()?;
-    m.set_fast(true, true);
-    let mut fam: Vec<(String, f32, usize)> = Vec::new();
-    for (n, t) in prof {
-        match fam.iter_mut().find(|f| f.0 == n) {
-            Some(f) => {
-                f.1 += t;
-                f.2 += 1;
-            }
-            None => fam.push((n, t, 1)),
-        }
-    }
-    let cells: Vec<String> = fam.iter().map(|(n, t, c)| format!("{n} {t:.3} ms / {c}")).collect();
-    println!("one-token step with the block, per kernel (events, no graph): {}", cells.join(", "));
-    set_attn_mma(None);
-    set_attn_block(None);
-    m.clear_graphs();
-    Ok(())
-}
-
 /// `--norm-ab`: the RMSNorms folded into their neighbours (fast::set_norm_fusion) against
 /// separate `norm_q8` launches, graph replay, alternating, three rounds: at batch 1 the router
 /// and the streamed down's fusions alone and together, the down's two trigger points, and
@@ -1136,9 +1078,6 @@ fn main() -> anyhow::Result<()> {
         b1_ab(&mut m, &mut pages, "decode attention at short context", &["split + merge", "unsplit (attn_short)"], &|i| set_attn_short(Some(i == 1)))?;
         set_attn_short(None);
         return Ok(());
-    }
-    if flag("--block-ab") {
-        return block_ab(&mut m, &mut pages);
     }
     if flag("--first-calls") {
         return first_calls(&mut m, &mut pages);

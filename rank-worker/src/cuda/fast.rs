@@ -19,8 +19,8 @@ use super::gpu::{Arg, DevMat, Gpu, KvDtype};
 
 /// Largest step (tokens) the fast path takes; larger batches (prefill) use the exact path.
 pub const MAX_FAST_TOKENS: usize = 32;
-pub(super) const CH: usize = 272;
-pub(super) const GQA: usize = 6;
+const CH: usize = 272;
+const GQA: usize = 6;
 
 fn ceil_div(a: usize, b: usize) -> u32 {
     a.div_ceil(b) as u32
@@ -1454,8 +1454,6 @@ pub(crate) struct FastWs {
     pub acnt: CudaSlice<u32>,
     /// Arrival counter of the streamed down's fused norm (kept zero).
     pub ncnt: CudaSlice<u32>,
-    /// Grid barrier counter of `ablk_*` (kept zero between launches).
-    pub bcnt: CudaSlice<u32>,
     /// Pairs grouped by expert (`moe_group`): `1 + 3 E + MAX_FAST_TOKENS k` i32.
     pub grp: CudaSlice<i32>,
     /// Grouped down products per pair, `[MAX_FAST_TOKENS k][hidden]` f32.
@@ -1464,13 +1462,10 @@ pub(crate) struct FastWs {
     /// [tokens | pos | seq | slots | pt_off] (MAX_FAST_TOKENS each) then page tables.
     pub meta: CudaSlice<i32>,
     pub pts_cap: usize,
-    /// Captured steps by (tokens, unsplit short-context attention: [`attn_short`], one-launch
-    /// attention block: [`crate::cuda::attn_block::attn_block`]).
-    pub graphs: HashMap<(usize, bool, bool), Graph>,
+    /// Captured steps by (tokens, unsplit short-context attention: [`attn_short`]).
+    pub graphs: HashMap<(usize, bool), Graph>,
     /// The attention form of the last step run (what [`crate::cuda::CudaModel::replay_fast_step`] replays).
     pub last_short: bool,
-    /// Whether the last step ran the one-launch attention block.
-    pub last_block: bool,
 }
 
 /// A captured step. CUDA graph objects are not internally synchronized; the model owning them
@@ -1505,7 +1500,6 @@ impl FastWs {
             rcnt: g.zeros(t)?,
             acnt: g.zeros(t * c.n_kv_heads.max(1))?,
             ncnt: g.zeros(1)?,
-            bcnt: g.zeros(1)?,
             grp: g.zeros(1 + 3 * c.n_experts + t * c.n_experts_used)?,
             dpart: g.zeros(t * c.n_experts_used * c.hidden)?,
             logits: g.zeros(t * c.vocab_size)?,
@@ -1513,7 +1507,6 @@ impl FastWs {
             pts_cap,
             graphs: HashMap::new(),
             last_short: false,
-            last_block: false,
         })
     }
 }

@@ -4,7 +4,6 @@
 //! compiles and links on machines without CUDA; using it there gives
 //! [`CudaError::LibraryMissing`].
 
-pub mod attn_block;
 pub mod blas;
 pub mod env_flag;
 pub mod error;

@@ -98,9 +98,6 @@ pub struct CudaModel {
     /// Why the fast path does not apply (None = it does).
     fast_off: Option<String>,
     fast: Option<FastWs>,
-    /// Why one-token steps cannot run the attention block as one launch
-    /// (`attn_block::attn_block_plan`; None = they can when `attn_block()` is on).
-    block_off: Option<String>,
     /// This rank's share (whole model, or a tensor-parallel slice of every layer).
     part: Partition,
     /// Local head, KV-head and expert-intermediate counts (the whole model's when tp = 1).
@@ -253,7 +250,6 @@ impl CudaModel {
             opts,
             fast_off: None,
             fast: None,
-            block_off: None,
             part,
             heads,
             kv_heads,
@@ -275,11 +271,6 @@ impl CudaModel {
                 tracing::info!("CUDA fast decode path on (steps of up to {MAX_FAST_TOKENS} tokens, graphs {})", opts.graphs);
             }
             Some(why) => tracing::info!("CUDA fast decode path off: {why}"),
-        }
-        let mats: Vec<[&DevMat; 5]> = m.layers.iter().map(|l| [&l.wq, &l.wk, &l.wv, &l.wo, &l.router]).collect();
-        m.block_off = if m.part.tp_world > 1 || m.fast.is_none() { Some("tensor parallel or no fast path".into()) } else { super::attn_block::attn_block_plan(&m.gpu, &m.cfg, &mats).err() };
-        if let (Some(why), true) = (&m.block_off, super::attn_block::attn_block()) {
-            tracing::info!("one-launch attention block off: {why}");
         }
         m.warm_blas()?;
         m.build_dense_bf16()?;
@@ -469,9 +460,7 @@ impl CudaModel {
     /// Enqueues one fast step of `nt` tokens whose metadata is already in the workspace.
     /// `short`: every context of the step is at most `fast::ATTN_SHORT_MAX_CTX` and
     /// `fast::attn_short` is on (unsplit decode attention).
-    /// `block`: one token, each layer's attention block in one `ablk_*` launch
-    /// ([`CudaModel::block_step`]).
-    fn enqueue_fast(&self, nt: usize, short: bool, block: bool) -> Result<(), CudaError> {
+    fn enqueue_fast(&self, nt: usize, short: bool) -> Result<(), CudaError> {
         let c = &self.cfg;
         let g = &self.gpu;
         let ws = self.fast.as_ref().unwrap();
@@ -523,45 +512,7 @@ impl CudaModel {
             if !std::mem::take(&mut normed) && run(sk::ATTN_NORM) {
                 g.norm_q8(hid, h, l.attn_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
             }
-            if block {
-                let a = super::attn_block::AttnBlockArgs {
-                    wq: &l.wq,
-                    wk: &l.wk,
-                    wv: &l.wv,
-                    wo: &l.wo,
-                    router: &l.router,
-                    q_norm: l.q_norm,
-                    k_norm: l.k_norm,
-                    ffn_norm: l.ffn_norm,
-                    bias: l.bias,
-                    xq,
-                    xd,
-                    q: p(&ws.q),
-                    k: p(&ws.k),
-                    v: p(&ws.v),
-                    pos: m_pos,
-                    slots: m_slot,
-                    seq: m_seq,
-                    pt_off: m_ptoff,
-                    pts: m_pts,
-                    kc: g.ptr(&self.kc[li]),
-                    vc: g.ptr(&self.vc[li]),
-                    page_size: self.page_size,
-                    part: p(&ws.part),
-                    acnt: g.ptr(&ws.acnt),
-                    att: p(&ws.att),
-                    mq: aq,
-                    md: ad,
-                    hid,
-                    rl: p(&ws.rl),
-                    ids,
-                    wts,
-                    rcnt: g.ptr(&ws.rcnt),
-                    bcnt: g.ptr(&ws.bcnt),
-                };
-                g.attn_block_launch(c, kvs, &a)?;
-            }
-            if !block && run(sk::QKV) {
+            if run(sk::QKV) {
                 g.matvec_q8_any(&[(&l.wq, p(&ws.q), qw), (&l.wk, p(&ws.k), kw), (&l.wv, p(&ws.v), vw)], xq, xd, h, nt, false)?;
             }
             let (kc, vc) = (g.ptr(&self.kc[li]), g.ptr(&self.vc[li]));
@@ -593,13 +544,13 @@ impl CudaModel {
                 qk_args.extend([Arg::P(ssp), Arg::I((c.n_heads * c.head_dim) as i32), Arg::I((c.n_kv_heads * c.head_dim) as i32)]);
             }
             let qk_name = super::fast::qk_norm_rope_name(tp, kvs);
-            if !block && run(sk::QK) {
+            if run(sk::QK) {
                 g.launch_pdl(&qk_name, (nt as u32, 2, 1), 1024, 0, &qk_args)?;
             }
-            if !block && run(sk::ATTN) {
+            if run(sk::ATTN) {
                 g.attn_decode(kvs, p(&ws.q), qw, kc, vc, (m_pos, m_seq, m_ptoff, m_pts), self.page_size, self.kv_heads, nsplit, scale, p(&ws.part), p(&ws.att), ow, xq, xd, acnt, nt)?;
             }
-            if !block && run(sk::O) {
+            if run(sk::O) {
                 g.matvec_q8_any(&[(&l.wo, hid, h)], xq, xd, ow, nt, lead)?;
             }
             if tp {
@@ -607,7 +558,7 @@ impl CudaModel {
             }
             use super::fast::{ROUTE_FAST_MAX_E, RouteMode, route_mode};
             let rmode = if e <= ROUTE_FAST_MAX_E && k <= 32 { route_mode() } else { RouteMode::Exact };
-            if block || !run(sk::ROUTE) {
+            if !run(sk::ROUTE) {
             } else if fast_router(&l.router) && rmode == RouteMode::Fused && fuse_router {
                 g.router_topk_norm_f32(&l.router, hid, h, l.ffn_norm, c.rms_eps, p(&ws.rl), e, l.bias, k, c.gating, ids, wts, g.ptr(&ws.rcnt), xq, xd, nt)?;
             } else if fast_router(&l.router) && rmode == RouteMode::Fused {
@@ -677,17 +628,6 @@ impl CudaModel {
         Ok(())
     }
 
-    /// Whether a fast step of `nt` tokens runs each layer's attention block as one `ablk_*`
-    /// launch: one token, [`super::attn_block::attn_block`] on, and the model and card allow it.
-    pub fn block_step(&self, nt: usize) -> bool {
-        nt == 1 && self.block_off.is_none() && super::attn_block::attn_block()
-    }
-
-    /// Why one-token steps cannot run the one-launch attention block (None: they can).
-    pub fn block_off(&self) -> Option<&str> {
-        self.block_off.as_deref()
-    }
-
     /// The fast path of [`CudaModel::forward`]: one metadata upload, then the step's graph.
     fn forward_fast(&mut self, batch: &ForwardBatch) -> Result<Option<StepLogits<'_>>, CudaError> {
         let nt = batch.n_tokens();
@@ -736,20 +676,18 @@ impl CudaModel {
         }
         let max_ctx = batch.seqs.iter().map(|s| s.cached_len + s.tokens.len()).max().unwrap_or(0);
         let short = super::fast::attn_short() && max_ctx <= super::fast::ATTN_SHORT_MAX_CTX;
-        let block = self.block_step(nt);
         self.fast.as_mut().unwrap().last_short = short;
-        self.fast.as_mut().unwrap().last_block = block;
-        let key = (nt, short, block);
+        let key = (nt, short);
         let have_graph = self.fast.as_ref().unwrap().graphs.contains_key(&key);
         if self.opts.graphs && have_graph {
             self.fast.as_ref().unwrap().graphs[&key].0.launch()?;
         } else {
-            self.enqueue_fast(nt, short, block)?;
+            self.enqueue_fast(nt, short)?;
             if self.opts.graphs {
                 self.gpu.sync()?;
                 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
                 self.gpu.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-                let r = self.enqueue_fast(nt, short, block);
+                let r = self.enqueue_fast(nt, short);
                 let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0))?;
                 r?;
                 if let Some(gr) = graph {
@@ -773,10 +711,10 @@ impl CudaModel {
     /// reading logits back (benchmark: kernel time of a step; graphs as configured).
     pub fn replay_fast_step(&mut self, nt: usize) -> Result<(), CudaError> {
         let ws = self.fast.as_ref().ok_or_else(|| CudaError::Shape("fast path off".into()))?;
-        let (short, block) = (ws.last_short, ws.last_block);
-        match ws.graphs.get(&(nt, short, block)) {
+        let short = ws.last_short;
+        match ws.graphs.get(&(nt, short)) {
             Some(gr) if self.opts.graphs => gr.0.launch()?,
-            _ => self.enqueue_fast(nt, short, block)?,
+            _ => self.enqueue_fast(nt, short)?,
         }
         Ok(())
     }
