@@ -281,38 +281,3 @@ fn dispatcher_hands_dense_products_of_many_tokens_to_cublas() {
     set_blas_min_tokens(None);
     set_gemm_precision(GemmPrecision::Bf16x3);
 }
-
-/// cuBLASLt with one algorithm per 64-token bucket (`blas_lt`, the default): products at token
-/// counts across three buckets match the CPU like cublasGemmEx's, the heuristic is asked once
-/// per (shape, bucket) and its algorithm serves every count in the bucket; with the switch off
-/// the same products go through cublasGemmEx and no algorithm is added.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn lt_algorithms_are_chosen_once_per_token_bucket() {
-    use minimax_rank::cuda::blas_lt::set_blas_lt;
-    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
-    let g = gpu();
-    let mut rng = Rng(0xb1a5_0007);
-    set_gemm_precision(GemmPrecision::Int8);
-    set_blas_min_tokens(Some(65));
-    let blas = g.blas().expect("cuBLAS must load on a GPU machine");
-    let (rows, cols) = (333usize, 32 * 37);
-    let before = blas.lt_algos();
-    set_blas_lt(Some(true));
-    for n in [65usize, 90, 127, 128, 129, 191, 300, 257] {
-        let what = format!("cuBLASLt Q8_0 {rows}x{cols} n {n}");
-        let (worst, rms) = check(&g, &mut rng, GgmlType::Q8_0, rows, cols, n, (cols, rows), true, 4e-3, 1e-2, &what);
-        eprintln!("{what}: worst {worst:.2e} of Σ|w·x|, rms {rms:.2e}");
-    }
-    // Buckets 65-128, 129-192, 257-320.
-    assert_eq!(blas.lt_algos() - before, 3, "one algorithm per (shape, 64-token bucket)");
-    set_blas_lt(Some(false));
-    let mid = blas.lt_algos();
-    for n in [70usize, 400] {
-        check(&g, &mut rng, GgmlType::Q8_0, rows, cols, n, (cols, rows), false, 4e-3, 1e-2, &format!("cublasGemmEx n {n}"));
-    }
-    assert_eq!(blas.lt_algos(), mid, "switch off: no cuBLASLt call");
-    set_blas_lt(None);
-    set_blas_min_tokens(None);
-    set_gemm_precision(GemmPrecision::Bf16x3);
-}

@@ -99,8 +99,6 @@ pub struct Blas {
     workspace: CudaSlice<u8>,
     wbuf: Mutex<Option<CudaSlice<u16>>>,
     xbuf: Mutex<Option<CudaSlice<u16>>>,
-    /// cuBLASLt with per-bucket algorithms for the bf16 GEMMs (None: unavailable; one warning).
-    lt: Option<super::blas_lt::Lt>,
 }
 
 // The handle and the scratch are used by one thread at a time: a rank drives each GPU from one
@@ -133,14 +131,7 @@ impl Blas {
         // destroys the handle once `Self` holds it).
         let workspace = g.stream.alloc_zeros::<u8>(WORKSPACE_BYTES)?;
         let handle = cr::create_handle().map_err(blas_err("cublasCreate"))?;
-        let mut blas = Self { handle, ctx: g.ctx.clone(), workspace, wbuf: Mutex::new(None), xbuf: Mutex::new(None), lt: None };
-        blas.lt = match super::blas_lt::Lt::new((g.ptr(&blas.workspace), WORKSPACE_BYTES)) {
-            Ok(lt) => Some(lt),
-            Err(e) => {
-                tracing::warn!("cuBLASLt unavailable ({e}): bf16 GEMMs through cublasGemmEx");
-                None
-            }
-        };
+        let blas = Self { handle, ctx: g.ctx.clone(), workspace, wbuf: Mutex::new(None), xbuf: Mutex::new(None) };
         unsafe {
             cr::set_stream(handle, g.stream.cu_stream() as _).map_err(blas_err("cublasSetStream"))?;
             let ws = g.ptr(&blas.workspace);
@@ -161,13 +152,6 @@ fn scratch(g: &Gpu, slot: &Mutex<Option<CudaSlice<u16>>>, n: usize) -> Result<u6
         *s = Some(unsafe { g.stream.alloc::<u16>(n.next_multiple_of(1 << 20))? });
     }
     Ok(g.ptr(s.as_ref().unwrap()))
-}
-
-impl Blas {
-    /// cuBLASLt algorithms chosen so far (shape × token bucket; 0 without cuBLASLt).
-    pub fn lt_algos(&self) -> usize {
-        self.lt.as_ref().map_or(0, |l| l.cached())
-    }
 }
 
 impl Gpu {
@@ -323,12 +307,6 @@ impl Gpu {
         use cs::cublasOperation_t::{CUBLAS_OP_N, CUBLAS_OP_T};
         let gemm = |a: u64, lda: usize, rows: usize, c: u64| -> Result<(), CudaError> {
             self.timed("blas_gemm_bf16", || unsafe {
-                if let Some(lt) = b.lt.as_ref().filter(|_| super::blas_lt::blas_lt()) {
-                    let s = super::blas_lt::LtShape { m: rows, k: k as usize, lda, ldc: ys, accumulate };
-                    if lt.gemm(s, n, a, xb, c, self.stream.cu_stream() as _).map_err(|detail| CudaError::Blas { call: "cublasLtMatmul", detail })? {
-                        return Ok(());
-                    }
-                }
                 cr::gemm_ex(
                     b.handle,
                     CUBLAS_OP_T,

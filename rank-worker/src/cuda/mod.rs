@@ -5,7 +5,6 @@
 //! [`CudaError::LibraryMissing`].
 
 pub mod blas;
-pub mod blas_lt;
 pub mod env_flag;
 pub mod error;
 pub mod fast;
