@@ -2865,12 +2865,7 @@ template <int BF> __device__ __forceinline__ void at_split(float x0, float x1, u
     lo = at_pack<BF>(x0 - h0, x1 - h1);
 }
 
-// PRE (attn_dec6tp_*, launched after qk_norm_rope_store in the chain): before pdl_wait the
-// block reads the step's metadata (position, page table: uploaded before the step) and issues
-// its first ring tiles whose positions are all before the step's new one (their K/V were
-// written by earlier steps); the tiles holding the new position (stored by the kernel just
-// before) and Q come after the wait. Same tiles, same arithmetic: bit-identical.
-template <int G, int BF, bool MERGE = false, bool PRE = false>
+template <int G, int BF, bool MERGE = false>
 __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,
                                                const int* seq, const int* pt_off, const u32* pts, int page_size,
                                                int kv_heads, int nsplit, float scale, float* part, u32* cnt = nullptr,
@@ -2912,25 +2907,10 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
             cp_async16z(ks + AT_TILE * AD_HD * 2 + so, vb + sl * sstride, bytes);
         }
     };
-    // Prologue: tiles 0 .. AT_NST - 2, one commit group each. PRE: the ones wholly before the
-    // sequence's first position stored in this step (its tokens are consecutive in the step:
-    // the first is found by walking back while the sequence id is the same) are issued before
-    // the wait; a tile reaching it and every later one after (tiles only go forward).
-    int pro = 0;
-    if (PRE) {
-        int t0 = t;
-        while (t0 > 0 && seq[t0 - 1] == seq[t]) t0--;
-        const int first_new = pos[t0];
-        for (; pro < AT_NST - 1; pro++) {
-            int last = start + AT_TILE * (warp + AD_WARPS * pro) + AT_TILE - 1;  // the tile's last position
-            if (pro < my_n && last >= first_new) break;
-            if (pro < my_n) issue(pro, pro, slot_of(pro));
-            cp_async_commit();
-        }
-        pdl_wait();
-        pdl_trigger();
-    }
-    for (int s = pro; s < AT_NST - 1; s++) {
+    if (my_n > 0) issue(0, 0, slot_of(0));
+    cp_async_commit();
+#pragma unroll
+    for (int s = 1; s < AT_NST - 1; s++) {
         if (s < my_n) issue(s, s, slot_of(s));
         cp_async_commit();
     }
@@ -3075,12 +3055,6 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
         const u32* pts, int page_size, int kv_heads, int nsplit, float scale, float* part) {                     \
         pdl_enter();                                                                                             \
         attn_dect_impl<6, BF>(q, qs, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, scale, part);   \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tp_##name(                              \
-        const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos, const int* seq, const int* pt_off, \
-        const u32* pts, int page_size, int kv_heads, int nsplit, float scale, float* part) {                     \
-        attn_dect_impl<6, BF, false, true>(q, qs, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit,    \
-                                           scale, part);                                                         \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tm_##name(                              \
         const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos, const int* seq, const int* pt_off, \

@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--short-ab] [--attn-pre-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -579,50 +579,6 @@ fn b1_ab(m: &mut CudaModel, pages: &mut Pages, what: &str, names: &[&str], set: 
     Ok(())
 }
 
-/// `--attn-pre-ab`: decode attention with its metadata and old-position tiles issued before
-/// its PDL wait (`attn_dec6tp_*`, fast::PDL_ATTN) against the default parts: batch-1 graph
-/// replay at short context (b1_ab), then one-token steps at 8k and 32k cached positions
-/// (random K/V) and batch 32 at short context, alternating, three rounds.
-fn attn_pre_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
-    use minimax_rank::cuda::fast::{PDL_ATTN, PDL_PREFETCH_PARTS, set_pdl_parts};
-    let names = ["default parts", "+ attention before its wait"];
-    let set = |i: usize| set_pdl_parts(Some(if i == 1 { PDL_PREFETCH_PARTS | PDL_ATTN } else { PDL_PREFETCH_PARTS }));
-    b1_ab(m, pages, "attention pre-wait", &names, &set)?;
-    m.fill_kv_random(5)?;
-    for ctx in [8192usize, 32768] {
-        let pt = pages.take((ctx + 8).div_ceil(PAGE));
-        let mut r = [0f64; 2];
-        for _round in 0..3 {
-            for (i, t) in r.iter_mut().enumerate() {
-                set(i);
-                m.clear_graphs();
-                let o = m.forward(&ForwardBatch { seqs: vec![step(9, &pt, ctx, vec![7], LogitsWanted::Last)] })?;
-                anyhow::ensure!(finite(&o), "non-finite logits at context {ctx}");
-                *t += replay_ms(m, 1, 10)? / 3.0;
-            }
-        }
-        println!("attention pre-wait A/B at {ctx} cached positions, batch 1 (graph replay, 3 rounds): {} {:.3} ms, {} {:.3} ms", names[0], r[0], names[1], r[1]);
-    }
-    let steps = 40usize;
-    let pts: Vec<Vec<u32>> = (0..32).map(|_| pages.take((5 + steps + 2).div_ceil(PAGE))).collect();
-    let mut toks = start_streams(m, &pts)?;
-    let mut r = [0f64; 2];
-    let mut s = 0;
-    for _round in 0..3 {
-        for (i, t) in r.iter_mut().enumerate() {
-            set(i);
-            m.clear_graphs();
-            anyhow::ensure!(stream_step(m, &pts, &mut toks, s)?, "non-finite picks at batch 32");
-            s += 1;
-            *t += replay_ms(m, 32, 20)? / 3.0;
-        }
-    }
-    println!("attention pre-wait A/B, batch 32 (graph replay, 3 rounds): {} {:.3} ms, {} {:.3} ms", names[0], r[0], names[1], r[1]);
-    set_pdl_parts(None);
-    m.clear_graphs();
-    Ok(())
-}
-
 /// `--norm-ab`: the RMSNorms folded into their neighbours (fast::set_norm_fusion) against
 /// separate `norm_q8` launches, graph replay, alternating, three rounds: at batch 1 the router
 /// and the streamed down's fusions alone and together, the down's two trigger points, and
@@ -1122,9 +1078,6 @@ fn main() -> anyhow::Result<()> {
         b1_ab(&mut m, &mut pages, "decode attention at short context", &["split + merge", "unsplit (attn_short)"], &|i| set_attn_short(Some(i == 1)))?;
         set_attn_short(None);
         return Ok(());
-    }
-    if flag("--attn-pre-ab") {
-        return attn_pre_ab(&mut m, &mut pages);
     }
     if flag("--first-calls") {
         return first_calls(&mut m, &mut pages);

@@ -531,15 +531,12 @@ pub const PDL_MVQS2: u32 = 16;
 pub const PDL_NORM_EARLY: u32 = 32;
 /// `attn_merge6e` (early trigger; not a default part: slower).
 pub const PDL_MERGE_EARLY: u32 = 64;
-/// `attn_dec6tp_*` (decode attention's metadata and the ring tiles before the step's new
-/// positions issued before the wait).
-pub const PDL_ATTN: u32 = 128;
 /// The parts [`pdl_prefetch`] turns on (the default): those measured faster (docs/CUDA.md).
 pub const PDL_PREFETCH_PARTS: u32 = PDL_MVQS | PDL_QK | PDL_MMA | PDL_MVQS2;
 /// Both early triggers ([`pdl_early`], `MINIMAX_PDL_EARLY=1`).
 pub const PDL_EARLY_PARTS: u32 = PDL_NORM_EARLY | PDL_MERGE_EARLY;
 /// Every part.
-pub const PDL_ALL_PARTS: u32 = PDL_PREFETCH_PARTS | PDL_ROUTER | PDL_EARLY_PARTS | PDL_ATTN;
+pub const PDL_ALL_PARTS: u32 = PDL_PREFETCH_PARTS | PDL_ROUTER | PDL_EARLY_PARTS;
 
 /// Whether the fast path's weight-reading kernels start their weight loads before waiting for
 /// the previous kernel ([`PDL_PREFETCH_PARTS`]: `mvqs_*p` / `mvqs_*s2p`, `mvmma_q8_0p`,
@@ -1312,7 +1309,6 @@ impl Gpu {
         ];
         let grid = (kv_heads as u32, nsplit as u32, nt as u32);
         let (name, smem) = match (mma, cnt.is_some()) {
-            (true, false) if pdl_part(PDL_ATTN) => (format!("attn_dec6tp_{kv}"), ATTN_MMA_SMEM as u32),
             (true, false) => (format!("attn_dec6t_{kv}"), ATTN_MMA_SMEM as u32),
             (true, true) => (format!("attn_dec6tm_{kv}"), ATTN_MMA_SMEM as u32),
             (false, false) => (format!("attn_dec6_{kv}"), 0),
