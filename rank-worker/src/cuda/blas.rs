@@ -34,7 +34,8 @@ static BLAS_WARM_WIDE: EnvFlag = EnvFlag::new("MINIMAX_BLAS_WARM_WIDE", true);
 
 /// Whether model load warms cuBLAS at 252 token counts up to 4,096 instead of 512 and 2,048
 /// (the default; `MINIMAX_BLAS_WARM_WIDE=0` = the two; `CudaModel::warm_blas` says why):
-/// ~0.8 s more at load on an H200, about half of a new prompt length's first-call cost gone.
+/// the load's cuBLAS warm-up 236 → 802 ms on an H200, about half of a new prompt length's
+/// first-call cost gone.
 pub fn blas_warm_wide() -> bool {
     BLAS_WARM_WIDE.get()
 }
