@@ -385,6 +385,74 @@ fn fast_path_short_context_attention_matches_split_form() {
     eprintln!("m2.7:iq4xs:2 fast path: unsplit short-context attention within {worst:.1e} (relative to the largest logit) of the split form, greedy tokens identical, graphs bit-identical to direct");
 }
 
+/// The folded router (`router_fold`: `Wrg h` beside q/k/v, `M att` beside the o-projection,
+/// `norm_q8_route` after it) at M2.7 dimensions (2 layers): its one-token steps launch the fused
+/// kernels and no router product; logits within 1e-3 of the largest logit of the unfolded
+/// router's and the same greedy tokens; from graphs bit-identical to direct launches; and the
+/// fallback (`rfold_part` launched after a plain product) bit-identical to the fused launches.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_path_router_fold_matches_router() {
+    use minimax_rank::cuda::fast::{PDL_MVQS, PDL_MVQS2, PDL_PREFETCH_PARTS, set_pdl_parts};
+    use minimax_rank::cuda::router_fold::set_router_fold;
+    use minimax_shared::model::synthetic::SyntheticSpec;
+    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
+    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 17).unwrap();
+    assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
+    let kernels = |m: &mut CudaModel, fold: bool, base: u32| -> Vec<String> {
+        set_router_fold(Some(fold));
+        m.set_fast(true, false);
+        let pt: Vec<u32> = (base..base + 2).collect();
+        m.forward(&ForwardBatch { seqs: vec![SeqStep { seq_id: 700 + base as u64, page_table: pt.clone(), cached_len: 0, tokens: vec![3, 5, 7], logits: LogitsWanted::Last }] }).unwrap();
+        m.gpu().profile_begin();
+        m.forward(&ForwardBatch { seqs: vec![SeqStep { seq_id: 700 + base as u64, page_table: pt, cached_len: 3, tokens: vec![11], logits: LogitsWanted::Last }] }).unwrap();
+        m.gpu().profile_end().unwrap().into_iter().map(|(n, _)| n).collect()
+    };
+    let count = |ks: &[String], p: &str| ks.iter().filter(|k| k.starts_with(p)).count();
+    let ks = kernels(&mut m, true, 0);
+    assert!(count(&ks, "mvqs_q8_0_1s2pr") == 2 && count(&ks, "mvqs_q8_0_1lpr") == 2 && count(&ks, "norm_q8_route") == 2 && count(&ks, "router_topk") == 0, "folded router: {ks:?}");
+    let ks = kernels(&mut m, false, 4);
+    assert!(count(&ks, "router_topk") == 2 && count(&ks, "norm_q8_route") == 0 && count(&ks, "rfold") == 0, "unfolded router: {ks:?}");
+    // (fold, graphs, PDL parts): None = the default parts; without the mvqs prefetch parts the
+    // pieces take rfold_part after the plain product.
+    let fallback = Some(PDL_PREFETCH_PARTS & !PDL_MVQS & !PDL_MVQS2);
+    let settings = [(false, false, None), (true, false, None), (true, true, None), (true, false, fallback), (false, false, fallback)];
+    let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
+    for (i, (fold, graphs, parts)) in settings.into_iter().enumerate() {
+        set_router_fold(Some(fold));
+        set_pdl_parts(parts);
+        m.clear_graphs();
+        m.set_fast(true, graphs);
+        runs.push(fast_step_series(&mut m, 40 + 20 * i as u32));
+    }
+    let ks = kernels(&mut m, true, 8);
+    set_router_fold(None);
+    set_pdl_parts(None);
+    m.clear_graphs();
+    m.set_fast(true, true);
+    assert!(count(&ks, "rfold_part") == 4 && count(&ks, "mvqs_q8_0_1s2pr") == 0, "fallback: {ks:?}");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut worst = 0f32;
+    for (s, (a, b)) in runs[0].iter().zip(&runs[1]).enumerate() {
+        assert!(b.iter().all(|x| x.is_finite()), "step {s}: non-finite logits with the folded router");
+        let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d = max_diff(a, b);
+        assert!(d.is_finite() && d <= 1e-3 * scale.max(1.0), "step {s}: folded router logits off by {d} (|logit| <= {scale})");
+        worst = worst.max(d / scale.max(1.0));
+        for (ra, rb) in a.chunks(spec_vocab(&m)).zip(b.chunks(spec_vocab(&m))) {
+            assert_eq!(argmax(ra).0, argmax(rb).0, "step {s}: greedy token differs with the folded router");
+        }
+    }
+    for (s, ((d, g), f)) in runs[1].iter().zip(&runs[2]).zip(&runs[3]).enumerate() {
+        assert!(bits(d) == bits(g), "step {s}: folded router from graphs differs from direct launches (max |diff| {})", max_diff(d, g));
+        assert!(bits(d) == bits(f), "step {s}: rfold_part fallback differs from the fused launches (max |diff| {})", max_diff(d, f));
+    }
+    for (s, (a, b)) in runs[0].iter().zip(&runs[4]).enumerate() {
+        assert!(bits(a) == bits(b), "step {s}: unfolded router differs between PDL settings (max |diff| {})", max_diff(a, b));
+    }
+    eprintln!("m2.7:iq4xs:2 fast path: folded router within {worst:.1e} (relative to the largest logit) of the router product, greedy tokens identical, graphs and fallback bit-identical");
+}
+
 fn spec_vocab(m: &CudaModel) -> usize {
     m.config().vocab_size
 }
