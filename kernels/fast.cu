@@ -1078,36 +1078,26 @@ RFOLD_MV_INST(4)
 
 // norm_q8 of the MoE input x (one token) and the folded router's top-k: logit e = inv (sum of
 // pa's npa warp sums + sum of pb's npb, each in order) into lg, then route_topk_warp (the fast
-// router's top-k) on them. grid (1), block 1024; E <= 256, E (npa + npb) <= 1024 NR_MAXP.
-#define NR_MAXP 8  // partial sums a thread stages: E (npa + npb) <= 1024 NR_MAXP
+// router's top-k) on them. grid (1), block 1024; E <= 256.
 extern "C" __global__ void __launch_bounds__(1024) norm_q8_route(const float* x, i64 xs, const float* w, int n,
                                                                  float eps, i8* q, float* d, const float* pa, int npa,
                                                                  const float* pb, int npb, int E, const float* bias,
                                                                  int k, int gating, float* lg, int* ids, float* wts) {
-    __shared__ float part[32];
-    __shared__ float sp[1024 * NR_MAXP];
     pdl_enter();
-    // Every partial sum loaded at once (pa's E npa, then pb's E npb), held while the norm runs.
-    const int na = E * npa, total = na + E * npb;
-    float pv[NR_MAXP];
-#pragma unroll
-    for (int i = 0; i < NR_MAXP; i++) {
-        const int j = threadIdx.x + 1024 * i;
-        pv[i] = j < na ? pa[j] : (j < total ? pb[j - na] : 0.f);
-    }
-    const float inv = norm_q8_row<NQ_MAXV>(x, w, n, eps, nullptr, q, d, part);
-#pragma unroll
-    for (int i = 0; i < NR_MAXP; i++) sp[threadIdx.x + 1024 * i] = pv[i];
-    __syncthreads();
+    __shared__ float part[32];
+    const int t = blockIdx.x;
+    const float inv = norm_q8_row<NQ_MAXV>(x + t * xs, w, n, eps, nullptr, q + (i64)t * n, d + (i64)t * (n / 32), part);
     const int e = threadIdx.x;
     if (e < E) {
+        const float* ae = pa + ((i64)t * E + e) * npa;
+        const float* be = pb + ((i64)t * E + e) * npb;
         float a = 0.f, b = 0.f;
-        for (int i = 0; i < npa; i++) a += sp[e * npa + i];
-        for (int i = 0; i < npb; i++) b += sp[na + e * npb + i];
-        lg[e] = inv * (a + b);
+        for (int i = 0; i < npa; i++) a += ae[i];
+        for (int i = 0; i < npb; i++) b += be[i];
+        lg[(i64)t * E + e] = inv * (a + b);
     }
     __syncthreads();
-    if (threadIdx.x < 32) route_topk_warp(lg, bias, E, k, gating, ids, wts, threadIdx.x);
+    if (threadIdx.x < 32) route_topk_warp(lg + (i64)t * E, bias, E, k, gating, ids + t * k, wts + t * k, threadIdx.x);
 }
 
 // Load-time builders of the folded router's matrices. rfold_scale: Wrg[e][j] = Wr[e][j] g[j].
