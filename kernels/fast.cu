@@ -967,118 +967,87 @@ MVQS2_INST(4)
 // h the layer's input residual, o = Wo att the o-projection, g the MoE norm's weight and
 // inv = 1 / sqrt(mean((h + o)^2) + eps):
 //   logits = Wr (g (h + o) inv) = inv (Wrg h + M att),  Wrg = Wr diag(g),  M = Wrg Wo,
-// both f32, built at load (rfold_scale, rfold_m). A = Wrg h rides on the blocks of the q/k/v
-// launch, B = M att (att as the o-projection sees it: its q8 copy) on those of the o-projection
-// (mvqs_q8_0_*r): each of the first blocks takes one 512 V4-column slice of one row, its
-// weights loaded into registers before pdl_wait, so no block is added to either launch.
-// norm_q8_route adds the slices' warp sums in order after its norm and runs the top-k. The
-// router's own product and its grid-wide arrival leave the chain.
-//
-// Block b's slice: row b / npc, columns [(b % npc) 512 V4, +512 V4) (npc = ceil(n / (512 V4)));
-// warp w, lane l, float4 j: column 4 (w 32 V4 + 32 j + l) of the slice. part[4 b + w] = the
-// warp's sum. Blocks from rows * npc on do nothing. Q8X: x given as q8 (xq, xd per 32).
-template <int V4, bool Q8X>
-struct RfPig {
-    float4 w[V4];
-    const float* x;
-    const i8* xq;
-    const float* xd;
-    float* part;
-    int c4, n4;  // the warp's first float4 column; row width in float4
-    bool live;
-    __device__ __forceinline__ RfPig(const float* W, int rows, int n, const float* x_, const i8* xq_, const float* xd_,
-                                     float* part_, int blk)
-        : x(x_), xq(xq_), xd(xd_), part(part_) {
-        const int warp = threadIdx.x >> 5;
-        n4 = n >> 2;
-        const int npc = (n4 + 128 * V4 - 1) / (128 * V4);
-        live = blk < rows * npc;
-        const int r = live ? blk / npc : 0;
-        c4 = (live ? blk % npc : 0) * 128 * V4 + warp * 32 * V4;
-        const float4* wr = (const float4*)(W + (i64)r * n);
-#pragma unroll
-        for (int j = 0; j < V4; j++) {
-            const int i = c4 + 32 * j + (threadIdx.x & 31);
-            w[j] = (live && i < n4) ? __ldg(wr + i) : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-    }
-    // After pdl_wait: x's columns, the dot, the warp sum. Every lane of the warp calls it.
-    __device__ __forceinline__ void finish(int blk) {
-        if (!live) return;
-        float acc = 0.f;
-#pragma unroll
-        for (int j = 0; j < V4; j++) {
-            const int i = c4 + 32 * j + (threadIdx.x & 31);
-            float4 xv = make_float4(0.f, 0.f, 0.f, 0.f);
-            if (i < n4) {
-                if (Q8X) {
-                    const u32 q = *(const u32*)(xq + 4 * i);
-                    const float d = xd[i >> 3];
-                    xv = make_float4((float)(signed char)(q & 0xff) * d, (float)(signed char)((q >> 8) & 0xff) * d,
-                                     (float)(signed char)((q >> 16) & 0xff) * d, (float)(signed char)(q >> 24) * d);
-                } else {
-                    xv = ((const float4*)x)[i];
-                }
-            }
-            acc = router_acc(acc, w[j], xv);
-        }
-        acc = warp_sum(acc);
-        if ((threadIdx.x & 31) == 0) part[4 * blk + (threadIdx.x >> 5)] = acc;
-    }
-};
-
-// The slices alone (the twin of the piggybacked launches below, and their fallback where the
-// dense product takes another kernel or has too few blocks). grid (rows * npc), block 128.
-template <int V4, bool Q8X>
-__device__ __forceinline__ void rfold_part_impl(const float* W, int rows, int n, const float* x, const i8* xq,
-                                                const float* xd, float* part) {
-    RfPig<V4, Q8X> pig(W, rows, n, x, xq, xd, part, blockIdx.x);
+// both f32, built at load (rfold_scale, rfold_m). A = Wrg h runs as extra blocks of the q/k/v
+// launch, B = M att as extra blocks of the o-projection launch (mvqs_q8_0_*r), each as partial
+// sums over RF_COLS-column pieces; norm_q8_route adds the pieces in order after its norm and
+// runs the top-k. The router's own product and its last-block arrival leave the chain.
+#define RF_COLS 1536
+#define RF_V4 (RF_COLS / 128)  // float4 a lane and piece
+// Warp task t = (extra block, warp): row t / npc, piece t % npc of W (rows x n, f32, rows 16-byte
+// aligned, n % 4 == 0). The piece's weights go to shared memory (sw: 4 x RF_COLS floats) before
+// pdl_wait, x after it; part[t] = the piece's dot product. Every thread of the block calls it.
+__device__ __forceinline__ void rfold_piece(const float* W, int rows, int n, const float* x, float* part, int blk,
+                                            float* sw) {
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int npc = (n + RF_COLS - 1) / RF_COLS;
+    const int task = blk * 4 + warp;
+    const bool live = task < rows * npc;
+    const int r = live ? task / npc : 0, c0 = live ? (task % npc) * RF_COLS : 0;
+    const int n4 = live ? min(RF_COLS, n - c0) >> 2 : 0;
+    float* s = sw + warp * RF_COLS;
+    const float4* wr = (const float4*)(W + (i64)r * n + c0);
+    for (int i = lane; i < n4; i += 32) cp_async16(s + 4 * i, wr + i);
     pdl_wait();
     pdl_trigger();
-    pig.finish(blockIdx.x);
+    if (!live) return;
+    const float4* xv = (const float4*)(x + c0);
+    float4 xr[RF_V4];
+#pragma unroll
+    for (int j = 0; j < RF_V4; j++) {
+        const int i = lane + 32 * j;
+        if (i < n4) xr[j] = xv[i];
+    }
+    cp_async_wait_all();
+    __syncwarp();
+    float acc = 0.f;
+#pragma unroll
+    for (int j = 0; j < RF_V4; j++) {
+        const int i = lane + 32 * j;
+        if (i < n4) acc = router_acc(acc, ((const float4*)s)[i], xr[j]);
+    }
+    acc = warp_sum(acc);
+    if (lane == 0) part[task] = acc;
 }
-#define RFOLD_INST(v4)                                                                                           \
-    extern "C" __global__ void __launch_bounds__(128)                                                            \
-        rfold_part_##v4(const float* W, int rows, int n, const float* x, float* part) {                          \
-        rfold_part_impl<v4, false>(W, rows, n, x, nullptr, nullptr, part);                                       \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128)                                                            \
-        rfold_part_q_##v4(const float* W, int rows, int n, const i8* xq, const float* xd, float* part) {          \
-        rfold_part_impl<v4, true>(W, rows, n, nullptr, xq, xd, part);                                            \
-    }
-RFOLD_INST(2)
-RFOLD_INST(4)
 
-// mvqs_q8_0_1s2p (q/k/v: pieces of Wrg h, x f32) and mvqs_q8_0_1lp (o-projection: pieces of
-// M att, x = the product's own q8 input) with an RfPig on their blocks. The product's rows are
-// computed exactly as without it.
-#define MVQS_PIG_ARGS                                                                                            \
-    const u8 *W0, i64 rb0, int rows0, float *y0, i64 ys0, const u8 *W1, i64 rb1, int rows1, float *y1, i64 ys1,  \
-        const u8 *W2, i64 rb2, int rows2, float *y2, i64 ys2, int nchunks, const i8 *xq, const float *xd, int ncol, \
-        int nv, int acc, const float *RW, int rrows, int rn, const float *rx, float *rpart
-#define RFOLD_MV_INST(v4)                                                                                        \
-    extern "C" __global__ void __launch_bounds__(128) mvqs_q8_0_1s2pr_##v4(MVQS_PIG_ARGS) {                      \
-        __shared__ __align__(16) u8 sm_all[4][2][12 * CH];                                                       \
-        RfPig<v4, false> pig(RW, rrows, rn, rx, nullptr, nullptr, rpart, blockIdx.x);                            \
-        mvqs_q8_rows<1, 4, 12, 2>(sm_all, W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, \
-                                  nchunks, xq, xd, ncol, nv, acc);                                               \
-        pdl_wait();                                                                                              \
-        pig.finish(blockIdx.x);                                                                                  \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(128) mvqs_q8_0_1lpr_##v4(MVQS_PIG_ARGS) {                       \
-        __shared__ __align__(16) u8 sm_all[4][24 * CH];                                                          \
-        RfPig<v4, true> pig(RW, rrows, rn, nullptr, xq, xd, rpart, blockIdx.x);                                  \
-        mvqs_q8<1, 4, 24, true>(sm_all, W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, \
-                                nchunks, xq, xd, ncol, nv, acc);                                                 \
-        pdl_wait();                                                                                              \
-        pig.finish(blockIdx.x);                                                                                  \
-    }
-RFOLD_MV_INST(2)
-RFOLD_MV_INST(4)
+// The pieces alone (the twin of the fused launches below, and their fallback where the dense
+// product takes another kernel). grid (ceil(rows npc / 4)), block 128.
+extern "C" __global__ void __launch_bounds__(128) rfold_part(const float* W, int rows, int n, const float* x,
+                                                             float* part) {
+    __shared__ __align__(16) float sw[4 * RF_COLS];
+    rfold_piece(W, rows, n, x, part, blockIdx.x, sw);
+}
 
-// norm_q8 of the MoE input x (one token) and the folded router's top-k: logit e = inv (sum of
-// pa's npa warp sums + sum of pb's npb, each in order) into lg, then route_topk_warp (the fast
-// router's top-k) on them. grid (1), block 1024; E <= 256.
+// mvqs_q8_0_1s2p / mvqs_q8_0_1lp with rfold_piece blocks after their nmain blocks (the shared
+// memory of the product's phase, 26 KB, holds the 4 pieces' 24 KB). The product's rows are
+// computed exactly as without them.
+extern "C" __global__ void __launch_bounds__(128) mvqs_q8_0_1s2pr(
+    const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
+    const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol, int nv,
+    int acc, int nmain, const float* RW, int rrows, int rn, const float* rx, float* rpart) {
+    __shared__ __align__(16) u8 sm_all[4][2][12 * CH];
+    if ((int)blockIdx.x >= nmain) {
+        rfold_piece(RW, rrows, rn, rx, rpart, blockIdx.x - nmain, (float*)&sm_all[0][0][0]);
+        return;
+    }
+    mvqs_q8_rows<1, 4, 12, 2>(sm_all, W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks,
+                              xq, xd, ncol, nv, acc);
+}
+extern "C" __global__ void __launch_bounds__(128) mvqs_q8_0_1lpr(
+    const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
+    const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol, int nv,
+    int acc, int nmain, const float* RW, int rrows, int rn, const float* rx, float* rpart) {
+    __shared__ __align__(16) u8 sm_all[4][24 * CH];
+    if ((int)blockIdx.x >= nmain) {
+        rfold_piece(RW, rrows, rn, rx, rpart, blockIdx.x - nmain, (float*)&sm_all[0][0]);
+        return;
+    }
+    mvqs_q8<1, 4, 24, true>(sm_all, W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks,
+                            xq, xd, ncol, nv, acc);
+}
+
+// norm_q8 of the MoE input x (row t = blockIdx.x) and the folded router's top-k: logit e =
+// inv (sum of pa's npa pieces + sum of pb's npb pieces, each in piece order) into lg, then
+// route_topk_warp (the fast router's top-k) on them. grid (nt), block 1024; E <= 256.
 extern "C" __global__ void __launch_bounds__(1024) norm_q8_route(const float* x, i64 xs, const float* w, int n,
                                                                  float eps, i8* q, float* d, const float* pa, int npa,
                                                                  const float* pb, int npb, int E, const float* bias,

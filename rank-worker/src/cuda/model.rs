@@ -527,7 +527,7 @@ impl CudaModel {
             // The folded router (one-token steps): its two products ride on q/k/v and o.
             let fold = self.rfold.as_ref().filter(|_| nt == 1 && !tp && super::router_fold::router_fold() && super::fast::route_mode() == super::fast::RouteMode::Fused);
             let (fa, fb) = match fold {
-                Some(f) => (Some(f.pa(g, li, hid)), Some(f.pb(g, li, xq, xd))),
+                Some(f) => (Some(f.pa(g, li, hid)), Some(f.pb(g, li, p(&ws.att)))),
                 None => (None, None),
             };
             if run(sk::QKV) {
@@ -585,7 +585,7 @@ impl CudaModel {
             let rmode = if e <= ROUTE_FAST_MAX_E && k <= 32 { route_mode() } else { RouteMode::Exact };
             if !run(sk::ROUTE) {
             } else if let (Some(pa), Some(pb)) = (&fa, &fb) {
-                g.norm_q8_route(hid, l.ffn_norm, h, c.rms_eps, xq, xd, pa, pb, l.bias, k, c.gating, p(&ws.rl), ids, wts)?;
+                g.norm_q8_route(hid, h, l.ffn_norm, h, c.rms_eps, xq, xd, pa, pb, l.bias, k, c.gating, p(&ws.rl), ids, wts, nt)?;
             } else if fast_router(&l.router) && rmode == RouteMode::Fused && fuse_router {
                 g.router_topk_norm_f32(&l.router, hid, h, l.ffn_norm, c.rms_eps, p(&ws.rl), e, l.bias, k, c.gating, ids, wts, g.ptr(&ws.rcnt), xq, xd, nt)?;
             } else if fast_router(&l.router) && rmode == RouteMode::Fused {

@@ -4,9 +4,8 @@
 //!
 //! `logits = Wr (g (h + o) inv) = inv (Wrg h + M att)`, `Wrg = Wr diag(g)`, `M = Wrg Wo`.
 //!
-//! `Wrg h` rides on the q/k/v product's blocks and `M att` on the o-projection's (each block
-//! one slice of one row, its weights in registers before the PDL wait; no block is added), so
-//! after the o-projection only the norm and the top-k remain
+//! `Wrg h` runs beside the q/k/v product and `M att` beside the o-projection (extra blocks of
+//! their launches), so after the o-projection only the norm and the top-k remain
 //! (`norm_q8_route`): the router's own product, a DRAM round trip and a grid-wide arrival leave
 //! the batch-1 chain. Costs 9.4 MB of f32 weights a layer at M2.7 size (585 MB for 62 layers).
 //! The logits differ from the unfolded router's by f32 rounding only.
@@ -18,6 +17,8 @@ use super::error::CudaError;
 use super::fast::{MvqKind, PDL_MVQS, PDL_MVQS2, fast_mat, fast_router, mv_args, pdl_part};
 use super::gpu::{Arg, DevMat, Gpu};
 
+/// Columns of one partial sum (`RF_COLS` in kernels/fast.cu).
+pub const RF_COLS: usize = 1536;
 /// Q8_0 chunk bytes of the dense kernels (8 blocks of 34).
 const CH: usize = 272;
 
@@ -35,44 +36,37 @@ pub fn set_router_fold(on: Option<bool>) {
     ROUTER_FOLD.set(on);
 }
 
-/// float4 a lane of one slice (`V4` in kernels/fast.cu): a block takes 512 V4 columns of a row.
-fn v4(cols: usize) -> usize {
-    if cols <= 4096 { 2 } else { 4 }
+/// Partial sums a row of `cols` columns is split into.
+pub fn pieces(cols: usize) -> usize {
+    cols.div_ceil(RF_COLS)
 }
 
-/// Slices (blocks) a row of `cols` columns is split into.
-fn slices(cols: usize) -> usize {
-    cols.div_ceil(512 * v4(cols))
-}
-
-/// Warp sums a row leaves in the partial buffer (4 a slice).
-pub fn partials(cols: usize) -> usize {
-    4 * slices(cols)
-}
-
-/// One f32 product left as partial sums (`partials(cols)` a row, in order): rows x cols of `w`
-/// (rows 16-byte aligned) times `x`, f32 at `x` or (`q8`) the q8 vector (values, scales per 32).
+/// One f32 product split into [`RF_COLS`]-column partial sums: `part[r * pieces + p]` = piece
+/// p of row r of `w` (rows x cols, rows 16-byte aligned) times `x`.
 #[derive(Clone, Copy, Debug)]
 pub struct RouterPieces {
     pub w: u64,
     pub rows: usize,
     pub cols: usize,
     pub x: u64,
-    pub q8: Option<(u64, u64)>,
     pub part: u64,
 }
 
 impl RouterPieces {
     fn check(&self) -> Result<(), CudaError> {
-        if self.cols % 4 != 0 || self.w % 16 != 0 || (self.q8.is_none() && self.x % 16 != 0) || (self.q8.is_some() && self.cols % 32 != 0) || self.rows == 0 {
+        if self.cols % 4 != 0 || self.w % 16 != 0 || self.x % 16 != 0 || self.rows == 0 {
             return Err(CudaError::Shape(format!("router pieces: {} x {} (columns % 4, 16-byte aligned rows and input)", self.rows, self.cols)));
         }
         Ok(())
     }
 
-    /// Blocks that carry a slice.
+    /// Blocks of 4 warps, one piece a warp.
     fn blocks(&self) -> usize {
-        self.rows * slices(self.cols)
+        (self.rows * pieces(self.cols)).div_ceil(4)
+    }
+
+    fn args(&self) -> [Arg; 5] {
+        [Arg::P(self.w), Arg::I(self.rows as i32), Arg::I(self.cols as i32), Arg::P(self.x), Arg::P(self.part)]
     }
 }
 
@@ -122,7 +116,7 @@ impl RouterFold {
             )?;
             out.push(LayerFold { wrg, m });
         }
-        let parts = g.zeros::<f32>(e * (partials(h) + partials(oi)))?;
+        let parts = g.zeros::<f32>(e * (pieces(h) + pieces(oi)))?;
         g.sync()?;
         Ok(Some(Self { layers: out, parts, experts: e, hidden: h, o_in: oi }))
     }
@@ -134,33 +128,26 @@ impl RouterFold {
 
     /// The pieces of `Wrg h` (layer `li`, input residual at `hid`).
     pub fn pa(&self, g: &Gpu, li: usize, hid: u64) -> RouterPieces {
-        RouterPieces { w: g.ptr(&self.layers[li].wrg), rows: self.experts, cols: self.hidden, x: hid, q8: None, part: g.ptr(&self.parts) }
+        RouterPieces { w: g.ptr(&self.layers[li].wrg), rows: self.experts, cols: self.hidden, x: hid, part: g.ptr(&self.parts) }
     }
 
-    /// The pieces of `M att` (layer `li`, the attention output's q8 copy at `xq` / `xd`).
-    pub fn pb(&self, g: &Gpu, li: usize, xq: u64, xd: u64) -> RouterPieces {
-        let off = 4 * (self.experts * partials(self.hidden)) as u64;
-        RouterPieces { w: g.ptr(&self.layers[li].m), rows: self.experts, cols: self.o_in, x: 0, q8: Some((xq, xd)), part: g.ptr(&self.parts) + off }
+    /// The pieces of `M att` (layer `li`, f32 attention output at `att`).
+    pub fn pb(&self, g: &Gpu, li: usize, att: u64) -> RouterPieces {
+        let off = 4 * (self.experts * pieces(self.hidden)) as u64;
+        RouterPieces { w: g.ptr(&self.layers[li].m), rows: self.experts, cols: self.o_in, x: att, part: g.ptr(&self.parts) + off }
     }
 }
 
 impl Gpu {
-    /// [`RouterPieces`] alone (`rfold_part_*`).
+    /// [`RouterPieces`] alone (`rfold_part`).
     pub fn rfold_part(&self, rp: &RouterPieces) -> Result<(), CudaError> {
         rp.check()?;
-        let (w, r, c, part) = (Arg::P(rp.w), Arg::I(rp.rows as i32), Arg::I(rp.cols as i32), Arg::P(rp.part));
-        let grid = (rp.blocks() as u32, 1, 1);
-        match rp.q8 {
-            Some((xq, xd)) => self.launch_pdl(&format!("rfold_part_q_{}", v4(rp.cols)), grid, 128, 0, &[w, r, c, Arg::P(xq), Arg::P(xd), part]),
-            None => self.launch_pdl(&format!("rfold_part_{}", v4(rp.cols)), grid, 128, 0, &[w, r, c, Arg::P(rp.x), part]),
-        }
+        self.launch_pdl("rfold_part", (rp.blocks() as u32, 1, 1), 128, 0, &rp.args())
     }
 
-    /// [`Gpu::matvec_q8`] of one vector with `rp`'s slices on the blocks of the same launch
-    /// where the product takes `mvqs_q8_0_1s2p` (f32 `rp` input) / `mvqs_q8_0_1lp` (`rp` reads
-    /// the product's own q8 input) and has a block for each slice; otherwise the two launches
-    /// one after the other. The product's outputs and the partial sums are the same bits
-    /// either way.
+    /// [`Gpu::matvec_q8`] of one vector with `rp`'s pieces as extra blocks of the same launch
+    /// where the product takes `mvqs_q8_0_1s2p` / `mvqs_q8_0_1lp` (`..r`); otherwise the two
+    /// launches one after the other. The product's outputs are the same bits either way.
     #[allow(clippy::too_many_arguments)]
     pub fn matvec_q8_rfold(&self, segs: &[(&DevMat, u64, usize)], xq: u64, xd: u64, ncol: usize, accumulate: bool, rp: &RouterPieces) -> Result<(), CudaError> {
         rp.check()?;
@@ -169,29 +156,32 @@ impl Gpu {
         if all_q8 && whole {
             let nchunks = segs[0].0.row_bytes / CH;
             let (args, rows) = mv_args(segs, nchunks, xq, xd, ncol, 1, accumulate);
-            let fused = match rp.q8 {
-                None if nchunks <= 12 && pdl_part(PDL_MVQS2) => Some(("mvqs_q8_0_1s2pr", rows.div_ceil(8))),
-                Some(q) if q == (xq, xd) && nchunks > 12 && pdl_part(PDL_MVQS) => Some(("mvqs_q8_0_1lpr", rows.div_ceil(4))),
-                _ => None,
+            let fused = if nchunks <= 12 && pdl_part(PDL_MVQS2) {
+                Some(("mvqs_q8_0_1s2pr", rows.div_ceil(8)))
+            } else if nchunks > 12 && pdl_part(PDL_MVQS) {
+                Some(("mvqs_q8_0_1lpr", rows.div_ceil(4)))
+            } else {
+                None
             };
-            if let Some((name, nmain)) = fused.filter(|&(_, nmain)| rp.blocks() <= nmain) {
+            if let Some((name, nmain)) = fused {
                 let mut args = args;
-                args.extend([Arg::P(rp.w), Arg::I(rp.rows as i32), Arg::I(rp.cols as i32), Arg::P(rp.x), Arg::P(rp.part)]);
-                return self.launch_pdl(&format!("{name}_{}", v4(rp.cols)), (nmain as u32, 1, 1), 128, 0, &args);
+                args.push(Arg::I(nmain as i32));
+                args.extend(rp.args());
+                return self.launch_pdl(name, ((nmain + rp.blocks()) as u32, 1, 1), 128, 0, &args);
             }
         }
         self.matvec_q8_any(segs, xq, xd, ncol, 1, accumulate)?;
         self.rfold_part(rp)
     }
 
-    /// `norm_q8` of the MoE input `x` (one token; weight `nw`) into `xq` / `xd` and the folded
-    /// router's top-k: logits `inv (sum pa + sum pb)` into `lg`, ids and weights like
-    /// [`Gpu::router_topk_f32`]'s.
+    /// `norm_q8` of the MoE input `x` (`nt` rows `xs` apart; weight `nw`) into `xq` / `xd` and
+    /// the folded router's top-k: logits `inv (sum pa + sum pb)` into `lg` (`e` a token), ids
+    /// and weights like [`Gpu::router_topk_f32`]'s.
     #[allow(clippy::too_many_arguments)]
-    pub fn norm_q8_route(&self, x: u64, nw: u64, n: usize, eps: f32, xq: u64, xd: u64, pa: &RouterPieces, pb: &RouterPieces, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, lg: u64, ids: u64, wts: u64) -> Result<(), CudaError> {
+    pub fn norm_q8_route(&self, x: u64, xs: usize, nw: u64, n: usize, eps: f32, xq: u64, xd: u64, pa: &RouterPieces, pb: &RouterPieces, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, lg: u64, ids: u64, wts: u64, nt: usize) -> Result<(), CudaError> {
         let e = pa.rows;
-        if n % 32 != 0 || n > 12 * 1024 || e > 256 || pb.rows != e || k == 0 || k > 32 || k > e {
-            return Err(CudaError::Shape(format!("norm_q8_route: width {n}, {e} experts, top-{k}")));
+        if nt != 1 || n % 32 != 0 || n > 12 * 1024 || e > 256 || pb.rows != e || k == 0 || k > 32 || k > e {
+            return Err(CudaError::Shape(format!("norm_q8_route: {nt} tokens (one), width {n}, {e} experts, top-{k}")));
         }
         let g = match gating {
             minimax_shared::model::GatingFunc::Sigmoid => 2,
@@ -199,21 +189,21 @@ impl Gpu {
         };
         self.launch_pdl(
             "norm_q8_route",
-            (1, 1, 1),
+            (nt as u32, 1, 1),
             1024,
             0,
             &[
                 Arg::P(x),
-                Arg::L(n as i64),
+                Arg::L(xs as i64),
                 Arg::P(nw),
                 Arg::I(n as i32),
                 Arg::F(eps),
                 Arg::P(xq),
                 Arg::P(xd),
                 Arg::P(pa.part),
-                Arg::I(partials(pa.cols) as i32),
+                Arg::I(pieces(pa.cols) as i32),
                 Arg::P(pb.part),
-                Arg::I(partials(pb.cols) as i32),
+                Arg::I(pieces(pb.cols) as i32),
                 Arg::I(e as i32),
                 Arg::P(bias),
                 Arg::I(k as i32),
