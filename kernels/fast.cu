@@ -104,8 +104,8 @@ extern "C" __global__ void fill_h16(u16* p, i64 n, u64 seed, float lo, float hi,
 // (explicit fma), a butterfly per warp, then a butterfly over the 32 warp sums. n % 32 == 0,
 // n <= 1024 NV. part: 32 floats of shared memory.
 template <int NV>
-__device__ __forceinline__ float norm_q8_row(const float* xr, const float* w, int n, float eps, float* yr, i8* qr,
-                                             float* dr, float* part) {
+__device__ __forceinline__ void norm_q8_row(const float* xr, const float* w, int n, float eps, float* yr, i8* qr,
+                                            float* dr, float* part) {
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     float xv[NV], wv[NV];
 #pragma unroll
@@ -134,7 +134,6 @@ __device__ __forceinline__ float norm_q8_row(const float* xr, const float* w, in
             qr[idx] = (i8)q8_lane(v, dr + (idx >> 5));
         }
     }
-    return inv;
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -801,10 +800,11 @@ __device__ __forceinline__ void mvqs_dot(const u8* sm, int nch, int c0, const i8
 // PRE: the first phase's cp.async copies are issued before pdl_wait (the "p" kernels; weights
 // only, so they overlap the previous kernel), the activations are read after it.
 template <int NT, int WARPS, int MAXCH, bool PRE = false>
-__device__ __forceinline__ void mvqs_q8(u8 (*sm_all)[MAXCH * CH], const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0,
-                                        const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2,
-                                        int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd,
-                                        int ncol, int nv, int accumulate) {
+__device__ __forceinline__ void mvqs_q8(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1,
+                                        int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2, float* y2,
+                                        i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol, int nv,
+                                        int accumulate) {
+    __shared__ __align__(16) u8 sm_all[WARPS][MAXCH * CH];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int r = blockIdx.x * WARPS + warp;
     int v0 = blockIdx.y * NT;
@@ -846,18 +846,16 @@ __device__ __forceinline__ void mvqs_q8(u8 (*sm_all)[MAXCH * CH], const u8* W0, 
         const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, \
         const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,  \
         int nv, int acc) {                                                                                       \
-        __shared__ __align__(16) u8 sm_all[warps][maxch * CH];                                                   \
         pdl_enter();                                                                                             \
-        mvqs_q8<nt, warps, maxch>(sm_all, W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, \
-                                  nchunks, xq, xd, ncol, nv, acc);                                               \
+        mvqs_q8<nt, warps, maxch>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, \
+                                  xq, xd, ncol, nv, acc);                                                        \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(32 * warps) mvqs_q8_0_##nt##sfx##p(                             \
         const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, \
         const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,  \
         int nv, int acc) {                                                                                       \
-        __shared__ __align__(16) u8 sm_all[warps][maxch * CH];                                                   \
-        mvqs_q8<nt, warps, maxch, true>(sm_all, W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, \
-                                        ys2, nchunks, xq, xd, ncol, nv, acc);                                    \
+        mvqs_q8<nt, warps, maxch, true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2,   \
+                                        nchunks, xq, xd, ncol, nv, acc);                                         \
     }
 MVQS_INST(1, s, 8, 12)
 MVQS_INST(4, s, 8, 12)
@@ -910,10 +908,11 @@ __device__ __forceinline__ bool mv_seg_row(int r, const u8* W0, i64 rb0, int row
 // wait). Per row the same arithmetic as mvqs_q8 (bit-identical). grid
 // (ceil(total_rows / (WARPS RPW)), ceil(nv / NT)), block 32 WARPS.
 template <int NT, int WARPS, int MAXCH, int RPW>
-__device__ __forceinline__ void mvqs_q8_rows(u8 (*sm_all)[RPW][MAXCH * CH], const u8* W0, i64 rb0, int rows0,
-                                             float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
-                                             const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks,
-                                             const i8* xq, const float* xd, int ncol, int nv, int accumulate) {
+__device__ __forceinline__ void mvqs_q8_rows(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1,
+                                             i64 rb1, int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2,
+                                             float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,
+                                             int nv, int accumulate) {
+    __shared__ __align__(16) u8 sm_all[WARPS][RPW][MAXCH * CH];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int r0 = (blockIdx.x * WARPS + warp) * RPW;
     int v0 = blockIdx.y * NT;
@@ -955,164 +954,11 @@ __device__ __forceinline__ void mvqs_q8_rows(u8 (*sm_all)[RPW][MAXCH * CH], cons
         const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1, \
         const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,  \
         int nv, int acc) {                                                                                       \
-        __shared__ __align__(16) u8 sm_all[4][2][12 * CH];                                                       \
-        mvqs_q8_rows<nt, 4, 12, 2>(sm_all, W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, \
-                                   nchunks, xq, xd, ncol, nv, acc);                                              \
+        mvqs_q8_rows<nt, 4, 12, 2>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, \
+                                   xq, xd, ncol, nv, acc);                                                       \
     }
 MVQS2_INST(1)
 MVQS2_INST(4)
-
-// ------------------------------------------- folded router (batch-1 decode) -------------
-// The MoE router's logits without a product between the o-projection and the experts. With
-// h the layer's input residual, o = Wo att the o-projection, g the MoE norm's weight and
-// inv = 1 / sqrt(mean((h + o)^2) + eps):
-//   logits = Wr (g (h + o) inv) = inv (Wrg h + M att),  Wrg = Wr diag(g),  M = Wrg Wo,
-// both f32, built at load (rfold_scale, rfold_m). A = Wrg h runs as extra blocks of the q/k/v
-// launch, B = M att as extra blocks of the o-projection launch (mvqs_q8_0_*r), each as partial
-// sums over RF_COLS-column pieces; norm_q8_route adds the pieces in order after its norm and
-// runs the top-k. The router's own product and its last-block arrival leave the chain.
-#define RF_COLS 1536
-#define RF_V4 (RF_COLS / 128)  // float4 a lane and piece
-// Warp task t = (extra block, warp): row t / npc, piece t % npc of W (rows x n, f32, rows 16-byte
-// aligned, n % 4 == 0). The piece's weights go to shared memory (sw: 4 x RF_COLS floats) before
-// pdl_wait, x after it; part[t] = the piece's dot product. Every thread of the block calls it.
-__device__ __forceinline__ void rfold_piece(const float* W, int rows, int n, const float* x, float* part, int blk,
-                                            float* sw) {
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-    const int npc = (n + RF_COLS - 1) / RF_COLS;
-    const int task = blk * 4 + warp;
-    const bool live = task < rows * npc;
-    const int r = live ? task / npc : 0, c0 = live ? (task % npc) * RF_COLS : 0;
-    const int n4 = live ? min(RF_COLS, n - c0) >> 2 : 0;
-    float* s = sw + warp * RF_COLS;
-    const float4* wr = (const float4*)(W + (i64)r * n + c0);
-    for (int i = lane; i < n4; i += 32) cp_async16(s + 4 * i, wr + i);
-    pdl_wait();
-    pdl_trigger();
-    if (!live) return;
-    const float4* xv = (const float4*)(x + c0);
-    float4 xr[RF_V4];
-#pragma unroll
-    for (int j = 0; j < RF_V4; j++) {
-        const int i = lane + 32 * j;
-        if (i < n4) xr[j] = xv[i];
-    }
-    cp_async_wait_all();
-    __syncwarp();
-    float acc = 0.f;
-#pragma unroll
-    for (int j = 0; j < RF_V4; j++) {
-        const int i = lane + 32 * j;
-        if (i < n4) acc = router_acc(acc, ((const float4*)s)[i], xr[j]);
-    }
-    acc = warp_sum(acc);
-    if (lane == 0) part[task] = acc;
-}
-
-// The pieces alone (the twin of the fused launches below, and their fallback where the dense
-// product takes another kernel). grid (ceil(rows npc / 4)), block 128.
-extern "C" __global__ void __launch_bounds__(128) rfold_part(const float* W, int rows, int n, const float* x,
-                                                             float* part) {
-    __shared__ __align__(16) float sw[4 * RF_COLS];
-    rfold_piece(W, rows, n, x, part, blockIdx.x, sw);
-}
-
-// mvqs_q8_0_1s2p / mvqs_q8_0_1lp with rfold_piece blocks after their nmain blocks (the shared
-// memory of the product's phase, 26 KB, holds the 4 pieces' 24 KB). The product's rows are
-// computed exactly as without them.
-extern "C" __global__ void __launch_bounds__(128) mvqs_q8_0_1s2pr(
-    const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
-    const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol, int nv,
-    int acc, int nmain, const float* RW, int rrows, int rn, const float* rx, float* rpart) {
-    __shared__ __align__(16) u8 sm_all[4][2][12 * CH];
-    if ((int)blockIdx.x >= nmain) {
-        rfold_piece(RW, rrows, rn, rx, rpart, blockIdx.x - nmain, (float*)&sm_all[0][0][0]);
-        return;
-    }
-    mvqs_q8_rows<1, 4, 12, 2>(sm_all, W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks,
-                              xq, xd, ncol, nv, acc);
-}
-extern "C" __global__ void __launch_bounds__(128) mvqs_q8_0_1lpr(
-    const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
-    const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol, int nv,
-    int acc, int nmain, const float* RW, int rrows, int rn, const float* rx, float* rpart) {
-    __shared__ __align__(16) u8 sm_all[4][24 * CH];
-    if ((int)blockIdx.x >= nmain) {
-        rfold_piece(RW, rrows, rn, rx, rpart, blockIdx.x - nmain, (float*)&sm_all[0][0]);
-        return;
-    }
-    mvqs_q8<1, 4, 24, true>(sm_all, W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks,
-                            xq, xd, ncol, nv, acc);
-}
-
-// norm_q8 of the MoE input x (row t = blockIdx.x) and the folded router's top-k: logit e =
-// inv (sum of pa's npa pieces + sum of pb's npb pieces, each in piece order) into lg, then
-// route_topk_warp (the fast router's top-k) on them. grid (nt), block 1024; E <= 256.
-extern "C" __global__ void __launch_bounds__(1024) norm_q8_route(const float* x, i64 xs, const float* w, int n,
-                                                                 float eps, i8* q, float* d, const float* pa, int npa,
-                                                                 const float* pb, int npb, int E, const float* bias,
-                                                                 int k, int gating, float* lg, int* ids, float* wts) {
-    pdl_enter();
-    __shared__ float part[32];
-    const int t = blockIdx.x;
-    const float inv = norm_q8_row<NQ_MAXV>(x + t * xs, w, n, eps, nullptr, q + (i64)t * n, d + (i64)t * (n / 32), part);
-    const int e = threadIdx.x;
-    if (e < E) {
-        const float* ae = pa + ((i64)t * E + e) * npa;
-        const float* be = pb + ((i64)t * E + e) * npb;
-        float a = 0.f, b = 0.f;
-        for (int i = 0; i < npa; i++) a += ae[i];
-        for (int i = 0; i < npb; i++) b += be[i];
-        lg[(i64)t * E + e] = inv * (a + b);
-    }
-    __syncthreads();
-    if (threadIdx.x < 32) route_topk_warp(lg + (i64)t * E, bias, E, k, gating, ids + t * k, wts + t * k, threadIdx.x);
-}
-
-// Load-time builders of the folded router's matrices. rfold_scale: Wrg[e][j] = Wr[e][j] g[j].
-extern "C" __global__ void rfold_scale(const float* Wr, const float* g, int E, int n, float* out) {
-    i64 i = (i64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i < (i64)E * n) out[i] = Wr[i] * g[i % n];
-}
-// rfold_m: M[e][c] = sum_j Wrg[e][j] Wo[j][c] with Wo Q8_0 (rows n of row_bytes, cols m % 32 ==
-// 0), in f32 with j in order. Block (64 columns, 16 experts): 256 threads, each 4 experts of one
-// column; 32 rows of Wo (dequantized) and Wrg staged in shared memory a round.
-extern "C" __global__ void __launch_bounds__(256) rfold_m(const float* Wrg, int E, int n, const u8* Wo, i64 rb, int m,
-                                                          float* M) {
-    __shared__ float sw[32][64];
-    __shared__ float sr[16][33];
-    const int c = threadIdx.x & 63, eg = threadIdx.x >> 6;  // column, expert group of 4
-    const int c0 = blockIdx.x * 64, e0 = blockIdx.y * 16;
-    float acc[4] = {0.f, 0.f, 0.f, 0.f};
-    for (int j0 = 0; j0 < n; j0 += 32) {
-        for (int i = threadIdx.x; i < 32 * 64; i += 256) {
-            const int jj = i >> 6, cc = i & 63, j = j0 + jj, col = c0 + cc;
-            float v = 0.f;
-            if (j < n && col < m) {
-                const u8* blk = Wo + (i64)j * rb + (col >> 5) * 34;
-                v = ld_h(blk) * (float)(signed char)blk[2 + (col & 31)];
-            }
-            sw[jj][cc] = v;
-        }
-        for (int i = threadIdx.x; i < 16 * 32; i += 256) {
-            const int ee = i >> 5, jj = i & 31, e = e0 + ee, j = j0 + jj;
-            sr[ee][jj] = (e < E && j < n) ? Wrg[(i64)e * n + j] : 0.f;
-        }
-        __syncthreads();
-#pragma unroll 8
-        for (int jj = 0; jj < 32; jj++) {
-            const float wv = sw[jj][c];
-#pragma unroll
-            for (int u = 0; u < 4; u++) acc[u] = __fmaf_rn(sr[eg * 4 + u][jj], wv, acc[u]);
-        }
-        __syncthreads();
-    }
-#pragma unroll
-    for (int u = 0; u < 4; u++) {
-        const int e = e0 + eg * 4 + u;
-        if (e < E && c0 + c < m) M[(i64)e * m + c0 + c] = acc[u];
-    }
-}
 
 __device__ __forceinline__ void mma_s8_16832(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(

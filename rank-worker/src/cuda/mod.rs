@@ -19,7 +19,6 @@ pub mod nccl;
 pub mod nvrtc;
 pub mod peer_allreduce;
 pub mod pipeline;
-pub mod router_fold;
 pub mod stream;
 pub mod tma_experts;
 pub mod upload;

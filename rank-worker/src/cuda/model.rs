@@ -113,9 +113,6 @@ pub struct CudaModel {
     /// [`CudaModel::build_dense_bf16`]), and the memory they live in.
     dense_bf16: Vec<[DevMat; 4]>,
     _dense_bufs: Vec<CudaSlice<u16>>,
-    /// The folded router of one-token steps (built with the fast path at tensor-parallel
-    /// world 1 where the model qualifies; used when `router_fold::router_fold()`).
-    rfold: Option<super::router_fold::RouterFold>,
 }
 
 /// Why bf16 copies of the attention weights are kept or not (`MINIMAX_DENSE_BF16`): `1` always
@@ -261,7 +258,6 @@ impl CudaModel {
             tp_collectives: true,
             dense_bf16: Vec::new(),
             _dense_bufs: Vec::new(),
-            rfold: None,
         };
         let fl = m.fast_layers();
         m.fast_off = if !opts.fast_decode {
@@ -275,14 +271,6 @@ impl CudaModel {
                 tracing::info!("CUDA fast decode path on (steps of up to {MAX_FAST_TOKENS} tokens, graphs {})", opts.graphs);
             }
             Some(why) => tracing::info!("CUDA fast decode path off: {why}"),
-        }
-        if m.fast.is_some() && m.part.tp_world == 1 {
-            let t = std::time::Instant::now();
-            let src: Vec<_> = m.layers.iter().map(|l| (l.router, l.ffn_norm, l.wo)).collect();
-            m.rfold = super::router_fold::RouterFold::build(&m.gpu, &src)?;
-            if let Some(f) = &m.rfold {
-                tracing::info!(mb = f.bytes() as f64 / 1e6, ms = t.elapsed().as_secs_f64() * 1e3, on = super::router_fold::router_fold(), "folded router matrices built");
-            }
         }
         m.warm_blas()?;
         m.build_dense_bf16()?;
@@ -524,18 +512,8 @@ impl CudaModel {
             if !std::mem::take(&mut normed) && run(sk::ATTN_NORM) {
                 g.norm_q8(hid, h, l.attn_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
             }
-            // The folded router (one-token steps): its two products ride on q/k/v and o.
-            let fold = self.rfold.as_ref().filter(|_| nt == 1 && !tp && super::router_fold::router_fold() && super::fast::route_mode() == super::fast::RouteMode::Fused);
-            let (fa, fb) = match fold {
-                Some(f) => (Some(f.pa(g, li, hid)), Some(f.pb(g, li, p(&ws.att)))),
-                None => (None, None),
-            };
             if run(sk::QKV) {
-                let qkv = [(&l.wq, p(&ws.q), qw), (&l.wk, p(&ws.k), kw), (&l.wv, p(&ws.v), vw)];
-                match &fa {
-                    Some(rp) => g.matvec_q8_rfold(&qkv, xq, xd, h, false, rp)?,
-                    None => g.matvec_q8_any(&qkv, xq, xd, h, nt, false)?,
-                }
+                g.matvec_q8_any(&[(&l.wq, p(&ws.q), qw), (&l.wk, p(&ws.k), kw), (&l.wv, p(&ws.v), vw)], xq, xd, h, nt, false)?;
             }
             let (kc, vc) = (g.ptr(&self.kc[li]), g.ptr(&self.vc[li]));
             if tp {
@@ -573,10 +551,7 @@ impl CudaModel {
                 g.attn_decode(kvs, p(&ws.q), qw, kc, vc, (m_pos, m_seq, m_ptoff, m_pts), self.page_size, self.kv_heads, nsplit, scale, p(&ws.part), p(&ws.att), ow, xq, xd, acnt, nt)?;
             }
             if run(sk::O) {
-                match &fb {
-                    Some(rp) => g.matvec_q8_rfold(&[(&l.wo, hid, h)], xq, xd, ow, lead, rp)?,
-                    None => g.matvec_q8_any(&[(&l.wo, hid, h)], xq, xd, ow, nt, lead)?,
-                }
+                g.matvec_q8_any(&[(&l.wo, hid, h)], xq, xd, ow, nt, lead)?;
             }
             if tp {
                 all_reduce(hid, nt * h)?;
@@ -584,8 +559,6 @@ impl CudaModel {
             use super::fast::{ROUTE_FAST_MAX_E, RouteMode, route_mode};
             let rmode = if e <= ROUTE_FAST_MAX_E && k <= 32 { route_mode() } else { RouteMode::Exact };
             if !run(sk::ROUTE) {
-            } else if let (Some(pa), Some(pb)) = (&fa, &fb) {
-                g.norm_q8_route(hid, h, l.ffn_norm, h, c.rms_eps, xq, xd, pa, pb, l.bias, k, c.gating, p(&ws.rl), ids, wts, nt)?;
             } else if fast_router(&l.router) && rmode == RouteMode::Fused && fuse_router {
                 g.router_topk_norm_f32(&l.router, hid, h, l.ffn_norm, c.rms_eps, p(&ws.rl), e, l.bias, k, c.gating, ids, wts, g.ptr(&ws.rcnt), xq, xd, nt)?;
             } else if fast_router(&l.router) && rmode == RouteMode::Fused {
