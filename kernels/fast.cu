@@ -391,6 +391,92 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32x(const float* 
     router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
 }
 
+// norm_q8 (weight nw) and router_topk_f32x without the separate norm launch. RMSNorm's scale
+// is one scalar a token, so with h the unnormalized row and u = nw h (elementwise):
+//   logits = Wr (u inv),  q8(u inv) = q8(u) with its scales times inv,
+// inv = 1 / sqrt(mean(h^2) + eps). Every block stages u in shared memory and dots its rows
+// with it (raw logits into y); its warps also take the q8 groups g = 4 blockIdx.x + warp,
+// + 4 gridDim.x, ...: q8 of u (scale into d), and the group's sum of h^2 into ss[g]. The last
+// block of token t (the fused router's arrival) adds the n / 32 group sums in order, scales
+// its token's logits and the q8 scales by inv, then runs the top-k. No block does the whole
+// norm, so the MoE norm's launch and its wait leave the chain. Logits differ from
+// norm_q8 + router_topk_f32x by f32 rounding. grid (ceil(rows / 4), nt), block 128, dynamic
+// shared memory 4 n bytes; n % 32 == 0, n <= 32 * 4 * gridDim.x * ... (any: groups loop).
+extern "C" __global__ void __launch_bounds__(128) router_topk_f32n(const float* W, int rows, int n, const float* x,
+                                                                  i64 xs, const float* nw, float eps, float* y,
+                                                                  i64 ys, const float* bias, int k, int gating,
+                                                                  int* ids, float* w, u32* cnt, i8* q, float* d,
+                                                                  float* ss) {
+    extern __shared__ float4 rn_x[];
+    pdl_enter();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y, r = blockIdx.x * 4 + warp;
+    const int n4 = n >> 2, ng = n >> 5;
+    const bool live = r < rows;
+    const float4* wr = (const float4*)(W + (i64)(live ? r : 0) * n);
+    const float4* xt = (const float4*)(x + (i64)t * xs);
+    const float4* gw = (const float4*)nw;
+    float* dt = d + (i64)t * ng;
+    float acc = 0.f;
+    for (int base = 0; base < n4; base += 32 * RT_X) {
+        float4 wv[RT_X];
+#pragma unroll
+        for (int i = 0; i < RT_X; i++) {
+            const int idx = base + lane + 32 * i;
+            if (live && idx < n4) wv[i] = __ldg(wr + idx);
+        }
+        if (base == 0) {
+            for (int i = threadIdx.x; i < n4; i += 128) {
+                const float4 h = __ldcg(xt + i), g = gw[i];
+                rn_x[i] = make_float4(h.x * g.x, h.y * g.y, h.z * g.z, h.w * g.w);
+            }
+            // This block's q8 groups (from L2: x was read just above) and their sums of squares.
+            for (int grp = blockIdx.x * 4 + warp; grp < ng; grp += 4 * gridDim.x) {
+                const int e = (grp << 5) + lane;
+                const float h = __ldcg(x + (i64)t * xs + e);
+                const float sq = warp_sum(h * h);
+                q[(i64)t * n + e] = (i8)q8_lane(h * nw[e], dt + grp);
+                if (lane == 0) ss[(i64)t * ng + grp] = sq;
+            }
+            __syncthreads();
+        }
+#pragma unroll
+        for (int i = 0; i < RT_X; i++) {
+            const int idx = base + lane + 32 * i;
+            if (live && idx < n4) acc = router_acc(acc, wv[i], rn_x[idx]);
+        }
+    }
+    if (live) {
+        acc = warp_sum(acc);
+        if (lane == 0) y[(i64)t * ys + r] = acc;
+    }
+    // router_last_block_topk, with the scale applied first.
+    __shared__ int last;
+    __shared__ float s_inv;
+    __threadfence();
+    __syncthreads();
+    if (threadIdx.x == 0) last = atomicAdd(&cnt[t], 1u) == gridDim.x - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (warp == 0) {
+        float sum = 0.f;
+        for (int g0 = 0; g0 < ng; g0 += 32) sum += g0 + lane < ng ? __ldcg(ss + (i64)t * ng + g0 + lane) : 0.f;
+        sum = warp_sum(sum);
+        if (lane == 0) s_inv = 1.0f / sqrtf(sum / (float)n + eps);
+    }
+    __syncthreads();
+    const float inv = s_inv;
+    float* yt = y + (i64)t * ys;
+    for (int e = threadIdx.x; e < rows; e += 128) yt[e] = __ldcg(yt + e) * inv;
+    for (int g = threadIdx.x; g < ng; g += 128) dt[g] = __ldcg(dt + g) * inv;
+    __threadfence_block();
+    __syncthreads();
+    if (warp == 0) {
+        route_topk_warp(yt, bias, rows, k, gating, ids + t * k, w + t * k, lane);
+        if (lane == 0) cnt[t] = 0;
+    }
+}
+
 // router_topk_f32 for several tokens: warp (row, group of up to 4 tokens) loads each round of
 // its weight row once and dots it with each token's x (router_topk_f32 re-reads the row for
 // every token: at 32 tokens 100 MB of the ~200 MB of L2 reads a layer). Per (row, token) the

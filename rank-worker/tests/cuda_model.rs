@@ -385,6 +385,61 @@ fn fast_path_short_context_attention_matches_split_form() {
     eprintln!("m2.7:iq4xs:2 fast path: unsplit short-context attention within {worst:.1e} (relative to the largest logit) of the split form, greedy tokens identical, graphs bit-identical to direct");
 }
 
+/// The MoE norm inside the router (`router_topk_f32n`: q8 groups and sums of squares spread over
+/// the router's blocks, the scale applied by its last block) at M2.7 dimensions (2 layers): its
+/// steps launch no MoE `norm_q8`; logits within 1e-3 of the largest logit of `norm_q8` +
+/// `router_topk_f32x` and the same greedy tokens over steps of 1, 2 and 5 tokens; graphs
+/// bit-identical to direct launches.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_path_normless_router_matches_norm_and_router() {
+    use minimax_rank::cuda::fast::set_router_normless;
+    use minimax_shared::model::synthetic::SyntheticSpec;
+    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
+    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 19).unwrap();
+    assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
+    let kernels = |m: &mut CudaModel, on: bool, base: u32| -> Vec<String> {
+        set_router_normless(Some(on));
+        m.set_fast(true, false);
+        let pt: Vec<u32> = (base..base + 2).collect();
+        m.forward(&ForwardBatch { seqs: vec![SeqStep { seq_id: 800 + base as u64, page_table: pt.clone(), cached_len: 0, tokens: vec![3, 5, 7], logits: LogitsWanted::Last }] }).unwrap();
+        m.gpu().profile_begin();
+        m.forward(&ForwardBatch { seqs: vec![SeqStep { seq_id: 800 + base as u64, page_table: pt, cached_len: 3, tokens: vec![11], logits: LogitsWanted::Last }] }).unwrap();
+        m.gpu().profile_end().unwrap().into_iter().map(|(n, _)| n).collect()
+    };
+    let count = |ks: &[String], p: &str| ks.iter().filter(|k| k.as_str() == p || k.starts_with(&format!("{p}e"))).count();
+    let on = kernels(&mut m, true, 0);
+    let off = kernels(&mut m, false, 4);
+    assert!(count(&on, "router_topk_f32n") == 2 && count(&on, "router_topk_f32x") == 0, "normless router: {on:?}");
+    assert!(count(&off, "router_topk_f32x") == 2 && count(&on, "norm_q8") + 2 == count(&off, "norm_q8"), "one norm_q8 a layer fewer: {on:?} against {off:?}");
+    let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
+    for (i, (on, graphs)) in [(false, false), (true, false), (true, true)].into_iter().enumerate() {
+        set_router_normless(Some(on));
+        m.clear_graphs();
+        m.set_fast(true, graphs);
+        runs.push(fast_step_series(&mut m, 40 + 20 * i as u32));
+    }
+    set_router_normless(None);
+    m.clear_graphs();
+    m.set_fast(true, true);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut worst = 0f32;
+    for (s, (a, b)) in runs[0].iter().zip(&runs[1]).enumerate() {
+        assert!(b.iter().all(|x| x.is_finite()), "step {s}: non-finite logits with the normless router");
+        let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d = max_diff(a, b);
+        assert!(d.is_finite() && d <= 1e-3 * scale.max(1.0), "step {s}: normless router logits off by {d} (|logit| <= {scale})");
+        worst = worst.max(d / scale.max(1.0));
+        for (ra, rb) in a.chunks(spec_vocab(&m)).zip(b.chunks(spec_vocab(&m))) {
+            assert_eq!(argmax(ra).0, argmax(rb).0, "step {s}: greedy token differs with the normless router");
+        }
+    }
+    for (s, (d, g)) in runs[1].iter().zip(&runs[2]).enumerate() {
+        assert!(bits(d) == bits(g), "step {s}: normless router from graphs differs from direct launches (max |diff| {})", max_diff(d, g));
+    }
+    eprintln!("m2.7:iq4xs:2 fast path: normless router within {worst:.1e} (relative to the largest logit) of norm_q8 + router, greedy tokens identical, graphs bit-identical");
+}
+
 fn spec_vocab(m: &CudaModel) -> usize {
     m.config().vocab_size
 }

@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -1077,6 +1077,14 @@ fn main() -> anyhow::Result<()> {
         use minimax_rank::cuda::fast::set_attn_short;
         b1_ab(&mut m, &mut pages, "decode attention at short context", &["split + merge", "unsplit (attn_short)"], &|i| set_attn_short(Some(i == 1)))?;
         set_attn_short(None);
+        return Ok(());
+    }
+    if flag("--normless-ab") {
+        use minimax_rank::cuda::fast::set_router_normless;
+        for _ in 0..2 {
+            b1_ab(&mut m, &mut pages, "MoE norm", &["norm_q8 + router_topk_f32x", "in the router (router_topk_f32n)"], &|i| set_router_normless(Some(i == 1)))?;
+        }
+        set_router_normless(None);
         return Ok(());
     }
     if flag("--first-calls") {

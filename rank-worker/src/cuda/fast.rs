@@ -179,7 +179,7 @@ impl Mvmma {
 /// Measured (H200, M2.7, graph replay): slower at 4 and 8 tokens (9.33 / 13.72 ms a step
 /// against 9.08 / 13.51), even at 16 (21.89 / 21.93), faster at 32 (34.55 / 34.91).
 static ROUTER_T4_MIN: AtomicUsize = AtomicUsize::new(usize::MAX);
-fn router_t4_min() -> usize {
+pub(crate) fn router_t4_min() -> usize {
     let mut v = ROUTER_T4_MIN.load(Ordering::Relaxed);
     if v == usize::MAX {
         v = std::env::var("MINIMAX_ROUTER_T4_MIN").ok().and_then(|s| s.parse().ok()).unwrap_or(16);
@@ -211,6 +211,22 @@ pub fn set_router_x(on: Option<bool>) {
 
 /// Widest router row `router_topk_f32x` stages in shared memory (16 KB).
 pub const ROUTER_X_MAX_COLS: usize = 4096;
+
+static ROUTER_NORMLESS: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTER_NORMLESS", false);
+
+/// Whether the MoE norm of steps below [`router_t4_min`] tokens runs inside the router
+/// (`router_topk_f32n`: each block its share of the q8 groups and sums of squares, the last
+/// block the scale; no `norm_q8` launch before the router) instead of `norm_q8` +
+/// `router_topk_f32x` (`MINIMAX_ROUTER_NORMLESS=1`).
+pub fn router_normless() -> bool {
+    ROUTER_NORMLESS.get()
+}
+
+/// Overrides [`router_normless`] (A/B runs and tests; `None` = back to the environment). Drop
+/// captured graphs after a change.
+pub fn set_router_normless(on: Option<bool>) {
+    ROUTER_NORMLESS.set(on);
+}
 
 /// Floats of partial sums the K-split `mvx_q8_0` products may use (parts x tokens x rows).
 pub const MVX_PART_CAP: usize = 2 * 32 * 16384;
@@ -1032,6 +1048,41 @@ impl Gpu {
     }
 
     /// `norm_q8` of `x` (weight `nw`, into `xq` / `xd`) and [`Gpu::router_topk_f32`] on its
+    /// output without a norm launch (`router_topk_f32n`, [`router_normless`]): the same ids and
+    /// weights up to f32 rounding of the logits. `ss`: `nt * cols / 32` floats of scratch.
+    #[allow(clippy::too_many_arguments)]
+    pub fn router_topk_f32n(&self, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, ss: u64, nt: usize) -> Result<(), CudaError> {
+        if !fast_router(w) || w.cols % 32 != 0 || w.cols > ROUTER_X_MAX_COLS || xs % 4 != 0 || x % 16 != 0 || nw % 16 != 0 || w.rows > ROUTE_FAST_MAX_E || k > 32 || k > w.rows || k == 0 {
+            return Err(CudaError::Shape(format!("router_topk_f32n: {:?} {}x{}, top-{k}", w.ty, w.rows, w.cols)));
+        }
+        let g = match gating {
+            minimax_shared::model::GatingFunc::Sigmoid => 2,
+            minimax_shared::model::GatingFunc::Softmax => 1,
+        };
+        let args = [
+            Arg::P(w.ptr),
+            Arg::I(w.rows as i32),
+            Arg::I(w.cols as i32),
+            Arg::P(x),
+            Arg::L(xs as i64),
+            Arg::P(nw),
+            Arg::F(eps),
+            Arg::P(y),
+            Arg::L(ys as i64),
+            Arg::P(bias),
+            Arg::I(k as i32),
+            Arg::I(g),
+            Arg::P(ids),
+            Arg::P(wts),
+            Arg::P(cnt),
+            Arg::P(xq),
+            Arg::P(xd),
+            Arg::P(ss),
+        ];
+        self.launch_pdl("router_topk_f32n", (ceil_div(w.rows, 4), nt as u32, 1), 128, (4 * w.cols) as u32, &args)
+    }
+
+    /// `norm_q8` of `x` (weight `nw`, into `xq` / `xd`) and [`Gpu::router_topk_f32`] on its
     /// output in one launch (`router_topk_norm_f32`): the same q8, logits, ids and weights, bit
     /// for bit, one kernel boundary fewer. Rows of `w.cols` % 128 == 0 and at most
     /// [`FUSED_NORM_MAX`]; `x` rows `xs` apart.
@@ -1450,6 +1501,8 @@ pub(crate) struct FastWs {
     pub ss: CudaSlice<f32>,
     /// Arrival counters of `router_topk_f32`, one per token (kept zero between launches).
     pub rcnt: CudaSlice<u32>,
+    /// `router_topk_f32n`: per token, each 32-column group's sum of squares.
+    pub rss: CudaSlice<f32>,
     /// Arrival counters of `attn_dec6m_*`, one per (token, KV head) (kept zero).
     pub acnt: CudaSlice<u32>,
     /// Arrival counter of the streamed down's fused norm (kept zero).
@@ -1498,6 +1551,7 @@ impl FastWs {
             part: g.zeros(max_split_tokens * c.n_kv_heads * GQA * (128 + 2))?,
             ss: g.zeros(2 * t)?,
             rcnt: g.zeros(t)?,
+            rss: g.zeros(t * c.hidden.div_ceil(32))?,
             acnt: g.zeros(t * c.n_kv_heads.max(1))?,
             ncnt: g.zeros(1)?,
             grp: g.zeros(1 + 3 * c.n_experts + t * c.n_experts_used)?,
