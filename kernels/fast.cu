@@ -406,13 +406,18 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32n(const float* 
                                                                   i64 xs, const float* nw, float eps, float* y,
                                                                   i64 ys, const float* bias, int k, int gating,
                                                                   int* ids, float* w, u32* cnt, i8* q, float* d,
-                                                                  float* ss) {
+                                                                  float* ss, int pf) {
     extern __shared__ float4 rn_x[];
-    pdl_enter();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y, r = blockIdx.x * 4 + warp;
     const int n4 = n >> 2, ng = n >> 5;
     const bool live = r < rows;
     const float4* wr = (const float4*)(W + (i64)(live ? r : 0) * n);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    // pf: the warp's weight row asked of L2 before the wait (weights only; one bulk prefetch).
+    if (pf && live && lane == 0 && t == 0)
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(wr), "r"(n * 4) : "memory");
+#endif
+    pdl_enter();
     const float4* xt = (const float4*)(x + (i64)t * xs);
     const float4* gw = (const float4*)nw;
     float* dt = d + (i64)t * ng;

@@ -1081,10 +1081,15 @@ fn main() -> anyhow::Result<()> {
     }
     if flag("--normless-ab") {
         use minimax_rank::cuda::fast::set_router_normless;
+        use minimax_rank::cuda::fast::set_router_prefetch;
         for _ in 0..2 {
-            b1_ab(&mut m, &mut pages, "MoE norm", &["norm_q8 + router_topk_f32x", "in the router (router_topk_f32n)"], &|i| set_router_normless(Some(i == 1)))?;
+            b1_ab(&mut m, &mut pages, "MoE norm", &["norm_q8 + router_topk_f32x", "in the router (router_topk_f32n)", "f32n, rows to L2 before the wait"], &|i| {
+                set_router_normless(Some(i >= 1));
+                set_router_prefetch(Some(i == 2));
+            })?;
         }
         set_router_normless(None);
+        set_router_prefetch(None);
         return Ok(());
     }
     if flag("--first-calls") {

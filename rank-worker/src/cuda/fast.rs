@@ -212,6 +212,20 @@ pub fn set_router_x(on: Option<bool>) {
 /// Widest router row `router_topk_f32x` stages in shared memory (16 KB).
 pub const ROUTER_X_MAX_COLS: usize = 4096;
 
+static ROUTER_PREFETCH: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTER_PREFETCH", false);
+
+/// Whether `router_topk_f32n` asks L2 for its weight rows before its PDL wait (one bulk
+/// prefetch a warp; `MINIMAX_ROUTER_PREFETCH=1`).
+pub fn router_prefetch() -> bool {
+    ROUTER_PREFETCH.get()
+}
+
+/// Overrides [`router_prefetch`] (A/B runs; `None` = back to the environment). Drop captured
+/// graphs after a change.
+pub fn set_router_prefetch(on: Option<bool>) {
+    ROUTER_PREFETCH.set(on);
+}
+
 static ROUTER_NORMLESS: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTER_NORMLESS", false);
 
 /// Whether the MoE norm of steps below [`router_t4_min`] tokens runs inside the router
@@ -1078,6 +1092,7 @@ impl Gpu {
             Arg::P(xq),
             Arg::P(xd),
             Arg::P(ss),
+            Arg::I(router_prefetch() as i32),
         ];
         self.launch_pdl("router_topk_f32n", (ceil_div(w.rows, 4), nt as u32, 1), 128, (4 * w.cols) as u32, &args)
     }
