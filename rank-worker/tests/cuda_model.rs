@@ -517,8 +517,10 @@ fn fast_step_series(m: &mut CudaModel, base: u32) -> Vec<Vec<f32>> {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fast_path_norm_fusion_is_bit_identical() {
-    use minimax_rank::cuda::fast::set_norm_fusion;
+    use minimax_rank::cuda::fast::{set_norm_fusion, set_router_normless};
     use minimax_shared::model::synthetic::SyntheticSpec;
+    // The separate MoE norm is the baseline (router_topk_f32n rounds differently).
+    set_router_normless(Some(false));
     let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
     let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 12).unwrap();
     assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
@@ -534,6 +536,7 @@ fn fast_path_norm_fusion_is_bit_identical() {
         runs.push(out);
     }
     set_norm_fusion(None, None, None);
+    set_router_normless(None);
     m.clear_graphs();
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for (i, st) in settings.iter().enumerate().skip(1) {

@@ -560,8 +560,13 @@ fn stream_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
 /// A batch-1 A/B over named settings (`set(i)` switches to setting i): graph replay of a
 /// batch-1 step, the settings alternating, three rounds, mean ms a step.
 fn b1_ab(m: &mut CudaModel, pages: &mut Pages, what: &str, names: &[&str], set: &dyn Fn(usize)) -> anyhow::Result<()> {
+    bn_ab(m, pages, 1, what, names, set)
+}
+
+/// [`b1_ab`] with `b` streams (one token each a step).
+fn bn_ab(m: &mut CudaModel, pages: &mut Pages, b: usize, what: &str, names: &[&str], set: &dyn Fn(usize)) -> anyhow::Result<()> {
     let steps: usize = 20 * names.len() + 4;
-    let pts: Vec<Vec<u32>> = vec![pages.take((5 + steps + 2).div_ceil(PAGE))];
+    let pts: Vec<Vec<u32>> = (0..b).map(|_| pages.take((5 + steps + 2).div_ceil(PAGE))).collect();
     let mut toks = start_streams(m, &pts)?;
     let mut r = vec![0f64; names.len()];
     let mut s = 0;
@@ -571,11 +576,11 @@ fn b1_ab(m: &mut CudaModel, pages: &mut Pages, what: &str, names: &[&str], set: 
             m.clear_graphs();
             anyhow::ensure!(stream_step(m, &pts, &mut toks, s)?, "non-finite or out-of-vocabulary picks ({what}, {})", names[i]);
             s += 1;
-            *t += replay_ms(m, 1, 30)? / 3.0;
+            *t += replay_ms(m, b, 30)? / 3.0;
         }
     }
-    let cells: Vec<String> = names.iter().zip(&r).map(|(n, t)| format!("{n} {t:.3} ms ({:.1} tok/s)", 1e3 / t)).collect();
-    println!("{what} A/B, batch 1 (graph replay, mean of 3 alternating rounds): {}", cells.join(", "));
+    let cells: Vec<String> = names.iter().zip(&r).map(|(n, t)| format!("{n} {t:.3} ms ({:.1} tok/s)", 1e3 * b as f64 / t)).collect();
+    println!("{what} A/B, batch {b} (graph replay, mean of 3 alternating rounds): {}", cells.join(", "));
     Ok(())
 }
 
@@ -1082,8 +1087,8 @@ fn main() -> anyhow::Result<()> {
     if flag("--normless-ab") {
         use minimax_rank::cuda::fast::set_router_normless;
         use minimax_rank::cuda::fast::set_router_prefetch;
-        for _ in 0..2 {
-            b1_ab(&mut m, &mut pages, "MoE norm", &["norm_q8 + router_topk_f32x", "in the router (router_topk_f32n)", "f32n, rows to L2 before the wait"], &|i| {
+        for b in [1usize, 1, 4, 8] {
+            bn_ab(&mut m, &mut pages, b, "MoE norm", &["norm_q8 + router_topk_f32x", "in the router (router_topk_f32n)", "f32n, rows to L2 before the wait"], &|i| {
                 set_router_normless(Some(i >= 1));
                 set_router_prefetch(Some(i == 2));
             })?;
