@@ -209,6 +209,39 @@ pub fn set_router_x(on: Option<bool>) {
     ROUTER_X.set(on);
 }
 
+/// The gating argument of the router kernels (moe.cu's `gating`: 2 = sigmoid, 1 = softmax).
+fn gating_code(g: minimax_shared::model::GatingFunc) -> i32 {
+    match g {
+        minimax_shared::model::GatingFunc::Sigmoid => 2,
+        minimax_shared::model::GatingFunc::Softmax => 1,
+    }
+}
+
+/// The arguments `router_topk_norm_f32` and `router_topk_f32n` share (the latter adds its
+/// scratch and prefetch switch).
+#[allow(clippy::too_many_arguments)]
+fn norm_router_args(w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, g: i32, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64) -> Vec<Arg> {
+    vec![
+        Arg::P(w.ptr),
+        Arg::I(w.rows as i32),
+        Arg::I(w.cols as i32),
+        Arg::P(x),
+        Arg::L(xs as i64),
+        Arg::P(nw),
+        Arg::F(eps),
+        Arg::P(y),
+        Arg::L(ys as i64),
+        Arg::P(bias),
+        Arg::I(k as i32),
+        Arg::I(g),
+        Arg::P(ids),
+        Arg::P(wts),
+        Arg::P(cnt),
+        Arg::P(xq),
+        Arg::P(xd),
+    ]
+}
+
 /// Widest router row `router_topk_f32x` stages in shared memory (16 KB).
 pub const ROUTER_X_MAX_COLS: usize = 4096;
 
@@ -1040,10 +1073,7 @@ impl Gpu {
         if !fast_router(w) || xs % 4 != 0 || x % 16 != 0 || w.rows > ROUTE_FAST_MAX_E || k > 32 || k > w.rows || k == 0 {
             return Err(CudaError::Shape(format!("router_topk_f32: {:?} {}x{}, top-{k}", w.ty, w.rows, w.cols)));
         }
-        let g = match gating {
-            minimax_shared::model::GatingFunc::Sigmoid => 2,
-            minimax_shared::model::GatingFunc::Softmax => 1,
-        };
+        let g = gating_code(gating);
         // Several tokens: router_topk_f32t4 (a weight row's round read once for 4 tokens; its
         // arguments: router_topk_f32's with the token count after x's stride).
         let t4 = nt >= router_t4_min();
@@ -1072,31 +1102,9 @@ impl Gpu {
         if !fast_router(w) || w.cols % 32 != 0 || w.cols > ROUTER_X_MAX_COLS || xs % 4 != 0 || x % 16 != 0 || nw % 16 != 0 || w.rows > ROUTE_FAST_MAX_E || k > 32 || k > w.rows || k == 0 {
             return Err(CudaError::Shape(format!("router_topk_f32n: {:?} {}x{}, top-{k}", w.ty, w.rows, w.cols)));
         }
-        let g = match gating {
-            minimax_shared::model::GatingFunc::Sigmoid => 2,
-            minimax_shared::model::GatingFunc::Softmax => 1,
-        };
-        let args = [
-            Arg::P(w.ptr),
-            Arg::I(w.rows as i32),
-            Arg::I(w.cols as i32),
-            Arg::P(x),
-            Arg::L(xs as i64),
-            Arg::P(nw),
-            Arg::F(eps),
-            Arg::P(y),
-            Arg::L(ys as i64),
-            Arg::P(bias),
-            Arg::I(k as i32),
-            Arg::I(g),
-            Arg::P(ids),
-            Arg::P(wts),
-            Arg::P(cnt),
-            Arg::P(xq),
-            Arg::P(xd),
-            Arg::P(ss),
-            Arg::I(router_prefetch() as i32),
-        ];
+        let g = gating_code(gating);
+        let mut args = norm_router_args(w, x, xs, nw, eps, y, ys, bias, k, g, ids, wts, cnt, xq, xd);
+        args.extend([Arg::P(ss), Arg::I(router_prefetch() as i32)]);
         self.launch_pdl("router_topk_f32n", (ceil_div(w.rows, 4), nt as u32, 1), 128, (4 * w.cols) as u32, &args)
     }
 
@@ -1109,35 +1117,9 @@ impl Gpu {
         if !fast_router(w) || w.cols % 128 != 0 || w.cols > FUSED_NORM_MAX || w.rows > ROUTE_FAST_MAX_E || k > 32 || k > w.rows || k == 0 {
             return Err(CudaError::Shape(format!("router_topk_norm_f32: {:?} {}x{}, top-{k}", w.ty, w.rows, w.cols)));
         }
-        let g = match gating {
-            minimax_shared::model::GatingFunc::Sigmoid => 2,
-            minimax_shared::model::GatingFunc::Softmax => 1,
-        };
-        self.launch_pdl(
-            "router_topk_norm_f32",
-            (ceil_div(w.rows, 4), nt as u32, 1),
-            128,
-            (4 * w.cols) as u32,
-            &[
-                Arg::P(w.ptr),
-                Arg::I(w.rows as i32),
-                Arg::I(w.cols as i32),
-                Arg::P(x),
-                Arg::L(xs as i64),
-                Arg::P(nw),
-                Arg::F(eps),
-                Arg::P(y),
-                Arg::L(ys as i64),
-                Arg::P(bias),
-                Arg::I(k as i32),
-                Arg::I(g),
-                Arg::P(ids),
-                Arg::P(wts),
-                Arg::P(cnt),
-                Arg::P(xq),
-                Arg::P(xd),
-            ],
-        )
+        let g = gating_code(gating);
+        let args = norm_router_args(w, x, xs, nw, eps, y, ys, bias, k, g, ids, wts, cnt, xq, xd);
+        self.launch_pdl("router_topk_norm_f32", (ceil_div(w.rows, 4), nt as u32, 1), 128, (4 * w.cols) as u32, &args)
     }
 
     /// Router top-k with PDL (`moe_route_fast`, bit-identical to [`Gpu::route`]): up to
@@ -1147,10 +1129,7 @@ impl Gpu {
         if e > ROUTE_FAST_MAX_E || k > 32 || k > e || k == 0 {
             return Err(CudaError::Shape(format!("moe_route_fast: top-{k} of {e} experts (at most {ROUTE_FAST_MAX_E} experts, k <= 32)")));
         }
-        let g = match gating {
-            minimax_shared::model::GatingFunc::Sigmoid => 2,
-            minimax_shared::model::GatingFunc::Softmax => 1,
-        };
+        let g = gating_code(gating);
         self.launch_pdl(
             "moe_route_fast",
             (nt as u32, 1, 1),
