@@ -353,34 +353,6 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32(const float* W
 // round trip a row instead of two; the same sums in the same order (router_row's), so
 // bit-identical. grid (ceil(rows / 4), nt), block 128, dynamic shared memory 4 n bytes.
 #define RT_X 24
-// The row loop of router_topk_f32x / _f32n: warp's row wr (n4 float4) dotted with the token's
-// x in shared memory rx_sm, every round's loads issued before the dot; stage() (all threads)
-// fills rx_sm while the first round's loads are in flight, followed by a block barrier.
-// Returns the lane's partial sum (router_row's order; the caller does the warp sum).
-template <class Stage>
-__device__ __forceinline__ float router_row_staged(const float4* wr, bool live, int n4, int lane, const float4* rx_sm,
-                                                   Stage stage) {
-    float acc = 0.f;
-    for (int base = 0; base < n4; base += 32 * RT_X) {
-        float4 wv[RT_X];
-#pragma unroll
-        for (int i = 0; i < RT_X; i++) {
-            const int idx = base + lane + 32 * i;
-            if (live && idx < n4) wv[i] = __ldg(wr + idx);
-        }
-        if (base == 0) {
-            stage();
-            __syncthreads();
-        }
-#pragma unroll
-        for (int i = 0; i < RT_X; i++) {
-            const int idx = base + lane + 32 * i;
-            if (live && idx < n4) acc = router_acc(acc, wv[i], rx_sm[idx]);
-        }
-    }
-    return acc;
-}
-
 extern "C" __global__ void __launch_bounds__(128) router_topk_f32x(const float* W, int rows, int n, const float* x,
                                                                   i64 xs, float* y, i64 ys, const float* bias, int k,
                                                                   int gating, int* ids, float* w, u32* cnt) {
@@ -391,9 +363,24 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32x(const float* 
     const bool live = r < rows;
     const float4* wr = (const float4*)(W + (i64)(live ? r : 0) * n);
     const float4* xt = (const float4*)(x + (i64)t * xs);
-    float acc = router_row_staged(wr, live, n4, lane, rx_sm, [&] {
-        for (int i = threadIdx.x; i < n4; i += 128) rx_sm[i] = xt[i];
-    });
+    float acc = 0.f;
+    for (int base = 0; base < n4; base += 32 * RT_X) {
+        float4 wv[RT_X];
+#pragma unroll
+        for (int i = 0; i < RT_X; i++) {
+            const int idx = base + lane + 32 * i;
+            if (live && idx < n4) wv[i] = __ldg(wr + idx);
+        }
+        if (base == 0) {
+            for (int i = threadIdx.x; i < n4; i += 128) rx_sm[i] = xt[i];
+            __syncthreads();
+        }
+#pragma unroll
+        for (int i = 0; i < RT_X; i++) {
+            const int idx = base + lane + 32 * i;
+            if (live && idx < n4) acc = router_acc(acc, wv[i], rx_sm[idx]);
+        }
+    }
     if (live) {
         acc = warp_sum(acc);
         if (lane == 0) {
@@ -434,20 +421,35 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32n(const float* 
     const float4* xt = (const float4*)(x + (i64)t * xs);
     const float4* gw = (const float4*)nw;
     float* dt = d + (i64)t * ng;
-    float acc = router_row_staged(wr, live, n4, lane, rn_x, [&] {
-        for (int i = threadIdx.x; i < n4; i += 128) {
-            const float4 h = __ldcg(xt + i), g = gw[i];
-            rn_x[i] = make_float4(h.x * g.x, h.y * g.y, h.z * g.z, h.w * g.w);
+    float acc = 0.f;
+    for (int base = 0; base < n4; base += 32 * RT_X) {
+        float4 wv[RT_X];
+#pragma unroll
+        for (int i = 0; i < RT_X; i++) {
+            const int idx = base + lane + 32 * i;
+            if (live && idx < n4) wv[i] = __ldg(wr + idx);
         }
-        // This block's q8 groups (from L2: x was read just above) and their sums of squares.
-        for (int grp = blockIdx.x * 4 + warp; grp < ng; grp += 4 * gridDim.x) {
-            const int e = (grp << 5) + lane;
-            const float h = __ldcg(x + (i64)t * xs + e);
-            const float sq = warp_sum(h * h);
-            q[(i64)t * n + e] = (i8)q8_lane(h * nw[e], dt + grp);
-            if (lane == 0) ss[(i64)t * ng + grp] = sq;
+        if (base == 0) {
+            for (int i = threadIdx.x; i < n4; i += 128) {
+                const float4 h = __ldcg(xt + i), g = gw[i];
+                rn_x[i] = make_float4(h.x * g.x, h.y * g.y, h.z * g.z, h.w * g.w);
+            }
+            // This block's q8 groups (from L2: x was read just above) and their sums of squares.
+            for (int grp = blockIdx.x * 4 + warp; grp < ng; grp += 4 * gridDim.x) {
+                const int e = (grp << 5) + lane;
+                const float h = __ldcg(x + (i64)t * xs + e);
+                const float sq = warp_sum(h * h);
+                q[(i64)t * n + e] = (i8)q8_lane(h * nw[e], dt + grp);
+                if (lane == 0) ss[(i64)t * ng + grp] = sq;
+            }
+            __syncthreads();
         }
-    });
+#pragma unroll
+        for (int i = 0; i < RT_X; i++) {
+            const int idx = base + lane + 32 * i;
+            if (live && idx < n4) acc = router_acc(acc, wv[i], rn_x[idx]);
+        }
+    }
     if (live) {
         acc = warp_sum(acc);
         if (lane == 0) y[(i64)t * ys + r] = acc;
