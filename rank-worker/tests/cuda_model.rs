@@ -343,13 +343,9 @@ fn fast_path_short_context_attention_matches_split_form() {
     // Kernels of one direct (no graph) one-token step at context `cached + 1`.
     let kernels_at = |m: &mut CudaModel, short: bool, cached: usize, base: u32| -> Vec<String> {
         set_attn_short(Some(short));
-        m.set_fast(true, false);
         let pt: Vec<u32> = (base..base + (cached + 2).div_ceil(PAGE) as u32).collect();
         let prompt: Vec<u32> = (0..cached as u32).map(|i| (i * 7919 + 3) % 200_000).collect();
-        m.forward(&ForwardBatch { seqs: vec![SeqStep { seq_id: 900 + base as u64, page_table: pt.clone(), cached_len: 0, tokens: prompt, logits: LogitsWanted::Last }] }).unwrap();
-        m.gpu().profile_begin();
-        m.forward(&ForwardBatch { seqs: vec![SeqStep { seq_id: 900 + base as u64, page_table: pt, cached_len: cached, tokens: vec![5], logits: LogitsWanted::Last }] }).unwrap();
-        m.gpu().profile_end().unwrap().into_iter().map(|(n, _)| n).collect()
+        one_token_step_kernels(m, 900 + base as u64, pt, prompt, 5)
     };
     let has = |ks: &[String], p: &str| ks.iter().any(|k| k.starts_with(p));
     let ks = kernels_at(&mut m, true, 40, 0);
@@ -400,12 +396,7 @@ fn fast_path_normless_router_matches_norm_and_router() {
     assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
     let kernels = |m: &mut CudaModel, on: bool, base: u32| -> Vec<String> {
         set_router_normless(Some(on));
-        m.set_fast(true, false);
-        let pt: Vec<u32> = (base..base + 2).collect();
-        m.forward(&ForwardBatch { seqs: vec![SeqStep { seq_id: 800 + base as u64, page_table: pt.clone(), cached_len: 0, tokens: vec![3, 5, 7], logits: LogitsWanted::Last }] }).unwrap();
-        m.gpu().profile_begin();
-        m.forward(&ForwardBatch { seqs: vec![SeqStep { seq_id: 800 + base as u64, page_table: pt, cached_len: 3, tokens: vec![11], logits: LogitsWanted::Last }] }).unwrap();
-        m.gpu().profile_end().unwrap().into_iter().map(|(n, _)| n).collect()
+        one_token_step_kernels(m, 800 + base as u64, (base..base + 2).collect(), vec![3, 5, 7], 11)
     };
     let count = |ks: &[String], p: &str| ks.iter().filter(|k| k.as_str() == p || k.starts_with(&format!("{p}e"))).count();
     let on = kernels(&mut m, true, 0);
@@ -438,6 +429,17 @@ fn fast_path_normless_router_matches_norm_and_router() {
         assert!(bits(d) == bits(g), "step {s}: normless router from graphs differs from direct launches (max |diff| {})", max_diff(d, g));
     }
     eprintln!("m2.7:iq4xs:2 fast path: normless router within {worst:.1e} (relative to the largest logit) of norm_q8 + router, greedy tokens identical, graphs bit-identical");
+}
+
+/// The kernels of one direct (no graph) one-token step of sequence `seq` (token `next`) after
+/// `prompt` filled its cache (pages `pt`), in launch order.
+fn one_token_step_kernels(m: &mut CudaModel, seq: u64, pt: Vec<u32>, prompt: Vec<u32>, next: u32) -> Vec<String> {
+    m.set_fast(true, false);
+    let cached = prompt.len();
+    m.forward(&ForwardBatch { seqs: vec![SeqStep { seq_id: seq, page_table: pt.clone(), cached_len: 0, tokens: prompt, logits: LogitsWanted::Last }] }).unwrap();
+    m.gpu().profile_begin();
+    m.forward(&ForwardBatch { seqs: vec![SeqStep { seq_id: seq, page_table: pt, cached_len: cached, tokens: vec![next], logits: LogitsWanted::Last }] }).unwrap();
+    m.gpu().profile_end().unwrap().into_iter().map(|(n, _)| n).collect()
 }
 
 fn spec_vocab(m: &CudaModel) -> usize {

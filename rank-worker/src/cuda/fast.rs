@@ -279,6 +279,12 @@ pub fn set_router_normless(on: Option<bool>) {
     ROUTER_NORMLESS.set(on);
 }
 
+/// Whether `router_topk_f32n` takes router `w` with MoE norm weight `nw` (F32 float4 rows of a
+/// multiple of 32 columns, at most [`ROUTER_X_MAX_COLS`], the norm weight 16-byte aligned).
+pub(crate) fn normless_fits(w: &DevMat, nw: u64) -> bool {
+    fast_router(w) && w.cols % 32 == 0 && w.cols <= ROUTER_X_MAX_COLS && nw % 16 == 0
+}
+
 /// Floats of partial sums the K-split `mvx_q8_0` products may use (parts x tokens x rows).
 pub const MVX_PART_CAP: usize = 2 * 32 * 16384;
 /// Arrival counters of the K-split `mvx_q8_0` products (one per 8-row task).
@@ -1100,7 +1106,7 @@ impl Gpu {
     /// weights up to f32 rounding of the logits. `ss`: `nt * cols / 32` floats of scratch.
     #[allow(clippy::too_many_arguments)]
     pub fn router_topk_f32n(&self, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, ss: u64, nt: usize) -> Result<(), CudaError> {
-        if !fast_router(w) || w.cols % 32 != 0 || w.cols > ROUTER_X_MAX_COLS || xs % 4 != 0 || x % 16 != 0 || nw % 16 != 0 || w.rows > ROUTE_FAST_MAX_E || k > 32 || k > w.rows || k == 0 {
+        if !normless_fits(w, nw) || xs % 4 != 0 || x % 16 != 0 || w.rows > ROUTE_FAST_MAX_E || k > 32 || k > w.rows || k == 0 {
             return Err(CudaError::Shape(format!("router_topk_f32n: {:?} {}x{}, top-{k}", w.ty, w.rows, w.cols)));
         }
         let g = gating_code(gating);

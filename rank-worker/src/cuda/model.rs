@@ -561,7 +561,7 @@ impl CudaModel {
             if !run(sk::ROUTE) {
             } else if fast_router(&l.router) && rmode == RouteMode::Fused && fuse_router {
                 g.router_topk_norm_f32(&l.router, hid, h, l.ffn_norm, c.rms_eps, p(&ws.rl), e, l.bias, k, c.gating, ids, wts, g.ptr(&ws.rcnt), xq, xd, nt)?;
-            } else if fast_router(&l.router) && rmode == RouteMode::Fused && super::fast::router_normless() && nt < super::fast::router_t4_min() && h % 32 == 0 && h <= super::fast::ROUTER_X_MAX_COLS && l.ffn_norm % 16 == 0 {
+            } else if rmode == RouteMode::Fused && super::fast::router_normless() && nt < super::fast::router_t4_min() && super::fast::normless_fits(&l.router, l.ffn_norm) {
                 g.router_topk_f32n(&l.router, hid, h, l.ffn_norm, c.rms_eps, p(&ws.rl), e, l.bias, k, c.gating, ids, wts, g.ptr(&ws.rcnt), xq, xd, p(&ws.rss), nt)?;
             } else if fast_router(&l.router) && rmode == RouteMode::Fused {
                 g.norm_q8(hid, h, l.ffn_norm, h, c.rms_eps, nrm, h, xq, xd, nt)?;
