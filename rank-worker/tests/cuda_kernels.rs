@@ -571,7 +571,8 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
 }
 
 /// The fast path's register-resident kernels: RMSNorm + q8 (`norm_q8` with a weight and an f32
-/// copy), the F32 router product (`router_f32`), and the fused q/k norm + partial RoPE + KV
+/// copy), the F32 router product (`router_f32`), its fused forms (with the top-k, with the MoE
+/// norm: `router_topk_norm_f32`, `router_topk_f32n`), and the fused q/k norm + partial RoPE + KV
 /// store (`qk_norm_rope_store_bf16`), each against its CPU twin.
 #[test]
 #[ignore = "needs a CUDA GPU"]
@@ -752,6 +753,64 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
         eprintln!("router_topk_norm_f32 {rows}x{cols} top-{k} ({gating:?}), {nt} tokens, 2 launches: bit-identical to norm_q8 + router_topk_f32");
     }
     assert!(g.router_topk_norm_f32(&upload_mat(&g, GgmlType::F32, &vec![0u8; 4 * 8 * 4224], 8, 4224, 0).1, 0, 4224, 0, 1e-6, 0, 8, 0, 2, GatingFunc::Sigmoid, 0, 0, 0, 0, 0, 1).is_err(), "rows wider than 4096 must be refused");
+    // router_topk_f32n (the MoE norm inside the router, session 20) against its CPU twin: logits
+    // = Wr (rms_norm(h) g) within f32 rounding of the host's; ids and weights bit-identical to
+    // moe_route on the kernel's own logits (so near-ties cannot flake); the q8 copy within half
+    // a step of the host's normalized values, its scales the group's max / 127; twice (counters
+    // back at zero), with and without the L2 prefetch; residual rows strided.
+    for (rows, cols, k, nt, gating, pf) in [
+        (256usize, 3072usize, 8usize, 1usize, GatingFunc::Sigmoid, true),
+        (256, 3072, 8, 2, GatingFunc::Sigmoid, false),
+        (37, 96, 5, 3, GatingFunc::Softmax, true),
+        (64, 4096, 4, 1, GatingFunc::Sigmoid, true),
+    ] {
+        fast::set_router_prefetch(Some(pf));
+        let xs = cols + 64;
+        let eps = 1e-6f32;
+        let wm = rng.vec(rows * cols, 0.05);
+        let x = rng.vec(nt * xs, 2.0);
+        let nw = rng.vec(cols, 1.0);
+        let bias = rng.vec(rows, 0.3);
+        let bytes: Vec<u8> = wm.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let (_wb, dm) = upload_mat(&g, GgmlType::F32, &bytes, rows, cols, 0);
+        let (xb, nwb, bb) = (g.upload(&x).unwrap(), g.upload(&nw).unwrap(), g.upload(&bias).unwrap());
+        let (cnt, ss) = (g.zeros::<u32>(nt).unwrap(), poisoned(&g, nt * cols / 32));
+        let normed: Vec<Vec<f32>> = (0..nt).map(|t| rms_norm_ref(&x[t * xs..t * xs + cols], &nw, eps)).collect();
+        let want_y: Vec<f32> = (0..nt).flat_map(|t| (0..rows).map(|r| wm[r * cols..(r + 1) * cols].iter().zip(&normed[t]).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() as f32).collect::<Vec<_>>()).collect();
+        for rep in 0..2 {
+            let what = format!("router_topk_f32n {rows}x{cols} top-{k}, {nt} tokens, prefetch {pf}, rep {rep}");
+            let y = poisoned(&g, nt * rows);
+            let ids = g.zeros::<i32>(nt * k).unwrap();
+            g.fill_u32(g.ptr(&ids), nt * k, u32::MAX).unwrap();
+            let wb = poisoned(&g, nt * k);
+            let (q, d) = (g.upload(&vec![0x55i8; nt * cols]).unwrap(), poisoned(&g, nt * cols / 32));
+            g.router_topk_f32n(&dm, g.ptr(&xb), xs, g.ptr(&nwb), eps, g.ptr(&y), rows, g.ptr(&bb), k, gating, g.ptr(&ids), g.ptr(&wb), g.ptr(&cnt), g.ptr(&q), g.ptr(&d), g.ptr(&ss), nt).unwrap();
+            let got_y = g.download(&y).unwrap();
+            let worst = check(&format!("{what}: logits"), &got_y, &want_y, |i| 2e-5 * (1.0 + want_y[i].abs()));
+            // The top-k of the kernel's own logits by moe_route.
+            let (ir, wr) = (g.zeros::<i32>(nt * k).unwrap(), poisoned(&g, nt * k));
+            g.route(g.ptr(&y), g.ptr(&bb), rows, k, gating, g.ptr(&ir), g.ptr(&wr), nt).unwrap();
+            let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+            assert_eq!(g.download(&ids).unwrap(), g.download(&ir).unwrap(), "{what}: ids");
+            assert_eq!(bits(&g.download(&wb).unwrap()), bits(&g.download(&wr).unwrap()), "{what}: weights");
+            let (gq, gd) = (g.download(&q).unwrap(), g.download(&d).unwrap());
+            for t in 0..nt {
+                for (gi, grp) in normed[t].chunks(32).enumerate() {
+                    let dd = gd[t * cols / 32 + gi];
+                    let amax = grp.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    assert!((dd - amax / 127.0).abs() <= 1e-5 * amax / 127.0 + 1e-30, "{what}: token {t} group {gi} scale {dd} against {}", amax / 127.0);
+                    for (j, &v) in grp.iter().enumerate() {
+                        let qv = gq[t * cols + gi * 32 + j] as f32 * dd;
+                        assert!((qv - v).abs() <= 0.5 * dd * (1.0 + 1e-4) + 1e-6 * v.abs(), "{what}: token {t} element {}: q8 {qv} against {v}", gi * 32 + j);
+                    }
+                }
+            }
+            assert!(g.download(&cnt).unwrap().iter().all(|&c| c == 0), "{what}: counters not reset");
+            eprintln!("{what}: logits within {worst:.2e} of the host's, ids / weights = moe_route on them, q8 within half a step");
+        }
+        fast::set_router_prefetch(None);
+    }
+    assert!(g.router_topk_f32n(&upload_mat(&g, GgmlType::F32, &vec![0u8; 4 * 8 * 4128], 8, 4128, 0).1, 0, 4128, 0, 1e-6, 0, 8, 0, 2, GatingFunc::Sigmoid, 0, 0, 0, 0, 0, 0, 1).is_err(), "rows wider than 4096 must be refused");
     // qk_norm_rope_store (bf16 cache): q and k full-width norm, partial RoPE per head, K and V
     // stored at their slots.
     for (qh, kh, hd, rot, theta) in [(48usize, 8usize, 128usize, 64usize, 5e6f32), (6, 1, 128, 128, 10000.0)] {
