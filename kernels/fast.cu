@@ -346,13 +346,41 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32(const float* W
     router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
 }
 
+#define RT_X 24
+// The row loop of the one-token routers: each lane issues the loads of RT_X float4 of its warp's
+// weight row (wr, n4 float4; `live` false past the last row: no loads, zero sum), the block runs
+// `stage` (every thread: it fills sx, the x the rows are dotted with) while they are in flight,
+// and the lanes dot the row with sx in router_row's order. Returns the lane's partial sum.
+template <class Stage>
+__device__ __forceinline__ float router_row_staged(const float4* wr, int n4, bool live, int lane, const float4* sx,
+                                                   Stage stage) {
+    float acc = 0.f;
+    for (int base = 0; base < n4; base += 32 * RT_X) {
+        float4 wv[RT_X];
+#pragma unroll
+        for (int i = 0; i < RT_X; i++) {
+            const int idx = base + lane + 32 * i;
+            if (live && idx < n4) wv[i] = __ldg(wr + idx);
+        }
+        if (base == 0) {
+            stage();
+            __syncthreads();
+        }
+#pragma unroll
+        for (int i = 0; i < RT_X; i++) {
+            const int idx = base + lane + 32 * i;
+            if (live && idx < n4) acc = router_acc(acc, wv[i], sx[idx]);
+        }
+    }
+    return acc;
+}
+
 // router_topk_f32 for one token with its whole weight row in flight at once: each lane issues
 // the loads of RT_X float4 of the row (a 3072-float row in one round instead of two), then the
 // block stages the token's x in shared memory (x is in L2: written by the norm just before)
 // while they are in flight, and the lanes dot the row with x read from shared memory. One DRAM
 // round trip a row instead of two; the same sums in the same order (router_row's), so
 // bit-identical. grid (ceil(rows / 4), nt), block 128, dynamic shared memory 4 n bytes.
-#define RT_X 24
 extern "C" __global__ void __launch_bounds__(128) router_topk_f32x(const float* W, int rows, int n, const float* x,
                                                                   i64 xs, float* y, i64 ys, const float* bias, int k,
                                                                   int gating, int* ids, float* w, u32* cnt) {
@@ -363,24 +391,9 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32x(const float* 
     const bool live = r < rows;
     const float4* wr = (const float4*)(W + (i64)(live ? r : 0) * n);
     const float4* xt = (const float4*)(x + (i64)t * xs);
-    float acc = 0.f;
-    for (int base = 0; base < n4; base += 32 * RT_X) {
-        float4 wv[RT_X];
-#pragma unroll
-        for (int i = 0; i < RT_X; i++) {
-            const int idx = base + lane + 32 * i;
-            if (live && idx < n4) wv[i] = __ldg(wr + idx);
-        }
-        if (base == 0) {
-            for (int i = threadIdx.x; i < n4; i += 128) rx_sm[i] = xt[i];
-            __syncthreads();
-        }
-#pragma unroll
-        for (int i = 0; i < RT_X; i++) {
-            const int idx = base + lane + 32 * i;
-            if (live && idx < n4) acc = router_acc(acc, wv[i], rx_sm[idx]);
-        }
-    }
+    float acc = router_row_staged(wr, n4, live, lane, rx_sm, [&] {
+        for (int i = threadIdx.x; i < n4; i += 128) rx_sm[i] = xt[i];
+    });
     if (live) {
         acc = warp_sum(acc);
         if (lane == 0) {
@@ -421,35 +434,20 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32n(const float* 
     const float4* xt = (const float4*)(x + (i64)t * xs);
     const float4* gw = (const float4*)nw;
     float* dt = d + (i64)t * ng;
-    float acc = 0.f;
-    for (int base = 0; base < n4; base += 32 * RT_X) {
-        float4 wv[RT_X];
-#pragma unroll
-        for (int i = 0; i < RT_X; i++) {
-            const int idx = base + lane + 32 * i;
-            if (live && idx < n4) wv[i] = __ldg(wr + idx);
+    float acc = router_row_staged(wr, n4, live, lane, rn_x, [&] {
+        for (int i = threadIdx.x; i < n4; i += 128) {
+            const float4 h = __ldcg(xt + i), g = gw[i];
+            rn_x[i] = make_float4(h.x * g.x, h.y * g.y, h.z * g.z, h.w * g.w);
         }
-        if (base == 0) {
-            for (int i = threadIdx.x; i < n4; i += 128) {
-                const float4 h = __ldcg(xt + i), g = gw[i];
-                rn_x[i] = make_float4(h.x * g.x, h.y * g.y, h.z * g.z, h.w * g.w);
-            }
-            // This block's q8 groups (from L2: x was read just above) and their sums of squares.
-            for (int grp = blockIdx.x * 4 + warp; grp < ng; grp += 4 * gridDim.x) {
-                const int e = (grp << 5) + lane;
-                const float h = __ldcg(x + (i64)t * xs + e);
-                const float sq = warp_sum(h * h);
-                q[(i64)t * n + e] = (i8)q8_lane(h * nw[e], dt + grp);
-                if (lane == 0) ss[(i64)t * ng + grp] = sq;
-            }
-            __syncthreads();
+        // This block's q8 groups (from L2: x was read just above) and their sums of squares.
+        for (int grp = blockIdx.x * 4 + warp; grp < ng; grp += 4 * gridDim.x) {
+            const int e = (grp << 5) + lane;
+            const float h = __ldcg(x + (i64)t * xs + e);
+            const float sq = warp_sum(h * h);
+            q[(i64)t * n + e] = (i8)q8_lane(h * nw[e], dt + grp);
+            if (lane == 0) ss[(i64)t * ng + grp] = sq;
         }
-#pragma unroll
-        for (int i = 0; i < RT_X; i++) {
-            const int idx = base + lane + 32 * i;
-            if (live && idx < n4) acc = router_acc(acc, wv[i], rn_x[idx]);
-        }
-    }
+    });
     if (live) {
         acc = warp_sum(acc);
         if (lane == 0) y[(i64)t * ys + r] = acc;
