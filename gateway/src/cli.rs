@@ -36,6 +36,13 @@ impl Parallelism {
     }
 }
 
+/// A switch flag (`--overlap on|off`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, ValueEnum)]
+pub enum OnOff {
+    On,
+    Off,
+}
+
 /// Flags of the engine: where the model and the ranks are, and how to batch.
 #[derive(Debug, Clone, Args)]
 #[command(next_help_heading = "Model and ranks")]
@@ -128,6 +135,11 @@ pub struct EngineArgs {
     /// at once (0: one per stage; 1: one step at a time).
     #[arg(long, env = "MINIMAX_PIPELINE_INFLIGHT", default_value_t = 0)]
     pub pipeline_inflight: usize,
+
+    /// One-rank worlds: send the next decode step while one computes, feeding the tokens the
+    /// rank draws (docs/SCHEDULER.md, "Overlapped decode"); `off`: one step at a time.
+    #[arg(long, env = "MINIMAX_OVERLAP", value_enum, default_value_t = OnOff::On)]
+    pub overlap: OnOff,
 
     /// Seconds one step may take on the ranks before the world is declared broken.
     #[arg(long, env = "MINIMAX_STEP_TIMEOUT", default_value_t = 300.0)]
@@ -250,6 +262,7 @@ impl EngineArgs {
             max_running: self.max_running,
             max_queue: self.max_queue,
             pipeline_inflight: self.pipeline_inflight,
+            overlap: self.overlap == OnOff::On,
         };
         Ok(EngineConfig { sched, world })
     }

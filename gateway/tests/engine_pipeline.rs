@@ -18,11 +18,11 @@ use minimax_gateway::engine::{Engine, EngineConfig, EngineError, FinishReason, G
 use minimax_gateway::sched::SchedConfig;
 
 /// A world of `world` CPU ranks (pipeline stages) keeping `inflight` steps in flight (0: one
-/// per stage).
+/// per stage); a world of one runs one step at a time (no overlapped decode).
 async fn start(world: usize, inflight: usize) -> (Engine, PathBuf) {
     let (mut w, dir) = common::spawn_world("mmx-pipe", world, "pipeline", 128, vec![]);
     w.max_restart_attempts = 2;
-    let sched = SchedConfig { prefill_chunk: 24, pipeline_inflight: inflight, ..Default::default() };
+    let sched = SchedConfig { prefill_chunk: 24, pipeline_inflight: inflight, overlap: false, ..Default::default() };
     let engine = Engine::start(EngineConfig { sched, world: w });
     engine.wait_ready(Duration::from_secs(90)).await.expect("ranks ready");
     (engine, dir)

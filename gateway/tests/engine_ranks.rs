@@ -1,7 +1,8 @@
 //! The engine against REAL rank processes (`minimax-rank serve`, CPU backend, the m2-small
 //! fixture): prefix reuse gives identical outputs, kill -9 of a rank fails the request with
 //! RankFailure and the supervisor brings the world back, a rank with the wrong-cache-length
-//! test fault gets its sequence dropped with CacheMismatch while the others continue.
+//! test fault gets its sequence dropped with CacheMismatch while the others continue, and a
+//! one-rank world's overlapped decode gives the tokens of one step at a time.
 //!
 //! The rank binary: `$MINIMAX_RANK_BINARY`, else `target/debug/minimax-rank` (built with
 //! `cargo build -p minimax-rank` when missing). Every wait is bounded.
@@ -12,7 +13,7 @@ use std::path::PathBuf;
 use std::time::Duration;
 
 use common::{end_event, greedy_req, prompt, rank_pids, stop, tokens_and_end};
-use minimax_gateway::engine::{Engine, EngineConfig, EngineError, FinishReason, GenEvent, GenerationRequest, Usage};
+use minimax_gateway::engine::{Engine, EngineConfig, EngineError, FinishReason, GenEvent, GenerationRequest, SamplingParams, Usage};
 use minimax_gateway::sched::SchedConfig;
 
 fn config(world: usize, parallelism: &str, rank_args: Vec<(u32, Vec<String>)>) -> (EngineConfig, PathBuf) {
@@ -130,4 +131,41 @@ async fn wrong_cache_length_drops_that_sequence_only() {
     let ok = run(&engine, greedy_req("c", prompt(9, 7), 3)).await;
     assert_eq!(ok.tokens.len(), 3);
     stop(engine, dir).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_rank_overlapped_decode_gives_the_tokens_of_one_step_at_a_time() {
+    // Greedy, seeded sampling with penalties (the rank adds each token it feeds to their
+    // history), a stop token and several requests at once, with overlap off and on.
+    let sampled = |seed: u64| SamplingParams { temperature: 0.8, top_k: 30, seed: Some(seed), frequency_penalty: 0.6, presence_penalty: 0.3, repetition_penalty: 1.2, ..Default::default() };
+    let mut runs = vec![];
+    for overlap in [false, true] {
+        let (mut cfg, dir) = config(1, "tensor", vec![]);
+        cfg.sched.overlap = overlap;
+        let engine = Engine::start(cfg);
+        engine.wait_ready(Duration::from_secs(90)).await.expect("rank ready");
+        let probe = run(&engine, greedy_req("probe", prompt(30, 5), 12)).await;
+        let mut with_stop = greedy_req("stop", prompt(30, 5), 12);
+        with_stop.stop_token_ids = vec![probe.tokens[4]];
+        let reqs = vec![
+            with_stop,
+            GenerationRequest { request_id: "s1".into(), prompt: prompt(17, 6), max_tokens: 20, sampling: sampled(11), stop_token_ids: vec![] },
+            GenerationRequest { request_id: "s2".into(), prompt: prompt(45, 7), max_tokens: 16, sampling: sampled(12), stop_token_ids: vec![] },
+            greedy_req("g", prompt(9, 8), 14),
+        ];
+        let outs = futures_util::future::join_all(reqs.into_iter().map(|r| run(&engine, r))).await;
+        let m = engine.metrics();
+        assert_eq!(m.steps_in_flight_max, if overlap { 2 } else { 1 }, "overlap {overlap}: {m:?}");
+        let mut all = vec![(probe.tokens, probe.finish.map(|f| f.0))];
+        all.extend(outs.into_iter().map(|o| (o.tokens, o.finish.map(|f| f.0))));
+        runs.push(all);
+        stop(engine, dir).await;
+    }
+    let stop_run = &runs[0][1];
+    assert_eq!(stop_run.1, Ok(FinishReason::Stop));
+    assert_eq!(stop_run.0.len(), 4, "the stop token ends the output before it");
+    for (i, (a, b)) in runs[0].iter().zip(&runs[1]).enumerate() {
+        assert_eq!(a, b, "request {i}: overlap changed the output");
+    }
+    assert_eq!(runs[0][2].0.len(), 20);
 }

@@ -51,6 +51,8 @@ impl std::str::FromStr for TestFault {
 #[derive(Debug, Default)]
 pub struct SeqTable {
     lens: HashMap<u64, u32>,
+    /// The token this rank last drew for each sequence (overlapped decode feeds it next).
+    draws: HashMap<u64, u32>,
     fault: Option<TestFault>,
     steps_done: u64,
     fault_fired: bool,
@@ -109,6 +111,17 @@ impl SeqTable {
     /// Forgets a sequence.
     pub fn forget(&mut self, seq_id: u64) {
         self.lens.remove(&seq_id);
+        self.draws.remove(&seq_id);
+    }
+
+    /// Records the token this rank drew for `seq_id` in the step that just computed.
+    pub fn set_draw(&mut self, seq_id: u64, token: u32) {
+        self.draws.insert(seq_id, token);
+    }
+
+    /// Takes the token last drawn for `seq_id`: a `feed_drawn` step feeds it once.
+    pub fn take_draw(&mut self, seq_id: u64) -> Option<u32> {
+        self.draws.remove(&seq_id)
     }
 
     /// Keeps at most `keep_len` positions of a known sequence.
@@ -116,11 +129,13 @@ impl SeqTable {
         if let Some(l) = self.lens.get_mut(&seq_id) {
             *l = (*l).min(keep_len);
         }
+        self.draws.remove(&seq_id);
     }
 
     /// Forgets everything (the world was torn down; the KV cache is not trusted any more).
     pub fn clear(&mut self) {
         self.lens.clear();
+        self.draws.clear();
     }
 }
 

@@ -380,3 +380,84 @@ async fn unix_socket_is_0600_and_grpcurl_sees_health_and_reflection() {
     }
     assert!(!sock.exists());
 }
+
+/// The whole vocabulary's final (sampling) logits of a row.
+fn final_logits(row: &pb::RowOutput, vocab: usize) -> Vec<f32> {
+    assert_eq!(row.candidate_ids.len(), vocab, "whole vocabulary expected");
+    let mut out = vec![f32::NAN; vocab];
+    for (&i, &v) in row.candidate_ids.iter().zip(&row.candidate_logits) {
+        out[i as usize] = v;
+    }
+    out
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn world_of_one_feeds_its_drawn_tokens_to_chained_steps() {
+    // Overlapped decode as the gateway runs it: step 2 is sent while step 1 computes and feeds
+    // the token the rank draws in step 1 (with step 1's uniform number); that token joins the
+    // penalties' history of step 2. Reference: the same prefix with the token given
+    // explicitly and in the history.
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = fixtures_dir().join("m2-small").join("f32.gguf");
+    let spec = WorldSpec { model: &gguf, world: 1, parallelism: "tensor", page_size: PAGE, kv_pages: N_PAGES, collective_timeout_ms: 20_000, tcp: false, extra: vec![] };
+    let (_procs, clients, descs) = start_world(dir.path(), &spec).await;
+    let vocab = descs[0].model.as_ref().unwrap().vocab_size as usize;
+    let prompt: Vec<u32> = (0..20u32).map(|i| (i * 37 + 11) % vocab as u32).collect();
+    let sampling = |u: f64, history: Vec<(u32, u32)>| pb::SamplingSpec {
+        temperature: 0.9,
+        top_p: 1.0,
+        frequency_penalty: 1.5,
+        presence_penalty: 1.0,
+        history: history.into_iter().map(|(token, count)| pb::TokenCount { token, count }).collect(),
+        draw: Some(u),
+        ..Default::default()
+    };
+    let seq = |id: u64, pages: Vec<u32>, at: u32, tokens: Vec<u32>, sp: pb::SamplingSpec, fed: bool| pb::SeqStep {
+        seq_id: id,
+        page_table: pages,
+        expected_cache_len: at,
+        tokens,
+        logits: pb::LogitsMode::Last as i32,
+        sampling: Some(sp),
+        score_targets: vec![],
+        adopt_prefix: false,
+        feed_drawn: fed,
+    };
+    let s1 = pb::StepRequest { step_id: 1, after_step_id: 0, seqs: vec![seq(1, vec![3, 4], 0, prompt.clone(), sampling(0.37, vec![(5, 2)]), false)] };
+    let s2 = pb::StepRequest { step_id: 2, after_step_id: 1, seqs: vec![seq(1, vec![3, 4], 20, vec![], sampling(0.61, vec![(5, 2)]), true)] };
+    // A sequence that never drew feeds nothing: a clear error, the step itself runs.
+    let s3 = pb::StepRequest { step_id: 3, after_step_id: 2, seqs: vec![seq(2, vec![9], 0, vec![], sampling(0.5, vec![]), true)] };
+    let (h1, h2, h3) = (send_step(&clients, &s1), send_step(&clients, &s2), send_step(&clients, &s3));
+    let r1 = step_answers(h1, Duration::from_secs(120)).await.remove(0).expect("step 1");
+    let r2 = step_answers(h2, Duration::from_secs(120)).await.remove(0).expect("step 2");
+    let r3 = step_answers(h3, Duration::from_secs(120)).await.remove(0).expect("step 3");
+    let row1 = &r1.seqs[0].rows[0];
+    let k = minimax_shared::sampling::draw::draw(&row1.candidate_ids, &row1.candidate_logits, 0.9, 0.37).unwrap();
+    let d1 = row1.candidate_ids[k];
+    assert_eq!(row1.drawn_token, Some(d1));
+    assert_eq!(r2.seqs[0].error, "");
+    assert_eq!(r2.seqs[0].cache_len, 21);
+    let row2 = &r2.seqs[0].rows[0];
+    assert_eq!(row2.position, 20);
+    let k2 = minimax_shared::sampling::draw::draw(&row2.candidate_ids, &row2.candidate_logits, 0.9, 0.61).unwrap();
+    assert_eq!(row2.drawn_token, Some(row2.candidate_ids[k2]));
+    assert!(r3.seqs[0].error.contains("drew none"), "{:?}", r3.seqs[0].error);
+    assert!(r3.seqs[0].rows.is_empty());
+    // The reference: prompt + d1 as one prefill, d1 counted in the history.
+    let mut hist = vec![(5u32, 2u32)];
+    match hist.iter_mut().find(|h| h.0 == d1) {
+        Some(h) => h.1 += 1,
+        None => hist.push((d1, 1)),
+    }
+    let with_d1: Vec<u32> = prompt.iter().copied().chain([d1]).collect();
+    let s4 = pb::StepRequest { step_id: 4, after_step_id: 3, seqs: vec![seq(3, vec![10, 11], 0, with_d1, sampling(0.61, hist), false)] };
+    let r4 = step_answers(send_step(&clients, &s4), Duration::from_secs(120)).await.remove(0).expect("step 4");
+    let row4 = &r4.seqs[0].rows[0];
+    let (fed, want) = (final_logits(row2, vocab), final_logits(row4, vocab));
+    let d = max_diff(&fed, &want);
+    assert!(d <= 1e-3, "fed step vs explicit prefix: max |diff| {d}");
+    // The penalty moved d1's logit (frequency 1.5 + presence 1.0, over the temperature).
+    let raw_d1 = row2.candidate_raw_logits[row2.candidate_ids.iter().position(|&t| t == d1).unwrap()];
+    assert!((raw_d1 / 0.9 - fed[d1 as usize]) > 2.0, "d1 {d1}: raw {raw_d1}, final {}", fed[d1 as usize]);
+    assert_eq!(row4.drawn_token, row2.drawn_token);
+}

@@ -56,7 +56,7 @@ use crate::ranks::supervisor::{Supervisor, WorldConfig};
 use crate::ranks::{BoxFuture, ModelSummary, RankWorld, WorldError, WorldInfo, WorldState};
 use crate::sched::{Plan, SchedConfig, Scheduler, Seq};
 use futures_util::StreamExt;
-use futures_util::stream::FuturesUnordered;
+use futures_util::stream::FuturesOrdered;
 use metrics::Metrics;
 
 /// One step in flight: its plan and, once every rank answered, the answers.
@@ -306,12 +306,18 @@ async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::Unbo
             submit(s, seq);
         }
         let depth = cfg.steps_in_flight(&info.parallelism, info.world_size as usize);
-        s.set_steps_in_flight(depth);
-        if depth > 1 {
+        let overlap = cfg.overlaps(info.world_size as usize);
+        s.set_steps_in_flight(if overlap { 1 } else { depth });
+        s.set_overlap(overlap);
+        if overlap {
+            tracing::info!(generation, "one-rank world: overlapped decode (the next step is sent while one computes)");
+        } else if depth > 1 {
             tracing::info!(generation, steps = depth, "pipeline world: keeping several steps of disjoint sequence groups in flight");
         }
-        // The steps sent and not answered yet, with their plans.
-        let mut inflight: FuturesUnordered<StepFuture> = FuturesUnordered::new();
+        // The steps sent and not answered yet, with their plans, answered in the order sent
+        // (every rank computes them in that order; overlapped steps need their predecessor's
+        // answer applied first).
+        let mut inflight: FuturesOrdered<StepFuture> = FuturesOrdered::new();
         let mut last_sent = 0u64;
         // When the last answer arrived, while no other step was in flight (for `step_gap_us`).
         let mut idle_since: Option<Instant> = None;
@@ -350,7 +356,7 @@ async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::Unbo
                 }
                 let w = world.clone();
                 let req = plan.request.clone();
-                inflight.push(Box::pin(async move {
+                inflight.push_back(Box::pin(async move {
                     let t = Instant::now();
                     let r = w.step(generation, req).await;
                     (plan, r, t.elapsed())

@@ -4,7 +4,8 @@
 //! The logits of position `p` are a pseudo-random function of the tokens the KV pages hold at
 //! positions `0..=p` (read through the step's page table), so reusing a wrong page, skipping a
 //! write or mixing up sequences changes the output, exactly as with a real model. Rows are
-//! reduced with the same `minimax_shared::sampling::reduce_row` the ranks use.
+//! reduced with the same `minimax_shared::sampling::reduce_row` the ranks use, and drawn with
+//! the same `draw` (overlapped decode feeds a sequence's drawn token with `feed_drawn`).
 //!
 //! Faults: a rank reporting a wrong cache length for sequences that contain a given token
 //! ([`FakeWorld::set_wrong_len_token`]), and a crash of the whole world
@@ -16,6 +17,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use minimax_proto::v1::{LogitsMode, SeqResult, StepRequest, StepResponse};
+use minimax_shared::sampling::draw::draw;
 use minimax_shared::sampling::reduce_row;
 use tokio::sync::watch;
 
@@ -50,6 +52,8 @@ struct State {
     slots: Vec<Option<u32>>,
     /// Cache length of each sequence, per rank.
     lens: Vec<HashMap<u64, u32>>,
+    /// The head's last drawn token of each sequence.
+    draws: HashMap<u64, u32>,
     steps: u64,
 }
 
@@ -68,7 +72,7 @@ impl FakeWorld {
     /// A ready world (generation 1).
     pub fn new(cfg: FakeConfig) -> Self {
         let n = (cfg.n_pages * cfg.page_size) as usize;
-        let st = State { generation: 1, slots: vec![None; n], lens: vec![HashMap::new(); cfg.world_size as usize], steps: 0 };
+        let st = State { generation: 1, slots: vec![None; n], lens: vec![HashMap::new(); cfg.world_size as usize], draws: HashMap::new(), steps: 0 };
         let (state_tx, _) = watch::channel(WorldState::Ready(Self::info(&cfg, 1)));
         Self { cfg, state_tx, st: Mutex::new(st), restarts: AtomicU64::new(0), wrong_len_token: Mutex::new(None), refuse_token: Mutex::new(None), released: Mutex::new(vec![]) }
     }
@@ -111,6 +115,7 @@ impl FakeWorld {
                 st.generation += 1;
                 st.slots.iter_mut().for_each(|s| *s = None);
                 st.lens.iter_mut().for_each(|l| l.clear());
+                st.draws.clear();
                 st.generation
             };
             me.state_tx.send_replace(WorldState::Ready(Self::info(&me.cfg, generation)));
@@ -157,6 +162,28 @@ impl FakeWorld {
         let w = self.cfg.world_size as usize;
         let mut out: Vec<StepResponse> = (0..w).map(|r| StepResponse { rank: r as u32, step_id: req.step_id, seqs: vec![], compute_ms: 0.0 }).collect();
         for s in &req.seqs {
+            // Overlapped decode: the token drawn for this sequence in the step before.
+            let mut s = s.clone();
+            if s.feed_drawn {
+                match st.draws.remove(&s.seq_id) {
+                    Some(t) if s.tokens.is_empty() => {
+                        s.tokens = vec![t];
+                        if let Some(sp) = s.sampling.as_mut() {
+                            match sp.history.iter_mut().find(|h| h.token == t) {
+                                Some(h) => h.count += 1,
+                                None => sp.history.push(minimax_proto::v1::TokenCount { token: t, count: 1 }),
+                            }
+                        }
+                    }
+                    _ => {
+                        for resp in out.iter_mut() {
+                            resp.seqs.push(SeqResult { seq_id: s.seq_id, cache_len: 0, error: "no drawn token to feed".into(), rows: vec![] });
+                        }
+                        continue;
+                    }
+                }
+            }
+            let s = &s;
             let known = st.lens[0].get(&s.seq_id).copied();
             let have = match known {
                 Some(l) => l,
@@ -191,7 +218,15 @@ impl FakeWorld {
                     let spec = minimax_proto::v1::sampling_spec(s.sampling.as_ref());
                     let target = (mode == LogitsMode::All).then(|| s.score_targets[i]);
                     let red = reduce_row(&raw, &spec, target).map_err(|e| WorldError::Broken(format!("fake reduce: {e}")))?;
-                    rows.push(minimax_proto::v1::row_output(pos as u32, red));
+                    let mut row = minimax_proto::v1::row_output(pos as u32, red);
+                    if let Some(u) = s.sampling.as_ref().and_then(|sp| sp.draw)
+                        && mode == LogitsMode::Last
+                    {
+                        let k = draw(&row.candidate_ids, &row.candidate_logits, spec.temperature, u).map_err(|e| WorldError::Broken(format!("fake draw: {e}")))?;
+                        row.drawn_token = Some(row.candidate_ids[k]);
+                        st.draws.insert(s.seq_id, row.candidate_ids[k]);
+                    }
+                    rows.push(row);
                 }
             }
             for (r, resp) in out.iter_mut().enumerate() {
@@ -236,6 +271,7 @@ impl RankWorld for FakeWorld {
                 for l in st.lens.iter_mut() {
                     l.remove(id);
                 }
+                st.draws.remove(id);
             }
             self.released.lock().unwrap().extend(seq_ids);
             Ok(())

@@ -6,18 +6,23 @@
 //! (sampling) logits, their raw logits and the raw log-sum-exp, plus the raw top alternatives.
 //! What is left here is exact and cheap:
 //!
-//! - greedy (temperature 0): the candidate with the highest final logit (ties: lowest id);
-//! - otherwise: softmax over the candidates' final logits and one uniform draw from a ChaCha20
-//!   stream per request, seeded from `seed` (or the OS). Candidates are put in a canonical
-//!   order (logit descending, id ascending) before drawing, so the result does not depend on
-//!   the order a rank lists them in, nor on which other sequences share the step: the same
-//!   seed gives the same tokens whatever the batching;
+//! - every sampled step takes the next uniform number of a ChaCha20 stream per request, seeded
+//!   from `seed` (or the OS), at plan time; it travels with the step (`SamplingSpec.draw`), the
+//!   head rank draws the token with it (`minimax_shared::sampling::draw`) and feeds it to the
+//!   next step at once (overlapped decode), and this module draws again with the same number
+//!   and checks the rank's token;
+//! - the draw: greedy (temperature 0) takes the candidate with the highest final logit (ties:
+//!   lowest id); otherwise softmax over the candidates' final logits in a canonical order
+//!   (logit descending, id ascending), so the result does not depend on the order a rank lists
+//!   them in, nor on which other sequences share the step: the same seed gives the same tokens
+//!   whatever the batching;
 //! - logprobs: raw logit − raw log-sum-exp (the model's distribution, before any sampling
 //!   transform, as OpenAI reports them); top_logprobs straight from the rank.
 
 use std::collections::HashMap;
 
 use minimax_proto::v1::{RowOutput, SamplingSpec, TokenBias, TokenCount};
+use minimax_shared::sampling::draw::{DrawError, draw};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 
@@ -35,12 +40,12 @@ pub struct Sampler {
 /// Why a row could not be sampled (the rank broke the contract).
 #[derive(Debug, Clone, PartialEq, thiserror::Error)]
 pub enum SampleError {
-    #[error("the head rank returned no candidates")]
-    NoCandidates,
-    #[error("the head rank returned {ids} candidate ids but {logits} logits / {raw} raw logits")]
-    Ragged { ids: usize, logits: usize, raw: usize },
-    #[error("the candidates' logits are not finite")]
-    NotFinite,
+    #[error(transparent)]
+    Draw(#[from] DrawError),
+    #[error("the head rank returned {ids} candidate ids but {raw} raw logits")]
+    RaggedRaw { ids: usize, raw: usize },
+    #[error("the head rank drew token {rank}, but the step's uniform number draws token {gateway}")]
+    DrawMismatch { rank: u32, gateway: u32 },
 }
 
 /// One sampled token.
@@ -65,8 +70,16 @@ impl Sampler {
         *self.history.entry(token).or_insert(0) += 1;
     }
 
-    /// What the head rank must reduce this request's next row to.
-    pub fn spec(&self) -> SamplingSpec {
+    /// The request's next uniform number in [0, 1): one per sampled step, taken when the step
+    /// is planned, so the stream (and a seeded request's tokens) does not depend on batching.
+    pub fn next_draw(&mut self) -> f64 {
+        self.rng.random::<f64>()
+    }
+
+    /// What the head rank must reduce this request's next row to, and the uniform number it
+    /// draws the token with. The history holds the tokens sampled so far here; an overlapped
+    /// step's rank adds the token it feeds.
+    pub fn spec(&self, draw: f64) -> SamplingSpec {
         let p = &self.params;
         let mut logit_bias: Vec<TokenBias> = p.logit_bias.iter().map(|(&token, &bias)| TokenBias { token, bias }).collect();
         logit_bias.sort_by_key(|b| b.token);
@@ -83,45 +96,23 @@ impl Sampler {
             logit_bias,
             history,
             top_logprobs: if p.logprobs || p.top_logprobs > 0 { p.top_logprobs.min(20) } else { 0 },
+            draw: Some(draw),
         }
     }
 
-    /// Draws the next token from a row and records it in the history.
-    pub fn sample(&mut self, row: &RowOutput) -> Result<Sampled, SampleError> {
-        let (ids, logits, raw) = (&row.candidate_ids, &row.candidate_logits, &row.candidate_raw_logits);
-        if ids.is_empty() {
-            return Err(SampleError::NoCandidates);
+    /// Draws the next token from a row with the step's uniform number `u`, checks it against
+    /// the rank's draw and records it in the history.
+    pub fn sample(&mut self, row: &RowOutput, u: f64) -> Result<Sampled, SampleError> {
+        let (ids, raw) = (&row.candidate_ids, &row.candidate_raw_logits);
+        if !raw.is_empty() && raw.len() != ids.len() {
+            return Err(SampleError::RaggedRaw { ids: ids.len(), raw: raw.len() });
         }
-        if logits.len() != ids.len() || (!raw.is_empty() && raw.len() != ids.len()) {
-            return Err(SampleError::Ragged { ids: ids.len(), logits: logits.len(), raw: raw.len() });
+        let pick = draw(ids, &row.candidate_logits, self.params.temperature, u)?;
+        if let Some(t) = row.drawn_token
+            && t != ids[pick]
+        {
+            return Err(SampleError::DrawMismatch { rank: t, gateway: ids[pick] });
         }
-        // Canonical order: final logit descending, id ascending. NaN is a contract breach.
-        if logits.iter().any(|l| l.is_nan()) {
-            return Err(SampleError::NotFinite);
-        }
-        let mut order: Vec<usize> = (0..ids.len()).collect();
-        order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(ids[a].cmp(&ids[b])));
-        let pick = if self.params.temperature <= 0.0 || order.len() == 1 {
-            order[0]
-        } else {
-            let max = logits[order[0]] as f64;
-            if !max.is_finite() {
-                return Err(SampleError::NotFinite);
-            }
-            let weights: Vec<f64> = order.iter().map(|&i| (logits[i] as f64 - max).exp()).collect();
-            let total: f64 = weights.iter().sum();
-            let u: f64 = self.rng.random::<f64>() * total;
-            let mut acc = 0.0;
-            let mut chosen = order[order.len() - 1];
-            for (k, &i) in order.iter().enumerate() {
-                acc += weights[k];
-                if u < acc {
-                    chosen = i;
-                    break;
-                }
-            }
-            chosen
-        };
         let token = ids[pick];
         self.observe(token);
         let logprob = if self.params.logprobs || self.params.top_logprobs > 0 {

@@ -11,7 +11,14 @@ fn row(ids: &[u32], logits: &[f32]) -> RowOutput {
         top_ids: ids.to_vec(),
         top_logprobs: logits.iter().map(|&l| l - lse).collect(),
         target_logprob: 0.0,
+        drawn_token: None,
     }
+}
+
+/// One sampled step: the next uniform number, then the draw with it.
+fn take(s: &mut Sampler, r: &RowOutput) -> Result<Sampled, SampleError> {
+    let u = s.next_draw();
+    s.sample(r, u)
 }
 
 fn params(temperature: f32, seed: u64) -> SamplingParams {
@@ -21,8 +28,8 @@ fn params(temperature: f32, seed: u64) -> SamplingParams {
 #[test]
 fn greedy_takes_the_best_candidate_lowest_id_on_ties() {
     let mut s = Sampler::new(params(0.0, 1));
-    assert_eq!(s.sample(&row(&[5, 9, 2], &[1.0, 3.0, 2.0])).unwrap().token, 9);
-    assert_eq!(s.sample(&row(&[7, 3], &[1.0, 1.0])).unwrap().token, 3);
+    assert_eq!(take(&mut s, &row(&[5, 9, 2], &[1.0, 3.0, 2.0])).unwrap().token, 9);
+    assert_eq!(take(&mut s, &row(&[7, 3], &[1.0, 1.0])).unwrap().token, 3);
 }
 
 #[test]
@@ -34,12 +41,12 @@ fn same_seed_same_tokens_whatever_the_candidate_order() {
     let (mut rid, mut rl) = (ids.to_vec(), logits.to_vec());
     rid.reverse();
     rl.reverse();
-    let ta: Vec<u32> = (0..64).map(|_| a.sample(&row(&ids, &logits)).unwrap().token).collect();
-    let tb: Vec<u32> = (0..64).map(|_| b.sample(&row(&rid, &rl)).unwrap().token).collect();
+    let ta: Vec<u32> = (0..64).map(|_| take(&mut a, &row(&ids, &logits)).unwrap().token).collect();
+    let tb: Vec<u32> = (0..64).map(|_| take(&mut b, &row(&rid, &rl)).unwrap().token).collect();
     assert_eq!(ta, tb);
     // A different seed gives a different stream (with overwhelming probability).
     let mut c = Sampler::new(params(1.0, 43));
-    let tc: Vec<u32> = (0..64).map(|_| c.sample(&row(&ids, &logits)).unwrap().token).collect();
+    let tc: Vec<u32> = (0..64).map(|_| take(&mut c, &row(&ids, &logits)).unwrap().token).collect();
     assert_ne!(ta, tc);
 }
 
@@ -48,7 +55,7 @@ fn draws_follow_the_softmax() {
     let mut s = Sampler::new(params(1.0, 7));
     let logits = [0.0f32, (3.0f32).ln()]; // p = 0.25, 0.75
     let n = 20000;
-    let ones = (0..n).filter(|_| s.sample(&row(&[0, 1], &logits)).unwrap().token == 1).count();
+    let ones = (0..n).filter(|_| take(&mut s, &row(&[0, 1], &logits)).unwrap().token == 1).count();
     let f = ones as f64 / n as f64;
     assert!((f - 0.75).abs() < 0.02, "frequency {f}");
 }
@@ -60,7 +67,7 @@ fn logprobs_use_raw_logits_and_top_list() {
     p.top_logprobs = 2;
     let mut s = Sampler::new(p);
     let r = row(&[1, 2, 3], &[2.0, 1.0, 0.0]);
-    let out = s.sample(&r).unwrap();
+    let out = take(&mut s, &r).unwrap();
     let lp = out.logprob.unwrap();
     assert!((lp.logprob - (2.0 - r.raw_logsumexp)).abs() < 1e-6);
     assert_eq!(lp.top.len(), 2);
@@ -76,7 +83,8 @@ fn spec_carries_history_and_bias_sorted() {
     s.observe(5);
     s.observe(5);
     s.observe(1);
-    let spec = s.spec();
+    let spec = s.spec(0.25);
+    assert_eq!(spec.draw, Some(0.25));
     assert_eq!(spec.logit_bias.iter().map(|b| b.token).collect::<Vec<_>>(), vec![3, 9]);
     assert_eq!(spec.history.iter().map(|c| (c.token, c.count)).collect::<Vec<_>>(), vec![(1, 1), (5, 2)]);
     assert_eq!(spec.top_logprobs, 0);
@@ -85,8 +93,22 @@ fn spec_carries_history_and_bias_sorted() {
 #[test]
 fn contract_breaches_are_errors() {
     let mut s = Sampler::new(params(1.0, 1));
-    assert_eq!(s.sample(&row(&[], &[])), Err(SampleError::NoCandidates));
+    assert_eq!(take(&mut s, &row(&[], &[])), Err(SampleError::Draw(DrawError::NoCandidates)));
     let mut r = row(&[1, 2], &[0.0, 1.0]);
     r.candidate_logits.pop();
-    assert!(matches!(s.sample(&r), Err(SampleError::Ragged { .. })));
+    assert!(matches!(take(&mut s, &r), Err(SampleError::Draw(DrawError::Ragged { .. }))));
+    let mut r = row(&[1, 2], &[0.0, 1.0]);
+    r.candidate_raw_logits.pop();
+    assert!(matches!(take(&mut s, &r), Err(SampleError::RaggedRaw { .. })));
+}
+
+#[test]
+fn the_ranks_draw_is_checked_against_the_same_uniform() {
+    let mut s = Sampler::new(params(1.0, 3));
+    let mut r = row(&[4, 6], &[0.0, (3.0f32).ln()]); // id 6 holds [0, 0.75)
+    r.drawn_token = Some(6);
+    assert_eq!(s.sample(&r, 0.5).unwrap().token, 6);
+    r.drawn_token = Some(4);
+    assert_eq!(s.sample(&r, 0.5), Err(SampleError::DrawMismatch { rank: 4, gateway: 6 }));
+    assert_eq!(s.sample(&r, 0.9).unwrap().token, 4);
 }

@@ -22,6 +22,13 @@
 //! flight (their pages too: they are neither preempted nor reaped until their step completes)
 //! and every plan is completed, or failed, on its own.
 //!
+//! One-rank worlds overlap decode steps ([`SchedConfig::overlap`]): while step N computes, step
+//! N+1 is already on its way, and each sequence of N that draws a token is in N+1 too, feeding
+//! that token (`feed_drawn`), which the rank drew with the uniform number N carried. The
+//! gateway learns the token from N's answer while N+1 computes. A sequence that N ends (a stop
+//! token, `max_tokens`) wastes its N+1 entry: that answer is dropped, and the sequence's pages
+//! and rank-side state are released only once no step in flight holds it (`draining`).
+//!
 //! A sequence's tokens are `prompt + generated`; its cache holds `kv_len` of them. A step feeds
 //! `tokens[kv_len .. kv_len + n]` and asks for the last row's logits when that reaches the end,
 //! so decode is a one-token prefill and a preempted sequence resumes like a new prompt.
@@ -29,7 +36,7 @@
 #[cfg(test)]
 mod tests;
 
-use std::collections::{HashMap, HashSet, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -55,17 +62,29 @@ pub struct SchedConfig {
     /// Steps of disjoint sequence groups kept in flight in a pipeline world of several stages
     /// (0: one per stage; 1: one step at a time). Other worlds always run one at a time.
     pub pipeline_inflight: usize,
+    /// One-rank worlds: keep the next decode step in flight while one computes (see the module
+    /// docs). Off: one step at a time.
+    pub overlap: bool,
 }
 
 impl Default for SchedConfig {
     fn default() -> Self {
-        Self { prefill_chunk: 2048, max_step_tokens: 2048, max_running: 64, max_queue: 256, pipeline_inflight: 0 }
+        Self { prefill_chunk: 2048, max_step_tokens: 2048, max_running: 64, max_queue: 256, pipeline_inflight: 0, overlap: true }
     }
 }
 
 impl SchedConfig {
+    /// Whether a world of `world_size` ranks overlaps decode steps (the rank that draws the
+    /// tokens must be the one that embeds them: one rank).
+    pub fn overlaps(&self, world_size: usize) -> bool {
+        self.overlap && world_size == 1
+    }
+
     /// How many steps the engine keeps in flight in a world of `world_size` ranks.
     pub fn steps_in_flight(&self, parallelism: &str, world_size: usize) -> usize {
+        if self.overlaps(world_size) {
+            return 2;
+        }
         if parallelism != "pipeline" || world_size < 2 {
             return 1;
         }
@@ -102,6 +121,10 @@ pub struct Seq {
     out: Output,
     pages: Vec<PageId>,
     kv_len: usize,
+    /// Tokens of this sequence in steps in flight (their K/V not yet confirmed in `kv_len`).
+    pending: usize,
+    /// Its newest step in flight ends with a drawn token the gateway has not seen yet.
+    draw_in_flight: bool,
     adopt: bool,
     published: usize,
     parent_key: u64,
@@ -141,6 +164,8 @@ impl Seq {
             out,
             pages: vec![],
             kv_len: 0,
+            pending: 0,
+            draw_in_flight: false,
             adopt: false,
             published: 0,
             parent_key: ROOT,
@@ -192,6 +217,8 @@ impl Seq {
         }
         self.pages.clear();
         self.kv_len = 0;
+        self.pending = 0;
+        self.draw_in_flight = false;
         self.adopt = false;
         self.published = 0;
         self.parent_key = ROOT;
@@ -204,13 +231,24 @@ impl Seq {
 #[derive(Debug, Clone)]
 pub struct Plan {
     pub request: StepRequest,
-    /// Per entry: (seq id, expected cache length before, new tokens).
-    entries: Vec<(u64, usize, usize)>,
+    entries: Vec<Entry>,
+}
+
+/// What one sequence of a planned step expects back.
+#[derive(Debug, Clone, Copy)]
+struct Entry {
+    id: u64,
+    /// The cache length before the step.
+    expected: usize,
+    /// New tokens.
+    n: usize,
+    /// The uniform number the rank draws this entry's token with (sampled rows only).
+    draw: Option<f64>,
 }
 
 impl Plan {
     pub fn n_tokens(&self) -> usize {
-        self.entries.iter().map(|e| e.2).sum()
+        self.entries.iter().map(|e| e.n).sum()
     }
     pub fn n_seqs(&self) -> usize {
         self.entries.len()
@@ -247,11 +285,17 @@ pub struct Scheduler {
     metrics: Arc<Metrics>,
     /// Rank-side sequence ids to release.
     to_release: Vec<u64>,
-    /// Sequences in a planned step that has not completed yet.
-    in_flight: HashSet<u64>,
+    /// Sequences in planned steps that have not completed yet, with how many such steps.
+    in_flight: HashMap<u64, u32>,
+    /// Sequences that ended while a step in flight still held them: their pages and rank-side
+    /// state are released when the last such step completes.
+    draining: HashMap<u64, Seq>,
     /// Steps the engine keeps in flight: a step takes at most `1/groups` of the running
     /// sequences, so they split into that many groups that take turns through the stages.
     groups: usize,
+    /// Overlapped decode (one-rank worlds): plan a sequence whose step in flight draws a token
+    /// again, feeding that token.
+    overlap: bool,
 }
 
 impl Scheduler {
@@ -271,8 +315,10 @@ impl Scheduler {
             admit_counter: 0,
             metrics,
             to_release: Vec::new(),
-            in_flight: HashSet::new(),
+            in_flight: HashMap::new(),
+            draining: HashMap::new(),
             groups: 1,
+            overlap: false,
         }
     }
 
@@ -305,9 +351,43 @@ impl Scheduler {
         self.in_flight.len()
     }
 
-    /// How many steps the engine keeps in flight (1: one step runs every running sequence).
+    /// How many steps of disjoint sequence groups the engine keeps in flight (1: one step
+    /// runs every running sequence).
     pub fn set_steps_in_flight(&mut self, n: usize) {
         self.groups = n.max(1);
+    }
+
+    /// Overlapped decode on or off (the engine keeps two steps in flight when on).
+    pub fn set_overlap(&mut self, on: bool) {
+        self.overlap = on;
+    }
+
+    fn is_in_flight(&self, id: u64) -> bool {
+        self.in_flight.contains_key(&id)
+    }
+
+    /// A step holding `id` completed or failed: one fewer in flight; a sequence that ended
+    /// meanwhile is released when none holds it any more.
+    fn landed(&mut self, id: u64) {
+        if let Some(c) = self.in_flight.get_mut(&id) {
+            *c -= 1;
+            if *c == 0 {
+                self.in_flight.remove(&id);
+                if let Some(mut s) = self.draining.remove(&id) {
+                    self.drop_seq(&mut s);
+                }
+            }
+        }
+    }
+
+    /// Takes an ended sequence out of service: released now, or once the steps in flight that
+    /// hold it have completed (their pages are still being written).
+    fn retire(&mut self, mut s: Seq) {
+        if s.seq_id != 0 && self.is_in_flight(s.seq_id) {
+            self.draining.insert(s.seq_id, s);
+        } else {
+            self.drop_seq(&mut s);
+        }
     }
 
     /// A new world (restart, or a different page count): everything is forgotten. Callers fail
@@ -318,6 +398,7 @@ impl Scheduler {
         self.context = context;
         self.to_release.clear();
         self.in_flight.clear();
+        self.draining.clear();
         self.publish_gauges();
     }
 
@@ -341,7 +422,7 @@ impl Scheduler {
         n += before - self.waiting.len();
         let mut i = 0;
         while i < self.running.len() {
-            if self.running[i].out.closed() && !self.in_flight.contains(&self.running[i].seq_id) {
+            if self.running[i].out.closed() && !self.is_in_flight(self.running[i].seq_id) {
                 let mut s = self.running.remove(i);
                 tracing::info!(request_id = %s.request_id, generated = s.generated, "request cancelled: client went away");
                 self.drop_seq(&mut s);
@@ -373,6 +454,9 @@ impl Scheduler {
             s.reset(Some(&mut self.kv));
             finish_with_error(&mut s, err.clone(), &self.metrics);
         }
+        for (_, mut s) in std::mem::take(&mut self.draining) {
+            s.reset(Some(&mut self.kv));
+        }
         self.to_release.clear();
         self.in_flight.clear();
         self.publish_gauges();
@@ -381,13 +465,13 @@ impl Scheduler {
     /// A planned step failed as a whole on the ranks without breaking the world (every rank
     /// refused it before changing any state): only its sequences fail.
     pub fn fail_plan(&mut self, plan: Plan, err: EngineError) {
-        for (id, _, _) in plan.entries {
-            self.in_flight.remove(&id);
-            if let Some(idx) = self.running.iter().position(|s| s.seq_id == id) {
+        for e in plan.entries {
+            if let Some(idx) = self.running.iter().position(|s| s.seq_id == e.id) {
                 let mut s = self.running.remove(idx);
-                self.drop_seq(&mut s);
                 finish_with_error(&mut s, err.clone(), &self.metrics);
+                self.retire(s);
             }
+            self.landed(e.id);
         }
         self.publish_gauges();
     }
@@ -437,7 +521,7 @@ impl Scheduler {
     /// Preempts the most recently admitted running sequence other than `keep` (and not in
     /// flight). Returns false when there is none.
     fn preempt_newest_except(&mut self, keep: u64) -> bool {
-        let Some(i) = self.running.iter().enumerate().filter(|(_, s)| s.seq_id != keep && !self.in_flight.contains(&s.seq_id)).max_by_key(|(_, s)| s.admitted_order).map(|(i, _)| i) else {
+        let Some(i) = self.running.iter().enumerate().filter(|(_, s)| s.seq_id != keep && !self.is_in_flight(s.seq_id)).max_by_key(|(_, s)| s.admitted_order).map(|(i, _)| i) else {
             return false;
         };
         let mut s = self.running.remove(i);
@@ -458,7 +542,9 @@ impl Scheduler {
                 self.admit();
             }
             if let Some(plan) = self.build() {
-                self.in_flight.extend(plan.entries.iter().map(|e| e.0));
+                for e in &plan.entries {
+                    *self.in_flight.entry(e.id).or_insert(0) += 1;
+                }
                 self.publish_gauges();
                 return Some(plan);
             }
@@ -496,17 +582,35 @@ impl Scheduler {
         }
     }
 
+    /// Whether overlapped decode can plan `s` again while its step in flight draws its next
+    /// token: that token must be fed next (one unseen draw at most, so the penalties' history
+    /// misses only the token the rank adds), and must not end the sequence by length.
+    fn can_feed_drawn(&self, s: &Seq) -> bool {
+        self.overlap
+            && s.draw_in_flight
+            && self.in_flight.get(&s.seq_id) == Some(&1)
+            && !s.is_score()
+            && !s.out.closed()
+            && s.generated + 1 < s.max_tokens
+            && s.tokens.len() + 1 < self.context
+    }
+
     /// Picks the step's entries among the running sequences; `None` if none can run.
     fn build(&mut self) -> Option<Plan> {
         let ps = self.kv.page_size();
-        // Decode-class (one token to feed) first, then prefills, each in admission order.
-        let mut order: Vec<(bool, u64, u64)> =
-            self.running.iter().filter(|s| !self.in_flight.contains(&s.seq_id)).map(|s| (s.remaining() != 1, s.admitted_order, s.seq_id)).collect();
+        // Decode-class (one token to feed, or a drawn token to feed next) first, then prefills,
+        // each in admission order.
+        let mut order: Vec<(bool, u64, u64)> = self
+            .running
+            .iter()
+            .filter(|s| if self.is_in_flight(s.seq_id) { self.can_feed_drawn(s) } else { true })
+            .map(|s| (!self.is_in_flight(s.seq_id) && s.remaining() != 1, s.admitted_order, s.seq_id))
+            .collect();
         order.sort();
         let mut budget = self.cfg.max_step_tokens;
         // Several steps in flight: each takes its share of the running sequences.
         let max_seqs = self.running.len().div_ceil(self.groups).max(1);
-        let mut entries: Vec<(u64, usize, usize)> = Vec::new();
+        let mut entries: Vec<Entry> = Vec::new();
         let mut seqs = Vec::new();
         for (_, _, id) in order {
             if budget == 0 || entries.len() == max_seqs {
@@ -514,6 +618,34 @@ impl Scheduler {
             }
             // (A sequence may have been preempted meanwhile.)
             let Some(idx) = self.running.iter().position(|s| s.seq_id == id) else { continue };
+            if self.is_in_flight(id) {
+                // Overlapped decode: one position after the tokens in flight, fed by the rank;
+                // a page for it if one is free (never preempting for it).
+                let s = &self.running[idx];
+                let at = s.kv_len + s.pending;
+                let need = (at + 1).div_ceil(ps).saturating_sub(s.pages.len());
+                if need > 0 {
+                    let Some(p) = self.kv.alloc(need) else { continue };
+                    self.running[idx].pages.extend(p);
+                }
+                let s = &mut self.running[idx];
+                let u = s.sampler.as_mut().expect("a generation").next_draw();
+                seqs.push(SeqStep {
+                    seq_id: s.seq_id,
+                    page_table: s.pages.clone(),
+                    expected_cache_len: at as u32,
+                    tokens: vec![],
+                    logits: LogitsMode::Last as i32,
+                    sampling: Some(s.sampler.as_ref().unwrap().spec(u)),
+                    score_targets: vec![],
+                    adopt_prefix: false,
+                    feed_drawn: true,
+                });
+                s.pending += 1;
+                entries.push(Entry { id, expected: at, n: 1, draw: Some(u) });
+                budget -= 1;
+                continue;
+            }
             let (kv_len, remaining, me) = (self.running[idx].kv_len, self.running[idx].remaining(), self.running[idx].admitted_order);
             if remaining == 0 {
                 continue;
@@ -535,7 +667,7 @@ impl Scheduler {
                 let newer = self
                     .running
                     .iter()
-                    .filter(|s| s.admitted_order > me && !entries.iter().any(|e| e.0 == s.seq_id) && !self.in_flight.contains(&s.seq_id))
+                    .filter(|s| s.admitted_order > me && !entries.iter().any(|e| e.id == s.seq_id) && !self.is_in_flight(s.seq_id))
                     .max_by_key(|s| s.admitted_order)
                     .map(|s| s.seq_id);
                 if let Some(victim) = newer {
@@ -553,9 +685,12 @@ impl Scheduler {
             if n_ok == 0 {
                 continue;
             }
-            let s = self.running.iter().find(|s| s.seq_id == id).unwrap();
-            seqs.push(build_seq_step(s, n_ok));
-            entries.push((id, kv_len, n_ok));
+            let s = self.running.iter_mut().find(|s| s.seq_id == id).unwrap();
+            let (step, draw) = build_seq_step(s, n_ok);
+            seqs.push(step);
+            s.pending += n_ok;
+            s.draw_in_flight = draw.is_some();
+            entries.push(Entry { id, expected: kv_len, n: n_ok, draw });
             budget -= n_ok;
         }
         if entries.is_empty() {
@@ -571,11 +706,19 @@ impl Scheduler {
     pub fn complete(&mut self, plan: Plan, responses: &[StepResponse], head: usize) {
         let by_rank: Vec<HashMap<u64, &minimax_proto::v1::SeqResult>> = responses.iter().map(|r| r.seqs.iter().map(|s| (s.seq_id, s)).collect()).collect();
         let ps = self.kv.page_size();
-        for (id, _, _) in &plan.entries {
-            self.in_flight.remove(id);
-        }
-        for (entry, (id, expected, n)) in plan.entries.into_iter().enumerate() {
+        for (entry, e) in plan.entries.into_iter().enumerate() {
+            let Entry { id, expected, n, draw } = e;
+            self.landed(id);
+            // (Ended meanwhile: an overlapped entry after its last token, or failed.)
             let Some(idx) = self.running.iter().position(|s| s.seq_id == id) else { continue };
+            {
+                let s = &mut self.running[idx];
+                s.pending -= n;
+                if !self.in_flight.contains_key(&id) {
+                    s.draw_in_flight = false;
+                }
+                debug_assert_eq!(s.kv_len, expected, "steps complete in the order they were sent");
+            }
             // The handshake: every rank executed it and agrees on the new length.
             let want = (expected + n) as u32;
             let mut problems = Vec::new();
@@ -592,8 +735,8 @@ impl Scheduler {
                 let msg = format!("sequence of request {} dropped at step {}: {}", s.request_id, plan.request.step_id, problems.join("; "));
                 tracing::error!("{msg}");
                 self.metrics.cache_mismatches.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                self.drop_seq(&mut s);
                 finish_with_error(&mut s, EngineError::CacheMismatch(msg), &self.metrics);
+                self.retire(s);
                 continue;
             }
             let rows = by_rank.get(head).and_then(|m| m.get(&id)).map(|r| r.rows.as_slice()).unwrap_or(&[]);
@@ -607,8 +750,8 @@ impl Scheduler {
                 if rows.len() != n {
                     let mut s = self.running.remove(idx);
                     let msg = format!("head rank returned {} score rows for {n} tokens", rows.len());
-                    self.drop_seq(&mut s);
                     finish_with_error(&mut s, EngineError::Internal(msg), &self.metrics);
+                    self.retire(s);
                     continue;
                 }
                 s.scores.extend(rows.iter().map(|r| r.target_logprob));
@@ -621,7 +764,7 @@ impl Scheduler {
                     {
                         let _ = tx.send(Ok(result));
                     }
-                    self.drop_seq(&mut s);
+                    self.retire(s);
                 }
                 continue;
             }
@@ -634,18 +777,18 @@ impl Scheduler {
             if s.remaining() > 0 {
                 continue; // an intermediate prefill chunk
             }
-            let Some(row) = rows.last() else {
+            let (Some(row), Some(u)) = (rows.last(), draw) else {
                 let mut s = self.running.remove(idx);
-                self.drop_seq(&mut s);
                 finish_with_error(&mut s, EngineError::Internal(format!("head rank returned no logits row (entry {entry})")), &self.metrics);
+                self.retire(s);
                 continue;
             };
-            let sampled = match s.sampler.as_mut().unwrap().sample(row) {
+            let sampled = match s.sampler.as_mut().unwrap().sample(row, u) {
                 Ok(x) => x,
                 Err(e) => {
                     let mut s = self.running.remove(idx);
-                    self.drop_seq(&mut s);
                     finish_with_error(&mut s, EngineError::Internal(format!("sampling: {e}")), &self.metrics);
+                    self.retire(s);
                     continue;
                 }
             };
@@ -674,7 +817,7 @@ impl Scheduler {
     }
 
     /// Ends a generation normally.
-    fn finish(&mut self, mut s: Seq, reason: FinishReason) {
+    fn finish(&mut self, s: Seq, reason: FinishReason) {
         let usage = Usage { prompt_tokens: s.prompt_len as u32, cached_tokens: s.cached_tokens as u32, completion_tokens: s.generated };
         let timings = timings(&s);
         let decode_tokens = s.generated.saturating_sub(1);
@@ -696,7 +839,7 @@ impl Scheduler {
         if let Output::Gen(tx) = &s.out {
             let _ = tx.send(GenEvent::Finished { reason, usage, timings });
         }
-        self.drop_seq(&mut s);
+        self.retire(s);
     }
 
     /// Ends a generation with `max_tokens == 0` without running it.
@@ -743,17 +886,21 @@ fn finish_with_error(s: &mut Seq, err: EngineError, metrics: &Metrics) {
     }
 }
 
-fn build_seq_step(s: &Seq, n: usize) -> SeqStep {
+/// The step entry feeding `n` of `s`'s tokens, and the uniform number its draw takes when the
+/// entry reaches the end of the tokens (a sampled row).
+fn build_seq_step(s: &mut Seq, n: usize) -> (SeqStep, Option<f64>) {
     let start = s.kv_len;
     let tokens = s.tokens[start..start + n].to_vec();
-    let (logits, score_targets, sampling) = if s.is_score() {
-        (LogitsMode::All, s.tokens[start + 1..start + n + 1].to_vec(), None)
+    let (logits, score_targets, sampling, draw) = if s.is_score() {
+        (LogitsMode::All, s.tokens[start + 1..start + n + 1].to_vec(), None, None)
     } else if start + n == s.tokens.len() {
-        (LogitsMode::Last, vec![], Some(s.sampler.as_ref().unwrap().spec()))
+        let sampler = s.sampler.as_mut().unwrap();
+        let u = sampler.next_draw();
+        (LogitsMode::Last, vec![], Some(sampler.spec(u)), Some(u))
     } else {
-        (LogitsMode::None, vec![], None)
+        (LogitsMode::None, vec![], None, None)
     };
-    SeqStep {
+    let step = SeqStep {
         seq_id: s.seq_id,
         page_table: s.pages.clone(),
         expected_cache_len: start as u32,
@@ -762,5 +909,7 @@ fn build_seq_step(s: &Seq, n: usize) -> SeqStep {
         sampling,
         score_targets,
         adopt_prefix: s.adopt,
-    }
+        feed_drawn: false,
+    };
+    (step, draw)
 }

@@ -1,3 +1,4 @@
+use std::collections::VecDeque;
 use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
@@ -461,7 +462,9 @@ async fn one_step_in_flight_plans_every_running_sequence() {
     assert_eq!(SchedConfig::default().steps_in_flight("pipeline", 3), 3);
     assert_eq!(SchedConfig { pipeline_inflight: 2, ..Default::default() }.steps_in_flight("pipeline", 4), 2);
     assert_eq!(SchedConfig::default().steps_in_flight("tensor", 4), 1);
-    assert_eq!(SchedConfig::default().steps_in_flight("pipeline", 1), 1);
+    // One rank: overlapped decode keeps two in flight unless it is off.
+    assert_eq!(SchedConfig::default().steps_in_flight("tensor", 1), 2);
+    assert_eq!(SchedConfig { overlap: false, ..Default::default() }.steps_in_flight("pipeline", 1), 1);
 }
 
 #[tokio::test]
@@ -479,4 +482,155 @@ async fn memory_pressure_with_steps_in_flight_never_touches_a_sequence_in_flight
     let (toks, reason, ..) = outcome(&mut rx);
     assert_eq!(reason, Some(FinishReason::Length));
     assert!(!toks.is_empty());
+}
+
+/// A one-rank fake world and an overlapping scheduler on it.
+fn overlapped(n_pages: u32, context: u32, on: bool) -> (FakeWorld, Scheduler) {
+    let w = FakeWorld::new(FakeConfig { page_size: 4, n_pages, context, world_size: 1, ..Default::default() });
+    let mut s = sched(&w, SchedConfig::default());
+    s.set_overlap(on);
+    (w, s)
+}
+
+/// Runs an overlapping scheduler as the engine does on one rank: up to two steps in flight,
+/// the rank computing each as it is sent, the answers applied oldest first. Returns how many
+/// entries fed a drawn token.
+async fn drive_overlapped(s: &mut Scheduler, w: &FakeWorld) -> usize {
+    let mut fed = 0;
+    let mut flight: VecDeque<(Plan, Vec<StepResponse>)> = VecDeque::new();
+    for _ in 0..10_000 {
+        s.reap_cancelled();
+        let rel = s.take_releases();
+        if !rel.is_empty() {
+            w.release(1, rel).await.unwrap();
+        }
+        while flight.len() < 2 {
+            let Some(plan) = s.plan() else { break };
+            fed += plan.request.seqs.iter().filter(|q| q.feed_drawn).count();
+            let resp = w.step(1, plan.request.clone()).await.unwrap();
+            flight.push_back((plan, resp));
+        }
+        let Some((plan, resp)) = flight.pop_front() else { break };
+        s.complete(plan, &resp, 0);
+        let rel = s.take_releases();
+        if !rel.is_empty() {
+            w.release(1, rel).await.unwrap();
+        }
+        s.kv().check_invariants();
+    }
+    assert!(s.is_idle(), "scheduler did not drain");
+    assert_eq!(s.in_flight(), 0);
+    fed
+}
+
+/// Greedy, seeded sampling with penalties (the rank adds each fed token to the history),
+/// logprobs, stop tokens, max_tokens and the context limit.
+fn overlap_requests(stop: Vec<u32>) -> Vec<GenerationRequest> {
+    let sampled = |seed: u64| SamplingParams { temperature: 0.9, top_k: 20, seed: Some(seed), frequency_penalty: 0.7, presence_penalty: 0.4, repetition_penalty: 1.3, ..Default::default() };
+    let mut v = vec![
+        req("greedy", vec![5, 6, 7, 8, 9], 17, greedy()),
+        req("sampled", vec![3, 1, 4, 1, 5, 9, 2, 6], 25, sampled(7)),
+        req("short", vec![11, 12], 1, sampled(8)),
+        req("two", vec![13, 14, 15], 2, greedy()),
+        req("long-prompt", (20..40).collect(), 30, sampled(9)),
+        req("context", (50..80).collect(), 100, greedy()),
+    ];
+    v[1].sampling.logprobs = true;
+    v[1].sampling.top_logprobs = 3;
+    v[0].stop_token_ids = stop;
+    v
+}
+
+#[tokio::test]
+async fn overlapped_decode_gives_the_tokens_of_one_step_at_a_time() {
+    // A stop token the greedy request meets at its fourth output token.
+    let (w, mut s) = overlapped(64, 40, false);
+    let mut rx = submit(&mut s, overlap_requests(vec![]).remove(0));
+    drive(&mut s, &w).await;
+    let stop = outcome(&mut rx).0[3];
+    let mut runs = vec![];
+    for on in [false, true] {
+        let (w, mut s) = overlapped(64, 40, on);
+        let mut rxs: Vec<_> = overlap_requests(vec![stop]).into_iter().map(|r| submit(&mut s, r)).collect();
+        let fed = if on {
+            drive_overlapped(&mut s, &w).await
+        } else {
+            drive(&mut s, &w).await;
+            0
+        };
+        assert_eq!(fed > 0, on, "overlap {on}: {fed} entries fed a drawn token");
+        // Nothing leaks: no page held, no sequence left on the rank.
+        assert_eq!(s.kv().used_pages(), 0);
+        assert_eq!(w.live_sequences(), 0);
+        let outs: Vec<_> = rxs.iter_mut().map(outcome).collect();
+        runs.push(outs);
+    }
+    let (off, on) = (&runs[0], &runs[1]);
+    for (i, (a, b)) in off.iter().zip(on).enumerate() {
+        assert_eq!(a.3, None, "request {i}");
+        assert_eq!(b.3, None, "request {i}");
+        assert_eq!(a.0, b.0, "request {i}: tokens");
+        assert_eq!(a.1, b.1, "request {i}: finish reason");
+        assert_eq!(a.2.completion_tokens, b.2.completion_tokens, "request {i}: usage");
+    }
+    assert_eq!(off[0].1, Some(FinishReason::Stop));
+    assert_eq!(off[0].0.len(), 3);
+    assert_eq!(off[2].0.len(), 1);
+    assert_eq!(off[3].0.len(), 2);
+    // 30 prompt tokens in a 40-token context: 10 more at most.
+    assert_eq!((off[5].0.len(), off[5].1), (10, Some(FinishReason::Length)));
+    assert_eq!(off[1].0.len(), 25);
+}
+
+#[tokio::test]
+async fn an_overlapped_sequence_whose_client_left_drains_and_is_released() {
+    let (w, mut s) = overlapped(64, 256, true);
+    let rx = submit(&mut s, req("a", (1..10).collect(), 1000, greedy()));
+    let mut keep = submit(&mut s, req("b", (30..40).collect(), 12, greedy()));
+    // Two steps in flight: the prefill, then the first overlapped decode step.
+    let p1 = s.plan().unwrap();
+    let r1 = w.step(1, p1.request.clone()).await.unwrap();
+    let p2 = s.plan().unwrap();
+    assert!(p2.request.seqs.iter().all(|q| q.feed_drawn && q.tokens.is_empty()));
+    let r2 = w.step(1, p2.request.clone()).await.unwrap();
+    assert!(s.plan().is_none(), "two steps in flight hold every sequence");
+    s.complete(p1, &r1, 0);
+    drop(rx);
+    // In flight: not reaped yet, and not planned again.
+    assert_eq!(s.reap_cancelled(), 0);
+    let p3 = s.plan().unwrap();
+    assert_eq!(p3.n_seqs(), 1);
+    let r3 = w.step(1, p3.request.clone()).await.unwrap();
+    s.complete(p2, &r2, 0);
+    assert_eq!(s.reap_cancelled(), 1);
+    assert_eq!(s.take_releases().len(), 1);
+    s.complete(p3, &r3, 0);
+    drive_overlapped(&mut s, &w).await;
+    let (toks, reason, ..) = outcome(&mut keep);
+    assert_eq!((toks, reason), (reference_greedy(&w, &(30..40).collect::<Vec<_>>(), 12), Some(FinishReason::Length)));
+    assert_eq!(s.kv().used_pages(), 0);
+}
+
+#[tokio::test]
+async fn an_overlapped_entry_after_a_stop_is_dropped_and_its_pages_wait_for_it() {
+    let (w, mut s) = overlapped(64, 256, true);
+    let prompt: Vec<u32> = (1..8).collect();
+    let first = reference_greedy(&w, &prompt, 1)[0];
+    let mut r = req("a", prompt, 50, greedy());
+    r.stop_token_ids = vec![first];
+    let mut rx = submit(&mut s, r);
+    let p1 = s.plan().unwrap();
+    let r1 = w.step(1, p1.request.clone()).await.unwrap();
+    let p2 = s.plan().unwrap();
+    let r2 = w.step(1, p2.request.clone()).await.unwrap();
+    // The first token is the stop: the request ends, but step 2 still holds its pages.
+    s.complete(p1, &r1, 0);
+    let (toks, reason, ..) = outcome(&mut rx);
+    assert_eq!((toks.len(), reason), (0, Some(FinishReason::Stop)));
+    assert!(s.kv().used_pages() > 0);
+    assert!(s.take_releases().is_empty());
+    s.complete(p2, &r2, 0);
+    assert_eq!(s.kv().used_pages(), 0);
+    assert_eq!(s.take_releases().len(), 1);
+    assert!(s.is_idle());
 }

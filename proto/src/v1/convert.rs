@@ -37,5 +37,6 @@ pub fn row_output(position: u32, red: RowReduction) -> RowOutput {
         top_ids: red.top_ids,
         top_logprobs: red.top_logprobs,
         target_logprob: red.target_logprob.unwrap_or(0.0),
+        drawn_token: None,
     }
 }

@@ -297,7 +297,10 @@ impl Rank for RankService {
         }
         let shared = self.shared.clone();
         let req = req.into_inner();
-        let pipelined = shared.cfg.parallelism == Parallelism::Pipeline && shared.cfg.world_size > 1;
+        // Pipeline worlds and one-rank worlds (overlapped decode) may have several steps in
+        // flight: they agree in the gateway's order as they arrive and compute one after
+        // another (`Pipe`).
+        let pipelined = shared.cfg.parallelism == Parallelism::Pipeline || shared.cfg.world_size == 1;
         // On this worker thread (block_in_place: the runtime moves its other tasks away), not
         // on the blocking pool: a step is on the decode loop's critical path, and the hand-over
         // to a pool thread and back cost two thread wake-ups per step.
@@ -423,7 +426,8 @@ fn join(shared: &Shared, req: pb::CollectiveRequest) -> Result<pb::CollectiveRes
     Ok(pb::CollectiveResponse { unique_id: req.unique_id, self_test_sum: sum })
 }
 
-/// The order of pipelined steps on this rank (pipeline worlds): agreements run in the order
+/// The order of pipelined steps on this rank (pipeline worlds, and every step of a one-rank
+/// world, where the gateway overlaps decode steps): agreements run in the order
 /// the gateway chained them (`StepRequest.after_step_id`), ahead of the compute, which runs
 /// one step at a time in the order the agreements ended (tickets). Every rank agrees in the
 /// same order and so computes in the same order: the stages' sends and receives match.
@@ -541,12 +545,21 @@ impl Pipe {
 /// A step of a pipeline world: waits for the step it follows, agrees (lengths advanced at
 /// once, under `seqs` only), then computes in the agreed order under the engine lock. While
 /// one step computes, the next ones agree, so stage 0 starts step N+1 while stage 1 still
-/// computes step N.
+/// computes step N. A one-rank world runs every step here: the gateway's next decode step
+/// (feeding the tokens this one draws) arrives while this one computes.
 fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResponse, Status> {
     let cfg = &shared.cfg;
     let epoch = shared.pipe.epoch();
     let ready = || shared.state() == pb::RankState::Ready;
-    let transport = shared.transport.lock().unwrap().clone().ok_or_else(|| Status::failed_precondition("not joined to a world (re-JOIN required)"))?;
+    let alone = cfg.world_size == 1;
+    let transport = shared.transport.lock().unwrap().clone();
+    if transport.is_none() && !alone {
+        return Err(Status::failed_precondition("not joined to a world (re-JOIN required)"));
+    }
+    // Overlapped decode: drawn tokens stand in as placeholders until the step before computed.
+    let mut req = req.clone();
+    let fed = step::placeholder_fed(&mut req);
+    let req = &mut req;
     let (vocab, context) = shared.limits.lock().unwrap().ok_or_else(|| Status::failed_precondition("no model loaded"))?;
     // A collective of this world failed: it is broken (unless it was already left meanwhile).
     let broke = |e: StepError| -> Status {
@@ -566,7 +579,7 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
         let mut seqs = shared.seqs.lock().unwrap();
         let (ps, np) = (cfg.kv.page_size, cfg.kv.n_pages);
         let validate = |b: &minimax_shared::forward::ForwardBatch| b.validate(ps, np, vocab, context).map_err(|e| e.to_string());
-        let mut agreed = step::agree_step(&mut seqs, &validate, Some(&transport), cfg.rank as u32, (ps as u32, np as u32), req);
+        let mut agreed = step::agree_step(&mut seqs, &validate, transport.as_deref(), cfg.rank as u32, (ps as u32, np as u32), req);
         if let Ok(a) = &mut agreed {
             step::advance(&mut seqs, req, a);
         }
@@ -583,13 +596,18 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
     // The compute, in the agreed order.
     let res = shared.pipe.wait_turn(ticket, epoch, &ready).and_then(|()| {
         let mut guard = shared.engine.lock().unwrap();
-        let Some(engine) = guard.as_mut().filter(|e| e.world.is_some()) else {
+        let Some(engine) = guard.as_mut().filter(|e| e.world.is_some() || alone) else {
             return Err(pipe_broken("not joined to a world (re-JOIN required)"));
         };
+        let mut agreed = agreed;
+        step::fill_fed(req, &mut agreed, &mut shared.seqs.lock().unwrap(), &fed);
         let comm = shared.comm_abort.lock().unwrap().clone();
         *shared.step_started.lock().unwrap() = Some(Instant::now());
         let res = engine.compute(req, agreed);
         *shared.step_started.lock().unwrap() = None;
+        if let Ok(r) = &res {
+            step::record_draws(&mut shared.seqs.lock().unwrap(), r);
+        }
         let res = match (res, comm.filter(|c| c.is_aborted())) {
             (Ok(_) | Err(StepError::Backend(_)), Some(_)) => {
                 let why = shared.status.lock().unwrap().error.clone();

@@ -36,6 +36,62 @@ impl Agreed {
     }
 }
 
+/// Overlapped decode, before the agreement: a `feed_drawn` sequence feeds one token, which
+/// this rank may not have drawn yet (the step it follows may still be computing). It stands in
+/// as a placeholder so the handshake and the validation see one token; [`fill_fed`] puts the
+/// drawn token in before the forward. Returns the request indices of those sequences. A
+/// `feed_drawn` sequence that also lists tokens is left as is and refused at the agreement.
+pub(super) fn placeholder_fed(req: &mut pb::StepRequest) -> Vec<usize> {
+    let mut fed = Vec::new();
+    for (i, s) in req.seqs.iter_mut().enumerate() {
+        if s.feed_drawn && s.tokens.is_empty() {
+            s.tokens.push(0);
+            fed.push(i);
+        }
+    }
+    fed
+}
+
+/// Overlapped decode, after the step it follows computed here: each `fed` sequence feeds the
+/// token this rank drew for it, which also joins its penalties' history. A sequence with no
+/// drawn token (its previous step failed, or it asked for no draw) leaves the batch with an
+/// error and is forgotten here (pipelined steps advanced its length at the agreement).
+pub(super) fn fill_fed(req: &mut pb::StepRequest, agreed: &mut Agreed, seqs: &mut SeqTable, fed: &[usize]) {
+    for &i in fed {
+        let Some(bi) = agreed.batch_src.iter().position(|&j| j == i) else { continue };
+        let s = &mut req.seqs[i];
+        match seqs.take_draw(s.seq_id) {
+            Some(token) => {
+                s.tokens = vec![token];
+                agreed.batch.seqs[bi].tokens = vec![token];
+                if let Some(sp) = s.sampling.as_mut() {
+                    match sp.history.iter_mut().find(|h| h.token == token) {
+                        Some(h) => h.count += 1,
+                        None => sp.history.push(pb::TokenCount { token, count: 1 }),
+                    }
+                }
+            }
+            None => {
+                agreed.batch.seqs.remove(bi);
+                agreed.batch_src.remove(bi);
+                seqs.forget(s.seq_id);
+                let r = &mut agreed.results[i];
+                r.error = format!("sequence {} feeds a drawn token, but this rank drew none for it in the step before", s.seq_id);
+                r.cache_len = 0;
+            }
+        }
+    }
+}
+
+/// Remembers the tokens this step drew, for the `feed_drawn` steps that follow.
+pub(super) fn record_draws(seqs: &mut SeqTable, resp: &pb::StepResponse) {
+    for r in &resp.seqs {
+        if let Some(t) = r.rows.last().and_then(|row| row.drawn_token) {
+            seqs.set_draw(r.seq_id, t);
+        }
+    }
+}
+
 /// Steps 1-3 of a step: local verdicts, the agreement over `world` (an all-gather of one small
 /// record; absent or of size 1: this rank alone decides) and the drops. `validate` checks a
 /// batch against this rank's cache geometry (`(page_size, n_pages)`). Mismatched sequences are
@@ -53,6 +109,9 @@ pub(super) fn agree_step(
     let mut verdicts = Vec::with_capacity(req.seqs.len());
     for s in &req.seqs {
         let mut v = seqs.check(s.seq_id, s.expected_cache_len, s.adopt_prefix);
+        if v == Verdict::Ok && s.feed_drawn && s.tokens.len() != 1 {
+            v = Verdict::Invalid(format!("sequence {}: feed_drawn feeds one drawn token; tokens must be empty", s.seq_id));
+        }
         if v == Verdict::Ok {
             let one = ForwardBatch { seqs: vec![to_seq_step(s)] };
             if let Err(e) = validate(&one) {
@@ -134,7 +193,12 @@ impl Engine {
         let geometry = (self.kv.page_size as u32, self.kv.n_pages as u32);
         let backend = &self.backend;
         let world = self.world.as_ref().map(|w| &*w.transport);
+        let mut req = req.clone();
+        let fed = placeholder_fed(&mut req);
+        let req = &mut req;
         let mut agreed = agree_step(seqs, &|b| backend.validate(b), world, self.rank, geometry, req)?;
+        fill_fed(req, &mut agreed, seqs, &fed);
+        let req = &*req;
         let t_agreed = agreed.t0.elapsed();
         let tokens = agreed.batch.n_tokens();
         let out = forward_agreed(&mut self.backend, &self.part, self.parallelism, world, self.head, &agreed)?;
@@ -142,6 +206,7 @@ impl Engine {
         advance(seqs, req, &mut agreed);
         let r = answer(self.rank, self.head, &mut self.replay, req, agreed, out);
         if let Ok(a) = &r {
+            record_draws(seqs, a);
             let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
             tracing::debug!(target: "minimax::step", step = req.step_id, tokens, agree_ms = ms(t_agreed), forward_ms = ms(t_forward - t_agreed), answer_ms = a.compute_ms as f64 - ms(t_forward), "step");
         }
@@ -227,6 +292,15 @@ fn answer(rank: u32, head: bool, replay: &mut Option<crate::replay::Replay>, req
                 ro.top_logprobs = vec![0.0];
                 ro.top_ids.truncate(spec.top_logprobs as usize);
                 ro.top_logprobs.truncate(spec.top_logprobs as usize);
+            }
+            // The draw with the gateway's uniform number (the last row: the one it samples).
+            if s.logits == pb::LogitsMode::Last as i32
+                && let Some(u) = s.sampling.as_ref().and_then(|sp| sp.draw)
+            {
+                let ro = results[i].rows.last_mut().expect("just pushed");
+                let k = sampling::draw::draw(&ro.candidate_ids, &ro.candidate_logits, spec.temperature, u)
+                    .map_err(|e| StepError::Invalid(format!("sequence {}: draw: {e}", s.seq_id)))?;
+                ro.drawn_token = Some(ro.candidate_ids[k]);
             }
         }
     }

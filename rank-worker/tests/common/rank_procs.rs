@@ -164,6 +164,7 @@ pub fn to_pb(s: &SeqStep) -> pb::SeqStep {
         sampling: Some(pb::SamplingSpec { temperature: 1.0, top_p: 1.0, ..Default::default() }),
         score_targets: vec![],
         adopt_prefix: false,
+        feed_drawn: false,
     }
 }
 

@@ -35,6 +35,7 @@
 
 use std::cmp::Ordering;
 
+pub mod draw;
 pub mod partial;
 
 /// Sampling parameters of one sequence, as the gateway asks the head rank to apply them.
