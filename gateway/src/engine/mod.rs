@@ -349,7 +349,8 @@ async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::Unbo
                 plan.request.after_step_id = if inflight.is_empty() { 0 } else { last_sent };
                 last_sent = plan.request.step_id;
                 metrics.steps.fetch_add(1, Ordering::Relaxed);
-                let tokens: usize = plan.request.seqs.iter().map(|q| q.tokens.len()).sum();
+                // (Overlapped entries feed one token the rank drew: not in `tokens`.)
+                let tokens = plan.n_tokens();
                 metrics.step_tokens.fetch_add(tokens as u64, Ordering::Relaxed);
                 if let Some(t) = idle_since.take() {
                     metrics.step_gap_us.fetch_add(t.elapsed().as_micros() as u64, Ordering::Relaxed);

@@ -704,8 +704,13 @@ impl CudaModel {
             return Ok(None);
         }
         // The rows stay in the workspace's logits buffer (row = flat token index): the caller
-        // downloads them (`StepLogits::into_host`, forward_stage) or reduces them in place.
-        self.gpu.sync()?;
+        // downloads them (`StepLogits::into_host`, forward_stage) or reduces them in place; both
+        // sync. Without tensor parallelism this rank is the head and reduces them next on this
+        // stream, so (unless MINIMAX_FAST_SYNC=1) the sampling kernels queue behind the graph
+        // without a host round trip between them.
+        if super::fast::fast_sync() || self.part.tp_world > 1 {
+            self.gpu.sync()?;
+        }
         Ok(Some(StepLogits::device(&*self, rows, out_idx)))
     }
 

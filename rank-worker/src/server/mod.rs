@@ -155,6 +155,9 @@ struct Shared {
     comm_abort: Mutex<Option<CommAbort>>,
     /// When the running step started (the watcher's step deadline for NCCL worlds).
     step_started: Mutex<Option<Instant>>,
+    /// When the last pipelined compute ended (the idle gap before the next one, logged at
+    /// debug level under `minimax::step`).
+    last_compute_end: Mutex<Option<Instant>>,
     health: HealthReporter,
     shutdown: watch::Sender<bool>,
     /// Rank 0's last CREATEd world id.
@@ -602,11 +605,15 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
         let mut agreed = agreed;
         step::fill_fed(req, &mut agreed, &mut shared.seqs.lock().unwrap(), &fed);
         let comm = shared.comm_abort.lock().unwrap().clone();
-        *shared.step_started.lock().unwrap() = Some(Instant::now());
+        let start = Instant::now();
+        *shared.step_started.lock().unwrap() = Some(start);
+        let idle = shared.last_compute_end.lock().unwrap().map(|e| start.saturating_duration_since(e));
         let res = engine.compute(req, agreed);
         *shared.step_started.lock().unwrap() = None;
+        *shared.last_compute_end.lock().unwrap() = Some(Instant::now());
         if let Ok(r) = &res {
             step::record_draws(&mut shared.seqs.lock().unwrap(), r);
+            tracing::debug!(target: "minimax::step", step = req.step_id, idle_ms = idle.map_or(-1.0, |d| d.as_secs_f64() * 1e3), "since the previous compute ended");
         }
         let res = match (res, comm.filter(|c| c.is_aborted())) {
             (Ok(_) | Err(StepError::Backend(_)), Some(_)) => {
@@ -788,6 +795,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
         transport: Mutex::new(None),
         comm_abort: Mutex::new(None),
         step_started: Mutex::new(None),
+        last_compute_end: Mutex::new(None),
         health,
         shutdown: shutdown_tx,
         created_id: Mutex::new(None),

@@ -214,10 +214,19 @@ impl Engine {
     }
 
     /// Computes an agreed step whose cache lengths were already advanced (pipelined steps).
-    pub(super) fn compute(&mut self, req: &pb::StepRequest, agreed: Agreed) -> Result<pb::StepResponse, StepError> {
+    /// Its `compute_ms` counts from here: the wait for the steps before it is not compute.
+    pub(super) fn compute(&mut self, req: &pb::StepRequest, mut agreed: Agreed) -> Result<pb::StepResponse, StepError> {
+        agreed.t0 = Instant::now();
         let world = self.world.as_ref().map(|w| &*w.transport);
+        let tokens = agreed.batch.n_tokens();
         let out = forward_agreed(&mut self.backend, &self.part, self.parallelism, world, self.head, &agreed)?;
-        answer(self.rank, self.head, &mut self.replay, req, agreed, out)
+        let t_forward = agreed.t0.elapsed();
+        let r = answer(self.rank, self.head, &mut self.replay, req, agreed, out);
+        if let Ok(a) = &r {
+            let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+            tracing::debug!(target: "minimax::step", step = req.step_id, tokens, forward_ms = ms(t_forward), answer_ms = a.compute_ms as f64 - ms(t_forward), "step");
+        }
+        r
     }
 }
 

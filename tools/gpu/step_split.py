@@ -1,0 +1,34 @@
+#!/usr/bin/env python3
+"""Summarizes a rank's `minimax::step` debug lines (RUST_LOG=info,minimax::step=debug): per step
+of N tokens, the compute's forward and answer ms and the idle gap since the previous compute
+ended, as medians and p90 over the steps of each size.
+  tools/gpu/step_split.py LOG..."""
+import re, sys, statistics as st
+from collections import defaultdict
+
+ansi = re.compile(r"\x1b\[[0-9;]*m")
+comp = defaultdict(list)
+idle = []
+for path in sys.argv[1:]:
+    for line in open(path, errors="replace"):
+        line = ansi.sub("", line)
+        if "minimax::step" not in line:
+            continue
+        kv = dict(re.findall(r"(\w+)=(-?[0-9.]+)", line))
+        if "forward_ms" in kv and "tokens" in kv:
+            comp[int(kv["tokens"])].append((float(kv["forward_ms"]), float(kv["answer_ms"])))
+        elif "idle_ms" in kv and float(kv["idle_ms"]) >= 0:
+            idle.append(float(kv["idle_ms"]))
+
+def q(v, p):
+    v = sorted(v)
+    return v[min(len(v) - 1, int(p / 100 * len(v)))] if v else float("nan")
+
+print("| tokens | steps | forward ms p50 / p90 | answer ms p50 / p90 |")
+print("| --- | --- | --- | --- |")
+for n in sorted(comp):
+    f = [a for a, _ in comp[n]]
+    a = [b for _, b in comp[n]]
+    print(f"| {n} | {len(f)} | {q(f, 50):.3f} / {q(f, 90):.3f} | {q(a, 50):.3f} / {q(a, 90):.3f} |")
+if idle:
+    print(f"idle between computes: {len(idle)} gaps, p10 / p50 / p90 {q(idle, 10):.3f} / {q(idle, 50):.3f} / {q(idle, 90):.3f} ms")
