@@ -461,3 +461,24 @@ async fn world_of_one_feeds_its_drawn_tokens_to_chained_steps() {
     assert!((raw_d1 / 0.9 - fed[d1 as usize]) > 2.0, "d1 {d1}: raw {raw_d1}, final {}", fed[d1 as usize]);
     assert_eq!(row4.drawn_token, row2.drawn_token);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_world_of_two_refuses_fed_tokens_alike() {
+    // Only the head draws, so a tensor world cannot feed drawn tokens: every rank refuses the
+    // sequence with the same error (no rank computes it alone), and the step's other sequence
+    // runs.
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = fixtures_dir().join("m2-small").join("f32.gguf");
+    let spec = WorldSpec { model: &gguf, world: 2, parallelism: "tensor", page_size: PAGE, kv_pages: N_PAGES, collective_timeout_ms: 20_000, tcp: false, extra: vec![] };
+    let (_procs, clients, _descs) = start_world(dir.path(), &spec).await;
+    let mut fed = to_pb(&SeqStep { seq_id: 1, page_table: vec![1], cached_len: 0, tokens: vec![], logits: LogitsWanted::Last });
+    fed.feed_drawn = true;
+    let plain = to_pb(&SeqStep { seq_id: 2, page_table: vec![2], cached_len: 0, tokens: vec![5, 6, 7], logits: LogitsWanted::Last });
+    let req = pb::StepRequest { step_id: 1, after_step_id: 0, seqs: vec![fed, plain] };
+    for (r, a) in step_all(&clients, &req).await.into_iter().enumerate() {
+        let a = a.unwrap_or_else(|e| panic!("rank {r}: {e}"));
+        assert!(a.seqs[0].error.contains("world of one rank"), "rank {r}: {:?}", a.seqs[0].error);
+        assert_eq!(a.seqs[1].error, "", "rank {r}");
+        assert_eq!(a.seqs[1].cache_len, 3, "rank {r}");
+    }
+}

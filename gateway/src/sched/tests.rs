@@ -32,23 +32,25 @@ fn submit(s: &mut Scheduler, r: GenerationRequest) -> mpsc::UnboundedReceiver<Ge
     rx
 }
 
+/// Sends the scheduler's queued rank-side releases to the fake world.
+async fn flush_releases(s: &mut Scheduler, w: &FakeWorld) {
+    let rel = s.take_releases();
+    if !rel.is_empty() {
+        w.release(1, rel).await.unwrap();
+    }
+}
+
 /// Runs steps until the scheduler is idle; returns the plans' (seqs, tokens) shapes.
 async fn drive(s: &mut Scheduler, w: &FakeWorld) -> Vec<Vec<(usize, LogitsMode)>> {
     let mut shapes = Vec::new();
     for _ in 0..10_000 {
         s.reap_cancelled();
-        let rel = s.take_releases();
-        if !rel.is_empty() {
-            w.release(1, rel).await.unwrap();
-        }
+        flush_releases(s, w).await;
         let Some(plan) = s.plan() else { break };
         shapes.push(plan.request.seqs.iter().map(|q| (q.tokens.len(), LogitsMode::try_from(q.logits).unwrap())).collect());
         let resp = w.step(1, plan.request.clone()).await.unwrap();
         s.complete(plan, &resp, 0);
-        let rel = s.take_releases();
-        if !rel.is_empty() {
-            w.release(1, rel).await.unwrap();
-        }
+        flush_releases(s, w).await;
         s.kv().check_invariants();
     }
     assert!(s.is_idle(), "scheduler did not drain");
@@ -347,10 +349,7 @@ async fn drive_in_flight(s: &mut Scheduler, w: &FakeWorld, depth: usize) -> usiz
     let mut flight: Vec<(Plan, Vec<StepResponse>)> = vec![];
     for _ in 0..10_000 {
         s.reap_cancelled();
-        let rel = s.take_releases();
-        if !rel.is_empty() {
-            w.release(1, rel).await.unwrap();
-        }
+        flush_releases(s, w).await;
         while flight.len() < depth {
             let Some(plan) = s.plan() else { break };
             // Disjoint from every plan in flight: no sequence, no written page in common.
@@ -500,10 +499,7 @@ async fn drive_overlapped(s: &mut Scheduler, w: &FakeWorld) -> usize {
     let mut flight: VecDeque<(Plan, Vec<StepResponse>)> = VecDeque::new();
     for _ in 0..10_000 {
         s.reap_cancelled();
-        let rel = s.take_releases();
-        if !rel.is_empty() {
-            w.release(1, rel).await.unwrap();
-        }
+        flush_releases(s, w).await;
         while flight.len() < 2 {
             let Some(plan) = s.plan() else { break };
             fed += plan.request.seqs.iter().filter(|q| q.feed_drawn).count();
@@ -512,10 +508,7 @@ async fn drive_overlapped(s: &mut Scheduler, w: &FakeWorld) -> usize {
         }
         let Some((plan, resp)) = flight.pop_front() else { break };
         s.complete(plan, &resp, 0);
-        let rel = s.take_releases();
-        if !rel.is_empty() {
-            w.release(1, rel).await.unwrap();
-        }
+        flush_releases(s, w).await;
         s.kv().check_invariants();
     }
     assert!(s.is_idle(), "scheduler did not drain");

@@ -10,6 +10,7 @@ mod step;
 
 use std::collections::VecDeque;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::{Duration, Instant};
 
@@ -438,6 +439,24 @@ fn join(shared: &Shared, req: pb::CollectiveRequest) -> Result<pb::CollectiveRes
 struct Pipe {
     st: Mutex<PipeState>,
     cv: Condvar,
+    /// `PipeState::computing`, readable without the lock (the spin of `wait_turn`).
+    computing: AtomicU64,
+    /// When the running compute started, and a running mean of compute durations (µs).
+    started: Mutex<Option<Instant>>,
+    mean_us: AtomicU64,
+}
+
+/// How long before the running compute's expected end the next step stops sleeping on the
+/// condition variable and spins: a sleeping thread's wake-up (~50 µs measured on the H200
+/// host) would otherwise sit between two steps with the GPU idle.
+const SPIN_AHEAD: Duration = Duration::from_micros(300);
+/// The longest spin before sleeping again (a compute that runs long).
+const SPIN_MAX: Duration = Duration::from_millis(2);
+
+/// `MINIMAX_PIPE_SPIN=0`: the next step sleeps until the turn passes (A/B of the spin).
+fn pipe_spin() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MINIMAX_PIPE_SPIN").map_or(true, |v| v != "0"))
 }
 
 #[derive(Default)]
@@ -472,6 +491,14 @@ impl Pipe {
         let mut st = self.st.lock().unwrap();
         let epoch = st.epoch + 1;
         *st = PipeState { epoch, ..Default::default() };
+        self.computing.store(0, Ordering::SeqCst);
+        *self.started.lock().unwrap() = None;
+        self.cv.notify_all();
+    }
+
+    /// The compute holding the turn starts now (the next step's waiter re-plans its wait).
+    fn compute_started(&self) {
+        *self.started.lock().unwrap() = Some(Instant::now());
         self.cv.notify_all();
     }
 
@@ -520,7 +547,9 @@ impl Pipe {
         ticket
     }
 
-    /// Waits until `ticket` may compute (every earlier agreed step computed here).
+    /// Waits until `ticket` may compute (every earlier agreed step computed here). While the
+    /// step just before it computes, it sleeps until shortly before that compute's expected
+    /// end (the running mean), then spins, so it starts as soon as the turn passes.
     fn wait_turn(&self, ticket: u64, epoch: u64, ready: &dyn Fn() -> bool) -> Result<(), StepError> {
         let mut st = self.st.lock().unwrap();
         loop {
@@ -530,7 +559,27 @@ impl Pipe {
             if st.computing == ticket {
                 return Ok(());
             }
-            st = self.cv.wait_timeout(st, Duration::from_millis(100)).unwrap().0;
+            let started = if st.computing + 1 == ticket && pipe_spin() { *self.started.lock().unwrap() } else { None };
+            let mean = Duration::from_micros(self.mean_us.load(Ordering::Relaxed));
+            let Some(start) = started.filter(|_| !mean.is_zero()) else {
+                st = self.cv.wait_timeout(st, Duration::from_millis(100)).unwrap().0;
+                continue;
+            };
+            let sleep = (start + mean).saturating_duration_since(Instant::now()).saturating_sub(SPIN_AHEAD);
+            if !sleep.is_zero() {
+                st = self.cv.wait_timeout(st, sleep.min(Duration::from_millis(100))).unwrap().0;
+                continue;
+            }
+            drop(st);
+            let until = Instant::now() + SPIN_MAX;
+            while self.computing.load(Ordering::Acquire) + 1 == ticket && Instant::now() < until {
+                std::hint::spin_loop();
+            }
+            st = self.st.lock().unwrap();
+            if st.computing + 1 == ticket && st.epoch == epoch {
+                // Still running past its expected end: sleep until it is done.
+                st = self.cv.wait_timeout(st, Duration::from_millis(100)).unwrap().0;
+            }
         }
     }
 
@@ -538,8 +587,15 @@ impl Pipe {
     fn done(&self, ticket: u64, epoch: u64) {
         let mut st = self.st.lock().unwrap();
         if st.epoch == epoch && st.computing == ticket {
+            if let Some(t) = self.started.lock().unwrap().take() {
+                // Running mean over ~8 computes.
+                let us = t.elapsed().as_micros() as u64;
+                let m = self.mean_us.load(Ordering::Relaxed);
+                self.mean_us.store(if m == 0 { us } else { (7 * m + us) / 8 }, Ordering::Relaxed);
+            }
             st.computing += 1;
             st.in_flight -= 1;
+            self.computing.store(st.computing, Ordering::Release);
         }
         self.cv.notify_all();
     }
@@ -606,6 +662,7 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
         step::fill_fed(req, &mut agreed, &mut shared.seqs.lock().unwrap(), &fed);
         let comm = shared.comm_abort.lock().unwrap().clone();
         let start = Instant::now();
+        shared.pipe.compute_started();
         *shared.step_started.lock().unwrap() = Some(start);
         let idle = shared.last_compute_end.lock().unwrap().map(|e| start.saturating_duration_since(e));
         let res = engine.compute(req, agreed);

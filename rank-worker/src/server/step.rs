@@ -112,6 +112,11 @@ pub(super) fn agree_step(
         if v == Verdict::Ok && s.feed_drawn && s.tokens.len() != 1 {
             v = Verdict::Invalid(format!("sequence {}: feed_drawn feeds one drawn token; tokens must be empty", s.seq_id));
         }
+        // Only the head draws: in a world of several ranks the others could not feed the token
+        // (every rank sees the same request, so all refuse it alike).
+        if v == Verdict::Ok && s.feed_drawn && world.is_some_and(|w| w.world() > 1) {
+            v = Verdict::Invalid(format!("sequence {}: feed_drawn needs a world of one rank", s.seq_id));
+        }
         if v == Verdict::Ok {
             let one = ForwardBatch { seqs: vec![to_seq_step(s)] };
             if let Err(e) = validate(&one) {
