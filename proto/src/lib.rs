@@ -9,7 +9,9 @@ pub mod v1 {
     pub const FILE_DESCRIPTOR_SET: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/rank_descriptor.bin"));
 
     /// The protocol version ranks report in `DescribeResponse.protocol_version`.
-    pub const PROTOCOL_VERSION: u32 = 1;
+    /// 2: drawn tokens (`SamplingSpec.draw`, `RowOutput.drawn_token`, `SeqStep.feed_drawn`) and
+    /// chained steps in one-rank worlds; a version-1 rank would run overlapped steps unordered.
+    pub const PROTOCOL_VERSION: u32 = 2;
 
     mod convert;
     pub use convert::{row_output, sampling_spec};

@@ -349,7 +349,7 @@ async fn unix_socket_is_0600_and_grpcurl_sees_health_and_reflection() {
     };
     let mut c = connect(&procs[0].listen).await;
     let d = wait_state(&mut c, pb::RankState::Loaded).await;
-    assert_eq!(d.protocol_version, 1);
+    assert_eq!(d.protocol_version, 2);
     assert_eq!(d.pid, procs[0].child.id());
     assert_eq!((d.page_size, d.n_pages), (16, 8));
     assert_eq!(d.model.as_ref().unwrap().vocab_size, 1000);
@@ -481,4 +481,24 @@ async fn a_world_of_two_refuses_fed_tokens_alike() {
         assert_eq!(a.seqs[1].error, "", "rank {r}");
         assert_eq!(a.seqs[1].cache_len, 3, "rank {r}");
     }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_that_cannot_be_drawn_fails_only_its_draw() {
+    // A tiny temperature makes the final logits infinite: that row gets no drawn token (the
+    // gateway's own draw then fails that request alone), the step and its other row go on.
+    let dir = tempfile::tempdir().unwrap();
+    let gguf = fixtures_dir().join("m2-small").join("f32.gguf");
+    let spec = WorldSpec { model: &gguf, world: 1, parallelism: "tensor", page_size: PAGE, kv_pages: N_PAGES, collective_timeout_ms: 20_000, tcp: false, extra: vec![] };
+    let (_procs, clients, _descs) = start_world(dir.path(), &spec).await;
+    let mut bad = to_pb(&SeqStep { seq_id: 1, page_table: vec![1], cached_len: 0, tokens: vec![5, 6, 7], logits: LogitsWanted::Last });
+    bad.sampling = Some(pb::SamplingSpec { temperature: 1e-40, top_k: 5, draw: Some(0.5), ..Default::default() });
+    let mut good = to_pb(&SeqStep { seq_id: 2, page_table: vec![2], cached_len: 0, tokens: vec![5, 6, 7], logits: LogitsWanted::Last });
+    good.sampling = Some(pb::SamplingSpec { temperature: 0.7, top_k: 5, draw: Some(0.5), ..Default::default() });
+    let req = pb::StepRequest { step_id: 1, after_step_id: 0, seqs: vec![bad, good] };
+    let a = step_all(&clients, &req).await.remove(0).expect("the step runs");
+    assert_eq!(a.seqs[0].error, "");
+    assert_eq!(a.seqs[0].rows[0].drawn_token, None);
+    assert!(a.seqs[0].rows[0].candidate_logits.iter().any(|l| !l.is_finite()));
+    assert!(a.seqs[1].rows[0].drawn_token.is_some());
 }

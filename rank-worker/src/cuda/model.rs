@@ -708,7 +708,9 @@ impl CudaModel {
         // sync. Without tensor parallelism this rank is the head and reduces them next on this
         // stream, so (unless MINIMAX_FAST_SYNC=1) the sampling kernels queue behind the graph
         // without a host round trip between them.
-        if super::fast::fast_sync() || self.part.tp_world > 1 {
+        // A step that wants no rows (a prefill chunk) is never reduced: it waits here, so its
+        // errors surface in it.
+        if super::fast::fast_sync() || self.part.tp_world > 1 || rows.is_empty() {
             self.gpu.sync()?;
         }
         Ok(Some(StepLogits::device(&*self, rows, out_idx)))

@@ -586,8 +586,10 @@ impl Pipe {
     /// `ticket`'s compute ended (well or not): the next one may start.
     fn done(&self, ticket: u64, epoch: u64) {
         let mut st = self.st.lock().unwrap();
+        // (Taken whatever the epoch: a compute that ended after a reset leaves no start behind.)
+        let started = self.started.lock().unwrap().take();
         if st.epoch == epoch && st.computing == ticket {
-            if let Some(t) = self.started.lock().unwrap().take() {
+            if let Some(t) = started {
                 // Running mean over ~8 computes.
                 let us = t.elapsed().as_micros() as u64;
                 let m = self.mean_us.load(Ordering::Relaxed);
@@ -638,7 +640,7 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
         let mut seqs = shared.seqs.lock().unwrap();
         let (ps, np) = (cfg.kv.page_size, cfg.kv.n_pages);
         let validate = |b: &minimax_shared::forward::ForwardBatch| b.validate(ps, np, vocab, context).map_err(|e| e.to_string());
-        let mut agreed = step::agree_step(&mut seqs, &validate, transport.as_deref(), cfg.rank as u32, (ps as u32, np as u32), req);
+        let mut agreed = step::agree_step(&mut seqs, &validate, transport.as_deref(), cfg.rank as u32, (ps as u32, np as u32), req, &fed);
         if let Ok(a) = &mut agreed {
             step::advance(&mut seqs, req, a);
         }

@@ -39,8 +39,9 @@ impl Agreed {
 /// Overlapped decode, before the agreement: a `feed_drawn` sequence feeds one token, which
 /// this rank may not have drawn yet (the step it follows may still be computing). It stands in
 /// as a placeholder so the handshake and the validation see one token; [`fill_fed`] puts the
-/// drawn token in before the forward. Returns the request indices of those sequences. A
-/// `feed_drawn` sequence that also lists tokens is left as is and refused at the agreement.
+/// drawn token in before the forward. Returns the request indices of those sequences (pass
+/// them to [`agree_step`]). A `feed_drawn` sequence that also lists tokens is left as is and
+/// refused at the agreement.
 pub(super) fn placeholder_fed(req: &mut pb::StepRequest) -> Vec<usize> {
     let mut fed = Vec::new();
     for (i, s) in req.seqs.iter_mut().enumerate() {
@@ -103,13 +104,14 @@ pub(super) fn agree_step(
     rank: u32,
     (page_size, n_pages): (u32, u32),
     req: &pb::StepRequest,
+    fed: &[usize],
 ) -> Result<Agreed, StepError> {
     let t0 = Instant::now();
     // 1. Local verdicts.
     let mut verdicts = Vec::with_capacity(req.seqs.len());
-    for s in &req.seqs {
+    for (i, s) in req.seqs.iter().enumerate() {
         let mut v = seqs.check(s.seq_id, s.expected_cache_len, s.adopt_prefix);
-        if v == Verdict::Ok && s.feed_drawn && s.tokens.len() != 1 {
+        if v == Verdict::Ok && s.feed_drawn && !fed.contains(&i) {
             v = Verdict::Invalid(format!("sequence {}: feed_drawn feeds one drawn token; tokens must be empty", s.seq_id));
         }
         // Only the head draws: in a world of several ranks the others could not feed the token
@@ -201,7 +203,7 @@ impl Engine {
         let mut req = req.clone();
         let fed = placeholder_fed(&mut req);
         let req = &mut req;
-        let mut agreed = agree_step(seqs, &|b| backend.validate(b), world, self.rank, geometry, req)?;
+        let mut agreed = agree_step(seqs, &|b| backend.validate(b), world, self.rank, geometry, req, &fed)?;
         fill_fed(req, &mut agreed, seqs, &fed);
         let req = &*req;
         let t_agreed = agreed.t0.elapsed();
@@ -311,10 +313,14 @@ fn answer(rank: u32, head: bool, replay: &mut Option<crate::replay::Replay>, req
             if s.logits == pb::LogitsMode::Last as i32
                 && let Some(u) = s.sampling.as_ref().and_then(|sp| sp.draw)
             {
+                // A row that cannot be drawn (e.g. infinite logits from a tiny temperature) gets
+                // no token: the gateway's own draw fails that request alone, and a step feeding
+                // it finds none ("drew none").
                 let ro = results[i].rows.last_mut().expect("just pushed");
-                let k = sampling::draw::draw(&ro.candidate_ids, &ro.candidate_logits, spec.temperature, u)
-                    .map_err(|e| StepError::Invalid(format!("sequence {}: draw: {e}", s.seq_id)))?;
-                ro.drawn_token = Some(ro.candidate_ids[k]);
+                match sampling::draw::draw(&ro.candidate_ids, &ro.candidate_logits, spec.temperature, u) {
+                    Ok(k) => ro.drawn_token = Some(ro.candidate_ids[k]),
+                    Err(e) => tracing::warn!(seq_id = s.seq_id, "no token drawn: {e}"),
+                }
             }
         }
     }
