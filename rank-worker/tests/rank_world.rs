@@ -381,6 +381,13 @@ async fn unix_socket_is_0600_and_grpcurl_sees_health_and_reflection() {
     assert!(!sock.exists());
 }
 
+/// A tensor world of `world` CPU ranks on the m2-small f32 fixture, joined and READY.
+async fn tensor_world(dir: &Path, world: usize) -> (Vec<RankProc>, Vec<Client>, Vec<pb::DescribeResponse>) {
+    let gguf = fixtures_dir().join("m2-small").join("f32.gguf");
+    let spec = WorldSpec { model: &gguf, world, parallelism: "tensor", page_size: PAGE, kv_pages: N_PAGES, collective_timeout_ms: 20_000, tcp: false, extra: vec![] };
+    start_world(dir, &spec).await
+}
+
 /// The whole vocabulary's final (sampling) logits of a row.
 fn final_logits(row: &pb::RowOutput, vocab: usize) -> Vec<f32> {
     assert_eq!(row.candidate_ids.len(), vocab, "whole vocabulary expected");
@@ -398,9 +405,7 @@ async fn world_of_one_feeds_its_drawn_tokens_to_chained_steps() {
     // penalties' history of step 2. Reference: the same prefix with the token given
     // explicitly and in the history.
     let dir = tempfile::tempdir().unwrap();
-    let gguf = fixtures_dir().join("m2-small").join("f32.gguf");
-    let spec = WorldSpec { model: &gguf, world: 1, parallelism: "tensor", page_size: PAGE, kv_pages: N_PAGES, collective_timeout_ms: 20_000, tcp: false, extra: vec![] };
-    let (_procs, clients, descs) = start_world(dir.path(), &spec).await;
+    let (_procs, clients, descs) = tensor_world(dir.path(), 1).await;
     let vocab = descs[0].model.as_ref().unwrap().vocab_size as usize;
     let prompt: Vec<u32> = (0..20u32).map(|i| (i * 37 + 11) % vocab as u32).collect();
     let sampling = |u: f64, history: Vec<(u32, u32)>| pb::SamplingSpec {
@@ -468,9 +473,7 @@ async fn a_world_of_two_refuses_fed_tokens_alike() {
     // sequence with the same error (no rank computes it alone), and the step's other sequence
     // runs.
     let dir = tempfile::tempdir().unwrap();
-    let gguf = fixtures_dir().join("m2-small").join("f32.gguf");
-    let spec = WorldSpec { model: &gguf, world: 2, parallelism: "tensor", page_size: PAGE, kv_pages: N_PAGES, collective_timeout_ms: 20_000, tcp: false, extra: vec![] };
-    let (_procs, clients, _descs) = start_world(dir.path(), &spec).await;
+    let (_procs, clients, _descs) = tensor_world(dir.path(), 2).await;
     let mut fed = to_pb(&SeqStep { seq_id: 1, page_table: vec![1], cached_len: 0, tokens: vec![], logits: LogitsWanted::Last });
     fed.feed_drawn = true;
     let plain = to_pb(&SeqStep { seq_id: 2, page_table: vec![2], cached_len: 0, tokens: vec![5, 6, 7], logits: LogitsWanted::Last });
@@ -488,9 +491,7 @@ async fn a_row_that_cannot_be_drawn_fails_only_its_draw() {
     // A tiny temperature makes the final logits infinite: that row gets no drawn token (the
     // gateway's own draw then fails that request alone), the step and its other row go on.
     let dir = tempfile::tempdir().unwrap();
-    let gguf = fixtures_dir().join("m2-small").join("f32.gguf");
-    let spec = WorldSpec { model: &gguf, world: 1, parallelism: "tensor", page_size: PAGE, kv_pages: N_PAGES, collective_timeout_ms: 20_000, tcp: false, extra: vec![] };
-    let (_procs, clients, _descs) = start_world(dir.path(), &spec).await;
+    let (_procs, clients, _descs) = tensor_world(dir.path(), 1).await;
     let mut bad = to_pb(&SeqStep { seq_id: 1, page_table: vec![1], cached_len: 0, tokens: vec![5, 6, 7], logits: LogitsWanted::Last });
     bad.sampling = Some(pb::SamplingSpec { temperature: 1e-40, top_k: 5, draw: Some(0.5), ..Default::default() });
     let mut good = to_pb(&SeqStep { seq_id: 2, page_table: vec![2], cached_len: 0, tokens: vec![5, 6, 7], logits: LogitsWanted::Last });
