@@ -14,5 +14,5 @@ pub mod v1 {
     pub const PROTOCOL_VERSION: u32 = 2;
 
     mod convert;
-    pub use convert::{row_output, sampling_spec};
+    pub use convert::{count_in_history, draw_row, row_output, sampling_spec};
 }

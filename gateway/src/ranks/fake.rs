@@ -17,7 +17,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
 use minimax_proto::v1::{LogitsMode, SeqResult, StepRequest, StepResponse};
-use minimax_shared::sampling::draw::draw;
 use minimax_shared::sampling::reduce_row;
 use tokio::sync::watch;
 
@@ -169,10 +168,7 @@ impl FakeWorld {
                     Some(t) if s.tokens.is_empty() => {
                         s.tokens = vec![t];
                         if let Some(sp) = s.sampling.as_mut() {
-                            match sp.history.iter_mut().find(|h| h.token == t) {
-                                Some(h) => h.count += 1,
-                                None => sp.history.push(minimax_proto::v1::TokenCount { token: t, count: 1 }),
-                            }
+                            minimax_proto::v1::count_in_history(sp, t);
                         }
                     }
                     _ => {
@@ -222,9 +218,8 @@ impl FakeWorld {
                     if let Some(u) = s.sampling.as_ref().and_then(|sp| sp.draw)
                         && mode == LogitsMode::Last
                     {
-                        let k = draw(&row.candidate_ids, &row.candidate_logits, spec.temperature, u).map_err(|e| WorldError::Broken(format!("fake draw: {e}")))?;
-                        row.drawn_token = Some(row.candidate_ids[k]);
-                        st.draws.insert(s.seq_id, row.candidate_ids[k]);
+                        let t = minimax_proto::v1::draw_row(&mut row, spec.temperature, u).map_err(|e| WorldError::Broken(format!("fake draw: {e}")))?;
+                        st.draws.insert(s.seq_id, t);
                     }
                     rows.push(row);
                 }

@@ -76,6 +76,12 @@ impl Sampler {
         self.rng.random::<f64>()
     }
 
+    /// The spec of the request's next sampled step, with the uniform number it takes.
+    pub fn next_spec(&mut self) -> (SamplingSpec, f64) {
+        let u = self.next_draw();
+        (self.spec(u), u)
+    }
+
     /// What the head rank must reduce this request's next row to, and the uniform number it
     /// draws the token with. The history holds the tokens sampled so far here; an overlapped
     /// step's rank adds the token it feeds.

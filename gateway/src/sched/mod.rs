@@ -629,14 +629,14 @@ impl Scheduler {
                     self.running[idx].pages.extend(p);
                 }
                 let s = &mut self.running[idx];
-                let u = s.sampler.as_mut().expect("a generation").next_draw();
+                let (spec, u) = s.sampler.as_mut().expect("a generation").next_spec();
                 seqs.push(SeqStep {
                     seq_id: s.seq_id,
                     page_table: s.pages.clone(),
                     expected_cache_len: at as u32,
                     tokens: vec![],
                     logits: LogitsMode::Last as i32,
-                    sampling: Some(s.sampler.as_ref().unwrap().spec(u)),
+                    sampling: Some(spec),
                     score_targets: vec![],
                     adopt_prefix: false,
                     feed_drawn: true,
@@ -894,9 +894,8 @@ fn build_seq_step(s: &mut Seq, n: usize) -> (SeqStep, Option<f64>) {
     let (logits, score_targets, sampling, draw) = if s.is_score() {
         (LogitsMode::All, s.tokens[start + 1..start + n + 1].to_vec(), None, None)
     } else if start + n == s.tokens.len() {
-        let sampler = s.sampler.as_mut().unwrap();
-        let u = sampler.next_draw();
-        (LogitsMode::Last, vec![], Some(sampler.spec(u)), Some(u))
+        let (spec, u) = s.sampler.as_mut().unwrap().next_spec();
+        (LogitsMode::Last, vec![], Some(spec), Some(u))
     } else {
         (LogitsMode::None, vec![], None, None)
     };

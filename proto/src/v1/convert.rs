@@ -1,9 +1,10 @@
 //! Conversions between the wire messages and the shared sampling types, in one place so the
 //! rank and every test world read the proto's defaults the same way.
 
+use minimax_shared::sampling::draw::{DrawError, draw};
 use minimax_shared::sampling::{RowReduction, SamplingSpec as Spec};
 
-use super::{RowOutput, SamplingSpec};
+use super::{RowOutput, SamplingSpec, TokenCount};
 
 /// The gateway's sampling message as the reduction's spec. Proto3 defaults are mapped to "off":
 /// an unset message or `temperature = 0` is greedy, `top_p` outside (0, 1) and
@@ -38,5 +39,21 @@ pub fn row_output(position: u32, red: RowReduction) -> RowOutput {
         top_logprobs: red.top_logprobs,
         target_logprob: red.target_logprob.unwrap_or(0.0),
         drawn_token: None,
+    }
+}
+
+/// Draws `row`'s token among its candidates with the uniform number `u` into `drawn_token`
+/// (the head rank's draw, and the test worlds'); an error leaves it unset.
+pub fn draw_row(row: &mut RowOutput, temperature: f32, u: f64) -> Result<u32, DrawError> {
+    let k = draw(&row.candidate_ids, &row.candidate_logits, temperature, u)?;
+    row.drawn_token = Some(row.candidate_ids[k]);
+    Ok(row.candidate_ids[k])
+}
+
+/// Counts one more `token` in the penalties' history (a fed token the gateway could not list).
+pub fn count_in_history(spec: &mut SamplingSpec, token: u32) {
+    match spec.history.iter_mut().find(|h| h.token == token) {
+        Some(h) => h.count += 1,
+        None => spec.history.push(TokenCount { token, count: 1 }),
     }
 }

@@ -66,10 +66,7 @@ pub(super) fn fill_fed(req: &mut pb::StepRequest, agreed: &mut Agreed, seqs: &mu
                 s.tokens = vec![token];
                 agreed.batch.seqs[bi].tokens = vec![token];
                 if let Some(sp) = s.sampling.as_mut() {
-                    match sp.history.iter_mut().find(|h| h.token == token) {
-                        Some(h) => h.count += 1,
-                        None => sp.history.push(pb::TokenCount { token, count: 1 }),
-                    }
+                    pb::count_in_history(sp, token);
                 }
             }
             None => {
@@ -111,13 +108,13 @@ pub(super) fn agree_step(
     let mut verdicts = Vec::with_capacity(req.seqs.len());
     for (i, s) in req.seqs.iter().enumerate() {
         let mut v = seqs.check(s.seq_id, s.expected_cache_len, s.adopt_prefix);
-        if v == Verdict::Ok && s.feed_drawn && !fed.contains(&i) {
-            v = Verdict::Invalid(format!("sequence {}: feed_drawn feeds one drawn token; tokens must be empty", s.seq_id));
-        }
         // Only the head draws: in a world of several ranks the others could not feed the token
         // (every rank sees the same request, so all refuse it alike).
         if v == Verdict::Ok && s.feed_drawn && world.is_some_and(|w| w.world() > 1) {
             v = Verdict::Invalid(format!("sequence {}: feed_drawn needs a world of one rank", s.seq_id));
+        }
+        if v == Verdict::Ok && s.feed_drawn && !fed.contains(&i) {
+            v = Verdict::Invalid(format!("sequence {}: feed_drawn feeds one drawn token; tokens must be empty", s.seq_id));
         }
         if v == Verdict::Ok {
             let one = ForwardBatch { seqs: vec![to_seq_step(s)] };
@@ -195,17 +192,14 @@ pub(super) fn advance(seqs: &mut SeqTable, req: &pb::StepRequest, agreed: &mut A
 }
 
 impl Engine {
-    /// Runs one step (blocking; the caller holds the engine and the sequence table).
+    /// Runs one step (blocking; the caller holds the engine and the sequence table). Tensor
+    /// worlds of several ranks (every other world runs `pipelined_step`), which refuse
+    /// `feed_drawn`, so no drawn token is fed or kept here.
     pub fn step(&mut self, seqs: &mut SeqTable, req: &pb::StepRequest) -> Result<pb::StepResponse, StepError> {
         let geometry = (self.kv.page_size as u32, self.kv.n_pages as u32);
         let backend = &self.backend;
         let world = self.world.as_ref().map(|w| &*w.transport);
-        let mut req = req.clone();
-        let fed = placeholder_fed(&mut req);
-        let req = &mut req;
-        let mut agreed = agree_step(seqs, &|b| backend.validate(b), world, self.rank, geometry, req, &fed)?;
-        fill_fed(req, &mut agreed, seqs, &fed);
-        let req = &*req;
+        let mut agreed = agree_step(seqs, &|b| backend.validate(b), world, self.rank, geometry, req, &[])?;
         let t_agreed = agreed.t0.elapsed();
         let tokens = agreed.batch.n_tokens();
         let out = forward_agreed(&mut self.backend, &self.part, self.parallelism, world, self.head, &agreed)?;
@@ -213,7 +207,6 @@ impl Engine {
         advance(seqs, req, &mut agreed);
         let r = answer(self.rank, self.head, &mut self.replay, req, agreed, out);
         if let Ok(a) = &r {
-            record_draws(seqs, a);
             let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
             tracing::debug!(target: "minimax::step", step = req.step_id, tokens, agree_ms = ms(t_agreed), forward_ms = ms(t_forward - t_agreed), answer_ms = a.compute_ms as f64 - ms(t_forward), "step");
         }
@@ -316,10 +309,8 @@ fn answer(rank: u32, head: bool, replay: &mut Option<crate::replay::Replay>, req
                 // A row that cannot be drawn (e.g. infinite logits from a tiny temperature) gets
                 // no token: the gateway's own draw fails that request alone, and a step feeding
                 // it finds none ("drew none").
-                let ro = results[i].rows.last_mut().expect("just pushed");
-                match sampling::draw::draw(&ro.candidate_ids, &ro.candidate_logits, spec.temperature, u) {
-                    Ok(k) => ro.drawn_token = Some(ro.candidate_ids[k]),
-                    Err(e) => tracing::warn!(seq_id = s.seq_id, "no token drawn: {e}"),
+                if let Err(e) = pb::draw_row(results[i].rows.last_mut().expect("just pushed"), spec.temperature, u) {
+                    tracing::warn!(seq_id = s.seq_id, "no token drawn: {e}");
                 }
             }
         }
