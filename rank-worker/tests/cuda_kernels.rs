@@ -8,7 +8,8 @@ mod common;
 
 use common::gpu::{Rng, TYPES, bits, gpu, launch_us, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
 use minimax_rank::cuda::fast::{self, DownKind, GateUpKind, MvqKind, Mvmma};
-use minimax_rank::cuda::{Arg, AttnArgs, KvDtype};
+use cudarc::driver::CudaSlice;
+use minimax_rank::cuda::{Arg, AttnArgs, DevMat, Gpu, KvDtype};
 use minimax_shared::model::GatingFunc;
 use minimax_shared::quant::{self, GgmlType};
 
@@ -570,6 +571,35 @@ fn fast_q8_products_and_fused_moe_match_cpu() {
     }
 }
 
+/// One router case of the fused-norm router tests: f32 router weights (`rows` x `cols`), `nt`
+/// residual rows strided by `xs = cols + 64`, the norm weight and the bias, on the host and
+/// uploaded (drawn in that order from `rng`).
+struct NormRouterCase {
+    xs: usize,
+    wm: Vec<f32>,
+    x: Vec<f32>,
+    nw: Vec<f32>,
+    _w: CudaSlice<u8>,
+    dm: DevMat,
+    xb: CudaSlice<f32>,
+    nwb: CudaSlice<f32>,
+    bb: CudaSlice<f32>,
+}
+
+impl NormRouterCase {
+    fn new(g: &Gpu, rng: &mut Rng, rows: usize, cols: usize, nt: usize) -> Self {
+        let xs = cols + 64;
+        let wm = rng.vec(rows * cols, 0.05);
+        let x = rng.vec(nt * xs, 2.0);
+        let nw = rng.vec(cols, 1.0);
+        let bias = rng.vec(rows, 0.3);
+        let bytes: Vec<u8> = wm.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let (_w, dm) = upload_mat(g, GgmlType::F32, &bytes, rows, cols, 0);
+        let (xb, nwb, bb) = (g.upload(&x).unwrap(), g.upload(&nw).unwrap(), g.upload(&bias).unwrap());
+        Self { xs, wm, x, nw, _w, dm, xb, nwb, bb }
+    }
+}
+
 /// The fast path's register-resident kernels: RMSNorm + q8 (`norm_q8` with a weight and an f32
 /// copy), the F32 router product (`router_f32`), its fused forms (with the top-k, with the MoE
 /// norm: `router_topk_norm_f32`, `router_topk_f32n`), and the fused q/k norm + partial RoPE + KV
@@ -715,14 +745,8 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
     // bit-identical to norm_q8 + router_topk_f32; residual rows strided; twice (counters back
     // at zero); widths 128 (one partial virtual warp set), 3072 (M2.7) and 4096 (the widest).
     for (rows, cols, k, nt, gating) in [(256usize, 3072usize, 8usize, 2usize, GatingFunc::Sigmoid), (37, 128, 5, 3, GatingFunc::Softmax), (64, 4096, 4, 1, GatingFunc::Sigmoid)] {
-        let xs = cols + 64;
-        let wm = rng.vec(rows * cols, 0.05);
-        let x = rng.vec(nt * xs, 2.0);
-        let nw = rng.vec(cols, 1.0);
-        let bias = rng.vec(rows, 0.3);
-        let bytes: Vec<u8> = wm.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let (_wb, dm) = upload_mat(&g, GgmlType::F32, &bytes, rows, cols, 0);
-        let (xb, nwb, bb) = (g.upload(&x).unwrap(), g.upload(&nw).unwrap(), g.upload(&bias).unwrap());
+        // (`_w` holds the device weights `dm` points into.)
+        let NormRouterCase { xs, _w, dm, xb, nwb, bb, .. } = NormRouterCase::new(&g, &mut rng, rows, cols, nt);
         let cnt = g.zeros::<u32>(nt).unwrap();
         let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
         let eps = 1e-6f32;
@@ -765,15 +789,8 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
         (64, 4096, 4, 1, GatingFunc::Sigmoid, true),
     ] {
         fast::set_router_prefetch(Some(pf));
-        let xs = cols + 64;
         let eps = 1e-6f32;
-        let wm = rng.vec(rows * cols, 0.05);
-        let x = rng.vec(nt * xs, 2.0);
-        let nw = rng.vec(cols, 1.0);
-        let bias = rng.vec(rows, 0.3);
-        let bytes: Vec<u8> = wm.iter().flat_map(|v| v.to_le_bytes()).collect();
-        let (_wb, dm) = upload_mat(&g, GgmlType::F32, &bytes, rows, cols, 0);
-        let (xb, nwb, bb) = (g.upload(&x).unwrap(), g.upload(&nw).unwrap(), g.upload(&bias).unwrap());
+        let NormRouterCase { xs, wm, x, nw, _w, dm, xb, nwb, bb } = NormRouterCase::new(&g, &mut rng, rows, cols, nt);
         let (cnt, ss) = (g.zeros::<u32>(nt).unwrap(), poisoned(&g, nt * cols / 32));
         let normed: Vec<Vec<f32>> = (0..nt).map(|t| rms_norm_ref(&x[t * xs..t * xs + cols], &nw, eps)).collect();
         let want_y: Vec<f32> = (0..nt).flat_map(|t| (0..rows).map(|r| wm[r * cols..(r + 1) * cols].iter().zip(&normed[t]).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() as f32).collect::<Vec<_>>()).collect();
