@@ -238,14 +238,16 @@ __device__ __forceinline__ float ld_cg(const float* p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
-// The top-k of one token by one warp: logits lg (read through L2), outputs ids_t[k], w_t[k].
+// The top-k of one token by one warp: logits lg (read through L2) times scale (exact at 1: the
+// streamed gate/up passes the MoE norm's 1 / rms, which router_topk_f32n's last block applies
+// to the stored logits with the same rounding), outputs ids_t[k], w_t[k].
 __device__ __forceinline__ void route_topk_warp(const float* lg, const float* bias, int E, int k, int gating,
-                                                int* ids_t, float* w_t, int lane) {
+                                                int* ids_t, float* w_t, int lane, float scale = 1.0f) {
     float sc[RK_MAXE], ch[RK_MAXE];
 #pragma unroll
     for (int i = 0; i < RK_MAXE; i++) {
         int e = lane + 32 * i;
-        sc[i] = e < E ? ld_cg(lg + e) : 0.f;
+        sc[i] = e < E ? __fmul_rn(ld_cg(lg + e), scale) : 0.f;
         ch[i] = e < E ? bias[e] : 0.f;
     }
     if (gating == 2) {
@@ -404,6 +406,16 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32x(const float* 
     router_last_block_topk(y, ys, bias, rows, k, gating, ids, w, cnt, t, warp, lane);
 }
 
+// The MoE norm's 1 / rms of one token from router_topk_f32n's group sums of squares ss_t
+// (ng = n / 32 of them), by one warp, every lane the same value: the one sum order of the last
+// block's scale and of the streamed gate/up that routes inline (moe_gate_up_blkr).
+__device__ __forceinline__ float router_norm_inv(const float* ss_t, int ng, int n, float eps, int lane) {
+    float sum = 0.f;
+    for (int g0 = 0; g0 < ng; g0 += 32) sum += g0 + lane < ng ? __ldcg(ss_t + g0 + lane) : 0.f;
+    sum = warp_sum(sum);
+    return 1.0f / sqrtf(sum / (float)n + eps);
+}
+
 // norm_q8 (weight nw) and router_topk_f32x without the separate norm launch. RMSNorm's scale
 // is one scalar a token, so with h the unnormalized row and u = nw h (elementwise):
 //   logits = Wr (u inv),  q8(u inv) = q8(u) with its scales times inv,
@@ -415,11 +427,15 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32x(const float* 
 // norm, so the MoE norm's launch and its wait leave the chain. Logits differ from
 // norm_q8 + router_topk_f32x by f32 rounding. grid (ceil(rows / 4), nt), block 128, dynamic
 // shared memory 4 n bytes; n % 32 == 0, n <= 32 * 4 * gridDim.x * ... (any: groups loop).
-extern "C" __global__ void __launch_bounds__(128) router_topk_f32n(const float* W, int rows, int n, const float* x,
-                                                                  i64 xs, const float* nw, float eps, float* y,
-                                                                  i64 ys, const float* bias, int k, int gating,
-                                                                  int* ids, float* w, u32* cnt, i8* q, float* d,
-                                                                  float* ss, int pf) {
+// TAIL false (router_f32n): no arrival, no scale, no top-k: y keeps the raw logits, d the
+// unscaled q8 scales, ss the group sums, and the streamed gate/up after it routes
+// (moe_gate_up_blkr: every block takes inv and the top-k itself), so the router's arrival, its
+// last block's scale and top-k leave the chain; ids, w and cnt are not touched.
+template <bool TAIL>
+__device__ __forceinline__ void router_f32n_impl(const float* W, int rows, int n, const float* x, i64 xs,
+                                                 const float* nw, float eps, float* y, i64 ys, const float* bias,
+                                                 int k, int gating, int* ids, float* w, u32* cnt, i8* q, float* d,
+                                                 float* ss, int pf) {
     extern __shared__ float4 rn_x[];
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y, r = blockIdx.x * 4 + warp;
     const int n4 = n >> 2, ng = n >> 5;
@@ -452,6 +468,7 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32n(const float* 
         acc = warp_sum(acc);
         if (lane == 0) y[(i64)t * ys + r] = acc;
     }
+    if (!TAIL) return;
     // router_last_block_topk, with the scale applied first.
     __shared__ int last;
     __shared__ float s_inv;
@@ -462,22 +479,29 @@ extern "C" __global__ void __launch_bounds__(128) router_topk_f32n(const float* 
     if (!last) return;
     __threadfence();
     if (warp == 0) {
-        float sum = 0.f;
-        for (int g0 = 0; g0 < ng; g0 += 32) sum += g0 + lane < ng ? __ldcg(ss + (i64)t * ng + g0 + lane) : 0.f;
-        sum = warp_sum(sum);
-        if (lane == 0) s_inv = 1.0f / sqrtf(sum / (float)n + eps);
+        const float inv = router_norm_inv(ss + (i64)t * ng, ng, n, eps, lane);
+        if (lane == 0) s_inv = inv;
     }
     __syncthreads();
     const float inv = s_inv;
     float* yt = y + (i64)t * ys;
-    for (int e = threadIdx.x; e < rows; e += 128) yt[e] = __ldcg(yt + e) * inv;
-    for (int g = threadIdx.x; g < ng; g += 128) dt[g] = __ldcg(dt + g) * inv;
+    for (int e = threadIdx.x; e < rows; e += 128) yt[e] = __fmul_rn(__ldcg(yt + e), inv);
+    for (int g = threadIdx.x; g < ng; g += 128) dt[g] = __fmul_rn(__ldcg(dt + g), inv);
     __threadfence_block();
     __syncthreads();
     if (warp == 0) {
         route_topk_warp(yt, bias, rows, k, gating, ids + t * k, w + t * k, lane);
         if (lane == 0) cnt[t] = 0;
     }
+}
+#define ROUTER_F32N_ARGS                                                                                          \
+    const float *W, int rows, int n, const float *x, i64 xs, const float *nw, float eps, float *y, i64 ys,        \
+        const float *bias, int k, int gating, int *ids, float *w, u32 *cnt, i8 *q, float *d, float *ss, int pf
+extern "C" __global__ void __launch_bounds__(128) router_topk_f32n(ROUTER_F32N_ARGS) {
+    router_f32n_impl<true>(W, rows, n, x, xs, nw, eps, y, ys, bias, k, gating, ids, w, cnt, q, d, ss, pf);
+}
+extern "C" __global__ void __launch_bounds__(128) router_f32n(ROUTER_F32N_ARGS) {
+    router_f32n_impl<false>(W, rows, n, x, xs, nw, eps, y, ys, bias, k, gating, ids, w, cnt, q, d, ss, pf);
 }
 
 // router_topk_f32 for several tokens: warp (row, group of up to 4 tokens) loads each round of

@@ -252,13 +252,17 @@ __device__ __forceinline__ void bk_bars_init(const BkBars& b, int nst) {
 struct BkGu : BkBars {
     u64* fullq;
     float *sg, *su;
+    int* rids;  // moe_gate_up_blkr: the token's top-k (32 ids at most), then their weights
+    float* rw;
 };
 __device__ __forceinline__ BkGu bk_gu_hdr(u8* h) {
     BkGu g;
     static_cast<BkBars&>(g) = bk_bars(h);
     g.sg = (float*)(h + 256);
     g.su = g.sg + BK_NAB * 32;
-    g.fullq = (u64*)(g.su + BK_NAB * 32);  // [BK_MAXST][4]
+    g.fullq = (u64*)(g.su + BK_NAB * 32);  // [BK_MAXST][4], ends at 1536 bytes
+    g.rids = (int*)(h + 1536);
+    g.rw = (float*)(h + 1664);
     return g;
 }
 // The gate/up's barriers, by thread 0 (the caller then needs a block barrier).
@@ -314,10 +318,13 @@ __device__ __forceinline__ void gu_epilogue(const BkGu& g, int nrg, int t0, int 
         if (lane == 0) bk_mb_arrive(&g.aempty[a]);
     }
 }
-// A gate/up consumer warp: its rows of every stage of tasks [t0, t1).
-template <int SR, int DEC>
+// A gate/up consumer warp: its rows of every stage of tasks [t0, t1). ROUTE: the input's q8
+// scales are stored unscaled (router_f32n) and take the MoE norm's inv here, as
+// router_topk_f32n's last block would have stored them (same product, same bits).
+template <int SR, int DEC, bool ROUTE>
 __device__ __forceinline__ void gu_consume(const BkGu& g, const u8* ring, i64 rb, int k, int nrg, int t0, int t1,
-                                           int nst, const i8* xq, const float* xd, int ncol, int warp, int lane) {
+                                           int nst, const i8* xq, const float* xd, int ncol, float inv, int warp,
+                                           int lane) {
     constexpr int RPW = SR / 8;  // rows per consumer warp and stage
     const i64 sb_bytes = 2 * SR * rb;
     const int nu = ncol >> 5;
@@ -336,7 +343,10 @@ __device__ __forceinline__ void gu_consume(const BkGu& g, const u8* ring, i64 rb
         if (tok != t_x) {
             gr_x_load(xq, xd, tok, ncol, lane, nu, xa, xb, xs);
 #pragma unroll
-            for (int j = 0; j < GR_XU; j++) iq4_x_il(xa[j], xb[j]);
+            for (int j = 0; j < GR_XU; j++) {
+                iq4_x_il(xa[j], xb[j]);
+                if (ROUTE) xs[j] = __fmul_rn(xs[j], inv);
+            }
             t_x = tok;
         }
         const int a = it % BK_NAB;
@@ -387,10 +397,26 @@ __device__ __forceinline__ void gu_consume(const BkGu& g, const u8* ring, i64 rb
         if (lane == 0) bk_mb_arrive(&g.afull[a]);
     }
 }
-template <int SR, int DEC>
+// Inline routing of moe_gate_up_blkr (one token, after router_f32n): the raw logits lg (E of
+// them), the MoE norm's group sums ss (ncol / 32), the selection bias, gating (2 sigmoid, 1
+// softmax), eps; the top-k also goes to ids / w for the down (block 0 writes them).
+struct GuRoute {
+    const float *lg, *ss, *bias;
+    int E, gating;
+    float eps;
+    int* ids;
+    float* w;
+};
+// ROUTE (moe_gate_up_blkr, one token): after the wait every warp takes the MoE norm's inv from
+// the router's group sums (router_norm_inv: the order of router_topk_f32n's last block) and the
+// producer warp runs route_topk_warp on the raw logits times inv into the header: the ids,
+// weights and q8 scales the router's last block would have made, bit for bit, without its
+// arrival, scale stores and top-k in the chain. Block 0 also stores ids / w for the down, and
+// no block lets the down launch before that: the down reads ids before its own wait.
+template <int SR, int DEC, bool ROUTE>
 __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k, int npairs,
                                             int grows, int nst, const i8* xq, const float* xd, int ncol, i8* aq,
-                                            float* ad, int ld) {
+                                            float* ad, int ld, GuRoute rt) {
     static_assert(SR == 8 || SR == 16 || SR == 32, "stage rows");
     extern __shared__ __align__(128) u8 bk_sm[];
     const BkGu g = bk_gu_hdr(bk_sm);
@@ -399,6 +425,23 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
     bk_gu_init(g, nst);
     __syncthreads();
     pdl_wait();  // ids come from the router, the input from norm_q8 of this step
+    float inv = 1.f;
+    if (ROUTE) {
+        inv = router_norm_inv(rt.ss, ncol >> 5, ncol, rt.eps, lane);
+        if (warp == BK_PW) {
+            route_topk_warp(rt.lg, rt.bias, rt.E, k, rt.gating, g.rids, g.rw, lane, inv);
+            __syncwarp();
+            if (blockIdx.x == 0) {
+                if (lane < k) {
+                    rt.ids[lane] = g.rids[lane];
+                    rt.w[lane] = g.rw[lane];
+                }
+                __threadfence();
+            }
+        }
+        __syncthreads();
+        ids = g.rids;
+    }
     pdl_trigger();
     const int nrg = grows >> 5;
     int t0, t1;
@@ -408,7 +451,7 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
     } else if (warp == BK_EW) {
         gu_epilogue(g, nrg, t0, t1, aq, ad, ld, lane);
     } else {
-        gu_consume<SR, DEC>(g, ring, rb, k, nrg, t0, t1, nst, xq, xd, ncol, warp, lane);
+        gu_consume<SR, DEC, ROUTE>(g, ring, rb, k, nrg, t0, t1, nst, xq, xd, ncol, inv, warp, lane);
     }
 }
 #define BK_GU_ARGS                                                                                               \
@@ -416,9 +459,17 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
         const float *xd, int ncol, i8 *aq, float *ad, int ld
 #define BK_GU_ONE(name, sr, dec)                                                                                 \
     extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_##name##sr##_iq4_xs(BK_GU_ARGS) {     \
-        gate_up_blk<sr, dec>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld);                  \
+        gate_up_blk<sr, dec, false>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld, GuRoute{});  \
     }
-#define BK_GU_INST(sr) BK_GU_ONE(blk, sr, BK_SIGN) BK_GU_ONE(blkl, sr, BK_LOOKUP) BK_GU_ONE(blkp, sr, BK_PROBE)
+// moe_gate_up_blkr: the sign decode, routing inline (ids: where the top-k goes, with w).
+#define BK_GU_ROUTED(sr)                                                                                         \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_blkr##sr##_iq4_xs(                    \
+        BK_GU_ARGS, const float* lg, const float* ss, const float* bias, int E, int gating, float eps, float* w) {   \
+        gate_up_blk<sr, BK_SIGN, true>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld,          \
+                                       GuRoute{lg, ss, bias, E, gating, eps, (int*)ids, w});                     \
+    }
+#define BK_GU_INST(sr) \
+    BK_GU_ONE(blk, sr, BK_SIGN) BK_GU_ONE(blkl, sr, BK_LOOKUP) BK_GU_ONE(blkp, sr, BK_PROBE) BK_GU_ROUTED(sr)
 BK_GU_INST(8)
 BK_GU_INST(16)
 BK_GU_INST(32)
@@ -432,7 +483,8 @@ BK_GU_INST(32)
 // warp adds hidden[t][r] += sum_j wts[t k + j] d[r][j] (j in order). The producer reads ids
 // before the PDL wait and starts the ring at once: they were written by the router, which
 // completed before the previous kernel (a gate/up kernel: it waits before it triggers) let this
-// one start (moe_down_rx4's argument); it reads them through L2. The consumers and the epilogue
+// one start (moe_down_rx4's argument), or by block 0 of moe_gate_up_blkr, whose blocks trigger
+// only after it stored and fenced them; it reads them through L2. The consumers and the epilogue
 // wait before reading the activations and routing weights. DEC as in gate_up_blk (BK_LOOKUP:
 // iq4_decode_t + iq4_dot on the activations as stored; BK_SIGN: iq4s_codes on them interleaved
 // by iq4_x_il; the same integers).

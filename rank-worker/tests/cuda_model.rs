@@ -431,6 +431,47 @@ fn fast_path_normless_router_matches_norm_and_router() {
     eprintln!("m2.7:iq4xs:2 fast path: normless router within {worst:.1e} (relative to the largest logit) of norm_q8 + router, greedy tokens identical, graphs bit-identical");
 }
 
+/// The gate/up that routes itself (`router_f32n` + `moe_gate_up_blkr`: the router's arrival and
+/// top-k moved into the gate/up's blocks) at M2.7 dimensions (2 layers): one-token steps launch
+/// those instead of `router_topk_f32n` + `moe_gate_up_blk32`; logits of steps of 1, 2 and 5
+/// tokens bit-identical to routing in the router's last block, direct and from graphs.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_path_inline_route_is_bit_identical() {
+    use minimax_rank::cuda::fast::set_route_inline;
+    use minimax_shared::model::synthetic::SyntheticSpec;
+    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
+    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 23).unwrap();
+    assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
+    let kernels = |m: &mut CudaModel, on: bool, base: u32| -> Vec<String> {
+        set_route_inline(Some(on));
+        one_token_step_kernels(m, 700 + base as u64, (base..base + 2).collect(), vec![3, 5, 7], 11)
+    };
+    let count = |ks: &[String], p: &str| ks.iter().filter(|k| k.starts_with(p)).count();
+    let on = kernels(&mut m, true, 0);
+    let off = kernels(&mut m, false, 4);
+    assert!(count(&on, "router_f32n") == 2 && count(&on, "moe_gate_up_blkr") == 2 && count(&on, "router_topk_f32n") == 0, "inline routing: {on:?}");
+    assert!(count(&off, "router_topk_f32n") == 2 && count(&off, "moe_gate_up_blkr") == 0 && count(&off, "moe_gate_up_blk") == 2, "routing in the router: {off:?}");
+    let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
+    for (i, (on, graphs)) in [(false, false), (true, false), (false, true), (true, true)].into_iter().enumerate() {
+        set_route_inline(Some(on));
+        m.clear_graphs();
+        m.set_fast(true, graphs);
+        runs.push(fast_step_series(&mut m, 40 + 20 * i as u32));
+    }
+    set_route_inline(None);
+    m.clear_graphs();
+    m.set_fast(true, true);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    for (what, a, b) in [("direct", &runs[0], &runs[1]), ("graphs", &runs[2], &runs[3]), ("inline, graphs against direct", &runs[1], &runs[3])] {
+        for (s, (x, y)) in a.iter().zip(b.iter()).enumerate() {
+            assert!(y.iter().all(|v| v.is_finite()), "{what}, step {s}: non-finite logits");
+            assert!(bits(x) == bits(y), "{what}, step {s}: inline routing changed the logits (max |diff| {})", max_diff(x, y));
+        }
+    }
+    eprintln!("m2.7:iq4xs:2 fast path: inline routing bit-identical to the router's last block over {} steps, direct and from graphs", runs[0].len());
+}
+
 /// The kernels of one direct (no graph) one-token step of sequence `seq` (token `next`) after
 /// `prompt` filled its cache (pages `pt`), in launch order.
 fn one_token_step_kernels(m: &mut CudaModel, seq: u64, pt: Vec<u32>, prompt: Vec<u32>, next: u32) -> Vec<String> {

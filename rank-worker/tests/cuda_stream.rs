@@ -100,6 +100,89 @@ fn streamed_gate_up_matches_psx() {
     }
 }
 
+/// The gate/up that routes itself (`router_f32n` + `moe_gate_up_blkr`, one token) against the
+/// router's last block (`router_topk_f32n` + `moe_gate_up_blk`): ids, weights, q8 codes and scales
+/// of the activations bit for bit, on the same residual row: M2.7's shape (top-8 of 256 by
+/// sigmoid, 3072 -> 1536) and a softmax router (top-5 of 37, 2560 columns: a partial lane round,
+/// activations 64 apart), every stage shape, the default ring and 2 stages, twice. The routed
+/// kernel writes ids / w for the down from block 0 only, so they are poisoned first. Shapes it
+/// cannot take are refused.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn streamed_gate_up_routes_like_the_router() {
+    use minimax_rank::cuda::stream::StreamRoute;
+    use minimax_shared::model::GatingFunc;
+    let _s = SERIAL.lock().unwrap_or_else(|e| e.into_inner());
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0107);
+    let eps = 1e-6f32;
+    for &(e, k, h, ff, pad, gating) in &[(256usize, 8usize, 3072usize, 1536usize, 0usize, GatingFunc::Sigmoid), (37, 5, 2560, 1536, 64, GatingFunc::Softmax)] {
+        let ld = ff + pad;
+        let gate = random_rows(&mut rng, TY, e * ff, h);
+        let upw = random_rows(&mut rng, TY, e * ff, h);
+        let (_g1, gm) = upload_mat(&g, TY, &gate, ff, h, e);
+        let (_g2, um) = upload_mat(&g, TY, &upw, ff, h, e);
+        let wr = rng.vec(e * h, 0.05);
+        let bytes: Vec<u8> = wr.iter().flat_map(|v| v.to_le_bytes()).collect();
+        let (_r, rm) = upload_mat(&g, GgmlType::F32, &bytes, e, h, 0);
+        let (x, nw, bias) = (rng.vec(h, 2.0), rng.vec(h, 1.0), rng.vec(e, 0.3));
+        let (xb, nwb, bb) = (g.upload(&x).unwrap(), g.upload(&nw).unwrap(), g.upload(&bias).unwrap());
+        assert!(g.gate_up_routes(&gm, &um, k, e, ld).unwrap(), "top-{k} of {e}, {h} -> {ff}: the routed gate/up must fit");
+        let cnt = g.zeros::<u32>(1).unwrap();
+        // One token through either path: (ids, weights, q8 codes, q8 scales).
+        let run = |routed: bool| {
+            let (y, ss) = (poisoned(&g, e), poisoned(&g, h / 32));
+            let (xq, xd) = (g.upload(&vec![0x55i8; h]).unwrap(), poisoned(&g, h / 32));
+            let ids = g.zeros::<i32>(k).unwrap();
+            g.fill_u32(g.ptr(&ids), k, u32::MAX).unwrap();
+            let wts = poisoned(&g, k);
+            let aq = g.zeros::<i8>(k * ld).unwrap();
+            g.fill_u32(g.ptr(&aq), k * ld / 4, 0x7f7f_7f7f).unwrap();
+            let ad = poisoned(&g, k * ld / 32);
+            let (px, pq, pd, pa, pad_) = (g.ptr(&xb), g.ptr(&xq), g.ptr(&xd), g.ptr(&aq), g.ptr(&ad));
+            if routed {
+                g.router_f32n(&rm, px, g.ptr(&nwb), eps, g.ptr(&y), g.ptr(&bb), k, gating, pq, pd, g.ptr(&ss)).unwrap();
+                let r = StreamRoute { logits: g.ptr(&y), ss: g.ptr(&ss), bias: g.ptr(&bb), e, gating: if gating == GatingFunc::Sigmoid { 2 } else { 1 }, eps, ids: g.ptr(&ids), wts: g.ptr(&wts) };
+                g.moe_gate_up_stream_routed(&gm, &um, &r, k, pq, pd, pa, pad_, ld).unwrap();
+            } else {
+                g.router_topk_f32n(&rm, px, h, g.ptr(&nwb), eps, g.ptr(&y), e, g.ptr(&bb), k, gating, g.ptr(&ids), g.ptr(&wts), g.ptr(&cnt), pq, pd, g.ptr(&ss), 1).unwrap();
+                g.moe_gate_up_stream(&gm, &um, g.ptr(&ids), k, k, pq, pd, pa, pad_, ld).unwrap();
+            }
+            g.sync().unwrap();
+            (g.download(&ids).unwrap(), g.download(&wts).unwrap(), g.download(&aq).unwrap(), g.download(&ad).unwrap())
+        };
+        let want = run(false);
+        let mut seen = want.0.clone();
+        seen.sort();
+        seen.dedup();
+        assert!(seen.len() == k && seen.iter().all(|&i| (0..e as i32).contains(&i)), "top-{k} of {e}: the router's ids {:?}", want.0);
+        assert!(want.3.iter().all(|v| v.is_finite()), "top-{k} of {e}: the router's path left non-finite scales");
+        for rows in [32usize, 16, 8] {
+            set_stream_rows_cap(Some((rows, 8)));
+            for cap in [None, Some(2)] {
+                set_stream_stage_cap(cap);
+                for rep in 0..2 {
+                    let what = format!("top-{k} of {e} ({gating:?}), {h} -> {ff}, {rows}-row stages, stage cap {cap:?}, rep {rep}");
+                    let got = run(true);
+                    assert_eq!(got.0, want.0, "{what}: ids");
+                    assert_eq!(bits(&got.1), bits(&want.1), "{what}: routing weights");
+                    assert_eq!(got.2, want.2, "{what}: q8 codes of the activations");
+                    assert_eq!(bits(&got.3), bits(&want.3), "{what}: q8 scales of the activations");
+                }
+            }
+        }
+        set_stream_stage_cap(None);
+        set_stream_rows_cap(None);
+        // What it cannot take: more than 32 experts a token, more experts than the top-k reads,
+        // the lookup decode (the A/B kernels route in the router).
+        assert!(!g.gate_up_routes(&gm, &um, 33, 64, ld).unwrap() && !g.gate_up_routes(&gm, &um, k, 300, ld).unwrap(), "top-33 / 300 experts must be refused");
+        set_stream_lookup(Some(true));
+        assert!(!g.gate_up_routes(&gm, &um, k, e, ld).unwrap(), "the lookup decode routes in the router");
+        set_stream_lookup(None);
+        eprintln!("routed gate/up, top-{k} of {e} ({gating:?}), {h} -> {ff}: ids, weights, q8 codes and scales bit-identical to router_topk_f32n + the streamed gate/up");
+    }
+}
+
 /// The combining down (one token's k experts weighted and added to the residual in the block)
 /// against f64 for every output row, deterministic from run to run, nothing written past the
 /// rows: 3 tokens x top-5 of 7 (43 rows: a partial stage; 3040 rows) and M2.7's batch-1 shape

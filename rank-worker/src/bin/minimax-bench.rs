@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -1095,6 +1095,14 @@ fn main() -> anyhow::Result<()> {
         }
         set_router_normless(None);
         set_router_prefetch(None);
+        return Ok(());
+    }
+    if flag("--inline-ab") {
+        use minimax_rank::cuda::fast::set_route_inline;
+        for _ in 0..3 {
+            b1_ab(&mut m, &mut pages, "MoE routing", &["in the router's last block (router_topk_f32n)", "in the gate/up (router_f32n + moe_gate_up_blkr)"], &|i| set_route_inline(Some(i == 1)))?;
+        }
+        set_route_inline(None);
         return Ok(());
     }
     if flag("--first-calls") {

@@ -219,7 +219,7 @@ pub fn set_router_x(on: Option<bool>) {
 }
 
 /// The gating argument of the router kernels (moe.cu's `gating`: 2 = sigmoid, 1 = softmax).
-fn gating_code(g: minimax_shared::model::GatingFunc) -> i32 {
+pub(crate) fn gating_code(g: minimax_shared::model::GatingFunc) -> i32 {
     match g {
         minimax_shared::model::GatingFunc::Sigmoid => 2,
         minimax_shared::model::GatingFunc::Softmax => 1,
@@ -286,6 +286,23 @@ pub fn router_normless() -> bool {
 /// captured graphs after a change.
 pub fn set_router_normless(on: Option<bool>) {
     ROUTER_NORMLESS.set(on);
+}
+
+static ROUTE_INLINE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTE_INLINE", true);
+
+/// Whether one-token steps with the normless router and the streamed gate/up route inside the
+/// gate/up (`router_f32n` + `moe_gate_up_blkr`: every gate/up block takes the MoE norm's scale
+/// and the top-k itself from the router's raw logits) instead of in the router's last block
+/// (`router_topk_f32n`); the same bits (`MINIMAX_ROUTE_INLINE`, default on; `0` = the last
+/// block).
+pub fn route_inline() -> bool {
+    ROUTE_INLINE.get()
+}
+
+/// Overrides [`route_inline`] (A/B runs and tests; `None` = back to the environment). Drop
+/// captured graphs after a change.
+pub fn set_route_inline(on: Option<bool>) {
+    ROUTE_INLINE.set(on);
 }
 
 /// Whether `router_topk_f32n` takes router `w` with MoE norm weight `nw` (F32 float4 rows of a
@@ -1115,13 +1132,27 @@ impl Gpu {
     /// weights up to f32 rounding of the logits. `ss`: `nt * cols / 32` floats of scratch.
     #[allow(clippy::too_many_arguments)]
     pub fn router_topk_f32n(&self, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, ss: u64, nt: usize) -> Result<(), CudaError> {
+        self.router_f32n_any("router_topk_f32n", w, x, xs, nw, eps, y, ys, bias, k, gating, ids, wts, cnt, xq, xd, ss, nt)
+    }
+
+    /// [`Gpu::router_topk_f32n`] without its arrival, scale and top-k (`router_f32n`): `y` keeps
+    /// the raw logits, `xd` the unscaled q8 scales, `ss` the group sums of squares, for a
+    /// streamed gate/up that routes itself ([`Gpu::moe_gate_up_stream_routed`], which must come
+    /// next). One token.
+    #[allow(clippy::too_many_arguments)]
+    pub fn router_f32n(&self, w: &DevMat, x: u64, nw: u64, eps: f32, y: u64, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, xq: u64, xd: u64, ss: u64) -> Result<(), CudaError> {
+        self.router_f32n_any("router_f32n", w, x, w.cols, nw, eps, y, w.rows, bias, k, gating, 0, 0, 0, xq, xd, ss, 1)
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn router_f32n_any(&self, name: &str, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, ss: u64, nt: usize) -> Result<(), CudaError> {
         if !normless_fits(w, nw) || xs % 4 != 0 || x % 16 != 0 || w.rows > ROUTE_FAST_MAX_E || k > 32 || k > w.rows || k == 0 {
-            return Err(CudaError::Shape(format!("router_topk_f32n: {:?} {}x{}, top-{k}", w.ty, w.rows, w.cols)));
+            return Err(CudaError::Shape(format!("{name}: {:?} {}x{}, top-{k}", w.ty, w.rows, w.cols)));
         }
         let g = gating_code(gating);
         let mut args = norm_router_args(w, x, xs, nw, eps, y, ys, bias, k, g, ids, wts, cnt, xq, xd);
         args.extend([Arg::P(ss), Arg::I(router_prefetch() as i32)]);
-        self.launch_pdl("router_topk_f32n", (ceil_div(w.rows, 4), nt as u32, 1), 128, (4 * w.cols) as u32, &args)
+        self.launch_pdl(name, (ceil_div(w.rows, 4), nt as u32, 1), 128, (4 * w.cols) as u32, &args)
     }
 
     /// `norm_q8` of `x` (weight `nw`, into `xq` / `xd`) and [`Gpu::router_topk_f32`] on its

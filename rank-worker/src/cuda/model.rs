@@ -558,10 +558,20 @@ impl CudaModel {
             }
             use super::fast::{ROUTE_FAST_MAX_E, RouteMode, route_mode};
             let rmode = if e <= ROUTE_FAST_MAX_E && k <= 32 { route_mode() } else { RouteMode::Exact };
+            // The down kernel reads whole 272-byte chunks: a rank's expert slice may be stored
+            // padded (zero blocks); the activations then go `dn.cols` apart, pad left zero.
+            let dn = DevMat { cols: l.down.row_bytes / l.down.ty.block_bytes() * l.down.ty.block_elems(), ..l.down };
+            // Steps of several tokens: pairs grouped by expert, each chosen expert read once.
+            let grouped = super::fast::use_grouped(nt, &l.gate, &dn, e);
+            let normless = rmode == RouteMode::Fused && !fuse_router && super::fast::router_normless() && nt < super::fast::router_t4_min() && super::fast::normless_fits(&l.router, l.ffn_norm);
+            // One token, normless router, streamed gate/up: the gate/up routes (fast::route_inline).
+            let inline = normless && nt == 1 && !tp && !grouped && run(sk::ROUTE) && run(sk::GATE_UP) && super::fast::route_inline() && g.gate_up_routes(&l.gate, &l.up, k, e, dn.cols)?;
             if !run(sk::ROUTE) {
+            } else if inline {
+                g.router_f32n(&l.router, hid, l.ffn_norm, c.rms_eps, p(&ws.rl), l.bias, k, c.gating, xq, xd, p(&ws.rss))?;
             } else if fast_router(&l.router) && rmode == RouteMode::Fused && fuse_router {
                 g.router_topk_norm_f32(&l.router, hid, h, l.ffn_norm, c.rms_eps, p(&ws.rl), e, l.bias, k, c.gating, ids, wts, g.ptr(&ws.rcnt), xq, xd, nt)?;
-            } else if rmode == RouteMode::Fused && super::fast::router_normless() && nt < super::fast::router_t4_min() && super::fast::normless_fits(&l.router, l.ffn_norm) {
+            } else if normless {
                 g.router_topk_f32n(&l.router, hid, h, l.ffn_norm, c.rms_eps, p(&ws.rl), e, l.bias, k, c.gating, ids, wts, g.ptr(&ws.rcnt), xq, xd, p(&ws.rss), nt)?;
             } else if fast_router(&l.router) && rmode == RouteMode::Fused {
                 g.norm_q8(hid, h, l.ffn_norm, h, c.rms_eps, nrm, h, xq, xd, nt)?;
@@ -579,13 +589,11 @@ impl CudaModel {
                     g.route_fast(p(&ws.rl), l.bias, e, k, c.gating, ids, wts, nt)?;
                 }
             }
-            // The down kernel reads whole 272-byte chunks: a rank's expert slice may be stored
-            // padded (zero blocks); the activations then go `dn.cols` apart, pad left zero.
-            let dn = DevMat { cols: l.down.row_bytes / l.down.ty.block_bytes() * l.down.ty.block_elems(), ..l.down };
-            // Steps of several tokens: pairs grouped by expert, each chosen expert read once.
-            let grouped = super::fast::use_grouped(nt, &l.gate, &dn, e);
             let (grp, nslots) = (g.ptr(&ws.grp), (nt * k).min(e));
             if !run(sk::GATE_UP) {
+            } else if inline {
+                let r = super::stream::StreamRoute { logits: p(&ws.rl), ss: p(&ws.rss), bias: l.bias, e, gating: super::fast::gating_code(c.gating), eps: c.rms_eps, ids, wts };
+                g.moe_gate_up_stream_routed(&l.gate, &l.up, &r, k, xq, xd, aq, ad, dn.cols)?;
             } else if grouped {
                 g.moe_group(ids, nt * k, e, grp)?;
                 g.moe_gate_up_grp_any(&l.gate, &l.up, grp, e, nslots, k, xq, xd, aq, ad, dn.cols)?;

@@ -126,6 +126,24 @@ pub struct NextNorm {
     pub trig_late: bool,
 }
 
+/// What [`Gpu::moe_gate_up_stream_routed`] routes from: [`Gpu::router_f32n`]'s outputs.
+#[derive(Clone, Copy, Debug)]
+pub struct StreamRoute {
+    /// Raw router logits (`e` f32, not yet scaled by the MoE norm's 1 / rms).
+    pub logits: u64,
+    /// The MoE norm's sums of squares, one per 32 input columns.
+    pub ss: u64,
+    /// Selection bias (`e` f32).
+    pub bias: u64,
+    pub e: usize,
+    /// `route_topk_warp`'s gating code (2 sigmoid, 1 softmax).
+    pub gating: i32,
+    pub eps: f32,
+    /// Where the top-k goes for the down (k ids, k weights), written by block 0.
+    pub ids: u64,
+    pub wts: u64,
+}
+
 /// Threads of a block: 16 consumer warps, the producer and the epilogue warp (`BK_THREADS`).
 const THREADS: u32 = 32 * 18;
 /// Shared memory before the ring: barriers and the hand-over buffers (`BK_HDR`).
@@ -223,6 +241,34 @@ impl Gpu {
         let name = format!("moe_gate_up_{}{sr}_iq4_xs", stem());
         self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))?;
         Ok(true)
+    }
+
+    /// Whether [`Gpu::moe_gate_up_stream_routed`] takes these matrices at top-`k` of `e` experts
+    /// with activations `ld` apart: the streamed gate/up fits, sign decode (not the lookup or
+    /// probe kernels), k <= 32, e <= 256 (`route_topk_warp`).
+    pub fn gate_up_routes(&self, gate: &DevMat, up: &DevMat, k: usize, e: usize, ld: usize) -> Result<bool, CudaError> {
+        let decode = !probe() && !stream_lookup();
+        let fits = (1..=32).contains(&k) && k <= e && e <= super::fast::ROUTE_FAST_MAX_E && ld >= gate.rows && ld % 32 == 0;
+        Ok(decode && fits && stream_on() && self.gate_up_stream_plan(gate, up)?.is_some())
+    }
+
+    /// The streamed gate/up of one token that routes itself (`moe_gate_up_blkr`) after
+    /// [`Gpu::router_f32n`]: each block takes the MoE norm's scale from the group sums `r.ss`
+    /// and the top-k of the raw logits `r.logits`, so `aq` / `ad` and `r.ids` / `r.wts` are
+    /// those of [`Gpu::router_topk_f32n`] + [`Gpu::moe_gate_up_stream`], bit for bit. Errors
+    /// when [`Gpu::gate_up_routes`] says no.
+    #[allow(clippy::too_many_arguments)]
+    pub fn moe_gate_up_stream_routed(&self, gate: &DevMat, up: &DevMat, r: &StreamRoute, k: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<(), CudaError> {
+        let plan = self.gate_up_stream_plan(gate, up)?;
+        let Some((sr, nst)) = plan.filter(|_| self.gate_up_routes(gate, up, k, r.e, ld).unwrap_or(false)) else {
+            return Err(CudaError::Shape(format!("moe_gate_up_stream_routed: {:?} {}x{} top-{k} of {} (ld {ld}, sm_{})", gate.ty, gate.rows, gate.cols, r.e, self.arch)));
+        };
+        let smem = HDR + nst * 2 * sr * gate.row_bytes;
+        let mid = [Arg::P(r.ids), Arg::I(k as i32), Arg::I(k as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32)];
+        let grid = self.stream_grid(k * (gate.rows / 32))?;
+        let mut args = gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld);
+        args.extend([Arg::P(r.logits), Arg::P(r.ss), Arg::P(r.bias), Arg::I(r.e as i32), Arg::I(r.gating), Arg::F(r.eps), Arg::P(r.wts)]);
+        self.launch_pdl(&format!("moe_gate_up_blkr{sr}_iq4_xs"), (grid, 1, 1), THREADS, smem as u32, &args)
     }
 
     /// Streamed down + weighted combine: `hidden[t] += sum_j w[t,j] down[ids[t,j]] act[t,j]`
