@@ -430,14 +430,16 @@ __device__ __forceinline__ float router_norm_inv(const float* ss_t, int ng, int 
 // TAIL false (router_f32n): no arrival, no scale, no top-k: y keeps the raw logits, d the
 // unscaled q8 scales, ss the group sums, and the streamed gate/up after it routes
 // (moe_gate_up_blkr: every block takes inv and the top-k itself), so the router's arrival, its
-// last block's scale and top-k leave the chain; ids, w and cnt are not touched.
+// last block's scale and top-k leave the chain; ids, w and cnt are not touched. Blocks of 1, 2
+// or 4 warps (a warp a row: grid ceil(rows / warps)); the same sums whatever the split.
 template <bool TAIL>
 __device__ __forceinline__ void router_f32n_impl(const float* W, int rows, int n, const float* x, i64 xs,
                                                  const float* nw, float eps, float* y, i64 ys, const float* bias,
                                                  int k, int gating, int* ids, float* w, u32* cnt, i8* q, float* d,
                                                  float* ss, int pf) {
     extern __shared__ float4 rn_x[];
-    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y, r = blockIdx.x * 4 + warp;
+    const int wpb = blockDim.x >> 5;  // warps a block (any: each row and q8 group is one warp's)
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y, r = blockIdx.x * wpb + warp;
     const int n4 = n >> 2, ng = n >> 5;
     const bool live = r < rows;
     const float4* wr = (const float4*)(W + (i64)(live ? r : 0) * n);
@@ -451,12 +453,12 @@ __device__ __forceinline__ void router_f32n_impl(const float* W, int rows, int n
     const float4* gw = (const float4*)nw;
     float* dt = d + (i64)t * ng;
     float acc = router_row_staged(wr, n4, live, lane, rn_x, [&] {
-        for (int i = threadIdx.x; i < n4; i += 128) {
+        for (int i = threadIdx.x; i < n4; i += blockDim.x) {
             const float4 h = __ldcg(xt + i), g = gw[i];
             rn_x[i] = make_float4(h.x * g.x, h.y * g.y, h.z * g.z, h.w * g.w);
         }
         // This block's q8 groups (from L2: x was read just above) and their sums of squares.
-        for (int grp = blockIdx.x * 4 + warp; grp < ng; grp += 4 * gridDim.x) {
+        for (int grp = blockIdx.x * wpb + warp; grp < ng; grp += wpb * gridDim.x) {
             const int e = (grp << 5) + lane;
             const float h = __ldcg(x + (i64)t * xs + e);
             const float sq = warp_sum(h * h);
@@ -485,8 +487,8 @@ __device__ __forceinline__ void router_f32n_impl(const float* W, int rows, int n
     __syncthreads();
     const float inv = s_inv;
     float* yt = y + (i64)t * ys;
-    for (int e = threadIdx.x; e < rows; e += 128) yt[e] = __fmul_rn(__ldcg(yt + e), inv);
-    for (int g = threadIdx.x; g < ng; g += 128) dt[g] = __fmul_rn(__ldcg(dt + g), inv);
+    for (int e = threadIdx.x; e < rows; e += blockDim.x) yt[e] = __fmul_rn(__ldcg(yt + e), inv);
+    for (int g = threadIdx.x; g < ng; g += blockDim.x) dt[g] = __fmul_rn(__ldcg(dt + g), inv);
     __threadfence_block();
     __syncthreads();
     if (warp == 0) {

@@ -104,7 +104,8 @@ fn streamed_gate_up_matches_psx() {
 /// router's last block (`router_topk_f32n` + `moe_gate_up_blk`): ids, weights, q8 codes and scales
 /// of the activations bit for bit, on the same residual row: M2.7's shape (top-8 of 256 by
 /// sigmoid, 3072 -> 1536) and a softmax router (top-5 of 37, 2560 columns: a partial lane round,
-/// activations 64 apart), every stage shape, the default ring and 2 stages, twice. The routed
+/// activations 64 apart), router blocks of 4, 2 and 1 warps, every stage shape, the default ring
+/// and 2 stages, twice. The routed
 /// kernel writes ids / w for the down from block 0 only, so they are poisoned first. Shapes it
 /// cannot take are refused.
 #[test]
@@ -157,12 +158,13 @@ fn streamed_gate_up_routes_like_the_router() {
         seen.dedup();
         assert!(seen.len() == k && seen.iter().all(|&i| (0..e as i32).contains(&i)), "top-{k} of {e}: the router's ids {:?}", want.0);
         assert!(want.3.iter().all(|v| v.is_finite()), "top-{k} of {e}: the router's path left non-finite scales");
-        for rows in [32usize, 16, 8] {
+        for (rows, warps) in [(32usize, 4u32), (32, 2), (32, 1), (16, 4), (8, 2)] {
             set_stream_rows_cap(Some((rows, 8)));
+            fast::set_router_f32n_warps(Some(warps));
             for cap in [None, Some(2)] {
                 set_stream_stage_cap(cap);
                 for rep in 0..2 {
-                    let what = format!("top-{k} of {e} ({gating:?}), {h} -> {ff}, {rows}-row stages, stage cap {cap:?}, rep {rep}");
+                    let what = format!("top-{k} of {e} ({gating:?}), {h} -> {ff}, router blocks of {warps} warps, {rows}-row stages, stage cap {cap:?}, rep {rep}");
                     let got = run(true);
                     assert_eq!(got.0, want.0, "{what}: ids");
                     assert_eq!(bits(&got.1), bits(&want.1), "{what}: routing weights");
@@ -173,6 +175,7 @@ fn streamed_gate_up_routes_like_the_router() {
         }
         set_stream_stage_cap(None);
         set_stream_rows_cap(None);
+        fast::set_router_f32n_warps(None);
         // What it cannot take: more than 32 experts a token, more experts than the top-k reads,
         // the lookup decode (the A/B kernels route in the router).
         assert!(!g.gate_up_routes(&gm, &um, 33, 64, ld).unwrap() && !g.gate_up_routes(&gm, &um, k, 300, ld).unwrap(), "top-33 / 300 experts must be refused");

@@ -1098,11 +1098,16 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     if flag("--inline-ab") {
-        use minimax_rank::cuda::fast::set_route_inline;
+        use minimax_rank::cuda::fast::{set_route_inline, set_router_f32n_warps};
+        let names = ["in the router's last block (router_topk_f32n)", "in the gate/up (router_f32n + moe_gate_up_blkr)", "inline, router blocks of 2 warps", "inline, router blocks of 1 warp"];
         for _ in 0..3 {
-            b1_ab(&mut m, &mut pages, "MoE routing", &["in the router's last block (router_topk_f32n)", "in the gate/up (router_f32n + moe_gate_up_blkr)"], &|i| set_route_inline(Some(i == 1)))?;
+            b1_ab(&mut m, &mut pages, "MoE routing", &names, &|i| {
+                set_route_inline(Some(i >= 1));
+                set_router_f32n_warps(Some([4, 4, 2, 1][i]));
+            })?;
         }
         set_route_inline(None);
+        set_router_f32n_warps(None);
         return Ok(());
     }
     if flag("--first-calls") {

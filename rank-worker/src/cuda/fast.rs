@@ -305,6 +305,27 @@ pub fn set_route_inline(on: Option<bool>) {
     ROUTE_INLINE.set(on);
 }
 
+static ROUTER_F32N_WARPS: AtomicUsize = AtomicUsize::new(0);
+
+/// Warps a block of `router_f32n` (one router row each): 4 unless `MINIMAX_ROUTER_WARPS` (1, 2
+/// or 4) or [`set_router_f32n_warps`] says otherwise. Fewer warps a block spread the 256 rows
+/// over more SMs; the sums are the same.
+pub fn router_f32n_warps() -> u32 {
+    match ROUTER_F32N_WARPS.load(Ordering::Relaxed) {
+        0 => {
+            static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
+            *V.get_or_init(|| std::env::var("MINIMAX_ROUTER_WARPS").ok().and_then(|v| v.parse::<u32>().ok()).filter(|w| [1, 2, 4].contains(w)).unwrap_or(4))
+        }
+        w => w as u32,
+    }
+}
+
+/// Overrides [`router_f32n_warps`] (1, 2 or 4; `None` = back to the environment). Drop
+/// captured graphs after a change.
+pub fn set_router_f32n_warps(w: Option<u32>) {
+    ROUTER_F32N_WARPS.store(w.filter(|w| [1, 2, 4].contains(w)).unwrap_or(0) as usize, Ordering::Relaxed);
+}
+
 /// Whether `router_topk_f32n` takes router `w` with MoE norm weight `nw` (F32 float4 rows of a
 /// multiple of 32 columns, at most [`ROUTER_X_MAX_COLS`], the norm weight 16-byte aligned).
 pub(crate) fn normless_fits(w: &DevMat, nw: u64) -> bool {
@@ -1146,13 +1167,16 @@ impl Gpu {
 
     #[allow(clippy::too_many_arguments)]
     fn router_f32n_any(&self, name: &str, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, ss: u64, nt: usize) -> Result<(), CudaError> {
+        // The last-block form counts its blocks: 4 warps each, as measured; router_f32n has no
+        // arrival, so its rows may spread over more SMs (router_f32n_warps).
+        let wpb = if cnt == 0 { router_f32n_warps() } else { 4 };
         if !normless_fits(w, nw) || xs % 4 != 0 || x % 16 != 0 || w.rows > ROUTE_FAST_MAX_E || k > 32 || k > w.rows || k == 0 {
             return Err(CudaError::Shape(format!("{name}: {:?} {}x{}, top-{k}", w.ty, w.rows, w.cols)));
         }
         let g = gating_code(gating);
         let mut args = norm_router_args(w, x, xs, nw, eps, y, ys, bias, k, g, ids, wts, cnt, xq, xd);
         args.extend([Arg::P(ss), Arg::I(router_prefetch() as i32)]);
-        self.launch_pdl(name, (ceil_div(w.rows, 4), nt as u32, 1), 128, (4 * w.cols) as u32, &args)
+        self.launch_pdl(name, (ceil_div(w.rows, wpb as usize), nt as u32, 1), 32 * wpb, (4 * w.cols) as u32, &args)
     }
 
     /// `norm_q8` of `x` (weight `nw`, into `xq` / `xd`) and [`Gpu::router_topk_f32`] on its
