@@ -241,15 +241,29 @@ __device__ __forceinline__ float ld_cg(const float* p) {
 // The top-k of one token by one warp: logits lg (read through L2) times scale (exact at 1: the
 // streamed gate/up passes the MoE norm's 1 / rms, which router_topk_f32n's last block applies
 // to the stored logits with the same rounding), outputs ids_t[k], w_t[k].
-__device__ __forceinline__ void route_topk_warp(const float* lg, const float* bias, int E, int k, int gating,
-                                                int* ids_t, float* w_t, int lane, float scale = 1.0f) {
-    float sc[RK_MAXE], ch[RK_MAXE];
+// Its loads (split off so that the routed gate/up issues them before the MoE norm's sums):
+// lane holds logit and bias of experts lane + 32 i, zeros past E.
+__device__ __forceinline__ void route_topk_load(const float* lg, const float* bias, int E, int lane,
+                                                float (&sc)[RK_MAXE], float (&ch)[RK_MAXE]) {
 #pragma unroll
     for (int i = 0; i < RK_MAXE; i++) {
         int e = lane + 32 * i;
-        sc[i] = e < E ? __fmul_rn(ld_cg(lg + e), scale) : 0.f;
+        sc[i] = e < E ? ld_cg(lg + e) : 0.f;
         ch[i] = e < E ? bias[e] : 0.f;
     }
+}
+__device__ __forceinline__ void route_topk_select(float (&sc)[RK_MAXE], float (&ch)[RK_MAXE], int E, int k, int gating,
+                                                  int* ids_t, float* w_t, int lane, float scale);
+__device__ __forceinline__ void route_topk_warp(const float* lg, const float* bias, int E, int k, int gating,
+                                                int* ids_t, float* w_t, int lane, float scale = 1.0f) {
+    float sc[RK_MAXE], ch[RK_MAXE];
+    route_topk_load(lg, bias, E, lane, sc, ch);
+    route_topk_select(sc, ch, E, k, gating, ids_t, w_t, lane, scale);
+}
+__device__ __forceinline__ void route_topk_select(float (&sc)[RK_MAXE], float (&ch)[RK_MAXE], int E, int k, int gating,
+                                                  int* ids_t, float* w_t, int lane, float scale) {
+#pragma unroll
+    for (int i = 0; i < RK_MAXE; i++) sc[i] = __fmul_rn(sc[i], scale);
     if (gating == 2) {
 #pragma unroll
         for (int i = 0; i < RK_MAXE; i++) sc[i] = 1.0f / (1.0f + expf(-sc[i]));
@@ -430,8 +444,8 @@ __device__ __forceinline__ float router_norm_inv(const float* ss_t, int ng, int 
 // TAIL false (router_f32n): no arrival, no scale, no top-k: y keeps the raw logits, d the
 // unscaled q8 scales, ss the group sums, and the streamed gate/up after it routes
 // (moe_gate_up_blkr: every block takes inv and the top-k itself), so the router's arrival, its
-// last block's scale and top-k leave the chain; ids, w and cnt are not touched. Blocks of 1, 2
-// or 4 warps (a warp a row: grid ceil(rows / warps)); the same sums whatever the split.
+// last block's scale and top-k leave the chain; ids, w and cnt are not touched. Blocks of 1, 2,
+// 4 or 8 warps (a warp a row: grid ceil(rows / warps)); the same sums whatever the split.
 template <bool TAIL>
 __device__ __forceinline__ void router_f32n_impl(const float* W, int rows, int n, const float* x, i64 xs,
                                                  const float* nw, float eps, float* y, i64 ys, const float* bias,
@@ -502,7 +516,7 @@ __device__ __forceinline__ void router_f32n_impl(const float* W, int rows, int n
 extern "C" __global__ void __launch_bounds__(128) router_topk_f32n(ROUTER_F32N_ARGS) {
     router_f32n_impl<true>(W, rows, n, x, xs, nw, eps, y, ys, bias, k, gating, ids, w, cnt, q, d, ss, pf);
 }
-extern "C" __global__ void __launch_bounds__(128) router_f32n(ROUTER_F32N_ARGS) {
+extern "C" __global__ void __launch_bounds__(256) router_f32n(ROUTER_F32N_ARGS) {
     router_f32n_impl<false>(W, rows, n, x, xs, nw, eps, y, ys, bias, k, gating, ids, w, cnt, q, d, ss, pf);
 }
 
@@ -1356,6 +1370,9 @@ struct GrRow {
 };
 // The activation slice of lane `lane` for units ub0 + lane + 32 i (i < GR_XU; q8 row at xqt /
 // xdt, nu units): two int4 of codes and the scale each, scale 0 past nu.
+// CG: through L2 (the routed gate/up with the router inside reads a copy other blocks of the
+// same launch wrote).
+template <bool CG = false>
 __device__ __forceinline__ void gr_x_load_at(const i8* xqt, const float* xdt, int ub0, int lane, int nu,
                                              int4 (&xa)[GR_XU], int4 (&xb)[GR_XU], float (&xs)[GR_XU]) {
 #pragma unroll
@@ -1364,9 +1381,9 @@ __device__ __forceinline__ void gr_x_load_at(const i8* xqt, const float* xdt, in
         xs[i] = 0.f;
         if (un < nu) {
             const int4* xp = (const int4*)(xqt + un * 32);
-            xa[i] = xp[0];
-            xb[i] = xp[1];
-            xs[i] = xdt[un];
+            xa[i] = CG ? __ldcg(xp) : xp[0];
+            xb[i] = CG ? __ldcg(xp + 1) : xp[1];
+            xs[i] = CG ? __ldcg(xdt + un) : xdt[un];
         }
     }
 }
@@ -1540,9 +1557,10 @@ __device__ __forceinline__ float iq4_unit_lh(uint2 h, uint2 qa, uint2 qb, int sb
 // The lane's activation units (ncol <= 32 * GR_XU * 32: one round) stay in registers while the
 // token does not change. ff = the activations' row stride (>= grows, the expert's rows).
 // grid (min(tasks, resident)), block 512.
+template <bool CG = false>
 __device__ __forceinline__ void gr_x_load(const i8* xq, const float* xd, int t, int ncol, int lane, int nu,
                                           int4 (&xa)[GR_XU], int4 (&xb)[GR_XU], float (&xs)[GR_XU]) {
-    gr_x_load_at(xq + (i64)t * ncol, xd + (i64)t * (ncol / 32), 0, lane, nu, xa, xb, xs);
+    gr_x_load_at<CG>(xq + (i64)t * ncol, xd + (i64)t * (ncol / 32), 0, lane, nu, xa, xb, xs);
 }
 template <bool IL>
 __device__ __forceinline__ void moe_gate_up_pst_impl(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k,

@@ -389,7 +389,9 @@ fn fast_path_short_context_attention_matches_split_form() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fast_path_normless_router_matches_norm_and_router() {
-    use minimax_rank::cuda::fast::set_router_normless;
+    use minimax_rank::cuda::fast::{set_route_inline, set_router_normless};
+    // The router's own top-k (inline routing in the gate/up has its own test).
+    set_route_inline(Some(false));
     use minimax_shared::model::synthetic::SyntheticSpec;
     let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
     let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 19).unwrap();
@@ -411,6 +413,7 @@ fn fast_path_normless_router_matches_norm_and_router() {
         runs.push(fast_step_series(&mut m, 40 + 20 * i as u32));
     }
     set_router_normless(None);
+    set_route_inline(None);
     m.clear_graphs();
     m.set_fast(true, true);
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
@@ -432,44 +435,53 @@ fn fast_path_normless_router_matches_norm_and_router() {
 }
 
 /// The gate/up that routes itself (`router_f32n` + `moe_gate_up_blkr`: the router's arrival and
-/// top-k moved into the gate/up's blocks) at M2.7 dimensions (2 layers): one-token steps launch
+/// top-k moved into the gate/up's blocks) and the one with the router's product inside too
+/// (`moe_gate_up_blkx`, no router launch) at M2.7 dimensions (2 layers): one-token steps launch
 /// those instead of `router_topk_f32n` + `moe_gate_up_blk32`; logits of steps of 1, 2 and 5
 /// tokens bit-identical to routing in the router's last block, direct and from graphs.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fast_path_inline_route_is_bit_identical() {
-    use minimax_rank::cuda::fast::set_route_inline;
+    use minimax_rank::cuda::fast::{set_route_fused, set_route_inline};
     use minimax_shared::model::synthetic::SyntheticSpec;
     let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
     let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 23).unwrap();
     assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
-    let kernels = |m: &mut CudaModel, on: bool, base: u32| -> Vec<String> {
-        set_route_inline(Some(on));
+    // 0: the router's last block, 1: inline, 2: fused.
+    let set = |mode: usize| {
+        set_route_inline(Some(mode >= 1));
+        set_route_fused(Some(mode == 2));
+    };
+    let kernels = |m: &mut CudaModel, mode: usize, base: u32| -> Vec<String> {
+        set(mode);
         one_token_step_kernels(m, 700 + base as u64, (base..base + 2).collect(), vec![3, 5, 7], 11)
     };
     let count = |ks: &[String], p: &str| ks.iter().filter(|k| k.starts_with(p)).count();
-    let on = kernels(&mut m, true, 0);
-    let off = kernels(&mut m, false, 4);
-    assert!(count(&on, "router_f32n") == 2 && count(&on, "moe_gate_up_blkr") == 2 && count(&on, "router_topk_f32n") == 0, "inline routing: {on:?}");
-    assert!(count(&off, "router_topk_f32n") == 2 && count(&off, "moe_gate_up_blkr") == 0 && count(&off, "moe_gate_up_blk") == 2, "routing in the router: {off:?}");
+    let off = kernels(&mut m, 0, 0);
+    let inl = kernels(&mut m, 1, 4);
+    let fus = kernels(&mut m, 2, 8);
+    assert!(count(&off, "router_topk_f32n") == 2 && count(&off, "moe_gate_up_blk3") == 2 && count(&off, "moe_gate_up_blkr") == 0, "routing in the router: {off:?}");
+    assert!(count(&inl, "router_f32n") == 2 && count(&inl, "moe_gate_up_blkr") == 2 && count(&inl, "router_topk_f32n") == 0, "inline routing: {inl:?}");
+    assert!(count(&fus, "router_") == 0 && count(&fus, "moe_gate_up_blkx") == 2 && fus.len() + 2 == inl.len(), "fused router: {fus:?} against {inl:?}");
     let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
-    for (i, (on, graphs)) in [(false, false), (true, false), (false, true), (true, true)].into_iter().enumerate() {
-        set_route_inline(Some(on));
+    for (i, (mode, graphs)) in [(0, false), (1, false), (2, false), (0, true), (1, true), (2, true)].into_iter().enumerate() {
+        set(mode);
         m.clear_graphs();
         m.set_fast(true, graphs);
         runs.push(fast_step_series(&mut m, 40 + 20 * i as u32));
     }
     set_route_inline(None);
+    set_route_fused(None);
     m.clear_graphs();
     m.set_fast(true, true);
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    for (what, a, b) in [("direct", &runs[0], &runs[1]), ("graphs", &runs[2], &runs[3]), ("inline, graphs against direct", &runs[1], &runs[3])] {
-        for (s, (x, y)) in a.iter().zip(b.iter()).enumerate() {
+    for (what, a, b) in [("inline, direct", 0, 1), ("fused, direct", 0, 2), ("inline, graphs", 3, 4), ("fused, graphs", 3, 5), ("fused, graphs against direct", 2, 5)] {
+        for (s, (x, y)) in runs[a].iter().zip(runs[b].iter()).enumerate() {
             assert!(y.iter().all(|v| v.is_finite()), "{what}, step {s}: non-finite logits");
-            assert!(bits(x) == bits(y), "{what}, step {s}: inline routing changed the logits (max |diff| {})", max_diff(x, y));
+            assert!(bits(x) == bits(y), "{what}, step {s}: the logits changed (max |diff| {})", max_diff(x, y));
         }
     }
-    eprintln!("m2.7:iq4xs:2 fast path: inline routing bit-identical to the router's last block over {} steps, direct and from graphs", runs[0].len());
+    eprintln!("m2.7:iq4xs:2 fast path: inline routing and the fused router bit-identical to the router's last block over {} steps, direct and from graphs", runs[0].len());
 }
 
 /// The kernels of one direct (no graph) one-token step of sequence `seq` (token `next`) after

@@ -100,14 +100,16 @@ fn streamed_gate_up_matches_psx() {
     }
 }
 
-/// The gate/up that routes itself (`router_f32n` + `moe_gate_up_blkr`, one token) against the
-/// router's last block (`router_topk_f32n` + `moe_gate_up_blk`): ids, weights, q8 codes and scales
-/// of the activations bit for bit, on the same residual row: M2.7's shape (top-8 of 256 by
-/// sigmoid, 3072 -> 1536) and a softmax router (top-5 of 37, 2560 columns: a partial lane round,
-/// activations 64 apart), router blocks of 4, 2 and 1 warps, every stage shape, the default ring
-/// and 2 stages, twice. The routed
-/// kernel writes ids / w for the down from block 0 only, so they are poisoned first. Shapes it
-/// cannot take are refused.
+/// The gate/up that routes itself (`router_f32n` + `moe_gate_up_blkr`, one token) and the one
+/// with the router's product inside too (`moe_gate_up_blkx`: no router launch, one meeting of
+/// its blocks) against the router's last block (`router_topk_f32n` + `moe_gate_up_blk`): ids,
+/// weights, q8 codes and scales of the activations bit for bit, on the same residual row; the
+/// fused kernel's raw logits, q8 input copy and group sums bit for bit those of `router_f32n`,
+/// its counters back at zero. M2.7's shape (top-8 of 256 by sigmoid, 3072 -> 1536) and a
+/// softmax router (top-5 of 37, 2560 columns: a partial lane round, activations 64 apart),
+/// router blocks of 4, 2, 1 and 8 warps, every stage shape, the default ring and 2 stages,
+/// twice. The routed kernels write ids / w for the down from block 0 only, so they are poisoned
+/// first. Shapes they cannot take are refused.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn streamed_gate_up_routes_like_the_router() {
@@ -129,9 +131,13 @@ fn streamed_gate_up_routes_like_the_router() {
         let (x, nw, bias) = (rng.vec(h, 2.0), rng.vec(h, 1.0), rng.vec(e, 0.3));
         let (xb, nwb, bb) = (g.upload(&x).unwrap(), g.upload(&nw).unwrap(), g.upload(&bias).unwrap());
         assert!(g.gate_up_routes(&gm, &um, k, e, ld).unwrap(), "top-{k} of {e}, {h} -> {ff}: the routed gate/up must fit");
-        let cnt = g.zeros::<u32>(1).unwrap();
-        // One token through either path: (ids, weights, q8 codes, q8 scales).
-        let run = |routed: bool| {
+        assert!(g.gate_up_fuses_router(&gm, &um, &rm, g.ptr(&nwb), k, ld).unwrap(), "top-{k} of {e}, {h} -> {ff}: the fused gate/up must fit");
+        let cnt = g.zeros::<u32>(2).unwrap();
+        // One token through the router's last block (0), the routed gate/up (1) or the fused
+        // one (2): (ids, weights, q8 codes, q8 scales, the input's q8 codes, its scales, logits,
+        // group sums).
+        type Out = (Vec<i32>, Vec<f32>, Vec<i8>, Vec<f32>, Vec<i8>, Vec<f32>, Vec<f32>, Vec<f32>);
+        let run = |mode: usize| -> Out {
             let (y, ss) = (poisoned(&g, e), poisoned(&g, h / 32));
             let (xq, xd) = (g.upload(&vec![0x55i8; h]).unwrap(), poisoned(&g, h / 32));
             let ids = g.zeros::<i32>(k).unwrap();
@@ -141,48 +147,68 @@ fn streamed_gate_up_routes_like_the_router() {
             g.fill_u32(g.ptr(&aq), k * ld / 4, 0x7f7f_7f7f).unwrap();
             let ad = poisoned(&g, k * ld / 32);
             let (px, pq, pd, pa, pad_) = (g.ptr(&xb), g.ptr(&xq), g.ptr(&xd), g.ptr(&aq), g.ptr(&ad));
-            if routed {
-                g.router_f32n(&rm, px, g.ptr(&nwb), eps, g.ptr(&y), g.ptr(&bb), k, gating, pq, pd, g.ptr(&ss)).unwrap();
-                let r = StreamRoute { logits: g.ptr(&y), ss: g.ptr(&ss), bias: g.ptr(&bb), e, gating: if gating == GatingFunc::Sigmoid { 2 } else { 1 }, eps, ids: g.ptr(&ids), wts: g.ptr(&wts) };
-                g.moe_gate_up_stream_routed(&gm, &um, &r, k, pq, pd, pa, pad_, ld).unwrap();
-            } else {
-                g.router_topk_f32n(&rm, px, h, g.ptr(&nwb), eps, g.ptr(&y), e, g.ptr(&bb), k, gating, g.ptr(&ids), g.ptr(&wts), g.ptr(&cnt), pq, pd, g.ptr(&ss), 1).unwrap();
-                g.moe_gate_up_stream(&gm, &um, g.ptr(&ids), k, k, pq, pd, pa, pad_, ld).unwrap();
+            let r = StreamRoute { logits: g.ptr(&y), ss: g.ptr(&ss), bias: g.ptr(&bb), e, gating: if gating == GatingFunc::Sigmoid { 2 } else { 1 }, eps, ids: g.ptr(&ids), wts: g.ptr(&wts) };
+            match mode {
+                0 => {
+                    g.router_topk_f32n(&rm, px, h, g.ptr(&nwb), eps, g.ptr(&y), e, g.ptr(&bb), k, gating, g.ptr(&ids), g.ptr(&wts), g.ptr(&cnt), pq, pd, g.ptr(&ss), 1).unwrap();
+                    g.moe_gate_up_stream(&gm, &um, g.ptr(&ids), k, k, pq, pd, pa, pad_, ld).unwrap();
+                }
+                1 => {
+                    g.router_f32n(&rm, px, g.ptr(&nwb), eps, g.ptr(&y), g.ptr(&bb), k, gating, pq, pd, g.ptr(&ss)).unwrap();
+                    g.moe_gate_up_stream_routed(&gm, &um, &r, k, pq, pd, pa, pad_, ld).unwrap();
+                }
+                _ => g.moe_gate_up_stream_fused(&gm, &um, &r, &rm, px, g.ptr(&nwb), g.ptr(&cnt), k, pq, pd, pa, pad_, ld).unwrap(),
             }
             g.sync().unwrap();
-            (g.download(&ids).unwrap(), g.download(&wts).unwrap(), g.download(&aq).unwrap(), g.download(&ad).unwrap())
+            assert_eq!(g.download(&cnt).unwrap(), vec![0, 0], "mode {mode}: counters left at zero");
+            (g.download(&ids).unwrap(), g.download(&wts).unwrap(), g.download(&aq).unwrap(), g.download(&ad).unwrap(), g.download(&xq).unwrap(), g.download(&xd).unwrap(), g.download(&y).unwrap(), g.download(&ss).unwrap())
         };
-        let want = run(false);
+        let want = run(0);
         let mut seen = want.0.clone();
         seen.sort();
         seen.dedup();
         assert!(seen.len() == k && seen.iter().all(|&i| (0..e as i32).contains(&i)), "top-{k} of {e}: the router's ids {:?}", want.0);
-        assert!(want.3.iter().all(|v| v.is_finite()), "top-{k} of {e}: the router's path left non-finite scales");
-        for (rows, warps) in [(32usize, 4u32), (32, 2), (32, 1), (16, 4), (8, 2)] {
+        assert!((0..k).all(|p| want.3[p * ld / 32..p * ld / 32 + ff / 32].iter().all(|v| v.is_finite())), "top-{k} of {e}: the router's path left non-finite scales");
+        let mut routed_in: Option<Out> = None;
+        for (rows, warps) in [(32usize, 4u32), (32, 2), (32, 1), (32, 8), (16, 4), (8, 2)] {
             set_stream_rows_cap(Some((rows, 8)));
             fast::set_router_f32n_warps(Some(warps));
             for cap in [None, Some(2)] {
                 set_stream_stage_cap(cap);
                 for rep in 0..2 {
-                    let what = format!("top-{k} of {e} ({gating:?}), {h} -> {ff}, router blocks of {warps} warps, {rows}-row stages, stage cap {cap:?}, rep {rep}");
-                    let got = run(true);
-                    assert_eq!(got.0, want.0, "{what}: ids");
-                    assert_eq!(bits(&got.1), bits(&want.1), "{what}: routing weights");
-                    assert_eq!(got.2, want.2, "{what}: q8 codes of the activations");
-                    assert_eq!(bits(&got.3), bits(&want.3), "{what}: q8 scales of the activations");
+                    for mode in [1usize, 2] {
+                        let form = if mode == 1 { "routed" } else { "fused" };
+                        let what = format!("{form}, top-{k} of {e} ({gating:?}), {h} -> {ff}, router blocks of {warps} warps, {rows}-row stages, stage cap {cap:?}, rep {rep}");
+                        let got = run(mode);
+                        assert_eq!(got.0, want.0, "{what}: ids");
+                        assert_eq!(bits(&got.1), bits(&want.1), "{what}: routing weights");
+                        assert_eq!(got.2, want.2, "{what}: q8 codes of the activations");
+                        assert_eq!(bits(&got.3), bits(&want.3), "{what}: q8 scales of the activations");
+                        assert_eq!(got.4, want.4, "{what}: q8 codes of the input");
+                        // The routed forms leave router_f32n's raw logits, unscaled input scales
+                        // and group sums: the same in both.
+                        match &routed_in {
+                            None => routed_in = Some(got),
+                            Some(r) => {
+                                assert_eq!(bits(&got.5), bits(&r.5), "{what}: unscaled input scales");
+                                assert_eq!(bits(&got.6), bits(&r.6), "{what}: raw logits");
+                                assert_eq!(bits(&got.7), bits(&r.7), "{what}: group sums");
+                            }
+                        }
+                    }
                 }
             }
         }
         set_stream_stage_cap(None);
         set_stream_rows_cap(None);
         fast::set_router_f32n_warps(None);
-        // What it cannot take: more than 32 experts a token, more experts than the top-k reads,
+        // What they cannot take: more than 32 experts a token, more experts than the top-k reads,
         // the lookup decode (the A/B kernels route in the router).
         assert!(!g.gate_up_routes(&gm, &um, 33, 64, ld).unwrap() && !g.gate_up_routes(&gm, &um, k, 300, ld).unwrap(), "top-33 / 300 experts must be refused");
         set_stream_lookup(Some(true));
-        assert!(!g.gate_up_routes(&gm, &um, k, e, ld).unwrap(), "the lookup decode routes in the router");
+        assert!(!g.gate_up_routes(&gm, &um, k, e, ld).unwrap() && !g.gate_up_fuses_router(&gm, &um, &rm, g.ptr(&nwb), k, ld).unwrap(), "the lookup decode routes in the router");
         set_stream_lookup(None);
-        eprintln!("routed gate/up, top-{k} of {e} ({gating:?}), {h} -> {ff}: ids, weights, q8 codes and scales bit-identical to router_topk_f32n + the streamed gate/up");
+        eprintln!("routed and fused gate/up, top-{k} of {e} ({gating:?}), {h} -> {ff}: ids, weights, q8 codes and scales bit-identical to router_topk_f32n + the streamed gate/up");
     }
 }
 

@@ -305,25 +305,40 @@ pub fn set_route_inline(on: Option<bool>) {
     ROUTE_INLINE.set(on);
 }
 
+static ROUTE_FUSED: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTE_FUSED", false);
+
+/// Whether inline routing ([`route_inline`]) also moves the router's product into the streamed
+/// gate/up (`moe_gate_up_blkx`: no router launch; the gate/up's blocks meet once on a counter
+/// before the top-k); the same bits (`MINIMAX_ROUTE_FUSED`, default off).
+pub fn route_fused() -> bool {
+    ROUTE_FUSED.get()
+}
+
+/// Overrides [`route_fused`] (A/B runs and tests; `None` = back to the environment). Drop
+/// captured graphs after a change.
+pub fn set_route_fused(on: Option<bool>) {
+    ROUTE_FUSED.set(on);
+}
+
 static ROUTER_F32N_WARPS: AtomicUsize = AtomicUsize::new(0);
 
-/// Warps a block of `router_f32n` (one router row each): 4 unless `MINIMAX_ROUTER_WARPS` (1, 2
-/// or 4) or [`set_router_f32n_warps`] says otherwise. Fewer warps a block spread the 256 rows
+/// Warps a block of `router_f32n` (one router row each): 4 unless `MINIMAX_ROUTER_WARPS` (1, 2,
+/// 4 or 8) or [`set_router_f32n_warps`] says otherwise. Fewer warps a block spread the 256 rows
 /// over more SMs; the sums are the same.
 pub fn router_f32n_warps() -> u32 {
     match ROUTER_F32N_WARPS.load(Ordering::Relaxed) {
         0 => {
             static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-            *V.get_or_init(|| std::env::var("MINIMAX_ROUTER_WARPS").ok().and_then(|v| v.parse::<u32>().ok()).filter(|w| [1, 2, 4].contains(w)).unwrap_or(4))
+            *V.get_or_init(|| std::env::var("MINIMAX_ROUTER_WARPS").ok().and_then(|v| v.parse::<u32>().ok()).filter(|w| [1, 2, 4, 8].contains(w)).unwrap_or(4))
         }
         w => w as u32,
     }
 }
 
-/// Overrides [`router_f32n_warps`] (1, 2 or 4; `None` = back to the environment). Drop
+/// Overrides [`router_f32n_warps`] (1, 2, 4 or 8; `None` = back to the environment). Drop
 /// captured graphs after a change.
 pub fn set_router_f32n_warps(w: Option<u32>) {
-    ROUTER_F32N_WARPS.store(w.filter(|w| [1, 2, 4].contains(w)).unwrap_or(0) as usize, Ordering::Relaxed);
+    ROUTER_F32N_WARPS.store(w.filter(|w| [1, 2, 4, 8].contains(w)).unwrap_or(0) as usize, Ordering::Relaxed);
 }
 
 /// Whether `router_topk_f32n` takes router `w` with MoE norm weight `nw` (F32 float4 rows of a
