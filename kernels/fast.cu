@@ -439,13 +439,14 @@ __device__ __forceinline__ float router_norm_inv(const float* ss_t, int ng, int 
 // block of token t (the fused router's arrival) adds the n / 32 group sums in order, scales
 // its token's logits and the q8 scales by inv, then runs the top-k. No block does the whole
 // norm, so the MoE norm's launch and its wait leave the chain. Logits differ from
-// norm_q8 + router_topk_f32x by f32 rounding. grid (ceil(rows / 4), nt), block 128, dynamic
+// norm_q8 + router_topk_f32x by f32 rounding. grid (ceil(rows / w), nt), block 32 w, dynamic
 // shared memory 4 n bytes; n % 32 == 0, n <= 32 * 4 * gridDim.x * ... (any: groups loop).
 // TAIL false (router_f32n): no arrival, no scale, no top-k: y keeps the raw logits, d the
 // unscaled q8 scales, ss the group sums, and the streamed gate/up after it routes
 // (moe_gate_up_blkr: every block takes inv and the top-k itself), so the router's arrival, its
-// last block's scale and top-k leave the chain; ids, w and cnt are not touched. Blocks of 1, 2,
-// 4 or 8 warps (a warp a row: grid ceil(rows / warps)); the same sums whatever the split.
+// last block's scale and top-k leave the chain; ids, w and cnt are not touched. Either kernel:
+// blocks of 1, 2, 4 or 8 warps (a warp a row: grid ceil(rows / warps)), the same sums whatever
+// the split.
 template <bool TAIL>
 __device__ __forceinline__ void router_f32n_impl(const float* W, int rows, int n, const float* x, i64 xs,
                                                  const float* nw, float eps, float* y, i64 ys, const float* bias,
@@ -513,7 +514,7 @@ __device__ __forceinline__ void router_f32n_impl(const float* W, int rows, int n
 #define ROUTER_F32N_ARGS                                                                                          \
     const float *W, int rows, int n, const float *x, i64 xs, const float *nw, float eps, float *y, i64 ys,        \
         const float *bias, int k, int gating, int *ids, float *w, u32 *cnt, i8 *q, float *d, float *ss, int pf
-extern "C" __global__ void __launch_bounds__(128) router_topk_f32n(ROUTER_F32N_ARGS) {
+extern "C" __global__ void __launch_bounds__(256) router_topk_f32n(ROUTER_F32N_ARGS) {
     router_f32n_impl<true>(W, rows, n, x, xs, nw, eps, y, ys, bias, k, gating, ids, w, cnt, q, d, ss, pf);
 }
 extern "C" __global__ void __launch_bounds__(256) router_f32n(ROUTER_F32N_ARGS) {
@@ -1370,9 +1371,6 @@ struct GrRow {
 };
 // The activation slice of lane `lane` for units ub0 + lane + 32 i (i < GR_XU; q8 row at xqt /
 // xdt, nu units): two int4 of codes and the scale each, scale 0 past nu.
-// CG: through L2 (the routed gate/up with the router inside reads a copy other blocks of the
-// same launch wrote).
-template <bool CG = false>
 __device__ __forceinline__ void gr_x_load_at(const i8* xqt, const float* xdt, int ub0, int lane, int nu,
                                              int4 (&xa)[GR_XU], int4 (&xb)[GR_XU], float (&xs)[GR_XU]) {
 #pragma unroll
@@ -1381,9 +1379,9 @@ __device__ __forceinline__ void gr_x_load_at(const i8* xqt, const float* xdt, in
         xs[i] = 0.f;
         if (un < nu) {
             const int4* xp = (const int4*)(xqt + un * 32);
-            xa[i] = CG ? __ldcg(xp) : xp[0];
-            xb[i] = CG ? __ldcg(xp + 1) : xp[1];
-            xs[i] = CG ? __ldcg(xdt + un) : xdt[un];
+            xa[i] = xp[0];
+            xb[i] = xp[1];
+            xs[i] = xdt[un];
         }
     }
 }
@@ -1557,10 +1555,9 @@ __device__ __forceinline__ float iq4_unit_lh(uint2 h, uint2 qa, uint2 qb, int sb
 // The lane's activation units (ncol <= 32 * GR_XU * 32: one round) stay in registers while the
 // token does not change. ff = the activations' row stride (>= grows, the expert's rows).
 // grid (min(tasks, resident)), block 512.
-template <bool CG = false>
 __device__ __forceinline__ void gr_x_load(const i8* xq, const float* xd, int t, int ncol, int lane, int nu,
                                           int4 (&xa)[GR_XU], int4 (&xb)[GR_XU], float (&xs)[GR_XU]) {
-    gr_x_load_at<CG>(xq + (i64)t * ncol, xd + (i64)t * (ncol / 32), 0, lane, nu, xa, xb, xs);
+    gr_x_load_at(xq + (i64)t * ncol, xd + (i64)t * (ncol / 32), 0, lane, nu, xa, xb, xs);
 }
 template <bool IL>
 __device__ __forceinline__ void moe_gate_up_pst_impl(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k,

@@ -254,7 +254,6 @@ struct BkGu : BkBars {
     float *sg, *su;
     int* rids;  // moe_gate_up_blkr: the token's top-k (32 ids at most), then their weights
     float* rw;
-    u64* rbar;  // moe_gate_up_blkx: the block's router rows have landed
 };
 __device__ __forceinline__ BkGu bk_gu_hdr(u8* h) {
     BkGu g;
@@ -264,13 +263,11 @@ __device__ __forceinline__ BkGu bk_gu_hdr(u8* h) {
     g.fullq = (u64*)(g.su + BK_NAB * 32);  // [BK_MAXST][4], ends at 1536 bytes
     g.rids = (int*)(h + 1536);
     g.rw = (float*)(h + 1664);
-    g.rbar = (u64*)(h + 1792);
     return g;
 }
 // The gate/up's barriers, by thread 0 (the caller then needs a block barrier).
 __device__ __forceinline__ void bk_gu_init(const BkGu& g, int nst) {
     bk_init_extra(g.fullq, nst * 4);
-    bk_init_extra(g.rbar, 1);
     bk_bars_init(g, nst);
 }
 // The gate/up's producer (lane 0 of the producer warp): the copies of tasks [t0, t1).
@@ -324,7 +321,7 @@ __device__ __forceinline__ void gu_epilogue(const BkGu& g, int nrg, int t0, int 
 // A gate/up consumer warp: its rows of every stage of tasks [t0, t1). ROUTE: the input's q8
 // scales are stored unscaled (router_f32n) and take the MoE norm's inv here, as
 // router_topk_f32n's last block would have stored them (same product, same bits).
-template <int SR, int DEC, int ROUTE>
+template <int SR, int DEC, bool ROUTE>
 __device__ __forceinline__ void gu_consume(const BkGu& g, const u8* ring, i64 rb, int k, int nrg, int t0, int t1,
                                            int nst, const i8* xq, const float* xd, int ncol, float inv, int warp,
                                            int lane) {
@@ -344,11 +341,11 @@ __device__ __forceinline__ void gu_consume(const BkGu& g, const u8* ring, i64 rb
     for (int task = t0, it = 0; task < t1; task++, it++) {
         const int tok = (task / nrg) / k;
         if (tok != t_x) {
-            gr_x_load<ROUTE == 2>(xq, xd, tok, ncol, lane, nu, xa, xb, xs);
+            gr_x_load(xq, xd, tok, ncol, lane, nu, xa, xb, xs);
 #pragma unroll
             for (int j = 0; j < GR_XU; j++) {
                 iq4_x_il(xa[j], xb[j]);
-                if (ROUTE != 0) xs[j] = __fmul_rn(xs[j], inv);
+                if (ROUTE) xs[j] = __fmul_rn(xs[j], inv);
             }
             t_x = tok;
         }
@@ -410,86 +407,16 @@ struct GuRoute {
     int* ids;
     float* w;
 };
-// The router inside (ROUTE 2, moe_gate_up_blkx): its rows [E][n] f32, the residual row x, the
-// MoE norm's weight nw; q / d: the q8 copy of nw x the consumers read (scales unscaled), written
-// here; cnt: two u32 counters, zero before, left zero.
-struct GuRouter {
-    const float *W, *x, *nw;
-    i8* q;
-    float* d;
-    u32* cnt;
-};
-// ROUTE 2: router_f32n's work inside the gate/up, so the router's launch leaves the chain. Block
-// b's router rows are b + G j (G = gridDim.x), bulk-copied into its (still idle) ring before the
-// PDL wait; after it every block stages nw x in the ring after them, its warps take q8 groups
-// b + G w (+ 18 G ...), warp j dots row b + G j: router_f32n's expressions in its order, so the
-// same bits. Then a grid-wide meeting (every block counts itself in cnt[0] and thread 0 spins
-// until all have: one block an SM, all resident, as the grid is at most the SM count and each
-// block holds a whole SM's shared memory; cnt[1] counts the blocks past it, and the last one
-// zeroes both), and ROUTE 1's routing.
-__device__ __forceinline__ u32 bk_ld_acquire(const u32* p) {
-    u32 v;
-    asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-    return v;
-}
-__device__ __forceinline__ void gu_router(const BkGu& g, u8* ring, const GuRoute& rt, const GuRouter& rr, int n,
-                                          int warp, int lane) {
-    const int G = gridDim.x, b = blockIdx.x, n4 = n >> 2, ng = n >> 5;
-    const int nrow = b < rt.E ? (rt.E - 1 - b) / G + 1 : 0;  // rows b, b + G, ... below E
-    const float4* rows = (const float4*)ring;
-    float4* sx = (float4*)(ring + (size_t)nrow * 4 * n);
-    const float4* xt = (const float4*)rr.x;
-    const float4* gw = (const float4*)rr.nw;
-    for (int i = threadIdx.x; i < n4; i += BK_THREADS) {
-        const float4 h = __ldcg(xt + i), w = gw[i];
-        sx[i] = make_float4(h.x * w.x, h.y * w.y, h.z * w.z, h.w * w.w);
-    }
-    for (int grp = b + G * warp; grp < ng; grp += G * (BK_THREADS / 32)) {
-        const int e = (grp << 5) + lane;
-        const float h = __ldcg(rr.x + e);
-        const float sq = warp_sum(h * h);
-        rr.q[e] = (i8)q8_lane(h * rr.nw[e], rr.d + grp);
-        if (lane == 0) ((float*)rt.ss)[grp] = sq;
-    }
-    __syncthreads();
-    if (warp < nrow) {
-        bk_mb_wait(g.rbar, 0);
-        const float4* wr = rows + (size_t)warp * n4;
-        float acc = 0.f;
-        for (int base = 0; base < n4; base += 32 * RT_X) {
-#pragma unroll
-            for (int i = 0; i < RT_X; i++) {
-                const int idx = base + lane + 32 * i;
-                if (idx < n4) acc = router_acc(acc, wr[idx], sx[idx]);
-            }
-        }
-        acc = warp_sum(acc);
-        if (lane == 0) ((float*)rt.lg)[b + G * warp] = acc;
-    }
-    __threadfence();
-    __syncthreads();
-    if (threadIdx.x == 0) {
-        atomicAdd(rr.cnt, 1u);
-        while (bk_ld_acquire(rr.cnt) < (u32)G) {
-        }
-        if (atomicAdd(rr.cnt + 1, 1u) == (u32)G - 1) {
-            rr.cnt[0] = 0;
-            rr.cnt[1] = 0;
-        }
-        __threadfence();
-    }
-    __syncthreads();
-}
-// ROUTE 1 (moe_gate_up_blkr, one token): after the wait every warp takes the MoE norm's inv from
+// ROUTE (moe_gate_up_blkr, one token): after the wait every warp takes the MoE norm's inv from
 // the router's group sums (router_norm_inv: the order of router_topk_f32n's last block) and the
 // producer warp runs route_topk_warp on the raw logits times inv into the header: the ids,
 // weights and q8 scales the router's last block would have made, bit for bit, without its
 // arrival, scale stores and top-k in the chain. Block 0 also stores ids / w for the down, and
 // no block lets the down launch before that: the down reads ids before its own wait.
-template <int SR, int DEC, int ROUTE>
+template <int SR, int DEC, bool ROUTE>
 __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k, int npairs,
                                             int grows, int nst, const i8* xq, const float* xd, int ncol, i8* aq,
-                                            float* ad, int ld, GuRoute rt, GuRouter rr = GuRouter{}) {
+                                            float* ad, int ld, GuRoute rt) {
     static_assert(SR == 8 || SR == 16 || SR == 32, "stage rows");
     extern __shared__ __align__(128) u8 bk_sm[];
     const BkGu g = bk_gu_hdr(bk_sm);
@@ -497,17 +424,9 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     bk_gu_init(g, nst);
     __syncthreads();
-    if (ROUTE == 2 && threadIdx.x == 0 && blockIdx.x < rt.E) {
-        // This block's router rows (weights: before the wait), one bulk copy each.
-        const int nrow = (rt.E - 1 - blockIdx.x) / gridDim.x + 1;
-        bk_mb_expect(g.rbar, (u32)(nrow * 4 * ncol));
-        for (int j = 0; j < nrow; j++)
-            bk_copy(ring + (size_t)j * 4 * ncol, rr.W + (i64)(blockIdx.x + j * gridDim.x) * ncol, (u32)(4 * ncol), g.rbar);
-    }
     pdl_wait();  // ids come from the router, the input from norm_q8 of this step
-    if (ROUTE == 2) gu_router(g, ring, rt, rr, ncol, warp, lane);
     float inv = 1.f;
-    if (ROUTE != 0) {
+    if (ROUTE) {
         if (warp == BK_PW) {
             // The logits' loads first: their L2 round trip overlaps the norm sums'.
             float sc[RK_MAXE], ch[RK_MAXE];
@@ -527,11 +446,6 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
         }
         __syncthreads();
         ids = g.rids;
-#if BK_PTX
-        // ROUTE 2: the ring held router rows and x, read by the generic proxy; the producer's
-        // bulk copies (async proxy) now overwrite it.
-        if (ROUTE == 2) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
     }
     pdl_trigger();
     const int nrg = grows >> 5;
@@ -550,28 +464,17 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
         const float *xd, int ncol, i8 *aq, float *ad, int ld
 #define BK_GU_ONE(name, sr, dec)                                                                                 \
     extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_##name##sr##_iq4_xs(BK_GU_ARGS) {     \
-        gate_up_blk<sr, dec, 0>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld, GuRoute{});      \
+        gate_up_blk<sr, dec, false>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld, GuRoute{});  \
     }
 // moe_gate_up_blkr: the sign decode, routing inline (ids: where the top-k goes, with w).
 #define BK_GU_ROUTED(sr)                                                                                         \
     extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_blkr##sr##_iq4_xs(                    \
         BK_GU_ARGS, const float* lg, const float* ss, const float* bias, int E, int gating, float eps, float* w) {   \
-        gate_up_blk<sr, BK_SIGN, 1>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld,             \
-                                    GuRoute{lg, ss, bias, E, gating, eps, (int*)ids, w});                        \
-    }
-// moe_gate_up_blkx: the router's product inside too (lg: where the raw logits go; xq / xd are
-// written here; W, x, nw, cnt: GuRouter).
-#define BK_GU_FUSED(sr)                                                                                          \
-    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_blkx##sr##_iq4_xs(                    \
-        BK_GU_ARGS, const float* lg, const float* ss, const float* bias, int E, int gating, float eps, float* w,    \
-        const float* W, const float* x, const float* nw, u32* cnt) {                                             \
-        gate_up_blk<sr, BK_SIGN, 2>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld,             \
-                                    GuRoute{lg, ss, bias, E, gating, eps, (int*)ids, w},                         \
-                                    GuRouter{W, x, nw, (i8*)xq, (float*)xd, cnt});                               \
+        gate_up_blk<sr, BK_SIGN, true>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld,          \
+                                       GuRoute{lg, ss, bias, E, gating, eps, (int*)ids, w});                     \
     }
 #define BK_GU_INST(sr) \
-    BK_GU_ONE(blk, sr, BK_SIGN) BK_GU_ONE(blkl, sr, BK_LOOKUP) BK_GU_ONE(blkp, sr, BK_PROBE) BK_GU_ROUTED(sr) \
-        BK_GU_FUSED(sr)
+    BK_GU_ONE(blk, sr, BK_SIGN) BK_GU_ONE(blkl, sr, BK_LOOKUP) BK_GU_ONE(blkp, sr, BK_PROBE) BK_GU_ROUTED(sr)
 BK_GU_INST(8)
 BK_GU_INST(16)
 BK_GU_INST(32)

@@ -782,20 +782,23 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
     // moe_route on the kernel's own logits (so near-ties cannot flake); the q8 copy within half
     // a step of the host's normalized values, its scales the group's max / 127; twice (counters
     // back at zero), with and without the L2 prefetch; residual rows strided.
-    for (rows, cols, k, nt, gating, pf) in [
-        (256usize, 3072usize, 8usize, 1usize, GatingFunc::Sigmoid, true),
-        (256, 3072, 8, 2, GatingFunc::Sigmoid, false),
-        (37, 96, 5, 3, GatingFunc::Softmax, true),
-        (64, 4096, 4, 1, GatingFunc::Sigmoid, true),
+    // Blocks of 4, 8, 2 and 1 warps (MINIMAX_ROUTER_WARPS).
+    for (rows, cols, k, nt, gating, pf, warps) in [
+        (256usize, 3072usize, 8usize, 1usize, GatingFunc::Sigmoid, true, 4u32),
+        (256, 3072, 8, 1, GatingFunc::Sigmoid, true, 8),
+        (256, 3072, 8, 2, GatingFunc::Sigmoid, false, 2),
+        (37, 96, 5, 3, GatingFunc::Softmax, true, 8),
+        (64, 4096, 4, 1, GatingFunc::Sigmoid, true, 1),
     ] {
         fast::set_router_prefetch(Some(pf));
+        fast::set_router_f32n_warps(Some(warps));
         let eps = 1e-6f32;
         let NormRouterCase { xs, wm, x, nw, _w, dm, xb, nwb, bb } = NormRouterCase::new(&g, &mut rng, rows, cols, nt);
         let (cnt, ss) = (g.zeros::<u32>(nt).unwrap(), poisoned(&g, nt * cols / 32));
         let normed: Vec<Vec<f32>> = (0..nt).map(|t| rms_norm_ref(&x[t * xs..t * xs + cols], &nw, eps)).collect();
         let want_y: Vec<f32> = (0..nt).flat_map(|t| (0..rows).map(|r| wm[r * cols..(r + 1) * cols].iter().zip(&normed[t]).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() as f32).collect::<Vec<_>>()).collect();
         for rep in 0..2 {
-            let what = format!("router_topk_f32n {rows}x{cols} top-{k}, {nt} tokens, prefetch {pf}, rep {rep}");
+            let what = format!("router_topk_f32n {rows}x{cols} top-{k}, {nt} tokens, prefetch {pf}, {warps} warps a block, rep {rep}");
             let y = poisoned(&g, nt * rows);
             let ids = g.zeros::<i32>(nt * k).unwrap();
             g.fill_u32(g.ptr(&ids), nt * k, u32::MAX).unwrap();
@@ -826,6 +829,7 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
             eprintln!("{what}: logits within {worst:.2e} of the host's, ids / weights = moe_route on them, q8 within half a step");
         }
         fast::set_router_prefetch(None);
+        fast::set_router_f32n_warps(None);
     }
     assert!(g.router_topk_f32n(&upload_mat(&g, GgmlType::F32, &vec![0u8; 4 * 8 * 4128], 8, 4128, 0).1, 0, 4128, 0, 1e-6, 0, 8, 0, 2, GatingFunc::Sigmoid, 0, 0, 0, 0, 0, 0, 1).is_err(), "rows wider than 4096 must be refused");
     // qk_norm_rope_store (bf16 cache): q and k full-width norm, partial RoPE per head, K and V

@@ -435,53 +435,53 @@ fn fast_path_normless_router_matches_norm_and_router() {
 }
 
 /// The gate/up that routes itself (`router_f32n` + `moe_gate_up_blkr`: the router's arrival and
-/// top-k moved into the gate/up's blocks) and the one with the router's product inside too
-/// (`moe_gate_up_blkx`, no router launch) at M2.7 dimensions (2 layers): one-token steps launch
-/// those instead of `router_topk_f32n` + `moe_gate_up_blk32`; logits of steps of 1, 2 and 5
-/// tokens bit-identical to routing in the router's last block, direct and from graphs.
+/// top-k moved into the gate/up's blocks) at M2.7 dimensions (2 layers), with router blocks of 4
+/// and 8 warps: one-token steps launch those instead of `router_topk_f32n` + `moe_gate_up_blk32`;
+/// logits of steps of 1, 2 and 5 tokens bit-identical to routing in the router's last block,
+/// direct and from graphs.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fast_path_inline_route_is_bit_identical() {
-    use minimax_rank::cuda::fast::{set_route_fused, set_route_inline};
+    use minimax_rank::cuda::fast::{set_route_inline, set_router_f32n_warps};
     use minimax_shared::model::synthetic::SyntheticSpec;
     let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
     let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 23).unwrap();
     assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
-    // 0: the router's last block, 1: inline, 2: fused.
-    let set = |mode: usize| {
-        set_route_inline(Some(mode >= 1));
-        set_route_fused(Some(mode == 2));
+    // (inline, router warps a block)
+    let set = |(inline, warps): (bool, u32)| {
+        set_route_inline(Some(inline));
+        set_router_f32n_warps(Some(warps));
     };
-    let kernels = |m: &mut CudaModel, mode: usize, base: u32| -> Vec<String> {
+    let kernels = |m: &mut CudaModel, mode: (bool, u32), base: u32| -> Vec<String> {
         set(mode);
         one_token_step_kernels(m, 700 + base as u64, (base..base + 2).collect(), vec![3, 5, 7], 11)
     };
     let count = |ks: &[String], p: &str| ks.iter().filter(|k| k.starts_with(p)).count();
-    let off = kernels(&mut m, 0, 0);
-    let inl = kernels(&mut m, 1, 4);
-    let fus = kernels(&mut m, 2, 8);
+    let off = kernels(&mut m, (false, 4), 0);
+    let inl = kernels(&mut m, (true, 4), 4);
     assert!(count(&off, "router_topk_f32n") == 2 && count(&off, "moe_gate_up_blk3") == 2 && count(&off, "moe_gate_up_blkr") == 0, "routing in the router: {off:?}");
     assert!(count(&inl, "router_f32n") == 2 && count(&inl, "moe_gate_up_blkr") == 2 && count(&inl, "router_topk_f32n") == 0, "inline routing: {inl:?}");
-    assert!(count(&fus, "router_") == 0 && count(&fus, "moe_gate_up_blkx") == 2 && fus.len() + 2 == inl.len(), "fused router: {fus:?} against {inl:?}");
+    let modes = [(false, 4), (true, 4), (true, 8), (false, 8)];
     let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
-    for (i, (mode, graphs)) in [(0, false), (1, false), (2, false), (0, true), (1, true), (2, true)].into_iter().enumerate() {
+    for (i, (mode, graphs)) in modes.iter().map(|&m| (m, false)).chain(modes.iter().map(|&m| (m, true))).enumerate() {
         set(mode);
         m.clear_graphs();
         m.set_fast(true, graphs);
         runs.push(fast_step_series(&mut m, 40 + 20 * i as u32));
     }
     set_route_inline(None);
-    set_route_fused(None);
+    set_router_f32n_warps(None);
     m.clear_graphs();
     m.set_fast(true, true);
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    for (what, a, b) in [("inline, direct", 0, 1), ("fused, direct", 0, 2), ("inline, graphs", 3, 4), ("fused, graphs", 3, 5), ("fused, graphs against direct", 2, 5)] {
-        for (s, (x, y)) in runs[a].iter().zip(runs[b].iter()).enumerate() {
+    for b in 1..runs.len() {
+        let what = format!("{:?}, graphs {}", modes[b % 4], b >= 4);
+        for (s, (x, y)) in runs[0].iter().zip(runs[b].iter()).enumerate() {
             assert!(y.iter().all(|v| v.is_finite()), "{what}, step {s}: non-finite logits");
-            assert!(bits(x) == bits(y), "{what}, step {s}: the logits changed (max |diff| {})", max_diff(x, y));
+            assert!(bits(x) == bits(y), "{what}, step {s}: the logits differ from the router's last block, 4 warps, direct (max |diff| {})", max_diff(x, y));
         }
     }
-    eprintln!("m2.7:iq4xs:2 fast path: inline routing and the fused router bit-identical to the router's last block over {} steps, direct and from graphs", runs[0].len());
+    eprintln!("m2.7:iq4xs:2 fast path: inline routing and router blocks of 8 warps bit-identical to the router's last block over {} steps, direct and from graphs", runs[0].len());
 }
 
 /// The kernels of one direct (no graph) one-token step of sequence `seq` (token `next`) after

@@ -100,16 +100,13 @@ fn streamed_gate_up_matches_psx() {
     }
 }
 
-/// The gate/up that routes itself (`router_f32n` + `moe_gate_up_blkr`, one token) and the one
-/// with the router's product inside too (`moe_gate_up_blkx`: no router launch, one meeting of
-/// its blocks) against the router's last block (`router_topk_f32n` + `moe_gate_up_blk`): ids,
-/// weights, q8 codes and scales of the activations bit for bit, on the same residual row; the
-/// fused kernel's raw logits, q8 input copy and group sums bit for bit those of `router_f32n`,
-/// its counters back at zero. M2.7's shape (top-8 of 256 by sigmoid, 3072 -> 1536) and a
-/// softmax router (top-5 of 37, 2560 columns: a partial lane round, activations 64 apart),
-/// router blocks of 4, 2, 1 and 8 warps, every stage shape, the default ring and 2 stages,
-/// twice. The routed kernels write ids / w for the down from block 0 only, so they are poisoned
-/// first. Shapes they cannot take are refused.
+/// The gate/up that routes itself (`router_f32n` + `moe_gate_up_blkr`, one token) against the
+/// router's last block (`router_topk_f32n` + `moe_gate_up_blk`): ids, weights, q8 codes and
+/// scales of the activations bit for bit, on the same residual row: M2.7's shape (top-8 of 256
+/// by sigmoid, 3072 -> 1536) and a softmax router (top-5 of 37, 2560 columns: a partial lane
+/// round, activations 64 apart), router blocks of 4, 2, 1 and 8 warps, every stage shape, the
+/// default ring and 2 stages, twice. The routed kernel writes ids / w for the down from block 0
+/// only, so they are poisoned first. Shapes it cannot take are refused.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn streamed_gate_up_routes_like_the_router() {
@@ -131,11 +128,9 @@ fn streamed_gate_up_routes_like_the_router() {
         let (x, nw, bias) = (rng.vec(h, 2.0), rng.vec(h, 1.0), rng.vec(e, 0.3));
         let (xb, nwb, bb) = (g.upload(&x).unwrap(), g.upload(&nw).unwrap(), g.upload(&bias).unwrap());
         assert!(g.gate_up_routes(&gm, &um, k, e, ld).unwrap(), "top-{k} of {e}, {h} -> {ff}: the routed gate/up must fit");
-        assert!(g.gate_up_fuses_router(&gm, &um, &rm, g.ptr(&nwb), k, ld).unwrap(), "top-{k} of {e}, {h} -> {ff}: the fused gate/up must fit");
-        let cnt = g.zeros::<u32>(2).unwrap();
-        // One token through the router's last block (0), the routed gate/up (1) or the fused
-        // one (2): (ids, weights, q8 codes, q8 scales, the input's q8 codes, its scales, logits,
-        // group sums).
+        let cnt = g.zeros::<u32>(1).unwrap();
+        // One token through the router's last block (0) or the routed gate/up (1): (ids,
+        // weights, q8 codes, q8 scales, the input's q8 codes, its scales, logits, group sums).
         type Out = (Vec<i32>, Vec<f32>, Vec<i8>, Vec<f32>, Vec<i8>, Vec<f32>, Vec<f32>, Vec<f32>);
         let run = |mode: usize| -> Out {
             let (y, ss) = (poisoned(&g, e), poisoned(&g, h / 32));
@@ -153,14 +148,13 @@ fn streamed_gate_up_routes_like_the_router() {
                     g.router_topk_f32n(&rm, px, h, g.ptr(&nwb), eps, g.ptr(&y), e, g.ptr(&bb), k, gating, g.ptr(&ids), g.ptr(&wts), g.ptr(&cnt), pq, pd, g.ptr(&ss), 1).unwrap();
                     g.moe_gate_up_stream(&gm, &um, g.ptr(&ids), k, k, pq, pd, pa, pad_, ld).unwrap();
                 }
-                1 => {
+                _ => {
                     g.router_f32n(&rm, px, g.ptr(&nwb), eps, g.ptr(&y), g.ptr(&bb), k, gating, pq, pd, g.ptr(&ss)).unwrap();
                     g.moe_gate_up_stream_routed(&gm, &um, &r, k, pq, pd, pa, pad_, ld).unwrap();
                 }
-                _ => g.moe_gate_up_stream_fused(&gm, &um, &r, &rm, px, g.ptr(&nwb), g.ptr(&cnt), k, pq, pd, pa, pad_, ld).unwrap(),
             }
             g.sync().unwrap();
-            assert_eq!(g.download(&cnt).unwrap(), vec![0, 0], "mode {mode}: counters left at zero");
+            assert_eq!(g.download(&cnt).unwrap(), vec![0], "mode {mode}: counter left at zero");
             (g.download(&ids).unwrap(), g.download(&wts).unwrap(), g.download(&aq).unwrap(), g.download(&ad).unwrap(), g.download(&xq).unwrap(), g.download(&xd).unwrap(), g.download(&y).unwrap(), g.download(&ss).unwrap())
         };
         let want = run(0);
@@ -176,17 +170,16 @@ fn streamed_gate_up_routes_like_the_router() {
             for cap in [None, Some(2)] {
                 set_stream_stage_cap(cap);
                 for rep in 0..2 {
-                    for mode in [1usize, 2] {
-                        let form = if mode == 1 { "routed" } else { "fused" };
-                        let what = format!("{form}, top-{k} of {e} ({gating:?}), {h} -> {ff}, router blocks of {warps} warps, {rows}-row stages, stage cap {cap:?}, rep {rep}");
+                    for mode in [1usize] {
+                        let what = format!("top-{k} of {e} ({gating:?}), {h} -> {ff}, router blocks of {warps} warps, {rows}-row stages, stage cap {cap:?}, rep {rep}");
                         let got = run(mode);
                         assert_eq!(got.0, want.0, "{what}: ids");
                         assert_eq!(bits(&got.1), bits(&want.1), "{what}: routing weights");
                         assert_eq!(got.2, want.2, "{what}: q8 codes of the activations");
                         assert_eq!(bits(&got.3), bits(&want.3), "{what}: q8 scales of the activations");
                         assert_eq!(got.4, want.4, "{what}: q8 codes of the input");
-                        // The routed forms leave router_f32n's raw logits, unscaled input scales
-                        // and group sums: the same in both.
+                        // router_f32n's raw logits, unscaled input scales and group sums, the
+                        // same whatever the router's blocks.
                         match &routed_in {
                             None => routed_in = Some(got),
                             Some(r) => {
@@ -206,9 +199,9 @@ fn streamed_gate_up_routes_like_the_router() {
         // the lookup decode (the A/B kernels route in the router).
         assert!(!g.gate_up_routes(&gm, &um, 33, 64, ld).unwrap() && !g.gate_up_routes(&gm, &um, k, 300, ld).unwrap(), "top-33 / 300 experts must be refused");
         set_stream_lookup(Some(true));
-        assert!(!g.gate_up_routes(&gm, &um, k, e, ld).unwrap() && !g.gate_up_fuses_router(&gm, &um, &rm, g.ptr(&nwb), k, ld).unwrap(), "the lookup decode routes in the router");
+        assert!(!g.gate_up_routes(&gm, &um, k, e, ld).unwrap(), "the lookup decode routes in the router");
         set_stream_lookup(None);
-        eprintln!("routed and fused gate/up, top-{k} of {e} ({gating:?}), {h} -> {ff}: ids, weights, q8 codes and scales bit-identical to router_topk_f32n + the streamed gate/up");
+        eprintln!("routed gate/up, top-{k} of {e} ({gating:?}), {h} -> {ff}: ids, weights, q8 codes and scales bit-identical to router_topk_f32n + the streamed gate/up");
     }
 }
 

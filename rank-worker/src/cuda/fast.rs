@@ -305,26 +305,11 @@ pub fn set_route_inline(on: Option<bool>) {
     ROUTE_INLINE.set(on);
 }
 
-static ROUTE_FUSED: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTE_FUSED", false);
-
-/// Whether inline routing ([`route_inline`]) also moves the router's product into the streamed
-/// gate/up (`moe_gate_up_blkx`: no router launch; the gate/up's blocks meet once on a counter
-/// before the top-k); the same bits (`MINIMAX_ROUTE_FUSED`, default off).
-pub fn route_fused() -> bool {
-    ROUTE_FUSED.get()
-}
-
-/// Overrides [`route_fused`] (A/B runs and tests; `None` = back to the environment). Drop
-/// captured graphs after a change.
-pub fn set_route_fused(on: Option<bool>) {
-    ROUTE_FUSED.set(on);
-}
-
 static ROUTER_F32N_WARPS: AtomicUsize = AtomicUsize::new(0);
 
-/// Warps a block of `router_f32n` (one router row each): 4 unless `MINIMAX_ROUTER_WARPS` (1, 2,
-/// 4 or 8) or [`set_router_f32n_warps`] says otherwise. Fewer warps a block spread the 256 rows
-/// over more SMs; the sums are the same.
+/// Warps a block of `router_topk_f32n` and `router_f32n` (one router row each): 4 unless
+/// `MINIMAX_ROUTER_WARPS` (1, 2, 4 or 8) or [`set_router_f32n_warps`] says otherwise. The sums
+/// are the same whatever the split.
 pub fn router_f32n_warps() -> u32 {
     match ROUTER_F32N_WARPS.load(Ordering::Relaxed) {
         0 => {
@@ -1182,9 +1167,7 @@ impl Gpu {
 
     #[allow(clippy::too_many_arguments)]
     fn router_f32n_any(&self, name: &str, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, ss: u64, nt: usize) -> Result<(), CudaError> {
-        // The last-block form counts its blocks: 4 warps each, as measured; router_f32n has no
-        // arrival, so its rows may spread over more SMs (router_f32n_warps).
-        let wpb = if cnt == 0 { router_f32n_warps() } else { 4 };
+        let wpb = router_f32n_warps();
         if !normless_fits(w, nw) || xs % 4 != 0 || x % 16 != 0 || w.rows > ROUTE_FAST_MAX_E || k > 32 || k > w.rows || k == 0 {
             return Err(CudaError::Shape(format!("{name}: {:?} {}x{}, top-{k}", w.ty, w.rows, w.cols)));
         }

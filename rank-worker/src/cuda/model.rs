@@ -566,9 +566,7 @@ impl CudaModel {
             let normless = rmode == RouteMode::Fused && !fuse_router && super::fast::router_normless() && nt < super::fast::router_t4_min() && super::fast::normless_fits(&l.router, l.ffn_norm);
             // One token, normless router, streamed gate/up: the gate/up routes (fast::route_inline).
             let inline = normless && nt == 1 && !tp && !grouped && run(sk::ROUTE) && run(sk::GATE_UP) && super::fast::route_inline() && g.gate_up_routes(&l.gate, &l.up, k, e, dn.cols)?;
-            // ... and the router's product too (fast::route_fused): no router launch.
-            let fused = inline && super::fast::route_fused() && g.gate_up_fuses_router(&l.gate, &l.up, &l.router, l.ffn_norm, k, dn.cols)?;
-            if !run(sk::ROUTE) || fused {
+            if !run(sk::ROUTE) {
             } else if inline {
                 g.router_f32n(&l.router, hid, l.ffn_norm, c.rms_eps, p(&ws.rl), l.bias, k, c.gating, xq, xd, p(&ws.rss))?;
             } else if fast_router(&l.router) && rmode == RouteMode::Fused && fuse_router {
@@ -595,11 +593,7 @@ impl CudaModel {
             if !run(sk::GATE_UP) {
             } else if inline {
                 let r = super::stream::StreamRoute { logits: p(&ws.rl), ss: p(&ws.rss), bias: l.bias, e, gating: super::fast::gating_code(c.gating), eps: c.rms_eps, ids, wts };
-                if fused {
-                    g.moe_gate_up_stream_fused(&l.gate, &l.up, &r, &l.router, hid, l.ffn_norm, g.ptr(&ws.rcnt), k, xq, xd, aq, ad, dn.cols)?;
-                } else {
-                    g.moe_gate_up_stream_routed(&l.gate, &l.up, &r, k, xq, xd, aq, ad, dn.cols)?;
-                }
+                g.moe_gate_up_stream_routed(&l.gate, &l.up, &r, k, xq, xd, aq, ad, dn.cols)?;
             } else if grouped {
                 g.moe_group(ids, nt * k, e, grp)?;
                 g.moe_gate_up_grp_any(&l.gate, &l.up, grp, e, nslots, k, xq, xd, aq, ad, dn.cols)?;

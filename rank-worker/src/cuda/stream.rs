@@ -271,42 +271,6 @@ impl Gpu {
         self.launch_pdl(&format!("moe_gate_up_blkr{sr}_iq4_xs"), (grid, 1, 1), THREADS, smem as u32, &args)
     }
 
-    /// Whether [`Gpu::moe_gate_up_stream_fused`] takes this router (`w`, F32 rows of `h`
-    /// columns) with these experts: [`Gpu::gate_up_routes`], the router fits
-    /// `router_topk_f32n`'s shapes, each block's share of router rows (16 at most) and the staged
-    /// input fit its ring.
-    pub fn gate_up_fuses_router(&self, gate: &DevMat, up: &DevMat, router: &DevMat, nw: u64, k: usize, ld: usize) -> Result<bool, CudaError> {
-        let e = router.rows;
-        let Some((sr, nst)) = self.gate_up_stream_plan(gate, up)? else {
-            return Ok(false);
-        };
-        let grid = self.stream_grid(k * (gate.rows / 32))? as usize;
-        let rows_a_block = e.div_ceil(grid);
-        let fits = rows_a_block <= 16 && (rows_a_block + 1) * 4 * router.cols <= nst * 2 * sr * gate.row_bytes;
-        Ok(fits && router.cols == gate.cols && super::fast::normless_fits(router, nw) && self.gate_up_routes(gate, up, k, e, ld)?)
-    }
-
-    /// [`Gpu::moe_gate_up_stream_routed`] with the router's product inside too
-    /// (`moe_gate_up_blkx`, one token, no `router_f32n` before it): from the residual row `x`
-    /// it writes what `router_f32n` would (raw logits to `r.logits`, group sums to `r.ss`, the
-    /// q8 copy to `xq` / `xd`), meets the other blocks on `cnt` (2 u32, zero, left zero), then
-    /// routes as the routed kernel does: the same bits. Errors when
-    /// [`Gpu::gate_up_fuses_router`] says no.
-    #[allow(clippy::too_many_arguments)]
-    pub fn moe_gate_up_stream_fused(&self, gate: &DevMat, up: &DevMat, r: &StreamRoute, router: &DevMat, x: u64, nw: u64, cnt: u64, k: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<(), CudaError> {
-        if router.rows != r.e || x % 16 != 0 || !self.gate_up_fuses_router(gate, up, router, nw, k, ld)? {
-            return Err(CudaError::Shape(format!("moe_gate_up_stream_fused: router {}x{} ({} experts), {:?} {}x{} top-{k} (ld {ld}, sm_{})", router.rows, router.cols, r.e, gate.ty, gate.rows, gate.cols, self.arch)));
-        }
-        let (sr, nst) = self.gate_up_stream_plan(gate, up)?.expect("checked");
-        let smem = HDR + nst * 2 * sr * gate.row_bytes;
-        let mid = [Arg::P(r.ids), Arg::I(k as i32), Arg::I(k as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32)];
-        let grid = self.stream_grid(k * (gate.rows / 32))?;
-        let mut args = gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld);
-        args.extend([Arg::P(r.logits), Arg::P(r.ss), Arg::P(r.bias), Arg::I(r.e as i32), Arg::I(r.gating), Arg::F(r.eps), Arg::P(r.wts)]);
-        args.extend([Arg::P(router.ptr), Arg::P(x), Arg::P(nw), Arg::P(cnt)]);
-        self.launch_pdl(&format!("moe_gate_up_blkx{sr}_iq4_xs"), (grid, 1, 1), THREADS, smem as u32, &args)
-    }
-
     /// Streamed down + weighted combine: `hidden[t] += sum_j w[t,j] down[ids[t,j]] act[t,j]`
     /// for `nt` tokens, as [`Gpu::moe_down_q8`] (the experts added in order j; not rx4's
     /// order). Errors when it does not fit ([`Gpu::down_stream_plan`]).
