@@ -445,8 +445,8 @@ __device__ __forceinline__ float router_norm_inv(const float* ss_t, int ng, int 
 // unscaled q8 scales, ss the group sums, and the streamed gate/up after it routes
 // (moe_gate_up_blkr: every block takes inv and the top-k itself), so the router's arrival, its
 // last block's scale and top-k leave the chain; ids, w and cnt are not touched. Either kernel:
-// blocks of 1, 2, 4 or 8 warps (a warp a row: grid ceil(rows / warps)), the same sums whatever
-// the split.
+// blocks of 1, 2, 4 or 8 warps (16: router_topk_f32n16; a warp a row: grid ceil(rows /
+// warps)), the same sums whatever the split.
 template <bool TAIL>
 __device__ __forceinline__ void router_f32n_impl(const float* W, int rows, int n, const float* x, i64 xs,
                                                  const float* nw, float eps, float* y, i64 ys, const float* bias,
@@ -515,6 +515,10 @@ __device__ __forceinline__ void router_f32n_impl(const float* W, int rows, int n
     const float *W, int rows, int n, const float *x, i64 xs, const float *nw, float eps, float *y, i64 ys,        \
         const float *bias, int k, int gating, int *ids, float *w, u32 *cnt, i8 *q, float *d, float *ss, int pf
 extern "C" __global__ void __launch_bounds__(256) router_topk_f32n(ROUTER_F32N_ARGS) {
+    router_f32n_impl<true>(W, rows, n, x, xs, nw, eps, y, ys, bias, k, gating, ids, w, cnt, q, d, ss, pf);
+}
+// Blocks of 16 warps (their own register budget: 128 a thread).
+extern "C" __global__ void __launch_bounds__(512) router_topk_f32n16(ROUTER_F32N_ARGS) {
     router_f32n_impl<true>(W, rows, n, x, xs, nw, eps, y, ys, bias, k, gating, ids, w, cnt, q, d, ss, pf);
 }
 extern "C" __global__ void __launch_bounds__(256) router_f32n(ROUTER_F32N_ARGS) {

@@ -782,10 +782,11 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
     // moe_route on the kernel's own logits (so near-ties cannot flake); the q8 copy within half
     // a step of the host's normalized values, its scales the group's max / 127; twice (counters
     // back at zero), with and without the L2 prefetch; residual rows strided.
-    // Blocks of 4, 8, 2 and 1 warps (MINIMAX_ROUTER_WARPS).
+    // Blocks of 4, 8, 16, 2 and 1 warps (MINIMAX_ROUTER_WARPS).
     for (rows, cols, k, nt, gating, pf, warps) in [
         (256usize, 3072usize, 8usize, 1usize, GatingFunc::Sigmoid, true, 4u32),
         (256, 3072, 8, 1, GatingFunc::Sigmoid, true, 8),
+        (256, 3072, 8, 3, GatingFunc::Sigmoid, true, 16),
         (256, 3072, 8, 2, GatingFunc::Sigmoid, false, 2),
         (37, 96, 5, 3, GatingFunc::Softmax, true, 8),
         (64, 4096, 4, 1, GatingFunc::Sigmoid, true, 1),

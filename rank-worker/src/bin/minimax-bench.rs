@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -1107,6 +1107,14 @@ fn main() -> anyhow::Result<()> {
             })?;
         }
         set_route_inline(None);
+        set_router_f32n_warps(None);
+        return Ok(());
+    }
+    if flag("--router-warps-ab") {
+        use minimax_rank::cuda::fast::set_router_f32n_warps;
+        for b in [1usize, 1, 4, 8] {
+            bn_ab(&mut m, &mut pages, b, "router_topk_f32n blocks", &["4 warps", "8 warps", "16 warps"], &|i| set_router_f32n_warps(Some([4, 8, 16][i])))?;
+        }
         set_router_f32n_warps(None);
         return Ok(());
     }

@@ -288,13 +288,13 @@ pub fn set_router_normless(on: Option<bool>) {
     ROUTER_NORMLESS.set(on);
 }
 
-static ROUTE_INLINE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTE_INLINE", true);
+static ROUTE_INLINE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTE_INLINE", false);
 
 /// Whether one-token steps with the normless router and the streamed gate/up route inside the
 /// gate/up (`router_f32n` + `moe_gate_up_blkr`: every gate/up block takes the MoE norm's scale
 /// and the top-k itself from the router's raw logits) instead of in the router's last block
-/// (`router_topk_f32n`); the same bits (`MINIMAX_ROUTE_INLINE`, default on; `0` = the last
-/// block).
+/// (`router_topk_f32n`); the same bits (`MINIMAX_ROUTE_INLINE=1`; off by default: within
+/// ±0.5 % of the last block in three calls on an H200, docs/CUDA.md "Inline routing").
 pub fn route_inline() -> bool {
     ROUTE_INLINE.get()
 }
@@ -308,22 +308,23 @@ pub fn set_route_inline(on: Option<bool>) {
 static ROUTER_F32N_WARPS: AtomicUsize = AtomicUsize::new(0);
 
 /// Warps a block of `router_topk_f32n` and `router_f32n` (one router row each): 4 unless
-/// `MINIMAX_ROUTER_WARPS` (1, 2, 4 or 8) or [`set_router_f32n_warps`] says otherwise. The sums
+/// `MINIMAX_ROUTER_WARPS` (1, 2, 4, 8 or 16: `router_topk_f32n16`; `router_f32n` takes 8 at
+/// most) or [`set_router_f32n_warps`] says otherwise. The sums
 /// are the same whatever the split.
 pub fn router_f32n_warps() -> u32 {
     match ROUTER_F32N_WARPS.load(Ordering::Relaxed) {
         0 => {
             static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-            *V.get_or_init(|| std::env::var("MINIMAX_ROUTER_WARPS").ok().and_then(|v| v.parse::<u32>().ok()).filter(|w| [1, 2, 4, 8].contains(w)).unwrap_or(4))
+            *V.get_or_init(|| std::env::var("MINIMAX_ROUTER_WARPS").ok().and_then(|v| v.parse::<u32>().ok()).filter(|w| [1, 2, 4, 8, 16].contains(w)).unwrap_or(4))
         }
         w => w as u32,
     }
 }
 
-/// Overrides [`router_f32n_warps`] (1, 2, 4 or 8; `None` = back to the environment). Drop
+/// Overrides [`router_f32n_warps`] (1, 2, 4, 8 or 16; `None` = back to the environment). Drop
 /// captured graphs after a change.
 pub fn set_router_f32n_warps(w: Option<u32>) {
-    ROUTER_F32N_WARPS.store(w.filter(|w| [1, 2, 4, 8].contains(w)).unwrap_or(0) as usize, Ordering::Relaxed);
+    ROUTER_F32N_WARPS.store(w.filter(|w| [1, 2, 4, 8, 16].contains(w)).unwrap_or(0) as usize, Ordering::Relaxed);
 }
 
 /// Whether `router_topk_f32n` takes router `w` with MoE norm weight `nw` (F32 float4 rows of a
@@ -1167,7 +1168,9 @@ impl Gpu {
 
     #[allow(clippy::too_many_arguments)]
     fn router_f32n_any(&self, name: &str, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, ss: u64, nt: usize) -> Result<(), CudaError> {
-        let wpb = router_f32n_warps();
+        // Blocks of 16 warps: router_topk_f32n16 (router_f32n stays at 8 at most).
+        let wpb = if name == "router_f32n" { router_f32n_warps().min(8) } else { router_f32n_warps() };
+        let name = if wpb == 16 { "router_topk_f32n16" } else { name };
         if !normless_fits(w, nw) || xs % 4 != 0 || x % 16 != 0 || w.rows > ROUTE_FAST_MAX_E || k > 32 || k > w.rows || k == 0 {
             return Err(CudaError::Shape(format!("{name}: {:?} {}x{}, top-{k}", w.ty, w.rows, w.cols)));
         }
