@@ -238,11 +238,8 @@ __device__ __forceinline__ float ld_cg(const float* p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
-// The top-k of one token by one warp: logits lg (read through L2) times scale (exact at 1: the
-// streamed gate/up passes the MoE norm's 1 / rms, which router_topk_f32n's last block applies
-// to the stored logits with the same rounding), outputs ids_t[k], w_t[k].
-// Its loads (split off so that the routed gate/up issues them before the MoE norm's sums):
-// lane holds logit and bias of experts lane + 32 i, zeros past E.
+// route_topk_warp's loads (split off so that the routed gate/up issues them before the MoE
+// norm's sums): lane holds logit and bias of experts lane + 32 i, zeros past E.
 __device__ __forceinline__ void route_topk_load(const float* lg, const float* bias, int E, int lane,
                                                 float (&sc)[RK_MAXE], float (&ch)[RK_MAXE]) {
 #pragma unroll
@@ -252,14 +249,7 @@ __device__ __forceinline__ void route_topk_load(const float* lg, const float* bi
         ch[i] = e < E ? bias[e] : 0.f;
     }
 }
-__device__ __forceinline__ void route_topk_select(float (&sc)[RK_MAXE], float (&ch)[RK_MAXE], int E, int k, int gating,
-                                                  int* ids_t, float* w_t, int lane, float scale);
-__device__ __forceinline__ void route_topk_warp(const float* lg, const float* bias, int E, int k, int gating,
-                                                int* ids_t, float* w_t, int lane, float scale = 1.0f) {
-    float sc[RK_MAXE], ch[RK_MAXE];
-    route_topk_load(lg, bias, E, lane, sc, ch);
-    route_topk_select(sc, ch, E, k, gating, ids_t, w_t, lane, scale);
-}
+// The rest of route_topk_warp, on the loaded scores times scale.
 __device__ __forceinline__ void route_topk_select(float (&sc)[RK_MAXE], float (&ch)[RK_MAXE], int E, int k, int gating,
                                                   int* ids_t, float* w_t, int lane, float scale) {
 #pragma unroll
@@ -323,6 +313,15 @@ __device__ __forceinline__ void route_topk_select(float (&sc)[RK_MAXE], float (&
         ids_t[lane] = my_id;
         w_t[lane] = my_s / total;
     }
+}
+// The top-k of one token by one warp: logits lg (read through L2) times scale (exact at 1: the
+// streamed gate/up passes the MoE norm's 1 / rms, which router_topk_f32n's last block applies
+// to the stored logits with the same rounding), outputs ids_t[k], w_t[k].
+__device__ __forceinline__ void route_topk_warp(const float* lg, const float* bias, int E, int k, int gating,
+                                                int* ids_t, float* w_t, int lane, float scale = 1.0f) {
+    float sc[RK_MAXE], ch[RK_MAXE];
+    route_topk_load(lg, bias, E, lane, sc, ch);
+    route_topk_select(sc, ch, E, k, gating, ids_t, w_t, lane, scale);
 }
 
 

@@ -1156,7 +1156,7 @@ impl Gpu {
     /// weights up to f32 rounding of the logits. `ss`: `nt * cols / 32` floats of scratch.
     #[allow(clippy::too_many_arguments)]
     pub fn router_topk_f32n(&self, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, ss: u64, nt: usize) -> Result<(), CudaError> {
-        self.router_f32n_any("router_topk_f32n", w, x, xs, nw, eps, y, ys, bias, k, gating, ids, wts, cnt, xq, xd, ss, nt)
+        self.router_f32n_any(true, w, x, xs, nw, eps, y, ys, bias, k, gating, ids, wts, cnt, xq, xd, ss, nt)
     }
 
     /// [`Gpu::router_topk_f32n`] without its arrival, scale and top-k (`router_f32n`): `y` keeps
@@ -1165,14 +1165,18 @@ impl Gpu {
     /// next). One token.
     #[allow(clippy::too_many_arguments)]
     pub fn router_f32n(&self, w: &DevMat, x: u64, nw: u64, eps: f32, y: u64, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, xq: u64, xd: u64, ss: u64) -> Result<(), CudaError> {
-        self.router_f32n_any("router_f32n", w, x, w.cols, nw, eps, y, w.rows, bias, k, gating, 0, 0, 0, xq, xd, ss, 1)
+        self.router_f32n_any(false, w, x, w.cols, nw, eps, y, w.rows, bias, k, gating, 0, 0, 0, xq, xd, ss, 1)
     }
 
+    /// `tail`: with the arrival and top-k (`router_topk_f32n`, in blocks of 16 warps
+    /// `router_topk_f32n16`), or without (`router_f32n`, 8 warps a block at most).
     #[allow(clippy::too_many_arguments)]
-    fn router_f32n_any(&self, name: &str, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, ss: u64, nt: usize) -> Result<(), CudaError> {
-        // Blocks of 16 warps: router_topk_f32n16 (router_f32n stays at 8 at most).
-        let wpb = if name == "router_f32n" { router_f32n_warps().min(8) } else { router_f32n_warps() };
-        let name = if wpb == 16 { "router_topk_f32n16" } else { name };
+    fn router_f32n_any(&self, tail: bool, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, ss: u64, nt: usize) -> Result<(), CudaError> {
+        let (name, wpb) = match (tail, router_f32n_warps()) {
+            (false, wp) => ("router_f32n", wp.min(8)),
+            (true, 16) => ("router_topk_f32n16", 16),
+            (true, wp) => ("router_topk_f32n", wp),
+        };
         if !normless_fits(w, nw) || xs % 4 != 0 || x % 16 != 0 || w.rows > ROUTE_FAST_MAX_E || k > 32 || k > w.rows || k == 0 {
             return Err(CudaError::Shape(format!("{name}: {:?} {}x{}, top-{k}", w.ty, w.rows, w.cols)));
         }

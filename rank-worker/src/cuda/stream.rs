@@ -232,24 +232,40 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     pub(super) fn try_gate_up_stream(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<bool, CudaError> {
         let plan = self.gate_up_stream_plan(gate, up)?;
-        let Some((sr, nst)) = plan.filter(|_| ld >= gate.rows && ld % 32 == 0 && k > 0) else {
+        let Some(plan) = plan.filter(|_| ld >= gate.rows && ld % 32 == 0 && k > 0) else {
             return Ok(false);
         };
+        self.launch_gate_up_stream(stem(), plan, gate, up, ids, k, npairs, xq, xd, aq, ad, ld, &[])?;
+        Ok(true)
+    }
+
+    /// Launches `moe_gate_up_{stem}{sr}_iq4_xs` with plan `(sr, nst)` on `npairs` pairs; `extra`:
+    /// the kernel's own arguments after the common ones (the routed kernel's).
+    #[allow(clippy::too_many_arguments)]
+    fn launch_gate_up_stream(&self, stem: &str, (sr, nst): (usize, usize), gate: &DevMat, up: &DevMat, ids: u64, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize, extra: &[Arg]) -> Result<(), CudaError> {
         let smem = HDR + nst * 2 * sr * gate.row_bytes;
         let mid = [Arg::P(ids), Arg::I(k as i32), Arg::I(npairs as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32)];
         let grid = self.stream_grid(npairs * (gate.rows / 32))?;
-        let name = format!("moe_gate_up_{}{sr}_iq4_xs", stem());
-        self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))?;
-        Ok(true)
+        let mut args = gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld);
+        args.extend_from_slice(extra);
+        self.launch_pdl(&format!("moe_gate_up_{stem}{sr}_iq4_xs"), (grid, 1, 1), THREADS, smem as u32, &args)
     }
 
     /// Whether [`Gpu::moe_gate_up_stream_routed`] takes these matrices at top-`k` of `e` experts
     /// with activations `ld` apart: the streamed gate/up fits, sign decode (not the lookup or
     /// probe kernels), k <= 32, e <= 256 (`route_topk_warp`).
     pub fn gate_up_routes(&self, gate: &DevMat, up: &DevMat, k: usize, e: usize, ld: usize) -> Result<bool, CudaError> {
+        Ok(self.routed_plan(gate, up, k, e, ld)?.is_some())
+    }
+
+    /// The routed gate/up's plan ([`Gpu::gate_up_stream_plan`]), None where it does not apply.
+    fn routed_plan(&self, gate: &DevMat, up: &DevMat, k: usize, e: usize, ld: usize) -> Result<Option<(usize, usize)>, CudaError> {
         let decode = !probe() && !stream_lookup();
         let fits = (1..=32).contains(&k) && k <= e && e <= super::fast::ROUTE_FAST_MAX_E && ld >= gate.rows && ld % 32 == 0;
-        Ok(decode && fits && stream_on() && self.gate_up_stream_plan(gate, up)?.is_some())
+        if !(decode && fits && stream_on()) {
+            return Ok(None);
+        }
+        self.gate_up_stream_plan(gate, up)
     }
 
     /// The streamed gate/up of one token that routes itself (`moe_gate_up_blkr`) after
@@ -259,16 +275,11 @@ impl Gpu {
     /// when [`Gpu::gate_up_routes`] says no.
     #[allow(clippy::too_many_arguments)]
     pub fn moe_gate_up_stream_routed(&self, gate: &DevMat, up: &DevMat, r: &StreamRoute, k: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<(), CudaError> {
-        let plan = self.gate_up_stream_plan(gate, up)?;
-        let Some((sr, nst)) = plan.filter(|_| self.gate_up_routes(gate, up, k, r.e, ld).unwrap_or(false)) else {
+        let Some(plan) = self.routed_plan(gate, up, k, r.e, ld)? else {
             return Err(CudaError::Shape(format!("moe_gate_up_stream_routed: {:?} {}x{} top-{k} of {} (ld {ld}, sm_{})", gate.ty, gate.rows, gate.cols, r.e, self.arch)));
         };
-        let smem = HDR + nst * 2 * sr * gate.row_bytes;
-        let mid = [Arg::P(r.ids), Arg::I(k as i32), Arg::I(k as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32)];
-        let grid = self.stream_grid(k * (gate.rows / 32))?;
-        let mut args = gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld);
-        args.extend([Arg::P(r.logits), Arg::P(r.ss), Arg::P(r.bias), Arg::I(r.e as i32), Arg::I(r.gating), Arg::F(r.eps), Arg::P(r.wts)]);
-        self.launch_pdl(&format!("moe_gate_up_blkr{sr}_iq4_xs"), (grid, 1, 1), THREADS, smem as u32, &args)
+        let extra = [Arg::P(r.logits), Arg::P(r.ss), Arg::P(r.bias), Arg::I(r.e as i32), Arg::I(r.gating), Arg::F(r.eps), Arg::P(r.wts)];
+        self.launch_gate_up_stream("blkr", plan, gate, up, r.ids, k, k, xq, xd, aq, ad, ld, &extra)
     }
 
     /// Streamed down + weighted combine: `hidden[t] += sum_j w[t,j] down[ids[t,j]] act[t,j]`
