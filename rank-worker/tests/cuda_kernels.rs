@@ -1628,3 +1628,215 @@ fn memory_pool_keeps_or_returns_freed_memory() {
     g.set_pool_keep(false).unwrap();
     assert!(g.pool_reserved().unwrap().0 < BYTES as u64, "trim after turning keep off");
 }
+
+/// `mvqs_q8_0_1s2pq` (the one-token q/k/v product that also leaves each 8-row block's sum of
+/// squared outputs for `attn_dec6tn_*`): outputs bit-identical to `mvqs_q8_0_1s2p`, every
+/// block's sum within 1e-5 of the f64 sum of the squares of its rows (outputs NaN-poisoned
+/// first); matrices it cannot take (rows not in whole blocks of 8, IQ4_XS, rows of 24 chunks)
+/// are refused with nothing launched.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_qkv_sumsq_product_matches_plain() {
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0123);
+    let ty = GgmlType::Q8_0;
+    for cols in [256 * 5, 256 * 12] {
+        let rows = [48usize, 16, 24];
+        let mats: Vec<Vec<u8>> = rows.iter().map(|&r| random_rows(&mut rng, ty, r, cols)).collect();
+        let up: Vec<_> = mats.iter().zip(rows).map(|(b, r)| upload_mat(&g, ty, b, r, cols, 0)).collect();
+        let x = rng.vec(cols, 2.0);
+        let (hq, hd) = q8_host(&x);
+        let (qb, db) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
+        let run = |sumsq: bool| -> (Vec<Vec<f32>>, Vec<f32>) {
+            let yb: Vec<_> = rows.iter().map(|&r| poisoned(&g, r)).collect();
+            let ss = poisoned(&g, rows.iter().sum::<usize>() / 8);
+            let segs: Vec<_> = (0..3).map(|i| (&up[i].1, g.ptr(&yb[i]), rows[i])).collect();
+            if sumsq {
+                assert!(g.matvec_q8_sumsq(&segs, g.ptr(&qb), g.ptr(&db), cols, g.ptr(&ss)).unwrap(), "cols {cols}: refused");
+            } else {
+                g.matvec_q8_with(MvqKind::Whole, &segs, g.ptr(&qb), g.ptr(&db), cols, 1, false).unwrap();
+            }
+            (yb.iter().map(|b| g.download(b).unwrap()).collect(), g.download(&ss).unwrap())
+        };
+        let (want, _) = run(false);
+        let names = launched_names(&g, || {
+            run(true);
+        });
+        assert!(names.iter().any(|n| n == "mvqs_q8_0_1s2pq") && !names.iter().any(|n| n == "mvqs_q8_0_1s2p"), "cols {cols}: kernels {names:?}");
+        let (got, ss) = run(true);
+        for i in 0..3 {
+            assert_eq!(bits(&got[i]), bits(&want[i]), "cols {cols} seg {i}: outputs differ from mvqs_q8_0_1s2p");
+        }
+        let all: Vec<f32> = got.concat();
+        let mut worst = 0f64;
+        for (b, s) in ss.iter().enumerate() {
+            let w: f64 = all[8 * b..8 * b + 8].iter().map(|&v| v as f64 * v as f64).sum();
+            let err = (*s as f64 - w).abs() / w.max(1e-30);
+            assert!(s.is_finite() && err <= 1e-5, "cols {cols} block {b}: sum of squares {s} vs {w}");
+            worst = worst.max(err);
+        }
+        eprintln!("mvqs_q8_0_1s2pq, {cols} columns, rows 48 + 16 + 24: outputs bit-identical to mvqs_q8_0_1s2p, sums of squares within {worst:.1e}");
+        // Refusals: nothing launched, Ok(false).
+        let yb = poisoned(&g, 64);
+        let odd = upload_mat(&g, ty, &random_rows(&mut rng, ty, 37, cols), 37, cols, 0);
+        assert!(!g.matvec_q8_sumsq(&[(&odd.1, g.ptr(&yb), 37)], g.ptr(&qb), g.ptr(&db), cols, g.ptr(&yb)).unwrap(), "37 rows taken");
+        let iq = upload_mat(&g, GgmlType::IQ4_XS, &random_rows(&mut rng, GgmlType::IQ4_XS, 16, cols), 16, cols, 0);
+        assert!(!g.matvec_q8_sumsq(&[(&iq.1, g.ptr(&yb), 16)], g.ptr(&qb), g.ptr(&db), cols, g.ptr(&yb)).unwrap(), "IQ4_XS taken");
+    }
+    let cols = 256 * 24;
+    let long = upload_mat(&g, ty, &random_rows(&mut rng, ty, 8, cols), 8, cols, 0);
+    let (xq, xd) = (g.zeros::<i8>(cols).unwrap(), g.zeros::<f32>(cols / 32).unwrap());
+    let yb = poisoned(&g, 8);
+    assert!(!g.matvec_q8_sumsq(&[(&long.1, g.ptr(&yb), 8)], g.ptr(&xq), g.ptr(&xd), cols, g.ptr(&yb)).unwrap(), "24-chunk rows taken");
+}
+
+fn launched_names(g: &Gpu, f: impl FnOnce()) -> Vec<String> {
+    g.profile_begin();
+    f();
+    g.profile_end().unwrap().into_iter().map(|(n, _)| n).collect()
+}
+
+/// `attn_dec6tn_*` / `attn_dec6tnm_*` (decode attention of one token that does the q / k norms,
+/// RoPE and the KV store itself, from the raw q/k/v rows, the product's partial sums of
+/// squares and the step's `rope_table`) against `qk_norm_rope_store_*` + `attn_dec6t_*` (+ `attn_merge6` or the last-block
+/// merge), and against an f64 reference over the host's norm and RoPE: contexts of 1, 17, 600
+/// and 2,100 positions (the new position in the first, a middle and the last tile of a split;
+/// splits 0, 1, 12 and 14 of the default 16, in tiles 0, 0, 1 and 5), f16 and bf16 caches, pages of 16 and 7 positions
+/// scrambled over a pool, 8 KV heads, RoPE on 64 of 128 dims. Output within 2e-5 of the largest
+/// |output| of the two-launch path (the sums of squares are added in another order); the new
+/// key within one 16-bit step of the two-launch path's, the new value bit-identical, every
+/// other cache slot untouched; outputs NaN-poisoned.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_normed_attention_matches_qk_norm_and_attention() {
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_0124);
+    let (kvh, hd, rot, theta, eps) = (8usize, 128usize, 64usize, 5e6f32, 1e-6f32);
+    let heads = 6 * kvh;
+    let (qw, kw) = (heads * hd, kvh * hd);
+    let scale = 1.0 / (hd as f32).sqrt();
+    let mut worst_path = 0f64;
+    let mut worst_ref = 0f64;
+    for (kv, ps) in [("f16", 16usize), ("bf16", 7)] {
+        for ctx in [1usize, 17, 600, 2100] {
+            let ty = if kv == "bf16" { GgmlType::BF16 } else { GgmlType::F16 };
+            let h2f = |b: u16| if kv == "bf16" { f32::from_bits((b as u32) << 16) } else { quant::f16_to_f32(b) };
+            let (pts, pt_off, n_pages) = scrambled_pages(&mut rng, &[ctx], ps);
+            let pos = vec![ctx as i32 - 1];
+            let slot_of = |p: usize| pts[p / ps] as usize * ps + p % ps;
+            let slots = vec![slot_of(ctx - 1) as i32];
+            let nslots = n_pages * ps;
+            let q = rng.vec(qw, 2.0);
+            let k = rng.vec(kw, 2.0);
+            let v = rng.vec(kw, 2.0);
+            let qn: Vec<f32> = rng.vec(qw, 0.5).into_iter().map(|x| 1.0 + x).collect();
+            let kn: Vec<f32> = rng.vec(kw, 0.5).into_iter().map(|x| 1.0 + x).collect();
+            // The product's partial sums (8 rows a block, f32), q's then k's.
+            let ssv: Vec<f32> = q.chunks(8).chain(k.chunks(8)).map(|c| c.iter().map(|x| x * x).sum()).collect();
+            let (pb, sb, ob, tb, slb) = (g.upload(&pos).unwrap(), g.upload(&[0i32]).unwrap(), g.upload(&pt_off).unwrap(), g.upload(&pts).unwrap(), g.upload(&slots).unwrap());
+            let meta = (g.ptr(&pb), g.ptr(&sb), g.ptr(&ob), g.ptr(&tb));
+            let (qnb, knb, ssb) = (g.upload(&qn).unwrap(), g.upload(&kn).unwrap(), g.upload(&ssv).unwrap());
+            let rope = poisoned(&g, 128);
+            g.rope_table(g.ptr(&pb), 1, rot, theta, g.ptr(&rope)).unwrap();
+            let fresh_cache = |seed: u64| {
+                let c = g.zeros::<u16>(nslots * kw).unwrap();
+                g.fill_synthetic(g.ptr(&c), ty, nslots * kw, seed, -2.0, 2.0).unwrap();
+                c
+            };
+            let kc0 = g.download(&fresh_cache(51)).unwrap();
+            let vc0 = g.download(&fresh_cache(52)).unwrap();
+            let part = poisoned(&g, kvh * 128 * 6 * (hd + 2));
+            let cnt = g.zeros::<u32>(kvh).unwrap();
+            let ns = g.attn_splits(true, kvh, fast::nsplit_for(1), 1).unwrap();
+            // (output, q8, q8 scales, k cache, v cache) of one path.
+            let run = |normed: bool, merged: bool| {
+                let (kc, vc) = (g.upload(&kc0).unwrap(), g.upload(&vc0).unwrap());
+                let (qb, kb, vb) = (g.upload(&q).unwrap(), g.upload(&k).unwrap(), g.upload(&v).unwrap());
+                let out = poisoned(&g, qw);
+                let (aq, ad) = (g.zeros::<i8>(qw).unwrap(), poisoned(&g, qw / 32));
+                let c = if merged { Some(g.ptr(&cnt)) } else { None };
+                if normed {
+                    let z = fast::QkNormIn { q: g.ptr(&qb), k: g.ptr(&kb), v: g.ptr(&vb), q_norm: g.ptr(&qnb), k_norm: g.ptr(&knb), ss: g.ptr(&ssb), nq: qw / 8, nk: kw / 8, rot, rope: g.ptr(&rope), eps, slots: g.ptr(&slb) };
+                    let names = launched_names(&g, || g.attn_decode_normed(kv, &z, g.ptr(&kc), g.ptr(&vc), meta, ps, kvh, fast::nsplit_for(1), scale, g.ptr(&part), g.ptr(&out), qw, g.ptr(&aq), g.ptr(&ad), c).unwrap());
+                    let want = if merged { format!("attn_dec6tnm_{kv}") } else { format!("attn_dec6tn_{kv}") };
+                    assert_eq!(names[0], want, "kernels {names:?}");
+                } else {
+                    let args = [
+                        Arg::P(g.ptr(&qb)),
+                        Arg::L(qw as i64),
+                        Arg::P(g.ptr(&kb)),
+                        Arg::P(g.ptr(&vb)),
+                        Arg::L(kw as i64),
+                        Arg::P(g.ptr(&qnb)),
+                        Arg::P(g.ptr(&knb)),
+                        Arg::I(qw as i32),
+                        Arg::I(kw as i32),
+                        Arg::I(kw as i32),
+                        Arg::I(hd as i32),
+                        Arg::I(rot as i32),
+                        Arg::P(g.ptr(&pb)),
+                        Arg::F(theta),
+                        Arg::F(eps),
+                        Arg::P(g.ptr(&slb)),
+                        Arg::P(g.ptr(&kc)),
+                        Arg::P(g.ptr(&vc)),
+                    ];
+                    g.launch(&format!("qk_norm_rope_store_{kv}"), (1, 2, 1), 1024, 0, &args).unwrap();
+                    g.attn_decode_with(true, kv, g.ptr(&qb), qw, g.ptr(&kc), g.ptr(&vc), meta, ps, kvh, ns, scale, g.ptr(&part), g.ptr(&out), qw, g.ptr(&aq), g.ptr(&ad), c, 1).unwrap();
+                }
+                (g.download(&out).unwrap(), g.download(&aq).unwrap(), g.download(&ad).unwrap(), g.download(&kc).unwrap(), g.download(&vc).unwrap())
+            };
+            let want = run(false, false);
+            let what = format!("{kv} cache, pages of {ps}, context {ctx}, {ns} splits");
+            // f64 reference from the host's norm + RoPE and the two-launch path's cache.
+            let mut qr = rms_norm_ref(&q, &qn, eps);
+            rope_ref(&mut qr, hd, rot, ctx - 1, theta);
+            let (kh, vh): (Vec<f32>, Vec<f32>) = (want.3.iter().map(|&b| h2f(b)).collect(), want.4.iter().map(|&b| h2f(b)).collect());
+            let big = want.0.iter().fold(0f32, |m, x| m.max(x.abs())) as f64;
+            for h in 0..heads {
+                let qh: Vec<f64> = (0..hd).map(|d| (qr[h * hd + d] * scale) as f64).collect();
+                let s: Vec<f64> = (0..ctx).map(|p| (0..hd).map(|d| qh[d] * kh[(slot_of(p) * kvh + h / 6) * hd + d] as f64).sum()).collect();
+                let mx = s.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let e: Vec<f64> = s.iter().map(|x| (x - mx).exp()).collect();
+                let sum: f64 = e.iter().sum();
+                for d in 0..hd {
+                    let o: f64 = e.iter().enumerate().map(|(p, ep)| ep * vh[(slot_of(p) * kvh + h / 6) * hd + d] as f64).sum::<f64>() / sum;
+                    worst_ref = worst_ref.max((want.0[h * hd + d] as f64 - o).abs() / big);
+                }
+            }
+            for merged in [false, true] {
+                let got = run(true, merged);
+                let what = format!("{what}, merge {}", if merged { "in the last block" } else { "attn_merge6" });
+                for (i, (a, b)) in got.0.iter().zip(&want.0).enumerate() {
+                    let d = (*a as f64 - *b as f64).abs();
+                    assert!(a.is_finite() && d <= 2e-5 * big, "{what}: output [{i}] {a} vs {b} (largest {big})");
+                    worst_path = worst_path.max(d / big);
+                }
+                let s = slots[0] as usize;
+                for i in 0..nslots * kw {
+                    let (a, b) = (got.3[i], want.3[i]);
+                    if i / kw == s {
+                        assert!((a as i32 - b as i32).abs() <= 1, "{what}: new key [{}] {a:#x} vs {b:#x}", i % kw);
+                        assert_eq!(got.4[i], want.4[i], "{what}: new value [{}]", i % kw);
+                    } else {
+                        assert!(a == kc0[i] && got.4[i] == vc0[i], "{what}: cache slot {} touched", i / kw);
+                    }
+                }
+                if merged {
+                    assert_eq!(g.download(&cnt).unwrap(), vec![0; kvh], "{what}: counters left non-zero");
+                }
+            }
+        }
+    }
+    assert!(worst_ref <= 5e-4, "two-launch path vs f64 reference: {worst_ref:.2e} of the largest output");
+    eprintln!("attn_dec6tn / attn_dec6tnm: within {worst_path:.1e} of qk_norm_rope_store + attn_dec6t (relative to the largest output), that path within {worst_ref:.1e} of the f64 reference; new keys within one 16-bit step, values bit-identical, other slots untouched");
+    // Bad arguments: typed errors.
+    let z = fast::QkNormIn { q: 0, k: 0, v: 0, q_norm: 0, k_norm: 0, ss: 0, nq: 768, nk: 128, rot: 48, rope: 0, eps, slots: 0 };
+    assert!(g.rope_table(0, 1, 130, theta, 0).is_err(), "rope_table: 130 rotary dims");
+    assert!(g.attn_decode_normed("f16", &z, 0, 0, (0, 0, 0, 0), 16, 8, 16, 1.0, 0, 0, 0, 0, 0, None).is_err(), "rot 48");
+    let z = fast::QkNormIn { rot: 64, ..z };
+    assert!(g.attn_decode_normed("f32", &z, 0, 0, (0, 0, 0, 0), 16, 8, 16, 1.0, 0, 0, 0, 0, 0, None).is_err(), "f32 cache");
+    assert!(g.attn_decode_normed("f16", &z, 0, 0, (0, 0, 0, 0), 0, 8, 16, 1.0, 0, 0, 0, 0, 0, None).is_err(), "page size 0");
+    let big = fast::QkNormIn { nq: 1025, ..z };
+    assert!(g.attn_decode_normed("f16", &big, 0, 0, (0, 0, 0, 0), 16, 8, 16, 1.0, 0, 0, 0, 0, 0, None).is_err(), "1,025 q partial sums");
+}

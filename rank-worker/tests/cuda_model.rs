@@ -601,3 +601,78 @@ fn fast_path_norm_fusion_is_bit_identical() {
     }
     eprintln!("m2.7:iq4xs:2 fast path: fused norms bit-identical to separate norm_q8 launches over {} steps x {} settings", runs[0].len(), settings.len() - 1);
 }
+
+/// The q/k norm launch left out of one-token steps (`fast::set_qk_fuse`: `mvqs_q8_0_1s2pq`
+/// leaves its blocks' sums of squares, `attn_dec6tn_*` normalizes, rotates and stores q / k with
+/// the step's `rope_table`) at
+/// M2.7 dimensions (2 layers): one-token steps launch those and no `qk_norm_rope_store`;
+/// logits within 1e-3 of the largest logit of the two-launch path and the same greedy tokens,
+/// over the bit-identity series (steps of 1, 2 and 5 tokens: the multi-token ones keep the
+/// q/k norm launch) and over three decode steps after prompts of 600 and 2,100 tokens (the new
+/// position in later splits and tiles; the keys it stores are read back by the next steps);
+/// graphs bit-identical to direct launches.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_path_qk_fuse_matches_qk_norm_launch() {
+    use minimax_rank::cuda::fast::{QkFuse, set_qk_fuse};
+    use minimax_shared::model::synthetic::SyntheticSpec;
+    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
+    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 1200 }, CudaOptions::default(), 23).unwrap();
+    assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
+    let kernels = |m: &mut CudaModel, on: bool, base: u32| -> Vec<String> {
+        set_qk_fuse(Some(if on { QkFuse::On } else { QkFuse::Off }));
+        one_token_step_kernels(m, 700 + base as u64, (base..base + 2).collect(), vec![3, 5, 7], 11)
+    };
+    let count = |ks: &[String], p: &str| ks.iter().filter(|k| k.starts_with(p)).count();
+    let on = kernels(&mut m, true, 0);
+    let off = kernels(&mut m, false, 4);
+    assert!(count(&on, "mvqs_q8_0_1s2pq") == 2 && count(&on, "attn_dec6tn") == 2 && count(&on, "qk_norm_rope_store") == 0 && count(&on, "rope_table") == 1, "fused: {on:?}");
+    assert!(count(&off, "qk_norm_rope_store") == 2 && count(&off, "attn_dec6tn") == 0, "two launches: {off:?}");
+    // Decode after long prompts: each sequence on its own pages from `base`.
+    let long_steps = |m: &mut CudaModel, base: u32| -> Vec<Vec<f32>> {
+        let mut out = Vec::new();
+        let mut b = base;
+        for (i, ctx) in [600usize, 2100].into_iter().enumerate() {
+            let pt: Vec<u32> = (b..b + (ctx + 4).div_ceil(PAGE) as u32).collect();
+            b += pt.len() as u32;
+            let seq = 5000 + base as u64 + i as u64;
+            let prompt: Vec<u32> = (0..ctx as u32).map(|j| (j * 7919 + 11) % 200_000).collect();
+            let o = m.forward(&ForwardBatch { seqs: vec![SeqStep { seq_id: seq, page_table: pt.clone(), cached_len: 0, tokens: prompt, logits: LogitsWanted::Last }] }).unwrap();
+            let mut tok = argmax(o.row(0)).0;
+            for s in 0..3 {
+                let o = m.forward(&ForwardBatch { seqs: vec![SeqStep { seq_id: seq, page_table: pt.clone(), cached_len: ctx + s, tokens: vec![tok], logits: LogitsWanted::Last }] }).unwrap();
+                tok = argmax(o.row(0)).0;
+                out.push(o.logits.clone());
+            }
+        }
+        out
+    };
+    let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
+    for (i, (on, graphs)) in [(false, false), (true, false), (true, true)].into_iter().enumerate() {
+        set_qk_fuse(Some(if on { QkFuse::On } else { QkFuse::Off }));
+        m.clear_graphs();
+        m.set_fast(true, graphs);
+        let mut r = fast_step_series(&mut m, 40 + 20 * i as u32);
+        r.extend(long_steps(&mut m, 200 + 300 * i as u32));
+        runs.push(r);
+    }
+    set_qk_fuse(None);
+    m.clear_graphs();
+    m.set_fast(true, true);
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    let mut worst = 0f32;
+    for (s, (a, b)) in runs[0].iter().zip(&runs[1]).enumerate() {
+        assert!(b.iter().all(|x| x.is_finite()), "step {s}: non-finite logits with the q/k norms in the attention");
+        let scale = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+        let d = max_diff(a, b);
+        assert!(d.is_finite() && d <= 1e-3 * scale.max(1.0), "step {s}: logits off by {d} (|logit| <= {scale})");
+        worst = worst.max(d / scale.max(1.0));
+        for (ra, rb) in a.chunks(spec_vocab(&m)).zip(b.chunks(spec_vocab(&m))) {
+            assert_eq!(argmax(ra).0, argmax(rb).0, "step {s}: greedy token differs with the q/k norms in the attention");
+        }
+    }
+    for (s, (d, g)) in runs[1].iter().zip(&runs[2]).enumerate() {
+        assert!(bits(d) == bits(g), "step {s}: fused q/k norms from graphs differ from direct launches (max |diff| {})", max_diff(d, g));
+    }
+    eprintln!("m2.7:iq4xs:2 fast path: q/k norms in the attention within {worst:.1e} (relative to the largest logit) of the q/k norm launch over {} steps, greedy tokens identical, graphs bit-identical", runs[0].len());
+}

@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -1108,6 +1108,19 @@ fn main() -> anyhow::Result<()> {
         }
         set_route_inline(None);
         set_router_f32n_warps(None);
+        return Ok(());
+    }
+    if flag("--qkfuse-ab") {
+        use minimax_rank::cuda::fast::{QkFuse, set_attn_fusion, set_qk_fuse};
+        let names = ["q/k norm launch (qk_norm_rope_store)", "q/k norms in the attention (rope_table + mvqs_q8_0_1s2pq + attn_dec6tn)", "sums-of-squares product + q/k norm launch", "q/k norms in the attention, merge in the last block (attn_dec6tnm)"];
+        for _ in 0..3 {
+            b1_ab(&mut m, &mut pages, "q/k norms", &names, &|i| {
+                set_qk_fuse(Some([QkFuse::Off, QkFuse::On, QkFuse::ProductOnly, QkFuse::On][i]));
+                set_attn_fusion(Some(i == 3));
+            })?;
+        }
+        set_qk_fuse(None);
+        set_attn_fusion(None);
         return Ok(());
     }
     if flag("--router-warps-ab") {
