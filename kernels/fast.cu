@@ -3183,9 +3183,14 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
             for (int e = 0; e < 4; e++) {
                 int dd = 16 * kk + 2 * tq + o4[e];
                 float o = xv[kk][e];
-                int hk = half >> 4;  // half is a multiple of 16 (the host checks)
-                if (dd < half) o = o * rope_cs[dd] - xv[(kk + hk) & 7][e] * rope_sn[dd];
-                else if (dd < z.rot) o = o * rope_cs[dd - half] + xv[(kk - hk) & 7][e] * rope_sn[dd - half];
+                // The partner dim's value, selected with constant indices (a runtime index
+                // would put xv in local memory); half is a multiple of 16 (the host checks).
+                int kp = dd < half ? kk + (half >> 4) : kk - (half >> 4);
+                float xp = 0.f;
+#pragma unroll
+                for (int k2 = 0; k2 < 8; k2++) xp = k2 == kp ? xv[k2][e] : xp;
+                if (dd < half) o = o * rope_cs[dd] - xp * rope_sn[dd];
+                else if (dd < z.rot) o = o * rope_cs[dd - half] + xp * rope_sn[dd - half];
                 qr[kk][e] = o;
             }
         }
