@@ -1040,15 +1040,11 @@ __device__ __forceinline__ bool mv_seg_row(int r, const u8* W0, i64 rb0, int row
 // fits ~6 blocks of 8 rows an SM by registers, so a quarter of its blocks start after the
 // wait). Per row the same arithmetic as mvqs_q8 (bit-identical). grid
 // (ceil(total_rows / (WARPS RPW)), ceil(nv / NT)), block 32 WARPS.
-// SS (mvqs_q8_0_1s2pq, one vector, no accumulate, every block's rows in one segment: the host
-// checks): the block also stores the sum of the squares of its WARPS RPW outputs, warps in
-// order, at ss[blockIdx.x], which attn_dec6tn_* turns into the q / k norms (no separate q/k
-// norm launch).
-template <int NT, int WARPS, int MAXCH, int RPW, bool SS = false>
+template <int NT, int WARPS, int MAXCH, int RPW>
 __device__ __forceinline__ void mvqs_q8_rows(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1,
                                              i64 rb1, int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2,
                                              float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,
-                                             int nv, int accumulate, float* ss = nullptr) {
+                                             int nv, int accumulate) {
     __shared__ __align__(16) u8 sm_all[WARPS][RPW][MAXCH * CH];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int r0 = (blockIdx.x * WARPS + warp) * RPW;
@@ -1074,7 +1070,6 @@ __device__ __forceinline__ void mvqs_q8_rows(const u8* W0, i64 rb0, int rows0, f
     const float* xdv = xd + (i64)v0 * (ncol / 32);
     cp_async_wait_all();
     __syncwarp();
-    float sq = 0.f;
 #pragma unroll
     for (int j = 0; j < RPW; j++) {
         if (ok[j]) {
@@ -1083,21 +1078,6 @@ __device__ __forceinline__ void mvqs_q8_rows(const u8* W0, i64 rb0, int rows0, f
             for (int t = 0; t < NT; t++) acc[t] = 0.f;
             mvqs_dot<NT>(sm_all[warp][j], nchunks, 0, xqv, xdv, ncol, nv_here, acc, lane);
             mv_store<NT>(acc, yr[j], ysr[j], rr[j], v0, nv_here, lane, accumulate);
-            if (SS) {
-                float s = warp_sum(acc[0]);  // the value mv_store stored (same butterfly)
-                sq = __fmaf_rn(s, s, sq);
-            }
-        }
-    }
-    if (SS) {
-        __shared__ float sm_sq[WARPS];
-        if (lane == 0) sm_sq[warp] = sq;
-        __syncthreads();
-        if (threadIdx.x == 0) {
-            float t = 0.f;
-#pragma unroll
-            for (int w = 0; w < WARPS; w++) t += sm_sq[w];
-            ss[blockIdx.x] = t;
         }
     }
 }
@@ -1112,13 +1092,6 @@ __device__ __forceinline__ void mvqs_q8_rows(const u8* W0, i64 rb0, int rows0, f
     }
 MVQS2_INST(1)
 MVQS2_INST(4)
-extern "C" __global__ void __launch_bounds__(128) mvqs_q8_0_1s2pq(
-    const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
-    const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol, int nv,
-    int acc, float* ss) {
-    mvqs_q8_rows<1, 4, 12, 2, true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks,
-                                    xq, xd, ncol, nv, acc, ss);
-}
 
 __device__ __forceinline__ void mma_s8_16832(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(
@@ -3026,37 +2999,40 @@ template <int BF> __device__ __forceinline__ void at_split(float x0, float x1, u
 }
 
 // attn_dec6tn_*: the q / k norms, RoPE and the KV store of qk_norm_rope_store done by the
-// attention's blocks themselves (one-token steps; the q/k/v product mvqs_q8_0_1s2pq left the
-// sums of squares of its 8-row blocks in ss: nq of q's rows, then nk of k's). Every block adds
-// the same partial sums in the same order (so every block has the same 1 / rms), normalizes and
-// rotates its G query heads while its first K/V tiles are in flight; the block whose split holds
-// the new position normalizes and rotates its KV head's key, stores key and value at the
-// step's slot (for later steps), and puts both 16-bit rows into its ring stage in place of what
-// the copy read from that slot (so it need not wait for its own store). Same arithmetic as
-// qk_norm_rope_store per value; the sums of squares are added in another order (f32 rounding).
+// attention's blocks themselves (one-token steps, no q/k norm launch). Every block sums the
+// squares of the whole raw q and k rows (the product's output, every load in flight at once, the
+// same order in every block, so every block has the same 1 / rms), then its 128 threads
+// normalize and rotate dim d of its G query heads into shared memory, from which each warp
+// builds its Q fragments. The block whose split holds the new position normalizes and rotates
+// its KV head's key, stores key and value at the step's slot (for later steps) and puts both
+// 16-bit rows into its ring stage in place of what the copy read from that slot, so it need not
+// wait for its own store. Before the PDL wait (nothing of this step is read): the norm weights
+// and the first K/V tiles (positions of earlier steps, or the new slot, which is replaced).
+// Same arithmetic as qk_norm_rope_store per value; the sums of squares are added in another
+// order (f32 rounding).
 struct QkNorm {
-    const float* q;   // raw q row (the product's output), heads x 128
-    const float* k;   // raw k row, kv_heads x 128
-    const float* v;   // raw v row
-    const float* qn;  // q norm weight (whole row)
-    const float* kn;  // k norm weight
-    const float* ss;  // sums of squares of the product's 8-row blocks: nq (q), then nk (k)
-    int nq, nk;       // partial sums of q and k
-    int rot;          // rotary dims a head (a multiple of 32, <= 128)
+    const float* q;    // raw q row (the product's output), qw = heads x 128
+    const float* k;    // raw k row, kw = kv_heads x 128
+    const float* v;    // raw v row
+    const float* qn;   // q norm weight (whole row)
+    const float* kn;   // k norm weight
+    const float* rope; // the step's RoPE table (rope_table): cos, sin, 64 each a token
+    int qw, kw;        // widths (qw <= AT_QMAXJ x 128, kw <= AT_KMAXJ x 128: the host checks)
+    int rot;           // rotary dims a head (even, <= 128)
     float eps;
-    const int* slots; // cache slot of the step's token
-    u16* kc;          // caches (written: the new key / value)
+    const int* slots;  // cache slot of the step's token
+    u16* kc;           // caches (written: the new key / value)
     u16* vc;
 };
-
+#define AT_QMAXJ 64
+#define AT_KMAXJ 16
 
 template <int G, int BF, bool MERGE = false, bool NORM = false>
 __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,
                                                const int* seq, const int* pt_off, const u32* pts, int page_size,
                                                int kv_heads, int nsplit, float scale, float* part, u32* cnt = nullptr,
                                                float* mout = nullptr, i64 mos = 0, i8* aq = nullptr,
-                                               float* ad = nullptr, const QkNorm* qkn = nullptr,
-                                               const float* rope_cs = nullptr, const float* rope_sn = nullptr) {
+                                               float* ad = nullptr, const QkNorm* qkn = nullptr) {
     extern __shared__ __align__(128) u8 at_sm[];
     __shared__ float sm_m[AD_WARPS][G], sm_l[AD_WARPS][G];
     int kvh = blockIdx.x, sp = blockIdx.y, t = blockIdx.z;
@@ -3093,6 +3069,20 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
             cp_async16z(ks + AT_TILE * AD_HD * 2 + so, vb + sl * sstride, bytes);
         }
     };
+    // NORM: the norm weights of this thread's dims (and RoPE partners) before the wait.
+    float nw_q[G], nw_qp[G], nw_k = 0.f, nw_kp = 0.f;
+    if (NORM) {
+        const QkNorm& z = *qkn;
+        int d = threadIdx.x, half = z.rot / 2;
+        int dp = d < half ? d + half : (d < z.rot ? d - half : d);
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            nw_q[g] = z.qn[(i64)(kvh * G + g) * AD_HD + d];
+            nw_qp[g] = z.qn[(i64)(kvh * G + g) * AD_HD + dp];
+        }
+        nw_k = z.kn[(i64)kvh * AD_HD + d];
+        nw_kp = z.kn[(i64)kvh * AD_HD + dp];
+    }
     if (my_n > 0) issue(0, 0, slot_of(0));
     cp_async_commit();
 #pragma unroll
@@ -3101,59 +3091,57 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
         cp_async_commit();
     }
     i64 nslot = AT_NST - 1 < my_n ? slot_of(AT_NST - 1) : 0;
+    if (NORM) {
+        pdl_wait();
+        pdl_trigger();
+    }
     // Q fragments (A of S = Q K^T), k-step kk: reg 0 / 2 = hi of head gr, dims 16 kk + 2 tq
     // + {0, 1} / + {8, 9}; reg 1 / 3 = the lo parts (rows gr + 8).
     u32 qa[8][4];
-    // NORM: the new position's split, its K and V rows (16-bit, as the cache stores them).
+    // NORM: the new position's split, its K and V rows (16-bit, as the cache stores them), the
+    // normalized and rotated q of the block's G heads.
     __shared__ __align__(16) u16 sm_newkv[2][AD_HD];
     __shared__ float sm_red[2][AD_WARPS];
+    __shared__ float sm_q[G][AD_HD];
     const int newp = n_ctx - 1;
     const bool holds_new = NORM && newp >= start && newp < end;
     if (NORM) {
         const QkNorm& z = *qkn;
-        bool hv = gr < G;
-        int hd = kvh * G + (hv ? gr : 0);
-        // Every load at once: the partial sums, the raw q values of this lane's fragments and
-        // their norm weights, and (the new position's block) the KV head's key and value.
-        // (Unrolled to fixed counts so the loads are in flight together: nq <= 8 x 128 and
-        // nk <= 2 x 128, the host checks.)
-        float pq[8], pk2[2];
-#pragma unroll
-        for (int j = 0; j < 8; j++) {
-            int i = threadIdx.x + j * AD_HD;
-            pq[j] = i < z.nq ? z.ss[i] : 0.f;
-        }
-#pragma unroll
-        for (int j = 0; j < 2; j++) {
-            int i = threadIdx.x + j * AD_HD;
-            pk2[j] = i < z.nk ? z.ss[z.nq + i] : 0.f;
-        }
-        float xv[8][4], wv[8][4];
-        const float* qh = z.q + (i64)hd * AD_HD + 2 * tq;
-        const float* wh = z.qn + (i64)hd * AD_HD + 2 * tq;
-#pragma unroll
-        for (int kk = 0; kk < 8; kk++) {
-            const int o4[4] = {0, 1, 8, 9};
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                xv[kk][e] = hv ? qh[16 * kk + o4[e]] : 0.f;
-                wv[kk][e] = hv ? wh[16 * kk + o4[e]] : 0.f;
-            }
-        }
-        int d = threadIdx.x;  // block = AD_HD threads: dim d of the new key / value
-        float kx = 0.f, kx2 = 0.f, kw = 0.f, kw2 = 0.f, vx = 0.f;
+        int d = threadIdx.x;  // block = AD_HD threads: dim d of each head
         int half = z.rot / 2;
-        int dp = d < half ? d + half : (d < z.rot ? d - half : d);
+        bool rd = d < z.rot;
+        int dp = d < half ? d + half : (rd ? d - half : d);  // RoPE partner dim
+        int ra = d < half ? d : d - half;                     // its angle (rd only)
+        // After the wait, every load at once: the whole q and k rows (for the sums), this
+        // thread's dims and partner dims, the RoPE angle, the new key / value.
+        float qv[AT_QMAXJ], kv2[AT_KMAXJ], xo[G], xp[G];
+#pragma unroll
+        for (int j = 0; j < AT_QMAXJ; j++) {
+            int i = d + j * AD_HD;
+            qv[j] = i < z.qw ? z.q[i] : 0.f;
+        }
+#pragma unroll
+        for (int j = 0; j < AT_KMAXJ; j++) {
+            int i = d + j * AD_HD;
+            kv2[j] = i < z.kw ? z.k[i] : 0.f;
+        }
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            xo[g] = z.q[(i64)(kvh * G + g) * AD_HD + d];
+            xp[g] = z.q[(i64)(kvh * G + g) * AD_HD + dp];
+        }
+        float c = rd ? z.rope[t * 128 + ra] : 1.f, sn = rd ? z.rope[t * 128 + 64 + ra] : 0.f;
+        float kx = 0.f, kx2 = 0.f, vx = 0.f;
         if (holds_new) {
             kx = z.k[(i64)kvh * AD_HD + d];
             kx2 = z.k[(i64)kvh * AD_HD + dp];
-            kw = z.kn[(i64)kvh * AD_HD + d];
-            kw2 = z.kn[(i64)kvh * AD_HD + dp];
             vx = z.v[(i64)kvh * AD_HD + d];
         }
-        float ps = 0.f, pk = pk2[0] + pk2[1];
+        float ps = 0.f, pk = 0.f;
 #pragma unroll
-        for (int j = 0; j < 8; j++) ps += pq[j];
+        for (int j = 0; j < AT_QMAXJ; j++) ps = __fmaf_rn(qv[j], qv[j], ps);
+#pragma unroll
+        for (int j = 0; j < AT_KMAXJ; j++) pk = __fmaf_rn(kv2[j], kv2[j], pk);
         ps = warp_sum(ps);
         pk = warp_sum(pk);
         if (lane == 0) {
@@ -3167,43 +3155,22 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
             tq_ += sm_red[0][w];
             tk_ += sm_red[1][w];
         }
-        float inv_q = 1.0f / sqrtf(tq_ / (float)(z.nq * 8) + z.eps);
-        float inv_k = 1.0f / sqrtf(tk_ / (float)(z.nk * 8) + z.eps);
-        // q: x inv w, then RoPE on dims [0, rot) (pairs (u, u + half), both in this lane's
-        // fragments: dims 16 kk + c and 16 (kk +- half / 16) + c), then the score scale.
+        float inv_q = 1.0f / sqrtf(tq_ / (float)z.qw + z.eps);
+        float inv_k = 1.0f / sqrtf(tk_ / (float)z.kw + z.eps);
+        // x inv w, then RoPE on dims [0, rot): (u, u + half) -> (u c - v s, v c + u s).
 #pragma unroll
-        for (int kk = 0; kk < 8; kk++)
-#pragma unroll
-            for (int e = 0; e < 4; e++) xv[kk][e] = xv[kk][e] * inv_q * wv[kk][e];
-        float qr[8][4];
-#pragma unroll
-        for (int kk = 0; kk < 8; kk++) {
-            const int o4[4] = {0, 1, 8, 9};
-#pragma unroll
-            for (int e = 0; e < 4; e++) {
-                int dd = 16 * kk + 2 * tq + o4[e];
-                float o = xv[kk][e];
-                // The partner dim's value, selected with constant indices (a runtime index
-                // would put xv in local memory); half is a multiple of 16 (the host checks).
-                int kp = dd < half ? kk + (half >> 4) : kk - (half >> 4);
-                float xp = 0.f;
-#pragma unroll
-                for (int k2 = 0; k2 < 8; k2++) xp = k2 == kp ? xv[k2][e] : xp;
-                if (dd < half) o = o * rope_cs[dd] - xp * rope_sn[dd];
-                else if (dd < z.rot) o = o * rope_cs[dd - half] + xp * rope_sn[dd - half];
-                qr[kk][e] = o;
-            }
-        }
-#pragma unroll
-        for (int kk = 0; kk < 8; kk++) {
-            at_split<BF>(hv ? qr[kk][0] * scale : 0.f, hv ? qr[kk][1] * scale : 0.f, qa[kk][0], qa[kk][1]);
-            at_split<BF>(hv ? qr[kk][2] * scale : 0.f, hv ? qr[kk][3] * scale : 0.f, qa[kk][2], qa[kk][3]);
+        for (int g = 0; g < G; g++) {
+            float xs = xo[g] * inv_q * nw_q[g], xs2 = xp[g] * inv_q * nw_qp[g];
+            float o = xs;
+            if (d < half) o = o * c - xs2 * sn;
+            else if (rd) o = o * c + xs2 * sn;
+            sm_q[g][d] = o;
         }
         if (holds_new) {
-            float xs = kx * inv_k * kw, xs2 = kx2 * inv_k * kw2;
+            float xs = kx * inv_k * nw_k, xs2 = kx2 * inv_k * nw_kp;
             float o = xs;
-            if (d < half) o = o * rope_cs[d] - xs2 * rope_sn[d];
-            else if (d < z.rot) o = o * rope_cs[d - half] + xs2 * rope_sn[d - half];
+            if (d < half) o = o * c - xs2 * sn;
+            else if (rd) o = o * c + xs2 * sn;
             u16 k16 = kv_store<BF ? KV_BF16 : KV_F16>(o), v16 = kv_store<BF ? KV_BF16 : KV_F16>(vx);
             sm_newkv[0][d] = k16;
             sm_newkv[1][d] = v16;
@@ -3212,6 +3179,15 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
             z.vc[sl * sstride + (i64)kvh * AD_HD + d] = v16;
         }
         __syncthreads();
+        bool hv = gr < G;
+        const float* qh = &sm_q[hv ? gr : 0][2 * tq];
+#pragma unroll
+        for (int kk = 0; kk < 8; kk++) {
+            float x0 = hv ? qh[16 * kk] * scale : 0.f, x1 = hv ? qh[16 * kk + 1] * scale : 0.f;
+            float x2 = hv ? qh[16 * kk + 8] * scale : 0.f, x3 = hv ? qh[16 * kk + 9] * scale : 0.f;
+            at_split<BF>(x0, x1, qa[kk][0], qa[kk][1]);
+            at_split<BF>(x2, x3, qa[kk][2], qa[kk][3]);
+        }
     } else {
         bool hv = gr < G;
         const float* qh = q + t * qs + (kvh * G + (hv ? gr : 0)) * AD_HD + 2 * tq;
@@ -3378,20 +3354,11 @@ ATTT_INST(bf16, 1)
 
 // attn_dec6tn_* / attn_dec6tnm_* (QkNorm above): attn_dec6t_* / attn_dec6tm_* of one-token steps
 // with the q / k norms, RoPE and KV store in the blocks; q, k, v are the product's raw rows.
-// The RoPE angles come from the step's rope_table.
+// They wait inside (after the norm weights and the first tiles).
 #define ATTTN_ARGS                                                                                               \
-    const float *q, const float *k, const float *v, const float *qn, const float *kn, const float *ss, int nq,   \
-        int nk, int rot, const float *rope, float eps, const int *slots, u16 *kc, u16 *vc, const int *pos,       \
-        const int *seq, const int *pt_off, const u32 *pts, int page_size, int kv_heads, int nsplit, float scale, \
-        float *part
-// The step's RoPE table (rope_table below), read after the wait into shared memory; the
-// attention's __syncthreads before the first use orders it.
-__device__ __forceinline__ void attn_norm_angles(float* cs, float* sn, const float* rope) {
-    if (threadIdx.x < 64) {
-        cs[threadIdx.x] = rope[blockIdx.z * 128 + threadIdx.x];
-        sn[threadIdx.x] = rope[blockIdx.z * 128 + 64 + threadIdx.x];
-    }
-}
+    const float *q, const float *k, const float *v, const float *qn, const float *kn, const float *rope, int qw,  \
+        int kw, int rot, float eps, const int *slots, u16 *kc, u16 *vc, const int *pos, const int *seq,          \
+        const int *pt_off, const u32 *pts, int page_size, int kv_heads, int nsplit, float scale, float *part
 // RoPE angles of the step's tokens, once a step for every layer (f64 as qk_norm_rope_store,
 // whose per-layer f64 pow / cos / sin would otherwise sit in every attention block's path):
 // rope[t][0][i] = cos(pos[t] theta^(-2i / rot)), rope[t][1][i] = sin(...), i < rot / 2 <= 64.
@@ -3414,21 +3381,15 @@ extern "C" __global__ void __launch_bounds__(64) rope_table(const int* pos, int 
 }
 #define ATTTN_INST(name, BF)                                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tn_##name(ATTTN_ARGS) {                 \
-        __shared__ float cs[64], sn[64];                                                                         \
-        pdl_enter();                                                                                             \
-        attn_norm_angles(cs, sn, rope);                                                                          \
-        QkNorm z{q, k, v, qn, kn, ss, nq, nk, rot, eps, slots, kc, vc};                                          \
+        QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc};                                         \
         attn_dect_impl<6, BF, false, true>(q, 0, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, scale, \
-                                           part, nullptr, nullptr, 0, nullptr, nullptr, &z, cs, sn);             \
+                                           part, nullptr, nullptr, 0, nullptr, nullptr, &z);                     \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tnm_##name(                             \
         ATTTN_ARGS, u32 *cnt, float *out, i64 os, i8 *aq, float *ad) {                                           \
-        __shared__ float cs[64], sn[64];                                                                         \
-        pdl_enter();                                                                                             \
-        attn_norm_angles(cs, sn, rope);                                                                          \
-        QkNorm z{q, k, v, qn, kn, ss, nq, nk, rot, eps, slots, kc, vc};                                          \
+        QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc};                                         \
         attn_dect_impl<6, BF, true, true>(q, 0, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, scale, \
-                                          part, cnt, out, os, aq, ad, &z, cs, sn);                               \
+                                          part, cnt, out, os, aq, ad, &z);                                       \
     }
 
 ATTTN_INST(f16, 0)

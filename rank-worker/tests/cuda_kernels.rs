@@ -1629,67 +1629,6 @@ fn memory_pool_keeps_or_returns_freed_memory() {
     assert!(g.pool_reserved().unwrap().0 < BYTES as u64, "trim after turning keep off");
 }
 
-/// `mvqs_q8_0_1s2pq` (the one-token q/k/v product that also leaves each 8-row block's sum of
-/// squared outputs for `attn_dec6tn_*`): outputs bit-identical to `mvqs_q8_0_1s2p`, every
-/// block's sum within 1e-5 of the f64 sum of the squares of its rows (outputs NaN-poisoned
-/// first); matrices it cannot take (rows not in whole blocks of 8, IQ4_XS, rows of 24 chunks)
-/// are refused with nothing launched.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn fast_qkv_sumsq_product_matches_plain() {
-    let g = gpu();
-    let mut rng = Rng(0x5eed_0fa5_7000_0123);
-    let ty = GgmlType::Q8_0;
-    for cols in [256 * 5, 256 * 12] {
-        let rows = [48usize, 16, 24];
-        let mats: Vec<Vec<u8>> = rows.iter().map(|&r| random_rows(&mut rng, ty, r, cols)).collect();
-        let up: Vec<_> = mats.iter().zip(rows).map(|(b, r)| upload_mat(&g, ty, b, r, cols, 0)).collect();
-        let x = rng.vec(cols, 2.0);
-        let (hq, hd) = q8_host(&x);
-        let (qb, db) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
-        let run = |sumsq: bool| -> (Vec<Vec<f32>>, Vec<f32>) {
-            let yb: Vec<_> = rows.iter().map(|&r| poisoned(&g, r)).collect();
-            let ss = poisoned(&g, rows.iter().sum::<usize>() / 8);
-            let segs: Vec<_> = (0..3).map(|i| (&up[i].1, g.ptr(&yb[i]), rows[i])).collect();
-            if sumsq {
-                assert!(g.matvec_q8_sumsq(&segs, g.ptr(&qb), g.ptr(&db), cols, g.ptr(&ss)).unwrap(), "cols {cols}: refused");
-            } else {
-                g.matvec_q8_with(MvqKind::Whole, &segs, g.ptr(&qb), g.ptr(&db), cols, 1, false).unwrap();
-            }
-            (yb.iter().map(|b| g.download(b).unwrap()).collect(), g.download(&ss).unwrap())
-        };
-        let (want, _) = run(false);
-        let names = launched_names(&g, || {
-            run(true);
-        });
-        assert!(names.iter().any(|n| n == "mvqs_q8_0_1s2pq") && !names.iter().any(|n| n == "mvqs_q8_0_1s2p"), "cols {cols}: kernels {names:?}");
-        let (got, ss) = run(true);
-        for i in 0..3 {
-            assert_eq!(bits(&got[i]), bits(&want[i]), "cols {cols} seg {i}: outputs differ from mvqs_q8_0_1s2p");
-        }
-        let all: Vec<f32> = got.concat();
-        let mut worst = 0f64;
-        for (b, s) in ss.iter().enumerate() {
-            let w: f64 = all[8 * b..8 * b + 8].iter().map(|&v| v as f64 * v as f64).sum();
-            let err = (*s as f64 - w).abs() / w.max(1e-30);
-            assert!(s.is_finite() && err <= 1e-5, "cols {cols} block {b}: sum of squares {s} vs {w}");
-            worst = worst.max(err);
-        }
-        eprintln!("mvqs_q8_0_1s2pq, {cols} columns, rows 48 + 16 + 24: outputs bit-identical to mvqs_q8_0_1s2p, sums of squares within {worst:.1e}");
-        // Refusals: nothing launched, Ok(false).
-        let yb = poisoned(&g, 64);
-        let odd = upload_mat(&g, ty, &random_rows(&mut rng, ty, 37, cols), 37, cols, 0);
-        assert!(!g.matvec_q8_sumsq(&[(&odd.1, g.ptr(&yb), 37)], g.ptr(&qb), g.ptr(&db), cols, g.ptr(&yb)).unwrap(), "37 rows taken");
-        let iq = upload_mat(&g, GgmlType::IQ4_XS, &random_rows(&mut rng, GgmlType::IQ4_XS, 16, cols), 16, cols, 0);
-        assert!(!g.matvec_q8_sumsq(&[(&iq.1, g.ptr(&yb), 16)], g.ptr(&qb), g.ptr(&db), cols, g.ptr(&yb)).unwrap(), "IQ4_XS taken");
-    }
-    let cols = 256 * 24;
-    let long = upload_mat(&g, ty, &random_rows(&mut rng, ty, 8, cols), 8, cols, 0);
-    let (xq, xd) = (g.zeros::<i8>(cols).unwrap(), g.zeros::<f32>(cols / 32).unwrap());
-    let yb = poisoned(&g, 8);
-    assert!(!g.matvec_q8_sumsq(&[(&long.1, g.ptr(&yb), 8)], g.ptr(&xq), g.ptr(&xd), cols, g.ptr(&yb)).unwrap(), "24-chunk rows taken");
-}
-
 fn launched_names(g: &Gpu, f: impl FnOnce()) -> Vec<String> {
     g.profile_begin();
     f();
@@ -1697,8 +1636,7 @@ fn launched_names(g: &Gpu, f: impl FnOnce()) -> Vec<String> {
 }
 
 /// `attn_dec6tn_*` / `attn_dec6tnm_*` (decode attention of one token that does the q / k norms,
-/// RoPE and the KV store itself, from the raw q/k/v rows, the product's partial sums of
-/// squares and the step's `rope_table`) against `qk_norm_rope_store_*` + `attn_dec6t_*` (+ `attn_merge6` or the last-block
+/// RoPE and the KV store itself, from the raw q/k/v rows and the step's `rope_table`) against `qk_norm_rope_store_*` + `attn_dec6t_*` (+ `attn_merge6` or the last-block
 /// merge), and against an f64 reference over the host's norm and RoPE: contexts of 1, 17, 600
 /// and 2,100 positions (the new position in the first, a middle and the last tile of a split;
 /// splits 0, 1, 12 and 14 of the default 16, in tiles 0, 0, 1 and 5), f16 and bf16 caches, pages of 16 and 7 positions
@@ -1731,11 +1669,9 @@ fn fast_normed_attention_matches_qk_norm_and_attention() {
             let v = rng.vec(kw, 2.0);
             let qn: Vec<f32> = rng.vec(qw, 0.5).into_iter().map(|x| 1.0 + x).collect();
             let kn: Vec<f32> = rng.vec(kw, 0.5).into_iter().map(|x| 1.0 + x).collect();
-            // The product's partial sums (8 rows a block, f32), q's then k's.
-            let ssv: Vec<f32> = q.chunks(8).chain(k.chunks(8)).map(|c| c.iter().map(|x| x * x).sum()).collect();
             let (pb, sb, ob, tb, slb) = (g.upload(&pos).unwrap(), g.upload(&[0i32]).unwrap(), g.upload(&pt_off).unwrap(), g.upload(&pts).unwrap(), g.upload(&slots).unwrap());
             let meta = (g.ptr(&pb), g.ptr(&sb), g.ptr(&ob), g.ptr(&tb));
-            let (qnb, knb, ssb) = (g.upload(&qn).unwrap(), g.upload(&kn).unwrap(), g.upload(&ssv).unwrap());
+            let (qnb, knb) = (g.upload(&qn).unwrap(), g.upload(&kn).unwrap());
             let rope = poisoned(&g, 128);
             g.rope_table(g.ptr(&pb), 1, rot, theta, g.ptr(&rope)).unwrap();
             let fresh_cache = |seed: u64| {
@@ -1756,7 +1692,7 @@ fn fast_normed_attention_matches_qk_norm_and_attention() {
                 let (aq, ad) = (g.zeros::<i8>(qw).unwrap(), poisoned(&g, qw / 32));
                 let c = if merged { Some(g.ptr(&cnt)) } else { None };
                 if normed {
-                    let z = fast::QkNormIn { q: g.ptr(&qb), k: g.ptr(&kb), v: g.ptr(&vb), q_norm: g.ptr(&qnb), k_norm: g.ptr(&knb), ss: g.ptr(&ssb), nq: qw / 8, nk: kw / 8, rot, rope: g.ptr(&rope), eps, slots: g.ptr(&slb) };
+                    let z = fast::QkNormIn { q: g.ptr(&qb), k: g.ptr(&kb), v: g.ptr(&vb), q_norm: g.ptr(&qnb), k_norm: g.ptr(&knb), qw, kw, rot, rope: g.ptr(&rope), eps, slots: g.ptr(&slb) };
                     let names = launched_names(&g, || g.attn_decode_normed(kv, &z, g.ptr(&kc), g.ptr(&vc), meta, ps, kvh, fast::nsplit_for(1), scale, g.ptr(&part), g.ptr(&out), qw, g.ptr(&aq), g.ptr(&ad), c).unwrap());
                     let want = if merged { format!("attn_dec6tnm_{kv}") } else { format!("attn_dec6tn_{kv}") };
                     assert_eq!(names[0], want, "kernels {names:?}");
@@ -1831,12 +1767,13 @@ fn fast_normed_attention_matches_qk_norm_and_attention() {
     assert!(worst_ref <= 5e-4, "two-launch path vs f64 reference: {worst_ref:.2e} of the largest output");
     eprintln!("attn_dec6tn / attn_dec6tnm: within {worst_path:.1e} of qk_norm_rope_store + attn_dec6t (relative to the largest output), that path within {worst_ref:.1e} of the f64 reference; new keys within one 16-bit step, values bit-identical, other slots untouched");
     // Bad arguments: typed errors.
-    let z = fast::QkNormIn { q: 0, k: 0, v: 0, q_norm: 0, k_norm: 0, ss: 0, nq: 768, nk: 128, rot: 48, rope: 0, eps, slots: 0 };
+    let z = fast::QkNormIn { q: 0, k: 0, v: 0, q_norm: 0, k_norm: 0, qw, kw, rot: 130, rope: 0, eps, slots: 0 };
     assert!(g.rope_table(0, 1, 130, theta, 0).is_err(), "rope_table: 130 rotary dims");
-    assert!(g.attn_decode_normed("f16", &z, 0, 0, (0, 0, 0, 0), 16, 8, 16, 1.0, 0, 0, 0, 0, 0, None).is_err(), "rot 48");
+    assert!(g.attn_decode_normed("f16", &z, 0, 0, (0, 0, 0, 0), 16, 8, 16, 1.0, 0, 0, 0, 0, 0, None).is_err(), "rot 130");
     let z = fast::QkNormIn { rot: 64, ..z };
+    assert!(g.attn_decode_normed("f16", &z, 0, 0, (0, 0, 0, 0), 16, 4, 16, 1.0, 0, 0, 0, 0, 0, None).is_err(), "q / k widths of 8 KV heads, 4 given");
     assert!(g.attn_decode_normed("f32", &z, 0, 0, (0, 0, 0, 0), 16, 8, 16, 1.0, 0, 0, 0, 0, 0, None).is_err(), "f32 cache");
     assert!(g.attn_decode_normed("f16", &z, 0, 0, (0, 0, 0, 0), 0, 8, 16, 1.0, 0, 0, 0, 0, 0, None).is_err(), "page size 0");
-    let big = fast::QkNormIn { nq: 1025, ..z };
-    assert!(g.attn_decode_normed("f16", &big, 0, 0, (0, 0, 0, 0), 16, 8, 16, 1.0, 0, 0, 0, 0, 0, None).is_err(), "1,025 q partial sums");
+    let big = fast::QkNormIn { qw: 96 * 128, kw: 16 * 128, ..z };
+    assert!(g.attn_decode_normed("f16", &big, 0, 0, (0, 0, 0, 0), 16, 16, 16, 1.0, 0, 0, 0, 0, 0, None).is_err(), "q rows past QK_FUSE_MAX_Q");
 }

@@ -1111,12 +1111,12 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     if flag("--qkfuse-ab") {
-        use minimax_rank::cuda::fast::{QkFuse, set_attn_fusion, set_qk_fuse};
-        let names = ["q/k norm launch (qk_norm_rope_store)", "q/k norms in the attention (rope_table + mvqs_q8_0_1s2pq + attn_dec6tn)", "sums-of-squares product + q/k norm launch", "q/k norms in the attention, merge in the last block (attn_dec6tnm)"];
+        use minimax_rank::cuda::fast::{set_attn_fusion, set_qk_fuse};
+        let names = ["q/k norm launch (qk_norm_rope_store)", "q/k norms in the attention (rope_table + attn_dec6tn)", "q/k norm launch, merge in the last block", "q/k norms in the attention, merge in the last block (attn_dec6tnm)"];
         for _ in 0..3 {
             b1_ab(&mut m, &mut pages, "q/k norms", &names, &|i| {
-                set_qk_fuse(Some([QkFuse::Off, QkFuse::On, QkFuse::ProductOnly, QkFuse::On][i]));
-                set_attn_fusion(Some(i == 3));
+                set_qk_fuse(Some(i % 2 == 1));
+                set_attn_fusion(Some(i >= 2));
             })?;
         }
         set_qk_fuse(None);

@@ -793,45 +793,27 @@ pub fn qk_norm_rope_name(tp: bool, kvs: &str) -> String {
     }
 }
 
-/// How one-token steps run the q/k norms (`MINIMAX_QK_FUSE`, docs/CUDA.md).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum QkFuse {
-    /// `qk_norm_rope_store_*` between the q/k/v product and the attention (`0`, the default).
-    Off,
-    /// No q/k norm launch: the q/k/v product stores its blocks' sums of squares
-    /// (`mvqs_q8_0_1s2pq`), the tensor-core attention normalizes, rotates and stores q / k
-    /// itself (`attn_dec6tn_*`) with the step's RoPE table (`rope_table`, once a step) (`1`).
-    On,
-    /// The sums-of-squares product with the q/k norm launch kept (timing attribution only: `p`).
-    ProductOnly,
-}
+static QK_FUSE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_QK_FUSE", false);
 
-static QK_FUSE_OVR: AtomicU8 = AtomicU8::new(0);
-
-/// The q/k norm form in force: [`set_qk_fuse`] if set, else `MINIMAX_QK_FUSE` (read once).
-pub fn qk_fuse() -> QkFuse {
-    const ALL: [QkFuse; 3] = [QkFuse::Off, QkFuse::On, QkFuse::ProductOnly];
-    match QK_FUSE_OVR.load(Ordering::Relaxed) {
-        0 => {}
-        v => return ALL[v as usize - 1],
-    }
-    static V: std::sync::OnceLock<QkFuse> = std::sync::OnceLock::new();
-    *V.get_or_init(|| match std::env::var("MINIMAX_QK_FUSE").as_deref().map(str::trim) {
-        Ok("1") | Ok("on") => QkFuse::On,
-        Ok("p") => QkFuse::ProductOnly,
-        _ => QkFuse::Off,
-    })
+/// Whether one-token steps leave the q/k norm launch out: the tensor-core attention sums the
+/// squares of the raw q / k rows and normalizes, rotates and stores them itself
+/// (`attn_dec6tn_*`, with the step's `rope_table`; `MINIMAX_QK_FUSE=1`, docs/CUDA.md).
+pub fn qk_fuse() -> bool {
+    QK_FUSE.get()
 }
 
 /// Overrides [`qk_fuse`] (A/B runs and tests; `None` = back to the environment). Drop captured
 /// graphs after a change (`CudaModel::clear_graphs`).
-pub fn set_qk_fuse(mode: Option<QkFuse>) {
-    QK_FUSE_OVR.store(mode.map(|m| m as u8 + 1).unwrap_or(0), Ordering::Relaxed);
+pub fn set_qk_fuse(on: Option<bool>) {
+    QK_FUSE.set(on);
 }
 
+/// Widest q row of `attn_dec6tn_*` (`AT_QMAXJ` x 128) and widest k row (`AT_KMAXJ` x 128).
+pub const QK_FUSE_MAX_Q: usize = 64 * 128;
+pub const QK_FUSE_MAX_K: usize = 16 * 128;
+
 /// What `attn_dec6tn_*` needs besides the attention's own arguments: the product's raw q / k / v
-/// rows, the norm weights, the product's partial sums of squares (`nq` blocks of q's rows, then
-/// `nk` of k's), RoPE and the step's cache slots.
+/// rows (`qw` / `kw` wide), the norm weights, RoPE and the step's cache slots.
 #[derive(Clone, Copy, Debug)]
 pub struct QkNormIn {
     pub q: u64,
@@ -839,9 +821,8 @@ pub struct QkNormIn {
     pub v: u64,
     pub q_norm: u64,
     pub k_norm: u64,
-    pub ss: u64,
-    pub nq: usize,
-    pub nk: usize,
+    pub qw: usize,
+    pub kw: usize,
     pub rot: usize,
     /// The step's RoPE table ([`Gpu::rope_table`]).
     pub rope: u64,
@@ -1178,28 +1159,6 @@ impl Gpu {
         self.launch_pdl(&name, (ceil_div(rows, warps), ceil_div(nv, nt), 1), 32 * warps as u32, 0, &args)
     }
 
-    /// The one-token q/k/v product of [`Gpu::matvec_q8`] as `mvqs_q8_0_1s2pq`, which also
-    /// stores each 8-row block's sum of squared outputs at `ss[block]` (for `attn_dec6tn_*`).
-    /// `Ok(false)` (nothing launched) where that kernel does not apply: not Q8_0 rows of at most
-    /// 12 chunks, segments not whole blocks of 8 rows, the 2-row PDL form off, or another
-    /// product kind forced.
-    pub fn matvec_q8_sumsq(&self, segs: &[(&DevMat, u64, usize)], xq: u64, xd: u64, ncol: usize, ss: u64) -> Result<bool, CudaError> {
-        let Some(w0) = segs.first() else { return Ok(false) };
-        let nchunks = w0.0.row_bytes / CH;
-        let fits = segs.len() <= 3
-            && segs.iter().all(|(w, _, _)| fast_mat(w) && w.ty == GgmlType::Q8_0 && w.cols == ncol && w.rows % 8 == 0 && w.row_bytes / CH == nchunks)
-            && nchunks <= 12
-            && matches!(MvqKind::from_env(), MvqKind::Auto | MvqKind::Whole)
-            && pdl_part(PDL_MVQS2);
-        if !fits {
-            return Ok(false);
-        }
-        let (mut args, rows) = mv_args(segs, nchunks, xq, xd, ncol, 1, false);
-        args.push(Arg::P(ss));
-        self.launch_pdl("mvqs_q8_0_1s2pq", (ceil_div(rows, 8), 1, 1), 128, 0, &args)?;
-        Ok(true)
-    }
-
     /// The RoPE table of a step's `nt` tokens (`rope_table`: cos then sin of each token's
     /// `rot / 2` angles, 128 floats a token in `rope`), launched once a step for
     /// [`Gpu::attn_decode_normed`].
@@ -1212,17 +1171,16 @@ impl Gpu {
 
     /// Decode attention of a one-token step with the q / k norms, RoPE and the KV store done by
     /// its blocks (`attn_dec6tn_*`, `attn_dec6tnm_*` with `cnt`): the arguments of
-    /// [`Gpu::attn_decode`] (its `q` unused) plus `qk` (raw rows from
-    /// [`Gpu::matvec_q8_sumsq`]). Tensor-core kernel, head dim 128, GQA 6, `rot` a multiple of
-    /// 32 up to 128, q rows of at most 8,192 and k rows of at most 2,048 (`nq` <= 1,024 and
-    /// `nk` <= 256 partial sums); the caller checks [`attn_mma`].
+    /// [`Gpu::attn_decode`] (its `q` unused) plus `qk` (the q/k/v product's raw rows).
+    /// Tensor-core kernel, head dim 128, GQA 6, `rot` even up to 128, rows of at most
+    /// [`QK_FUSE_MAX_Q`] / [`QK_FUSE_MAX_K`]; the caller checks [`attn_mma`].
     #[allow(clippy::too_many_arguments)]
     pub fn attn_decode_normed(&self, kv: &str, qk: &QkNormIn, kc: u64, vc: u64, meta: (u64, u64, u64, u64), page_size: usize, kv_heads: usize, nsplit: usize, scale: f32, part: u64, out: u64, os: usize, aq: u64, ad: u64, cnt: Option<u64>) -> Result<(), CudaError> {
         if kv != "f16" && kv != "bf16" {
             return Err(CudaError::Shape(format!("attention: KV cache type {kv} (f16 or bf16)")));
         }
-        if page_size == 0 || nsplit == 0 || nsplit > u16::MAX as usize || kv_heads == 0 || qk.rot % 32 != 0 || qk.rot > 128 || qk.nq == 0 || qk.nk == 0 || qk.nq > 1024 || qk.nk > 256 {
-            return Err(CudaError::Shape(format!("normed attention: page size {page_size}, {nsplit} splits, {kv_heads} KV heads, rot {}, {} + {} partial sums", qk.rot, qk.nq, qk.nk)));
+        if page_size == 0 || nsplit == 0 || nsplit > u16::MAX as usize || kv_heads == 0 || qk.rot % 2 != 0 || qk.rot > 128 || qk.qw != kv_heads * GQA * 128 || qk.kw != kv_heads * 128 || qk.qw > QK_FUSE_MAX_Q || qk.kw > QK_FUSE_MAX_K {
+            return Err(CudaError::Shape(format!("normed attention: page size {page_size}, {nsplit} splits, {kv_heads} KV heads, rot {}, q {} / k {} wide", qk.rot, qk.qw, qk.kw)));
         }
         let ns = self.attn_splits(true, kv_heads, nsplit, 1)?;
         let (pos, seq, ptoff, pts) = meta;
@@ -1232,11 +1190,10 @@ impl Gpu {
             Arg::P(qk.v),
             Arg::P(qk.q_norm),
             Arg::P(qk.k_norm),
-            Arg::P(qk.ss),
-            Arg::I(qk.nq as i32),
-            Arg::I(qk.nk as i32),
-            Arg::I(qk.rot as i32),
             Arg::P(qk.rope),
+            Arg::I(qk.qw as i32),
+            Arg::I(qk.kw as i32),
+            Arg::I(qk.rot as i32),
             Arg::F(qk.eps),
             Arg::P(qk.slots),
             Arg::P(kc),
@@ -1720,8 +1677,6 @@ pub(crate) struct FastWs {
     pub part: CudaSlice<f32>,
     /// Tensor parallelism: per-token partial sums of squares of q and k ([t][2]), all-reduced.
     pub ss: CudaSlice<f32>,
-    /// One-token steps with [`qk_fuse`]: the q/k/v product's sums of squares, one per 8-row block.
-    pub qkss: CudaSlice<f32>,
     /// The step's RoPE table ([`Gpu::rope_table`]), 128 floats a token.
     pub rope: CudaSlice<f32>,
     /// Arrival counters of `router_topk_f32`, one per token (kept zero between launches).
@@ -1775,7 +1730,6 @@ impl FastWs {
             ad: g.zeros(t * c.n_experts_used * c.expert_ff / 32)?,
             part: g.zeros(max_split_tokens * c.n_kv_heads * GQA * (128 + 2))?,
             ss: g.zeros(2 * t)?,
-            qkss: g.zeros((qw + kw + vw).div_ceil(8))?,
             rope: g.zeros(t * 128)?,
             rcnt: g.zeros(t)?,
             rss: g.zeros(t * c.hidden.div_ceil(32))?,

@@ -494,9 +494,10 @@ impl CudaModel {
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         // Pipeline stages after the first find their input in `hidden` (received before the
         // step's graph); stages before the last stop after their layers (sent after it).
-        use super::fast::QkFuse;
-        let qk_mode = if nt == 1 && !tp && super::fast::attn_mma() && c.head_dim == 128 && c.v_head_dim == 128 && c.rotary_dim % 32 == 0 && c.rotary_dim <= 128 && qw <= 8192 && kw <= 2048 { super::fast::qk_fuse() } else { QkFuse::Off };
-        if qk_mode == QkFuse::On {
+        // One-token steps with fast::qk_fuse: no q/k norm launch; the attention normalizes,
+        // rotates and stores q / k itself, with this step's RoPE table.
+        let qk_fused = nt == 1 && !tp && super::fast::qk_fuse() && super::fast::attn_mma() && c.head_dim == 128 && c.v_head_dim == 128 && c.rotary_dim <= 128 && qw <= super::fast::QK_FUSE_MAX_Q && kw <= super::fast::QK_FUSE_MAX_K;
+        if qk_fused {
             g.rope_table(m_pos, nt, c.rotary_dim, c.rope_theta, p(&ws.rope))?;
         }
         if self.part.first_stage {
@@ -517,17 +518,8 @@ impl CudaModel {
             if !std::mem::take(&mut normed) && run(sk::ATTN_NORM) {
                 g.norm_q8(hid, h, l.attn_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
             }
-            // One-token steps with fast::qk_fuse: the product leaves its sums of squares and the
-            // attention normalizes, rotates and stores q / k itself (no q/k norm launch).
-            let mut qk_fused = false;
             if run(sk::QKV) {
-                let segs = [(&l.wq, p(&ws.q), qw), (&l.wk, p(&ws.k), kw), (&l.wv, p(&ws.v), vw)];
-                if qk_mode != QkFuse::Off && run(sk::QK) && run(sk::ATTN) {
-                    qk_fused = g.matvec_q8_sumsq(&segs, xq, xd, h, p(&ws.qkss))?;
-                }
-                if !qk_fused {
-                    g.matvec_q8_any(&segs, xq, xd, h, nt, false)?;
-                }
+                g.matvec_q8_any(&[(&l.wq, p(&ws.q), qw), (&l.wk, p(&ws.k), kw), (&l.wv, p(&ws.v), vw)], xq, xd, h, nt, false)?;
             }
             let (kc, vc) = (g.ptr(&self.kc[li]), g.ptr(&self.vc[li]));
             if tp {
@@ -558,13 +550,11 @@ impl CudaModel {
                 qk_args.extend([Arg::P(ssp), Arg::I((c.n_heads * c.head_dim) as i32), Arg::I((c.n_kv_heads * c.head_dim) as i32)]);
             }
             let qk_name = super::fast::qk_norm_rope_name(tp, kvs);
-            // ProductOnly (timing attribution): the sums-of-squares product, then the usual launches.
-            let qk_fused = qk_fused && qk_mode == QkFuse::On;
             if run(sk::QK) && !qk_fused {
                 g.launch_pdl(&qk_name, (nt as u32, 2, 1), 1024, 0, &qk_args)?;
             }
-            if qk_fused {
-                let qn = super::fast::QkNormIn { q: p(&ws.q), k: p(&ws.k), v: p(&ws.v), q_norm: l.q_norm, k_norm: l.k_norm, ss: p(&ws.qkss), nq: qw / 8, nk: kw / 8, rot: c.rotary_dim, rope: p(&ws.rope), eps: c.rms_eps, slots: m_slot };
+            if qk_fused && run(sk::ATTN) {
+                let qn = super::fast::QkNormIn { q: p(&ws.q), k: p(&ws.k), v: p(&ws.v), q_norm: l.q_norm, k_norm: l.k_norm, qw, kw, rot: c.rotary_dim, rope: p(&ws.rope), eps: c.rms_eps, slots: m_slot };
                 g.attn_decode_normed(kvs, &qn, kc, vc, (m_pos, m_seq, m_ptoff, m_pts), self.page_size, self.kv_heads, nsplit, scale, p(&ws.part), p(&ws.att), ow, xq, xd, acnt)?;
             } else if run(sk::ATTN) {
                 g.attn_decode(kvs, p(&ws.q), qw, kc, vc, (m_pos, m_seq, m_ptoff, m_pts), self.page_size, self.kv_heads, nsplit, scale, p(&ws.part), p(&ws.att), ow, xq, xd, acnt, nt)?;
