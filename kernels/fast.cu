@@ -3000,16 +3000,15 @@ template <int BF> __device__ __forceinline__ void at_split(float x0, float x1, u
 
 // attn_dec6tn_*: the q / k norms, RoPE and the KV store of qk_norm_rope_store done by the
 // attention's blocks themselves (one-token steps, no q/k norm launch). Every block sums the
-// squares of the whole raw q and k rows (the product's output, every load in flight at once, the
-// same order in every block, so every block has the same 1 / rms), then its 128 threads
+// squares of the whole raw q and k rows (the product's output, every load in flight at once) in
+// qk_norm_rope_store's order, so every block has its 1 / rms bit for bit; then its 128 threads
 // normalize and rotate dim d of its G query heads into shared memory, from which each warp
 // builds its Q fragments. The block whose split holds the new position normalizes and rotates
 // its KV head's key, stores key and value at the step's slot (for later steps) and puts both
 // 16-bit rows into its ring stage in place of what the copy read from that slot, so it need not
 // wait for its own store. Before the PDL wait (nothing of this step is read): the norm weights
 // and the first K/V tiles (positions of earlier steps, or the new slot, which is replaced).
-// Same arithmetic as qk_norm_rope_store per value; the sums of squares are added in another
-// order (f32 rounding).
+// Same arithmetic as qk_norm_rope_store in the same order: bit-identical.
 struct QkNorm {
     const float* q;    // raw q row (the product's output), qw = heads x 128
     const float* k;    // raw k row, kw = kv_heads x 128
@@ -3017,15 +3016,14 @@ struct QkNorm {
     const float* qn;   // q norm weight (whole row)
     const float* kn;   // k norm weight
     const float* rope; // the step's RoPE table (rope_table): cos, sin, 64 each a token
-    int qw, kw;        // widths (qw <= AT_QMAXJ x 128, kw <= AT_KMAXJ x 128: the host checks)
+    int qw, kw;        // widths (at most QK_MAXV x 1024 each: the host checks)
     int rot;           // rotary dims a head (even, <= 128)
     float eps;
     const int* slots;  // cache slot of the step's token
     u16* kc;           // caches (written: the new key / value)
     u16* vc;
+    int pre_tiles;     // the first K/V tiles issued before the PDL wait
 };
-#define AT_QMAXJ 64
-#define AT_KMAXJ 16
 
 template <int G, int BF, bool MERGE = false, bool NORM = false>
 __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,
@@ -3083,6 +3081,11 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
         nw_k = z.kn[(i64)kvh * AD_HD + d];
         nw_kp = z.kn[(i64)kvh * AD_HD + dp];
     }
+    // (pre_tiles == 0: the tiles after the wait; A/B and diagnosis.)
+    if (NORM && !qkn->pre_tiles) {
+        pdl_wait();
+        pdl_trigger();
+    }
     if (my_n > 0) issue(0, 0, slot_of(0));
     cp_async_commit();
 #pragma unroll
@@ -3091,7 +3094,7 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
         cp_async_commit();
     }
     i64 nslot = AT_NST - 1 < my_n ? slot_of(AT_NST - 1) : 0;
-    if (NORM) {
+    if (NORM && qkn->pre_tiles) {
         pdl_wait();
         pdl_trigger();
     }
@@ -3100,9 +3103,11 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
     u32 qa[8][4];
     // NORM: the new position's split, its K and V rows (16-bit, as the cache stores them), the
     // normalized and rotated q of the block's G heads.
-    __shared__ __align__(16) u16 sm_newkv[2][AD_HD];
-    __shared__ float sm_red[2][AD_WARPS];
-    __shared__ float sm_q[G][AD_HD];
+    // (Sized 1 in the other kernels, whose shared memory stays as it was: on a 99 KB sm_120
+    // block attn_dec6t_* has ~0.5 KB beside its 96 KB ring.)
+    __shared__ __align__(16) u16 sm_newkv[NORM ? 2 : 1][NORM ? AD_HD : 8];
+    __shared__ float sm_red[2][NORM ? 32 : 1];
+    __shared__ float sm_q[NORM ? G : 1][NORM ? AD_HD : 1];
     const int newp = n_ctx - 1;
     const bool holds_new = NORM && newp >= start && newp < end;
     if (NORM) {
@@ -3114,17 +3119,27 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
         int ra = d < half ? d : d - half;                     // its angle (rd only)
         // After the wait, every load at once: the whole q and k rows (for the sums), this
         // thread's dims and partner dims, the RoPE angle, the new key / value.
-        float qv[AT_QMAXJ], kv2[AT_KMAXJ], xo[G], xp[G];
+        // The sums of squares in qk_norm_rope_store's order (its 1024 threads, QK_MAXV values
+        // each, a butterfly per warp, then one over the 32 warp sums), so 1 / rms is the same
+        // bits: thread d plays its threads d + 128 m (m < 8), which are lane d % 32 of its warps
+        // d / 32 + 4 m, so this warp's butterflies are theirs.
+        float sq[8], sk[8];
 #pragma unroll
-        for (int j = 0; j < AT_QMAXJ; j++) {
-            int i = d + j * AD_HD;
-            qv[j] = i < z.qw ? z.q[i] : 0.f;
-        }
+        for (int m = 0; m < 8; m++) {
+            int vt = d + AD_HD * m;
+            float a = 0.f, b = 0.f;
 #pragma unroll
-        for (int j = 0; j < AT_KMAXJ; j++) {
-            int i = d + j * AD_HD;
-            kv2[j] = i < z.kw ? z.k[i] : 0.f;
+            for (int i = 0; i < QK_MAXV; i++) {
+                int idx = vt + i * 1024;
+                float x = idx < z.qw ? z.q[idx] : 0.f;
+                a += x * x;
+                float y = idx < z.kw ? z.k[idx] : 0.f;
+                b += y * y;
+            }
+            sq[m] = a;
+            sk[m] = b;
         }
+        float xo[G], xp[G];
 #pragma unroll
         for (int g = 0; g < G; g++) {
             xo[g] = z.q[(i64)(kvh * G + g) * AD_HD + d];
@@ -3137,24 +3152,21 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
             kx2 = z.k[(i64)kvh * AD_HD + dp];
             vx = z.v[(i64)kvh * AD_HD + d];
         }
-        float ps = 0.f, pk = 0.f;
 #pragma unroll
-        for (int j = 0; j < AT_QMAXJ; j++) ps = __fmaf_rn(qv[j], qv[j], ps);
-#pragma unroll
-        for (int j = 0; j < AT_KMAXJ; j++) pk = __fmaf_rn(kv2[j], kv2[j], pk);
-        ps = warp_sum(ps);
-        pk = warp_sum(pk);
+        for (int m = 0; m < 8; m++) {
+            sq[m] = warp_sum(sq[m]);
+            sk[m] = warp_sum(sk[m]);
+        }
         if (lane == 0) {
-            sm_red[0][warp] = ps;
-            sm_red[1][warp] = pk;
+#pragma unroll
+            for (int m = 0; m < 8; m++) {
+                sm_red[0][warp + 4 * m] = sq[m];
+                sm_red[1][warp + 4 * m] = sk[m];
+            }
         }
         __syncthreads();
-        float tq_ = 0.f, tk_ = 0.f;
-#pragma unroll
-        for (int w = 0; w < AD_WARPS; w++) {
-            tq_ += sm_red[0][w];
-            tk_ += sm_red[1][w];
-        }
+        float tq_ = warp_sum(sm_red[0][lane]);
+        float tk_ = warp_sum(sm_red[1][lane]);
         float inv_q = 1.0f / sqrtf(tq_ / (float)z.qw + z.eps);
         float inv_k = 1.0f / sqrtf(tk_ / (float)z.kw + z.eps);
         // x inv w, then RoPE on dims [0, rot): (u, u + half) -> (u c - v s, v c + u s).
@@ -3358,7 +3370,8 @@ ATTT_INST(bf16, 1)
 #define ATTTN_ARGS                                                                                               \
     const float *q, const float *k, const float *v, const float *qn, const float *kn, const float *rope, int qw,  \
         int kw, int rot, float eps, const int *slots, u16 *kc, u16 *vc, const int *pos, const int *seq,          \
-        const int *pt_off, const u32 *pts, int page_size, int kv_heads, int nsplit, float scale, float *part
+        const int *pt_off, const u32 *pts, int page_size, int kv_heads, int nsplit, float scale, float *part,     \
+        int pre_tiles
 // RoPE angles of the step's tokens, once a step for every layer (f64 as qk_norm_rope_store,
 // whose per-layer f64 pow / cos / sin would otherwise sit in every attention block's path):
 // rope[t][0][i] = cos(pos[t] theta^(-2i / rot)), rope[t][1][i] = sin(...), i < rot / 2 <= 64.
@@ -3381,13 +3394,13 @@ extern "C" __global__ void __launch_bounds__(64) rope_table(const int* pos, int 
 }
 #define ATTTN_INST(name, BF)                                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tn_##name(ATTTN_ARGS) {                 \
-        QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc};                                         \
+        QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc, pre_tiles};                                         \
         attn_dect_impl<6, BF, false, true>(q, 0, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, scale, \
                                            part, nullptr, nullptr, 0, nullptr, nullptr, &z);                     \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tnm_##name(                             \
         ATTTN_ARGS, u32 *cnt, float *out, i64 os, i8 *aq, float *ad) {                                           \
-        QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc};                                         \
+        QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc, pre_tiles};                                         \
         attn_dect_impl<6, BF, true, true>(q, 0, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, scale, \
                                           part, cnt, out, os, aq, ad, &z);                                       \
     }

@@ -793,11 +793,12 @@ pub fn qk_norm_rope_name(tp: bool, kvs: &str) -> String {
     }
 }
 
-static QK_FUSE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_QK_FUSE", false);
+static QK_FUSE: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_QK_FUSE", true);
 
 /// Whether one-token steps leave the q/k norm launch out: the tensor-core attention sums the
 /// squares of the raw q / k rows and normalizes, rotates and stores them itself
-/// (`attn_dec6tn_*`, with the step's `rope_table`; `MINIMAX_QK_FUSE=1`, docs/CUDA.md).
+/// (`attn_dec6tn_*`, with the step's `rope_table`; bit-identical; on by default,
+/// `MINIMAX_QK_FUSE=0` = the q/k norm launch; docs/CUDA.md).
 pub fn qk_fuse() -> bool {
     QK_FUSE.get()
 }
@@ -808,9 +809,29 @@ pub fn set_qk_fuse(on: Option<bool>) {
     QK_FUSE.set(on);
 }
 
-/// Widest q row of `attn_dec6tn_*` (`AT_QMAXJ` x 128) and widest k row (`AT_KMAXJ` x 128).
-pub const QK_FUSE_MAX_Q: usize = 64 * 128;
-pub const QK_FUSE_MAX_K: usize = 16 * 128;
+static QK_PRE_TILES: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_QK_PRE_TILES", true);
+
+/// Whether `attn_dec6tn_*` issues its first K/V tiles before its PDL wait (`MINIMAX_QK_PRE_TILES`).
+pub fn qk_pre_tiles() -> bool {
+    QK_PRE_TILES.get()
+}
+
+/// Overrides [`qk_pre_tiles`] (A/B runs and tests; `None` = back to the environment). Drop
+/// captured graphs after a change.
+pub fn set_qk_pre_tiles(on: Option<bool>) {
+    QK_PRE_TILES.set(on);
+}
+
+/// Static shared memory of `attn_dec6tn_*` (5,120 bytes on sm_90: its q of G heads, the new key
+/// / value, the 32 warp sums of each norm, and `attn_dec6t_*`'s 1,280), with room to spare:
+/// with [`ATTN_MMA_SMEM`] it must fit a block ([`Gpu::smem_optin`]; an sm_120 block of 99 KB
+/// does not, so those cards keep the q/k norm launch).
+pub const QK_FUSE_SMEM: usize = 6144;
+
+/// Widest q row of `attn_dec6tn_*` and widest k row (`QK_MAXV` x 1024, as `qk_norm_rope_store`,
+/// whose summation order it plays).
+pub const QK_FUSE_MAX_Q: usize = 8 * 1024;
+pub const QK_FUSE_MAX_K: usize = 8 * 1024;
 
 /// What `attn_dec6tn_*` needs besides the attention's own arguments: the product's raw q / k / v
 /// rows (`qw` / `kw` wide), the norm weights, RoPE and the step's cache slots.
@@ -1182,6 +1203,9 @@ impl Gpu {
         if page_size == 0 || nsplit == 0 || nsplit > u16::MAX as usize || kv_heads == 0 || qk.rot % 2 != 0 || qk.rot > 128 || qk.qw != kv_heads * GQA * 128 || qk.kw != kv_heads * 128 || qk.qw > QK_FUSE_MAX_Q || qk.kw > QK_FUSE_MAX_K {
             return Err(CudaError::Shape(format!("normed attention: page size {page_size}, {nsplit} splits, {kv_heads} KV heads, rot {}, q {} / k {} wide", qk.rot, qk.qw, qk.kw)));
         }
+        if self.smem_optin() < ATTN_MMA_SMEM + QK_FUSE_SMEM {
+            return Err(CudaError::Shape(format!("normed attention: {} bytes of shared memory a block, {} needed", self.smem_optin(), ATTN_MMA_SMEM + QK_FUSE_SMEM)));
+        }
         let ns = self.attn_splits(true, kv_heads, nsplit, 1)?;
         let (pos, seq, ptoff, pts) = meta;
         let mut args = vec![
@@ -1207,6 +1231,7 @@ impl Gpu {
             Arg::I(ns as i32),
             Arg::F(scale),
             Arg::P(part),
+            Arg::I(qk_pre_tiles() as i32),
         ];
         let grid = (kv_heads as u32, ns as u32, 1);
         match cnt {

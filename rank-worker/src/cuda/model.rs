@@ -496,7 +496,7 @@ impl CudaModel {
         // step's graph); stages before the last stop after their layers (sent after it).
         // One-token steps with fast::qk_fuse: no q/k norm launch; the attention normalizes,
         // rotates and stores q / k itself, with this step's RoPE table.
-        let qk_fused = nt == 1 && !tp && super::fast::qk_fuse() && super::fast::attn_mma() && c.head_dim == 128 && c.v_head_dim == 128 && c.rotary_dim <= 128 && qw <= super::fast::QK_FUSE_MAX_Q && kw <= super::fast::QK_FUSE_MAX_K;
+        let qk_fused = nt == 1 && !tp && super::fast::qk_fuse() && super::fast::attn_mma() && c.head_dim == 128 && c.v_head_dim == 128 && c.rotary_dim <= 128 && qw <= super::fast::QK_FUSE_MAX_Q && kw <= super::fast::QK_FUSE_MAX_K && g.smem_optin() >= super::fast::ATTN_MMA_SMEM + super::fast::QK_FUSE_SMEM;
         if qk_fused {
             g.rope_table(m_pos, nt, c.rotary_dim, c.rope_theta, p(&ws.rope))?;
         }
