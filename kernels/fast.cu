@@ -3191,18 +3191,11 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
             z.vc[sl * sstride + (i64)kvh * AD_HD + d] = v16;
         }
         __syncthreads();
+    }
+    {
+        // q (NORM: as normalized above, in shared memory) of head gr, times the score scale.
         bool hv = gr < G;
-        const float* qh = &sm_q[hv ? gr : 0][2 * tq];
-#pragma unroll
-        for (int kk = 0; kk < 8; kk++) {
-            float x0 = hv ? qh[16 * kk] * scale : 0.f, x1 = hv ? qh[16 * kk + 1] * scale : 0.f;
-            float x2 = hv ? qh[16 * kk + 8] * scale : 0.f, x3 = hv ? qh[16 * kk + 9] * scale : 0.f;
-            at_split<BF>(x0, x1, qa[kk][0], qa[kk][1]);
-            at_split<BF>(x2, x3, qa[kk][2], qa[kk][3]);
-        }
-    } else {
-        bool hv = gr < G;
-        const float* qh = q + t * qs + (kvh * G + (hv ? gr : 0)) * AD_HD + 2 * tq;
+        const float* qh = NORM ? &sm_q[hv ? gr : 0][2 * tq] : q + t * qs + (kvh * G + (hv ? gr : 0)) * AD_HD + 2 * tq;
 #pragma unroll
         for (int kk = 0; kk < 8; kk++) {
             float x0 = hv ? qh[16 * kk] * scale : 0.f, x1 = hv ? qh[16 * kk + 1] * scale : 0.f;

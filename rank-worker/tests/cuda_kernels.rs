@@ -850,33 +850,9 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
         let nslots = 6;
         let kc = g.zeros::<u16>(nslots * kw).unwrap();
         let vc = g.zeros::<u16>(nslots * vw).unwrap();
-        g.launch(
-            "qk_norm_rope_store_bf16",
-            (nt as u32, 2, 1),
-            1024,
-            0,
-            &[
-                Arg::P(g.ptr(&qb)),
-                Arg::L(qw as i64),
-                Arg::P(g.ptr(&kb)),
-                Arg::P(g.ptr(&vb)),
-                Arg::L(kw as i64),
-                Arg::P(g.ptr(&qnb)),
-                Arg::P(g.ptr(&knb)),
-                Arg::I(qw as i32),
-                Arg::I(kw as i32),
-                Arg::I(vw as i32),
-                Arg::I(hd as i32),
-                Arg::I(rot as i32),
-                Arg::P(g.ptr(&pb)),
-                Arg::F(theta),
-                Arg::F(1e-6),
-                Arg::P(g.ptr(&sb)),
-                Arg::P(g.ptr(&kc)),
-                Arg::P(g.ptr(&vc)),
-            ],
-        )
-        .unwrap();
+        let rows = QkRows { q: g.ptr(&qb), k: g.ptr(&kb), v: g.ptr(&vb), qw, kw, vw, hd, rot };
+        let args = qk_norm_args(&rows, g.ptr(&qnb), g.ptr(&knb), g.ptr(&pb), theta, 1e-6, g.ptr(&sb), g.ptr(&kc), g.ptr(&vc));
+        g.launch("qk_norm_rope_store_bf16", (nt as u32, 2, 1), 1024, 0, &args).unwrap();
         let (gq, gk, gkc, gvc) = (g.download(&qb).unwrap(), g.download(&kb).unwrap(), g.download(&kc).unwrap(), g.download(&vc).unwrap());
         let bf = |b: u16| f32::from_bits((b as u32) << 16);
         let mut worst = 0f32;
@@ -1629,6 +1605,43 @@ fn memory_pool_keeps_or_returns_freed_memory() {
     assert!(g.pool_reserved().unwrap().0 < BYTES as u64, "trim after turning keep off");
 }
 
+/// The raw q / k / v rows of one token and their shapes (for `qk_norm_rope_store_*`).
+struct QkRows {
+    q: u64,
+    k: u64,
+    v: u64,
+    qw: usize,
+    kw: usize,
+    vw: usize,
+    hd: usize,
+    rot: usize,
+}
+
+/// Arguments of `qk_norm_rope_store_*` (rows `kw` apart for k and v).
+#[allow(clippy::too_many_arguments)]
+fn qk_norm_args(r: &QkRows, qn: u64, kn: u64, pos: u64, theta: f32, eps: f32, slots: u64, kc: u64, vc: u64) -> Vec<Arg> {
+    vec![
+        Arg::P(r.q),
+        Arg::L(r.qw as i64),
+        Arg::P(r.k),
+        Arg::P(r.v),
+        Arg::L(r.kw as i64),
+        Arg::P(qn),
+        Arg::P(kn),
+        Arg::I(r.qw as i32),
+        Arg::I(r.kw as i32),
+        Arg::I(r.vw as i32),
+        Arg::I(r.hd as i32),
+        Arg::I(r.rot as i32),
+        Arg::P(pos),
+        Arg::F(theta),
+        Arg::F(eps),
+        Arg::P(slots),
+        Arg::P(kc),
+        Arg::P(vc),
+    ]
+}
+
 fn launched_names(g: &Gpu, f: impl FnOnce()) -> Vec<String> {
     g.profile_begin();
     f();
@@ -1698,26 +1711,8 @@ fn fast_normed_attention_matches_qk_norm_and_attention() {
                     let want = if merged { format!("attn_dec6tnm_{kv}") } else { format!("attn_dec6tn_{kv}") };
                     assert_eq!(names[0], want, "kernels {names:?}");
                 } else {
-                    let args = [
-                        Arg::P(g.ptr(&qb)),
-                        Arg::L(qw as i64),
-                        Arg::P(g.ptr(&kb)),
-                        Arg::P(g.ptr(&vb)),
-                        Arg::L(kw as i64),
-                        Arg::P(g.ptr(&qnb)),
-                        Arg::P(g.ptr(&knb)),
-                        Arg::I(qw as i32),
-                        Arg::I(kw as i32),
-                        Arg::I(kw as i32),
-                        Arg::I(hd as i32),
-                        Arg::I(rot as i32),
-                        Arg::P(g.ptr(&pb)),
-                        Arg::F(theta),
-                        Arg::F(eps),
-                        Arg::P(g.ptr(&slb)),
-                        Arg::P(g.ptr(&kc)),
-                        Arg::P(g.ptr(&vc)),
-                    ];
+                    let rows = QkRows { q: g.ptr(&qb), k: g.ptr(&kb), v: g.ptr(&vb), qw, kw, vw: kw, hd, rot };
+                    let args = qk_norm_args(&rows, g.ptr(&qnb), g.ptr(&knb), g.ptr(&pb), theta, eps, g.ptr(&slb), g.ptr(&kc), g.ptr(&vc));
                     g.launch(&format!("qk_norm_rope_store_{kv}"), (1, 2, 1), 1024, 0, &args).unwrap();
                     g.attn_decode_with(true, kv, g.ptr(&qb), qw, g.ptr(&kc), g.ptr(&vc), meta, ps, kvh, ns, scale, g.ptr(&part), g.ptr(&out), qw, g.ptr(&aq), g.ptr(&ad), c, 1).unwrap();
                 }
