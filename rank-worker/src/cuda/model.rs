@@ -492,14 +492,14 @@ impl CudaModel {
         let kvs = if self.kv_dtype == KvDtype::BF16 { "bf16" } else { "f16" };
         let nsplit = if short { 1 } else { nsplit_for(nt) };
         let scale = 1.0 / (c.head_dim as f32).sqrt();
-        // Pipeline stages after the first find their input in `hidden` (received before the
-        // step's graph); stages before the last stop after their layers (sent after it).
         // One-token steps with fast::qk_fuse: no q/k norm launch; the attention normalizes,
         // rotates and stores q / k itself, with this step's RoPE table.
-        let qk_fused = nt == 1 && !tp && super::fast::qk_fuse() && super::fast::attn_mma() && c.head_dim == 128 && c.v_head_dim == 128 && c.rotary_dim <= 128 && qw <= super::fast::QK_FUSE_MAX_Q && kw <= super::fast::QK_FUSE_MAX_K && g.smem_optin() >= super::fast::ATTN_MMA_SMEM + super::fast::QK_FUSE_SMEM;
+        let qk_fused = nt == 1 && !tp && super::fast::qk_fuse() && super::fast::attn_mma() && c.head_dim == 128 && c.v_head_dim == 128 && c.rotary_dim > 0 && c.rotary_dim <= 128 && qw <= super::fast::QK_FUSE_MAX_Q && kw <= super::fast::QK_FUSE_MAX_K && g.smem_optin() >= super::fast::ATTN_MMA_SMEM + super::fast::QK_FUSE_SMEM;
         if qk_fused {
             g.rope_table(m_pos, nt, c.rotary_dim, c.rope_theta, p(&ws.rope))?;
         }
+        // Pipeline stages after the first find their input in `hidden` (received before the
+        // step's graph); stages before the last stop after their layers (sent after it).
         if self.part.first_stage {
             g.dequant_rows(&self.embd, m_tok, nt, hid, h)?;
         }
