@@ -495,12 +495,19 @@ mod tests {
     #[test]
     fn all_reduce_is_bit_identical_and_in_rank_order() {
         let ts = world(3, unix_addrs(3, "ar"));
+        // Every rank keeps its transport until all are done: a rank that finishes first and
+        // drops its transport closes its sockets, which (rightly) breaks the world for a rank
+        // still sending (seen once on a loaded 2-core machine).
+        let done = std::sync::Arc::new(std::sync::Barrier::new(ts.len()));
         let hs: Vec<_> = ts
             .into_iter()
             .map(|t| {
+                let done = done.clone();
                 std::thread::spawn(move || {
                     let mut b = vec![0.1f32 * (t.rank() + 1) as f32, 1e8, -1e8 + t.rank() as f32];
-                    t.all_reduce_sum(&mut b).unwrap();
+                    let r = t.all_reduce_sum(&mut b);
+                    done.wait();
+                    r.unwrap();
                     b
                 })
             })
