@@ -611,8 +611,8 @@ fn fast_path_norm_fusion_is_bit_identical() {
 /// bit-identical to the two-launch path (its summation order is played) over the bit-identity
 /// series (steps of 1, 2 and 5 tokens: the multi-token ones keep the q/k norm launch) and over
 /// three decode steps after prompts of 600 and 2,100 tokens (the new position in later splits
-/// and tiles; the keys it stores are read back by the next steps), directly, from graphs, and
-/// with the first K/V tiles after the PDL wait.
+/// and tiles; the keys it stores are read back by the next steps), directly, from graphs, with
+/// the first K/V tiles after the PDL wait, and with the merge's early trigger off.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fast_path_qk_fuse_matches_qk_norm_launch() {
@@ -650,11 +650,12 @@ fn fast_path_qk_fuse_matches_qk_norm_launch() {
         out
     };
     let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
-    // (fused, graphs, first K/V tiles before the wait)
-    let settings = [(false, false, true), (true, false, true), (true, true, true), (true, false, false)];
-    for (i, (on, graphs, pre)) in settings.into_iter().enumerate() {
+    // (fused, graphs, first K/V tiles before the wait, merge triggering the o-projection early)
+    let settings = [(false, false, true, true), (true, false, true, true), (true, true, true, true), (true, false, false, true), (true, true, true, false)];
+    for (i, (on, graphs, pre, early)) in settings.into_iter().enumerate() {
         set_qk_fuse(Some(on));
         minimax_rank::cuda::fast::set_qk_pre_tiles(Some(pre));
+        minimax_rank::cuda::fast::set_qk_merge_early(Some(early));
         m.clear_graphs();
         m.set_fast(true, graphs);
         let mut r = fast_step_series(&mut m, 40 + 20 * i as u32);
@@ -663,11 +664,12 @@ fn fast_path_qk_fuse_matches_qk_norm_launch() {
     }
     set_qk_fuse(None);
     minimax_rank::cuda::fast::set_qk_pre_tiles(None);
+    minimax_rank::cuda::fast::set_qk_merge_early(None);
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    for (v, (on, graphs, pre)) in settings.iter().enumerate().skip(1) {
+    for (v, (on, graphs, pre, early)) in settings.iter().enumerate().skip(1) {
         for (s, (a, b)) in runs[0].iter().zip(&runs[v]).enumerate() {
-            assert!(bits(a) == bits(b), "fused {on} graphs {graphs} first tiles before the wait {pre}, step {s}: logits differ from the q/k norm launch (max |diff| {})", max_diff(a, b));
+            assert!(bits(a) == bits(b), "fused {on} graphs {graphs} first tiles before the wait {pre} early merge {early}, step {s}: logits differ from the q/k norm launch (max |diff| {})", max_diff(a, b));
         }
     }
-    eprintln!("m2.7:iq4xs:2 fast path: q/k norms in the attention bit-identical to the q/k norm launch over {} steps (direct, graphs, first tiles after the wait)", runs[0].len());
+    eprintln!("m2.7:iq4xs:2 fast path: q/k norms in the attention bit-identical to the q/k norm launch over {} steps (direct, graphs, first tiles after the wait, merge without the early trigger)", runs[0].len());
 }

@@ -1111,15 +1111,17 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     if flag("--qkfuse-ab") {
-        use minimax_rank::cuda::fast::{set_attn_fusion, set_qk_fuse};
-        let names = ["q/k norm launch (qk_norm_rope_store)", "q/k norms in the attention (rope_table + attn_dec6tn)", "q/k norm launch, merge in the last block", "q/k norms in the attention, merge in the last block (attn_dec6tnm)"];
+        use minimax_rank::cuda::fast::{set_attn_fusion, set_qk_fuse, set_qk_merge_early};
+        let names = ["q/k norm launch (qk_norm_rope_store)", "q/k norms in the attention (rope_table + attn_dec6tn), attn_merge6", "in the attention, attn_merge6e (early trigger)", "in the attention, merge in the last block (attn_dec6tnm)"];
         for _ in 0..3 {
             b1_ab(&mut m, &mut pages, "q/k norms", &names, &|i| {
-                set_qk_fuse(Some(i % 2 == 1));
-                set_attn_fusion(Some(i >= 2));
+                set_qk_fuse(Some(i >= 1));
+                set_qk_merge_early(Some(i == 2));
+                set_attn_fusion(Some(i == 3));
             })?;
         }
         set_qk_fuse(None);
+        set_qk_merge_early(None);
         set_attn_fusion(None);
         return Ok(());
     }

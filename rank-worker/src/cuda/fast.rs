@@ -822,6 +822,23 @@ pub fn set_qk_pre_tiles(on: Option<bool>) {
     QK_PRE_TILES.set(on);
 }
 
+static QK_MERGE_EARLY: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_QK_MERGE_EARLY", true);
+
+/// Whether the merge after `attn_dec6tn_*` lets the o-projection launch before its own wait
+/// (`attn_merge6e`), so the o-projection's weight copies start while the attention runs
+/// (`MINIMAX_QK_MERGE_EARLY`, default on; other steps follow [`pdl_early`]). Same bits. One
+/// H200, batch 1, graph replay: 4.102-4.109 → 3.999-4.010 ms a step (with the q/k norm launch
+/// the early merge gave nothing: 4.25 either way).
+pub fn qk_merge_early() -> bool {
+    QK_MERGE_EARLY.get()
+}
+
+/// Overrides [`qk_merge_early`] (A/B runs and tests; `None` = back to the environment). Drop
+/// captured graphs after a change.
+pub fn set_qk_merge_early(on: Option<bool>) {
+    QK_MERGE_EARLY.set(on);
+}
+
 /// Static shared memory of `attn_dec6tn_*` (5,120 bytes on sm_90: its q of G heads, the new key
 /// / value, the 32 warp sums of each norm, and `attn_dec6t_*`'s 1,280), with room to spare:
 /// with [`ATTN_MMA_SMEM`] it must fit a block ([`Gpu::smem_optin`]; an sm_120 block of 99 KB
@@ -1244,7 +1261,7 @@ impl Gpu {
             }
             None => {
                 self.launch_pdl(&format!("attn_dec6tn_{kv}"), grid, 128, ATTN_MMA_SMEM as u32, &args)?;
-                let merge = if pdl_part(PDL_MERGE_EARLY) { "attn_merge6e" } else { "attn_merge6" };
+                let merge = if pdl_part(PDL_MERGE_EARLY) || qk_merge_early() { "attn_merge6e" } else { "attn_merge6" };
                 self.launch_pdl(merge, ((kv_heads * GQA) as u32, 1, 1), 128, 0, &[Arg::P(part), Arg::I(kv_heads as i32), Arg::I(ns as i32), Arg::P(out), Arg::L(os as i64), Arg::P(aq), Arg::P(ad), Arg::P(pos)])
             }
         }
