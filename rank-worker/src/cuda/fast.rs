@@ -1207,21 +1207,32 @@ impl Gpu {
         self.launch_pdl("rope_table", (nt as u32, 1, 1), 64, 0, &[Arg::P(pos), Arg::I(rot as i32), Arg::F(theta), Arg::P(rope)])
     }
 
+    /// Whether `attn_dec6tn_*` takes rows of `qw` / `kw` values with `rot` rotary dims a head
+    /// on this card (its row limits, [`Gpu::rope_table`]'s angles, and its shared memory beside
+    /// the K/V ring: [`QK_FUSE_SMEM`]).
+    pub fn qk_fuse_fits(&self, rot: usize, qw: usize, kw: usize) -> bool {
+        rot > 0 && rot <= 128 && rot % 2 == 0 && qw <= QK_FUSE_MAX_Q && kw <= QK_FUSE_MAX_K && self.smem_optin() >= ATTN_MMA_SMEM + QK_FUSE_SMEM
+    }
+
     /// Decode attention of a one-token step with the q / k norms, RoPE and the KV store done by
     /// its blocks (`attn_dec6tn_*`, `attn_dec6tnm_*` with `cnt`): the arguments of
     /// [`Gpu::attn_decode`] (its `q` unused) plus `qk` (the q/k/v product's raw rows).
-    /// Tensor-core kernel, head dim 128, GQA 6, `rot` even up to 128, rows of at most
-    /// [`QK_FUSE_MAX_Q`] / [`QK_FUSE_MAX_K`]; the caller checks [`attn_mma`].
+    /// Tensor-core kernel, head dim 128, GQA 6, what [`Gpu::qk_fuse_fits`] takes; the caller
+    /// checks [`attn_mma`].
     #[allow(clippy::too_many_arguments)]
     pub fn attn_decode_normed(&self, kv: &str, qk: &QkNormIn, kc: u64, vc: u64, meta: (u64, u64, u64, u64), page_size: usize, kv_heads: usize, nsplit: usize, scale: f32, part: u64, out: u64, os: usize, aq: u64, ad: u64, cnt: Option<u64>) -> Result<(), CudaError> {
         if kv != "f16" && kv != "bf16" {
             return Err(CudaError::Shape(format!("attention: KV cache type {kv} (f16 or bf16)")));
         }
-        if page_size == 0 || nsplit == 0 || nsplit > u16::MAX as usize || kv_heads == 0 || qk.rot % 2 != 0 || qk.rot > 128 || qk.qw != kv_heads * GQA * 128 || qk.kw != kv_heads * 128 || qk.qw > QK_FUSE_MAX_Q || qk.kw > QK_FUSE_MAX_K {
-            return Err(CudaError::Shape(format!("normed attention: page size {page_size}, {nsplit} splits, {kv_heads} KV heads, rot {}, q {} / k {} wide", qk.rot, qk.qw, qk.kw)));
-        }
-        if self.smem_optin() < ATTN_MMA_SMEM + QK_FUSE_SMEM {
-            return Err(CudaError::Shape(format!("normed attention: {} bytes of shared memory a block, {} needed", self.smem_optin(), ATTN_MMA_SMEM + QK_FUSE_SMEM)));
+        if page_size == 0 || nsplit == 0 || nsplit > u16::MAX as usize || kv_heads == 0 || qk.qw != kv_heads * GQA * 128 || qk.kw != kv_heads * 128 || !self.qk_fuse_fits(qk.rot, qk.qw, qk.kw) {
+            return Err(CudaError::Shape(format!(
+                "normed attention: page size {page_size}, {nsplit} splits, {kv_heads} KV heads, rot {}, q {} / k {} wide, {} bytes of shared memory a block ({} needed)",
+                qk.rot,
+                qk.qw,
+                qk.kw,
+                self.smem_optin(),
+                ATTN_MMA_SMEM + QK_FUSE_SMEM
+            )));
         }
         let ns = self.attn_splits(true, kv_heads, nsplit, 1)?;
         let (pos, seq, ptoff, pts) = meta;

@@ -494,7 +494,7 @@ impl CudaModel {
         let scale = 1.0 / (c.head_dim as f32).sqrt();
         // One-token steps with fast::qk_fuse: no q/k norm launch; the attention normalizes,
         // rotates and stores q / k itself, with this step's RoPE table.
-        let qk_fused = nt == 1 && !tp && super::fast::qk_fuse() && super::fast::attn_mma() && c.head_dim == 128 && c.v_head_dim == 128 && c.rotary_dim > 0 && c.rotary_dim <= 128 && qw <= super::fast::QK_FUSE_MAX_Q && kw <= super::fast::QK_FUSE_MAX_K && g.smem_optin() >= super::fast::ATTN_MMA_SMEM + super::fast::QK_FUSE_SMEM;
+        let qk_fused = nt == 1 && !tp && super::fast::qk_fuse() && super::fast::attn_mma() && c.head_dim == 128 && c.v_head_dim == 128 && g.qk_fuse_fits(c.rotary_dim, qw, kw);
         if qk_fused {
             g.rope_table(m_pos, nt, c.rotary_dim, c.rope_theta, p(&ws.rope))?;
         }
@@ -526,38 +526,40 @@ impl CudaModel {
                 g.launch("tp_qk_sumsq", (nt as u32, 2, 1), 256, 0, &[Arg::P(p(&ws.q)), Arg::L(qw as i64), Arg::P(p(&ws.k)), Arg::L(kw as i64), Arg::I(qw as i32), Arg::I(kw as i32), Arg::P(ssp)])?;
                 all_reduce(ssp, 2 * nt)?;
             }
-            let mut qk_args = vec![
-                Arg::P(p(&ws.q)),
-                Arg::L(qw as i64),
-                Arg::P(p(&ws.k)),
-                Arg::P(p(&ws.v)),
-                Arg::L(kw as i64),
-                Arg::P(l.q_norm),
-                Arg::P(l.k_norm),
-                Arg::I(qw as i32),
-                Arg::I(kw as i32),
-                Arg::I(vw as i32),
-                Arg::I(c.head_dim as i32),
-                Arg::I(c.rotary_dim as i32),
-                Arg::P(m_pos),
-                Arg::F(c.rope_theta),
-                Arg::F(c.rms_eps),
-                Arg::P(m_slot),
-                Arg::P(kc),
-                Arg::P(vc),
-            ];
-            if tp {
-                qk_args.extend([Arg::P(ssp), Arg::I((c.n_heads * c.head_dim) as i32), Arg::I((c.n_kv_heads * c.head_dim) as i32)]);
-            }
-            let qk_name = super::fast::qk_norm_rope_name(tp, kvs);
             if run(sk::QK) && !qk_fused {
-                g.launch_pdl(&qk_name, (nt as u32, 2, 1), 1024, 0, &qk_args)?;
+                let mut qk_args = vec![
+                    Arg::P(p(&ws.q)),
+                    Arg::L(qw as i64),
+                    Arg::P(p(&ws.k)),
+                    Arg::P(p(&ws.v)),
+                    Arg::L(kw as i64),
+                    Arg::P(l.q_norm),
+                    Arg::P(l.k_norm),
+                    Arg::I(qw as i32),
+                    Arg::I(kw as i32),
+                    Arg::I(vw as i32),
+                    Arg::I(c.head_dim as i32),
+                    Arg::I(c.rotary_dim as i32),
+                    Arg::P(m_pos),
+                    Arg::F(c.rope_theta),
+                    Arg::F(c.rms_eps),
+                    Arg::P(m_slot),
+                    Arg::P(kc),
+                    Arg::P(vc),
+                ];
+                if tp {
+                    qk_args.extend([Arg::P(ssp), Arg::I((c.n_heads * c.head_dim) as i32), Arg::I((c.n_kv_heads * c.head_dim) as i32)]);
+                }
+                g.launch_pdl(&super::fast::qk_norm_rope_name(tp, kvs), (nt as u32, 2, 1), 1024, 0, &qk_args)?;
             }
-            if qk_fused && run(sk::ATTN) {
-                let qn = super::fast::QkNormIn { q: p(&ws.q), k: p(&ws.k), v: p(&ws.v), q_norm: l.q_norm, k_norm: l.k_norm, qw, kw, rot: c.rotary_dim, rope: p(&ws.rope), eps: c.rms_eps, slots: m_slot };
-                g.attn_decode_normed(kvs, &qn, kc, vc, (m_pos, m_seq, m_ptoff, m_pts), self.page_size, self.kv_heads, nsplit, scale, p(&ws.part), p(&ws.att), ow, xq, xd, acnt)?;
-            } else if run(sk::ATTN) {
-                g.attn_decode(kvs, p(&ws.q), qw, kc, vc, (m_pos, m_seq, m_ptoff, m_pts), self.page_size, self.kv_heads, nsplit, scale, p(&ws.part), p(&ws.att), ow, xq, xd, acnt, nt)?;
+            if run(sk::ATTN) {
+                let meta = (m_pos, m_seq, m_ptoff, m_pts);
+                if qk_fused {
+                    let qn = super::fast::QkNormIn { q: p(&ws.q), k: p(&ws.k), v: p(&ws.v), q_norm: l.q_norm, k_norm: l.k_norm, qw, kw, rot: c.rotary_dim, rope: p(&ws.rope), eps: c.rms_eps, slots: m_slot };
+                    g.attn_decode_normed(kvs, &qn, kc, vc, meta, self.page_size, self.kv_heads, nsplit, scale, p(&ws.part), p(&ws.att), ow, xq, xd, acnt)?;
+                } else {
+                    g.attn_decode(kvs, p(&ws.q), qw, kc, vc, meta, self.page_size, self.kv_heads, nsplit, scale, p(&ws.part), p(&ws.att), ow, xq, xd, acnt, nt)?;
+                }
             }
             if run(sk::O) {
                 g.matvec_q8_any(&[(&l.wo, hid, h)], xq, xd, ow, nt, lead)?;
