@@ -1669,6 +1669,13 @@ fn fast_normed_attention_matches_qk_norm_and_attention() {
     let scale = 1.0 / (hd as f32).sqrt();
     let mut worst_path = 0f64;
     let mut worst_ref = 0f64;
+    // Cluster sizes this card runs with all 8 KV heads' clusters resident (sm_90 and newer).
+    let cl_sizes: Vec<usize> = [16usize, 8, 4].into_iter().filter(|&n| ["f16", "bf16"].iter().all(|kv| g.attn_cluster_fits(kv, n, 8))).collect();
+    let held: Vec<String> = [16u32, 8, 4].iter().map(|&n| format!("{n}: {:?}", g.max_active_clusters("attn_dec6tnc_f16", 128, fast::ATTN_MMA_SMEM as u32, n).ok())).collect();
+    eprintln!("attn_dec6tnc clusters resident at once by size: {}; tested sizes {cl_sizes:?}", held.join(", "));
+    if g.arch >= 90 {
+        assert!(cl_sizes.contains(&8), "sm_{}: 8 clusters of 8 attention blocks should fit", g.arch);
+    }
     for (kv, ps) in [("f16", 16usize), ("bf16", 7)] {
         for ctx in [1usize, 10, 17, 26, 600, 2100, 2110] {
             let ty = if kv == "bf16" { GgmlType::BF16 } else { GgmlType::F16 };
@@ -1698,8 +1705,8 @@ fn fast_normed_attention_matches_qk_norm_and_attention() {
             let part = poisoned(&g, kvh * 128 * 6 * (hd + 2));
             let cnt = g.zeros::<u32>(kvh).unwrap();
             let ns = g.attn_splits(true, kvh, fast::nsplit_for(1), 1).unwrap();
-            // (output, q8, q8 scales, k cache, v cache) of one path.
-            let run = |normed: bool, merged: bool| {
+            // (output, q8, q8 scales, k cache, v cache) of one path at `ns` splits.
+            let run = |normed: bool, merged: bool, ns: usize| {
                 let (kc, vc) = (g.upload(&kc0).unwrap(), g.upload(&vc0).unwrap());
                 let (qb, kb, vb) = (g.upload(&q).unwrap(), g.upload(&k).unwrap(), g.upload(&v).unwrap());
                 let out = poisoned(&g, qw);
@@ -1707,9 +1714,15 @@ fn fast_normed_attention_matches_qk_norm_and_attention() {
                 let c = if merged { Some(g.ptr(&cnt)) } else { None };
                 if normed {
                     let z = fast::QkNormIn { q: g.ptr(&qb), k: g.ptr(&kb), v: g.ptr(&vb), q_norm: g.ptr(&qnb), k_norm: g.ptr(&knb), qw, kw, rot, rope: g.ptr(&rope), eps, slots: g.ptr(&slb) };
-                    let names = launched_names(&g, || g.attn_decode_normed(kv, &z, g.ptr(&kc), g.ptr(&vc), meta, ps, kvh, fast::nsplit_for(1), scale, g.ptr(&part), g.ptr(&out), qw, g.ptr(&aq), g.ptr(&ad), c).unwrap());
-                    let want = if merged { format!("attn_dec6tnm_{kv}") } else { format!("attn_dec6tn_{kv}") };
-                    assert_eq!(names[0], want, "kernels {names:?}");
+                    let names = launched_names(&g, || g.attn_decode_normed(kv, &z, g.ptr(&kc), g.ptr(&vc), meta, ps, kvh, ns, scale, g.ptr(&part), g.ptr(&out), qw, g.ptr(&aq), g.ptr(&ad), c).unwrap());
+                    let want = if merged {
+                        vec![format!("attn_dec6tnm_{kv}")]
+                    } else if fast::attn_cluster() {
+                        vec![format!("attn_dec6tnc_{kv}")]
+                    } else {
+                        vec![format!("attn_dec6tn_{kv}"), (if fast::qk_merge_early() { "attn_merge6e" } else { "attn_merge6" }).to_string()]
+                    };
+                    assert_eq!(names, want, "kernels launched");
                 } else {
                     let rows = QkRows { q: g.ptr(&qb), k: g.ptr(&kb), v: g.ptr(&vb), qw, kw, vw: kw, hd, rot };
                     let args = qk_norm_args(&rows, g.ptr(&qnb), g.ptr(&knb), g.ptr(&pb), theta, eps, g.ptr(&slb), g.ptr(&kc), g.ptr(&vc));
@@ -1718,8 +1731,7 @@ fn fast_normed_attention_matches_qk_norm_and_attention() {
                 }
                 (g.download(&out).unwrap(), g.download(&aq).unwrap(), g.download(&ad).unwrap(), g.download(&kc).unwrap(), g.download(&vc).unwrap())
             };
-            let want = run(false, false);
-            let what = format!("{kv} cache, pages of {ps}, context {ctx}, {ns} splits");
+            let want = run(false, false, ns);
             // f64 reference from the host's norm + RoPE and the two-launch path's cache.
             let mut qr = rms_norm_ref(&q, &qn, eps);
             rope_ref(&mut qr, hd, rot, ctx - 1, theta);
@@ -1736,11 +1748,37 @@ fn fast_normed_attention_matches_qk_norm_and_attention() {
                     worst_ref = worst_ref.max((want.0[h * hd + d] as f64 - o).abs() / big);
                 }
             }
-            for (merged, pre) in [(false, true), (true, true), (false, false)] {
+            // (merge in the last block, in a cluster, first tiles before the wait, splits);
+            // clusters also of 8 and 4 splits (4 < 6 heads: a block merges two), each against
+            // the two-launch path at that split count.
+            // (exit: blocks of empty splits leave before the wait.)
+            let mut forms = vec![(false, false, true, ns, false), (true, false, true, ns, false), (false, false, false, ns, false), (false, false, true, ns, true), (false, false, false, ns, true)];
+            for &n in &cl_sizes {
+                forms.push((false, true, true, n, false));
+            }
+            if cl_sizes.contains(&ns) {
+                forms.push((false, true, false, ns, true));
+            }
+            for (merged, cluster, pre, fns, exit) in forms {
+                let want = if fns == ns { want.clone() } else { run(false, false, fns) };
                 fast::set_qk_pre_tiles(Some(pre));
-                let got = run(true, merged);
+                fast::set_attn_cluster(Some(cluster));
+                fast::set_attn_exit_empty(Some(exit));
+                let got = run(true, merged, fns);
+                fast::set_attn_exit_empty(None);
+                fast::set_attn_cluster(None);
                 fast::set_qk_pre_tiles(None);
-                let what = format!("{what}, merge {}, first tiles {} the wait", if merged { "in the last block" } else { "attn_merge6" }, if pre { "before" } else { "after" });
+                let what = format!(
+                    "{kv} cache, pages of {ps}, context {ctx}, {fns} splits, empty splits exit {exit}, merge {}, first tiles {} the wait",
+                    if merged {
+                        "in the last block"
+                    } else if cluster {
+                        "in a cluster"
+                    } else {
+                        "attn_merge6"
+                    },
+                    if pre { "before" } else { "after" }
+                );
                 assert!(got.0.iter().all(|x| x.is_finite()), "{what}: non-finite output");
                 worst_path = worst_path.max(got.0.iter().zip(&want.0).map(|(a, b)| (*a as f64 - *b as f64).abs() / big).fold(0.0, f64::max));
                 assert_eq!(bits(&got.0), bits(&want.0), "{what}: output differs from the two-launch path");
@@ -1761,7 +1799,7 @@ fn fast_normed_attention_matches_qk_norm_and_attention() {
     }
     assert!(worst_ref <= 5e-4, "two-launch path vs f64 reference: {worst_ref:.2e} of the largest output");
     assert_eq!(worst_path, 0.0);
-    eprintln!("attn_dec6tn / attn_dec6tnm: output, q8 copy and caches bit-identical to qk_norm_rope_store + attn_dec6t, that path within {worst_ref:.1e} of the f64 reference (relative to the largest output), other slots untouched");
+    eprintln!("attn_dec6tn / attn_dec6tnm / attn_dec6tnc: output, q8 copy and caches bit-identical to qk_norm_rope_store + attn_dec6t, that path within {worst_ref:.1e} of the f64 reference (relative to the largest output), other slots untouched");
     // Bad arguments: typed errors.
     let z = fast::QkNormIn { q: 0, k: 0, v: 0, q_norm: 0, k_norm: 0, qw, kw, rot: 130, rope: 0, eps, slots: 0 };
     assert!(g.rope_table(0, 1, 130, theta, 0).is_err(), "rope_table: 130 rotary dims");
