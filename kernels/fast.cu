@@ -2998,77 +2998,6 @@ template <int BF> __device__ __forceinline__ void at_split(float x0, float x1, u
     lo = at_pack<BF>(x0 - h0, x1 - h1);
 }
 
-// ------------------------------------ thread block clusters (sm_90 and newer) -----------
-// The splits of one (token, KV head) as one cluster meet through distributed shared memory:
-// a hardware barrier instead of a launch boundary or a counter in global memory. Before sm_90
-// these trap (the host never launches a cluster kernel there: Gpu::attn_cluster_fits).
-__device__ __forceinline__ u32 cl_rank() {
-    u32 r = 0;
-#if __CUDA_ARCH__ >= 900
-    asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
-#endif
-    return r;
-}
-__device__ __forceinline__ u32 cl_size() {
-    u32 r = 1;
-#if __CUDA_ARCH__ >= 900
-    asm volatile("mov.u32 %0, %%cluster_nctarank;" : "=r"(r));
-#endif
-    return r;
-}
-// Every thread of every block of the cluster: writes before it are visible to reads after it.
-__device__ __forceinline__ void cl_sync() {
-#if __CUDA_ARCH__ >= 900
-    asm volatile("barrier.cluster.arrive.release.aligned;\n\tbarrier.cluster.wait.acquire.aligned;" ::: "memory");
-#else
-    __trap();
-#endif
-}
-// Stores v at shared address a (this block's layout) of block `rank` of the cluster; visible
-// there after the next cl_sync(). A store does not wait for its answer.
-__device__ __forceinline__ void cl_st(u32 a, u32 rank, float v) {
-#if __CUDA_ARCH__ >= 900
-    u32 ra;
-    asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(ra) : "r"(a), "r"(rank));
-    asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(ra), "f"(v) : "memory");
-#endif
-}
-
-// Inbox of a cluster-merging block: split s's (m, l, o[AD_HD]) of each head it merges.
-#define AT_CL_MAX 16
-#define AT_CL_ROW (2 + AD_HD)
-
-// The merge of attn_merge_impl inside a cluster of the nsplit splits of (t, kvh): every split
-// block has pushed its (m, l, o) of head g into block g % nsplit's inbox, row
-// (g / nsplit) * nsplit + split (attn_dect_impl, CLUSTER), and a cl_sync() followed. Block r
-// merges heads r, r + nsplit, ... from its own shared memory, thread d dim d, summing over the
-// active splits in order with the same operations as attn_merge6 (bit-identical).
-template <int G>
-__device__ __forceinline__ void attn_merge_cluster(const float* inbox, int n_ctx, int nsplit, int kvh, int t, int heads,
-                                                   float* out, i64 os, i8* aq, float* ad) {
-    int active = attn_active_splits(n_ctx, nsplit), d = threadIdx.x;
-    for (int g = (int)cl_rank(); g < G; g += nsplit) {
-        const float* in = inbox + (g / nsplit) * nsplit * AT_CL_ROW;
-        float M = NEG_INF;
-        for (int s = 0; s < active; s++)
-            if (in[s * AT_CL_ROW + 1] > 0.f) M = fmaxf(M, in[s * AT_CL_ROW]);
-        float L = 0.f, o = 0.f;
-        for (int s = 0; s < active; s++) {
-            float l = in[s * AT_CL_ROW + 1];
-            if (l > 0.f) {
-                float f = __expf(in[s * AT_CL_ROW] - M);
-                L = __fmaf_rn(l, f, L);
-                o = __fmaf_rn(in[s * AT_CL_ROW + 2 + d], f, o);
-            }
-        }
-        int h = kvh * G + g;
-        float v = o / L;
-        out[t * os + h * AD_HD + d] = v;
-        int qv = q8_lane(v, ad + (i64)t * (heads * AD_HD / 32) + h * 4 + (d >> 5));
-        aq[(i64)t * heads * AD_HD + h * AD_HD + d] = (i8)qv;
-    }
-}
-
 // attn_dec6tn_*: the q / k norms, RoPE and the KV store of qk_norm_rope_store done by the
 // attention's blocks themselves (one-token steps, no q/k norm launch). Every block sums the
 // squares of the whole raw q and k rows (the product's output, every load in flight at once) in
@@ -3097,7 +3026,7 @@ struct QkNorm {
     int exit_empty;    // blocks of empty splits leave at once (the separate merge reads none)
 };
 
-template <int G, int BF, bool MERGE = false, bool NORM = false, bool CLUSTER = false>
+template <int G, int BF, bool MERGE = false, bool NORM = false>
 __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,
                                                const int* seq, const int* pt_off, const u32* pts, int page_size,
                                                int kv_heads, int nsplit, float scale, float* part, u32* cnt = nullptr,
@@ -3115,9 +3044,8 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
     int ntiles = end > start ? (end - start + AT_TILE - 1) / AT_TILE : 0;
     // A split past the context (short contexts leave most of them empty) has nothing to add:
     // attn_merge6 reads only the active splits, so its block leaves before its PDL wait and
-    // its SM is free for the o-projection's blocks. (The last-block merge counts every block;
-    // a cluster meets at a barrier: those stay.)
-    if (NORM && !MERGE && !CLUSTER && qkn->exit_empty && start >= end) return;
+    // its SM is free for the o-projection's blocks. (The last-block merge counts every block.)
+    if (NORM && !MERGE && qkn->exit_empty && start >= end) return;
     int my_n = ntiles > warp ? (ntiles - warp + AD_WARPS - 1) / AD_WARPS : 0;
     const u32* pt = pts + pt_off[seq[t]];
     u8* ring = at_sm + warp * AT_WBYTES;
@@ -3388,8 +3316,6 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
     }
     __syncthreads();
     float* out = part + (((i64)t * kv_heads + kvh) * nsplit + sp) * (G * (AD_HD + 2));
-    // CLUSTER: the partial of head g goes to the inbox of block g % nsplit (attn_merge_cluster).
-    __shared__ float cl_inbox[CLUSTER ? AT_CL_MAX * AT_CL_ROW : 1];
     for (int idx = threadIdx.x; idx < G * AD_HD; idx += blockDim.x) {
         int g = idx / AD_HD, d = idx % AD_HD;
         float M = NEG_INF;
@@ -3402,26 +3328,11 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
             L += sm_l[w][g] * f;
             ov += ((const float*)(at_sm + w * AT_WBYTES))[g * AD_HD + d] * f;
         }
-        if (CLUSTER) {
-            u32 row = smem_addr(cl_inbox + ((g / nsplit) * nsplit + sp) * AT_CL_ROW);
-            u32 dst = (u32)(g % nsplit);
-            cl_st(row + 4 * (2 + d), dst, ov);
-            if (d == 0) {
-                cl_st(row, dst, M);
-                cl_st(row + 4, dst, L);
-            }
-        } else {
-            out[2 * G + g * AD_HD + d] = ov;
-            if (d == 0) {
-                out[g] = M;
-                out[G + g] = L;
-            }
+        out[2 * G + g * AD_HD + d] = ov;
+        if (d == 0) {
+            out[g] = M;
+            out[G + g] = L;
         }
-    }
-    if (CLUSTER) {
-        if (cl_size() != (u32)nsplit || nsplit > AT_CL_MAX) __trap();  // the host launches clusters of (1, nsplit, 1)
-        cl_sync();
-        attn_merge_cluster<G>(cl_inbox, n_ctx, nsplit, kvh, t, kv_heads * G, mout, mos, aq, ad);
     }
     if (MERGE) {
         if (arrive_last(cnt + t * kv_heads + kvh, gridDim.y)) {
@@ -3453,9 +3364,7 @@ ATTT_INST(bf16, 1)
 
 // attn_dec6tn_* / attn_dec6tnm_* (QkNorm above): attn_dec6t_* / attn_dec6tm_* of one-token steps
 // with the q / k norms, RoPE and KV store in the blocks; q, k, v are the product's raw rows.
-// They wait inside (after the norm weights and the first tiles). attn_dec6tnc_*: the same with
-// the merge inside a thread block cluster of the nsplit splits (attn_merge_cluster; sm_90+,
-// launched with cluster dims (1, nsplit, 1)): no merge launch, no counter; bit-identical.
+// They wait inside (after the norm weights and the first tiles).
 #define ATTTN_ARGS                                                                                               \
     const float *q, const float *k, const float *v, const float *qn, const float *kn, const float *rope, int qw,  \
         int kw, int rot, float eps, const int *slots, u16 *kc, u16 *vc, const int *pos, const int *seq,          \
@@ -3483,21 +3392,15 @@ extern "C" __global__ void __launch_bounds__(64) rope_table(const int* pos, int 
 }
 #define ATTTN_INST(name, BF)                                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tn_##name(ATTTN_ARGS) {                 \
-        QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc, pre_tiles, exit_empty};                                         \
-        attn_dect_impl<6, BF, false, true>(q, 0, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, scale, \
-                                           part, nullptr, nullptr, 0, nullptr, nullptr, &z);                     \
+        QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc, pre_tiles, exit_empty};                 \
+        attn_dect_impl<6, BF, false, true>(q, 0, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit,     \
+                                           scale, part, nullptr, nullptr, 0, nullptr, nullptr, &z);              \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tnm_##name(                             \
         ATTTN_ARGS, u32 *cnt, float *out, i64 os, i8 *aq, float *ad) {                                           \
-        QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc, pre_tiles, exit_empty};                                         \
-        attn_dect_impl<6, BF, true, true>(q, 0, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, scale, \
-                                          part, cnt, out, os, aq, ad, &z);                                       \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tnc_##name(                             \
-        ATTTN_ARGS, float *out, i64 os, i8 *aq, float *ad) {                                                     \
-        QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc, pre_tiles, exit_empty};                             \
-        attn_dect_impl<6, BF, false, true, true>(q, 0, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit, \
-                                                 scale, part, nullptr, out, os, aq, ad, &z);                     \
+        QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc, pre_tiles, exit_empty};                 \
+        attn_dect_impl<6, BF, true, true>(q, 0, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit,      \
+                                          scale, part, cnt, out, os, aq, ad, &z);                                \
     }
 
 ATTTN_INST(f16, 0)

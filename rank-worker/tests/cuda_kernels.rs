@@ -1669,13 +1669,6 @@ fn fast_normed_attention_matches_qk_norm_and_attention() {
     let scale = 1.0 / (hd as f32).sqrt();
     let mut worst_path = 0f64;
     let mut worst_ref = 0f64;
-    // Cluster sizes this card runs with all 8 KV heads' clusters resident (sm_90 and newer).
-    let cl_sizes: Vec<usize> = [16usize, 8, 4].into_iter().filter(|&n| ["f16", "bf16"].iter().all(|kv| g.attn_cluster_fits(kv, n, 8))).collect();
-    let held: Vec<String> = [16u32, 8, 4].iter().map(|&n| format!("{n}: {:?}", g.max_active_clusters("attn_dec6tnc_f16", 128, fast::ATTN_MMA_SMEM as u32, n).ok())).collect();
-    eprintln!("attn_dec6tnc clusters resident at once by size: {}; tested sizes {cl_sizes:?}", held.join(", "));
-    if g.arch >= 90 {
-        assert!(cl_sizes.contains(&8), "sm_{}: 8 clusters of 8 attention blocks should fit", g.arch);
-    }
     for (kv, ps) in [("f16", 16usize), ("bf16", 7)] {
         for ctx in [1usize, 10, 17, 26, 600, 2100, 2110] {
             let ty = if kv == "bf16" { GgmlType::BF16 } else { GgmlType::F16 };
@@ -1717,8 +1710,6 @@ fn fast_normed_attention_matches_qk_norm_and_attention() {
                     let names = launched_names(&g, || g.attn_decode_normed(kv, &z, g.ptr(&kc), g.ptr(&vc), meta, ps, kvh, ns, scale, g.ptr(&part), g.ptr(&out), qw, g.ptr(&aq), g.ptr(&ad), c).unwrap());
                     let want = if merged {
                         vec![format!("attn_dec6tnm_{kv}")]
-                    } else if fast::attn_cluster() {
-                        vec![format!("attn_dec6tnc_{kv}")]
                     } else {
                         vec![format!("attn_dec6tn_{kv}"), (if fast::qk_merge_early() { "attn_merge6e" } else { "attn_merge6" }).to_string()]
                     };
@@ -1748,35 +1739,20 @@ fn fast_normed_attention_matches_qk_norm_and_attention() {
                     worst_ref = worst_ref.max((want.0[h * hd + d] as f64 - o).abs() / big);
                 }
             }
-            // (merge in the last block, in a cluster, first tiles before the wait, splits);
-            // clusters also of 8 and 4 splits (4 < 6 heads: a block merges two), each against
-            // the two-launch path at that split count.
-            // (exit: blocks of empty splits leave before the wait.)
-            let mut forms = vec![(false, false, true, ns, false), (true, false, true, ns, false), (false, false, false, ns, false), (false, false, true, ns, true), (false, false, false, ns, true)];
-            for &n in &cl_sizes {
-                forms.push((false, true, true, n, false));
-            }
-            if cl_sizes.contains(&ns) {
-                forms.push((false, true, false, ns, true));
-            }
-            for (merged, cluster, pre, fns, exit) in forms {
+            // (merge in the last block, first tiles before the wait, blocks of empty splits
+            // leaving at once), at the default split count and at 8 and 4.
+            let mut forms = vec![(false, true, false, ns), (true, true, false, ns), (false, false, false, ns), (false, true, true, ns), (false, false, true, ns), (false, true, true, 8), (false, true, true, 4)];
+            forms.dedup();
+            for (merged, pre, exit, fns) in forms {
                 let want = if fns == ns { want.clone() } else { run(false, false, fns) };
                 fast::set_qk_pre_tiles(Some(pre));
-                fast::set_attn_cluster(Some(cluster));
                 fast::set_attn_exit_empty(Some(exit));
                 let got = run(true, merged, fns);
                 fast::set_attn_exit_empty(None);
-                fast::set_attn_cluster(None);
                 fast::set_qk_pre_tiles(None);
                 let what = format!(
                     "{kv} cache, pages of {ps}, context {ctx}, {fns} splits, empty splits exit {exit}, merge {}, first tiles {} the wait",
-                    if merged {
-                        "in the last block"
-                    } else if cluster {
-                        "in a cluster"
-                    } else {
-                        "attn_merge6"
-                    },
+                    if merged { "in the last block" } else { "attn_merge6" },
                     if pre { "before" } else { "after" }
                 );
                 assert!(got.0.iter().all(|x| x.is_finite()), "{what}: non-finite output");
@@ -1799,7 +1775,7 @@ fn fast_normed_attention_matches_qk_norm_and_attention() {
     }
     assert!(worst_ref <= 5e-4, "two-launch path vs f64 reference: {worst_ref:.2e} of the largest output");
     assert_eq!(worst_path, 0.0);
-    eprintln!("attn_dec6tn / attn_dec6tnm / attn_dec6tnc: output, q8 copy and caches bit-identical to qk_norm_rope_store + attn_dec6t, that path within {worst_ref:.1e} of the f64 reference (relative to the largest output), other slots untouched");
+    eprintln!("attn_dec6tn / attn_dec6tnm: output, q8 copy and caches bit-identical to qk_norm_rope_store + attn_dec6t, that path within {worst_ref:.1e} of the f64 reference (relative to the largest output), other slots untouched");
     // Bad arguments: typed errors.
     let z = fast::QkNormIn { q: 0, k: 0, v: 0, q_norm: 0, k_norm: 0, qw, kw, rot: 130, rope: 0, eps, slots: 0 };
     assert!(g.rope_table(0, 1, 130, theta, 0).is_err(), "rope_table: 130 rotary dims");

@@ -612,15 +612,15 @@ fn fast_path_norm_fusion_is_bit_identical() {
 /// series (steps of 1, 2 and 5 tokens: the multi-token ones keep the q/k norm launch) and over
 /// three decode steps after prompts of 600 and 2,100 tokens (the new position in later splits
 /// and tiles; the keys it stores are read back by the next steps), directly, from graphs, with
-/// the first K/V tiles after the PDL wait, with the merge's early trigger off, and with the
-/// merge inside a thread block cluster (`attn_dec6tnc_*`, no merge launch).
+/// the first K/V tiles after the PDL wait, with the merge's early trigger off, and with and
+/// without the blocks of empty splits leaving before their wait.
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fast_path_qk_fuse_matches_qk_norm_launch() {
     use minimax_rank::cuda::fast::set_qk_fuse;
     use minimax_shared::model::synthetic::SyntheticSpec;
     let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
-    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 2600 }, CudaOptions::default(), 23).unwrap();
+    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 2200 }, CudaOptions::default(), 23).unwrap();
     assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
     let kernels = |m: &mut CudaModel, on: bool, base: u32| -> Vec<String> {
         set_qk_fuse(Some(on));
@@ -652,7 +652,7 @@ fn fast_path_qk_fuse_matches_qk_norm_launch() {
     };
     let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
     // (fused, graphs, first K/V tiles before the wait, merge triggering the o-projection early,
-    // merge inside a thread block cluster)
+    // blocks of empty splits leaving before their wait)
     let settings = [
         (false, false, true, true, false),
         (true, false, true, true, false),
@@ -662,17 +662,11 @@ fn fast_path_qk_fuse_matches_qk_norm_launch() {
         (true, false, true, true, true),
         (true, true, true, true, true),
     ];
-    for (i, (on, graphs, pre, early, cluster)) in settings.into_iter().enumerate() {
-        // Blocks of empty splits leave at once in the settings with the separate merge.
-        minimax_rank::cuda::fast::set_attn_exit_empty(Some(i % 2 == 0));
+    for (i, (on, graphs, pre, early, exit)) in settings.into_iter().enumerate() {
         set_qk_fuse(Some(on));
         minimax_rank::cuda::fast::set_qk_pre_tiles(Some(pre));
         minimax_rank::cuda::fast::set_qk_merge_early(Some(early));
-        minimax_rank::cuda::fast::set_attn_cluster(Some(cluster));
-        if cluster {
-            let ks = one_token_step_kernels(&mut m, 900 + i as u64, (2400 + 4 * i as u32..2402 + 4 * i as u32).collect(), vec![3, 5, 7], 11);
-            assert!(count(&ks, "attn_dec6tnc_") == 2 && count(&ks, "attn_merge6") == 0, "cluster merge: {ks:?}");
-        }
+        minimax_rank::cuda::fast::set_attn_exit_empty(Some(exit));
         m.clear_graphs();
         m.set_fast(true, graphs);
         let mut r = fast_step_series(&mut m, 40 + 20 * i as u32);
@@ -682,13 +676,12 @@ fn fast_path_qk_fuse_matches_qk_norm_launch() {
     set_qk_fuse(None);
     minimax_rank::cuda::fast::set_qk_pre_tiles(None);
     minimax_rank::cuda::fast::set_qk_merge_early(None);
-    minimax_rank::cuda::fast::set_attn_cluster(None);
     minimax_rank::cuda::fast::set_attn_exit_empty(None);
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    for (v, (on, graphs, pre, early, cluster)) in settings.iter().enumerate().skip(1) {
+    for (v, (on, graphs, pre, early, exit)) in settings.iter().enumerate().skip(1) {
         for (s, (a, b)) in runs[0].iter().zip(&runs[v]).enumerate() {
-            assert!(bits(a) == bits(b), "fused {on} graphs {graphs} first tiles before the wait {pre} early merge {early} cluster merge {cluster}, step {s}: logits differ from the q/k norm launch (max |diff| {})", max_diff(a, b));
+            assert!(bits(a) == bits(b), "fused {on} graphs {graphs} first tiles before the wait {pre} early merge {early} empty splits leave {exit}, step {s}: logits differ from the q/k norm launch (max |diff| {})", max_diff(a, b));
         }
     }
-    eprintln!("m2.7:iq4xs:2 fast path: q/k norms in the attention bit-identical to the q/k norm launch over {} steps (direct, graphs, first tiles after the wait, merge without the early trigger, merge in a cluster)", runs[0].len());
+    eprintln!("m2.7:iq4xs:2 fast path: q/k norms in the attention bit-identical to the q/k norm launch over {} steps (direct, graphs, first tiles after the wait, merge without the early trigger, blocks of empty splits leaving at once)", runs[0].len());
 }

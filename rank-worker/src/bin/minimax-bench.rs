@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--cluster-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -1125,17 +1125,14 @@ fn main() -> anyhow::Result<()> {
         set_attn_fusion(None);
         return Ok(());
     }
-    if flag("--cluster-ab") {
-        // The merge of the one-token attention's splits: its own launch (attn_merge6e) against a
-        // thread block cluster of the splits (attn_dec6tnc); batch 1 at short context, then at 32k.
-        use minimax_rank::cuda::fast::{set_attn_cluster, set_attn_exit_empty};
-        let names = ["split attention + attn_merge6e", "merge inside a cluster (attn_dec6tnc)", "empty splits leave at once + attn_merge6e"];
-        let set = |i: usize| {
-            set_attn_cluster(Some(i == 1));
-            set_attn_exit_empty(Some(i == 2));
-        };
+    if flag("--attn-exit-ab") {
+        // Blocks of empty splits of the one-token attention: through their wait (and writing
+        // empty partials) against leaving at once; batch 1 at short context, then at 32k.
+        use minimax_rank::cuda::fast::set_attn_exit_empty;
+        let names = ["every split block runs", "empty splits leave at once"];
+        let set = |i: usize| set_attn_exit_empty(Some(i == 1));
         for _ in 0..3 {
-            b1_ab(&mut m, &mut pages, "decode attention's merge", &names, &set)?;
+            b1_ab(&mut m, &mut pages, "decode attention's empty splits", &names, &set)?;
         }
         if !flag("--no-32k") {
             m.fill_kv_random(5)?;
@@ -1152,7 +1149,6 @@ fn main() -> anyhow::Result<()> {
                 }
             }
         }
-        set_attn_cluster(None);
         set_attn_exit_empty(None);
         m.clear_graphs();
         return Ok(());

@@ -136,8 +136,6 @@ pub struct Gpu {
     /// creation: tile and kernel choices ask for them at every prefill launch.
     pub(super) n_sms: usize,
     pub(super) optin_smem: usize,
-    /// [`Gpu::max_active_clusters`]' answers by (kernel, block, shared memory, cluster size).
-    clusters: Mutex<HashMap<(String, u32, u32, u32), usize>>,
 }
 
 /// Checks that the CUDA driver library can be loaded (instead of a panic in the bindings).
@@ -194,7 +192,7 @@ impl Gpu {
         use cudarc::driver::sys::CUdevice_attribute as A;
         let n_sms = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as usize;
         let optin_smem = ctx.attribute(A::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)?.max(0) as usize;
-        let gpu = Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), smem_allowed: Mutex::new(HashMap::new()), prof: Mutex::new(None), pdl, gu_rows, blas: OnceLock::new(), mvx_scratch, n_sms, optin_smem, clusters: Mutex::new(HashMap::new()) };
+        let gpu = Self { ctx, stream, name, arch, build, modules, funcs: Mutex::new(HashMap::new()), smem_allowed: Mutex::new(HashMap::new()), prof: Mutex::new(None), pdl, gu_rows, blas: OnceLock::new(), mvx_scratch, n_sms, optin_smem };
         if super::mem_pool::POOL_KEEP.get() {
             gpu.set_pool_keep(true)?;
         }
@@ -266,77 +264,11 @@ impl Gpu {
         if !self.pdl || self.prof.lock().unwrap().is_some() || args.iter().any(|a| matches!(a, Arg::M(_))) {
             return self.launch(name, grid, block, smem, args);
         }
-        self.launch_ex(name, grid, block, smem, args, true, None)
-    }
-
-    /// Launches kernel `name` as thread block clusters of `cluster` blocks along y (grid.1 a
-    /// multiple of it; sm_90 and newer), with PDL where [`Gpu::launch_pdl`] would use it. Sizes
-    /// above the portable 8 are allowed on the function first. Check
-    /// [`Gpu::max_active_clusters`] before relying on all clusters being resident at once.
-    pub fn launch_cluster(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, cluster: u32, args: &[Arg]) -> Result<(), CudaError> {
-        if self.arch < 90 || cluster == 0 || grid.1 % cluster != 0 || args.iter().any(|a| matches!(a, Arg::M(_))) {
-            return Err(CudaError::Shape(format!("{name}: clusters of {cluster} over a grid of {grid:?} on sm_{}", self.arch)));
-        }
         if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
             return Ok(());
         }
-        let pdl = self.pdl && self.prof.lock().unwrap().is_none();
-        self.timed(name, || self.launch_ex(name, grid, block, smem, args, pdl, Some(cluster)))
-    }
-
-    /// How many clusters of `cluster` blocks (along y) of kernel `name` the device holds at
-    /// once (`cuOccupancyMaxActiveClusters`; 0 where it cannot say).
-    pub fn max_active_clusters(&self, name: &str, block: u32, smem: u32, cluster: u32) -> Result<usize, CudaError> {
         use cudarc::driver::sys;
-        let key = (name.to_string(), block, smem, cluster);
-        if let Some(&n) = self.clusters.lock().unwrap().get(&key) {
-            return Ok(n);
-        }
-        let f = self.cluster_func(name, smem, cluster)?;
-        self.ctx.bind_to_thread()?;
-        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-        attr.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: cluster, z: 1 };
-        let cfg = sys::CUlaunchConfig {
-            gridDimX: 1,
-            gridDimY: cluster,
-            gridDimZ: 1,
-            blockDimX: block,
-            blockDimY: 1,
-            blockDimZ: 1,
-            sharedMemBytes: smem,
-            hStream: self.stream.cu_stream(),
-            attrs: &mut attr,
-            numAttrs: 1,
-        };
-        let mut n: std::ffi::c_int = 0;
-        unsafe { sys::cuOccupancyMaxActiveClusters(&mut n, f.cu_function(), &cfg) }.result()?;
-        let n = n.max(0) as usize;
-        self.clusters.lock().unwrap().insert(key, n);
-        Ok(n)
-    }
-
-    /// [`Gpu::launch_func`] with clusters above 8 blocks allowed (the attribute persists).
-    fn cluster_func(&self, name: &str, smem: u32, cluster: u32) -> Result<CudaFunction, CudaError> {
-        use cudarc::driver::sys::CUfunction_attribute;
         let f = self.launch_func(name, smem)?;
-        if cluster > 8 {
-            f.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED, 1)?;
-        }
-        Ok(f)
-    }
-
-    /// `cuLaunchKernelEx` with PDL (`pdl`) and / or clusters of `cluster` blocks along y.
-    #[allow(clippy::too_many_arguments)]
-    fn launch_ex(&self, name: &str, grid: (u32, u32, u32), block: u32, smem: u32, args: &[Arg], pdl: bool, cluster: Option<u32>) -> Result<(), CudaError> {
-        if grid.0 == 0 || grid.1 == 0 || grid.2 == 0 {
-            return Ok(());
-        }
-        use cudarc::driver::sys;
-        let f = match cluster {
-            Some(c) => self.cluster_func(name, smem, c)?,
-            None => self.launch_func(name, smem)?,
-        };
         self.ctx.bind_to_thread()?;
         let mut vals: Vec<u64> = args
             .iter()
@@ -346,23 +278,13 @@ impl Gpu {
                 Arg::L(v) => v as u64,
                 Arg::U(v) => v as u64,
                 Arg::F(v) => v.to_bits() as u64,
-                Arg::M(_) => unreachable!("tensor maps take the plain launch"),
+                Arg::M(_) => unreachable!("tensor maps take the plain launch above"),
             })
             .collect();
         let mut params: Vec<*mut std::ffi::c_void> = vals.iter_mut().map(|v| v as *mut u64 as *mut std::ffi::c_void).collect();
-        let mut attrs: Vec<sys::CUlaunchAttribute> = Vec::with_capacity(2);
-        if pdl {
-            let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
-            a.value.programmaticStreamSerializationAllowed = 1;
-            attrs.push(a);
-        }
-        if let Some(c) = cluster {
-            let mut a: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
-            a.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION;
-            a.value.clusterDim = sys::CUlaunchAttributeValue_union__bindgen_ty_1 { x: 1, y: c, z: 1 };
-            attrs.push(a);
-        }
+        let mut attr: sys::CUlaunchAttribute = unsafe { std::mem::zeroed() };
+        attr.id = sys::CUlaunchAttributeID::CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION;
+        attr.value.programmaticStreamSerializationAllowed = 1;
         let cfg = sys::CUlaunchConfig {
             gridDimX: grid.0,
             gridDimY: grid.1,
@@ -372,8 +294,8 @@ impl Gpu {
             blockDimZ: 1,
             sharedMemBytes: smem,
             hStream: self.stream.cu_stream(),
-            attrs: attrs.as_mut_ptr(),
-            numAttrs: attrs.len() as u32,
+            attrs: &mut attr,
+            numAttrs: 1,
         };
         let r = unsafe { sys::cuLaunchKernelEx(&cfg, f.cu_function(), params.as_mut_ptr(), std::ptr::null_mut()) };
         r.result()?;
