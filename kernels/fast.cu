@@ -2634,11 +2634,15 @@ __device__ __forceinline__ void qk_norm_rope_store_impl(float* q, i64 qs, float*
 // ------------------------------------------------ split-K decode attention ---------------
 // Head dim 128 (K and V), GQA group G query heads per KV head. Block (kv head, split, token):
 // positions [split * chunk, ...) of the token's causal range, chunk = ceil(n_ctx / nsplit)
-// rounded up to 16. Each warp takes two positions per step (16 lanes x 8 dims each), online
+// rounded up to AD_GRAN. Each warp takes two positions per step (16 lanes x 8 dims each), online
 // softmax per query head; the block's unnormalised partial (m, l, o) goes to part, merged by
 // attn_merge. part layout per (t, kvh, split): m[G], l[G], o[G][128].
 #define AD_WARPS 4
 #define AD_HD 128
+// A split's share of the positions is a multiple of AD_GRAN: one 16-position tile for each of
+// the tensor-core kernel's 4 warps, so a short context fills few blocks, each with every warp
+// busy (the rest are empty: see attn_dec6tn's exit_empty).
+#define AD_GRAN 64
 
 __device__ __forceinline__ void h16x8(int4 raw, float* f, int bf) {
     const u16* h = (const u16*)&raw;
@@ -2651,7 +2655,7 @@ __device__ __forceinline__ void h16x8(int4 raw, float* f, int bf) {
 // Splits past the token's context are empty (same chunking as attn_dec_impl).
 __device__ __forceinline__ int attn_active_splits(int n_ctx, int nsplit) {
     int chunk = (n_ctx + nsplit - 1) / nsplit;
-    chunk = (chunk + 15) & ~15;
+    chunk = (chunk + AD_GRAN - 1) / AD_GRAN * AD_GRAN;
     return min(nsplit, (n_ctx + chunk - 1) / chunk);
 }
 template <int G>
@@ -2769,7 +2773,7 @@ __device__ __forceinline__ void attn_dec_impl(const float* q, i64 qs, const u16*
     int half = lane >> 4, d0 = (lane & 15) * 8;
     int n_ctx = pos[t] + 1;
     int chunk = (n_ctx + nsplit - 1) / nsplit;
-    chunk = (chunk + 15) & ~15;
+    chunk = (chunk + AD_GRAN - 1) / AD_GRAN * AD_GRAN;
     int start = sp * chunk, end = min(n_ctx, start + chunk);
     const u32* pt = pts + pt_off[seq[t]];
     float qv[G][8], acc[G][8], m[G], l[G];
@@ -3039,7 +3043,7 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
     int gr = lane >> 2, tq = lane & 3;
     int n_ctx = pos[t] + 1;
     int chunk = (n_ctx + nsplit - 1) / nsplit;
-    chunk = (chunk + 15) & ~15;
+    chunk = (chunk + AD_GRAN - 1) / AD_GRAN * AD_GRAN;
     int start = sp * chunk, end = min(n_ctx, start + chunk);
     int ntiles = end > start ? (end - start + AT_TILE - 1) / AT_TILE : 0;
     // A split past the context (short contexts leave most of them empty) has nothing to add:
