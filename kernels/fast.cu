@@ -932,8 +932,7 @@ __device__ __forceinline__ void mvqs_dot(const u8* sm, int nch, int c0, const i8
 
 // PRE: the first phase's cp.async copies are issued before pdl_wait (the "p" kernels; weights
 // only, so they overlap the previous kernel), the activations are read after it.
-// EARLY (with PRE): the dependent grid may launch at this block's start, before the copies.
-template <int NT, int WARPS, int MAXCH, bool PRE = false, bool EARLY = false>
+template <int NT, int WARPS, int MAXCH, bool PRE = false>
 __device__ __forceinline__ void mvqs_q8(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1,
                                         int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2, float* y2,
                                         i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol, int nv,
@@ -952,7 +951,6 @@ __device__ __forceinline__ void mvqs_q8(const u8* W0, i64 rb0, int rows0, float*
 #pragma unroll
     for (int t = 0; t < NT; t++) acc[t] = 0.f;
     if (PRE) {
-        if (EARLY) pdl_trigger();
         int n16 = min(MAXCH, nchunks) * CH16;
         for (int i = lane; i < n16; i += 32) cp_async16(sm + 16 * i, (const int4*)row + i);
         pdl_wait();
@@ -998,16 +996,6 @@ MVQS_INST(8, s, 8, 12)
 MVQS_INST(1, l, 4, 24)
 MVQS_INST(4, l, 4, 24)
 MVQS_INST(8, l, 4, 24)
-// mvqs_q8_0_1lp whose blocks let the next launch (the router, after the o-projection) start at
-// once, so the router's blocks are resident and asking L2 for their rows while the attention
-// and this product run (MINIMAX_O_TRIGGER_EARLY).
-extern "C" __global__ void __launch_bounds__(128) mvqs_q8_0_1lpe(
-    const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
-    const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol, int nv,
-    int acc) {
-    mvqs_q8<1, 4, 24, true, true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks, xq,
-                                  xd, ncol, nv, acc);
-}
 
 // ------------------------------------------- Q8_0 dense products on tensor cores -------
 // For steps of several tokens (batched decode). mvqs_* re-reads every token's q8 activations
@@ -3040,7 +3028,6 @@ struct QkNorm {
     u16* vc;
     int pre_tiles;     // the first K/V tiles issued before the PDL wait
     int exit_empty;    // blocks of empty splits leave at once (the separate merge reads none)
-    int trig_early;    // the merge (and the o-projection after it) may launch before the wait
 };
 
 template <int G, int BF, bool MERGE = false, bool NORM = false>
@@ -3062,10 +3049,6 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
     // A split past the context (short contexts leave most of them empty) has nothing to add:
     // attn_merge6 reads only the active splits, so its block leaves before its PDL wait and
     // its SM is free for the o-projection's blocks. (The last-block merge counts every block.)
-    // trig_early: the merge launches now, while the q/k/v product still runs, and triggers the
-    // o-projection at once, whose blocks then copy their weights beside the product's. Their
-    // waits still wait for this grid, which waits for the product.
-    if (NORM && qkn->trig_early) pdl_trigger();
     if (NORM && !MERGE && qkn->exit_empty && start >= end) return;
     int my_n = ntiles > warp ? (ntiles - warp + AD_WARPS - 1) / AD_WARPS : 0;
     const u32* pt = pts + pt_off[seq[t]];
@@ -3390,7 +3373,7 @@ ATTT_INST(bf16, 1)
     const float *q, const float *k, const float *v, const float *qn, const float *kn, const float *rope, int qw,  \
         int kw, int rot, float eps, const int *slots, u16 *kc, u16 *vc, const int *pos, const int *seq,          \
         const int *pt_off, const u32 *pts, int page_size, int kv_heads, int nsplit, float scale, float *part,     \
-        int pre_tiles, int exit_empty, int trig_early
+        int pre_tiles, int exit_empty
 // RoPE angles of the step's tokens, once a step for every layer (f64 as qk_norm_rope_store,
 // whose per-layer f64 pow / cos / sin would otherwise sit in every attention block's path):
 // rope[t][0][i] = cos(pos[t] theta^(-2i / rot)), rope[t][1][i] = sin(...), i < rot / 2 <= 64.
@@ -3413,13 +3396,13 @@ extern "C" __global__ void __launch_bounds__(64) rope_table(const int* pos, int 
 }
 #define ATTTN_INST(name, BF)                                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tn_##name(ATTTN_ARGS) {                 \
-        QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc, pre_tiles, exit_empty, trig_early};     \
+        QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc, pre_tiles, exit_empty};                 \
         attn_dect_impl<6, BF, false, true>(q, 0, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit,     \
                                            scale, part, nullptr, nullptr, 0, nullptr, nullptr, &z);              \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tnm_##name(                             \
         ATTTN_ARGS, u32 *cnt, float *out, i64 os, i8 *aq, float *ad) {                                           \
-        QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc, pre_tiles, exit_empty, trig_early};     \
+        QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc, pre_tiles, exit_empty};                 \
         attn_dect_impl<6, BF, true, true>(q, 0, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit,      \
                                           scale, part, cnt, out, os, aq, ad, &z);                                \
     }

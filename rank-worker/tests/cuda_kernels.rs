@@ -1741,20 +1741,17 @@ fn fast_normed_attention_matches_qk_norm_and_attention() {
             }
             // (merge in the last block, first tiles before the wait, blocks of empty splits
             // leaving at once), at the default split count and at 8 and 4.
-            let forms = [(false, true, false, ns), (true, true, false, ns), (false, false, false, ns), (false, true, true, ns), (false, false, true, ns), (false, true, true, 8), (false, true, true, 4)];
-            for (fi, (merged, pre, exit, fns)) in forms.into_iter().enumerate() {
-                // The merge launched at the attention's start in every other form.
-                fast::set_attn_trigger_early(Some(fi % 2 == 1));
+            let mut forms = vec![(false, true, false, ns), (true, true, false, ns), (false, false, false, ns), (false, true, true, ns), (false, false, true, ns), (false, true, true, 8), (false, true, true, 4)];
+            forms.dedup();
+            for (merged, pre, exit, fns) in forms {
                 let want = if fns == ns { want.clone() } else { run(false, false, fns) };
                 fast::set_qk_pre_tiles(Some(pre));
                 fast::set_attn_exit_empty(Some(exit));
                 let got = run(true, merged, fns);
                 fast::set_attn_exit_empty(None);
-                fast::set_attn_trigger_early(None);
                 fast::set_qk_pre_tiles(None);
                 let what = format!(
-                    "{kv} cache, pages of {ps}, context {ctx}, {fns} splits, empty splits exit {exit}, merge launched early {}, merge {}, first tiles {} the wait",
-                    fi % 2 == 1,
+                    "{kv} cache, pages of {ps}, context {ctx}, {fns} splits, empty splits exit {exit}, merge {}, first tiles {} the wait",
                     if merged { "in the last block" } else { "attn_merge6" },
                     if pre { "before" } else { "after" }
                 );

@@ -1127,15 +1127,10 @@ fn main() -> anyhow::Result<()> {
     }
     if flag("--attn-exit-ab") {
         // Blocks of empty splits of the one-token attention: through their wait (and writing
-        // empty partials) against leaving at once, and the merge launched at the attention's
-        // start; batch 1 at short context, then at 32k.
-        use minimax_rank::cuda::fast::{set_attn_exit_empty, set_attn_trigger_early, set_o_trigger_early};
-        let names = ["every split block runs", "empty splits leave at once", "+ the merge launched at the attention's start", "+ the router launched at the o-projection's start", "+ both"];
-        let set = |i: usize| {
-            set_attn_exit_empty(Some(i >= 1));
-            set_attn_trigger_early(Some(i == 2 || i == 4));
-            set_o_trigger_early(Some(i >= 3));
-        };
+        // empty partials) against leaving at once; batch 1 at short context, then at 32k.
+        use minimax_rank::cuda::fast::set_attn_exit_empty;
+        let names = ["every split block runs", "empty splits leave at once"];
+        let set = |i: usize| set_attn_exit_empty(Some(i == 1));
         for _ in 0..3 {
             b1_ab(&mut m, &mut pages, "decode attention's empty splits", &names, &set)?;
         }
@@ -1155,8 +1150,6 @@ fn main() -> anyhow::Result<()> {
             }
         }
         set_attn_exit_empty(None);
-        set_attn_trigger_early(None);
-        set_o_trigger_early(None);
         m.clear_graphs();
         return Ok(());
     }

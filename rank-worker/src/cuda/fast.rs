@@ -839,36 +839,6 @@ pub fn set_qk_merge_early(on: Option<bool>) {
     QK_MERGE_EARLY.set(on);
 }
 
-static ATTN_TRIGGER_EARLY: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ATTN_TRIGGER_EARLY", false);
-
-/// Whether `attn_dec6tn_*` lets the merge launch at its blocks' start instead of after their
-/// wait (`MINIMAX_ATTN_TRIGGER_EARLY`): the merge triggers the o-projection at once, so the
-/// o-projection's weight copies run beside the q/k/v product's. Same bits.
-pub fn attn_trigger_early() -> bool {
-    ATTN_TRIGGER_EARLY.get()
-}
-
-/// Overrides [`attn_trigger_early`] (A/B runs and tests; `None` = back to the environment).
-/// Drop captured graphs after a change.
-pub fn set_attn_trigger_early(on: Option<bool>) {
-    ATTN_TRIGGER_EARLY.set(on);
-}
-
-static O_TRIGGER_EARLY: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_O_TRIGGER_EARLY", false);
-
-/// Whether the one-token o-projection (`mvqs_q8_0_1lpe`) lets the router launch at its blocks'
-/// start instead of after their wait (`MINIMAX_O_TRIGGER_EARLY`): the router's blocks are then
-/// resident, with their rows asked of L2, while the attention and the product run. Same bits.
-pub fn o_trigger_early() -> bool {
-    O_TRIGGER_EARLY.get()
-}
-
-/// Overrides [`o_trigger_early`] (A/B runs and tests; `None` = back to the environment). Drop
-/// captured graphs after a change.
-pub fn set_o_trigger_early(on: Option<bool>) {
-    O_TRIGGER_EARLY.set(on);
-}
-
 static ATTN_EXIT_EMPTY: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ATTN_EXIT_EMPTY", true);
 
 /// Whether the blocks of `attn_dec6tn_*` whose split lies past the context leave before their
@@ -1241,7 +1211,6 @@ impl Gpu {
             return self.launch_pdl(&format!("mvqs_q8_0_{nt}s2p"), (ceil_div(rows, 8), ceil_div(nv, nt), 1), 128, 0, &args);
         }
         let name = if name.starts_with("mvqs") && pdl_part(PDL_MVQS) { name + "p" } else { name };
-        let name = if name == "mvqs_q8_0_1lp" && o_trigger_early() { name + "e" } else { name };
         self.launch_pdl(&name, (ceil_div(rows, warps), ceil_div(nv, nt), 1), 32 * warps as u32, 0, &args)
     }
 
@@ -1309,7 +1278,6 @@ impl Gpu {
             Arg::P(part),
             Arg::I(qk_pre_tiles() as i32),
             Arg::I(attn_exit_empty() as i32),
-            Arg::I(attn_trigger_early() as i32),
         ];
         let grid = (kv_heads as u32, ns as u32, 1);
         match cnt {
