@@ -402,7 +402,8 @@ fn fast_path_normless_router_matches_norm_and_router() {
         set_router_normless(Some(on));
         one_token_step_kernels(m, 800 + base as u64, (base..base + 2).collect(), vec![3, 5, 7], 11)
     };
-    let count = |ks: &[String], p: &str| ks.iter().filter(|k| k.as_str() == p || k.starts_with(&format!("{p}e"))).count();
+    // The kernel, its early-trigger form (`e`) or its 16-warp blocks (`16`).
+    let count = |ks: &[String], p: &str| ks.iter().filter(|k| k.as_str() == p || k.starts_with(&format!("{p}e")) || k.as_str() == format!("{p}16")).count();
     let on = kernels(&mut m, true, 0);
     let off = kernels(&mut m, false, 4);
     assert!(count(&on, "router_topk_f32n") == 2 && count(&on, "router_topk_f32x") == 0, "normless router: {on:?}");
