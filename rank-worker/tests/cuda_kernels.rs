@@ -9,7 +9,7 @@ mod common;
 use common::gpu::{Rng, TYPES, bits, gpu, launch_us, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
 use minimax_rank::cuda::fast::{self, DownKind, GateUpKind, MvqKind, Mvmma};
 use cudarc::driver::CudaSlice;
-use minimax_rank::cuda::{Arg, AttnArgs, DevMat, Gpu, KvDtype};
+use minimax_rank::cuda::{AttnArgs, DevMat, Gpu, KvDtype};
 use minimax_shared::model::GatingFunc;
 use minimax_shared::quant::{self, GgmlType};
 
@@ -850,8 +850,8 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
         let nslots = 6;
         let kc = g.zeros::<u16>(nslots * kw).unwrap();
         let vc = g.zeros::<u16>(nslots * vw).unwrap();
-        let rows = QkRows { q: g.ptr(&qb), k: g.ptr(&kb), v: g.ptr(&vb), qw, kw, vw, hd, rot };
-        let args = qk_norm_args(&rows, g.ptr(&qnb), g.ptr(&knb), g.ptr(&pb), theta, 1e-6, g.ptr(&sb), g.ptr(&kc), g.ptr(&vc));
+        let rows = fast::QkRows { q: g.ptr(&qb), k: g.ptr(&kb), v: g.ptr(&vb), qw, kw, vw, hd, rot };
+        let args = fast::qk_norm_rope_args(&rows, g.ptr(&qnb), g.ptr(&knb), g.ptr(&pb), theta, 1e-6, g.ptr(&sb), g.ptr(&kc), g.ptr(&vc));
         g.launch("qk_norm_rope_store_bf16", (nt as u32, 2, 1), 1024, 0, &args).unwrap();
         let (gq, gk, gkc, gvc) = (g.download(&qb).unwrap(), g.download(&kb).unwrap(), g.download(&kc).unwrap(), g.download(&vc).unwrap());
         let bf = |b: u16| f32::from_bits((b as u32) << 16);
@@ -1605,43 +1605,6 @@ fn memory_pool_keeps_or_returns_freed_memory() {
     assert!(g.pool_reserved().unwrap().0 < BYTES as u64, "trim after turning keep off");
 }
 
-/// The raw q / k / v rows of one token and their shapes (for `qk_norm_rope_store_*`).
-struct QkRows {
-    q: u64,
-    k: u64,
-    v: u64,
-    qw: usize,
-    kw: usize,
-    vw: usize,
-    hd: usize,
-    rot: usize,
-}
-
-/// Arguments of `qk_norm_rope_store_*` (rows `kw` apart for k and v).
-#[allow(clippy::too_many_arguments)]
-fn qk_norm_args(r: &QkRows, qn: u64, kn: u64, pos: u64, theta: f32, eps: f32, slots: u64, kc: u64, vc: u64) -> Vec<Arg> {
-    vec![
-        Arg::P(r.q),
-        Arg::L(r.qw as i64),
-        Arg::P(r.k),
-        Arg::P(r.v),
-        Arg::L(r.kw as i64),
-        Arg::P(qn),
-        Arg::P(kn),
-        Arg::I(r.qw as i32),
-        Arg::I(r.kw as i32),
-        Arg::I(r.vw as i32),
-        Arg::I(r.hd as i32),
-        Arg::I(r.rot as i32),
-        Arg::P(pos),
-        Arg::F(theta),
-        Arg::F(eps),
-        Arg::P(slots),
-        Arg::P(kc),
-        Arg::P(vc),
-    ]
-}
-
 fn launched_names(g: &Gpu, f: impl FnOnce()) -> Vec<String> {
     g.profile_begin();
     f();
@@ -1715,8 +1678,8 @@ fn fast_normed_attention_matches_qk_norm_and_attention() {
                     };
                     assert_eq!(names, want, "kernels launched");
                 } else {
-                    let rows = QkRows { q: g.ptr(&qb), k: g.ptr(&kb), v: g.ptr(&vb), qw, kw, vw: kw, hd, rot };
-                    let args = qk_norm_args(&rows, g.ptr(&qnb), g.ptr(&knb), g.ptr(&pb), theta, eps, g.ptr(&slb), g.ptr(&kc), g.ptr(&vc));
+                    let rows = fast::QkRows { q: g.ptr(&qb), k: g.ptr(&kb), v: g.ptr(&vb), qw, kw, vw: kw, hd, rot };
+                    let args = fast::qk_norm_rope_args(&rows, g.ptr(&qnb), g.ptr(&knb), g.ptr(&pb), theta, eps, g.ptr(&slb), g.ptr(&kc), g.ptr(&vc));
                     g.launch(&format!("qk_norm_rope_store_{kv}"), (1, 2, 1), 1024, 0, &args).unwrap();
                     g.attn_decode_with(true, kv, g.ptr(&qb), qw, g.ptr(&kc), g.ptr(&vc), meta, ps, kvh, ns, scale, g.ptr(&part), g.ptr(&out), qw, g.ptr(&aq), g.ptr(&ad), c, 1).unwrap();
                 }

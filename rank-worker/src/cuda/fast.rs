@@ -781,6 +781,45 @@ pub fn pdl_part(bit: u32) -> bool {
     (pdl_prefetch() && bit & PDL_PREFETCH_PARTS != 0) || (pdl_early() && bit & PDL_EARLY_PARTS != 0)
 }
 
+/// A step's raw q / k / v rows and their shapes, as `qk_norm_rope_store_*` takes them.
+#[derive(Clone, Copy, Debug)]
+pub struct QkRows {
+    pub q: u64,
+    pub k: u64,
+    pub v: u64,
+    pub qw: usize,
+    pub kw: usize,
+    pub vw: usize,
+    pub hd: usize,
+    pub rot: usize,
+}
+
+/// Arguments of `qk_norm_rope_store_*` (q rows `qw` apart, k and v rows `kw` apart; the
+/// tensor-parallel form appends its own three): one list for the model and the kernel tests.
+#[allow(clippy::too_many_arguments)]
+pub fn qk_norm_rope_args(r: &QkRows, qn: u64, kn: u64, pos: u64, theta: f32, eps: f32, slots: u64, kc: u64, vc: u64) -> Vec<Arg> {
+    vec![
+        Arg::P(r.q),
+        Arg::L(r.qw as i64),
+        Arg::P(r.k),
+        Arg::P(r.v),
+        Arg::L(r.kw as i64),
+        Arg::P(qn),
+        Arg::P(kn),
+        Arg::I(r.qw as i32),
+        Arg::I(r.kw as i32),
+        Arg::I(r.vw as i32),
+        Arg::I(r.hd as i32),
+        Arg::I(r.rot as i32),
+        Arg::P(pos),
+        Arg::F(theta),
+        Arg::F(eps),
+        Arg::P(slots),
+        Arg::P(kc),
+        Arg::P(vc),
+    ]
+}
+
 /// Name of the fused q/k norm + RoPE + KV store kernel for the cache type `kvs`: the
 /// tensor-parallel form (`tp`: whole-row sums of squares from an all-reduce) or, with
 /// [`pdl_prefetch`], the form that loads the norm weights and RoPE angles before its wait.
@@ -843,10 +882,10 @@ pub fn set_qk_merge_early(on: Option<bool>) {
 static ATTN_EXIT_EMPTY: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ATTN_EXIT_EMPTY", true);
 
 /// Whether the blocks of `attn_dec6tn_*` whose split lies past the context leave before their
-/// PDL wait (`MINIMAX_ATTN_EXIT_EMPTY`, default on): at short contexts most of the one-block-per-SM splits
-/// are empty, and `attn_merge6` reads only the active ones, so their SMs go to the
-/// o-projection's blocks. Same bits. On by default (one H200, batch 1, graph replay: 4.086 →
-/// 4.043 ms a step; through HTTP 235.4 → 239.4 tok/s).
+/// PDL wait (`MINIMAX_ATTN_EXIT_EMPTY`, default on): at short contexts most of the
+/// one-block-per-SM splits are empty, and `attn_merge6` reads only the active ones, so their SMs
+/// go to the o-projection's blocks. Same bits. One H200, batch 1, graph replay: 4.086 → 4.043 ms
+/// a step; through HTTP 235.4 → 239.4 tok/s.
 pub fn attn_exit_empty() -> bool {
     ATTN_EXIT_EMPTY.get()
 }

@@ -527,26 +527,8 @@ impl CudaModel {
                 all_reduce(ssp, 2 * nt)?;
             }
             if run(sk::QK) && !qk_fused {
-                let mut qk_args = vec![
-                    Arg::P(p(&ws.q)),
-                    Arg::L(qw as i64),
-                    Arg::P(p(&ws.k)),
-                    Arg::P(p(&ws.v)),
-                    Arg::L(kw as i64),
-                    Arg::P(l.q_norm),
-                    Arg::P(l.k_norm),
-                    Arg::I(qw as i32),
-                    Arg::I(kw as i32),
-                    Arg::I(vw as i32),
-                    Arg::I(c.head_dim as i32),
-                    Arg::I(c.rotary_dim as i32),
-                    Arg::P(m_pos),
-                    Arg::F(c.rope_theta),
-                    Arg::F(c.rms_eps),
-                    Arg::P(m_slot),
-                    Arg::P(kc),
-                    Arg::P(vc),
-                ];
+                let rows = super::fast::QkRows { q: p(&ws.q), k: p(&ws.k), v: p(&ws.v), qw, kw, vw, hd: c.head_dim, rot: c.rotary_dim };
+                let mut qk_args = super::fast::qk_norm_rope_args(&rows, l.q_norm, l.k_norm, m_pos, c.rope_theta, c.rms_eps, m_slot, kc, vc);
                 if tp {
                     qk_args.extend([Arg::P(ssp), Arg::I((c.n_heads * c.head_dim) as i32), Arg::I((c.n_kv_heads * c.head_dim) as i32)]);
                 }
