@@ -300,6 +300,10 @@ __device__ __forceinline__ void route_topk_select(float (&sc)[RK_MAXE], float (&
                 bs = os;
             }
         }
+        // NaN logits (an overflowed residual) compare false everywhere: no expert wins. Take
+        // expert j so the expert kernels stay in bounds; bs = 0 makes the weights 0 / 0 = NaN,
+        // which reaches the logits instead of an illegal address.
+        if (bi >= E) bi = j;
 #pragma unroll
         for (int i = 0; i < RK_MAXE; i++)
             if (lane + 32 * i == bi) ch[i] = NEG_INF;
@@ -889,7 +893,9 @@ __device__ __forceinline__ void mvq_dense(const u8* W0, i64 rb0, int rows0, floa
 // block); rows longer than MAXCH chunks take several phases.
 // One phase of mvqs_q8: the warp's nch staged chunks (chunk c0 of the row onwards) dotted with
 // the NT vectors, each lane a pair of Q8_0 blocks at a time (see mvqs_q8).
-template <int NT>
+// X8 (NT 1): the activations carry one scale per 8 columns (stream.cu's dn_x8: xdv holds ncol / 8
+// of them), so each block's 8 dp4a give 4 sums of 2, each scaled by its own group's scale.
+template <int NT, bool X8 = false>
 __device__ __forceinline__ void mvqs_dot(const u8* sm, int nch, int c0, const i8* xqv, const float* xdv, int ncol,
                                          int nv_here, float (&acc)[NT], int lane) {
     for (int pp = lane; pp < nch * 4; pp += 32) {
@@ -907,6 +913,21 @@ __device__ __forceinline__ void mvqs_dot(const u8* sm, int nch, int c0, const i8
             if (t < nv_here) {
                 const int4* xp = (const int4*)(xqv + (i64)t * ncol + kb * 32);
                 int4 a = xp[0], b = xp[1], c = xp[2], d = xp[3];
+                if (X8) {
+                    const float4 e0 = *(const float4*)(xdv + kb * 4), e1 = *(const float4*)(xdv + kb * 4 + 4);
+                    const int p0 = __dp4a(q0[1], a.y, __dp4a(q0[0], a.x, 0));
+                    const int p1 = __dp4a(q0[3], a.w, __dp4a(q0[2], a.z, 0));
+                    const int p2 = __dp4a(q0[5], b.y, __dp4a(q0[4], b.x, 0));
+                    const int p3 = __dp4a(q0[7], b.w, __dp4a(q0[6], b.z, 0));
+                    const int p4 = __dp4a((int)w[10], c.y, __dp4a((int)w[9], c.x, 0));
+                    const int p5 = __dp4a((int)w[12], c.w, __dp4a((int)w[11], c.z, 0));
+                    const int p6 = __dp4a((int)w[14], d.y, __dp4a((int)w[13], d.x, 0));
+                    const int p7 = __dp4a((int)w[16], d.w, __dp4a((int)w[15], d.z, 0));
+                    const float g0 = e0.x * (float)p0 + e0.y * (float)p1 + e0.z * (float)p2 + e0.w * (float)p3;
+                    const float g1 = e1.x * (float)p4 + e1.y * (float)p5 + e1.z * (float)p6 + e1.w * (float)p7;
+                    acc[t] += d0 * g0 + d1 * g1;
+                    continue;
+                }
                 float2 s = *(const float2*)(xdv + (i64)t * (ncol / 32) + kb);
                 int s0 = __dp4a(q0[0], a.x, 0);
                 s0 = __dp4a(q0[1], a.y, s0);
@@ -1040,11 +1061,15 @@ __device__ __forceinline__ bool mv_seg_row(int r, const u8* W0, i64 rb0, int row
 // fits ~6 blocks of 8 rows an SM by registers, so a quarter of its blocks start after the
 // wait). Per row the same arithmetic as mvqs_q8 (bit-identical). grid
 // (ceil(total_rows / (WARPS RPW)), ceil(nv / NT)), block 32 WARPS.
-template <int NT, int WARPS, int MAXCH, int RPW>
+// X8 (NT 1): xd holds ncol / 8 scales (mvqs_dot's X8) of the unnormalized u = h nw, and xss the
+// ncol / 8 groups' sums of h^2 (ncol <= MAXCH 256); every warp adds them (lane j: groups j,
+// j + 32, ..., then the butterfly) into the same 1 / rms, which scales its sums: y = W (u / rms).
+template <int NT, int WARPS, int MAXCH, int RPW, bool X8 = false>
 __device__ __forceinline__ void mvqs_q8_rows(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1,
                                              i64 rb1, int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2,
                                              float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,
-                                             int nv, int accumulate) {
+                                             int nv, int accumulate, const float* xss = nullptr, float eps = 0.f) {
+    static_assert(!X8 || NT == 1, "x8 activations: one token");
     __shared__ __align__(16) u8 sm_all[WARPS][RPW][MAXCH * CH];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int r0 = (blockIdx.x * WARPS + warp) * RPW;
@@ -1067,7 +1092,16 @@ __device__ __forceinline__ void mvqs_q8_rows(const u8* W0, i64 rb0, int rows0, f
     pdl_trigger();
     int nv_here = min(NT, nv - v0);
     const i8* xqv = xq + (i64)v0 * ncol;
-    const float* xdv = xd + (i64)v0 * (ncol / 32);
+    const float* xdv = xd + (i64)v0 * (ncol / (X8 ? 8 : 32));
+    // X8: the group sums are loaded here and added after the dots, so their round trip overlaps
+    // the activations' (plain loads: every warp reads the same 1.5 KB, which L1 serves after the
+    // first; L2-only loads of one hot line by 4,096 warps queue in its slice).
+    constexpr int XG = X8 ? (MAXCH * 256 / 8 + 31) / 32 : 1;
+    float sqv[XG];
+    if (X8) {
+#pragma unroll
+        for (int i = 0; i < XG; i++) sqv[i] = lane + 32 * i < (ncol >> 3) ? xss[lane + 32 * i] : 0.f;
+    }
     cp_async_wait_all();
     __syncwarp();
 #pragma unroll
@@ -1076,7 +1110,13 @@ __device__ __forceinline__ void mvqs_q8_rows(const u8* W0, i64 rb0, int rows0, f
             float acc[NT];
 #pragma unroll
             for (int t = 0; t < NT; t++) acc[t] = 0.f;
-            mvqs_dot<NT>(sm_all[warp][j], nchunks, 0, xqv, xdv, ncol, nv_here, acc, lane);
+            mvqs_dot<NT, X8>(sm_all[warp][j], nchunks, 0, xqv, xdv, ncol, nv_here, acc, lane);
+            if (X8) {
+                float sq = 0.f;
+#pragma unroll
+                for (int i = 0; i < XG; i++) sq += sqv[i];
+                acc[0] *= 1.0f / sqrtf(warp_sum(sq) / (float)ncol + eps);
+            }
             mv_store<NT>(acc, yr[j], ysr[j], rr[j], v0, nv_here, lane, accumulate);
         }
     }
@@ -1092,6 +1132,16 @@ __device__ __forceinline__ void mvqs_q8_rows(const u8* W0, i64 rb0, int rows0, f
     }
 MVQS2_INST(1)
 MVQS2_INST(4)
+// mvqs_q8_0_1s2p on x8 activations (stream.cu's dn_x8: xd = ncol / 8 scales, xss = their sums of
+// squares, eps the norm's): the attention norm's 1 / rms taken here, so the down before it
+// needs no meeting of its blocks.
+extern "C" __global__ void __launch_bounds__(128) mvqs_q8_0_1s2p8(
+    const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
+    const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol, int nv,
+    int acc, const float* xss, float eps) {
+    mvqs_q8_rows<1, 4, 12, 2, true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks,
+                                    xq, xd, ncol, nv, acc, xss, eps);
+}
 
 __device__ __forceinline__ void mma_s8_16832(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {
     asm volatile(

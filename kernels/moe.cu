@@ -48,6 +48,8 @@ extern "C" __global__ void moe_route(const float* logits, const float* bias, int
                 bi = oi;
             }
         }
+        // NaN logits win nowhere: expert j keeps the experts' kernels in bounds (NaN weights follow).
+        if (bi >= E) bi = j;
         if (lane == 0) {
             ids[t * k + j] = bi;
             choice[bi] = NEG_INF;

@@ -555,25 +555,53 @@ __device__ __forceinline__ void dn_produce(const BkDn& d, u8* ring, const u8* W,
             }
     }
 }
+// The next RMSNorm's input in groups of 8 rows, with no meeting of the blocks (the down's x8
+// mode, RS == 8: a task's rows are one group): lanes 0..7 hold the task's new residual values
+// hn (the other lanes 0); u = hn nw as q8 with one scale a group (nd[g] = max |u| / 127) and
+// the group's sum of squares nss[g] = sum hn^2 (the lanes' squares added by xor 4, 2, 1). The
+// norm's 1 / rms is left to the reader (mvqs_q8_0_1s2p8 sums the nss in its own fixed order),
+// so no block waits for another. Called by the whole epilogue warp.
+__device__ __forceinline__ void dn_x8(float hn, const float* nw, int t, int r0, int rows, i8* nq, float* nd,
+                                      float* nss, int lane) {
+    const float u = lane < 8 ? __fmul_rn(hn, nw[r0 + lane]) : 0.f;
+    float am = fabsf(u), sq = __fmul_rn(hn, hn);
+#pragma unroll
+    for (int o = 4; o > 0; o >>= 1) {
+        am = fmaxf(am, __shfl_xor_sync(0xffffffffu, am, o));
+        sq = __fadd_rn(sq, __shfl_xor_sync(0xffffffffu, sq, o));
+    }
+    const float dq = am / 127.0f;
+    const int q = am == 0.0f ? 0 : __float2int_rn(u / dq);
+    if (lane < 8) nq[(i64)t * rows + r0 + lane] = (i8)q;
+    if (lane == 0) {
+        nd[(i64)t * (rows >> 3) + (r0 >> 3)] = dq;
+        nss[(i64)t * (rows >> 3) + (r0 >> 3)] = sq;
+    }
+}
 // The down's epilogue warp: hidden[t][r] += sum_j wts[t k + j] d[r][j] (j in order); with the
-// fused norm (nw), the block's arrival on ncnt and the meeting with the consumers (named barrier 1).
+// fused norm (nw), the block's arrival on ncnt and the meeting with the consumers (named barrier 1);
+// with nss (x8 mode) each task's group by dn_x8 instead.
 template <int RS>
 __device__ __forceinline__ void dn_epilogue(const BkDn& d, int rows, const float* wts, int k, int nrg, int t0, int t1,
-                                            float* hidden, i64 hs, const float* nw, u32* ncnt, int lane) {
+                                            float* hidden, i64 hs, const float* nw, u32* ncnt, i8* nq, float* nd,
+                                            float* nss, int lane) {
     for (int task = t0, it = 0; task < t1; task++, it++) {
         const int a = it % BK_NAB;
         bk_mb_wait(&d.afull[a], (it / BK_NAB) & 1);
         const int t = task / nrg, r0 = (task % nrg) * RS, nr = min(RS, rows - r0);
+        float hn = 0.f;
         if (lane < nr) {
             float sum = 0.f;
             for (int j = 0; j < k; j++) sum += wts[t * k + j] * d.dsum[(a * RS + lane) * 8 + j];
-            hidden[(i64)t * hs + r0 + lane] += sum;
+            hn = hidden[(i64)t * hs + r0 + lane] + sum;
+            hidden[(i64)t * hs + r0 + lane] = hn;
         }
         __syncwarp();
         if (lane == 0) bk_mb_arrive(&d.aempty[a]);
+        if (RS == 8 && nss) dn_x8(hn, nw, t, r0, rows, nq, nd, nss, lane);
     }
     pdl_trigger();
-    if (nw) {
+    if (nw && !nss) {
         __threadfence();
         __syncwarp();
         if (lane == 0) *d.nlast = atomicAdd(ncnt, 1u) == gridDim.x - 1;
@@ -708,7 +736,8 @@ __device__ __forceinline__ void dn_norm_tail(const BkDn& d, int rows, int nt, fl
 template <int RS, int DEC>
 __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, const int* ids, const float* wts, int k,
                                          int nt, int nst, const i8* aq, const float* ad, int ff, float* hidden, i64 hs,
-                                         const float* nw, float eps, i8* nq, float* nd, u32* ncnt, int trig_late) {
+                                         const float* nw, float eps, i8* nq, float* nd, u32* ncnt, int trig_late,
+                                         float* nss) {
     static_assert(RS == 4 || RS == 8, "stage rows");
     extern __shared__ __align__(128) u8 bk_sm[];
     const BkDn d = bk_dn_hdr<RS>(bk_sm);
@@ -726,21 +755,23 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
     pdl_wait();
     if (!trig_late) pdl_trigger();
     if (warp == BK_EW) {
-        dn_epilogue<RS>(d, rows, wts, k, nrg, t0, t1, hidden, hs, nw, ncnt, lane);
+        dn_epilogue<RS>(d, rows, wts, k, nrg, t0, t1, hidden, hs, nw, ncnt, nq, nd, nss, lane);
         return;
     }
     dn_consume<RS, DEC>(d, ring, rb, rows, k, nrg, t0, t1, nst, aq, ad, ff, warp, lane);
     pdl_trigger();
-    if (nw) dn_norm_tail(d, rows, nt, hidden, hs, nw, eps, nq, nd, ncnt, warp, lane);
+    if (nw && !nss) dn_norm_tail(d, rows, nt, hidden, hs, nw, eps, nq, nd, ncnt, warp, lane);
 }
+// nss non-null (with nw, RS 8): the x8 mode (dn_x8) instead of the last block's norm_q8; nd
+// then holds rows / 8 scales a token and ncnt is not touched.
 #define BK_DN_ARGS                                                                                                \
     const u8 *W, i64 rb, i64 es, int rows, const int *ids, const float *wts, int k, int nt, int nst, const i8 *aq, \
         const float *ad, int ff, float *hidden, i64 hs, const float *nw, float eps, i8 *nq, float *nd, u32 *ncnt,  \
-        int trig_late
+        int trig_late, float *nss
 #define BK_DN_ONE(name, rs, dec)                                                                                 \
     extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_down_##name##rs##_iq4_xs(BK_DN_ARGS) {         \
         down_blk<rs, dec>(W, rb, es, rows, ids, wts, k, nt, nst, aq, ad, ff, hidden, hs, nw, eps, nq, nd, ncnt,     \
-                          trig_late);                                                                            \
+                          trig_late, nss);                                                                       \
     }
 #define BK_DN_INST(rs) BK_DN_ONE(blk, rs, BK_SIGN) BK_DN_ONE(blkl, rs, BK_LOOKUP) BK_DN_ONE(blkp, rs, BK_PROBE)
 BK_DN_INST(4)

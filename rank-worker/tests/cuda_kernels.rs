@@ -226,6 +226,38 @@ fn router_matches_cpu() {
         }
         eprintln!("router top-{k} of {e}, {nt} tokens: same experts, weights within 1e-6");
     }
+    // NaN logits (an overflowed residual) win nowhere: both top-k kernels still store expert
+    // ids in range (the expert kernels read by them) and NaN weights, never an id past E.
+    let (e, k, nt) = (256usize, 8usize, 3usize);
+    let mut logits = rng.vec(nt * e, 4.0);
+    for v in &mut logits[e..] {
+        *v = f32::NAN;
+    }
+    let bias = rng.vec(e, 0.5);
+    let (lb, bb) = (g.upload(&logits).unwrap(), g.upload(&bias).unwrap());
+    for exact in [true, false] {
+        let ids = g.zeros::<i32>(nt * k).unwrap();
+        g.fill_u32(g.ptr(&ids), nt * k, u32::MAX).unwrap();
+        let wb = poisoned(&g, nt * k);
+        if exact {
+            g.route(g.ptr(&lb), g.ptr(&bb), e, k, GatingFunc::Sigmoid, g.ptr(&ids), g.ptr(&wb), nt).unwrap();
+        } else {
+            g.route_fast(g.ptr(&lb), g.ptr(&bb), e, k, GatingFunc::Sigmoid, g.ptr(&ids), g.ptr(&wb), nt).unwrap();
+        }
+        let (gi, gw) = (g.download(&ids).unwrap(), g.download(&wb).unwrap());
+        let want = minimax_rank::cpu::route(&logits[..e], &bias, k, GatingFunc::Sigmoid);
+        for j in 0..k {
+            assert_eq!(gi[j] as usize, want[j].0, "exact {exact}: finite token, slot {j}");
+        }
+        for t in 1..nt {
+            for j in 0..k {
+                let id = gi[t * k + j];
+                assert!((0..e as i32).contains(&id), "exact {exact}: NaN token {t} slot {j}: expert id {id} out of range");
+                assert!(gw[t * k + j].is_nan(), "exact {exact}: NaN token {t} slot {j}: weight {} (want NaN)", gw[t * k + j]);
+            }
+        }
+    }
+    eprintln!("router top-{k} of {e} on NaN logits: expert ids in range, NaN weights (both kernels)");
 }
 
 #[test]
@@ -1578,6 +1610,75 @@ fn fast_pdl_prewait_products_match_plain_and_cpu() {
         }
     }
     eprintln!("mvqs_*p / mvqs_*s2p: within 1e-5 of sum |w x| and bit-identical to mvqs_* (5 / 12 / 24 chunks, 1-3 vectors)");
+}
+
+/// The q/k/v product on the streamed down's x8 hand-over (`mvqs_q8_0_1s2p8`): q8 codes with a
+/// scale per 8 columns of u = h * nw and the groups' sums of h^2, the RMSNorm's 1 / rms taken by
+/// the kernel. Against the f64 product of the dequantized rows with the dequantized codes times
+/// the f64 1 / rms: rows of 5 and 12 chunks, three segments of 37 + 8 + 21 rows, NaN-poisoned
+/// outputs (nothing written past the rows); deterministic; 24-chunk rows refused by name.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_x8_product_matches_f64() {
+    let g = gpu();
+    let mut rng = Rng(0x5eed_0fa5_7000_00d9);
+    let ty = GgmlType::Q8_0;
+    let eps = 1e-6f32;
+    for cols in [256 * 5, 256 * 12] {
+        let rows = [37usize, 8, 21];
+        let mats: Vec<Vec<u8>> = rows.iter().map(|&r| random_rows(&mut rng, ty, r, cols)).collect();
+        let up: Vec<_> = mats.iter().zip(rows).map(|(b, r)| upload_mat(&g, ty, b, r, cols, 0)).collect();
+        let deq: Vec<Vec<f32>> = (0..3).map(|i| quant::dequantize_to_vec(ty, &mats[i], rows[i] * cols).unwrap()).collect();
+        let h = rng.vec(cols, 3.0);
+        let nw = rng.vec(cols, 1.0);
+        let ng = cols / 8;
+        let (mut xq, mut xd, mut ss) = (vec![0i8; cols], vec![0f32; ng], vec![0f32; ng]);
+        for gi in 0..ng {
+            let u: Vec<f32> = (0..8).map(|l| h[8 * gi + l] * nw[8 * gi + l]).collect();
+            let am = u.iter().fold(0f32, |m, v| m.max(v.abs()));
+            xd[gi] = am / 127.0;
+            for l in 0..8 {
+                xq[8 * gi + l] = if am == 0.0 { 0 } else { (u[l] / xd[gi]).round_ties_even() as i8 };
+            }
+            ss[gi] = (0..8).map(|l| h[8 * gi + l] * h[8 * gi + l]).sum();
+        }
+        let inv = 1.0 / ((h.iter().map(|v| *v as f64 * *v as f64).sum::<f64>() / cols as f64) + eps as f64).sqrt();
+        let xv: Vec<f64> = (0..cols).map(|c| xq[c] as f64 * xd[c / 8] as f64 * inv).collect();
+        let (qb, db, sb) = (g.upload(&xq).unwrap(), g.upload(&xd).unwrap(), g.upload(&ss).unwrap());
+        let ys: Vec<usize> = rows.iter().map(|r| r + 2).collect();
+        let mut first: Option<Vec<Vec<u32>>> = None;
+        for rep in 0..2 {
+            let yb: Vec<_> = (0..3).map(|i| poisoned(&g, ys[i])).collect();
+            let segs: Vec<_> = (0..3).map(|i| (&up[i].1, g.ptr(&yb[i]), ys[i])).collect();
+            assert!(Gpu::x8_fits(&segs, cols));
+            g.matvec_q8_x8(&segs, g.ptr(&qb), g.ptr(&db), g.ptr(&sb), eps, cols).unwrap();
+            let got: Vec<Vec<f32>> = yb.iter().map(|b| g.download(b).unwrap()).collect();
+            for i in 0..3 {
+                for r in 0..rows[i] {
+                    let w = &deq[i][r * cols..(r + 1) * cols];
+                    let want: f64 = w.iter().zip(&xv).map(|(a, b)| *a as f64 * b).sum();
+                    let scale: f64 = w.iter().zip(&xv).map(|(a, b)| (*a as f64 * b).abs()).sum::<f64>() + 1e-6;
+                    let gv = got[i][r];
+                    assert!(gv.is_finite() && (gv as f64 - want).abs() <= 1e-5 * scale + 1e-6, "cols {cols} seg {i} row {r}: got {gv} want {want}");
+                }
+                for r in rows[i]..ys[i] {
+                    assert!(got[i][r].is_nan(), "cols {cols} seg {i}: wrote past the rows");
+                }
+            }
+            let b: Vec<Vec<u32>> = got.iter().map(|v| bits(v)).collect();
+            match &first {
+                None => first = Some(b),
+                Some(f) => assert_eq!(&b, f, "cols {cols}: not deterministic (rep {rep})"),
+            }
+        }
+    }
+    let wide = random_rows(&mut rng, ty, 4, 256 * 24);
+    let (_wb, wm) = upload_mat(&g, ty, &wide, 4, 256 * 24, 0);
+    let segs = [(&wm, 0u64, 4usize)];
+    assert!(!Gpu::x8_fits(&segs, 256 * 24));
+    let e = g.matvec_q8_x8(&segs, 0, 0, 0, eps, 256 * 24).unwrap_err();
+    assert!(e.to_string().contains("matvec_q8_x8"), "{e}");
+    eprintln!("mvqs_q8_0_1s2p8 (x8 activations, 1 / rms in the kernel): within 1e-5 of sum |w x| of f64, deterministic (5 / 12 chunks); 24 chunks refused");
 }
 
 /// The default memory pool keeps freed memory across synchronizations when asked

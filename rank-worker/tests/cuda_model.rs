@@ -575,10 +575,12 @@ fn fast_step_series(m: &mut CudaModel, base: u32) -> Vec<Vec<f32>> {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn fast_path_norm_fusion_is_bit_identical() {
-    use minimax_rank::cuda::fast::{set_norm_fusion, set_router_normless};
+    use minimax_rank::cuda::fast::{set_norm_fusion, set_norm_x8, set_router_normless};
     use minimax_shared::model::synthetic::SyntheticSpec;
-    // The separate MoE norm is the baseline (router_topk_f32n rounds differently).
+    // The separate MoE norm is the baseline (router_topk_f32n rounds differently), and the
+    // down's last-block norm the fused form (the x8 hand-over rounds differently: its own test).
     set_router_normless(Some(false));
+    set_norm_x8(Some(false));
     let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
     let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 12).unwrap();
     assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
@@ -595,6 +597,7 @@ fn fast_path_norm_fusion_is_bit_identical() {
     }
     set_norm_fusion(None, None, None);
     set_router_normless(None);
+    set_norm_x8(None);
     m.clear_graphs();
     let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
     for (i, st) in settings.iter().enumerate().skip(1) {
@@ -603,6 +606,63 @@ fn fast_path_norm_fusion_is_bit_identical() {
         }
     }
     eprintln!("m2.7:iq4xs:2 fast path: fused norms bit-identical to separate norm_q8 launches over {} steps x {} settings", runs[0].len(), settings.len() - 1);
+}
+
+/// The attention norm handed over in groups of 8 by the streamed down (`fast::set_norm_x8`:
+/// `dn_x8`, then `mvqs_q8_0_1s2p8` takes the norm's 1 / rms) at M2.7 dimensions (2 layers): a
+/// one-token step launches the x8 product once (layer 1; layer 0's norm is `norm_q8`) and the
+/// last-block form none; over the bit-identity series the prompt steps are bit-identical (x8 is
+/// one-token only), the first one-token step differs (the finer q8 scales) and every later step
+/// is within 1e-2 of the largest |logit|, directly and from graphs, until one changes its argmax
+/// (the first two one-token steps must not).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn fast_path_norm_x8_matches_last_block_norm() {
+    use minimax_rank::cuda::fast::set_norm_x8;
+    use minimax_shared::model::synthetic::SyntheticSpec;
+    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
+    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 31).unwrap();
+    assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
+    let count = |ks: &[String], p: &str| ks.iter().filter(|k| k.starts_with(p)).count();
+    set_norm_x8(Some(true));
+    let on = one_token_step_kernels(&mut m, 900, vec![100, 101], vec![3, 5, 7], 11);
+    set_norm_x8(Some(false));
+    let off = one_token_step_kernels(&mut m, 901, vec![102, 103], vec![3, 5, 7], 11);
+    assert!(count(&on, "mvqs_q8_0_1s2p8") == 1 && count(&on, "norm_q8") == 1, "x8: {on:?}");
+    assert!(count(&off, "mvqs_q8_0_1s2p8") == 0, "last-block norm: {off:?}");
+    let mut runs = Vec::new();
+    for (i, (x8, graphs)) in [(false, false), (true, false), (true, true)].into_iter().enumerate() {
+        set_norm_x8(Some(x8));
+        m.clear_graphs();
+        m.set_fast(true, graphs);
+        runs.push(fast_step_series(&mut m, 20 * i as u32));
+    }
+    set_norm_x8(None);
+    m.clear_graphs();
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    // The series' steps: two prompt steps (before any one-token step: bit-identical), then
+    // decode steps of 1, 1, 2, 5, 1, 5, 1 sequences, which read the keys the one-token steps
+    // stored. Compared until a step changes its argmax (the next inputs then differ).
+    let mut worst = 0f32;
+    for r in 1..3 {
+        for (s, (a, b)) in runs[0].iter().zip(&runs[r]).enumerate() {
+            assert!(b.iter().all(|x| x.is_finite()), "run {r} step {s}: non-finite logits");
+            if s < 2 {
+                assert!(bits(a) == bits(b), "run {r} step {s} (prompts): logits differ (max |diff| {})", max_diff(a, b));
+                continue;
+            }
+            let top = a.iter().fold(0f32, |m, x| m.max(x.abs()));
+            let d = max_diff(a, b);
+            assert!(d <= 1e-2 * top, "run {r} step {s}: max |diff| {d} (largest |logit| {top}; within 1e-2)");
+            assert!(s != 2 || d > 0.0, "run {r}: the first one-token step is bit-identical: x8 did not run");
+            worst = worst.max(d / top);
+            if argmax(a).0 != argmax(b).0 {
+                assert!(s >= 4, "run {r} step {s}: argmax changed");
+                break;
+            }
+        }
+    }
+    eprintln!("m2.7:iq4xs:2 fast path: x8 attention-norm hand-over within {worst:.2e} of the largest |logit| of the last-block norm on one-token steps, bit-identical elsewhere, direct and from graphs");
 }
 
 /// The q/k norm launch left out of one-token steps (`fast::set_qk_fuse`: `attn_dec6tn_*` sums

@@ -288,7 +288,7 @@ fn streamed_combine_down_matches_f64() {
                     let hb = g.upload(&hid0).unwrap();
                     let q = g.upload(&vec![0x55i8; nt * rows]).unwrap();
                     let d = poisoned(&g, nt * rows / 32);
-                    let n = NextNorm { weight: g.ptr(&nwb), eps, q: g.ptr(&q), d: g.ptr(&d), cnt: g.ptr(&cnt), trig_late };
+                    let n = NextNorm { weight: g.ptr(&nwb), eps, q: g.ptr(&q), d: g.ptr(&d), cnt: g.ptr(&cnt), trig_late, ss8: 0 };
                     assert!(g.try_down_stream_norm(&dm, g.ptr(&ib), g.ptr(&wb), k, nt, g.ptr(&aq), g.ptr(&ad), g.ptr(&hb), rows + 1, Some(&n)).unwrap(), "the fused-norm down must launch");
                     g.sync().unwrap();
                     let what = format!("top-{k} {rows} rows, fused norm (late trigger {trig_late}, rep {rep})");
@@ -299,6 +299,47 @@ fn streamed_combine_down_matches_f64() {
                 }
             }
             eprintln!("streamed down {nt} tokens x top-{k}, {rows} rows + next RMSNorm in the last block: residual and q8 bit-identical to the down + norm_q8");
+        }
+        // The x8 hand-over (no meeting of the blocks): the same residual bits; per 8-row group
+        // the q8 of u = h * nw with scale max|u| / 127 and the sum of h^2 in the kernel's
+        // butterfly order, recomputed here in f32 from the residual, bit for bit. Counter untouched.
+        if rows % 8 == 0 {
+            let nw = rng.vec(rows, 1.0);
+            let nwb = g.upload(&nw).unwrap();
+            let ng = rows / 8;
+            let (mut want_q, mut want_d, mut want_s) = (vec![0i8; nt * rows], vec![0f32; nt * ng], vec![0f32; nt * ng]);
+            for t in 0..nt {
+                for gi in 0..ng {
+                    let h: Vec<f32> = (0..8).map(|l| got[t * (rows + 1) + 8 * gi + l]).collect();
+                    let u: Vec<f32> = (0..8).map(|l| h[l] * nw[8 * gi + l]).collect();
+                    let am = u.iter().fold(0f32, |m, v| m.max(v.abs()));
+                    let dq = am / 127.0;
+                    for l in 0..8 {
+                        want_q[t * rows + 8 * gi + l] = if am == 0.0 { 0 } else { (u[l] / dq).round_ties_even() as i32 as i8 };
+                    }
+                    let sq: Vec<f32> = h.iter().map(|v| v * v).collect();
+                    let a: Vec<f32> = (0..8).map(|l| sq[l] + sq[l ^ 4]).collect();
+                    let b: Vec<f32> = (0..8).map(|l| a[l] + a[l ^ 2]).collect();
+                    want_d[t * ng + gi] = dq;
+                    want_s[t * ng + gi] = b[0] + b[1];
+                }
+            }
+            let cnt = g.upload(&[7u32]).unwrap();
+            for rep in 0..2 {
+                let hb = g.upload(&hid0).unwrap();
+                let q = g.upload(&vec![0x55i8; nt * rows]).unwrap();
+                let (d, ss) = (poisoned(&g, nt * ng), poisoned(&g, nt * ng));
+                let n = NextNorm { weight: g.ptr(&nwb), eps: 1e-6, q: g.ptr(&q), d: g.ptr(&d), cnt: g.ptr(&cnt), trig_late: false, ss8: g.ptr(&ss) };
+                assert!(g.try_down_stream_norm(&dm, g.ptr(&ib), g.ptr(&wb), k, nt, g.ptr(&aq), g.ptr(&ad), g.ptr(&hb), rows + 1, Some(&n)).unwrap(), "the x8 down must launch");
+                g.sync().unwrap();
+                let what = format!("top-{k} {rows} rows, x8 hand-over (rep {rep})");
+                assert_eq!(bits(&g.download(&hb).unwrap()), bits(&got), "{what}: residual differs");
+                assert_eq!(g.download(&q).unwrap(), want_q, "{what}: q8 codes");
+                assert_eq!(bits(&g.download(&d).unwrap()), bits(&want_d), "{what}: group scales");
+                assert_eq!(bits(&g.download(&ss).unwrap()), bits(&want_s), "{what}: group sums of squares");
+                assert_eq!(g.download(&cnt).unwrap(), vec![7u32], "{what}: the arrival counter was touched");
+            }
+            eprintln!("streamed down {nt} tokens x top-{k}, {rows} rows, x8 hand-over: residual bit-identical, q8 codes / scales / sums of squares equal to their f32 recomputation");
         }
         eprintln!("streamed combining down {nt} tokens x top-{k} of {e}, {ff} -> {rows}: every row within {worst:.2e} of f64 (relative to the sum of |terms|), deterministic");
     }

@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--x8-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -669,8 +669,9 @@ fn skip_ab(m: &mut CudaModel, pages: &mut Pages) -> anyhow::Result<()> {
                 m.clear_graphs();
                 // One direct step at the streams' next position captures the graph.
                 let seqs = (0..b).map(|j| step(100 + j as u64, &pts[j], 5, vec![toks[j]], LogitsWanted::Last)).collect();
-                m.forward_stage_lazy(&ForwardBatch { seqs })?;
-                r[i] += replay_ms(m, b, 30)? / 3.0;
+                m.forward_stage_lazy(&ForwardBatch { seqs }).map_err(|e| anyhow::anyhow!("skip A/B batch {b}, capture with {} left out: {e}", parts[i].0))?;
+                let t = replay_ms(m, b, 30).map_err(|e| anyhow::anyhow!("skip A/B batch {b}, {} left out: {e}", parts[i].0))?;
+                r[i] += t / 3.0;
             }
         }
         set_skip_mask(0);
@@ -1123,6 +1124,17 @@ fn main() -> anyhow::Result<()> {
         set_qk_fuse(None);
         set_qk_merge_early(None);
         set_attn_fusion(None);
+        return Ok(());
+    }
+    if flag("--x8-ab") {
+        // The next layer's attention norm: the down's last block against the x8 hand-over
+        // (no meeting of the down's blocks; the q/k/v takes the 1 / rms).
+        use minimax_rank::cuda::fast::set_norm_x8;
+        let names = ["norm in the down's last block", "x8 hand-over (mvqs_q8_0_1s2p8)"];
+        for _ in 0..3 {
+            b1_ab(&mut m, &mut pages, "attention norm hand-over", &names, &|i| set_norm_x8(Some(i == 1)))?;
+        }
+        set_norm_x8(None);
         return Ok(());
     }
     if flag("--attn-exit-ab") {

@@ -730,6 +730,24 @@ pub fn fuse_down_norm() -> bool {
     FUSE_DOWN_NORM.get()
 }
 
+static NORM_X8: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_NORM_X8", true);
+
+/// With [`fuse_down_norm`], one-token steps: whether the streamed down hands the next layer's
+/// attention norm over in groups of 8 rows with no meeting of its blocks (`dn_x8`: q8 codes, a
+/// scale and a sum of squares per group) and the q/k/v product takes the norm's 1 / rms itself
+/// (`mvqs_q8_0_1s2p8`), instead of the down's last block running the whole norm
+/// (`MINIMAX_NORM_X8=0`). Not bit-identical to it: finer q8 scales and 1 / rms applied to the
+/// sums (docs/CUDA.md "The attention norm without a meeting").
+pub fn norm_x8() -> bool {
+    NORM_X8.get()
+}
+
+/// Overrides [`norm_x8`] (A/B runs and tests; `None` = back to the environment). Drop captured
+/// graphs after a change.
+pub fn set_norm_x8(on: Option<bool>) {
+    NORM_X8.set(on);
+}
+
 /// With [`fuse_down_norm`]: whether the down lets the next kernel launch only after its loops
 /// (`MINIMAX_DOWN_TRIG_LATE=1`; off by default: slower) instead of at its start, so the q/k/v's
 /// weight copies would overlap the norm rather than the down's own weight stream.
@@ -1201,6 +1219,27 @@ impl Gpu {
     /// q8 input of `ncol` columns, `nv` vectors.
     pub fn matvec_q8(&self, segs: &[(&DevMat, u64, usize)], xq: u64, xd: u64, ncol: usize, nv: usize, accumulate: bool) -> Result<(), CudaError> {
         self.matvec_q8_with(MvqKind::from_env(), segs, xq, xd, ncol, nv, accumulate)
+    }
+
+    /// Whether [`Gpu::matvec_q8_x8`] takes these matrices on `ncol` input columns: Q8_0 rows
+    /// of at most 12 chunks (`mvqs_q8_0_1s2p8`), `ncol` a multiple of 8.
+    pub fn x8_fits(segs: &[(&DevMat, u64, usize)], ncol: usize) -> bool {
+        !segs.is_empty() && segs.len() <= 3 && ncol % 8 == 0 && segs.iter().all(|(w, _, _)| w.ty == GgmlType::Q8_0 && fast_mat(w) && w.cols == ncol && w.row_bytes / CH <= 12)
+    }
+
+    /// `y_s = W_s rmsnorm(h)` for one token from the x8 hand-over of the streamed down
+    /// ([`super::stream::NextNorm::ss8`]): `xq` codes and `xd` scales of `u = h * weight` (one
+    /// per 8 columns), `ss8` the groups' sums of `h^2`, `eps` the norm's. Errors when
+    /// [`Gpu::x8_fits`] says no.
+    #[allow(clippy::too_many_arguments)]
+    pub fn matvec_q8_x8(&self, segs: &[(&DevMat, u64, usize)], xq: u64, xd: u64, ss8: u64, eps: f32, ncol: usize) -> Result<(), CudaError> {
+        if !Self::x8_fits(segs, ncol) {
+            let d: Vec<String> = segs.iter().map(|(w, _, _)| format!("{:?} {}x{}", w.ty, w.rows, w.cols)).collect();
+            return Err(CudaError::Shape(format!("matvec_q8_x8: {} (input {ncol}; Q8_0 rows of at most 12 chunks, 1 to 3 matrices)", d.join(", "))));
+        }
+        let (mut args, rows) = mv_args(segs, segs[0].0.row_bytes / CH, xq, xd, ncol, 1, false);
+        args.extend([Arg::P(ss8), Arg::F(eps)]);
+        self.launch_pdl("mvqs_q8_0_1s2p8", (ceil_div(rows, 8), 1, 1), 128, 0, &args)
     }
 
     /// [`Gpu::matvec_q8`] with an explicit kernel choice (tests and A/B runs).
@@ -1798,6 +1837,8 @@ pub(crate) struct FastWs {
     pub acnt: CudaSlice<u32>,
     /// Arrival counter of the streamed down's fused norm (kept zero).
     pub ncnt: CudaSlice<u32>,
+    /// The down's x8 hand-over ([`norm_x8`]): each 8-row group's sum of squares (one token).
+    pub ss8: CudaSlice<f32>,
     /// Pairs grouped by expert (`moe_group`): `1 + 3 E + MAX_FAST_TOKENS k` i32.
     pub grp: CudaSlice<i32>,
     /// Grouped down products per pair, `[MAX_FAST_TOKENS k][hidden]` f32.
@@ -1846,6 +1887,7 @@ impl FastWs {
             rss: g.zeros(t * c.hidden.div_ceil(32))?,
             acnt: g.zeros(t * c.n_kv_heads.max(1))?,
             ncnt: g.zeros(1)?,
+            ss8: g.zeros(c.hidden.div_ceil(8))?,
             grp: g.zeros(1 + 3 * c.n_experts + t * c.n_experts_used)?,
             dpart: g.zeros(t * c.n_experts_used * c.hidden)?,
             logits: g.zeros(t * c.vocab_size)?,

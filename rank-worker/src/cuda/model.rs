@@ -509,17 +509,25 @@ impl CudaModel {
         // Whether xq / xd already hold this layer's attention norm (the previous layer's streamed
         // down ran it in its last block: fast::fuse_down_norm).
         let mut normed = false;
+        // ... and in the x8 form (fast::norm_x8): the q/k/v takes the norm's 1 / rms itself.
+        let mut normed_x8 = false;
         let fuse_router = super::fast::fuse_router_norm() && h % 128 == 0 && h <= super::fast::FUSED_NORM_MAX;
         let fuse_down = super::fast::fuse_down_norm() && !tp && super::stream::stream_on();
         // Timing attribution only (minimax-bench --skip-ab): launches left out of the step.
         use super::fast::skip as sk;
         let run = |part: u32| super::fast::skip_mask() & part == 0;
         for (li, l) in self.layers.iter().enumerate() {
+            let x8_in = std::mem::take(&mut normed_x8);
             if !std::mem::take(&mut normed) && run(sk::ATTN_NORM) {
                 g.norm_q8(hid, h, l.attn_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
             }
             if run(sk::QKV) {
-                g.matvec_q8_any(&[(&l.wq, p(&ws.q), qw), (&l.wk, p(&ws.k), kw), (&l.wv, p(&ws.v), vw)], xq, xd, h, nt, false)?;
+                let segs = [(&l.wq, p(&ws.q), qw), (&l.wk, p(&ws.k), kw), (&l.wv, p(&ws.v), vw)];
+                if x8_in {
+                    g.matvec_q8_x8(&segs, xq, xd, p(&ws.ss8), c.rms_eps, h)?;
+                } else {
+                    g.matvec_q8_any(&segs, xq, xd, h, nt, false)?;
+                }
             }
             let (kc, vc) = (g.ptr(&self.kc[li]), g.ptr(&self.vc[li]));
             if tp {
@@ -608,12 +616,16 @@ impl CudaModel {
                     None if self.part.last_stage => Some(self.out_norm),
                     None => None,
                 };
-                let next = next_w.filter(|_| fuse_down).map(|w| super::stream::NextNorm { weight: w, eps: c.rms_eps, q: xq, d: xd, cnt: g.ptr(&ws.ncnt), trig_late: super::fast::down_trig_late() });
+                // One token whose next layer's q/k/v takes the x8 hand-over (fast::norm_x8).
+                let x8 = nt == 1 && super::fast::norm_x8() && self.layers.get(li + 1).is_some_and(|nl| Gpu::x8_fits(&[(&nl.wq, 0, 0), (&nl.wk, 0, 0), (&nl.wv, 0, 0)], h));
+                let ss8 = if x8 { p(&ws.ss8) } else { 0 };
+                let next = next_w.filter(|_| fuse_down).map(|w| super::stream::NextNorm { weight: w, eps: c.rms_eps, q: xq, d: xd, cnt: g.ptr(&ws.ncnt), trig_late: super::fast::down_trig_late(), ss8 });
                 // The streamed down's plan refuses what it cannot take (K-quants among them).
                 normed = match next {
                     Some(n) => g.try_down_stream_norm(&dn, ids, wts, k, nt, aq, ad, hid, h, Some(&n))?,
                     None => false,
                 };
+                normed_x8 = normed && x8;
                 if !normed {
                     g.moe_down_q8_any(&dn, ids, wts, k, aq, ad, hid, h, nt)?;
                 }

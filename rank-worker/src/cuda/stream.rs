@@ -124,6 +124,11 @@ pub struct NextNorm {
     pub cnt: u64,
     /// Let the next kernel launch after the loops instead of at the start.
     pub trig_late: bool,
+    /// Non-zero: the x8 form (`dn_x8`; `rows / 8` f32 a token): each task of 8 rows writes
+    /// its q8 codes, one scale of `weight`-scaled rows into `d` (`rows / 8` a token) and its
+    /// sum of squares here, and no block waits for the others; the norm's 1 / rms is left to
+    /// the reader ([`super::Gpu::matvec_q8_x8`]). `cnt` is then not touched.
+    pub ss8: u64,
 }
 
 /// What [`Gpu::moe_gate_up_stream_routed`] routes from: [`Gpu::router_f32n`]'s outputs.
@@ -310,15 +315,19 @@ impl Gpu {
         let Some((rs, nst)) = self.down_stream_plan(down, k)? else {
             return Ok(false);
         };
+        // The x8 form needs a task's rows to be one group of 8.
+        if next.is_some_and(|n| n.ss8 != 0) && (rs != 8 || down.rows % 8 != 0) {
+            return Ok(false);
+        }
         let smem = HDR + nst * rs * k * down.row_bytes;
         let grid = self.stream_grid(nt * down.rows.div_ceil(rs))?;
         let mid = [Arg::P(ids), Arg::P(wts), Arg::I(k as i32), Arg::I(nt as i32), Arg::I(nst as i32)];
         let name = format!("moe_down_{}{rs}_iq4_xs", stem());
-        let (nw, eps, nq, nd, cnt, late) = match next {
-            Some(n) => (n.weight, n.eps, n.q, n.d, n.cnt, n.trig_late),
-            None => (0, 0.0, 0, 0, 0, false),
+        let (nw, eps, nq, nd, cnt, late, ss8) = match next {
+            Some(n) => (n.weight, n.eps, n.q, n.d, n.cnt, n.trig_late, n.ss8),
+            None => (0, 0.0, 0, 0, 0, false, 0),
         };
-        let tail = [Arg::P(hidden), Arg::L(hs as i64), Arg::P(nw), Arg::F(eps), Arg::P(nq), Arg::P(nd), Arg::P(cnt), Arg::I(late as i32)];
+        let tail = [Arg::P(hidden), Arg::L(hs as i64), Arg::P(nw), Arg::F(eps), Arg::P(nq), Arg::P(nd), Arg::P(cnt), Arg::I(late as i32), Arg::P(ss8)];
         self.launch_pdl(&name, (grid, 1, 1), THREADS, smem as u32, &down_args(down, &mid, aq, ad, &tail))?;
         Ok(true)
     }
