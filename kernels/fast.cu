@@ -238,6 +238,22 @@ __device__ __forceinline__ float ld_cg(const float* p) {
     asm volatile("ld.global.cg.f32 %0, [%1];" : "=f"(v) : "l"(p));
     return v;
 }
+// An order key of a top-k choice value: unsigned order = float order (-0 as +0), NaN lowest.
+__device__ __forceinline__ u32 topk_key(float v) {
+    if (v != v) return 0u;
+    const u32 b = __float_as_uint(v + 0.0f);
+    return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+__device__ __forceinline__ u32 redux_max_u32(u32 v) {
+    u32 r;
+    asm volatile("redux.sync.max.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
+__device__ __forceinline__ u32 redux_min_u32(u32 v) {
+    u32 r;
+    asm volatile("redux.sync.min.u32 %0, %1, 0xffffffff;" : "=r"(r) : "r"(v));
+    return r;
+}
 // route_topk_warp's loads (split off so that the routed gate/up issues them before the MoE
 // norm's sums): lane holds logit and bias of experts lane + 32 i, zeros past E.
 __device__ __forceinline__ void route_topk_load(const float* lg, const float* bias, int E, int lane,
@@ -277,6 +293,35 @@ __device__ __forceinline__ void route_topk_select(float (&sc)[RK_MAXE], float (&
     for (int i = 0; i < RK_MAXE; i++) ch[i] = lane + 32 * i < E ? sc[i] + ch[i] : NEG_INF;
     float total = 0.f, my_s = 0.f;
     int my_id = 0;
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(MINIMAX_TOPK_SHFL)
+    // Each round: the lane's best (order key, expert), then two warp reductions in one
+    // instruction each (redux.sync: the largest key, then the lowest expert holding it) instead
+    // of five shuffle rounds of three values. The same choice as the shuffle form below (the key
+    // orders floats as < does, -0 as +0; ties go to the lower expert), so the same ids and
+    // weights. NaN scores get the lowest key: they win only where nothing else is left, with a
+    // NaN weight, and the ids stay in range.
+    u32 ck[RK_MAXE];
+#pragma unroll
+    for (int i = 0; i < RK_MAXE; i++) ck[i] = topk_key(ch[i]);
+    for (int j = 0; j < k; j++) {
+        u32 bk = 0, be = 0xffffffffu;
+        float bsl = 0.f;
+#pragma unroll
+        for (int i = 0; i < RK_MAXE; i++) {
+            const u32 e = lane + 32 * i;
+            if (e < (u32)E && (ck[i] > bk || (ck[i] == bk && e < be))) {
+                bk = ck[i];
+                be = e;
+                bsl = sc[i];
+            }
+        }
+        const u32 m = redux_max_u32(bk);
+        const int bi = (int)redux_min_u32(bk == m ? be : 0xffffffffu);
+        const float bs = __shfl_sync(0xffffffffu, bsl, bi & 31);
+#pragma unroll
+        for (int i = 0; i < RK_MAXE; i++)
+            if (lane + 32 * i == bi) ck[i] = topk_key(NEG_INF);
+#else
     for (int j = 0; j < k; j++) {
         float best = NEG_INF, bs = 0.f;
         int bi = 0x7fffffff;
@@ -307,6 +352,7 @@ __device__ __forceinline__ void route_topk_select(float (&sc)[RK_MAXE], float (&
 #pragma unroll
         for (int i = 0; i < RK_MAXE; i++)
             if (lane + 32 * i == bi) ch[i] = NEG_INF;
+#endif
         total += bs;
         if (lane == j) {
             my_id = bi;

@@ -207,24 +207,33 @@ fn rms_norm_and_partial_rope_match_cpu() {
 fn router_matches_cpu() {
     let g = gpu();
     let mut rng = Rng(7);
-    for (e, k, nt) in [(20usize, 3usize, 9usize), (256, 8, 5), (16, 4, 33)] {
-        let logits = rng.vec(nt * e, 4.0);
-        let bias = rng.vec(e, 0.5);
+    // Both top-k kernels (moe_route; the fast path's route_topk_select, redux.sync on sm_80+),
+    // on random logits and on logits of a few values with no bias (many ties: the lower expert
+    // wins).
+    for (e, k, nt, ties) in [(20usize, 3usize, 9usize, false), (256, 8, 5, false), (16, 4, 33, false), (256, 8, 7, true), (64, 6, 5, true)] {
+        let logits: Vec<f32> = rng.vec(nt * e, 4.0).into_iter().map(|v| if ties { (v * 0.75).round() } else { v }).collect();
+        let bias = if ties { vec![0f32; e] } else { rng.vec(e, 0.5) };
         let (lb, bb) = (g.upload(&logits).unwrap(), g.upload(&bias).unwrap());
-        let ids = g.zeros::<i32>(nt * k).unwrap();
-        g.fill_u32(g.ptr(&ids), nt * k, u32::MAX).unwrap();
-        let wb = poisoned(&g, nt * k);
-        g.route(g.ptr(&lb), g.ptr(&bb), e, k, GatingFunc::Sigmoid, g.ptr(&ids), g.ptr(&wb), nt).unwrap();
-        let (gi, gw) = (g.download(&ids).unwrap(), g.download(&wb).unwrap());
-        for t in 0..nt {
-            let want = minimax_rank::cpu::route(&logits[t * e..(t + 1) * e], &bias, k, GatingFunc::Sigmoid);
-            for j in 0..k {
-                assert_eq!(gi[t * k + j] as usize, want[j].0, "token {t} slot {j}");
-                let d = (gw[t * k + j] - want[j].1).abs();
-                assert!(gw[t * k + j].is_finite() && d < 1e-6, "token {t} weight {j}: {} vs {}", gw[t * k + j], want[j].1);
+        for fast in [false, true] {
+            let ids = g.zeros::<i32>(nt * k).unwrap();
+            g.fill_u32(g.ptr(&ids), nt * k, u32::MAX).unwrap();
+            let wb = poisoned(&g, nt * k);
+            if fast {
+                g.route_fast(g.ptr(&lb), g.ptr(&bb), e, k, GatingFunc::Sigmoid, g.ptr(&ids), g.ptr(&wb), nt).unwrap();
+            } else {
+                g.route(g.ptr(&lb), g.ptr(&bb), e, k, GatingFunc::Sigmoid, g.ptr(&ids), g.ptr(&wb), nt).unwrap();
+            }
+            let (gi, gw) = (g.download(&ids).unwrap(), g.download(&wb).unwrap());
+            for t in 0..nt {
+                let want = minimax_rank::cpu::route(&logits[t * e..(t + 1) * e], &bias, k, GatingFunc::Sigmoid);
+                for j in 0..k {
+                    assert_eq!(gi[t * k + j] as usize, want[j].0, "fast {fast} ties {ties}: token {t} slot {j}");
+                    let d = (gw[t * k + j] - want[j].1).abs();
+                    assert!(gw[t * k + j].is_finite() && d < 1e-6, "fast {fast} ties {ties}: token {t} weight {j}: {} vs {}", gw[t * k + j], want[j].1);
+                }
             }
         }
-        eprintln!("router top-{k} of {e}, {nt} tokens: same experts, weights within 1e-6");
+        eprintln!("router top-{k} of {e}, {nt} tokens (ties {ties}): both kernels pick the same experts as the CPU, weights within 1e-6");
     }
     // NaN logits (an overflowed residual) win nowhere: both top-k kernels still store expert
     // ids in range (the expert kernels read by them) and NaN weights, never an id past E.
