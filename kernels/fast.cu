@@ -537,32 +537,27 @@ __device__ __forceinline__ void router_f32n_impl(const float* W, int rows, int n
     if (!TAIL) return;
     // router_last_block_topk, with the scale applied first.
     __shared__ int last;
+    __shared__ float s_inv;
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(&cnt[t], 1u) == gridDim.x - 1;
     __syncthreads();
     if (!last) return;
     __threadfence();
-    // Every warp takes 1 / rms itself (the same sums in the same order: the same value), so no
-    // block barrier sits between the arrival and the top-k. Warp 0 loads the raw logits, stores
-    // them scaled and runs the top-k on them times inv (route_topk_select's scale: the same
-    // rounding as the stored values); the other warps (warp 0 too in a block of one) scale the
-    // q8 scales the gate/up reads.
-    float* yt = y + (i64)t * ys;
     if (warp == 0) {
-        float sc[RK_MAXE], ch[RK_MAXE];
-        route_topk_load(yt, bias, rows, lane, sc, ch);
         const float inv = router_norm_inv(ss + (i64)t * ng, ng, n, eps, lane);
-#pragma unroll
-        for (int i = 0; i < RK_MAXE; i++)
-            if (lane + 32 * i < rows) yt[lane + 32 * i] = __fmul_rn(sc[i], inv);
-        route_topk_select(sc, ch, rows, k, gating, ids + t * k, w + t * k, lane, inv);
+        if (lane == 0) s_inv = inv;
+    }
+    __syncthreads();
+    const float inv = s_inv;
+    float* yt = y + (i64)t * ys;
+    for (int e = threadIdx.x; e < rows; e += blockDim.x) yt[e] = __fmul_rn(__ldcg(yt + e), inv);
+    for (int g = threadIdx.x; g < ng; g += blockDim.x) dt[g] = __fmul_rn(__ldcg(dt + g), inv);
+    __threadfence_block();
+    __syncthreads();
+    if (warp == 0) {
+        route_topk_warp(yt, bias, rows, k, gating, ids + t * k, w + t * k, lane);
         if (lane == 0) cnt[t] = 0;
-        if (wpb == 1)
-            for (int g = lane; g < ng; g += 32) dt[g] = __fmul_rn(__ldcg(dt + g), inv);
-    } else {
-        const float inv = router_norm_inv(ss + (i64)t * ng, ng, n, eps, lane);
-        for (int g = threadIdx.x - 32; g < ng; g += blockDim.x - 32) dt[g] = __fmul_rn(__ldcg(dt + g), inv);
     }
 }
 #define ROUTER_F32N_ARGS                                                                                          \
