@@ -1100,11 +1100,11 @@ fn main() -> anyhow::Result<()> {
     }
     if flag("--inline-ab") {
         use minimax_rank::cuda::fast::{set_route_inline, set_router_f32n_warps};
-        let names = ["router's last block (router_topk_f32n), 4 warps", "last block, 8 warps", "in the gate/up (router_f32n + moe_gate_up_blkr), 4 warps", "in the gate/up, 8 warps"];
+        let names = ["router's last block (router_topk_f32n16), 16 warps", "in the gate/up (router_f32n + moe_gate_up_blkr), 8 warps", "in the gate/up, 4 warps"];
         for _ in 0..3 {
             b1_ab(&mut m, &mut pages, "MoE routing", &names, &|i| {
-                set_route_inline(Some(i >= 2));
-                set_router_f32n_warps(Some([4, 8][i % 2]));
+                set_route_inline(Some(i >= 1));
+                set_router_f32n_warps(Some([16, 8, 4][i]));
             })?;
         }
         set_route_inline(None);

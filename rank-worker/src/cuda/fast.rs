@@ -307,18 +307,20 @@ pub fn set_route_inline(on: Option<bool>) {
 
 static ROUTER_F32N_WARPS: AtomicUsize = AtomicUsize::new(0);
 
-/// Warps a block of `router_topk_f32n` and `router_f32n` (one router row each): 16
-/// (`router_topk_f32n16`) unless `MINIMAX_ROUTER_WARPS` (1, 2, 4, 8 or 16; `router_f32n` takes 8
-/// at most) or [`set_router_f32n_warps`] says otherwise. The sums are the same whatever the
-/// split. H200, M2.7, graph replay, 4 / 8 / 16 warps (256 experts: 64 / 32 / 16 blocks): session
-/// 22 batch 1 4.331 / 4.256 / 4.266 ms, batch 4 9.088 / 9.024 / 9.004, batch 8 13.669 / 13.657 /
+/// Warps a block of `router_topk_f32n` and `router_f32n` (one router row each): 8 unless
+/// `MINIMAX_ROUTER_WARPS` (1, 2, 4, 8 or 16: `router_topk_f32n16`; `router_f32n` takes 8 at
+/// most) or [`set_router_f32n_warps`] says otherwise. The sums are the same whatever the split.
+/// H200, M2.7, graph replay, 4 / 8 / 16 warps (256 experts: 64 / 32 / 16 blocks): session 22
+/// batch 1 4.331 / 4.256 / 4.266 ms, batch 4 9.088 / 9.024 / 9.004, batch 8 13.669 / 13.657 /
 /// 13.634 (8 the default then); session 24, with the attention's empty splits leaving: batch 1
-/// 4.074 / 4.008 / 3.963-3.968, batch 4 9.066 / 8.996 / 8.981, batch 8 13.612 / 13.605 / 13.581.
+/// 4.074 / 4.008 / 3.963-3.968, batch 4 9.066 / 8.996 / 8.981, batch 8 13.612 / 13.605 / 13.581
+/// (16 the default then); session 25, with the x8 norm hand-over and the redux top-k: batch 1
+/// 3.921-3.924 / **3.840-3.842** / 3.859-3.861 (8 the default again; batch 4 and 8 not measured).
 pub fn router_f32n_warps() -> u32 {
     match ROUTER_F32N_WARPS.load(Ordering::Relaxed) {
         0 => {
             static V: std::sync::OnceLock<u32> = std::sync::OnceLock::new();
-            *V.get_or_init(|| std::env::var("MINIMAX_ROUTER_WARPS").ok().and_then(|v| v.parse::<u32>().ok()).filter(|w| [1, 2, 4, 8, 16].contains(w)).unwrap_or(16))
+            *V.get_or_init(|| std::env::var("MINIMAX_ROUTER_WARPS").ok().and_then(|v| v.parse::<u32>().ok()).filter(|w| [1, 2, 4, 8, 16].contains(w)).unwrap_or(8))
         }
         w => w as u32,
     }
