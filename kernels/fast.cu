@@ -293,7 +293,7 @@ __device__ __forceinline__ void route_topk_select(float (&sc)[RK_MAXE], float (&
     for (int i = 0; i < RK_MAXE; i++) ch[i] = lane + 32 * i < E ? sc[i] + ch[i] : NEG_INF;
     float total = 0.f, my_s = 0.f;
     int my_id = 0;
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800 && !defined(MINIMAX_TOPK_SHFL)
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
     // Each round: the lane's best (order key, expert), then two warp reductions in one
     // instruction each (redux.sync: the largest key, then the lowest expert holding it) instead
     // of five shuffle rounds of three values. The same choice as the shuffle form below (the key
@@ -2748,10 +2748,15 @@ __device__ __forceinline__ void h16x8(int4 raw, float* f, int bf) {
 
 // out[t][h * 128 + d] = merged attention of query head h (f32), plus its q8 quantization
 // (aq [t][heads * 128], ad [t][heads * 4]). grid (heads, nt), block 128.
-// Splits past the token's context are empty (same chunking as attn_dec_impl).
+// Positions a split of the token's n_ctx takes: the split kernels' and the merge's one
+// chunking (an even share rounded up to AD_GRAN).
+__device__ __forceinline__ int attn_split_chunk(int n_ctx, int nsplit) {
+    const int chunk = (n_ctx + nsplit - 1) / nsplit;
+    return (chunk + AD_GRAN - 1) / AD_GRAN * AD_GRAN;
+}
+// Splits past the token's context are empty.
 __device__ __forceinline__ int attn_active_splits(int n_ctx, int nsplit) {
-    int chunk = (n_ctx + nsplit - 1) / nsplit;
-    chunk = (chunk + AD_GRAN - 1) / AD_GRAN * AD_GRAN;
+    const int chunk = attn_split_chunk(n_ctx, nsplit);
     return min(nsplit, (n_ctx + chunk - 1) / chunk);
 }
 template <int G>
@@ -2868,8 +2873,7 @@ __device__ __forceinline__ void attn_dec_impl(const float* q, i64 qs, const u16*
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int half = lane >> 4, d0 = (lane & 15) * 8;
     int n_ctx = pos[t] + 1;
-    int chunk = (n_ctx + nsplit - 1) / nsplit;
-    chunk = (chunk + AD_GRAN - 1) / AD_GRAN * AD_GRAN;
+    int chunk = attn_split_chunk(n_ctx, nsplit);
     int start = sp * chunk, end = min(n_ctx, start + chunk);
     const u32* pt = pts + pt_off[seq[t]];
     float qv[G][8], acc[G][8], m[G], l[G];
@@ -3138,8 +3142,7 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     int gr = lane >> 2, tq = lane & 3;
     int n_ctx = pos[t] + 1;
-    int chunk = (n_ctx + nsplit - 1) / nsplit;
-    chunk = (chunk + AD_GRAN - 1) / AD_GRAN * AD_GRAN;
+    int chunk = attn_split_chunk(n_ctx, nsplit);
     int start = sp * chunk, end = min(n_ctx, start + chunk);
     int ntiles = end > start ? (end - start + AT_TILE - 1) / AT_TILE : 0;
     // A split past the context (short contexts leave most of them empty) has nothing to add:
