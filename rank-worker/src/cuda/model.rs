@@ -616,8 +616,9 @@ impl CudaModel {
                     None if self.part.last_stage => Some(self.out_norm),
                     None => None,
                 };
-                // One token whose next layer's q/k/v takes the x8 hand-over (fast::norm_x8).
-                let x8 = nt == 1 && super::fast::norm_x8() && self.layers.get(li + 1).is_some_and(|nl| Gpu::x8_fits(&[(&nl.wq, 0, 0), (&nl.wk, 0, 0), (&nl.wv, 0, 0)], h));
+                // One token whose next layer's q/k/v takes the x8 hand-over (fast::norm_x8), and a
+                // streamed down that writes it (else the last-block norm, not the register down).
+                let x8 = nt == 1 && super::fast::norm_x8() && self.layers.get(li + 1).is_some_and(|nl| Gpu::x8_fits(&[(&nl.wq, 0, 0), (&nl.wk, 0, 0), (&nl.wv, 0, 0)], h)) && g.down_takes_x8(&dn, k)?;
                 let ss8 = if x8 { p(&ws.ss8) } else { 0 };
                 let next = next_w.filter(|_| fuse_down).map(|w| super::stream::NextNorm { weight: w, eps: c.rms_eps, q: xq, d: xd, cnt: g.ptr(&ws.ncnt), trig_late: super::fast::down_trig_late(), ss8 });
                 // The streamed down's plan refuses what it cannot take (K-quants among them).

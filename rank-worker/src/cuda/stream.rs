@@ -131,6 +131,11 @@ pub struct NextNorm {
     pub ss8: u64,
 }
 
+/// The x8 hand-over needs each task's rows to be one group of 8 (`dn_x8`).
+fn x8_plan(rs: usize, rows: usize) -> bool {
+    rs == 8 && rows % 8 == 0
+}
+
 /// What [`Gpu::moe_gate_up_stream_routed`] routes from: [`Gpu::router_f32n`]'s outputs.
 #[derive(Clone, Copy, Debug)]
 pub struct StreamRoute {
@@ -304,6 +309,12 @@ impl Gpu {
         self.try_down_stream_norm(down, ids, wts, k, nt, aq, ad, hidden, hs, None)
     }
 
+    /// Whether [`Gpu::try_down_stream_norm`] takes the x8 hand-over ([`NextNorm::ss8`]) for
+    /// these experts at top-`k`, so a caller asks for it only where the streamed down runs.
+    pub fn down_takes_x8(&self, down: &DevMat, k: usize) -> Result<bool, CudaError> {
+        Ok(self.down_stream_plan(down, k)?.is_some_and(|(rs, _)| x8_plan(rs, down.rows)))
+    }
+
     /// [`Gpu::try_down_stream`], and with `next` the next RMSNorm of the new residual rows in
     /// the down's last block (see [`NextNorm`]); false (nothing launched) when the down does
     /// not fit or `next` cannot be fused (rows above [`super::fast::FUSED_NORM_MAX`]).
@@ -315,8 +326,7 @@ impl Gpu {
         let Some((rs, nst)) = self.down_stream_plan(down, k)? else {
             return Ok(false);
         };
-        // The x8 form needs a task's rows to be one group of 8.
-        if next.is_some_and(|n| n.ss8 != 0) && (rs != 8 || down.rows % 8 != 0) {
+        if next.is_some_and(|n| n.ss8 != 0) && !x8_plan(rs, down.rows) {
             return Ok(false);
         }
         let smem = HDR + nst * rs * k * down.row_bytes;
