@@ -207,23 +207,27 @@ fn rms_norm_and_partial_rope_match_cpu() {
 fn router_matches_cpu() {
     let g = gpu();
     let mut rng = Rng(7);
+    // One top-k launch on host logits and bias into poisoned outputs: (ids, weights).
+    let route = |fast: bool, logits: &[f32], bias: &[f32], e: usize, k: usize, nt: usize| -> (Vec<i32>, Vec<f32>) {
+        let (lb, bb) = (g.upload(logits).unwrap(), g.upload(bias).unwrap());
+        let ids = g.zeros::<i32>(nt * k).unwrap();
+        g.fill_u32(g.ptr(&ids), nt * k, u32::MAX).unwrap();
+        let wb = poisoned(&g, nt * k);
+        if fast {
+            g.route_fast(g.ptr(&lb), g.ptr(&bb), e, k, GatingFunc::Sigmoid, g.ptr(&ids), g.ptr(&wb), nt).unwrap();
+        } else {
+            g.route(g.ptr(&lb), g.ptr(&bb), e, k, GatingFunc::Sigmoid, g.ptr(&ids), g.ptr(&wb), nt).unwrap();
+        }
+        (g.download(&ids).unwrap(), g.download(&wb).unwrap())
+    };
     // Both top-k kernels (moe_route; the fast path's route_topk_select, redux.sync on sm_80+),
     // on random logits and on logits of a few values with no bias (many ties: the lower expert
     // wins).
     for (e, k, nt, ties) in [(20usize, 3usize, 9usize, false), (256, 8, 5, false), (16, 4, 33, false), (256, 8, 7, true), (64, 6, 5, true)] {
         let logits: Vec<f32> = rng.vec(nt * e, 4.0).into_iter().map(|v| if ties { (v * 0.75).round() } else { v }).collect();
         let bias = if ties { vec![0f32; e] } else { rng.vec(e, 0.5) };
-        let (lb, bb) = (g.upload(&logits).unwrap(), g.upload(&bias).unwrap());
         for fast in [false, true] {
-            let ids = g.zeros::<i32>(nt * k).unwrap();
-            g.fill_u32(g.ptr(&ids), nt * k, u32::MAX).unwrap();
-            let wb = poisoned(&g, nt * k);
-            if fast {
-                g.route_fast(g.ptr(&lb), g.ptr(&bb), e, k, GatingFunc::Sigmoid, g.ptr(&ids), g.ptr(&wb), nt).unwrap();
-            } else {
-                g.route(g.ptr(&lb), g.ptr(&bb), e, k, GatingFunc::Sigmoid, g.ptr(&ids), g.ptr(&wb), nt).unwrap();
-            }
-            let (gi, gw) = (g.download(&ids).unwrap(), g.download(&wb).unwrap());
+            let (gi, gw) = route(fast, &logits, &bias, e, k, nt);
             for t in 0..nt {
                 let want = minimax_rank::cpu::route(&logits[t * e..(t + 1) * e], &bias, k, GatingFunc::Sigmoid);
                 for j in 0..k {
@@ -243,17 +247,8 @@ fn router_matches_cpu() {
         *v = f32::NAN;
     }
     let bias = rng.vec(e, 0.5);
-    let (lb, bb) = (g.upload(&logits).unwrap(), g.upload(&bias).unwrap());
     for exact in [true, false] {
-        let ids = g.zeros::<i32>(nt * k).unwrap();
-        g.fill_u32(g.ptr(&ids), nt * k, u32::MAX).unwrap();
-        let wb = poisoned(&g, nt * k);
-        if exact {
-            g.route(g.ptr(&lb), g.ptr(&bb), e, k, GatingFunc::Sigmoid, g.ptr(&ids), g.ptr(&wb), nt).unwrap();
-        } else {
-            g.route_fast(g.ptr(&lb), g.ptr(&bb), e, k, GatingFunc::Sigmoid, g.ptr(&ids), g.ptr(&wb), nt).unwrap();
-        }
-        let (gi, gw) = (g.download(&ids).unwrap(), g.download(&wb).unwrap());
+        let (gi, gw) = route(!exact, &logits, &bias, e, k, nt);
         let want = minimax_rank::cpu::route(&logits[..e], &bias, k, GatingFunc::Sigmoid);
         for j in 0..k {
             assert_eq!(gi[j] as usize, want[j].0, "exact {exact}: finite token, slot {j}");
