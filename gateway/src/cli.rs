@@ -53,7 +53,7 @@ pub struct EngineArgs {
     pub model: Option<PathBuf>,
 
     /// BENCHMARK ONLY: serve a synthetic model with MiniMax-M2.7's shapes and random weights
-    /// (`m2.7:MIX[:LAYERS]`, MIX = iq4xs | q4km | q8_0) instead of `--model`: one rank, the
+    /// (`m2.7:MIX[:LAYERS]`, MIX = iq4xs | iq4xs-q8out | q4km | q8_0) instead of `--model`: one rank, the
     /// tokenizer from `--synthetic-vocab-from`. Needs `--allow-synthetic`.
     #[arg(long, env = "MINIMAX_SYNTHETIC", conflicts_with = "model")]
     pub synthetic: Option<String>,

@@ -34,7 +34,7 @@ enum Cmd {
     /// BENCHMARK ONLY: write a synthetic model (MiniMax-M2.7 shapes, random valid weights) as
     /// a GGUF file, e.g. to measure weight loading on a file of tens of GB.
     WriteSynthetic {
-        /// `m2.7:MIX[:LAYERS]`, MIX = iq4xs | q4km | q8_0.
+        /// `m2.7:MIX[:LAYERS]`, MIX = iq4xs | iq4xs-q8out | q4km | q8_0.
         spec: String,
         /// The .gguf file to write.
         out: std::path::PathBuf,
@@ -71,7 +71,7 @@ struct ServeArgs {
     #[arg(long, env = "MINIMAX_MODEL", required_unless_present = "synthetic")]
     model: Option<std::path::PathBuf>,
     /// BENCHMARK ONLY: serve a synthetic model with MiniMax-M2.7's shapes and random weights
-    /// instead of `--model`: `m2.7:MIX[:LAYERS]`, MIX = iq4xs | q4km | q8_0. Needs
+    /// instead of `--model`: `m2.7:MIX[:LAYERS]`, MIX = iq4xs | iq4xs-q8out | q4km | q8_0. Needs
     /// `--allow-synthetic`. Several ranks each hold their share of the same model (seed 42),
     /// tensor or pipeline parallel like a GGUF.
     #[arg(long, conflicts_with = "model")]

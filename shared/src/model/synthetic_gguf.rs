@@ -125,7 +125,7 @@ mod tests {
     fn small() -> (ModelConfig, Vec<SyntheticTensor>) {
         let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
         let mut c = spec.config();
-        (c.hidden, c.n_heads, c.n_kv_heads, c.n_experts, c.n_experts_used, c.expert_ff, c.vocab_size) = (256, 4, 2, 8, 2, 512, 130_000);
+        (c.hidden, c.n_heads, c.n_kv_heads, c.n_experts, c.n_experts_used, c.expert_ff, c.vocab_size) = (256, 4, 2, 8, 2, 512, 260_000);
         let tensors = c
             .expected_shapes()
             .into_iter()
@@ -163,7 +163,7 @@ mod tests {
         let v = quant::dequantize_to_vec(norm.info.ty, norm.data, norm.info.n_elems() as usize).unwrap();
         assert!(v.iter().all(|x| (0.9..=1.1).contains(x)), "{:?}", &v[..4]);
         let e = m.tensor(names::TOKEN_EMBD).unwrap();
-        assert_eq!(e.info.ty, GgmlType::Q8_0);
+        assert_eq!(e.info.ty, GgmlType::IQ4_XS);
         assert!(e.data.len() > CHUNK, "{}", e.data.len());
         let rb = e.info.row_bytes();
         for row in [&e.data[..rb], &e.data[e.data.len() - rb..]] {
