@@ -79,6 +79,12 @@ __device__ __forceinline__ double warp_sum_d(double v) {
 
 // ---- Shared by the decode kernels of fast.cu and fast_kq.cu ----
 // Quantizes one 32-element group held one value per lane; returns q, writes d from lane 0.
+// q8_lane with the scale returned to every lane instead of stored.
+__device__ __forceinline__ int q8_lane_sd(float v, float& d) {
+    float amax = warp_max(fabsf(v));
+    d = amax / 127.0f;
+    return amax == 0.0f ? 0 : __float2int_rn(v / d);
+}
 __device__ __forceinline__ int q8_lane(float v, float* d_out) {
     float amax = warp_max(fabsf(v));
     float d = amax / 127.0f;
@@ -117,6 +123,22 @@ __device__ __forceinline__ float silu_times(float g, float u) { return g / (1.0f
     } else {                                   \
         return;                                \
     }
+// Row r of the launch (segment 0, then 1, then 2) as (row pointer, output column, y, ys);
+// false past the last row.
+__device__ __forceinline__ bool mv_seg_row(int r, const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1,
+                                           i64 rb1, int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2,
+                                           float* y2, i64 ys2, const u8*& w, int& rr, float*& y, i64& ys) {
+    if (r < rows0) {
+        w = W0 + r * rb0, rr = r, y = y0, ys = ys0;
+    } else if (r < rows0 + rows1) {
+        rr = r - rows0, w = W1 + rr * rb1, y = y1, ys = ys1;
+    } else if (r < rows0 + rows1 + rows2) {
+        rr = r - rows0 - rows1, w = W2 + rr * rb2, y = y2, ys = ys2;
+    } else {
+        return false;
+    }
+    return true;
+}
 // A dense warp's results: y[(v0 + t) ys + r] (+)= the warp sum of acc[t] for t < nv_here.
 template <int NT>
 __device__ __forceinline__ void mv_store(const float* acc, float* y, i64 ys, int r, int v0, int nv_here, int lane,

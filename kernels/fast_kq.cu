@@ -264,6 +264,54 @@ __device__ __forceinline__ void kq_mv(const u8* W0, i64 rb0, int rows0, float* y
     mv_store<NT>(acc, y, ys, r, v0, nv_here, lane, accumulate);
 }
 
+// kq_mv for one token with RPW rows a warp, rows of at most KQ_MV_PB super-blocks (one
+// phase; the host checks): every copy of the warp's rows is issued before the PDL wait (weights
+// only, as fast.cu's mvqs_q8_rows), one slot a row instead of kq_mv's two a warp, so an SM holds
+// twice the bytes in flight at the same shared memory (the Q6_K output head: 200,064 rows of
+// 2,520 bytes). Per row the same call of kq_dot_staged as kq_mv: bit-identical.
+// grid (ceil(total_rows / (KQ_MVR_WARPS RPW)), 1), block 32 KQ_MVR_WARPS.
+#define KQ_MVR_WARPS 4
+template <int T, int RPW>
+__device__ __forceinline__ void kq_mv_rows(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1,
+                                           int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2, float* y2,
+                                           i64 ys2, int nblk, const i8* xq, const float* xd, int ncol, int accumulate) {
+    const int SLOT = KQ_SLOT(T, KQ_MV_PB);
+    __shared__ __align__(16) u8 sm_all[KQ_MVR_WARPS][RPW][SLOT];
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int r0 = (blockIdx.x * KQ_MVR_WARPS + warp) * RPW;
+    const u8* wr[RPW];
+    const u8* data[RPW];
+    float* yr[RPW];
+    i64 ysr[RPW];
+    int rr[RPW];
+    bool ok[RPW];
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+        ok[j] = mv_seg_row(r0 + j, W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, wr[j], rr[j],
+                           yr[j], ysr[j]);
+        data[j] = ok[j] ? kq_issue(sm_all[warp][j], wr[j], nblk * KqT<T>::BB, lane) : nullptr;
+    }
+    kq_commit();
+    kq_pdl_enter();
+    kq_wait<0>();
+    __syncwarp();
+#pragma unroll
+    for (int j = 0; j < RPW; j++) {
+        if (!ok[j]) continue;
+        float acc[1] = {0.f};
+        kq_dot_staged<T, 1>(data[j], nblk, 0, xq, ncol, xd, ncol / 32, 1, acc, lane);
+        mv_store<1>(acc, yr[j], ysr[j], rr[j], 0, 1, lane, accumulate);
+    }
+}
+#define KQ_MVR_INST(name, T)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(32 * KQ_MVR_WARPS) kq_mvr2_##name(                               \
+        const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,   \
+        const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nblk, const i8* xq, const float* xd, int ncol,     \
+        int nv, int acc) {                                                                                         \
+        kq_mv_rows<T, 2>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nblk, xq, xd, ncol, \
+                         acc);                                                                                     \
+    }
+
 #define KQ_MV_INST(name, T, nt)                                                                                    \
     extern "C" __global__ void __launch_bounds__(32 * KQ_MV_WARPS) kq_mv_##name##_##nt(                              \
         const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,   \
@@ -521,6 +569,7 @@ __device__ __forceinline__ void kq_moe_down_grp(const u8* W, i64 rb, i64 es, int
     KQ_MV_INST(name, T, 4)                                                                                         \
     KQ_MV_INST(name, T, 8)                                                                                         \
     KQ_MV_INST(name, T, 16)                                                                                        \
+    KQ_MVR_INST(name, T)                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * 32 / KQ_GU_ROWS) kq_moe_gate_up_##name(                      \
         const u8* G, const u8* U, i64 rb, i64 es, int nblk, const int* ids, int k, const i8* xq, const float* xd,  \
         int ncol, i8* aq, float* ad, int ff) {                                                                     \

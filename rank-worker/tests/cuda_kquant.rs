@@ -112,12 +112,20 @@ fn kquant_dense_products_match_cpu() {
                 let (hq, hd) = q8_host(&x);
                 let xdq = q8_deq(&hq, &hd);
                 let (qb, db) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
-                for acc in [false, true] {
+                // One token: kq_mvr2 (rows form, two rows a warp) where the row fits one phase,
+                // then kq_mv; bit-identical to each other (checked after the loop).
+                let forms: &[bool] = if nv == 1 && cols <= 3072 { &[true, false] } else { &[true] };
+                let mut form_out: Vec<Vec<Vec<u32>>> = Vec::new();
+                for (&rows_form, acc) in forms.iter().flat_map(|f| [false, true].map(move |a| (f, a))) {
+                    minimax_rank::cuda::fast_kq::set_kq_rows(Some(rows_form));
                     let ys: Vec<usize> = rows.iter().map(|r| r + 3).collect();
                     let y0: Vec<Vec<f32>> = ys.iter().map(|s| rng.vec(nv * s, 1.0)).collect();
                     let yb: Vec<_> = (0..3).map(|i| if acc { g.upload(&y0[i]).unwrap() } else { poisoned(&g, nv * ys[i]) }).collect();
                     let segs: Vec<_> = (0..3).map(|i| (&up[i].1, g.ptr(&yb[i]), ys[i])).collect();
                     g.kq_matvec_q8(&segs, g.ptr(&qb), g.ptr(&db), cols, nv, acc).unwrap();
+                    if !acc {
+                        form_out.push((0..3).map(|i| g.download(&yb[i]).unwrap().iter().map(|v| v.to_bits()).collect()).collect());
+                    }
                     for i in 0..3 {
                         let got = g.download(&yb[i]).unwrap();
                         for v in 0..nv {
@@ -137,6 +145,10 @@ fn kquant_dense_products_match_cpu() {
                             }
                         }
                     }
+                }
+                minimax_rank::cuda::fast_kq::set_kq_rows(None);
+                if form_out.len() == 2 {
+                    assert!(form_out[0] == form_out[1], "kq_mvr2 {ty} cols {cols}: not kq_mv's bits");
                 }
             }
             eprintln!("kq_mv   {ty:<5} 3 segs (66 rows) x {cols:>4} cols, nv 1/2/7/32, acc/overwrite: max |diff| / S {worst:.2e} (bound {TOL:.0e})");
@@ -455,7 +467,8 @@ fn kquant_fast_kernels_speed() {
         let rb = quant::row_bytes(ty, cols).unwrap();
         let copies = if rows > 100_000 { 1 } else { l2_copies(rows * rb) };
         let (_buf, m0) = device_mat(&g, ty, rows, cols, 0, copies, 11);
-        for nv in [1usize, 8, 32] {
+        for (nv, rows_form) in [(1usize, true), (1, false), (8, false), (32, false)] {
+            minimax_rank::cuda::fast_kq::set_kq_rows(Some(rows_form));
             let ms = time_ms(&g, n, |i| {
                 let mut m = m0;
                 m.ptr += ((i % copies) * rows * rb) as u64;
@@ -469,8 +482,10 @@ fn kquant_fast_kernels_speed() {
                     g.kq_matvec_q8(&[(&m, g.ptr(&y), rows)], g.ptr(&qb), g.ptr(&db), cols, nv, false).unwrap();
                 }
             });
-            eprintln!("speed kq_mv {ty} {what:<18} {rows:>6} x {cols} nv {nv:>2}: {:>8.1} us  {:>6.0} GB/s (weights once)", ms * 1e3, gbs(rows * rb, ms));
+            let form = if nv == 1 && rows_form && cols <= 3072 { "kq_mvr2" } else { "kq_mv  " };
+            eprintln!("speed {form} {ty} {what:<18} {rows:>6} x {cols} nv {nv:>2}: {:>8.1} us  {:>6.0} GB/s (weights once)", ms * 1e3, gbs(rows * rb, ms));
         }
+        minimax_rank::cuda::fast_kq::set_kq_rows(None);
     }
     // MoE, one token, 8 distinct random experts per launch: gate/up Q4_K (and the TP-2 slice
     // of 768 rows), down Q6_K at 1536 and 768 (TP 2) columns.

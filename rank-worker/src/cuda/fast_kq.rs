@@ -12,6 +12,10 @@ use super::gpu::{Arg, DevMat, Gpu};
 
 /// Rows per block of the dense kernels (one warp per row), as in kernels/fast_kq.cu.
 const MV_WARPS: usize = 8;
+/// Warps per block of the one-token rows form `kq_mvr2_*` (two rows a warp), and the most
+/// super-blocks a row it takes (one phase, KQ_MV_PB in kernels/fast_kq.cu).
+const MVR_WARPS: usize = 4;
+const MVR_MAX_BLOCKS: usize = 12;
 /// Rows per block of the expert down kernel (one warp per output row).
 const DN_WARPS: usize = 4;
 
@@ -24,6 +28,21 @@ pub fn kq_fast_mat(w: &DevMat) -> bool {
         && w.row_bytes == w.cols / 256 * w.ty.block_bytes()
         && w.ptr % 2 == 0
         && (w.n_experts == 0 || w.expert_stride % 2 == 0)
+}
+
+static KQ_ROWS: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_KQ_ROWS", true);
+
+/// Whether one-token K-quant products of rows up to 12 super-blocks (3,072 columns) take
+/// `kq_mvr2_*` (two rows a warp, every copy issued before the PDL wait; the Q6_K output head)
+/// instead of `kq_mv_*_1` (default on; `MINIMAX_KQ_ROWS=0` = kq_mv). Bit-identical.
+pub fn kq_rows() -> bool {
+    KQ_ROWS.get()
+}
+
+/// Overrides [`kq_rows`] (A/B runs, tests; `None` = back to the environment). Drop captured
+/// graphs after a change.
+pub fn set_kq_rows(on: Option<bool>) {
+    KQ_ROWS.set(on);
 }
 
 /// Whether the fast path may take K-quant matrices (on unless `MINIMAX_FAST_KQ=0`: without them
@@ -84,6 +103,10 @@ impl Gpu {
         }
         let nt = mv_nt(nv);
         let (args, rows) = mv_args(segs, ncol / 256, xq, xd, ncol, nv, accumulate);
+        if nv == 1 && ncol / 256 <= MVR_MAX_BLOCKS && kq_rows() {
+            let grid = (rows.div_ceil(2 * MVR_WARPS) as u32, 1, 1);
+            return self.launch_pdl(&format!("kq_mvr2_{}", kq_name(ty)), grid, 32 * MVR_WARPS as u32, 0, &args);
+        }
         let grid = (rows.div_ceil(MV_WARPS) as u32, nv.div_ceil(nt) as u32, 1);
         self.launch_pdl(&format!("kq_mv_{}_{nt}", kq_name(ty)), grid, 32 * MV_WARPS as u32, 0, &args)
     }
