@@ -79,12 +79,6 @@ __device__ __forceinline__ double warp_sum_d(double v) {
 
 // ---- Shared by the decode kernels of fast.cu and fast_kq.cu ----
 // Quantizes one 32-element group held one value per lane; returns q, writes d from lane 0.
-// q8_lane with the scale returned to every lane instead of stored.
-__device__ __forceinline__ int q8_lane_sd(float v, float& d) {
-    float amax = warp_max(fabsf(v));
-    d = amax / 127.0f;
-    return amax == 0.0f ? 0 : __float2int_rn(v / d);
-}
 __device__ __forceinline__ int q8_lane(float v, float* d_out) {
     float amax = warp_max(fabsf(v));
     float d = amax / 127.0f;

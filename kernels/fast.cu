@@ -266,9 +266,8 @@ __device__ __forceinline__ void route_topk_load(const float* lg, const float* bi
     }
 }
 // The rest of route_topk_warp, on the loaded scores times scale.
-// Returns the lane's expert (lanes below k; the flag hand-over packs them).
-__device__ __forceinline__ int route_topk_select(float (&sc)[RK_MAXE], float (&ch)[RK_MAXE], int E, int k, int gating,
-                                                 int* ids_t, float* w_t, int lane, float scale) {
+__device__ __forceinline__ void route_topk_select(float (&sc)[RK_MAXE], float (&ch)[RK_MAXE], int E, int k, int gating,
+                                                  int* ids_t, float* w_t, int lane, float scale) {
 #pragma unroll
     for (int i = 0; i < RK_MAXE; i++) sc[i] = __fmul_rn(sc[i], scale);
     if (gating == 2) {
@@ -364,16 +363,15 @@ __device__ __forceinline__ int route_topk_select(float (&sc)[RK_MAXE], float (&c
         ids_t[lane] = my_id;
         w_t[lane] = my_s / total;
     }
-    return my_id;
 }
 // The top-k of one token by one warp: logits lg (read through L2) times scale (exact at 1: the
 // streamed gate/up passes the MoE norm's 1 / rms, which router_topk_f32n's last block applies
 // to the stored logits with the same rounding), outputs ids_t[k], w_t[k].
-__device__ __forceinline__ int route_topk_warp(const float* lg, const float* bias, int E, int k, int gating,
-                                               int* ids_t, float* w_t, int lane, float scale = 1.0f) {
+__device__ __forceinline__ void route_topk_warp(const float* lg, const float* bias, int E, int k, int gating,
+                                                int* ids_t, float* w_t, int lane, float scale = 1.0f) {
     float sc[RK_MAXE], ch[RK_MAXE];
     route_topk_load(lg, bias, E, lane, sc, ch);
-    return route_topk_select(sc, ch, E, k, gating, ids_t, w_t, lane, scale);
+    route_topk_select(sc, ch, E, k, gating, ids_t, w_t, lane, scale);
 }
 
 
@@ -480,27 +478,6 @@ __device__ __forceinline__ float router_norm_inv(const float* ss_t, int ng, int 
     sum = warp_sum(sum);
     return 1.0f / sqrtf(sum / (float)n + eps);
 }
-// The router's hand-over word (MINIMAX_ROUTE_FLAG, one token, k <= 8 of at most 256 experts):
-// ~0 while the router runs (it clears it before the gate/up can launch); the last block's warp
-// 0 stores the top-k ids in it, byte j = expert j (unused bytes 0, so a set word is never ~0),
-// once ids / weights / scales are stored, every lane's stores fenced first. The streamed gate/up
-// polls it instead of waiting for the router grid to complete, and takes its ids from it
-// (stream.cu's gate_up_blk). my_id: the lane's expert (route_topk_warp's result).
-__device__ __forceinline__ void route_flag_set(unsigned long long* flag, int my_id, int k) {
-    if (!flag) return;
-    unsigned long long word = 0ull;
-    for (int j = 0; j < k; j++) word |= (unsigned long long)(__shfl_sync(0xffffffffu, my_id, j) & 0xff) << (8 * j);
-    __threadfence();
-    __syncwarp();
-    if ((threadIdx.x & 31) == 0) asm volatile("st.release.gpu.global.u64 [%0], %1;" ::"l"(flag), "l"(word) : "memory");
-}
-// router_norm_inv on group sums in shared memory (router_topk_f32ni: every block its own).
-__device__ __forceinline__ float router_norm_inv_sm(const float* ss_t, int ng, int n, float eps, int lane) {
-    float sum = 0.f;
-    for (int g0 = 0; g0 < ng; g0 += 32) sum += g0 + lane < ng ? ss_t[g0 + lane] : 0.f;
-    sum = warp_sum(sum);
-    return 1.0f / sqrtf(sum / (float)n + eps);
-}
 
 // norm_q8 (weight nw) and router_topk_f32x without the separate norm launch. RMSNorm's scale
 // is one scalar a token, so with h the unnormalized row and u = nw h (elementwise):
@@ -519,17 +496,11 @@ __device__ __forceinline__ float router_norm_inv_sm(const float* ss_t, int ng, i
 // last block's scale and top-k leave the chain; ids, w and cnt are not touched. Either kernel:
 // blocks of 1, 2, 4 or 8 warps (16: router_topk_f32n16; a warp a row: grid ceil(rows /
 // warps)), the same sums whatever the split.
-// SI (router_topk_f32ni, TAIL only): every block computes the 1 / rms itself while its weight
-// row is in flight (h staged beside u, all n / 32 group sums from shared memory in the last
-// block's order), so each block stores its logits and q8 scales already scaled (the same
-// __fmul_rn of the same values) and the last block runs only the top-k: the group-sum read
-// and the scale pass leave the chain's last block. Same bits as router_topk_f32n. Dynamic
-// shared memory 8 n + 4 n / 32 bytes.
-template <bool TAIL, bool SI = false>
+template <bool TAIL>
 __device__ __forceinline__ void router_f32n_impl(const float* W, int rows, int n, const float* x, i64 xs,
                                                  const float* nw, float eps, float* y, i64 ys, const float* bias,
                                                  int k, int gating, int* ids, float* w, u32* cnt, i8* q, float* d,
-                                                 float* ss, int pf, unsigned long long* flag) {
+                                                 float* ss, int pf) {
     extern __shared__ float4 rn_x[];
     const int wpb = blockDim.x >> 5;  // warps a block (any: each row and q8 group is one warp's)
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, t = blockIdx.y, r = blockIdx.x * wpb + warp;
@@ -541,74 +512,10 @@ __device__ __forceinline__ void router_f32n_impl(const float* W, int rows, int n
     if (pf && live && lane == 0 && t == 0)
         asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(wr), "r"(n * 4) : "memory");
 #endif
-    if (TAIL && flag) {
-        // The hand-over flag (one token): cleared before this grid lets the gate/up launch, set
-        // by the last block once the top-k is stored (route_flag_set).
-        pdl_wait();
-        if (blockIdx.x == 0 && threadIdx.x == 0) {
-            *flag = ~0ull;
-            __threadfence();
-        }
-        __syncthreads();
-        pdl_trigger();
-    } else {
-        pdl_enter();
-    }
+    pdl_enter();
     const float4* xt = (const float4*)(x + (i64)t * xs);
     const float4* gw = (const float4*)nw;
     float* dt = d + (i64)t * ng;
-    __shared__ float s_inv;
-    if (SI) {
-        float4* rn_h = rn_x + n4;  // h beside u
-        float* ss_sm = (float*)(rn_x + 2 * n4);
-        float acc = router_row_staged(wr, n4, live, lane, rn_x, [&] {
-            for (int i = threadIdx.x; i < n4; i += blockDim.x) {
-                const float4 h = __ldcg(xt + i), g = gw[i];
-                rn_x[i] = make_float4(h.x * g.x, h.y * g.y, h.z * g.z, h.w * g.w);
-                rn_h[i] = h;
-            }
-            __syncthreads();
-            const float* hs = (const float*)rn_h;
-            for (int grp = warp; grp < ng; grp += wpb) {
-                const float hv = hs[(grp << 5) + lane];
-                const float sq = warp_sum(hv * hv);
-                if (lane == 0) ss_sm[grp] = sq;
-            }
-            __syncthreads();
-            if (warp == 0) {
-                const float inv = router_norm_inv_sm(ss_sm, ng, n, eps, lane);
-                if (lane == 0) s_inv = inv;
-            }
-        });
-        const float inv = s_inv;
-        if (live) {
-            acc = warp_sum(acc);
-            if (lane == 0) y[(i64)t * ys + r] = __fmul_rn(acc, inv);
-        }
-        // This block's q8 groups: codes of u, scales times inv; their sums of squares as before.
-        const float* us = (const float*)rn_x;
-        for (int grp = blockIdx.x * wpb + warp; grp < ng; grp += wpb * gridDim.x) {
-            float dg;
-            q[(i64)t * n + (grp << 5) + lane] = (i8)q8_lane_sd(us[(grp << 5) + lane], dg);
-            if (lane == 0) {
-                dt[grp] = __fmul_rn(dg, inv);
-                ss[(i64)t * ng + grp] = ss_sm[grp];
-            }
-        }
-        __shared__ int last_si;
-        __threadfence();
-        __syncthreads();
-        if (threadIdx.x == 0) last_si = atomicAdd(&cnt[t], 1u) == gridDim.x - 1;
-        __syncthreads();
-        if (!last_si) return;
-        if (warp == 0) {
-            __threadfence();
-            const int my_id = route_topk_warp(y + (i64)t * ys, bias, rows, k, gating, ids + t * k, w + t * k, lane);
-            if (lane == 0) cnt[t] = 0;
-            route_flag_set(flag, my_id, k);
-        }
-        return;
-    }
     float acc = router_row_staged(wr, n4, live, lane, rn_x, [&] {
         for (int i = threadIdx.x; i < n4; i += blockDim.x) {
             const float4 h = __ldcg(xt + i), g = gw[i];
@@ -630,6 +537,7 @@ __device__ __forceinline__ void router_f32n_impl(const float* W, int rows, int n
     if (!TAIL) return;
     // router_last_block_topk, with the scale applied first.
     __shared__ int last;
+    __shared__ float s_inv;
     __threadfence();
     __syncthreads();
     if (threadIdx.x == 0) last = atomicAdd(&cnt[t], 1u) == gridDim.x - 1;
@@ -648,31 +556,22 @@ __device__ __forceinline__ void router_f32n_impl(const float* W, int rows, int n
     __threadfence_block();
     __syncthreads();
     if (warp == 0) {
-        const int my_id = route_topk_warp(yt, bias, rows, k, gating, ids + t * k, w + t * k, lane);
+        route_topk_warp(yt, bias, rows, k, gating, ids + t * k, w + t * k, lane);
         if (lane == 0) cnt[t] = 0;
-        route_flag_set(flag, my_id, k);
     }
 }
 #define ROUTER_F32N_ARGS                                                                                          \
     const float *W, int rows, int n, const float *x, i64 xs, const float *nw, float eps, float *y, i64 ys,        \
-        const float *bias, int k, int gating, int *ids, float *w, u32 *cnt, i8 *q, float *d, float *ss, int pf,  \
-        unsigned long long *flag
+        const float *bias, int k, int gating, int *ids, float *w, u32 *cnt, i8 *q, float *d, float *ss, int pf
 extern "C" __global__ void __launch_bounds__(256) router_topk_f32n(ROUTER_F32N_ARGS) {
-    router_f32n_impl<true>(W, rows, n, x, xs, nw, eps, y, ys, bias, k, gating, ids, w, cnt, q, d, ss, pf, flag);
+    router_f32n_impl<true>(W, rows, n, x, xs, nw, eps, y, ys, bias, k, gating, ids, w, cnt, q, d, ss, pf);
 }
 // Blocks of 16 warps (their own register budget: 128 a thread).
 extern "C" __global__ void __launch_bounds__(512) router_topk_f32n16(ROUTER_F32N_ARGS) {
-    router_f32n_impl<true>(W, rows, n, x, xs, nw, eps, y, ys, bias, k, gating, ids, w, cnt, q, d, ss, pf, flag);
-}
-// router_topk_f32n / router_topk_f32n16 with the 1 / rms in every block (SI above).
-extern "C" __global__ void __launch_bounds__(256) router_topk_f32ni(ROUTER_F32N_ARGS) {
-    router_f32n_impl<true, true>(W, rows, n, x, xs, nw, eps, y, ys, bias, k, gating, ids, w, cnt, q, d, ss, pf, flag);
-}
-extern "C" __global__ void __launch_bounds__(512) router_topk_f32ni16(ROUTER_F32N_ARGS) {
-    router_f32n_impl<true, true>(W, rows, n, x, xs, nw, eps, y, ys, bias, k, gating, ids, w, cnt, q, d, ss, pf, flag);
+    router_f32n_impl<true>(W, rows, n, x, xs, nw, eps, y, ys, bias, k, gating, ids, w, cnt, q, d, ss, pf);
 }
 extern "C" __global__ void __launch_bounds__(256) router_f32n(ROUTER_F32N_ARGS) {
-    router_f32n_impl<false>(W, rows, n, x, xs, nw, eps, y, ys, bias, k, gating, ids, w, cnt, q, d, ss, pf, nullptr);
+    router_f32n_impl<false>(W, rows, n, x, xs, nw, eps, y, ys, bias, k, gating, ids, w, cnt, q, d, ss, pf);
 }
 
 // router_topk_f32 for several tokens: warp (row, group of up to 4 tokens) loads each round of

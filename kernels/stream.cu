@@ -416,7 +416,7 @@ struct GuRoute {
 template <int SR, int DEC, bool ROUTE>
 __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k, int npairs,
                                             int grows, int nst, const i8* xq, const float* xd, int ncol, i8* aq,
-                                            float* ad, int ld, GuRoute rt, const unsigned long long* flag) {
+                                            float* ad, int ld, GuRoute rt) {
     static_assert(SR == 8 || SR == 16 || SR == 32, "stage rows");
     extern __shared__ __align__(128) u8 bk_sm[];
     const BkGu g = bk_gu_hdr(bk_sm);
@@ -424,23 +424,7 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
     bk_gu_init(g, nst);
     __syncthreads();
-    if (flag) {
-        // One token (k <= 8) after router_topk_f32n with the hand-over word: ids, weights and
-        // the q8 input are ready once the router's last block stores the ids in it (fast.cu's
-        // route_flag_set); the router grid's completion is not waited for, and the ids come
-        // with the word instead of a load of their own.
-        if (threadIdx.x == 0) {
-            unsigned long long v;
-            do {
-                asm volatile("ld.acquire.gpu.global.u64 %0, [%1];" : "=l"(v) : "l"(flag) : "memory");
-            } while (v == ~0ull);
-            for (int j = 0; j < k; j++) g.rids[j] = (int)((v >> (8 * j)) & 0xffull);
-        }
-        __syncthreads();
-        ids = g.rids;
-    } else {
-        pdl_wait();  // ids come from the router, the input from norm_q8 of this step
-    }
+    pdl_wait();  // ids come from the router, the input from norm_q8 of this step
     float inv = 1.f;
     if (ROUTE) {
         if (warp == BK_PW) {
@@ -479,17 +463,15 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
     const u8 *G, const u8 *U, i64 rb, i64 es, const int *ids, int k, int npairs, int grows, int nst, const i8 *xq, \
         const float *xd, int ncol, i8 *aq, float *ad, int ld
 #define BK_GU_ONE(name, sr, dec)                                                                                 \
-    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_##name##sr##_iq4_xs(BK_GU_ARGS,       \
-                                            const unsigned long long* flag) {                                  \
-        gate_up_blk<sr, dec, false>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld, GuRoute{},   \
-                                    flag);                                                                       \
+    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_##name##sr##_iq4_xs(BK_GU_ARGS) {     \
+        gate_up_blk<sr, dec, false>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld, GuRoute{});  \
     }
 // moe_gate_up_blkr: the sign decode, routing inline (ids: where the top-k goes, with w).
 #define BK_GU_ROUTED(sr)                                                                                         \
     extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_blkr##sr##_iq4_xs(                    \
         BK_GU_ARGS, const float* lg, const float* ss, const float* bias, int E, int gating, float eps, float* w) {   \
         gate_up_blk<sr, BK_SIGN, true>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld,          \
-                                       GuRoute{lg, ss, bias, E, gating, eps, (int*)ids, w}, nullptr);            \
+                                       GuRoute{lg, ss, bias, E, gating, eps, (int*)ids, w});                     \
     }
 #define BK_GU_INST(sr) \
     BK_GU_ONE(blk, sr, BK_SIGN) BK_GU_ONE(blkl, sr, BK_LOOKUP) BK_GU_ONE(blkp, sr, BK_PROBE) BK_GU_ROUTED(sr)

@@ -831,17 +831,12 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
         fast::set_router_f32n_warps(Some(warps));
         let eps = 1e-6f32;
         let NormRouterCase { xs, wm, x, nw, _w, dm, xb, nwb, bb } = NormRouterCase::new(&g, &mut rng, rows, cols, nt);
-        let cnt = g.zeros::<u32>(nt).unwrap();
+        let (cnt, ss) = (g.zeros::<u32>(nt).unwrap(), poisoned(&g, nt * cols / 32));
         let normed: Vec<Vec<f32>> = (0..nt).map(|t| rms_norm_ref(&x[t * xs..t * xs + cols], &nw, eps)).collect();
         let want_y: Vec<f32> = (0..nt).flat_map(|t| (0..rows).map(|r| wm[r * cols..(r + 1) * cols].iter().zip(&normed[t]).map(|(&a, &b)| a as f64 * b as f64).sum::<f64>() as f32).collect::<Vec<_>>()).collect();
-        // Each rep twice: the last block scales (router_topk_f32n), then every block takes the
-        // 1 / rms itself (router_topk_f32ni): every output bit-identical between the two.
-        let mut forms: Vec<Vec<Vec<u32>>> = Vec::new();
-        for (rep, si) in [(0, false), (0, true), (1, false), (1, true)] {
-            fast::set_router_self_inv(Some(si));
-            let what = format!("router_topk_f32n {rows}x{cols} top-{k}, {nt} tokens, prefetch {pf}, {warps} warps a block, 1 / rms in every block {si}, rep {rep}");
+        for rep in 0..2 {
+            let what = format!("router_topk_f32n {rows}x{cols} top-{k}, {nt} tokens, prefetch {pf}, {warps} warps a block, rep {rep}");
             let y = poisoned(&g, nt * rows);
-            let ss = poisoned(&g, nt * cols / 32);
             let ids = g.zeros::<i32>(nt * k).unwrap();
             g.fill_u32(g.ptr(&ids), nt * k, u32::MAX).unwrap();
             let wb = poisoned(&g, nt * k);
@@ -868,18 +863,8 @@ fn fast_norm_router_and_qk_rope_match_cpu() {
                 }
             }
             assert!(g.download(&cnt).unwrap().iter().all(|&c| c == 0), "{what}: counters not reset");
-            let u32s = |v: &[i32]| v.iter().map(|&x| x as u32).collect::<Vec<_>>();
-            let out = vec![bits(&got_y), u32s(&g.download(&ids).unwrap()), bits(&g.download(&wb).unwrap()), gq.iter().map(|&c| c as u8 as u32).collect(), bits(&gd), bits(&g.download(&ss).unwrap())];
-            if si {
-                let names = ["logits", "ids", "weights", "q8 codes", "q8 scales", "group sums of squares"];
-                for (i, name) in names.iter().enumerate() {
-                    assert!(out[i] == forms[forms.len() - 1][i], "{what}: {name} differ from the last-block scale's");
-                }
-            }
-            forms.push(out);
             eprintln!("{what}: logits within {worst:.2e} of the host's, ids / weights = moe_route on them, q8 within half a step");
         }
-        fast::set_router_self_inv(None);
         fast::set_router_prefetch(None);
         fast::set_router_f32n_warps(None);
     }

@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--x8-ab] [--selfinv-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--x8-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -1135,27 +1135,6 @@ fn main() -> anyhow::Result<()> {
             b1_ab(&mut m, &mut pages, "attention norm hand-over", &names, &|i| set_norm_x8(Some(i == 1)))?;
         }
         set_norm_x8(None);
-        return Ok(());
-    }
-    if flag("--selfinv-ab") {
-        // The MoE norm's 1 / rms: the router's last block scales every logit and q8 scale,
-        // against every block taking it itself (router_topk_f32ni); batch 1, then 4 and 8.
-        // Then the gate/up polling the router's hand-over flag instead of its PDL wait (batch 1).
-        use minimax_rank::cuda::fast::{set_route_flag, set_router_self_inv};
-        let names = ["last block scales (router_topk_f32n)", "1 / rms in every block (router_topk_f32ni)"];
-        for b in [1usize, 1, 4, 8] {
-            bn_ab(&mut m, &mut pages, b, "MoE norm scale", &names, &|i| set_router_self_inv(Some(i == 1)))?;
-        }
-        set_router_self_inv(None);
-        let names = ["PDL wait, last block scales", "PDL wait, 1 / rms in every block", "flag, last block scales", "flag, 1 / rms in every block"];
-        for _ in 0..2 {
-            bn_ab(&mut m, &mut pages, 1, "router to gate/up hand-over", &names, &|i| {
-                set_router_self_inv(Some(i % 2 == 1));
-                set_route_flag(Some(i >= 2));
-            })?;
-        }
-        set_router_self_inv(None);
-        set_route_flag(None);
         return Ok(());
     }
     if flag("--attn-exit-ab") {

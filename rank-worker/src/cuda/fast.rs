@@ -270,38 +270,6 @@ pub fn set_router_prefetch(on: Option<bool>) {
     ROUTER_PREFETCH.set(on);
 }
 
-static ROUTER_SELF_INV: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTER_SELF_INV", false);
-
-/// Whether `router_topk_f32n` takes the MoE norm's 1 / rms in every block
-/// (`router_topk_f32ni`: each block sums all the group squares from shared memory while its
-/// row is in flight and stores its logits and q8 scales already scaled), so the last block
-/// runs only the top-k (`MINIMAX_ROUTER_SELF_INV=1`; default off: 1.2 % slower at batch 1).
-/// Bit-identical either way.
-pub fn router_self_inv() -> bool {
-    ROUTER_SELF_INV.get()
-}
-
-/// Overrides [`router_self_inv`] (A/B runs, tests; `None` = back to the environment). Drop
-/// captured graphs after a change.
-pub fn set_router_self_inv(on: Option<bool>) {
-    ROUTER_SELF_INV.set(on);
-}
-
-static ROUTE_FLAG: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTE_FLAG", false);
-
-/// Whether one-token steps hand the router's top-k to the streamed gate/up through a flag in
-/// memory (`router_topk_f32n_flagged` sets it, the gate/up's blocks poll it) instead of the
-/// gate/up's PDL wait for the router grid's completion (`MINIMAX_ROUTE_FLAG=1`; default off).
-pub fn route_flag() -> bool {
-    ROUTE_FLAG.get()
-}
-
-/// Overrides [`route_flag`] (A/B runs, tests; `None` = back to the environment). Drop captured
-/// graphs after a change.
-pub fn set_route_flag(on: Option<bool>) {
-    ROUTE_FLAG.set(on);
-}
-
 static ROUTER_NORMLESS: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_ROUTER_NORMLESS", true);
 
 /// Whether the MoE norm of steps below [`router_t4_min`] tokens runs inside the router
@@ -1443,20 +1411,7 @@ impl Gpu {
     /// weights up to f32 rounding of the logits. `ss`: `nt * cols / 32` floats of scratch.
     #[allow(clippy::too_many_arguments)]
     pub fn router_topk_f32n(&self, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, ss: u64, nt: usize) -> Result<(), CudaError> {
-        self.router_f32n_any(true, w, x, xs, nw, eps, y, ys, bias, k, gating, ids, wts, cnt, xq, xd, ss, nt, 0)
-    }
-
-    /// [`Gpu::router_topk_f32n`] for one token that also stores its top-k ids in the hand-over
-    /// word `flag` (a u64; any value at first use, the router clears it to !0 before the gate/up
-    /// can launch) once they are stored: the streamed gate/up launched next with the same word
-    /// ([`Gpu::try_gate_up_stream_flag`]) polls it instead of waiting for this grid to
-    /// complete, and takes its ids from it (`MINIMAX_ROUTE_FLAG`). k <= 8, at most 256 experts.
-    #[allow(clippy::too_many_arguments)]
-    pub fn router_topk_f32n_flagged(&self, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, ss: u64, flag: u64) -> Result<(), CudaError> {
-        if flag == 0 || flag % 8 != 0 || k > 8 || w.rows > 256 {
-            return Err(CudaError::Shape(format!("router_topk_f32n_flagged: hand-over word at {flag:#x}, top-{k} of {} (k <= 8 of at most 256)", w.rows)));
-        }
-        self.router_f32n_any(true, w, x, xs, nw, eps, y, ys, bias, k, gating, ids, wts, cnt, xq, xd, ss, 1, flag)
+        self.router_f32n_any(true, w, x, xs, nw, eps, y, ys, bias, k, gating, ids, wts, cnt, xq, xd, ss, nt)
     }
 
     /// [`Gpu::router_topk_f32n`] without its arrival, scale and top-k (`router_f32n`): `y` keeps
@@ -1465,28 +1420,25 @@ impl Gpu {
     /// next). One token.
     #[allow(clippy::too_many_arguments)]
     pub fn router_f32n(&self, w: &DevMat, x: u64, nw: u64, eps: f32, y: u64, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, xq: u64, xd: u64, ss: u64) -> Result<(), CudaError> {
-        self.router_f32n_any(false, w, x, w.cols, nw, eps, y, w.rows, bias, k, gating, 0, 0, 0, xq, xd, ss, 1, 0)
+        self.router_f32n_any(false, w, x, w.cols, nw, eps, y, w.rows, bias, k, gating, 0, 0, 0, xq, xd, ss, 1)
     }
 
     /// `tail`: with the arrival and top-k (`router_topk_f32n`, in blocks of 16 warps
     /// `router_topk_f32n16`), or without (`router_f32n`, 8 warps a block at most).
     #[allow(clippy::too_many_arguments)]
-    fn router_f32n_any(&self, tail: bool, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, ss: u64, nt: usize, flag: u64) -> Result<(), CudaError> {
-        let si = tail && router_self_inv();
+    fn router_f32n_any(&self, tail: bool, w: &DevMat, x: u64, xs: usize, nw: u64, eps: f32, y: u64, ys: usize, bias: u64, k: usize, gating: minimax_shared::model::GatingFunc, ids: u64, wts: u64, cnt: u64, xq: u64, xd: u64, ss: u64, nt: usize) -> Result<(), CudaError> {
         let (name, wpb) = match (tail, router_f32n_warps()) {
             (false, wp) => ("router_f32n", wp.min(8)),
-            (true, 16) => (if si { "router_topk_f32ni16" } else { "router_topk_f32n16" }, 16),
-            (true, wp) => (if si { "router_topk_f32ni" } else { "router_topk_f32n" }, wp),
+            (true, 16) => ("router_topk_f32n16", 16),
+            (true, wp) => ("router_topk_f32n", wp),
         };
         if !normless_fits(w, nw) || xs % 4 != 0 || x % 16 != 0 || w.rows > ROUTE_FAST_MAX_E || k > 32 || k > w.rows || k == 0 {
             return Err(CudaError::Shape(format!("{name}: {:?} {}x{}, top-{k}", w.ty, w.rows, w.cols)));
         }
         let g = gating_code(gating);
         let mut args = norm_router_args(w, x, xs, nw, eps, y, ys, bias, k, g, ids, wts, cnt, xq, xd);
-        args.extend([Arg::P(ss), Arg::I(router_prefetch() as i32), Arg::P(flag)]);
-        // SI: h beside u and the group sums (8 n + 4 n / 32 bytes: 33 KB at the 4096-column limit).
-        let smem = if si { 8 * w.cols + 4 * (w.cols / 32) } else { 4 * w.cols };
-        self.launch_pdl(name, (ceil_div(w.rows, wpb as usize), nt as u32, 1), 32 * wpb, smem as u32, &args)
+        args.extend([Arg::P(ss), Arg::I(router_prefetch() as i32)]);
+        self.launch_pdl(name, (ceil_div(w.rows, wpb as usize), nt as u32, 1), 32 * wpb, (4 * w.cols) as u32, &args)
     }
 
     /// `norm_q8` of `x` (weight `nw`, into `xq` / `xd`) and [`Gpu::router_topk_f32`] on its
@@ -1881,8 +1833,6 @@ pub(crate) struct FastWs {
     pub rope: CudaSlice<f32>,
     /// Arrival counters of `router_topk_f32`, one per token (kept zero between launches).
     pub rcnt: CudaSlice<u32>,
-    /// The router's hand-over word of one-token steps (fast::route_flag; its top-k ids).
-    pub rflag: CudaSlice<u64>,
     /// `router_topk_f32n`: per token, each 32-column group's sum of squares.
     pub rss: CudaSlice<f32>,
     /// Arrival counters of `attn_dec6m_*`, one per (token, KV head) (kept zero).
@@ -1936,7 +1886,6 @@ impl FastWs {
             ss: g.zeros(2 * t)?,
             rope: g.zeros(t * 128)?,
             rcnt: g.zeros(t)?,
-            rflag: g.zeros(1)?,
             rss: g.zeros(t * c.hidden.div_ceil(32))?,
             acnt: g.zeros(t * c.n_kv_heads.max(1))?,
             ncnt: g.zeros(1)?,

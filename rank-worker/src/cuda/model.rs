@@ -567,13 +567,7 @@ impl CudaModel {
             let normless = rmode == RouteMode::Fused && !fuse_router && super::fast::router_normless() && nt < super::fast::router_t4_min() && super::fast::normless_fits(&l.router, l.ffn_norm);
             // One token, normless router, streamed gate/up: the gate/up routes (fast::route_inline).
             let inline = normless && nt == 1 && !tp && !grouped && run(sk::ROUTE) && run(sk::GATE_UP) && super::fast::route_inline() && g.gate_up_routes(&l.gate, &l.up, k, e, dn.cols)?;
-            // One token, the router's last block hands its top-k to the streamed gate/up by a flag
-            // (fast::route_flag) instead of the gate/up waiting for the router grid.
-            let flagged = normless && !inline && nt == 1 && k <= 8 && e <= 256 && !tp && !grouped && run(sk::ROUTE) && run(sk::GATE_UP) && super::fast::route_flag() && super::stream::stream_on() && g.gate_up_stream_plan(&l.gate, &l.up)?.is_some();
-            let rflag = if flagged { g.ptr(&ws.rflag) } else { 0 };
             if !run(sk::ROUTE) {
-            } else if flagged {
-                g.router_topk_f32n_flagged(&l.router, hid, h, l.ffn_norm, c.rms_eps, p(&ws.rl), e, l.bias, k, c.gating, ids, wts, g.ptr(&ws.rcnt), xq, xd, p(&ws.rss), rflag)?;
             } else if inline {
                 g.router_f32n(&l.router, hid, l.ffn_norm, c.rms_eps, p(&ws.rl), l.bias, k, c.gating, xq, xd, p(&ws.rss))?;
             } else if fast_router(&l.router) && rmode == RouteMode::Fused && fuse_router {
@@ -604,7 +598,7 @@ impl CudaModel {
             } else if grouped {
                 g.moe_group(ids, nt * k, e, grp)?;
                 g.moe_gate_up_grp_any(&l.gate, &l.up, grp, e, nslots, k, xq, xd, aq, ad, dn.cols)?;
-            } else if !(flagged && g.try_gate_up_stream_flag(&l.gate, &l.up, ids, k, nt * k, xq, xd, aq, ad, dn.cols, rflag)?) {
+            } else {
                 g.moe_gate_up_q8_any(&l.gate, &l.up, ids, k, xq, xd, aq, ad, nt * k, dn.cols)?;
             }
             if tp && !lead {

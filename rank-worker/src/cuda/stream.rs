@@ -241,19 +241,11 @@ impl Gpu {
     /// dispatcher's form, one plan per launch.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn try_gate_up_stream(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<bool, CudaError> {
-        self.try_gate_up_stream_flag(gate, up, ids, k, npairs, xq, xd, aq, ad, ld, 0)
-    }
-
-    /// [`Gpu::try_gate_up_stream`] whose blocks poll the router's hand-over flag `flag`
-    /// (0: none, the PDL wait) instead of waiting for the router grid: only right after
-    /// [`Gpu::router_topk_f32n_flagged`] with the same flag, one token.
-    #[allow(clippy::too_many_arguments)]
-    pub fn try_gate_up_stream_flag(&self, gate: &DevMat, up: &DevMat, ids: u64, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize, flag: u64) -> Result<bool, CudaError> {
         let plan = self.gate_up_stream_plan(gate, up)?;
         let Some(plan) = plan.filter(|_| ld >= gate.rows && ld % 32 == 0 && k > 0) else {
             return Ok(false);
         };
-        self.launch_gate_up_stream(stem(), plan, gate, up, ids, k, npairs, xq, xd, aq, ad, ld, &[Arg::P(flag)])?;
+        self.launch_gate_up_stream(stem(), plan, gate, up, ids, k, npairs, xq, xd, aq, ad, ld, &[])?;
         Ok(true)
     }
 
