@@ -16,6 +16,10 @@ const MV_WARPS: usize = 8;
 /// super-blocks a row it takes (one phase, KQ_MV_PB in kernels/fast_kq.cu).
 const MVR_WARPS: usize = 4;
 const MVR_MAX_BLOCKS: usize = 12;
+/// Fewest rows a launch needs for the rows form: below it, two rows a warp leave the GPU
+/// with too few warps (H200, one token: the 1,024-row Q6_K v slice 5.9 µs with `kq_mv`,
+/// 7.5 with `kq_mvr2`; q+k's 7,168 rows 13.5 → 12.6; the 200,064-row head 205.8 → 185.1).
+const MVR_MIN_ROWS: usize = 4096;
 /// Rows per block of the expert down kernel (one warp per output row).
 const DN_WARPS: usize = 4;
 
@@ -31,18 +35,22 @@ pub fn kq_fast_mat(w: &DevMat) -> bool {
 }
 
 static KQ_ROWS: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_KQ_ROWS", true);
+static KQ_ROWS_ANY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Whether one-token K-quant products of rows up to 12 super-blocks (3,072 columns) take
-/// `kq_mvr2_*` (two rows a warp, every copy issued before the PDL wait; the Q6_K output head)
-/// instead of `kq_mv_*_1` (default on; `MINIMAX_KQ_ROWS=0` = kq_mv). Bit-identical.
+/// Whether one-token K-quant products of rows up to 12 super-blocks (3,072 columns) and at
+/// least 4,096 rows a launch take `kq_mvr2_*` (two rows a warp, every copy issued before the
+/// PDL wait; the Q6_K output head) instead of `kq_mv_*_1` (default on; `MINIMAX_KQ_ROWS=0` =
+/// kq_mv). Bit-identical.
 pub fn kq_rows() -> bool {
     KQ_ROWS.get()
 }
 
-/// Overrides [`kq_rows`] (A/B runs, tests; `None` = back to the environment). Drop captured
-/// graphs after a change.
+/// Overrides [`kq_rows`] (A/B runs, tests; `None` = back to the environment). `Some(true)`
+/// also takes the rows form below 4,096 rows (tests of small matrices). Drop captured graphs
+/// after a change.
 pub fn set_kq_rows(on: Option<bool>) {
     KQ_ROWS.set(on);
+    KQ_ROWS_ANY.store(on == Some(true), std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Whether the fast path may take K-quant matrices (on unless `MINIMAX_FAST_KQ=0`: without them
@@ -103,7 +111,8 @@ impl Gpu {
         }
         let nt = mv_nt(nv);
         let (args, rows) = mv_args(segs, ncol / 256, xq, xd, ncol, nv, accumulate);
-        if nv == 1 && ncol / 256 <= MVR_MAX_BLOCKS && kq_rows() {
+        let many = rows >= MVR_MIN_ROWS || KQ_ROWS_ANY.load(std::sync::atomic::Ordering::Relaxed);
+        if nv == 1 && ncol / 256 <= MVR_MAX_BLOCKS && many && kq_rows() {
             let grid = (rows.div_ceil(2 * MVR_WARPS) as u32, 1, 1);
             return self.launch_pdl(&format!("kq_mvr2_{}", kq_name(ty)), grid, 32 * MVR_WARPS as u32, 0, &args);
         }
