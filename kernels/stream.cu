@@ -478,12 +478,6 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
 BK_GU_INST(8)
 BK_GU_INST(16)
 BK_GU_INST(32)
-// moe_gate_up_blkd16: blk16 held to the registers of two blocks an SM (56 a thread), so that with
-// a 2-stage ring (~106 KB) a down block (moe_down_blkd8) fits beside it and streams its first
-// stages while the gate/up runs (MINIMAX_STREAM_PAIR).
-extern "C" __global__ void __launch_bounds__(BK_THREADS, 2) moe_gate_up_blkd16_iq4_xs(BK_GU_ARGS) {
-    gate_up_blk<16, BK_SIGN, false>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld, GuRoute{});
-}
 
 // -------------------------------------------------------------------- down -------------
 // Combining down: task = (token t, RS output rows); its one stage holds those rows of each of
@@ -782,9 +776,4 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
 #define BK_DN_INST(rs) BK_DN_ONE(blk, rs, BK_SIGN) BK_DN_ONE(blkl, rs, BK_LOOKUP) BK_DN_ONE(blkp, rs, BK_PROBE)
 BK_DN_INST(4)
 BK_DN_INST(8)
-// moe_down_blk8 at two blocks an SM's registers (beside moe_gate_up_blkd16).
-extern "C" __global__ void __launch_bounds__(BK_THREADS, 2) moe_down_blkd8_iq4_xs(BK_DN_ARGS) {
-    down_blk<8, BK_SIGN>(W, rb, es, rows, ids, wts, k, nt, nst, aq, ad, ff, hidden, hs, nw, eps, nq, nd, ncnt, trig_late,
-                         nss);
-}
 

@@ -490,42 +490,6 @@ fn fast_path_inline_route_is_bit_identical() {
     eprintln!("m2.7:iq4xs:2 fast path: inline routing and router blocks of 8 warps bit-identical to the router's last block over {} steps, direct and from graphs", runs[0].len());
 }
 
-/// The batch-1 experts as a pair that fits one SM (`moe_gate_up_blkd16` + `moe_down_blkd8`,
-/// stream::set_stream_pair: 2-stage rings of 16 + 16 and 8 rows, 56 registers a thread) at M2.7
-/// dimensions (2 layers): one-token steps launch them; logits of steps of 1, 2 and 5 tokens
-/// bit-identical to the default rings (the same arithmetic), direct and from graphs.
-#[test]
-#[ignore = "needs a CUDA GPU"]
-fn fast_path_stream_pair_is_bit_identical() {
-    use minimax_rank::cuda::stream::set_stream_pair;
-    use minimax_shared::model::synthetic::SyntheticSpec;
-    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
-    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 31).unwrap();
-    assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
-    set_stream_pair(Some(true));
-    let on = one_token_step_kernels(&mut m, 950, (0..2).collect(), vec![3, 5, 7], 11);
-    let count = |ks: &[String], p: &str| ks.iter().filter(|k| k.as_str() == p).count();
-    assert!(count(&on, "moe_gate_up_blkd16_iq4_xs") == 2 && count(&on, "moe_down_blkd8_iq4_xs") == 2, "the pair: {on:?}");
-    let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
-    for (i, (pair, graphs)) in [(false, false), (true, false), (true, true)].into_iter().enumerate() {
-        set_stream_pair(Some(pair));
-        m.clear_graphs();
-        m.set_fast(true, graphs);
-        runs.push(fast_step_series(&mut m, 40 + 20 * i as u32));
-    }
-    set_stream_pair(None);
-    m.clear_graphs();
-    m.set_fast(true, true);
-    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
-    for b in 1..runs.len() {
-        for (s, (x, y)) in runs[0].iter().zip(runs[b].iter()).enumerate() {
-            assert!(y.iter().all(|v| v.is_finite()), "pair, run {b}, step {s}: non-finite logits");
-            assert!(bits(x) == bits(y), "pair, run {b}, step {s}: the logits differ from the default rings (max |diff| {})", max_diff(x, y));
-        }
-    }
-    eprintln!("m2.7:iq4xs:2 fast path: the gate/up + down pair bit-identical to the default rings over {} steps, direct and from graphs", runs[0].len());
-}
-
 /// The kernels of one direct (no graph) one-token step of sequence `seq` (token `next`) after
 /// `prompt` filled its cache (pages `pt`), in launch order.
 fn one_token_step_kernels(m: &mut CudaModel, seq: u64, pt: Vec<u32>, prompt: Vec<u32>, next: u32) -> Vec<String> {

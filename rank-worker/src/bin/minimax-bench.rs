@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--x8-ab] [--pair-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--x8-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -1135,24 +1135,6 @@ fn main() -> anyhow::Result<()> {
             b1_ab(&mut m, &mut pages, "attention norm hand-over", &names, &|i| set_norm_x8(Some(i == 1)))?;
         }
         set_norm_x8(None);
-        return Ok(());
-    }
-    if flag("--pair-ab") {
-        // Batch-1 experts: the default rings (gate/up 2 x 32 + 32 rows, ~211 KB: alone on its SM)
-        // against 2 x 16 + 16 rows, alone (blk16) and as a pair with the down's block resident
-        // beside it (blkd16 + blkd8, 56 registers a thread each: MINIMAX_STREAM_PAIR).
-        use minimax_rank::cuda::stream::{set_stream_pair, set_stream_rows_cap, set_stream_stage_cap};
-        let names = ["gate/up 2 x 32 rows (default)", "gate/up 2 x 16 rows", "pair: blkd16 + blkd8"];
-        for _ in 0..3 {
-            b1_ab(&mut m, &mut pages, "batch-1 expert rings", &names, &|i| {
-                set_stream_pair(Some(i == 2));
-                set_stream_rows_cap(if i == 1 { Some((16, 0)) } else { None });
-                set_stream_stage_cap(if i == 1 { Some(2) } else { None });
-            })?;
-        }
-        set_stream_pair(None);
-        set_stream_rows_cap(None);
-        set_stream_stage_cap(None);
         return Ok(());
     }
     if flag("--attn-exit-ab") {

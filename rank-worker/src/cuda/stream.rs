@@ -51,28 +51,9 @@ fn stem() -> &'static str {
         "blkp"
     } else if stream_lookup() {
         "blkl"
-    } else if stream_pair() {
-        "blkd"
     } else {
         "blk"
     }
-}
-
-static STREAM_PAIR: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_STREAM_PAIR", false);
-
-/// Whether the batch-1 gate/up and down run as a pair that fits one SM together
-/// (`moe_gate_up_blkd16` with 2 stages of 16 + 16 rows, `moe_down_blkd8` with 2 stages of 8 rows:
-/// ~106 KB and 56 registers a thread each), so each SM's down block is resident and streams its
-/// first stages while the gate/up still runs (`MINIMAX_STREAM_PAIR=1`; default off). Same
-/// arithmetic as `blk16` / `blk8`.
-pub fn stream_pair() -> bool {
-    STREAM_PAIR.get()
-}
-
-/// Overrides [`stream_pair`] (A/B runs, tests; `None` = back to the environment). Drop captured
-/// graphs after a change.
-pub fn set_stream_pair(on: Option<bool>) {
-    STREAM_PAIR.set(on);
 }
 
 static STAGE_CAP: AtomicUsize = AtomicUsize::new(0);
@@ -177,8 +158,6 @@ pub struct StreamRoute {
 const THREADS: u32 = 32 * 18;
 /// Shared memory before the ring: barriers and the hand-over buffers (`BK_HDR`).
 const HDR: usize = 2048;
-/// Shared memory the pair's gate/up asks for (see `launch_gate_up_stream`).
-const PAIR_GATE_UP_SMEM: usize = 120 * 1024;
 /// Most ring stages (`BK_MAXST`).
 const MAX_STAGES: usize = 8;
 /// Units a lane round covers (3 per lane).
@@ -210,9 +189,6 @@ impl Gpu {
         if !shapes {
             return Ok(None);
         }
-        if stream_pair() && !probe() && !stream_lookup() && self.ring_stages(HDR, 2 * 16 * gate.row_bytes)? >= 2 {
-            return Ok(Some((16, 2)));
-        }
         for sr in [32usize, 16, 8].into_iter().filter(|&r| rows_ok(0, r) || r == 8) {
             let n = self.ring_stages(HDR, 2 * sr * gate.row_bytes)?;
             if n >= 2 {
@@ -232,9 +208,6 @@ impl Gpu {
         let shapes = down.ty == GgmlType::IQ4_XS && fast_mat(down) && 2 * (down.cols / 32) <= ROUND_UNITS && (1..=STREAM_MAX_K).contains(&k);
         if !shapes {
             return Ok(None);
-        }
-        if stream_pair() && !probe() && !stream_lookup() && self.ring_stages(HDR, 8 * k * down.row_bytes)? >= 2 {
-            return Ok(Some((8, 2)));
         }
         let cap = ROWS_CAP[1].load(Ordering::Relaxed);
         let capped = stage_cap_set().is_some();
@@ -272,9 +245,7 @@ impl Gpu {
         let Some(plan) = plan.filter(|_| ld >= gate.rows && ld % 32 == 0 && k > 0) else {
             return Ok(false);
         };
-        // The pair's kernel exists for 16-row stages only (a plan that did not fit the pair).
-        let st = if stem() == "blkd" && plan.0 != 16 { "blk" } else { stem() };
-        self.launch_gate_up_stream(st, plan, gate, up, ids, k, npairs, xq, xd, aq, ad, ld, &[])?;
+        self.launch_gate_up_stream(stem(), plan, gate, up, ids, k, npairs, xq, xd, aq, ad, ld, &[])?;
         Ok(true)
     }
 
@@ -282,9 +253,7 @@ impl Gpu {
     /// the kernel's own arguments after the common ones (the routed kernel's).
     #[allow(clippy::too_many_arguments)]
     fn launch_gate_up_stream(&self, stem: &str, (sr, nst): (usize, usize), gate: &DevMat, up: &DevMat, ids: u64, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize, extra: &[Arg]) -> Result<(), CudaError> {
-        // The pair's gate/up asks for 120 KB: one fits beside a down block (~106 KB) in an SM's
-        // 228 KB, two do not (else the block scheduler may put two gate/ups on one SM).
-        let smem = if stem == "blkd" { (HDR + nst * 2 * sr * gate.row_bytes).max(PAIR_GATE_UP_SMEM) } else { HDR + nst * 2 * sr * gate.row_bytes };
+        let smem = HDR + nst * 2 * sr * gate.row_bytes;
         let mid = [Arg::P(ids), Arg::I(k as i32), Arg::I(npairs as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32)];
         let grid = self.stream_grid(npairs * (gate.rows / 32))?;
         let mut args = gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld);
@@ -363,8 +332,7 @@ impl Gpu {
         let smem = HDR + nst * rs * k * down.row_bytes;
         let grid = self.stream_grid(nt * down.rows.div_ceil(rs))?;
         let mid = [Arg::P(ids), Arg::P(wts), Arg::I(k as i32), Arg::I(nt as i32), Arg::I(nst as i32)];
-        let st = if stem() == "blkd" && rs != 8 { "blk" } else { stem() };
-        let name = format!("moe_down_{st}{rs}_iq4_xs");
+        let name = format!("moe_down_{}{rs}_iq4_xs", stem());
         let (nw, eps, nq, nd, cnt, late, ss8) = match next {
             Some(n) => (n.weight, n.eps, n.q, n.d, n.cnt, n.trig_late, n.ss8),
             None => (0, 0.0, 0, 0, 0, false, 0),
