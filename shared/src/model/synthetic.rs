@@ -136,13 +136,10 @@ impl SyntheticSpec {
         }
         match self.mix {
             QuantMix::Q8_0 => T::Q8_0,
-            QuantMix::Iq4Xs => match name {
-                names::FFN_GATE_EXPS | names::FFN_UP_EXPS | names::FFN_DOWN_EXPS | names::TOKEN_EMBD => T::IQ4_XS,
-                names::OUTPUT => T::Q6_K,
-                _ => T::Q8_0,
-            },
-            QuantMix::Iq4XsQ8Out => match name {
+            QuantMix::Iq4Xs | QuantMix::Iq4XsQ8Out => match name {
                 names::FFN_GATE_EXPS | names::FFN_UP_EXPS | names::FFN_DOWN_EXPS => T::IQ4_XS,
+                names::TOKEN_EMBD if self.mix == QuantMix::Iq4Xs => T::IQ4_XS,
+                names::OUTPUT if self.mix == QuantMix::Iq4Xs => T::Q6_K,
                 _ => T::Q8_0,
             },
             QuantMix::Q4KM => match name {
