@@ -19,7 +19,7 @@
 //     dp4a against 0x01010101).
 //   Q6_K unit (g, kp, h): ql bytes 64 g + 32 kp + 16 h .. +16 and qh bytes 32 g + 16 h .. +16:
 //     16 values of k = kp (columns 128 g + 32 kp + 16 h + i) and 16 of k = kp + 2 (+64); codes
-//     rebuilt as signed int8 (6 bits - 32 with __vsub4), two 4-dp4a sums per token.
+//     rebuilt as signed int8 4 (6 bits - 32) (bit operations only), two 4-dp4a sums per token.
 //
 // Weight rows are staged per warp into shared memory with 16-byte cp.async copies (L1 bypassed,
 // no registers held, a whole phase in flight) and double-buffered: phase n + 1 is in flight while
@@ -130,17 +130,22 @@ __device__ __forceinline__ void kq_unit_tk(const u8* blk, int u, int colb, const
         int g = u >> 2, kp = (u >> 1) & 1, h = u & 1;
         float d = f16_to_f32(*(const u16*)(blk + 208));
         const i8* sc = (const i8*)(blk + 192);
-        fa = d * (float)sc[8 * g + 2 * kp + h];
-        fb = d * (float)sc[8 * g + 2 * kp + 4 + h];
+        // The codes as 4 (v - 32) (v = the 6-bit value): the 4 low bits at bits 5:2 and the 2 high
+        // bits at 7:6 of each byte give 4 v, and 4 v - 128 is that byte with bit 7 flipped (no
+        // per-byte subtraction: __vsub4 is several ALU instructions on sm_90). The dots come out
+        // 4x and the scales take the 1/4: fa / 4 and 4 sa are exact, so fa * sa is the same f32.
+        fa = d * (float)sc[8 * g + 2 * kp + h] * 0.25f;
+        fb = d * (float)sc[8 * g + 2 * kp + 4 + h] * 0.25f;
         u32 wl[4], wh[4];
         kq_ld16(blk + 64 * g + 32 * kp + 16 * h, wl);
         kq_ld16(blk + 128 + 32 * g + 16 * h, wh);
+        const int sha = 6 - 2 * kp, shb = 2 - 2 * kp;  // qh bits 2 kp + {0, 1} / + {4, 5} -> 7:6
 #pragma unroll
         for (int i = 0; i < 4; i++) {
-            u32 la = wl[i] & 0x0F0F0F0Fu, lb = (wl[i] >> 4) & 0x0F0F0F0Fu;
-            u32 ha = ((wh[i] >> (2 * kp)) & 0x03030303u) << 4, hb = ((wh[i] >> (2 * kp + 4)) & 0x03030303u) << 4;
-            qa[i] = (int)__vsub4(la | ha, 0x20202020u);
-            qb[i] = (int)__vsub4(lb | hb, 0x20202020u);
+            const u32 la = (wl[i] << 2) & 0x3C3C3C3Cu, lb = (wl[i] >> 2) & 0x3C3C3C3Cu;
+            const u32 ha = (wh[i] << sha) & 0xC0C0C0C0u, hb = (wh[i] << shb) & 0xC0C0C0C0u;
+            qa[i] = (int)((la | ha) ^ 0x80808080u);
+            qb[i] = (int)((lb | hb) ^ 0x80808080u);
         }
         ca = colb + 128 * g + 32 * kp + 16 * h;
         cb = ca + 64;
