@@ -3048,6 +3048,14 @@ extern "C" __global__ void __launch_bounds__(128)
 #define AT_STAGE (2 * AT_TILE * AD_HD * 2)      // bytes of one stage: K tile then V tile
 #define AT_WBYTES (AT_NST * AT_STAGE)           // one warp's ring
 #define AT_SMEM (AD_WARPS * AT_WBYTES)          // 98304
+// Stages of the one-token kernels (attn_dec6tn_*, attn_dec6tnm_*): set by the host for the
+// architecture (nvrtc.rs: 5 where a block may hold 166 KB of shared memory, e.g. sm_90; else 3,
+// e.g. sm_120's 99 KB). Their grid is at most one block per SM (Gpu::attn_splits), so the
+// larger ring costs no co-residency of their own blocks; with 3 stages two of them could share
+// an SM (session 27: 5 stages, batch 1 3.99 -> 3.91 ms a step, 32k 6.48 -> 6.17 ms).
+#ifndef AT_NST1
+#define AT_NST1 AT_NST
+#endif
 
 // c += A B, m16n8k16, f32 accumulators; BF: bf16 inputs, else f16.
 template <int BF> __device__ __forceinline__ void at_mma(float* c, const u32* a, u32 b0, u32 b1) {
@@ -3114,7 +3122,7 @@ struct QkNorm {
     int exit_empty;    // blocks of empty splits leave at once (the separate merge reads none)
 };
 
-template <int G, int BF, bool MERGE = false, bool NORM = false>
+template <int G, int BF, bool MERGE = false, bool NORM = false, int NST = AT_NST>
 __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos,
                                                const int* seq, const int* pt_off, const u32* pts, int page_size,
                                                int kv_heads, int nsplit, float scale, float* part, u32* cnt = nullptr,
@@ -3135,7 +3143,7 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
     if (NORM && !MERGE && qkn->exit_empty && start >= end) return;
     int my_n = ntiles > warp ? (ntiles - warp + AD_WARPS - 1) / AD_WARPS : 0;
     const u32* pt = pts + pt_off[seq[t]];
-    u8* ring = at_sm + warp * AT_WBYTES;
+    u8* ring = at_sm + warp * (NST * AT_STAGE);
     u32 ring_s = smem_addr(ring);
     const i64 sstride = (i64)kv_heads * AD_HD;  // elements from one slot to the next
     const u16* kb = kc + (i64)kvh * AD_HD + (lane & 15) * 8;
@@ -3181,11 +3189,11 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
     if (my_n > 0) issue(0, 0, slot_of(0));
     cp_async_commit();
 #pragma unroll
-    for (int s = 1; s < AT_NST - 1; s++) {
+    for (int s = 1; s < NST - 1; s++) {
         if (s < my_n) issue(s, s, slot_of(s));
         cp_async_commit();
     }
-    i64 nslot = AT_NST - 1 < my_n ? slot_of(AT_NST - 1) : 0;
+    i64 nslot = NST - 1 < my_n ? slot_of(NST - 1) : 0;
     if (NORM && qkn->pre_tiles) {
         pdl_wait();
         pdl_trigger();
@@ -3309,16 +3317,16 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
     for (int j = 0; j < my_n; j++) {
         __syncwarp();  // every lane is done reading the stage refilled next
         {
-            int jn = j + AT_NST - 1;
+            int jn = j + NST - 1;
             if (jn < my_n) {
-                issue(jn, jn % AT_NST, nslot);
+                issue(jn, jn % NST, nslot);
                 if (jn + 1 < my_n) nslot = slot_of(jn + 1);
             }
             cp_async_commit();
         }
-        cp_async_wait<AT_NST - 1>();
+        cp_async_wait<NST - 1>();
         __syncwarp();
-        u32 ks = ring_s + (j % AT_NST) * AT_STAGE, vs = ks + AT_TILE * AD_HD * 2;
+        u32 ks = ring_s + (j % NST) * AT_STAGE, vs = ks + AT_TILE * AD_HD * 2;
         if (NORM && holds_new) {
             // The new position's row of this tile: the key / value computed above replace what
             // the copy read from the cache (lanes 0-15: K pieces, 16-31: V pieces).
@@ -3413,7 +3421,7 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
         for (int w = 0; w < AD_WARPS; w++) {
             float f = sm_l[w][g] > 0.f ? __expf(sm_m[w][g] - M) : 0.f;
             L += sm_l[w][g] * f;
-            ov += ((const float*)(at_sm + w * AT_WBYTES))[g * AD_HD + d] * f;
+            ov += ((const float*)(at_sm + w * (NST * AT_STAGE)))[g * AD_HD + d] * f;
         }
         out[2 * G + g * AD_HD + d] = ov;
         if (d == 0) {
@@ -3480,14 +3488,14 @@ extern "C" __global__ void __launch_bounds__(64) rope_table(const int* pos, int 
 #define ATTTN_INST(name, BF)                                                                                     \
     extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tn_##name(ATTTN_ARGS) {                 \
         QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc, pre_tiles, exit_empty};                 \
-        attn_dect_impl<6, BF, false, true>(q, 0, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit,     \
-                                           scale, part, nullptr, nullptr, 0, nullptr, nullptr, &z);              \
+        attn_dect_impl<6, BF, false, true, AT_NST1>(q, 0, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads,    \
+                                                    nsplit, scale, part, nullptr, nullptr, 0, nullptr, nullptr, &z); \
     }                                                                                                            \
     extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tnm_##name(                             \
         ATTTN_ARGS, u32 *cnt, float *out, i64 os, i8 *aq, float *ad) {                                           \
         QkNorm z{q, k, v, qn, kn, rope, qw, kw, rot, eps, slots, kc, vc, pre_tiles, exit_empty};                 \
-        attn_dect_impl<6, BF, true, true>(q, 0, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads, nsplit,      \
-                                          scale, part, cnt, out, os, aq, ad, &z);                                \
+        attn_dect_impl<6, BF, true, true, AT_NST1>(q, 0, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads,     \
+                                                   nsplit, scale, part, cnt, out, os, aq, ad, &z);              \
     }
 
 ATTTN_INST(f16, 0)

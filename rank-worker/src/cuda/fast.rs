@@ -918,7 +918,7 @@ pub fn set_attn_exit_empty(on: Option<bool>) {
 
 /// Static shared memory of `attn_dec6tn_*` (5,120 bytes on sm_90: its q of G heads, the new key
 /// / value, the 32 warp sums of each norm, and `attn_dec6t_*`'s 1,280), with room to spare:
-/// with [`ATTN_MMA_SMEM`] it must fit a block ([`Gpu::smem_optin`]; an sm_120 block of 99 KB
+/// with [`attn_tn_smem`] it must fit a block ([`Gpu::smem_optin`]; an sm_120 block of 99 KB
 /// does not, so those cards keep the q/k norm launch).
 pub const QK_FUSE_SMEM: usize = 6144;
 
@@ -961,6 +961,20 @@ pub fn set_attn_mma(on: Option<bool>) {
 
 /// Dynamic shared memory of `attn_dec6t_*` (`AT_SMEM`: 4 warps x 3 stages x 8 KiB of K/V).
 pub const ATTN_MMA_SMEM: usize = 4 * 3 * 2 * 16 * 128 * 2;
+
+/// K/V ring stages of the one-token decode attention (`attn_dec6tn_*`, the kernels' `AT_NST1`,
+/// which nvrtc.rs defines per architecture): 5 where a block may hold 166 KB of shared memory
+/// (sm_90, sm_100, sm_103), else 3. Its grid is at most one block per SM, so the larger ring
+/// only keeps a second block off the SM; with 3 stages two could share one while other SMs
+/// had none. Session 27 (H200): batch 1 3.99 -> 3.91 ms a step, 32k 6.48 -> 6.17 ms.
+pub fn attn_tn_stages(arch: u32) -> usize {
+    if matches!(arch, 90 | 100 | 103) { 5 } else { 3 }
+}
+
+/// Dynamic shared memory of `attn_dec6tn_*` on `sm_{arch}` (4 warps x [`attn_tn_stages`] x 8 KiB).
+pub fn attn_tn_smem(arch: u32) -> usize {
+    4 * attn_tn_stages(arch) * 2 * 16 * 128 * 2
+}
 
 static GRP_OVR: AtomicUsize = AtomicUsize::new(0);
 
@@ -1309,7 +1323,7 @@ impl Gpu {
     /// on this card (its row limits, [`Gpu::rope_table`]'s angles, and its shared memory beside
     /// the K/V ring: [`QK_FUSE_SMEM`]).
     pub fn qk_fuse_fits(&self, rot: usize, qw: usize, kw: usize) -> bool {
-        rot > 0 && rot <= 128 && rot % 2 == 0 && qw <= QK_FUSE_MAX_Q && kw <= QK_FUSE_MAX_K && self.smem_optin() >= ATTN_MMA_SMEM + QK_FUSE_SMEM
+        rot > 0 && rot <= 128 && rot % 2 == 0 && qw <= QK_FUSE_MAX_Q && kw <= QK_FUSE_MAX_K && self.smem_optin() >= attn_tn_smem(self.arch) + QK_FUSE_SMEM
     }
 
     /// Decode attention of a one-token step with the q / k norms, RoPE and the KV store done by
@@ -1329,7 +1343,7 @@ impl Gpu {
                 qk.qw,
                 qk.kw,
                 self.smem_optin(),
-                ATTN_MMA_SMEM + QK_FUSE_SMEM
+                attn_tn_smem(self.arch) + QK_FUSE_SMEM
             )));
         }
         let ns = self.attn_splits(true, kv_heads, nsplit, 1)?;
@@ -1367,10 +1381,10 @@ impl Gpu {
                     return Err(CudaError::Shape(format!("attn_dec6tnm_{kv}: {ns} splits (at most {ATTN_FUSE_MAX_SPLIT})")));
                 }
                 args.extend([Arg::P(c), Arg::P(out), Arg::L(os as i64), Arg::P(aq), Arg::P(ad)]);
-                self.launch_pdl(&format!("attn_dec6tnm_{kv}"), grid, 128, ATTN_MMA_SMEM as u32, &args)
+                self.launch_pdl(&format!("attn_dec6tnm_{kv}"), grid, 128, attn_tn_smem(self.arch) as u32, &args)
             }
             None => {
-                self.launch_pdl(&format!("attn_dec6tn_{kv}"), grid, 128, ATTN_MMA_SMEM as u32, &args)?;
+                self.launch_pdl(&format!("attn_dec6tn_{kv}"), grid, 128, attn_tn_smem(self.arch) as u32, &args)?;
                 let merge = if pdl_part(PDL_MERGE_EARLY) || qk_merge_early() { "attn_merge6e" } else { "attn_merge6" };
                 self.launch_pdl(merge, ((kv_heads * GQA) as u32, 1, 1), 128, 0, &[Arg::P(part), Arg::I(kv_heads as i32), Arg::I(ns as i32), Arg::P(out), Arg::L(os as i64), Arg::P(aq), Arg::P(ad), Arg::P(pos)])
             }

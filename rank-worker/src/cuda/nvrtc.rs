@@ -68,7 +68,13 @@ fn fnv1a(bytes: &[u8]) -> u64 {
 
 /// Options every module is compiled with.
 fn options(arch: u32) -> Vec<String> {
-    vec![format!("--gpu-architecture=sm_{arch}"), "--std=c++17".into(), "-lineinfo".into()]
+    vec![
+        format!("--gpu-architecture=sm_{arch}"),
+        "--std=c++17".into(),
+        "-lineinfo".into(),
+        // The one-token decode attention's ring depth, which the host mirrors (its shared memory).
+        format!("-DAT_NST1={}", super::fast::attn_tn_stages(arch)),
+    ]
 }
 
 /// Compiles one module to a CUBIN for `sm_{arch}` (e.g. 90, 120).
