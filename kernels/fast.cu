@@ -3456,26 +3456,6 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
 
 ATTT_INST(f16, 0)
 ATTT_INST(bf16, 1)
-// attn_dec6t5_* / attn_dec6tm5_*: the same with the one-token kernels' ring (AT_NST1 stages), for
-// launches of at most one block per SM (the host picks them: Gpu::attn_decode_with).
-#define ATTT5_INST(name, BF)                                                                                     \
-    extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6t5_##name(                              \
-        const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos, const int* seq, const int* pt_off, \
-        const u32* pts, int page_size, int kv_heads, int nsplit, float scale, float* part) {                     \
-        pdl_enter();                                                                                             \
-        attn_dect_impl<6, BF, false, false, AT_NST1>(q, qs, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads,  \
-                                                     nsplit, scale, part);                                       \
-    }                                                                                                            \
-    extern "C" __global__ void __launch_bounds__(32 * AD_WARPS) attn_dec6tm5_##name(                             \
-        const float* q, i64 qs, const u16* kc, const u16* vc, const int* pos, const int* seq, const int* pt_off, \
-        const u32* pts, int page_size, int kv_heads, int nsplit, float scale, float* part, u32* cnt, float* out,  \
-        i64 os, i8* aq, float* ad) {                                                                             \
-        pdl_enter();                                                                                             \
-        attn_dect_impl<6, BF, true, false, AT_NST1>(q, qs, kc, vc, pos, seq, pt_off, pts, page_size, kv_heads,   \
-                                                    nsplit, scale, part, cnt, out, os, aq, ad);                  \
-    }
-ATTT5_INST(f16, 0)
-ATTT5_INST(bf16, 1)
 
 // attn_dec6tn_* / attn_dec6tnm_* (QkNorm above): attn_dec6t_* / attn_dec6tm_* of one-token steps
 // with the q / k norms, RoPE and KV store in the blocks; q, k, v are the product's raw rows.

@@ -1703,13 +1703,9 @@ impl Gpu {
             Arg::P(part),
         ];
         let grid = (kv_heads as u32, nsplit as u32, nt as u32);
-        // At most one block an SM: the one-token kernels' deeper ring (attn_dec6t5_*, which also
-        // keeps a second block off the SM), else the 3-stage kernels (two blocks an SM fit).
-        let deep = mma && attn_tn_stages(self.arch) > 3 && kv_heads * nsplit * nt <= self.sm_count() && self.smem_optin() >= attn_tn_smem(self.arch);
-        let (d5, dsmem) = if deep { ("5", attn_tn_smem(self.arch) as u32) } else { ("", ATTN_MMA_SMEM as u32) };
         let (name, smem) = match (mma, cnt.is_some()) {
-            (true, false) => (format!("attn_dec6t{d5}_{kv}"), dsmem),
-            (true, true) => (format!("attn_dec6tm{d5}_{kv}"), dsmem),
+            (true, false) => (format!("attn_dec6t_{kv}"), ATTN_MMA_SMEM as u32),
+            (true, true) => (format!("attn_dec6tm_{kv}"), ATTN_MMA_SMEM as u32),
             (false, false) => (format!("attn_dec6_{kv}"), 0),
             (false, true) => (format!("attn_dec6m_{kv}"), 0),
         };
