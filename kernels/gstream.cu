@@ -150,7 +150,7 @@ __device__ __forceinline__ void gs_stage(const u8* wrow, const i8* xw, const flo
             const float sc = iq4_unit_scale(h[u], (un0 + u) & 7);
             if (CC == 1) {  // the sign-replicating decode: fewer ALU instructions, 2x the dp4a
                 u32 a[8], c[8];
-                iq4s_codes<(CC >= 2)>(qa[u], qb[u], a, c, tl0, tl1, th0, th1);
+                iq4s_codes(qa[u], qb[u], a, c, tl0, tl1, th0, th1);
                 const int4* xp = (const int4*)(xw + u * 32);
                 acc[r][0] += xdw[u] * (sc * (float)iq4s_dot8(a, c, xp[0], xp[1]));
             } else {  // lookup and select (psx's iq4_lookup_il), one dp4a per 4 codes and pair

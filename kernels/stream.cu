@@ -172,31 +172,20 @@ __device__ __forceinline__ void iq4s_pin(u32 z, u32& tl0, u32& tl1, u32& th0, u3
     th1 = IQ4S_TH1 ^ z;
     t2 = IQ4_T2 ^ z;
 }
-// A word's high half-word as a prmt selector: w >> 16 (a shift, ALU pipe), or with HI the high
-// half of w * 0x10000 (IMAD.HI, on the FMA pipe beside the dp4a), the 0x10000 in a register
-// ptxas cannot see through (k16 = 0x10000 + z, z = 0 at run time, as iq4s_pin) so it stays a
-// multiply. Same bits either way. HI pays where the decode's ALU pipe (4 prmt + 1 xor + 2 shifts
-// a word) bounds the kernel, i.e. many units a warp: the grouped gstream kernels' chunks of 2+
-// pairs take it (session 27: batch 16 / 32 +0.6 / +0.4 %; with it for every chunk +1 %, but
-// batch 4 -1.5 %); the one-token blk kernels, bound by latency, were ~1 % slower with it.
-template <bool HI>
-__device__ __forceinline__ u32 iq4s_hi(u32 w, u32 k16) {
-    return HI ? __umulhi(w, k16) : w >> 16;
-}
-// A unit's 16 code bytes (qa, qb) -> a[j], c[j] (j = 2 i + half of code word i). k16: the
-// 0x10000 of iq4s_hi, derived from tl0 (= IQ4_T0 ^ z) so every caller pins it for free.
-template <bool HI = false>
+// A unit's 16 code bytes (qa, qb) -> a[j], c[j] (j = 2 i + half of code word i). (The high
+// half-word as __umulhi(w, 0x10000), IMAD.HI on the FMA pipe instead of a shift on the ALU
+// pipe: batch 16 / 32 +1 % in the grouped kernels, but batch 4 -1.5 % and batch 1 -1 %; not
+// kept, session 27.)
 __device__ __forceinline__ void iq4s_codes(uint2 qa, uint2 qb, u32 (&a)[8], u32 (&c)[8], u32 tl0, u32 tl1, u32 th0,
                                          u32 th1) {
     const u32 w[4] = {qa.x, qa.y, qb.x, qb.y};
-    const u32 k16 = (tl0 ^ IQ4_T0) + 0x10000u;
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const u32 wx = w[i] ^ 0x88888888u;
         a[2 * i] = iq4_prmt(tl0, tl1, w[i]);
         c[2 * i] = iq4_prmt(th0, th1, wx);
-        a[2 * i + 1] = iq4_prmt(tl0, tl1, iq4s_hi<HI>(w[i], k16));
-        c[2 * i + 1] = iq4_prmt(th0, th1, iq4s_hi<HI>(wx, k16));
+        a[2 * i + 1] = iq4_prmt(tl0, tl1, w[i] >> 16);
+        c[2 * i + 1] = iq4_prmt(th0, th1, wx >> 16);
     }
 }
 // sum_j (a[j] + c[j]) . x[j] over the unit's interleaved activations (xa = words 0..3, xb = 4..7):
