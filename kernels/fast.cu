@@ -3143,7 +3143,8 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
     if (NORM && !MERGE && qkn->exit_empty && start >= end) return;
     int my_n = ntiles > warp ? (ntiles - warp + AD_WARPS - 1) / AD_WARPS : 0;
     const u32* pt = pts + pt_off[seq[t]];
-    u8* ring = at_sm + warp * (NST * AT_STAGE);
+    constexpr int WBYTES = NST * AT_STAGE;  // one warp's ring
+    u8* ring = at_sm + warp * WBYTES;
     u32 ring_s = smem_addr(ring);
     const i64 sstride = (i64)kv_heads * AD_HD;  // elements from one slot to the next
     const u16* kb = kc + (i64)kvh * AD_HD + (lane & 15) * 8;
@@ -3421,7 +3422,7 @@ __device__ __forceinline__ void attn_dect_impl(const float* q, i64 qs, const u16
         for (int w = 0; w < AD_WARPS; w++) {
             float f = sm_l[w][g] > 0.f ? __expf(sm_m[w][g] - M) : 0.f;
             L += sm_l[w][g] * f;
-            ov += ((const float*)(at_sm + w * (NST * AT_STAGE)))[g * AD_HD + d] * f;
+            ov += ((const float*)(at_sm + w * WBYTES))[g * AD_HD + d] * f;
         }
         out[2 * G + g * AD_HD + d] = ov;
         if (d == 0) {

@@ -959,8 +959,14 @@ pub fn set_attn_mma(on: Option<bool>) {
     ATTN_MMA.set(on);
 }
 
-/// Dynamic shared memory of `attn_dec6t_*` (`AT_SMEM`: 4 warps x 3 stages x 8 KiB of K/V).
-pub const ATTN_MMA_SMEM: usize = 4 * 3 * 2 * 16 * 128 * 2;
+/// Dynamic shared memory of a tensor-core decode attention block whose K/V ring has `stages`
+/// stages a warp (4 warps x stages x a 16-position K tile and V tile of 128 16-bit values).
+const fn attn_ring_smem(stages: usize) -> usize {
+    4 * stages * 2 * 16 * 128 * 2
+}
+
+/// Dynamic shared memory of `attn_dec6t_*` (`AT_SMEM`: 3 stages).
+pub const ATTN_MMA_SMEM: usize = attn_ring_smem(3);
 
 /// K/V ring stages of the one-token decode attention (`attn_dec6tn_*`, the kernels' `AT_NST1`,
 /// which nvrtc.rs defines per architecture): 5 where a block may hold 166 KB of shared memory
@@ -971,9 +977,9 @@ pub fn attn_tn_stages(arch: u32) -> usize {
     if matches!(arch, 90 | 100 | 103) { 5 } else { 3 }
 }
 
-/// Dynamic shared memory of `attn_dec6tn_*` on `sm_{arch}` (4 warps x [`attn_tn_stages`] x 8 KiB).
+/// Dynamic shared memory of `attn_dec6tn_*` on `sm_{arch}` ([`attn_tn_stages`] stages).
 pub fn attn_tn_smem(arch: u32) -> usize {
-    4 * attn_tn_stages(arch) * 2 * 16 * 128 * 2
+    attn_ring_smem(attn_tn_stages(arch))
 }
 
 static GRP_OVR: AtomicUsize = AtomicUsize::new(0);
