@@ -327,6 +327,82 @@ __device__ __forceinline__ void kq_mv_rows(const u8* W0, i64 rb0, int rows0, flo
                      acc);                                                                                         \
     }
 
+// kq_mvs_*: kq_mvr2 for one matrix of many rows (the Q6_K output head: 200,064 rows of 2,520
+// bytes) with the rows streamed through a ring. kq_mvr2's block holds its rows' shared memory
+// from its launch until its dots are done, so the bytes an SM has in flight fall while blocks
+// decode, and 25,008 blocks launch and leave (H200: 2.8 TB/s, against the Q8_0 head's 4.1).
+// Here one block per SM: a producer thread streams the block's contiguous range of rows into
+// a ring of stages (one cp.async.bulk a stage, issued before the PDL wait: weights only), and
+// KS_CW consumer warps take a stage's rows (row j: warp j % KS_CW), each with kq_mvr2's call
+// per row (kq_dot_staged, then mv_store): bit-identical to kq_mvr2 and kq_mv.
+// Host (fast_kq.rs, kq_stream_plan): sm_90 or newer; rows even, W and two rows' bytes 16-byte
+// aligned, so every stage of an even number of rows is a whole 16-byte multiple; srows even.
+// Dynamic shared memory KS_HDR + nst * srows * rb + KS_TAIL (kq_ld16 reads up to 4 bytes past a
+// unit's 16: past the ring's end for a Q4_K row's last unit); grid <= one block per SM; block
+// KS_THREADS.
+#define KS_CW 16
+#define KS_THREADS (32 * (KS_CW + 1))
+#define KS_MAXST 8
+#define KS_HDR 256  // full[KS_MAXST], empty[KS_MAXST]; the ring starts 16-byte aligned after them
+#define KS_TAIL 32
+template <int T>
+__device__ __forceinline__ void kq_mv_stream(const u8* W, i64 rb, int rows, float* y, int nblk, const i8* xq,
+                                             const float* xd, int ncol, int accumulate, int nst, int srows) {
+#if BK_PTX
+    extern __shared__ __align__(128) u8 ks_sm[];
+    u64* full = (u64*)ks_sm;
+    u64* empty = full + KS_MAXST;
+    u8* ring = ks_sm + KS_HDR;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    // The block's rows [r0, r1): an even count, so each stage's bytes are a 16-byte multiple.
+    const int per = ((rows + (int)gridDim.x - 1) / (int)gridDim.x + 1) & ~1;
+    const int r0 = min(rows, (int)blockIdx.x * per), r1 = min(rows, r0 + per);
+    const int nstg = (r1 - r0 + srows - 1) / srows;
+    const i64 sbytes = (i64)srows * rb;
+    if (threadIdx.x == 0) {
+        for (int i = 0; i < nst; i++) {
+            bk_mb_init(&full[i], 1);
+            bk_mb_init(&empty[i], KS_CW);
+        }
+        bk_mb_fence_init();
+    }
+    __syncthreads();
+    if (warp == KS_CW) {
+        // Producer: stage s into slot s % nst once the consumers released its previous round.
+        if (lane == 0) {
+            for (int s = 0; s < nstg; s++) {
+                const int i = s % nst, rd = s / nst;
+                if (rd > 0) bk_mb_sleep(&empty[i], (rd - 1) & 1);
+                const int n = min(srows, r1 - r0 - s * srows);
+                const u32 bytes = (u32)(n * rb);
+                bk_mb_expect(&full[i], bytes);
+                bk_copy(ring + i * sbytes, W + (i64)(r0 + s * srows) * rb, bytes, &full[i]);
+            }
+        }
+        return;
+    }
+    kq_pdl_enter();  // the activations are the previous kernel's output
+    for (int s = 0; s < nstg; s++) {
+        const int i = s % nst, n = min(srows, r1 - r0 - s * srows);
+        bk_mb_wait(&full[i], (s / nst) & 1);
+        const u8* stage = ring + i * sbytes;
+        for (int j = warp; j < n; j += KS_CW) {
+            float acc[1] = {0.f};
+            kq_dot_staged<T, 1>(stage + j * rb, nblk, 0, xq, ncol, xd, ncol / 32, 1, acc, lane);
+            mv_store<1>(acc, y, 0, r0 + s * srows + j, 0, 1, lane, accumulate);
+        }
+        __syncwarp();  // every lane is done reading the stage
+        if (lane == 0) bk_mb_arrive(&empty[i]);
+    }
+#endif
+}
+#define KQ_MVS_INST(name, T)                                                                                      \
+    extern "C" __global__ void __launch_bounds__(KS_THREADS) kq_mvs_##name(const u8* W, i64 rb, int rows, float* y, \
+                                                                           int nblk, const i8* xq, const float* xd,   \
+                                                                           int ncol, int acc, int nst, int srows) {   \
+        kq_mv_stream<T>(W, rb, rows, y, nblk, xq, xd, ncol, acc, nst, srows);                                      \
+    }
+
 // ------------------------------------------------------------- MoE (decode) -------------
 // Pair p = blockIdx.y (token p / k, expert ids[p]): act[p][r] = silu(gate_r . x) * (up_r . x)
 // for the block's 32 rows r = blockIdx.x * 32 + (0..32), quantized to q8 (aq [p][ff] int8,
@@ -575,6 +651,7 @@ __device__ __forceinline__ void kq_moe_down_grp(const u8* W, i64 rb, i64 es, int
     KQ_MV_INST(name, T, 8)                                                                                         \
     KQ_MV_INST(name, T, 16)                                                                                        \
     KQ_MVR_INST(name, T)                                                                                           \
+    KQ_MVS_INST(name, T)                                                                                           \
     extern "C" __global__ void __launch_bounds__(32 * 32 / KQ_GU_ROWS) kq_moe_gate_up_##name(                      \
         const u8* G, const u8* U, i64 rb, i64 es, int nblk, const int* ids, int k, const i8* xq, const float* xd,  \
         int ncol, i8* aq, float* ad, int ff) {                                                                     \

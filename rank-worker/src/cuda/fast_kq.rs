@@ -22,6 +22,18 @@ const MVR_MAX_BLOCKS: usize = 12;
 const MVR_MIN_ROWS: usize = 4096;
 /// Rows per block of the expert down kernel (one warp per output row).
 const DN_WARPS: usize = 4;
+/// The streamed one-token rows form `kq_mvs_*` (kernels/fast_kq.cu: KS_THREADS, KS_HDR,
+/// KS_TAIL, KS_MAXST): 16 consumer warps and a producer warp, 256 bytes of barriers before the
+/// ring and 32 after it (the unaligned 16-byte reads run up to 4 bytes past a unit), at most 8
+/// stages, `MVS_STAGE_ROWS` rows a stage (one a consumer warp).
+const MVS_THREADS: u32 = 32 * 17;
+const MVS_FIXED: usize = 256 + 32; // KS_HDR + KS_TAIL
+const MVS_MAX_STAGES: usize = 8;
+const MVS_STAGE_ROWS: usize = 16;
+/// Fewest rows a launch needs for the streamed form: one block per SM streams its share, so it
+/// is meant for the output head (200,064 rows), not the per-layer products (whose blocks
+/// launch beside the previous kernel's under PDL).
+const MVS_MIN_ROWS: usize = 65_536;
 
 /// Whether `w` can go through the K-quant fast kernels: Q4_K or Q6_K, whole 256-column
 /// super-blocks per row (row bytes exactly those blocks), rows and experts at even addresses.
@@ -51,6 +63,24 @@ pub fn kq_rows() -> bool {
 pub fn set_kq_rows(on: Option<bool>) {
     KQ_ROWS.set(on);
     KQ_ROWS_ANY.store(on == Some(true), std::sync::atomic::Ordering::Relaxed);
+}
+
+static KQ_STREAM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_KQ_STREAM", true);
+static KQ_STREAM_ANY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// Whether one-token products of a single K-quant matrix of at least 65,536 rows (the output
+/// head) stream their rows through a ring (`kq_mvs_*`, one block per SM, sm_90 and newer)
+/// instead of `kq_mvr2_*` / `kq_mv_*_1` (default on; `MINIMAX_KQ_STREAM=0` = off). Bit-identical.
+pub fn kq_stream() -> bool {
+    KQ_STREAM.get()
+}
+
+/// Overrides [`kq_stream`] (A/B runs, tests; `None` = back to the environment). `Some(true)` also
+/// takes the streamed form below 65,536 rows (tests of small matrices). Drop captured graphs
+/// after a change.
+pub fn set_kq_stream(on: Option<bool>) {
+    KQ_STREAM.set(on);
+    KQ_STREAM_ANY.store(on == Some(true), std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Whether the fast path may take K-quant matrices (on unless `MINIMAX_FAST_KQ=0`: without them
@@ -109,6 +139,15 @@ impl Gpu {
         if xq % 16 != 0 {
             return Err(CudaError::Shape("kq_matvec_q8: q8 input not 16-byte aligned".into()));
         }
+        if nv == 1 && segs.len() == 1 && kq_stream() && (segs[0].0.rows >= MVS_MIN_ROWS || KQ_STREAM_ANY.load(std::sync::atomic::Ordering::Relaxed)) {
+            let (w, y, _) = segs[0];
+            if let Some((nst, sr)) = self.kq_stream_plan(w)? {
+                let smem = MVS_FIXED + nst * sr * w.row_bytes;
+                let grid = self.stream_grid(w.rows / 2)?;
+                let args = [Arg::P(w.ptr), Arg::L(w.row_bytes as i64), Arg::I(w.rows as i32), Arg::P(y), Arg::I((ncol / 256) as i32), Arg::P(xq), Arg::P(xd), Arg::I(ncol as i32), Arg::I(accumulate as i32), Arg::I(nst as i32), Arg::I(sr as i32)];
+                return self.launch_pdl(&format!("kq_mvs_{}", kq_name(ty)), (grid, 1, 1), MVS_THREADS, smem as u32, &args);
+            }
+        }
         let nt = mv_nt(nv);
         let (args, rows) = mv_args(segs, ncol / 256, xq, xd, ncol, nv, accumulate);
         let many = rows >= MVR_MIN_ROWS || KQ_ROWS_ANY.load(std::sync::atomic::Ordering::Relaxed);
@@ -118,6 +157,18 @@ impl Gpu {
         }
         let grid = (rows.div_ceil(MV_WARPS) as u32, nv.div_ceil(nt) as u32, 1);
         self.launch_pdl(&format!("kq_mv_{}_{nt}", kq_name(ty)), grid, 32 * MV_WARPS as u32, 0, &args)
+    }
+
+    /// (ring stages, rows a stage) of the streamed one-token form `kq_mvs_*` for `w`, None where
+    /// it does not apply: before sm_90 (no bulk copies), an odd row count, or rows whose pairs
+    /// are not whole 16-byte pieces at 16-byte aligned addresses (the bulk copies' rule), or
+    /// room for fewer than 2 stages.
+    pub fn kq_stream_plan(&self, w: &DevMat) -> Result<Option<(usize, usize)>, CudaError> {
+        if !kq_fast_mat(w) || w.rows % 2 != 0 || w.ptr % 16 != 0 || (2 * w.row_bytes) % 16 != 0 || w.n_experts != 0 {
+            return Ok(None);
+        }
+        let n = self.ring_stages(MVS_FIXED, MVS_STAGE_ROWS * w.row_bytes)?.min(MVS_MAX_STAGES);
+        Ok((n >= 2).then_some((n, MVS_STAGE_ROWS)))
     }
 
     /// Fused expert gate/up for Q4_K/Q6_K experts: for each of `npairs` (token p / k, expert

@@ -296,7 +296,7 @@ pub struct ExpertGroups {
 
 impl Gpu {
     /// Number of streaming multiprocessors (for tile-size choices).
-    pub(super) fn sm_count(&self) -> usize {
+    pub fn sm_count(&self) -> usize {
         self.n_sms
     }
 

@@ -18,8 +18,8 @@ pub const MODULES: &[(&str, &str)] = &[
     ("norm_rope", include_str!("../../../kernels/norm_rope.cu")),
     ("attention", include_str!("../../../kernels/attention.cu")),
     ("moe", include_str!("../../../kernels/moe.cu")),
-    ("fast", concat!(include_str!("../../../kernels/fast.cu"), include_str!("../../../kernels/stream.cu"), include_str!("../../../kernels/gstream.cu"), include_str!("../../../kernels/mvx.cu"))),
-    ("fast_kq", include_str!("../../../kernels/fast_kq.cu")),
+    ("fast", concat!(include_str!("../../../kernels/fast.cu"), include_str!("../../../kernels/mbarrier.cuh"), include_str!("../../../kernels/stream.cu"), include_str!("../../../kernels/gstream.cu"), include_str!("../../../kernels/mvx.cu"))),
+    ("fast_kq", concat!(include_str!("../../../kernels/mbarrier.cuh"), include_str!("../../../kernels/fast_kq.cu"))),
     ("sampling", include_str!("../../../kernels/sampling.cu")),
     // Tensor-core GEMM: quant_matvec.cu in front for its dequantizers (its own kernels left
     // out), built once per precision (1 or 3 bf16 passes) so the two compile in parallel.
