@@ -99,14 +99,24 @@ __device__ __forceinline__ void kq_scmin(const u8* s, int j, int& sc, int& m) {
     }
 }
 
-// acc[t] += unit u (0..7) of the staged super-block blk (first column colb of the row) . x[t]
-// for t < nv; x[t] = xq + tk[t] * xqs (int8, 16-byte aligned), scales xd + tk[t] * xds.
-template <int T, int NT>
-__device__ __forceinline__ void kq_unit_tk(const u8* blk, int u, int colb, const i8* xq, i64 xqs, const float* xd,
-                                           i64 xds, const int (&tk)[NT], int nv, float* acc) {
-    int qa[4], qb[4];
-    float fa, fb, ma = 0.f, mb = 0.f;
-    int ca, cb;
+// Unit u (0..7) of the staged super-block blk, decoded: codes qa / qb (int8) of its two 16-column
+// halves, their scales fa / fb (and Q4_K mins ma / mb; the caller zeroes them for Q6_K), their
+// first columns ca / cb (colb = the super-block's first column).
+// The first columns ca / cb of unit u's two 16-column halves (colb = its super-block's first), as
+// kq_unit_codes sets them (which computes them from its own unit fields).
+template <int T>
+__device__ __forceinline__ void kq_unit_cols(int u, int colb, int& ca, int& cb) {
+    if (T == T_Q4_K) {
+        ca = colb + 64 * (u >> 1) + 16 * (u & 1);
+        cb = ca + 32;
+    } else {
+        ca = colb + 128 * (u >> 2) + 32 * ((u >> 1) & 1) + 16 * (u & 1);
+        cb = ca + 64;
+    }
+}
+template <int T>
+__device__ __forceinline__ void kq_unit_codes(const u8* blk, int u, int colb, int (&qa)[4], int (&qb)[4], float& fa,
+                                              float& fb, float& ma, float& mb, int& ca, int& cb) {
     if (T == T_Q4_K) {
         int g = u >> 1, h = u & 1;
         float d = f16_to_f32(*(const u16*)blk), dm = f16_to_f32(*(const u16*)(blk + 2));
@@ -150,13 +160,15 @@ __device__ __forceinline__ void kq_unit_tk(const u8* blk, int u, int colb, const
         ca = colb + 128 * g + 32 * kp + 16 * h;
         cb = ca + 64;
     }
-#pragma unroll
-    for (int t = 0; t < NT; t++) {
-        if (t < nv) {
-            const i8* x = xq + tk[t] * xqs;
-            const float* xs = xd + tk[t] * xds;
-            int4 xa = __ldg((const int4*)(x + ca)), xb = __ldg((const int4*)(x + cb));
-            float da = __ldg(xs + (ca >> 5)), db = __ldg(xs + (cb >> 5));
+}
+
+// acc += a decoded unit (kq_unit_codes) . one token's activations at its columns (xa / xb: the
+// int8 codes of columns ca / cb, da / db: their q8 scales).
+template <int T>
+__device__ __forceinline__ void kq_unit_dot(const int (&qa)[4], const int (&qb)[4], float fa, float fb, float ma,
+                                            float mb, int4 xa, int4 xb, float da, float db, float& acc) {
+    {
+        {
             int sa = __dp4a(qa[0], xa.x, 0);
             sa = __dp4a(qa[1], xa.y, sa);
             sa = __dp4a(qa[2], xa.z, sa);
@@ -175,10 +187,31 @@ __device__ __forceinline__ void kq_unit_tk(const u8* blk, int u, int colb, const
                 zb = __dp4a(one, xb.y, zb);
                 zb = __dp4a(one, xb.z, zb);
                 zb = __dp4a(one, xb.w, zb);
-                acc[t] += da * (fa * (float)sa - ma * (float)za) + db * (fb * (float)sb - mb * (float)zb);
+                acc += da * (fa * (float)sa - ma * (float)za) + db * (fb * (float)sb - mb * (float)zb);
             } else {
-                acc[t] += da * (fa * (float)sa) + db * (fb * (float)sb);
+                acc += da * (fa * (float)sa) + db * (fb * (float)sb);
             }
+        }
+    }
+}
+
+// acc[t] += unit u (0..7) of the staged super-block blk (first column colb of the row) . x[t]
+// for t < nv; x[t] = xq + tk[t] * xqs (int8, 16-byte aligned), scales xd + tk[t] * xds.
+template <int T, int NT>
+__device__ __forceinline__ void kq_unit_tk(const u8* blk, int u, int colb, const i8* xq, i64 xqs, const float* xd,
+                                           i64 xds, const int (&tk)[NT], int nv, float* acc) {
+    int qa[4], qb[4];
+    float fa, fb, ma = 0.f, mb = 0.f;
+    int ca, cb;
+    kq_unit_codes<T>(blk, u, colb, qa, qb, fa, fb, ma, mb, ca, cb);
+#pragma unroll
+    for (int t = 0; t < NT; t++) {
+        if (t < nv) {
+            const i8* x = xq + tk[t] * xqs;
+            const float* xs = xd + tk[t] * xds;
+            int4 xa = __ldg((const int4*)(x + ca)), xb = __ldg((const int4*)(x + cb));
+            float da = __ldg(xs + (ca >> 5)), db = __ldg(xs + (cb >> 5));
+            kq_unit_dot<T>(qa, qb, fa, fb, ma, mb, xa, xb, da, db, acc[t]);
         }
     }
 }
@@ -382,18 +415,43 @@ __device__ __forceinline__ void kq_mv_stream(const u8* W, i64 rb, int rows, floa
         return;
     }
     kq_pdl_enter();  // the activations are the previous kernel's output
+    // Rows of 12 super-blocks (the head's 3,072 columns): a lane's 3 units (lane + 32 i) sit at the
+    // same columns in every row, so their activations are loaded once, here, not per row.
+    const int BB = KqT<T>::BB;
+    int4 pxa[3], pxb[3];
+    float pda[3], pdb[3];
+    if (nblk == 12) {
+#pragma unroll
+        for (int i = 0; i < 3; i++) {
+            const int u = lane + 32 * i;
+            int ca, cb;
+            kq_unit_cols<T>(u & 7, 256 * (u >> 3), ca, cb);
+            pxa[i] = __ldg((const int4*)(xq + ca));
+            pxb[i] = __ldg((const int4*)(xq + cb));
+            pda[i] = __ldg(xd + (ca >> 5));
+            pdb[i] = __ldg(xd + (cb >> 5));
+        }
+    }
     for (int s = 0; s < nstg; s++) {
         const int i = s % nst, n = min(srows, r1 - r0 - s * srows);
         bk_mb_wait(&full[i], (s / nst) & 1);
         const u8* stage = ring + i * sbytes;
         for (int j = warp; j < n; j += KS_CW) {
             float acc[1] = {0.f};
-            // The head's 12 super-blocks as a constant: the lane's 3 units unrolled, their shared
-            // loads issued together (150.7 against 153.4 us; the same units in the same order).
-            if (nblk == 12)
-                kq_dot_staged<T, 1>(stage + j * rb, 12, 0, xq, ncol, xd, ncol / 32, 1, acc, lane);
-            else
+            if (nblk == 12) {
+                // kq_dot_staged's units in its order, with the activations above.
+#pragma unroll
+                for (int v = 0; v < 3; v++) {
+                    const int u = lane + 32 * v;
+                    int qa[4], qb[4];
+                    float fa, fb, ma = 0.f, mb = 0.f;
+                    int ca, cb;
+                    kq_unit_codes<T>(stage + j * rb + (u >> 3) * BB, u & 7, 256 * (u >> 3), qa, qb, fa, fb, ma, mb, ca, cb);
+                    kq_unit_dot<T>(qa, qb, fa, fb, ma, mb, pxa[v], pxb[v], pda[v], pdb[v], acc[0]);
+                }
+            } else {
                 kq_dot_staged<T, 1>(stage + j * rb, nblk, 0, xq, ncol, xd, ncol / 32, 1, acc, lane);
+            }
             mv_store<1>(acc, y, 0, r0 + s * srows + j, 0, 1, lane, accumulate);
         }
         __syncwarp();  // every lane is done reading the stage
