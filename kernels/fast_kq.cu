@@ -99,9 +99,6 @@ __device__ __forceinline__ void kq_scmin(const u8* s, int j, int& sc, int& m) {
     }
 }
 
-// Unit u (0..7) of the staged super-block blk, decoded: codes qa / qb (int8) of its two 16-column
-// halves, their scales fa / fb (and Q4_K mins ma / mb; the caller zeroes them for Q6_K), their
-// first columns ca / cb (colb = the super-block's first column).
 // The first columns ca / cb of unit u's two 16-column halves (colb = its super-block's first), as
 // kq_unit_codes sets them (which computes them from its own unit fields).
 template <int T>
@@ -114,6 +111,9 @@ __device__ __forceinline__ void kq_unit_cols(int u, int colb, int& ca, int& cb) 
         cb = ca + 64;
     }
 }
+// Unit u (0..7) of the staged super-block blk, decoded: codes qa / qb (int8) of its two 16-column
+// halves, their scales fa / fb (and Q4_K mins ma / mb; the caller zeroes them for Q6_K), their
+// first columns ca / cb (colb = the super-block's first column).
 template <int T>
 __device__ __forceinline__ void kq_unit_codes(const u8* blk, int u, int colb, int (&qa)[4], int (&qb)[4], float& fa,
                                               float& fb, float& ma, float& mb, int& ca, int& cb) {
@@ -446,7 +446,8 @@ __device__ __forceinline__ void kq_mv_stream(const u8* W, i64 rb, int rows, floa
                     int qa[4], qb[4];
                     float fa, fb, ma = 0.f, mb = 0.f;
                     int ca, cb;
-                    kq_unit_codes<T>(stage + j * rb + (u >> 3) * BB, u & 7, 256 * (u >> 3), qa, qb, fa, fb, ma, mb, ca, cb);
+                    kq_unit_codes<T>(stage + j * rb + (u >> 3) * BB, u & 7, 256 * (u >> 3), qa, qb, fa, fb, ma, mb, ca,
+                                     cb);
                     kq_unit_dot<T>(qa, qb, fa, fb, ma, mb, pxa[v], pxb[v], pda[v], pdb[v], acc[0]);
                 }
             } else {
