@@ -360,8 +360,9 @@ __device__ __forceinline__ void kq_mv_rows(const u8* W0, i64 rb0, int rows0, flo
                      acc);                                                                                         \
     }
 
-// kq_mvs_*: kq_mvr2 for one matrix of many rows (the Q6_K output head: 200,064 rows of 2,520
-// bytes) with the rows streamed through a ring. kq_mvr2's block holds its rows' shared memory
+// kq_mvs_* (one token) / kq_mvs4_* (2-4 tokens, y rows ys apart): kq_mvr2 / kq_mv for one matrix
+// of many rows (the Q6_K output head: 200,064 rows of 2,520 bytes) with the rows streamed
+// through a ring. kq_mvr2's block holds its rows' shared memory
 // from its launch until its dots are done, so the bytes an SM has in flight fall while blocks
 // decode, and 25,008 blocks launch and leave (H200: 2.8 TB/s, against the Q8_0 head's 4.1).
 // Here one block per SM: a producer thread streams the block's contiguous range of rows into
@@ -378,9 +379,9 @@ __device__ __forceinline__ void kq_mv_rows(const u8* W0, i64 rb0, int rows0, flo
 #define KS_MAXST 8
 #define KS_HDR 256  // full[KS_MAXST], empty[KS_MAXST]; the ring starts 16-byte aligned after them
 #define KS_TAIL 32
-template <int T>
-__device__ __forceinline__ void kq_mv_stream(const u8* W, i64 rb, int rows, float* y, int nblk, const i8* xq,
-                                             const float* xd, int ncol, int accumulate, int nst, int srows) {
+template <int T, int NT>
+__device__ __forceinline__ void kq_mv_stream(const u8* W, i64 rb, int rows, float* y, i64 ys, int nblk, const i8* xq,
+                                             const float* xd, int ncol, int nv, int accumulate, int nst, int srows) {
 #if BK_PTX
     extern __shared__ __align__(128) u8 ks_sm[];
     u64* full = (u64*)ks_sm;
@@ -420,7 +421,7 @@ __device__ __forceinline__ void kq_mv_stream(const u8* W, i64 rb, int rows, floa
     const int BB = KqT<T>::BB;
     int4 pxa[3], pxb[3];
     float pda[3], pdb[3];
-    if (nblk == 12) {
+    if (NT == 1 && nblk == 12) {
 #pragma unroll
         for (int i = 0; i < 3; i++) {
             const int u = lane + 32 * i;
@@ -437,8 +438,10 @@ __device__ __forceinline__ void kq_mv_stream(const u8* W, i64 rb, int rows, floa
         bk_mb_wait(&full[i], (s / nst) & 1);
         const u8* stage = ring + i * sbytes;
         for (int j = warp; j < n; j += KS_CW) {
-            float acc[1] = {0.f};
-            if (nblk == 12) {
+            float acc[NT];
+#pragma unroll
+            for (int t = 0; t < NT; t++) acc[t] = 0.f;
+            if (NT == 1 && nblk == 12) {
                 // kq_dot_staged's units in its order, with the activations above.
 #pragma unroll
                 for (int v = 0; v < 3; v++) {
@@ -451,21 +454,22 @@ __device__ __forceinline__ void kq_mv_stream(const u8* W, i64 rb, int rows, floa
                     kq_unit_dot<T>(qa, qb, fa, fb, ma, mb, pxa[v], pxb[v], pda[v], pdb[v], acc[0]);
                 }
             } else {
-                kq_dot_staged<T, 1>(stage + j * rb, nblk, 0, xq, ncol, xd, ncol / 32, 1, acc, lane);
+                kq_dot_staged<T, NT>(stage + j * rb, nblk, 0, xq, ncol, xd, ncol / 32, nv, acc, lane);
             }
-            mv_store<1>(acc, y, 0, r0 + s * srows + j, 0, 1, lane, accumulate);
+            mv_store<NT>(acc, y, ys, r0 + s * srows + j, 0, nv, lane, accumulate);
         }
         __syncwarp();  // every lane is done reading the stage
         if (lane == 0) bk_mb_arrive(&empty[i]);
     }
 #endif
 }
-#define KQ_MVS_INST(name, T)                                                                                      \
-    extern "C" __global__ void __launch_bounds__(KS_THREADS) kq_mvs_##name(const u8* W, i64 rb, int rows, float* y, \
-                                                                           int nblk, const i8* xq, const float* xd,   \
-                                                                           int ncol, int acc, int nst, int srows) {   \
-        kq_mv_stream<T>(W, rb, rows, y, nblk, xq, xd, ncol, acc, nst, srows);                                      \
+#define KQ_MVS_ONE(kname, T, NT)                                                                                  \
+    extern "C" __global__ void __launch_bounds__(KS_THREADS) kname(const u8* W, i64 rb, int rows, float* y, i64 ys,  \
+                                                                   int nblk, const i8* xq, const float* xd, int ncol, \
+                                                                   int nv, int acc, int nst, int srows) {             \
+        kq_mv_stream<T, NT>(W, rb, rows, y, ys, nblk, xq, xd, ncol, nv, acc, nst, srows);                           \
     }
+#define KQ_MVS_INST(name, T) KQ_MVS_ONE(kq_mvs_##name, T, 1) KQ_MVS_ONE(kq_mvs4_##name, T, 4)
 
 // ------------------------------------------------------------- MoE (decode) -------------
 // Pair p = blockIdx.y (token p / k, expert ids[p]): act[p][r] = silu(gate_r . x) * (up_r . x)

@@ -197,8 +197,9 @@ fn kquant_dense_products_match_cpu() {
     assert!(g.kq_matvec_q8(&[(&odd, 0, 8)], 0, 0, 256, 1, false).is_err(), "odd address must be refused");
 }
 
-/// The streamed one-token form (`kq_mvs_*`: one block per SM, rows through a bulk-copy ring)
-/// gives kq_mv's bits (kq_mv is checked against the CPU twin above) for every row count that
+/// The streamed form (`kq_mvs_*` for one token, `kq_mvs4_*` for 2-4: one block per SM, rows
+/// through a bulk-copy ring) gives kq_mv's bits (kq_mv is checked against the CPU twin above),
+/// for 1, 2 and 4 tokens with y rows apart by more than the matrix's rows, for every row count that
 /// ends a block's range or a stage part-way (2 rows; fewer rows than SMs x 2; stages left
 /// partial; 4,100 and 70,000 rows), at 1536 / 3072 / 6144 columns, overwriting and
 /// accumulating; the launch is checked by kernel name. Where it does not apply (odd rows, a
@@ -215,34 +216,46 @@ fn kquant_streamed_rows_match_kq_mv() {
             for (rows, shift) in [(2usize, 0usize), (2 * sms - 6, 0), (4100, 0), (70_000, 0), (4101, 0), (4100, 2)] {
                 let m = random_rows(&mut rng, ty, rows, cols);
                 let (_buf, w) = upload_shifted(&g, ty, &m, rows, cols, 0, shift);
-                let (hq, hd) = q8_host(&rng.vec(cols, 2.0));
-                let (qb, db) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
-                let base = rng.vec(rows + 3, 1.0);
                 let applies = g.kq_stream_plan(&w).unwrap().is_some();
                 // Two rows must be whole 16-byte pieces: not Q6_K rows of 1536 columns (1,260 bytes).
                 assert_eq!(applies, rows % 2 == 0 && shift == 0 && (2 * w.row_bytes) % 16 == 0, "kq_stream_plan {ty} {rows} rows x {cols} at +{shift}");
-                for acc in [false, true] {
-                    let mut outs = Vec::new();
-                    for stream in [false, true] {
-                        set_kq_stream(Some(stream));
-                        set_kq_rows(Some(false));
-                        let yb = if acc { g.upload(&base).unwrap() } else { poisoned(&g, rows + 3) };
-                        g.profile_begin();
-                        g.kq_matvec_q8(&[(&w, g.ptr(&yb), rows)], g.ptr(&qb), g.ptr(&db), cols, 1, acc).unwrap();
-                        let names: Vec<String> = g.profile_end().unwrap().into_iter().map(|(n, _)| n).collect();
-                        let want = if stream && applies { format!("kq_mvs_{}", ty.to_string().to_lowercase()) } else { format!("kq_mv_{}_1", ty.to_string().to_lowercase()) };
-                        assert_eq!(names, vec![want], "{ty} {rows} rows x {cols} at +{shift}, stream {stream}");
-                        let y = g.download(&yb).unwrap();
-                        for (r, v) in y[rows..].iter().enumerate() {
-                            assert!(if acc { *v == base[rows + r] } else { v.is_nan() }, "{ty} {rows} rows: wrote past the rows");
+                let ty_l = ty.to_string().to_lowercase();
+                for nv in [1usize, 2, 4] {
+                    // y rows `ys` apart (past the matrix's rows: the gap must stay untouched).
+                    let ys = rows + 3;
+                    let (hq, hd) = q8_host(&rng.vec(nv * cols, 2.0));
+                    let (qb, db) = (g.upload(&hq).unwrap(), g.upload(&hd).unwrap());
+                    let base = rng.vec(nv * ys, 1.0);
+                    for acc in [false, true] {
+                        let mut outs = Vec::new();
+                        for stream in [false, true] {
+                            set_kq_stream(Some(stream));
+                            set_kq_rows(Some(false));
+                            let yb = if acc { g.upload(&base).unwrap() } else { poisoned(&g, nv * ys) };
+                            g.profile_begin();
+                            g.kq_matvec_q8(&[(&w, g.ptr(&yb), ys)], g.ptr(&qb), g.ptr(&db), cols, nv, acc).unwrap();
+                            let names: Vec<String> = g.profile_end().unwrap().into_iter().map(|(n, _)| n).collect();
+                            let want = match (stream && applies, nv) {
+                                (true, 1) => format!("kq_mvs_{ty_l}"),
+                                (true, _) => format!("kq_mvs4_{ty_l}"),
+                                (false, 1) => format!("kq_mv_{ty_l}_1"),
+                                (false, _) => format!("kq_mv_{ty_l}_4"),
+                            };
+                            assert_eq!(names, vec![want], "{ty} {rows} rows x {cols} at +{shift}, nv {nv}, stream {stream}");
+                            let y = g.download(&yb).unwrap();
+                            for v in 0..nv {
+                                for (r, x) in y[v * ys + rows..(v + 1) * ys].iter().enumerate() {
+                                    assert!(if acc { *x == base[v * ys + rows + r] } else { x.is_nan() }, "{ty} {rows} rows nv {nv}: wrote past the rows");
+                                }
+                                assert!(y[v * ys..v * ys + rows].iter().all(|x| x.is_finite()), "{ty} {rows} rows x {cols} nv {nv}: a row not written");
+                            }
+                            outs.push(y.iter().map(|x| x.to_bits()).collect::<Vec<u32>>());
                         }
-                        assert!(y[..rows].iter().all(|v| v.is_finite()), "{ty} {rows} rows x {cols}: a row not written");
-                        outs.push(y.iter().map(|v| v.to_bits()).collect::<Vec<u32>>());
+                        assert!(outs[0] == outs[1], "kq_mvs {ty} {rows} rows x {cols} at +{shift} nv {nv} acc {acc}: not kq_mv's bits");
                     }
-                    assert!(outs[0] == outs[1], "kq_mvs {ty} {rows} rows x {cols} at +{shift} acc {acc}: not kq_mv's bits");
                 }
             }
-            eprintln!("kq_mvs  {ty:<5} x {cols:>4} cols, 2 .. 70,000 rows, acc/overwrite: kq_mv's bits");
+            eprintln!("kq_mvs  {ty:<5} x {cols:>4} cols, 2 .. 70,000 rows, 1 / 2 / 4 tokens, acc/overwrite: kq_mv's bits");
         }
     }
     set_kq_stream(None);
@@ -519,7 +532,7 @@ fn kquant_fast_kernels_speed() {
         let rb = quant::row_bytes(ty, cols).unwrap();
         let copies = if rows > 100_000 { 1 } else { l2_copies(rows * rb) };
         let (_buf, m0) = device_mat(&g, ty, rows, cols, 0, copies, 11);
-        for (nv, rows_form, stream) in [(1usize, true, true), (1, true, false), (1, false, false), (8, false, false), (32, false, false)] {
+        for (nv, rows_form, stream) in [(1usize, true, true), (1, true, false), (1, false, false), (4, false, true), (4, false, false), (8, false, false), (32, false, false)] {
             minimax_rank::cuda::fast_kq::set_kq_rows(Some(rows_form));
             minimax_rank::cuda::fast_kq::set_kq_stream(Some(stream));
             let streamed = stream && !what.contains("2 segs") && g.kq_stream_plan(&m0).unwrap().is_some();
@@ -536,7 +549,7 @@ fn kquant_fast_kernels_speed() {
                     g.kq_matvec_q8(&[(&m, g.ptr(&y), rows)], g.ptr(&qb), g.ptr(&db), cols, nv, false).unwrap();
                 }
             });
-            let form = if streamed { "kq_mvs " } else if nv == 1 && rows_form && cols <= 3072 { "kq_mvr2" } else { "kq_mv  " };
+            let form = if streamed && nv > 1 { "kq_mvs4" } else if streamed { "kq_mvs " } else if nv == 1 && rows_form && cols <= 3072 { "kq_mvr2" } else { "kq_mv  " };
             eprintln!("speed {form} {ty} {what:<18} {rows:>6} x {cols} nv {nv:>2}: {:>8.1} us  {:>6.0} GB/s (weights once)", ms * 1e3, gbs(rows * rb, ms));
         }
         minimax_rank::cuda::fast_kq::set_kq_rows(None);

@@ -34,6 +34,8 @@ const MVS_STAGE_ROWS: usize = 16;
 /// is meant for the output head (200,064 rows), not the per-layer products (whose blocks
 /// launch beside the previous kernel's under PDL).
 const MVS_MIN_ROWS: usize = 65_536;
+/// Most tokens the streamed form takes (`kq_mvs4_*`: 2-4 tokens; 1 is `kq_mvs_*`).
+const MVS_MAX_TOKENS: usize = 4;
 
 /// Whether `w` can go through the K-quant fast kernels: Q4_K or Q6_K, whole 256-column
 /// super-blocks per row (row bytes exactly those blocks), rows and experts at even addresses.
@@ -68,9 +70,10 @@ pub fn set_kq_rows(on: Option<bool>) {
 static KQ_STREAM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_KQ_STREAM", true);
 static KQ_STREAM_ANY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
 
-/// Whether one-token products of a single K-quant matrix of at least 65,536 rows (the output
-/// head) stream their rows through a ring (`kq_mvs_*`, one block per SM, sm_90 and newer)
-/// instead of `kq_mvr2_*` / `kq_mv_*_1` (default on; `MINIMAX_KQ_STREAM=0` = off). Bit-identical.
+/// Whether products of 1-4 tokens by a single K-quant matrix of at least 65,536 rows (the output
+/// head) stream its rows through a ring (`kq_mvs_*` / `kq_mvs4_*`, one block per SM, sm_90 and
+/// newer) instead of `kq_mvr2_*` / `kq_mv_*` (default on; `MINIMAX_KQ_STREAM=0` = off).
+/// Bit-identical.
 pub fn kq_stream() -> bool {
     KQ_STREAM.get()
 }
@@ -139,13 +142,14 @@ impl Gpu {
         if xq % 16 != 0 {
             return Err(CudaError::Shape("kq_matvec_q8: q8 input not 16-byte aligned".into()));
         }
-        if nv == 1 && segs.len() == 1 && kq_stream() && (segs[0].0.rows >= MVS_MIN_ROWS || KQ_STREAM_ANY.load(std::sync::atomic::Ordering::Relaxed)) {
-            let (w, y, _) = segs[0];
+        if (1..=MVS_MAX_TOKENS).contains(&nv) && segs.len() == 1 && kq_stream() && (segs[0].0.rows >= MVS_MIN_ROWS || KQ_STREAM_ANY.load(std::sync::atomic::Ordering::Relaxed)) {
+            let (w, y, ys) = segs[0];
             if let Some((nst, sr)) = self.kq_stream_plan(w)? {
                 let smem = MVS_FIXED + nst * sr * w.row_bytes;
                 let grid = self.stream_grid(w.rows / 2)?;
-                let args = [Arg::P(w.ptr), Arg::L(w.row_bytes as i64), Arg::I(w.rows as i32), Arg::P(y), Arg::I((ncol / 256) as i32), Arg::P(xq), Arg::P(xd), Arg::I(ncol as i32), Arg::I(accumulate as i32), Arg::I(nst as i32), Arg::I(sr as i32)];
-                return self.launch_pdl(&format!("kq_mvs_{}", kq_name(ty)), (grid, 1, 1), MVS_THREADS, smem as u32, &args);
+                let args = [Arg::P(w.ptr), Arg::L(w.row_bytes as i64), Arg::I(w.rows as i32), Arg::P(y), Arg::L(ys as i64), Arg::I((ncol / 256) as i32), Arg::P(xq), Arg::P(xd), Arg::I(ncol as i32), Arg::I(nv as i32), Arg::I(accumulate as i32), Arg::I(nst as i32), Arg::I(sr as i32)];
+                let stem = if nv == 1 { "kq_mvs" } else { "kq_mvs4" };
+                return self.launch_pdl(&format!("{stem}_{}", kq_name(ty)), (grid, 1, 1), MVS_THREADS, smem as u32, &args);
             }
         }
         let nt = mv_nt(nv);
