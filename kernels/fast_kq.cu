@@ -167,31 +167,27 @@ __device__ __forceinline__ void kq_unit_codes(const u8* blk, int u, int colb, in
 template <int T>
 __device__ __forceinline__ void kq_unit_dot(const int (&qa)[4], const int (&qb)[4], float fa, float fb, float ma,
                                             float mb, int4 xa, int4 xb, float da, float db, float& acc) {
-    {
-        {
-            int sa = __dp4a(qa[0], xa.x, 0);
-            sa = __dp4a(qa[1], xa.y, sa);
-            sa = __dp4a(qa[2], xa.z, sa);
-            sa = __dp4a(qa[3], xa.w, sa);
-            int sb = __dp4a(qb[0], xb.x, 0);
-            sb = __dp4a(qb[1], xb.y, sb);
-            sb = __dp4a(qb[2], xb.z, sb);
-            sb = __dp4a(qb[3], xb.w, sb);
-            if (T == T_Q4_K) {
-                const int one = 0x01010101;
-                int za = __dp4a(one, xa.x, 0);
-                za = __dp4a(one, xa.y, za);
-                za = __dp4a(one, xa.z, za);
-                za = __dp4a(one, xa.w, za);
-                int zb = __dp4a(one, xb.x, 0);
-                zb = __dp4a(one, xb.y, zb);
-                zb = __dp4a(one, xb.z, zb);
-                zb = __dp4a(one, xb.w, zb);
-                acc += da * (fa * (float)sa - ma * (float)za) + db * (fb * (float)sb - mb * (float)zb);
-            } else {
-                acc += da * (fa * (float)sa) + db * (fb * (float)sb);
-            }
-        }
+    int sa = __dp4a(qa[0], xa.x, 0);
+    sa = __dp4a(qa[1], xa.y, sa);
+    sa = __dp4a(qa[2], xa.z, sa);
+    sa = __dp4a(qa[3], xa.w, sa);
+    int sb = __dp4a(qb[0], xb.x, 0);
+    sb = __dp4a(qb[1], xb.y, sb);
+    sb = __dp4a(qb[2], xb.z, sb);
+    sb = __dp4a(qb[3], xb.w, sb);
+    if (T == T_Q4_K) {
+        const int one = 0x01010101;
+        int za = __dp4a(one, xa.x, 0);
+        za = __dp4a(one, xa.y, za);
+        za = __dp4a(one, xa.z, za);
+        za = __dp4a(one, xa.w, za);
+        int zb = __dp4a(one, xb.x, 0);
+        zb = __dp4a(one, xb.y, zb);
+        zb = __dp4a(one, xb.z, zb);
+        zb = __dp4a(one, xb.w, zb);
+        acc += da * (fa * (float)sa - ma * (float)za) + db * (fb * (float)sb - mb * (float)zb);
+    } else {
+        acc += da * (fa * (float)sa) + db * (fb * (float)sb);
     }
 }
 

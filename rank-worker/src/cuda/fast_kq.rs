@@ -48,8 +48,34 @@ pub fn kq_fast_mat(w: &DevMat) -> bool {
         && (w.n_experts == 0 || w.expert_stride % 2 == 0)
 }
 
-static KQ_ROWS: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_KQ_ROWS", true);
-static KQ_ROWS_ANY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+/// A kernel form's switch ([`EnvFlag`](super::env_flag::EnvFlag)) that applies above a size
+/// floor, where a test's `set(Some(true))` also lifts the floor (small matrices in tests).
+struct FormFlag {
+    on: super::env_flag::EnvFlag,
+    any_size: std::sync::atomic::AtomicBool,
+}
+
+impl FormFlag {
+    const fn new(var: &'static str, default: bool) -> Self {
+        Self { on: super::env_flag::EnvFlag::new(var, default), any_size: std::sync::atomic::AtomicBool::new(false) }
+    }
+
+    fn get(&self) -> bool {
+        self.on.get()
+    }
+
+    fn set(&self, on: Option<bool>) {
+        self.on.set(on);
+        self.any_size.store(on == Some(true), std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Whether the form applies below its size floor too (forced on by `set(Some(true))`).
+    fn any_size(&self) -> bool {
+        self.any_size.load(std::sync::atomic::Ordering::Relaxed)
+    }
+}
+
+static KQ_ROWS: FormFlag = FormFlag::new("MINIMAX_KQ_ROWS", true);
 
 /// Whether one-token K-quant products of rows up to 12 super-blocks (3,072 columns) and at
 /// least 4,096 rows a launch take `kq_mvr2_*` (two rows a warp, every copy issued before the
@@ -64,11 +90,9 @@ pub fn kq_rows() -> bool {
 /// after a change.
 pub fn set_kq_rows(on: Option<bool>) {
     KQ_ROWS.set(on);
-    KQ_ROWS_ANY.store(on == Some(true), std::sync::atomic::Ordering::Relaxed);
 }
 
-static KQ_STREAM: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_KQ_STREAM", true);
-static KQ_STREAM_ANY: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+static KQ_STREAM: FormFlag = FormFlag::new("MINIMAX_KQ_STREAM", true);
 
 /// Whether products of 1-4 tokens by a single K-quant matrix of at least 65,536 rows (the output
 /// head) stream its rows through a ring (`kq_mvs_*` / `kq_mvs4_*`, one block per SM, sm_90 and
@@ -83,7 +107,6 @@ pub fn kq_stream() -> bool {
 /// after a change.
 pub fn set_kq_stream(on: Option<bool>) {
     KQ_STREAM.set(on);
-    KQ_STREAM_ANY.store(on == Some(true), std::sync::atomic::Ordering::Relaxed);
 }
 
 /// Whether the fast path may take K-quant matrices (on unless `MINIMAX_FAST_KQ=0`: without them
@@ -142,7 +165,7 @@ impl Gpu {
         if xq % 16 != 0 {
             return Err(CudaError::Shape("kq_matvec_q8: q8 input not 16-byte aligned".into()));
         }
-        if (1..=MVS_MAX_TOKENS).contains(&nv) && segs.len() == 1 && kq_stream() && (segs[0].0.rows >= MVS_MIN_ROWS || KQ_STREAM_ANY.load(std::sync::atomic::Ordering::Relaxed)) {
+        if (1..=MVS_MAX_TOKENS).contains(&nv) && segs.len() == 1 && kq_stream() && (segs[0].0.rows >= MVS_MIN_ROWS || KQ_STREAM.any_size()) {
             let (w, y, ys) = segs[0];
             if let Some((nst, sr)) = self.kq_stream_plan(w)? {
                 let smem = MVS_FIXED + nst * sr * w.row_bytes;
@@ -154,7 +177,7 @@ impl Gpu {
         }
         let nt = mv_nt(nv);
         let (args, rows) = mv_args(segs, ncol / 256, xq, xd, ncol, nv, accumulate);
-        let many = rows >= MVR_MIN_ROWS || KQ_ROWS_ANY.load(std::sync::atomic::Ordering::Relaxed);
+        let many = rows >= MVR_MIN_ROWS || KQ_ROWS.any_size();
         if nv == 1 && ncol / 256 <= MVR_MAX_BLOCKS && many && kq_rows() {
             let grid = (rows.div_ceil(2 * MVR_WARPS) as u32, 1, 1);
             return self.launch_pdl(&format!("kq_mvr2_{}", kq_name(ty)), grid, 32 * MVR_WARPS as u32, 0, &args);
