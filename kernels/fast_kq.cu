@@ -363,8 +363,9 @@ __device__ __forceinline__ void kq_mv_rows(const u8* W0, i64 rb0, int rows0, flo
 // decode, and 25,008 blocks launch and leave (H200: 2.8 TB/s, against the Q8_0 head's 4.1).
 // Here one block per SM: a producer thread streams the block's contiguous range of rows into
 // a ring of stages (one cp.async.bulk a stage, issued before the PDL wait: weights only), and
-// KS_CW consumer warps take a stage's rows (row j: warp j % KS_CW), each with kq_mvr2's call
-// per row (kq_dot_staged, then mv_store): bit-identical to kq_mvr2 and kq_mv.
+// KS_CW consumer warps take a stage's rows (row j: warp j % KS_CW), each with kq_mv's per-row
+// arithmetic (kq_dot_staged, then mv_store; for one token and 12 super-blocks its units one by
+// one with the activations held in registers): bit-identical to kq_mvr2 and kq_mv.
 // Host (fast_kq.rs, kq_stream_plan): sm_90 or newer; rows even, W and two rows' bytes 16-byte
 // aligned, so every stage of an even number of rows is a whole 16-byte multiple; srows even.
 // Dynamic shared memory KS_HDR + nst * srows * rb + KS_TAIL (kq_ld16 reads up to 4 bytes past a
