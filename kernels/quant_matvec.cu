@@ -308,10 +308,15 @@ __device__ __forceinline__ void mv_expert(const u8* W, i64 row_bytes, i64 expert
     if (lane == 0) y[p * ys + r] = s;
 }
 
-// Dequantizes rows ids[i] of W into out row i. grid (nrows), block 256.
+// Dequantizes rows ids[i] of W into out row i. grid (nrows), block 256. A negative id -1 - j
+// (overlapped decode: a token the previous step drew on the device) reads row feed[j]; a
+// missing one (no feed, or a -1 there) reads row 0, and the rank fails that sequence.
 template <int T>
-__device__ __forceinline__ void dq_rows(const u8* W, i64 row_bytes, const int* ids, int cols, float* out, i64 os) {
-    const u8* row = W + ids[blockIdx.x] * row_bytes;
+__device__ __forceinline__ void dq_rows(const u8* W, i64 row_bytes, const int* ids, int cols, float* out, i64 os, const int* feed) {
+    int id = ids[blockIdx.x];
+    if (id < 0) id = feed != nullptr ? feed[-1 - id] : 0;
+    if (id < 0) id = 0;
+    const u8* row = W + (i64)id * row_bytes;
     float* o = out + blockIdx.x * os;
     if (is_float_type<T>()) {
         for (int i = threadIdx.x; i < cols; i += blockDim.x) o[i] = ld_float<T>(row, i);
@@ -372,8 +377,8 @@ __device__ __forceinline__ void dq_bf16(const u8* W, i64 rb, int rows, int cols,
         float* y, i64 ys) {                                                                                  \
         mv_expert<T>(W, rb, es, rows, cols, ids, x, xs, x_div, y, ys);                                       \
     }                                                                                                        \
-    extern "C" __global__ void dq_##name(const u8* W, i64 rb, const int* ids, int cols, float* out, i64 os) { \
-        dq_rows<T>(W, rb, ids, cols, out, os);                                                               \
+    extern "C" __global__ void dq_##name(const u8* W, i64 rb, const int* ids, int cols, float* out, i64 os, const int* feed) { \
+        dq_rows<T>(W, rb, ids, cols, out, os, feed);                                                               \
     }                                                                                                        \
     extern "C" __global__ void __launch_bounds__(256) dqb_##name(const u8* W, i64 rb, int rows, int cols, u16* out) { \
         dq_bf16<T>(W, rb, rows, cols, out);                                                                  \

@@ -12,7 +12,9 @@
 //                 count of z > -inf, and the chunk's exact top-T raw keys and top-K candidate
 //                 keys (radix select on unique 64-bit keys).
 //   samp_merge    one block per row: log-sum-exp, exact global top-T and top-K from the chunks'
-//                 keys, sorted (value descending, id ascending), target's raw logit.
+//                 keys, sorted (value descending, id ascending), target's raw logit; with
+//                 `picks`, the row's first candidate (the greedy draw; -1 if none) at
+//                 picks[row] and, for the host's check, out[pick_off + row].
 //   samp_total    grid (NB, rows), rows that ask for it: per chunk f64 sum of
 //                 exp((double)(zt - zmax)) (the top_p total; the host adds the chunks in order).
 //
@@ -419,7 +421,7 @@ __device__ u32 sp_merge_keys(SpSel& s, const u64* keys, int nb, int per, int cst
 extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_merge(
     const float* __restrict__ logits, i64 stride, int vocab, int nb, const u32* __restrict__ params, const u32* __restrict__ touch,
     const float* __restrict__ tz, const u32* __restrict__ bitmap, const double* __restrict__ bstat, const u64* __restrict__ raw_keys,
-    const u64* __restrict__ cand_keys, int kcap, u32* out) {
+    const u64* __restrict__ cand_keys, int kcap, u32* out, int* __restrict__ picks, int npicks, int pick_off) {
     __shared__ SpSel s;
     __shared__ u64 sel[2 * SP_KMAX];
     __shared__ u32 red_u[32];
@@ -456,6 +458,12 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_merge(
     // others after the barrier is not safe here (nvcc hoisted that load above the barrier, so
     // the other threads read the stale header and left thread 0 to run the selects alone).
     __syncthreads();
+    // The greedy draw for overlapped decode's device-fed tokens (every row; the host decides
+    // which rows feed one): none until the candidates below are known.
+    if (tid == 0 && picks != nullptr && r < npicks) {
+        picks[r] = -1;
+        out[pick_off + r] = 0xffffffffu;
+    }
     if (!row_ok) return;
     const u32 T = P[P_T];
     if (T > 0) {
@@ -484,7 +492,13 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_merge(
             ids[t] = id;
             vals[t] = __float_as_uint(zt);
             raws[t] = __float_as_uint(row[id]);
-            if (t == 0) H[H_ZMAX] = __float_as_uint(zt);
+            if (t == 0) {
+                H[H_ZMAX] = __float_as_uint(zt);
+                if (picks != nullptr && r < npicks) {
+                    picks[r] = (int)id;
+                    out[pick_off + r] = id;
+                }
+            }
         }
         if (tid == 0) H[H_NCAND] = k;
     }

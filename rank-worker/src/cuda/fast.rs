@@ -1865,12 +1865,20 @@ pub(crate) struct FastWs {
     pub grp: CudaSlice<i32>,
     /// Grouped down products per pair, `[MAX_FAST_TOKENS k][hidden]` f32.
     pub dpart: CudaSlice<f32>,
-    pub logits: CudaSlice<f32>,
+    /// Two logits buffers, steps alternating between them: overlapped decode launches step N+1
+    /// before step N's rows are read back, and a row the host must reduce itself is read from
+    /// N's buffer after that.
+    pub logits: [CudaSlice<f32>; 2],
+    /// The buffer the last step wrote (`logits[par]`).
+    pub par: usize,
+    /// The greedy draws of the last step's rows on the device (the sampling merge writes them,
+    /// `MAX_FAST_TOKENS` i32), which the next step's embedding reads for device-fed tokens.
+    pub picks: CudaSlice<i32>,
     /// [tokens | pos | seq | slots | pt_off] (MAX_FAST_TOKENS each) then page tables.
     pub meta: CudaSlice<i32>,
     pub pts_cap: usize,
-    /// Captured steps by (tokens, unsplit short-context attention: [`attn_short`]).
-    pub graphs: HashMap<(usize, bool), Graph>,
+    /// Captured steps by (tokens, unsplit short-context attention: [`attn_short`], logits buffer).
+    pub graphs: HashMap<(usize, bool, usize), Graph>,
     /// The attention form of the last step run (what [`crate::cuda::CudaModel::replay_fast_step`] replays).
     pub last_short: bool,
 }
@@ -1912,7 +1920,9 @@ impl FastWs {
             ss8: g.zeros(c.hidden.div_ceil(8))?,
             grp: g.zeros(1 + 3 * c.n_experts + t * c.n_experts_used)?,
             dpart: g.zeros(t * c.n_experts_used * c.hidden)?,
-            logits: g.zeros(t * c.vocab_size)?,
+            logits: [g.zeros(t * c.vocab_size)?, g.zeros(t * c.vocab_size)?],
+            par: 0,
+            picks: g.zeros(t)?,
             meta: g.zeros(5 * t + pts_cap)?,
             pts_cap,
             graphs: HashMap::new(),

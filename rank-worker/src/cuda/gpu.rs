@@ -435,13 +435,19 @@ impl Gpu {
 
     /// Dequantizes rows `ids[0..n]` (i32) of `w` into f32 rows `os` apart (embedding lookup).
     pub fn dequant_rows(&self, w: &DevMat, ids: u64, n: usize, out: u64, os: usize) -> Result<(), CudaError> {
+        self.dequant_rows_fed(w, ids, n, out, os, 0)
+    }
+
+    /// [`Gpu::dequant_rows`] where an id `-1 - j` reads row `feed[j]` (i32 at device address
+    /// `feed`, 0 = none): overlapped decode feeds the token the previous step drew on the device.
+    pub fn dequant_rows_fed(&self, w: &DevMat, ids: u64, n: usize, out: u64, os: usize, feed: u64) -> Result<(), CudaError> {
         let tn = self.check_type(w.ty, "dequant")?;
         self.launch(
             &format!("dq_{tn}"),
             (n as u32, 1, 1),
             256,
             0,
-            &[Arg::P(w.ptr), Arg::L(w.row_bytes as i64), Arg::P(ids), Arg::I(w.cols as i32), Arg::P(out), Arg::L(os as i64)],
+            &[Arg::P(w.ptr), Arg::L(w.row_bytes as i64), Arg::P(ids), Arg::I(w.cols as i32), Arg::P(out), Arg::L(os as i64), Arg::P(feed)],
         )
     }
 

@@ -113,6 +113,9 @@ pub struct CudaModel {
     /// [`CudaModel::build_dense_bf16`]), and the memory they live in.
     dense_bf16: Vec<[DevMat; 4]>,
     _dense_bufs: Vec<CudaSlice<u16>>,
+    /// The next fast step's device-fed tokens: (batch sequence, the previous step's sampling
+    /// row whose greedy draw it feeds). Set by [`CudaModel::set_device_feed`], taken by the step.
+    feed: Vec<(usize, usize)>,
 }
 
 /// Why bf16 copies of the attention weights are kept or not (`MINIMAX_DENSE_BF16`): `1` always
@@ -250,6 +253,7 @@ impl CudaModel {
             opts,
             fast_off: None,
             fast: None,
+            feed: Vec::new(),
             part,
             heads,
             kv_heads,
@@ -406,6 +410,19 @@ impl CudaModel {
         self.fast_off.as_deref()
     }
 
+    /// Whether a step of `nt` tokens takes the fast path (device-fed tokens need it).
+    pub fn takes_fast_path(&self, nt: usize) -> bool {
+        self.fast_eligible(nt)
+    }
+
+    /// Overlapped decode: in the next (fast) step, batch sequence `seq` feeds the greedy draw
+    /// that the previous step's sampling merge left on the device for its row `row`, instead
+    /// of its token (a placeholder). The embedding reads it there, so the next step is
+    /// launched before the previous one's answer is read.
+    pub fn set_device_feed(&mut self, feed: Vec<(usize, usize)>) {
+        self.feed = feed;
+    }
+
     /// Drops the captured fast-step graphs (they are captured again on the next step of each
     /// size): after a kernel choice changed (`fast::set_kernel_overrides`).
     pub fn clear_graphs(&mut self) {
@@ -460,7 +477,8 @@ impl CudaModel {
     /// Enqueues one fast step of `nt` tokens whose metadata is already in the workspace.
     /// `short`: every context of the step is at most `fast::ATTN_SHORT_MAX_CTX` and
     /// `fast::attn_short` is on (unsplit decode attention).
-    fn enqueue_fast(&self, nt: usize, short: bool) -> Result<(), CudaError> {
+    /// `par`: the logits buffer the step writes (`FastWs::logits[par]`).
+    fn enqueue_fast(&self, nt: usize, short: bool, par: usize) -> Result<(), CudaError> {
         let c = &self.cfg;
         let g = &self.gpu;
         let ws = self.fast.as_ref().unwrap();
@@ -501,7 +519,7 @@ impl CudaModel {
         // Pipeline stages after the first find their input in `hidden` (received before the
         // step's graph); stages before the last stop after their layers (sent after it).
         if self.part.first_stage {
-            g.dequant_rows(&self.embd, m_tok, nt, hid, h)?;
+            g.dequant_rows_fed(&self.embd, m_tok, nt, hid, h, g.ptr(&ws.picks))?;
         }
         // MINIMAX_ATTN_FUSE=1: decode attention merges its splits in its last block.
         // Short contexts (fast::attn_short): one split whose block normalizes its own output.
@@ -639,13 +657,14 @@ impl CudaModel {
             if !normed {
                 g.norm_q8(hid, h, self.out_norm, h, c.rms_eps, 0, 0, xq, xd, nt)?;
             }
-            g.matvec_q8_any(&[(&self.head, p(&ws.logits), c.vocab_size)], xq, xd, h, nt, false)?;
+            g.matvec_q8_any(&[(&self.head, p(&ws.logits[par]), c.vocab_size)], xq, xd, h, nt, false)?;
         }
         Ok(())
     }
 
     /// The fast path of [`CudaModel::forward`]: one metadata upload, then the step's graph.
-    fn forward_fast(&mut self, batch: &ForwardBatch) -> Result<Option<StepLogits<'_>>, CudaError> {
+    /// `feed`: device-fed tokens ([`CudaModel::set_device_feed`]).
+    fn forward_fast(&mut self, batch: &ForwardBatch, feed: &[(usize, usize)]) -> Result<Option<StepLogits<'_>>, CudaError> {
         let nt = batch.n_tokens();
         let ps = self.page_size;
         let t = MAX_FAST_TOKENS;
@@ -664,7 +683,12 @@ impl CudaModel {
             }
             for (i, &tok) in s.tokens.iter().enumerate() {
                 let pp = s.cached_len + i;
-                meta[ti] = tok as i32;
+                meta[ti] = match feed.iter().find(|f| f.0 == si) {
+                    // The previous step's draw for this row, read on the device (dq_rows).
+                    Some(&(_, j)) if s.tokens.len() == 1 && j < t => -1 - j as i32,
+                    Some(_) => return Err(CudaError::Shape(format!("device-fed sequence {si}: one token and a row below {t}"))),
+                    None => tok as i32,
+                };
                 meta[t + ti] = pp as i32;
                 meta[2 * t + ti] = si as i32;
                 meta[3 * t + ti] = (s.page_table[pp / ps] as usize * ps + pp % ps) as i32;
@@ -673,6 +697,8 @@ impl CudaModel {
         }
         if pts.len() > self.fast.as_ref().unwrap().pts_cap {
             let cap = pts.len().next_power_of_two();
+            // An overlapped step before this one may still run its graph, on this buffer.
+            self.gpu.sync()?;
             let ws = self.fast.as_mut().unwrap();
             ws.graphs.clear();
             ws.meta = self.gpu.zeros(5 * t + cap)?;
@@ -693,17 +719,20 @@ impl CudaModel {
         let max_ctx = batch.seqs.iter().map(|s| s.cached_len + s.tokens.len()).max().unwrap_or(0);
         let short = super::fast::attn_short() && max_ctx <= super::fast::ATTN_SHORT_MAX_CTX;
         self.fast.as_mut().unwrap().last_short = short;
-        let key = (nt, short);
+        // Steps alternate logits buffers (the previous step's rows may not be read back yet).
+        let par = 1 - self.fast.as_ref().unwrap().par;
+        self.fast.as_mut().unwrap().par = par;
+        let key = (nt, short, par);
         let have_graph = self.fast.as_ref().unwrap().graphs.contains_key(&key);
         if self.opts.graphs && have_graph {
             self.fast.as_ref().unwrap().graphs[&key].0.launch()?;
         } else {
-            self.enqueue_fast(nt, short)?;
+            self.enqueue_fast(nt, short, par)?;
             if self.opts.graphs {
                 self.gpu.sync()?;
                 use cudarc::driver::sys::{CUgraphInstantiate_flags, CUstreamCaptureMode};
                 self.gpu.stream.begin_capture(CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_RELAXED)?;
-                let r = self.enqueue_fast(nt, short);
+                let r = self.enqueue_fast(nt, short, par);
                 let graph = self.gpu.stream.end_capture(CUgraphInstantiate_flags(0))?;
                 r?;
                 if let Some(gr) = graph {
@@ -727,17 +756,17 @@ impl CudaModel {
         if super::fast::fast_sync() || self.part.tp_world > 1 || rows.is_empty() {
             self.gpu.sync()?;
         }
-        Ok(Some(StepLogits::device(&*self, rows, out_idx)))
+        Ok(Some(StepLogits::device(&*self, rows, out_idx, par)))
     }
 
     /// Runs one fast step of `nt` tokens from whatever metadata is in the workspace, without
     /// reading logits back (benchmark: kernel time of a step; graphs as configured).
     pub fn replay_fast_step(&mut self, nt: usize) -> Result<(), CudaError> {
         let ws = self.fast.as_ref().ok_or_else(|| CudaError::Shape("fast path off".into()))?;
-        let short = ws.last_short;
-        match ws.graphs.get(&(nt, short)) {
+        let (short, par) = (ws.last_short, ws.par);
+        match ws.graphs.get(&(nt, short, par)) {
             Some(gr) if self.opts.graphs => gr.0.launch()?,
-            _ => self.enqueue_fast(nt, short)?,
+            _ => self.enqueue_fast(nt, short, par)?,
         }
         Ok(())
     }
@@ -884,6 +913,7 @@ impl CudaModel {
     /// device (reduce them there with [`StepLogits::reduce`], which downloads only rows the
     /// host must reduce itself); the exact path returns them on the host.
     pub fn forward_stage_lazy(&mut self, batch: &ForwardBatch) -> Result<Option<StepLogits<'_>>, CudaError> {
+        let feed = std::mem::take(&mut self.feed);
         self.validate(batch)?;
         let tp = self.part.tp_world > 1;
         if tp && self.comm.is_none() {
@@ -898,7 +928,10 @@ impl CudaModel {
             }));
         }
         if self.fast_eligible(batch.n_tokens()) {
-            return self.forward_fast(batch);
+            return self.forward_fast(batch, &feed);
+        }
+        if !feed.is_empty() {
+            return Err(CudaError::Shape("device-fed tokens need the fast path".into()));
         }
         let c = &self.cfg;
         let g = &self.gpu;

@@ -17,7 +17,7 @@
 use std::collections::BTreeMap;
 use std::sync::Mutex;
 
-use cudarc::driver::CudaSlice;
+use cudarc::driver::{CudaEvent, CudaSlice, PinnedHostSlice};
 use minimax_shared::forward::{ForwardBatch, ForwardOutput, LogitsRow};
 use minimax_shared::sampling::partial::{self, RowPartial, RowPlan};
 use minimax_shared::sampling::{self, RowReduction, SamplingError, SamplingSpec};
@@ -95,6 +95,44 @@ pub struct DeviceSampler {
     cand_keys: CudaSlice<u64>,
     out: CudaSlice<u32>,
     host_out: Vec<u32>,
+    /// Page-locked buffers the output words come back into, used in turn: overlapped decode
+    /// reads one call's words after the next call was enqueued. `busy`: enqueued, not collected.
+    slots: [Option<Pinned>; 2],
+    busy: [bool; 2],
+    next_slot: usize,
+}
+
+/// A page-locked host buffer (a copy into pageable memory would wait for the whole stream).
+struct Pinned {
+    _buf: PinnedHostSlice<u32>,
+    ptr: *mut u32,
+    cap: usize,
+}
+
+// SAFETY: the buffer is owned here and only touched under the sampler's mutex.
+unsafe impl Send for Pinned {}
+
+/// One call's kernels and read-back, enqueued on the stream ([`DeviceSampler::enqueue`]); its
+/// results come from [`DeviceSampler::collect`], which must be called (it frees the buffer).
+pub struct Enqueued {
+    slot: usize,
+    done: Option<CudaEvent>,
+    plans: Vec<RowPlan>,
+    dev: Vec<usize>,
+    params: Vec<u32>,
+    out_words: usize,
+    tot_off: usize,
+    pick_off: Option<usize>,
+    logits: u64,
+    stride: usize,
+}
+
+/// What [`DeviceSampler::collect`] returns: per job, its reduction, and the greedy draw the
+/// merge left on the device for it (when picks were asked for and the row had a candidate).
+pub struct Collected {
+    pub results: Vec<RowResult>,
+    pub stats: ReduceStats,
+    pub picks: Vec<Option<u32>>,
 }
 
 fn grow<T: cudarc::driver::DeviceRepr + cudarc::driver::ValidAsZeroBits>(gpu: &Gpu, buf: &mut CudaSlice<T>, n: usize) -> Result<(), CudaError> {
@@ -121,6 +159,9 @@ impl DeviceSampler {
             cand_keys: gpu.zeros(1)?,
             out: gpu.zeros(1)?,
             host_out: Vec::new(),
+            slots: [None, None],
+            busy: [false, false],
+            next_slot: 0,
         })
     }
 
@@ -149,6 +190,16 @@ impl DeviceSampler {
     /// Reduces `jobs` (rows of the f32 logits at device address `logits`, `stride` floats
     /// apart) to exactly what `reduce_row` returns for each.
     pub fn reduce(&mut self, gpu: &Gpu, logits: u64, stride: usize, jobs: &[RowJob]) -> Result<(Vec<RowResult>, ReduceStats), CudaError> {
+        let e = self.enqueue(gpu, logits, stride, jobs, None)?;
+        let c = self.collect(gpu, e, jobs)?;
+        Ok((c.results, c.stats))
+    }
+
+    /// Enqueues the kernels of [`DeviceSampler::reduce`] and the read-back of their words,
+    /// without waiting. `picks`: (device address, capacity) of an i32 array where the merge
+    /// writes each device row's greedy draw (overlapped decode's device-fed tokens). At most
+    /// two calls may be enqueued and not collected.
+    pub fn enqueue(&mut self, gpu: &Gpu, logits: u64, stride: usize, jobs: &[RowJob], picks: Option<(u64, usize)>) -> Result<Enqueued, CudaError> {
         let v = self.vocab;
         if stride < v || !logits.is_multiple_of(4) {
             return Err(CudaError::Shape(format!("sampling: logits stride {stride} < vocab {v} or misaligned address")));
@@ -156,13 +207,34 @@ impl DeviceSampler {
         if let Some(j) = jobs.iter().find(|j| j.host_row.is_some_and(|h| h.len() != v)) {
             return Err(CudaError::Shape(format!("sampling: host row {} has {} values, vocab {v}", j.src_row, j.host_row.unwrap().len())));
         }
+        let slot = self.next_slot;
+        if self.busy[slot] {
+            return Err(CudaError::Shape("sampling: two reductions already enqueued and not collected".into()));
+        }
         let plans: Vec<RowPlan> = jobs.iter().map(|j| partial::plan(j.spec, j.target, v, MAX_CANDIDATES)).collect();
         let dev: Vec<usize> = (0..jobs.len()).filter(|&i| !plans[i].full_row).collect();
+        let mut e = Enqueued { slot, done: None, plans, dev, params: Vec::new(), out_words: 0, tot_off: 0, pick_off: None, logits, stride };
+        if !e.dev.is_empty() {
+            self.run(gpu, jobs, &mut e, picks)?;
+            self.busy[slot] = true;
+            self.next_slot = 1 - slot;
+        }
+        Ok(e)
+    }
+
+    /// Waits for an enqueued call's words and finishes every row to `reduce_row`'s result
+    /// (rows the device could not decide are reduced on the host, from a download of the row).
+    /// `jobs` must be the ones given to [`DeviceSampler::enqueue`].
+    pub fn collect(&mut self, gpu: &Gpu, e: Enqueued, jobs: &[RowJob]) -> Result<Collected, CudaError> {
+        let v = self.vocab;
         let mut results: Vec<Option<RowResult>> = (0..jobs.len()).map(|_| None).collect();
+        let mut picks = vec![None; jobs.len()];
         let mut stats = ReduceStats::default();
-        if !dev.is_empty() {
-            let partials = self.run(gpu, logits, stride, jobs, &plans, &dev)?;
-            for (&i, p) in dev.iter().zip(partials) {
+        if !e.dev.is_empty() {
+            self.busy[e.slot] = false;
+            let partials = self.decode(jobs, &e)?;
+            for ((&i, p), pick) in e.dev.iter().zip(partials).zip(self.picks_of(&e)) {
+                picks[i] = pick;
                 let j = &jobs[i];
                 let Some(p) = p else { continue };
                 if let Some(h) = j.host_row {
@@ -183,17 +255,26 @@ impl DeviceSampler {
                     let j = &jobs[i];
                     match j.host_row {
                         Some(h) => sampling::reduce_row(h, j.spec, j.target),
-                        None => sampling::reduce_row(&download_row(gpu, logits, stride, j.src_row, v)?, j.spec, j.target),
+                        None => sampling::reduce_row(&download_row(gpu, e.logits, e.stride, j.src_row, v)?, j.spec, j.target),
                     }
                 }
             });
         }
-        Ok((out, stats))
+        Ok(Collected { results: out, stats, picks })
     }
 
-    /// Runs the kernels for the rows `dev` and returns their partial reductions (None: the
-    /// device saw NaN or overflow; the host decides).
-    fn run(&mut self, gpu: &Gpu, logits: u64, stride: usize, jobs: &[RowJob], plans: &[RowPlan], dev: &[usize]) -> Result<Vec<Option<RowPartial>>, CudaError> {
+    /// The greedy draws an enqueued call read back, per device row.
+    fn picks_of(&self, e: &Enqueued) -> Vec<Option<u32>> {
+        match e.pick_off {
+            Some(off) => self.host_out[off..off + e.dev.len()].iter().map(|&w| (w != u32::MAX).then_some(w)).collect(),
+            None => vec![None; e.dev.len()],
+        }
+    }
+
+    /// Enqueues the kernels for the rows `e.dev` and the read-back of their words into a
+    /// page-locked slot, then an event ([`DeviceSampler::decode`] waits for it).
+    fn run(&mut self, gpu: &Gpu, jobs: &[RowJob], e: &mut Enqueued, picks: Option<(u64, usize)>) -> Result<(), CudaError> {
+        let (logits, stride, plans, dev) = (e.logits, e.stride, &e.plans, &e.dev);
         let (v, nb, n) = (self.vocab, self.nb, dev.len());
         let words = v.div_ceil(32);
         let mut params = vec![0u32; n * PW];
@@ -230,7 +311,9 @@ impl DeviceSampler {
         }
         let n_touch = touch.len() / TW;
         let tot_off = out_off.next_multiple_of(2);
-        let out_words = tot_off + 2 * n * nb;
+        // Then one word a row for the greedy draws (when asked for).
+        let pick_off = tot_off + 2 * n * nb;
+        let out_words = pick_off + if picks.is_some() { n } else { 0 };
         let in_words = n * PW + touch.len();
         grow(gpu, &mut self.input, in_words)?;
         grow(gpu, &mut self.tz, n_touch.max(1))?;
@@ -261,7 +344,24 @@ impl DeviceSampler {
             (n as u32, 1, 1),
             THREADS,
             0,
-            &[Arg::P(logits), st, vi, Arg::I(nb as i32), Arg::P(pin), Arg::P(touch_p), Arg::P(tz), Arg::P(bits), Arg::P(bstat), Arg::P(rk), Arg::P(ck), Arg::I(kcap as i32), Arg::P(outp)],
+            &[
+                Arg::P(logits),
+                st,
+                vi,
+                Arg::I(nb as i32),
+                Arg::P(pin),
+                Arg::P(touch_p),
+                Arg::P(tz),
+                Arg::P(bits),
+                Arg::P(bstat),
+                Arg::P(rk),
+                Arg::P(ck),
+                Arg::I(kcap as i32),
+                Arg::P(outp),
+                Arg::P(picks.map_or(0, |p| p.0)),
+                Arg::I(picks.map_or(0, |p| p.1.min(i32::MAX as usize)) as i32),
+                Arg::I(pick_off as i32),
+            ],
         )?;
         if dev.iter().any(|&i| plans[i].need_total) {
             gpu.launch(
@@ -272,9 +372,40 @@ impl DeviceSampler {
                 &[Arg::P(logits), st, vi, Arg::P(pin), Arg::P(touch_p), Arg::P(tz), Arg::P(bits), Arg::P(outp), Arg::P(outp + (tot_off * 4) as u64)],
             )?;
         }
-        self.host_out.resize(out_words, 0);
-        gpu.stream.memcpy_dtoh(&self.out.slice(0..out_words), &mut self.host_out[..])?;
-        gpu.sync()?;
+        let slot = match &mut self.slots[e.slot] {
+            Some(p) if p.cap >= out_words => p,
+            s => {
+                let cap = out_words.next_power_of_two();
+                // SAFETY: plain page-locked memory; every word read back is written first.
+                let mut buf = unsafe { gpu.ctx.alloc_pinned_with_flags::<u32>(cap, 0) }?;
+                let ptr = buf.as_mut_ptr()?;
+                s.insert(Pinned { _buf: buf, ptr, cap })
+            }
+        };
+        gpu.ctx.bind_to_thread()?;
+        // SAFETY: the slot holds `cap >= out_words` words and is not read until the event.
+        let dst = unsafe { std::slice::from_raw_parts_mut(slot.ptr, out_words) };
+        unsafe { cudarc::driver::result::memcpy_dtoh_async(dst, gpu.ptr(&self.out), gpu.stream.cu_stream()) }?;
+        e.done = Some(gpu.stream.record_event(Some(cudarc::driver::sys::CUevent_flags::CU_EVENT_DISABLE_TIMING))?);
+        e.params = params;
+        e.out_words = out_words;
+        e.tot_off = tot_off;
+        e.pick_off = picks.map(|_| pick_off);
+        Ok(())
+    }
+
+    /// Waits for an enqueued call's words (copied to `host_out`) and returns each device row's
+    /// partial reduction (None: the device saw NaN or overflow; the host decides).
+    fn decode(&mut self, jobs: &[RowJob], e: &Enqueued) -> Result<Vec<Option<RowPartial>>, CudaError> {
+        let (v, nb, n) = (self.vocab, self.nb, e.dev.len());
+        let (dev, plans, params, tot_off) = (&e.dev, &e.plans, &e.params, e.tot_off);
+        if let Some(ev) = &e.done {
+            ev.synchronize()?;
+        }
+        let slot = self.slots[e.slot].as_ref().ok_or_else(|| CudaError::Shape("sampling: read-back slot missing".into()))?;
+        // SAFETY: the event above follows the copy of `out_words` words into the slot.
+        self.host_out.clear();
+        self.host_out.extend_from_slice(unsafe { std::slice::from_raw_parts(slot.ptr, e.out_words) });
 
         let o = &self.host_out;
         let f = |w: u32| f32::from_bits(w);
@@ -360,8 +491,8 @@ pub struct StepLogits<'m> {
 enum RowData {
     /// `rows.len() * vocab` values, row-major.
     Host(Vec<f32>),
-    /// Each row's index in the fast workspace's logits buffer (its flat token index).
-    Device(Vec<usize>),
+    /// Each row's index in the fast workspace's logits buffer `par` (its flat token index).
+    Device(Vec<usize>, usize),
 }
 
 impl<'m> StepLogits<'m> {
@@ -369,8 +500,8 @@ impl<'m> StepLogits<'m> {
         Self { model, rows: out.rows, data: RowData::Host(out.logits) }
     }
 
-    pub(super) fn device(model: &'m CudaModel, rows: Vec<LogitsRow>, src: Vec<usize>) -> Self {
-        Self { model, rows, data: RowData::Device(src) }
+    pub(super) fn device(model: &'m CudaModel, rows: Vec<LogitsRow>, src: Vec<usize>, par: usize) -> Self {
+        Self { model, rows, data: RowData::Device(src, par) }
     }
 
     /// The rows, in batch order.
@@ -380,15 +511,15 @@ impl<'m> StepLogits<'m> {
 
     /// Whether the rows are still on the device (nothing downloaded yet).
     pub fn on_device(&self) -> bool {
-        matches!(self.data, RowData::Device(_))
+        matches!(self.data, RowData::Device(..))
     }
 
     /// The rows on the host (a device row is downloaded: the same bytes the forward wrote).
     pub fn into_host(self) -> Result<ForwardOutput, CudaError> {
         match self.data {
             RowData::Host(logits) => Ok(ForwardOutput { rows: self.rows, logits, vocab_size: self.model.cfg.vocab_size }),
-            RowData::Device(ref src) => {
-                let logits = self.download(src)?;
+            RowData::Device(ref src, par) => {
+                let logits = self.download(src, par)?;
                 Ok(ForwardOutput { rows: self.rows, logits, vocab_size: self.model.cfg.vocab_size })
             }
         }
@@ -399,21 +530,39 @@ impl<'m> StepLogits<'m> {
         let v = self.model.cfg.vocab_size;
         let logits = match &self.data {
             RowData::Host(l) => l.clone(),
-            RowData::Device(src) => self.download(src)?,
+            RowData::Device(src, par) => self.download(src, *par)?,
         };
         Ok(ForwardOutput { rows: self.rows.clone(), logits, vocab_size: v })
     }
 
-    fn download(&self, src: &[usize]) -> Result<Vec<f32>, CudaError> {
+    fn download(&self, src: &[usize], par: usize) -> Result<Vec<f32>, CudaError> {
         let (g, v) = (&self.model.gpu, self.model.cfg.vocab_size);
         let ws = self.model.fast.as_ref().ok_or_else(|| CudaError::Shape("device logits rows without a fast workspace".into()))?;
         let mut logits = vec![0f32; src.len() * v];
         for (r, &i) in src.iter().enumerate() {
-            let row = ws.logits.slice(i * v..(i + 1) * v);
+            let row = ws.logits[par].slice(i * v..(i + 1) * v);
             g.stream.memcpy_dtoh(&row, &mut logits[r * v..(r + 1) * v])?;
         }
         g.sync()?;
         Ok(logits)
+    }
+
+    /// Overlapped decode: enqueues [`StepLogits::reduce`]'s kernels and read-back for rows left
+    /// on the device, each row's greedy draw also written where the next step's embedding
+    /// reads device-fed tokens ([`CudaModel::set_device_feed`]: row `r` of `jobs` is pick
+    /// `r`). Nothing is waited for; [`CudaModel::collect_reduce`] finishes it, with the same
+    /// jobs. None: the rows are not on the device, or there are none.
+    pub fn enqueue_reduce(&self, jobs: &[(SamplingSpec, Option<u32>)]) -> Result<Option<PendingReduce>, CudaError> {
+        let (g, v) = (&self.model.gpu, self.model.cfg.vocab_size);
+        let RowData::Device(src, par) = &self.data else { return Ok(None) };
+        if jobs.len() != self.rows.len() {
+            return Err(CudaError::Shape(format!("sampling: {} rows, {} specs", self.rows.len(), jobs.len())));
+        }
+        let Some(ws) = self.model.fast.as_ref().filter(|_| !jobs.is_empty() && jobs.len() <= super::MAX_FAST_TOKENS) else { return Ok(None) };
+        let rj: Vec<RowJob> = jobs.iter().zip(src).map(|((spec, target), &src_row)| RowJob { src_row, spec, target: *target, host_row: None }).collect();
+        let picks = Some((g.ptr(&ws.picks), super::MAX_FAST_TOKENS));
+        let e = with_sampler(g, v, |s| s.enqueue(g, g.ptr(&ws.logits[*par]), v, &rj, picks))?;
+        Ok(Some(PendingReduce { e, src: src.clone() }))
     }
 
     /// Reduces the rows on the device, one `(spec, target)` per row in order, to exactly
@@ -428,10 +577,10 @@ impl<'m> StepLogits<'m> {
             return Ok((Vec::new(), ReduceStats::default()));
         }
         match &self.data {
-            RowData::Device(src) => {
+            RowData::Device(src, par) => {
                 let ws = self.model.fast.as_ref().ok_or_else(|| CudaError::Shape("device logits rows without a fast workspace".into()))?;
                 let rj: Vec<RowJob> = jobs.iter().zip(src).map(|((spec, target), &src_row)| RowJob { src_row, spec, target: *target, host_row: None }).collect();
-                with_sampler(g, v, |s| s.reduce(g, g.ptr(&ws.logits), v, &rj))
+                with_sampler(g, v, |s| s.reduce(g, g.ptr(&ws.logits[*par]), v, &rj))
             }
             RowData::Host(logits) => {
                 if logits.len() != jobs.len() * v {
@@ -449,7 +598,32 @@ impl<'m> StepLogits<'m> {
     }
 }
 
+/// A step's reduction enqueued by [`StepLogits::enqueue_reduce`] (holds no borrow of the model:
+/// the next step may be launched before it is collected).
+pub struct PendingReduce {
+    e: Enqueued,
+    src: Vec<usize>,
+}
+
+impl PendingReduce {
+    /// Where the merge writes row `job`'s greedy draw (the index a device-fed token of the next
+    /// step names), if the row is reduced on the device and the index fits.
+    pub fn pick_index(&self, job: usize) -> Option<usize> {
+        self.e.pick_off?;
+        self.e.dev.iter().position(|&i| i == job).filter(|&d| d < super::MAX_FAST_TOKENS)
+    }
+}
+
 impl CudaModel {
+    /// Waits for a reduction [`StepLogits::enqueue_reduce`] enqueued and finishes its rows (the
+    /// same `jobs`); also returns each row's greedy draw as the device computed it (what a
+    /// device-fed token of the next step was).
+    pub fn collect_reduce(&self, p: PendingReduce, jobs: &[(SamplingSpec, Option<u32>)]) -> Result<Collected, CudaError> {
+        let (g, v) = (&self.gpu, self.cfg.vocab_size);
+        let rj: Vec<RowJob> = jobs.iter().zip(&p.src).map(|((spec, target), &src_row)| RowJob { src_row, spec, target: *target, host_row: None }).collect();
+        with_sampler(g, v, |s| s.collect(g, p.e, &rj))
+    }
+
     /// Reduces the logits rows of the last `forward(batch)`, which returned `out`, one per
     /// `(spec, target)` in row order, to exactly `reduce_row`'s results. Reads the fast path's
     /// logits where the forward left them on the device (other steps: from `out`, uploaded).
@@ -482,7 +656,7 @@ impl CudaModel {
                 let r = &out.rows[ri];
                 starts[r.seq] + (r.position - batch.seqs[r.seq].cached_len)
             };
-            with_sampler(g, v, |s| s.reduce(g, g.ptr(&ws.logits), v, &mk(&src)))
+            with_sampler(g, v, |s| s.reduce(g, g.ptr(&ws.logits[ws.par]), v, &mk(&src)))
         } else {
             let up = g.upload(&out.logits)?;
             with_sampler(g, v, |s| s.reduce(g, g.ptr(&up), v, &mk(&|ri| ri)))
