@@ -47,12 +47,40 @@ impl std::str::FromStr for TestFault {
     }
 }
 
+/// The draw a `feed_drawn` step feeds, as this rank knows it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Draw {
+    /// Drawn and checked on the host.
+    Token(u32),
+    /// The step with compute ticket `ticket` draws it and was launched without being read back
+    /// yet; `pick`: where it leaves the greedy draw on the device, when that is the token (a
+    /// greedy row whose next step's sampling does not depend on it).
+    Pending { ticket: u64, pick: Option<usize> },
+}
+
+/// How a `feed_drawn` sequence gets its token ([`SeqTable::take_feed`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Feed {
+    /// The token, known on the host.
+    Token(u32),
+    /// The device pick `pick` of the step with compute ticket `ticket` (launched just before).
+    Device { ticket: u64, pick: usize },
+    /// Not known yet: wait until the step with this ticket is read back, then ask again.
+    Wait(u64),
+    /// Nothing was drawn for it.
+    None,
+}
+
 /// Cache length of every sequence this rank has executed, plus the fault hook.
 #[derive(Debug, Default)]
 pub struct SeqTable {
     lens: HashMap<u64, u32>,
-    /// The token this rank last drew for each sequence (overlapped decode feeds it next).
-    draws: HashMap<u64, u32>,
+    /// The token this rank last drew for each sequence (overlapped decode feeds it next), or
+    /// the launched step that will draw it.
+    draws: HashMap<u64, Draw>,
+    /// Overlapped decode: whether each device-fed token was the token drawn (by the step that
+    /// drew it: sequence -> (compute ticket, same)), for the step that fed it to check.
+    fed_checks: HashMap<u64, (u64, bool)>,
     fault: Option<TestFault>,
     steps_done: u64,
     fault_fired: bool,
@@ -112,16 +140,70 @@ impl SeqTable {
     pub fn forget(&mut self, seq_id: u64) {
         self.lens.remove(&seq_id);
         self.draws.remove(&seq_id);
+        self.fed_checks.remove(&seq_id);
     }
 
     /// Records the token this rank drew for `seq_id` in the step that just computed.
     pub fn set_draw(&mut self, seq_id: u64, token: u32) {
-        self.draws.insert(seq_id, token);
+        self.draws.insert(seq_id, Draw::Token(token));
     }
 
-    /// Takes the token last drawn for `seq_id`: a `feed_drawn` step feeds it once.
+    /// Records that the launched step `ticket` draws for `seq_id` (read back later).
+    pub fn expect_draw(&mut self, seq_id: u64, ticket: u64, pick: Option<usize>) {
+        self.draws.insert(seq_id, Draw::Pending { ticket, pick });
+    }
+
+    /// The launched step `ticket` was read back: its draw for `seq_id` (None: none) replaces
+    /// the pending entry, unless a step fed the device pick meanwhile (it took the entry).
+    pub fn resolve_draw(&mut self, seq_id: u64, ticket: u64, token: Option<u32>) {
+        if matches!(self.draws.get(&seq_id), Some(Draw::Pending { ticket: t, .. }) if *t == ticket) {
+            match token {
+                Some(t) => self.draws.insert(seq_id, Draw::Token(t)),
+                None => self.draws.remove(&seq_id),
+            };
+        }
+    }
+
+    /// Takes the token last drawn for `seq_id`, if known on the host: a `feed_drawn` step feeds
+    /// it once.
     pub fn take_draw(&mut self, seq_id: u64) -> Option<u32> {
-        self.draws.remove(&seq_id)
+        match self.draws.get(&seq_id) {
+            Some(Draw::Token(t)) => {
+                let t = *t;
+                self.draws.remove(&seq_id);
+                Some(t)
+            }
+            _ => None,
+        }
+    }
+
+    /// How the step with compute ticket `ticket` would feed `seq_id`'s last draw: the host
+    /// token, or (from the step launched just before, when its row allows and `device` says
+    /// this step can) the device pick. [`SeqTable::drop_draw`] takes it.
+    pub fn feed(&self, seq_id: u64, ticket: u64, device: bool) -> Feed {
+        match self.draws.get(&seq_id).copied() {
+            None => Feed::None,
+            Some(Draw::Token(t)) => Feed::Token(t),
+            Some(Draw::Pending { ticket: t, pick: Some(pick) }) if device && t + 1 == ticket => Feed::Device { ticket: t, pick },
+            Some(Draw::Pending { ticket: t, .. }) => Feed::Wait(t),
+        }
+    }
+
+    /// Forgets `seq_id`'s last draw (a step fed it).
+    pub fn drop_draw(&mut self, seq_id: u64) {
+        self.draws.remove(&seq_id);
+    }
+
+    /// The step `ticket` was read back: whether its device pick for `seq_id` was its drawn
+    /// token (for a step that fed the pick).
+    pub fn set_fed_check(&mut self, seq_id: u64, ticket: u64, same: bool) {
+        self.fed_checks.insert(seq_id, (ticket, same));
+    }
+
+    /// Whether the device pick the step after `ticket` fed for `seq_id` was the drawn token
+    /// (false when unknown), taken once.
+    pub fn take_fed_check(&mut self, seq_id: u64, ticket: u64) -> bool {
+        matches!(self.fed_checks.remove(&seq_id), Some((t, true)) if t == ticket)
     }
 
     /// Keeps at most `keep_len` positions of a known sequence.
@@ -130,12 +212,14 @@ impl SeqTable {
             *l = (*l).min(keep_len);
         }
         self.draws.remove(&seq_id);
+        self.fed_checks.remove(&seq_id);
     }
 
     /// Forgets everything (the world was torn down; the KV cache is not trusted any more).
     pub fn clear(&mut self) {
         self.lens.clear();
         self.draws.clear();
+        self.fed_checks.clear();
     }
 }
 

@@ -468,6 +468,10 @@ struct PipeState {
     /// The next compute ticket to hand out, and the ticket allowed to compute now.
     next_ticket: u64,
     computing: u64,
+    /// Tickets below this one were answered (overlapped decode answers a step after the next
+    /// one was launched; answers stay in ticket order, and a step launches only when every
+    /// step but the one before it was answered).
+    finished: u64,
     /// Agreed steps not yet answered, and the most seen at once in this world.
     in_flight: usize,
     max_in_flight: usize,
@@ -556,8 +560,13 @@ impl Pipe {
             if st.epoch != epoch || !ready() {
                 return Err(pipe_broken("the world broke while this step waited to compute"));
             }
-            if st.computing == ticket {
+            if st.computing == ticket && st.finished + 1 >= ticket {
                 return Ok(());
+            }
+            if st.computing == ticket {
+                // Launched behind a step still being read back: wait for the one before it.
+                st = self.cv.wait_timeout(st, Duration::from_millis(100)).unwrap().0;
+                continue;
             }
             let started = if st.computing + 1 == ticket && pipe_spin() { *self.started.lock().unwrap() } else { None };
             let mean = Duration::from_micros(self.mean_us.load(Ordering::Relaxed));
@@ -596,8 +605,32 @@ impl Pipe {
                 self.mean_us.store(if m == 0 { us } else { (7 * m + us) / 8 }, Ordering::Relaxed);
             }
             st.computing += 1;
-            st.in_flight -= 1;
             self.computing.store(st.computing, Ordering::Release);
+        }
+        self.cv.notify_all();
+    }
+
+    /// Waits until every ticket below `ticket` was answered (overlapped decode: answers in
+    /// order; a step that needs a token only the answer of `ticket - 1` gives waits for it too).
+    fn wait_finished(&self, ticket: u64, epoch: u64, ready: &dyn Fn() -> bool) -> Result<(), StepError> {
+        let mut st = self.st.lock().unwrap();
+        loop {
+            if st.epoch != epoch || !ready() {
+                return Err(pipe_broken("the world broke while this step waited for the answer before it"));
+            }
+            if st.finished >= ticket {
+                return Ok(());
+            }
+            st = self.cv.wait_timeout(st, Duration::from_millis(100)).unwrap().0;
+        }
+    }
+
+    /// `ticket` was answered (well or not).
+    fn finished(&self, ticket: u64, epoch: u64) {
+        let mut st = self.st.lock().unwrap();
+        if st.epoch == epoch && st.finished == ticket {
+            st.finished += 1;
+            st.in_flight -= 1;
         }
         self.cv.notify_all();
     }
@@ -654,39 +687,86 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
         }
         return Ok(step::unanswered(cfg.rank as u32, req, agreed));
     };
-    // The compute, in the agreed order.
-    let res = shared.pipe.wait_turn(ticket, epoch, &ready).and_then(|()| {
-        let mut guard = shared.engine.lock().unwrap();
-        let Some(engine) = guard.as_mut().filter(|e| e.world.is_some() || alone) else {
-            return Err(pipe_broken("not joined to a world (re-JOIN required)"));
-        };
-        let mut agreed = agreed;
-        step::fill_fed(req, &mut agreed, &mut shared.seqs.lock().unwrap(), &fed);
-        let comm = shared.comm_abort.lock().unwrap().clone();
-        let start = Instant::now();
-        shared.pipe.compute_started();
-        *shared.step_started.lock().unwrap() = Some(start);
-        let idle = shared.last_compute_end.lock().unwrap().map(|e| start.saturating_duration_since(e));
-        let res = engine.compute(req, agreed);
-        *shared.step_started.lock().unwrap() = None;
-        *shared.last_compute_end.lock().unwrap() = Some(Instant::now());
-        if let Ok(r) = &res {
-            step::record_draws(&mut shared.seqs.lock().unwrap(), r);
-            tracing::debug!(target: "minimax::step", step = req.step_id, idle_ms = idle.map_or(-1.0, |d| d.as_secs_f64() * 1e3), "since the previous compute ended");
-        }
-        let res = match (res, comm.filter(|c| c.is_aborted())) {
-            (Ok(_) | Err(StepError::Backend(_)), Some(_)) => {
-                let why = shared.status.lock().unwrap().error.clone();
-                Err(pipe_broken(&format!("NCCL communicator aborted during the step ({why})")))
+    // The compute, in the agreed order. A world of one launches a CUDA decode step before the
+    // one it follows was read back (device-fed tokens), so answers are read in order after the
+    // turn passed (`Pipe::wait_finished`).
+    let mut fed_dev: Vec<step::DeviceFed> = Vec::new();
+    let launched = shared.pipe.wait_turn(ticket, epoch, &ready).and_then(|()| {
+        let mut agreed = Some(agreed);
+        loop {
+            let mut guard = shared.engine.lock().unwrap();
+            let Some(engine) = guard.as_mut().filter(|e| e.world.is_some() || alone) else {
+                return Err(pipe_broken("not joined to a world (re-JOIN required)"));
+            };
+            let a = agreed.as_mut().expect("taken only below");
+            let device = alone && engine.device_feed_ok(a.n_tokens());
+            match step::fill_fed(req, a, &mut shared.seqs.lock().unwrap(), &fed, ticket, device) {
+                Ok(d) => fed_dev = d,
+                Err(t) => {
+                    // A fed token is known only when step `t` is read back.
+                    drop(guard);
+                    shared.pipe.wait_finished(t + 1, epoch, &ready)?;
+                    continue;
+                }
             }
-            (res, _) => res,
-        };
-        if let Err(StepError::Comm(e)) = &res {
-            shared.world_broken(Some(engine), &e.to_string());
+            let comm = shared.comm_abort.lock().unwrap().clone();
+            let start = Instant::now();
+            shared.pipe.compute_started();
+            *shared.step_started.lock().unwrap() = Some(start);
+            let idle = shared.last_compute_end.lock().unwrap().map(|e| start.saturating_duration_since(e));
+            let agreed = agreed.take().expect("set above");
+            let launched = if alone { engine.launch(req, agreed, ticket, &fed_dev) } else { step::Launched::Done(engine.compute(req, agreed)) };
+            *shared.step_started.lock().unwrap() = None;
+            *shared.last_compute_end.lock().unwrap() = Some(Instant::now());
+            tracing::debug!(target: "minimax::step", step = req.step_id, idle_ms = idle.map_or(-1.0, |d| d.as_secs_f64() * 1e3), "since the previous compute ended");
+            let launched = match launched {
+                step::Launched::Done(res) => {
+                    if let Ok(r) = &res {
+                        step::record_draws(&mut shared.seqs.lock().unwrap(), r);
+                    }
+                    let res = match (res, comm.filter(|c| c.is_aborted())) {
+                        (Ok(_) | Err(StepError::Backend(_)), Some(_)) => {
+                            let why = shared.status.lock().unwrap().error.clone();
+                            Err(pipe_broken(&format!("NCCL communicator aborted during the step ({why})")))
+                        }
+                        (res, _) => res,
+                    };
+                    if let Err(StepError::Comm(e)) = &res {
+                        shared.world_broken(Some(engine), &e.to_string());
+                    }
+                    step::Launched::Done(res)
+                }
+                #[cfg(feature = "cuda")]
+                step::Launched::Pending(p) => {
+                    p.expect_draws(&mut shared.seqs.lock().unwrap());
+                    step::Launched::Pending(p)
+                }
+            };
+            return Ok(launched);
         }
-        res
     });
     shared.pipe.done(ticket, epoch);
+    // The answer, in ticket order.
+    let ordered = shared.pipe.wait_finished(ticket, epoch, &ready);
+    let res = match launched {
+        Err(e) => Err(e),
+        Ok(step::Launched::Done(res)) => res,
+        #[cfg(feature = "cuda")]
+        Ok(step::Launched::Pending(p)) => {
+            // Read back even if the world broke meanwhile (it frees the read-back buffer).
+            let mut guard = shared.engine.lock().unwrap();
+            match guard.as_mut() {
+                Some(engine) => engine.finish(req, *p, &shared.seqs),
+                None => Err(pipe_broken("the engine went away before the step was read back")),
+            }
+        }
+    };
+    let res = res.and_then(|mut r| {
+        ordered?;
+        step::check_device_fed(&mut shared.seqs.lock().unwrap(), &mut r, &fed_dev);
+        Ok(r)
+    });
+    shared.pipe.finished(ticket, epoch);
     res.map_err(Status::from)
 }
 

@@ -34,6 +34,11 @@ impl Agreed {
     pub(super) fn is_empty(&self) -> bool {
         self.batch.seqs.is_empty()
     }
+
+    /// Tokens the step computes.
+    pub(super) fn n_tokens(&self) -> usize {
+        self.batch.n_tokens()
+    }
 }
 
 /// Overlapped decode, before the agreement: a `feed_drawn` sequence feeds one token, which
@@ -53,25 +58,57 @@ pub(super) fn placeholder_fed(req: &mut pb::StepRequest) -> Vec<usize> {
     fed
 }
 
-/// Overlapped decode, after the step it follows computed here: each `fed` sequence feeds the
-/// token this rank drew for it, which also joins its penalties' history. A sequence with no
-/// drawn token (its previous step failed, or it asked for no draw) leaves the batch with an
-/// error and is forgotten here (pipelined steps advanced its length at the agreement).
-pub(super) fn fill_fed(req: &mut pb::StepRequest, agreed: &mut Agreed, seqs: &mut SeqTable, fed: &[usize]) {
+/// A `feed_drawn` sequence fed the greedy draw the step before left on the device.
+#[derive(Clone, Copy, Debug)]
+pub(super) struct DeviceFed {
+    /// Its index in the agreed batch.
+    pub bi: usize,
+    pub seq_id: u64,
+    /// The device pick it reads, and the compute ticket of the step that wrote it.
+    pub pick: usize,
+    pub from: u64,
+}
+
+/// Overlapped decode, before the forward of the step with compute ticket `ticket`: each `fed`
+/// sequence feeds the token this rank drew for it, which also joins its penalties' history,
+/// or (`device`: this step can read it there) the greedy draw the step launched just before
+/// left on the device. A sequence with no drawn token (its previous step failed, or it asked
+/// for no draw) leaves the batch with an error and is forgotten here (pipelined steps advanced
+/// its length at the agreement). `Err(t)`: a token is not known yet; nothing was changed:
+/// wait until the step with ticket `t` is read back and call again.
+pub(super) fn fill_fed(req: &mut pb::StepRequest, agreed: &mut Agreed, seqs: &mut SeqTable, fed: &[usize], ticket: u64, device: bool) -> Result<Vec<DeviceFed>, u64> {
+    use crate::state::Feed;
+    for &i in fed {
+        if agreed.batch_src.contains(&i)
+            && let Feed::Wait(t) = seqs.feed(req.seqs[i].seq_id, ticket, device)
+        {
+            return Err(t);
+        }
+    }
+    let mut dev = Vec::new();
     for &i in fed {
         let Some(bi) = agreed.batch_src.iter().position(|&j| j == i) else { continue };
         let s = &mut req.seqs[i];
-        match seqs.take_draw(s.seq_id) {
-            Some(token) => {
+        match seqs.feed(s.seq_id, ticket, device) {
+            Feed::Token(token) => {
+                seqs.drop_draw(s.seq_id);
                 s.tokens = vec![token];
                 agreed.batch.seqs[bi].tokens = vec![token];
                 if let Some(sp) = s.sampling.as_mut() {
                     pb::count_in_history(sp, token);
                 }
             }
-            None => {
+            Feed::Device { ticket: from, pick } => {
+                // The placeholder token stays on the host; the embedding reads the pick. The
+                // row's sampling does not depend on the token (`feeds_on_device`).
+                seqs.drop_draw(s.seq_id);
+                dev.push(DeviceFed { bi, seq_id: s.seq_id, pick, from });
+            }
+            Feed::Wait(_) => unreachable!("checked above"),
+            Feed::None => {
                 agreed.batch.seqs.remove(bi);
                 agreed.batch_src.remove(bi);
+                dev.iter_mut().filter(|d| d.bi > bi).for_each(|d| d.bi -= 1);
                 seqs.forget(s.seq_id);
                 let r = &mut agreed.results[i];
                 r.error = format!("sequence {} feeds a drawn token, but this rank drew none for it in the step before", s.seq_id);
@@ -79,6 +116,14 @@ pub(super) fn fill_fed(req: &mut pb::StepRequest, agreed: &mut Agreed, seqs: &mu
             }
         }
     }
+    Ok(dev)
+}
+
+/// Whether a row's drawn token can be fed to the next step on the device: a greedy row whose
+/// sampling in the next step does not depend on it (no repetition, frequency or presence
+/// penalty: those count the token, which the host learns only when the step is read back).
+pub(super) fn feeds_on_device(spec: &sampling::SamplingSpec) -> bool {
+    spec.temperature == 0.0 && spec.repetition_penalty == 1.0 && spec.frequency_penalty == 0.0 && spec.presence_penalty == 0.0
 }
 
 /// Remembers the tokens this step drew, for the `feed_drawn` steps that follow.
@@ -86,6 +131,23 @@ pub(super) fn record_draws(seqs: &mut SeqTable, resp: &pb::StepResponse) {
     for r in &resp.seqs {
         if let Some(t) = r.rows.last().and_then(|row| row.drawn_token) {
             seqs.set_draw(r.seq_id, t);
+        }
+    }
+}
+
+/// After the step it followed was read back: a device-fed sequence whose pick was not the
+/// token drawn (never expected: both are the first candidate) fails here and is forgotten.
+pub(super) fn check_device_fed(seqs: &mut SeqTable, resp: &mut pb::StepResponse, fed: &[DeviceFed]) {
+    for f in fed {
+        if seqs.take_fed_check(f.seq_id, f.from) {
+            continue;
+        }
+        tracing::error!(seq_id = f.seq_id, "the token fed on the device was not the token drawn");
+        seqs.forget(f.seq_id);
+        if let Some(r) = resp.seqs.iter_mut().find(|r| r.seq_id == f.seq_id) {
+            r.rows.clear();
+            r.cache_len = 0;
+            r.error = format!("sequence {}: the token fed on the device was not the token drawn in the step before (internal error)", f.seq_id);
         }
     }
 }
@@ -213,6 +275,96 @@ impl Engine {
         r
     }
 
+    /// Whether a step of `nt` tokens can read device-fed tokens ([`fill_fed`]): this rank is
+    /// the whole model on CUDA (a world of one), reduces on the device, and the step takes
+    /// the fast path.
+    pub(super) fn device_feed_ok(&self, nt: usize) -> bool {
+        #[cfg(feature = "cuda")]
+        if let crate::backend::Backend::Cuda(m) = &self.backend {
+            return self.head && self.world.as_ref().is_none_or(|w| w.transport.world() == 1) && self.replay.is_none() && device_sampling_on() && m.takes_fast_path(nt);
+        }
+        let _ = nt;
+        false
+    }
+
+    /// Overlapped decode, one-rank worlds: starts an agreed step (lengths already advanced)
+    /// with compute ticket `ticket`. A CUDA fast step is only enqueued: its forward, its row
+    /// reductions and their read-back, so the next step can be enqueued behind it before its
+    /// answer is read ([`Engine::finish`]); `fed` are its device-fed tokens. Every other step
+    /// is computed and answered here.
+    pub(super) fn launch(&mut self, req: &pb::StepRequest, mut agreed: Agreed, ticket: u64, fed: &[DeviceFed]) -> Launched {
+        #[cfg(feature = "cuda")]
+        if self.device_feed_ok(agreed.batch.n_tokens()) {
+            agreed.t0 = Instant::now();
+            let crate::backend::Backend::Cuda(m) = &mut self.backend else { unreachable!("device_feed_ok") };
+            m.set_device_feed(fed.iter().map(|f| (f.bi, f.pick)).collect());
+            let out = match m.forward_stage_lazy(&agreed.batch) {
+                Ok(o) => o,
+                Err(e) => return Launched::Done(Err(StepError::Backend(e.to_string()))),
+            };
+            let Some(out) = out else { return Launched::Done(Err(StepError::Backend("the head rank's forward returned no logits".into()))) };
+            let rows = out.rows().to_vec();
+            let jobs = row_jobs(req, &agreed.batch_src, agreed.batch.seqs.len(), &rows);
+            let pending = match out.enqueue_reduce(&jobs) {
+                Ok(p) => p,
+                Err(e) => {
+                    tracing::warn!("device sampling failed, reducing on the host: {e}");
+                    None
+                }
+            };
+            let Some(reduce) = pending else {
+                // Rows not on the device (or none): answered at once.
+                return Launched::Done(answer(self.rank, self.head, &mut self.replay, req, agreed, Some(StepOut::Cuda(out))));
+            };
+            // The draws it leaves: the last row of each sampled sequence.
+            let mut draws = Vec::new();
+            for (ri, row) in rows.iter().enumerate() {
+                let s = &req.seqs[agreed.batch_src[row.seq]];
+                let last = rows.get(ri + 1).is_none_or(|r| r.seq != row.seq);
+                if last && s.logits == pb::LogitsMode::Last as i32 && s.sampling.as_ref().is_some_and(|sp| sp.draw.is_some()) {
+                    let pick = if feeds_on_device(&jobs[ri].0) { reduce.pick_index(ri) } else { None };
+                    draws.push((s.seq_id, ri, pick));
+                }
+            }
+            return Launched::Pending(Box::new(PendingAnswer { agreed, rows, jobs, reduce, draws, ticket }));
+        }
+        let _ = (ticket, fed);
+        Launched::Done(self.compute(req, agreed))
+    }
+
+    /// Reads back a step [`Engine::launch`] left pending and answers it; records its draws
+    /// (and, for rows whose pick a later step may have fed, whether the pick was the draw).
+    #[cfg(feature = "cuda")]
+    pub(super) fn finish(&mut self, req: &pb::StepRequest, p: PendingAnswer, seqs: &std::sync::Mutex<SeqTable>) -> Result<pb::StepResponse, StepError> {
+        let PendingAnswer { agreed, rows, jobs, reduce, draws, ticket } = p;
+        let Agreed { t0, batch: _, batch_src, mut results } = agreed;
+        let crate::backend::Backend::Cuda(m) = &self.backend else { unreachable!("only CUDA steps are left pending") };
+        let collected = m.collect_reduce(reduce, &jobs);
+        let applied = collected.map_err(|e| StepError::Backend(format!("sampling read-back: {e}"))).and_then(|c| {
+            apply_rows(req, &batch_src, &rows, &jobs, c.results, &mut results, &mut self.replay)?;
+            Ok(c.picks)
+        });
+        let mut seqs = seqs.lock().unwrap();
+        let picks = match applied {
+            Ok(p) => p,
+            Err(e) => {
+                for &(seq_id, _, _) in &draws {
+                    seqs.resolve_draw(seq_id, ticket, None);
+                }
+                return Err(e);
+            }
+        };
+        for &(seq_id, ri, pick) in &draws {
+            let i = batch_src[rows[ri].seq];
+            let token = results[i].rows.last().and_then(|r| r.drawn_token);
+            seqs.resolve_draw(seq_id, ticket, token);
+            if pick.is_some() {
+                seqs.set_fed_check(seq_id, ticket, token.is_some() && picks[ri] == token);
+            }
+        }
+        Ok(pb::StepResponse { rank: self.rank, step_id: req.step_id, seqs: results, compute_ms: t0.elapsed().as_secs_f32() * 1e3 })
+    }
+
     /// Computes an agreed step whose cache lengths were already advanced (pipelined steps).
     /// Its `compute_ms` counts from here: the wait for the steps before it is not compute.
     pub(super) fn compute(&mut self, req: &pb::StepRequest, mut agreed: Agreed) -> Result<pb::StepResponse, StepError> {
@@ -227,6 +379,38 @@ impl Engine {
             tracing::debug!(target: "minimax::step", step = req.step_id, tokens, forward_ms = ms(t_forward), answer_ms = a.compute_ms as f64 - ms(t_forward), "step");
         }
         r
+    }
+}
+
+/// A step [`Engine::launch`] started.
+pub(super) enum Launched {
+    /// Computed and answered.
+    Done(Result<pb::StepResponse, StepError>),
+    /// Enqueued on the GPU; [`Engine::finish`] reads it back.
+    #[cfg(feature = "cuda")]
+    Pending(Box<PendingAnswer>),
+}
+
+/// A CUDA step whose row reductions are enqueued and not read back.
+#[cfg(feature = "cuda")]
+pub(super) struct PendingAnswer {
+    agreed: Agreed,
+    rows: Vec<LogitsRow>,
+    jobs: Vec<(sampling::SamplingSpec, Option<u32>)>,
+    reduce: crate::cuda::sampling::PendingReduce,
+    /// Each drawing sequence's (id, row, device pick a next step may feed).
+    draws: Vec<(u64, usize, Option<usize>)>,
+    ticket: u64,
+}
+
+#[cfg(feature = "cuda")]
+impl PendingAnswer {
+    /// Records in `seqs` the draws this step will make, so the next step can feed them (from
+    /// the device where the row allows).
+    pub(super) fn expect_draws(&self, seqs: &mut SeqTable) {
+        for &(seq_id, _, pick) in &self.draws {
+            seqs.expect_draw(seq_id, self.ticket, pick);
+        }
     }
 }
 
@@ -267,19 +451,40 @@ fn answer(rank: u32, head: bool, replay: &mut Option<crate::replay::Replay>, req
         && let Some(out) = out
     {
         // Every row's spec and target, then one reduction call (on the GPU for CUDA).
-        let mut row_in_seq = vec![0usize; batch.seqs.len()];
-        let jobs: Vec<(sampling::SamplingSpec, Option<u32>)> = out
-            .rows()
-            .iter()
-            .map(|row| {
-                let s = &req.seqs[batch_src[row.seq]];
-                let k = row_in_seq[row.seq];
-                row_in_seq[row.seq] += 1;
-                (pb::sampling_spec(s.sampling.as_ref()), s.score_targets.get(k).copied())
-            })
-            .collect();
-        let mut reds = reduce_rows(&out, &jobs)?.into_iter();
-        for (ri, row) in out.rows().iter().enumerate() {
+        let jobs = row_jobs(req, &batch_src, batch.seqs.len(), out.rows());
+        let reds = reduce_rows(&out, &jobs)?;
+        apply_rows(req, &batch_src, out.rows(), &jobs, reds, &mut results, replay)?;
+    }
+    Ok(pb::StepResponse { rank, step_id: req.step_id, seqs: results, compute_ms: t0.elapsed().as_secs_f32() * 1e3 })
+}
+
+/// Every logits row's sampling spec and score target, in row order.
+fn row_jobs(req: &pb::StepRequest, batch_src: &[usize], n_seqs: usize, rows: &[LogitsRow]) -> Vec<(sampling::SamplingSpec, Option<u32>)> {
+    let mut row_in_seq = vec![0usize; n_seqs];
+    rows.iter()
+        .map(|row| {
+            let s = &req.seqs[batch_src[row.seq]];
+            let k = row_in_seq[row.seq];
+            row_in_seq[row.seq] += 1;
+            (pb::sampling_spec(s.sampling.as_ref()), s.score_targets.get(k).copied())
+        })
+        .collect()
+}
+
+/// The rows' reductions into the answers, and each sampled sequence's draw with the gateway's
+/// uniform number.
+fn apply_rows(
+    req: &pb::StepRequest,
+    batch_src: &[usize],
+    rows: &[LogitsRow],
+    jobs: &[(sampling::SamplingSpec, Option<u32>)],
+    reds: Vec<Result<sampling::RowReduction, sampling::SamplingError>>,
+    results: &mut [pb::SeqResult],
+    replay: &mut Option<crate::replay::Replay>,
+) -> Result<(), StepError> {
+    {
+        let mut reds = reds.into_iter();
+        for (ri, row) in rows.iter().enumerate() {
             let i = batch_src[row.seq];
             let s = &req.seqs[i];
             let spec = &jobs[ri].0;
@@ -315,7 +520,7 @@ fn answer(rank: u32, head: bool, replay: &mut Option<crate::replay::Replay>, req
             }
         }
     }
-    Ok(pb::StepResponse { rank, step_id: req.step_id, seqs: results, compute_ms: t0.elapsed().as_secs_f32() * 1e3 })
+    Ok(())
 }
 
 /// TEST ONLY: `MINIMAX_TEST_DIE_IN_STEP=N` (with `MINIMAX_ALLOW_TEST_HOOKS=1`) makes this rank
