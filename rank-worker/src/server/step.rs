@@ -281,7 +281,7 @@ impl Engine {
     pub(super) fn device_feed_ok(&self, nt: usize) -> bool {
         #[cfg(feature = "cuda")]
         if let crate::backend::Backend::Cuda(m) = &self.backend {
-            return self.head && self.world.as_ref().is_none_or(|w| w.transport.world() == 1) && self.replay.is_none() && device_sampling_on() && m.takes_fast_path(nt);
+            return device_feed_on() && self.head && self.world.as_ref().is_none_or(|w| w.transport.world() == 1) && self.replay.is_none() && device_sampling_on() && m.takes_fast_path(nt);
         }
         let _ = nt;
         false
@@ -297,6 +297,10 @@ impl Engine {
         if self.device_feed_ok(agreed.batch.n_tokens()) {
             agreed.t0 = Instant::now();
             let crate::backend::Backend::Cuda(m) = &mut self.backend else { unreachable!("device_feed_ok") };
+            if !fed.is_empty() {
+                static FIRST: std::sync::Once = std::sync::Once::new();
+                FIRST.call_once(|| tracing::info!(tokens = fed.len(), "overlapped decode: a step launched before the one it follows was read back (device-fed tokens)"));
+            }
             m.set_device_feed(fed.iter().map(|f| (f.bi, f.pick)).collect());
             let out = match m.forward_stage_lazy(&agreed.batch) {
                 Ok(o) => o,
@@ -620,6 +624,15 @@ fn reduce_rows(out: &StepOut, jobs: &[(sampling::SamplingSpec, Option<u32>)]) ->
         #[cfg(not(feature = "cuda"))]
         StepOut::Never(n, _) => match *n {},
     }
+}
+
+/// Overlapped decode launches a CUDA decode step before the one it follows was read back
+/// (device-fed tokens): on unless `MINIMAX_DEVICE_FEED=0` (A/B: steps computed one at a time,
+/// still overlapped with the gateway), read once.
+#[cfg(feature = "cuda")]
+fn device_feed_on() -> bool {
+    static ON: crate::cuda::env_flag::EnvFlag = crate::cuda::env_flag::EnvFlag::new("MINIMAX_DEVICE_FEED", true);
+    ON.get()
 }
 
 /// Device sampling for the CUDA backend: on unless `MINIMAX_DEVICE_SAMPLING=0`, read once.

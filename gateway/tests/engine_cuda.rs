@@ -1,0 +1,78 @@
+//! The engine against a REAL CUDA rank (`minimax-rank serve --device cuda:0`) serving two
+//! synthetic MiniMax-M2.7 layers (the real widths, so decode takes the fast path: graphs,
+//! device sampling, and overlapped decode with device-fed tokens, where step N+1 is launched
+//! before step N is read back and embeds N's greedy draw from the device). Ignored without a
+//! GPU; run on one with prebuilt binaries (`MINIMAX_RANK_BINARY`, `--ignored`).
+//!
+//! What must hold: the tokens are those of one step at a time (overlap off), for requests one
+//! by one (greedy, greedy with a repetition penalty, seeded sampling with penalties, a stop
+//! token) and for four greedy requests at once; and the same with device feeding off
+//! (`MINIMAX_DEVICE_FEED=0`, overlap on).
+
+mod common;
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use common::{greedy_req, prompt, stop, tokens_and_end};
+use minimax_gateway::engine::{Engine, EngineConfig, FinishReason, GenerationRequest, SamplingParams};
+use minimax_gateway::ranks::supervisor::WorldMode;
+use minimax_gateway::sched::SchedConfig;
+
+fn config(overlap: bool, device_feed: bool) -> (EngineConfig, PathBuf) {
+    let (mut w, dir) = common::spawn_world("mmx-cuda", 1, "tensor", 64, vec![]);
+    if let WorldMode::Spawn(s) = &mut w.mode {
+        s.devices = vec![std::env::var("MINIMAX_TEST_CUDA_DEVICE").unwrap_or_else(|_| "cuda:0".into())];
+        s.synthetic = Some("m2.7:iq4xs:2".into());
+        s.env.push(("MINIMAX_DEVICE_FEED".into(), if device_feed { "1" } else { "0" }.into()));
+    }
+    w.load_timeout = Duration::from_secs(600);
+    w.step_timeout = Duration::from_secs(120);
+    let mut sched = SchedConfig { prefill_chunk: 24, ..Default::default() };
+    sched.overlap = overlap;
+    (EngineConfig { sched, world: w }, dir)
+}
+
+async fn run(engine: &Engine, req: GenerationRequest) -> (Vec<u32>, Option<FinishReason>) {
+    let stream = engine.generate(req).expect("accepted");
+    let events = tokio::time::timeout(Duration::from_secs(300), stream.collect_all()).await.expect("generation finished in time");
+    let (tokens, finish) = tokens_and_end(events);
+    (tokens, Some(finish.expect("the request succeeded").0))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "needs a CUDA GPU"]
+async fn cuda_overlapped_decode_with_device_fed_tokens_gives_the_tokens_of_one_step_at_a_time() {
+    let penalized = |seed: Option<u64>, temperature: f32| SamplingParams { temperature, top_k: 30, seed, frequency_penalty: 0.6, presence_penalty: 0.3, repetition_penalty: 1.2, ..Default::default() };
+    let mut runs = vec![];
+    for (overlap, feed) in [(false, false), (true, true), (true, false)] {
+        let (cfg, dir) = config(overlap, feed);
+        let engine = Engine::start(cfg);
+        engine.wait_ready(Duration::from_secs(600)).await.expect("rank ready");
+        let mut all = vec![];
+        // One by one: every step has one token.
+        let probe = run(&engine, greedy_req("probe", prompt(30, 5), 40)).await;
+        let mut with_stop = greedy_req("stop", prompt(30, 5), 40);
+        with_stop.stop_token_ids = vec![probe.0[6]];
+        all.push(probe);
+        all.push(run(&engine, with_stop).await);
+        all.push(run(&engine, GenerationRequest { request_id: "rep".into(), prompt: prompt(17, 6), max_tokens: 24, sampling: penalized(None, 0.0), stop_token_ids: vec![] }).await);
+        all.push(run(&engine, GenerationRequest { request_id: "s1".into(), prompt: prompt(45, 7), max_tokens: 24, sampling: penalized(Some(11), 0.8), stop_token_ids: vec![] }).await);
+        // Four greedy requests at once (steps of up to four tokens, device-fed rows 0-3).
+        let reqs: Vec<GenerationRequest> = (0..4).map(|i| greedy_req(&format!("g{i}"), prompt(9 + 5 * i as usize, 8 + i), 32)).collect();
+        all.extend(futures_util::future::join_all(reqs.into_iter().map(|r| run(&engine, r))).await);
+        let m = engine.metrics();
+        assert_eq!(m.steps_in_flight_max, if overlap { 2 } else { 1 }, "overlap {overlap}: {m:?}");
+        runs.push(all);
+        stop(engine, dir).await;
+    }
+    let stop_run = &runs[0][1];
+    assert_eq!(stop_run.1, Some(FinishReason::Stop));
+    assert_eq!(stop_run.0.len(), 6, "the stop token ends the output before it");
+    assert_eq!(runs[0][0].0.len(), 40);
+    for r in 1..runs.len() {
+        for (i, (a, b)) in runs[0].iter().zip(&runs[r]).enumerate() {
+            assert_eq!(a, b, "run {r} (overlap / device feed), request {i}: the output differs from one step at a time");
+        }
+    }
+}
