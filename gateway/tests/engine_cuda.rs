@@ -1,4 +1,4 @@
-//! The engine against a REAL CUDA rank (`minimax-rank serve --device cuda:0`) serving two
+//! The engine against a REAL CUDA rank (`minimax-rank serve --device cuda:0`) serving eight
 //! synthetic MiniMax-M2.7 layers (the real widths, so decode takes the fast path: graphs,
 //! device sampling, and overlapped decode with device-fed tokens, where step N+1 is launched
 //! before step N is read back and embeds N's greedy draw from the device). Ignored without a
@@ -23,7 +23,7 @@ fn config(overlap: bool, device_feed: bool) -> (EngineConfig, PathBuf) {
     let (mut w, dir) = common::spawn_world("mmx-cuda", 1, "tensor", 64, vec![]);
     if let WorldMode::Spawn(s) = &mut w.mode {
         s.devices = vec![std::env::var("MINIMAX_TEST_CUDA_DEVICE").unwrap_or_else(|_| "cuda:0".into())];
-        s.synthetic = Some("m2.7:iq4xs:2".into());
+        s.synthetic = Some("m2.7:iq4xs:8".into());
         s.env.push(("MINIMAX_DEVICE_FEED".into(), if device_feed { "1" } else { "0" }.into()));
     }
     w.load_timeout = Duration::from_secs(600);

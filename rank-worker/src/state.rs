@@ -79,8 +79,8 @@ pub struct SeqTable {
     /// the launched step that will draw it.
     draws: HashMap<u64, Draw>,
     /// Overlapped decode: whether each device-fed token was the token drawn (by the step that
-    /// drew it: sequence -> (compute ticket, same)), for the step that fed it to check.
-    fed_checks: HashMap<u64, (u64, bool)>,
+    /// drew it: (sequence, compute ticket) -> same), for the step that fed it to check.
+    fed_checks: HashMap<(u64, u64), bool>,
     fault: Option<TestFault>,
     steps_done: u64,
     fault_fired: bool,
@@ -140,7 +140,7 @@ impl SeqTable {
     pub fn forget(&mut self, seq_id: u64) {
         self.lens.remove(&seq_id);
         self.draws.remove(&seq_id);
-        self.fed_checks.remove(&seq_id);
+        self.fed_checks.retain(|k, _| k.0 != seq_id);
     }
 
     /// Records the token this rank drew for `seq_id` in the step that just computed.
@@ -155,12 +155,16 @@ impl SeqTable {
 
     /// The launched step `ticket` was read back: its draw for `seq_id` (None: none) replaces
     /// the pending entry, unless a step fed the device pick meanwhile (it took the entry).
-    pub fn resolve_draw(&mut self, seq_id: u64, ticket: u64, token: Option<u32>) {
+    /// Returns whether the entry was gone (taken by a device feed, or the sequence forgotten).
+    pub fn resolve_draw(&mut self, seq_id: u64, ticket: u64, token: Option<u32>) -> bool {
         if matches!(self.draws.get(&seq_id), Some(Draw::Pending { ticket: t, .. }) if *t == ticket) {
             match token {
                 Some(t) => self.draws.insert(seq_id, Draw::Token(t)),
                 None => self.draws.remove(&seq_id),
             };
+            false
+        } else {
+            true
         }
     }
 
@@ -197,13 +201,16 @@ impl SeqTable {
     /// The step `ticket` was read back: whether its device pick for `seq_id` was its drawn
     /// token (for a step that fed the pick).
     pub fn set_fed_check(&mut self, seq_id: u64, ticket: u64, same: bool) {
-        self.fed_checks.insert(seq_id, (ticket, same));
+        // The step that fed it is answered right after this one: older checks are stale (their
+        // sequence failed or was released before they were read).
+        self.fed_checks.retain(|k, _| k.1 + 8 > ticket);
+        self.fed_checks.insert((seq_id, ticket), same);
     }
 
     /// Whether the device pick the step after `ticket` fed for `seq_id` was the drawn token
     /// (false when unknown), taken once.
     pub fn take_fed_check(&mut self, seq_id: u64, ticket: u64) -> bool {
-        matches!(self.fed_checks.remove(&seq_id), Some((t, true)) if t == ticket)
+        self.fed_checks.remove(&(seq_id, ticket)) == Some(true)
     }
 
     /// Keeps at most `keep_len` positions of a known sequence.
@@ -212,7 +219,7 @@ impl SeqTable {
             *l = (*l).min(keep_len);
         }
         self.draws.remove(&seq_id);
-        self.fed_checks.remove(&seq_id);
+        self.fed_checks.retain(|k, _| k.0 != seq_id);
     }
 
     /// Forgets everything (the world was torn down; the KV cache is not trusted any more).
@@ -341,6 +348,35 @@ pub fn agree(records: &[StepRecord], expected: &[u32], local_invalid: &[Option<S
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn drawn_tokens_feed_from_the_host_or_the_device_pick_of_the_step_just_before() {
+        let mut t = SeqTable::new(None);
+        assert_eq!(t.feed(1, 5, true), Feed::None);
+        t.expect_draw(1, 5, Some(2));
+        t.expect_draw(2, 5, None);
+        // The next ticket feeds the pick where it may; otherwise it waits for ticket 5.
+        assert_eq!(t.feed(1, 6, true), Feed::Device { ticket: 5, pick: 2 });
+        assert_eq!(t.feed(1, 6, false), Feed::Wait(5));
+        assert_eq!(t.feed(1, 7, true), Feed::Wait(5), "a later ticket: the pick was overwritten");
+        assert_eq!(t.feed(2, 6, true), Feed::Wait(5), "no pick (e.g. a sampled row)");
+        t.drop_draw(1);
+        // Read back: the taken entry stays taken (its check is recorded), the other gets its token.
+        assert!(t.resolve_draw(1, 5, Some(40)));
+        assert!(!t.resolve_draw(2, 5, Some(41)));
+        assert_eq!(t.feed(2, 6, true), Feed::Token(41));
+        assert_eq!(t.take_draw(2), Some(41));
+        assert_eq!(t.take_draw(2), None);
+        // Checks are per (sequence, ticket): the next step's own record does not hide this one.
+        t.set_fed_check(1, 5, true);
+        t.set_fed_check(1, 6, false);
+        assert!(t.take_fed_check(1, 5));
+        assert!(!t.take_fed_check(1, 5), "taken once");
+        assert!(!t.take_fed_check(1, 6));
+        t.set_fed_check(3, 6, true);
+        t.forget(3);
+        assert!(!t.take_fed_check(3, 6));
+    }
 
     #[test]
     fn check_known_unknown_and_adopted_sequences() {

@@ -330,7 +330,8 @@ impl Engine {
                     draws.push((s.seq_id, ri, pick));
                 }
             }
-            return Launched::Pending(Box::new(PendingAnswer { agreed, rows, jobs, reduce, draws, ticket }));
+            let launch_ms = agreed.t0.elapsed().as_secs_f64() * 1e3;
+            return Launched::Pending(Box::new(PendingAnswer { agreed, rows, jobs, reduce, draws, ticket, launch_ms }));
         }
         let _ = (ticket, fed);
         Launched::Done(self.compute(req, agreed))
@@ -340,8 +341,8 @@ impl Engine {
     /// (and, for rows whose pick a later step may have fed, whether the pick was the draw).
     #[cfg(feature = "cuda")]
     pub(super) fn finish(&mut self, req: &pb::StepRequest, p: PendingAnswer, seqs: &std::sync::Mutex<SeqTable>) -> Result<pb::StepResponse, StepError> {
-        let PendingAnswer { agreed, rows, jobs, reduce, draws, ticket } = p;
-        let Agreed { t0, batch: _, batch_src, mut results } = agreed;
+        let PendingAnswer { agreed, rows, jobs, reduce, draws, ticket, launch_ms } = p;
+        let Agreed { t0, batch, batch_src, mut results } = agreed;
         let crate::backend::Backend::Cuda(m) = &self.backend else { unreachable!("only CUDA steps are left pending") };
         let collected = m.collect_reduce(reduce, &jobs);
         let applied = collected.map_err(|e| StepError::Backend(format!("sampling read-back: {e}"))).and_then(|c| {
@@ -361,12 +362,14 @@ impl Engine {
         for &(seq_id, ri, pick) in &draws {
             let i = batch_src[rows[ri].seq];
             let token = results[i].rows.last().and_then(|r| r.drawn_token);
-            seqs.resolve_draw(seq_id, ticket, token);
-            if pick.is_some() {
+            let taken = seqs.resolve_draw(seq_id, ticket, token);
+            if pick.is_some() && taken {
                 seqs.set_fed_check(seq_id, ticket, token.is_some() && picks[ri] == token);
             }
         }
-        Ok(pb::StepResponse { rank: self.rank, step_id: req.step_id, seqs: results, compute_ms: t0.elapsed().as_secs_f32() * 1e3 })
+        let total_ms = t0.elapsed().as_secs_f64() * 1e3;
+        tracing::debug!(target: "minimax::step", step = req.step_id, tokens = batch.n_tokens(), forward_ms = launch_ms, answer_ms = total_ms - launch_ms, "step (launched, then read back)");
+        Ok(pb::StepResponse { rank: self.rank, step_id: req.step_id, seqs: results, compute_ms: total_ms as f32 })
     }
 
     /// Computes an agreed step whose cache lengths were already advanced (pipelined steps).
@@ -405,6 +408,8 @@ pub(super) struct PendingAnswer {
     /// Each drawing sequence's (id, row, device pick a next step may feed).
     draws: Vec<(u64, usize, Option<usize>)>,
     ticket: u64,
+    /// Host time of the launch (the step's `forward_ms` in the debug log).
+    launch_ms: f64,
 }
 
 #[cfg(feature = "cuda")]
