@@ -45,6 +45,7 @@ async fn run(engine: &Engine, req: GenerationRequest) -> (Vec<u32>, Option<Finis
 async fn cuda_overlapped_decode_with_device_fed_tokens_gives_the_tokens_of_one_step_at_a_time() {
     let penalized = |seed: Option<u64>, temperature: f32| SamplingParams { temperature, top_k: 30, seed, frequency_penalty: 0.6, presence_penalty: 0.3, repetition_penalty: 1.2, ..Default::default() };
     let mut runs = vec![];
+    let mut stop_at = vec![];
     for (overlap, feed) in [(false, false), (true, true), (true, false)] {
         let (cfg, dir) = config(overlap, feed);
         let engine = Engine::start(cfg);
@@ -52,8 +53,12 @@ async fn cuda_overlapped_decode_with_device_fed_tokens_gives_the_tokens_of_one_s
         let mut all = vec![];
         // One by one: every step has one token.
         let probe = run(&engine, greedy_req("probe", prompt(30, 5), 40)).await;
+        // A stop token: the first output token not seen before it, from the fourth on (random
+        // weights repeat tokens).
+        let at = (3..probe.0.len()).find(|&k| !probe.0[..k].contains(&probe.0[k])).expect("a new token after the third");
         let mut with_stop = greedy_req("stop", prompt(30, 5), 40);
-        with_stop.stop_token_ids = vec![probe.0[6]];
+        with_stop.stop_token_ids = vec![probe.0[at]];
+        stop_at.push(at);
         all.push(probe);
         all.push(run(&engine, with_stop).await);
         all.push(run(&engine, GenerationRequest { request_id: "rep".into(), prompt: prompt(17, 6), max_tokens: 24, sampling: penalized(None, 0.0), stop_token_ids: vec![] }).await);
@@ -68,7 +73,7 @@ async fn cuda_overlapped_decode_with_device_fed_tokens_gives_the_tokens_of_one_s
     }
     let stop_run = &runs[0][1];
     assert_eq!(stop_run.1, Some(FinishReason::Stop));
-    assert_eq!(stop_run.0.len(), 6, "the stop token ends the output before it");
+    assert_eq!(stop_run.0.len(), stop_at[0], "the stop token ends the output before it");
     assert_eq!(runs[0][0].0.len(), 40);
     for r in 1..runs.len() {
         for (i, (a, b)) in runs[0].iter().zip(&runs[r]).enumerate() {

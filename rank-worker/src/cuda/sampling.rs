@@ -606,6 +606,14 @@ pub struct PendingReduce {
 }
 
 impl PendingReduce {
+    /// Waits (spinning, without any lock) until the read-back is on the host.
+    pub fn wait(&self) -> Result<(), CudaError> {
+        if let Some(ev) = &self.e.done {
+            ev.synchronize()?;
+        }
+        Ok(())
+    }
+
     /// Where the merge writes row `job`'s greedy draw (the index a device-fed token of the next
     /// step names), if the row is reduced on the device and the index fits.
     pub fn pick_index(&self, job: usize) -> Option<usize> {

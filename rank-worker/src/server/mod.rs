@@ -753,7 +753,9 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
         Ok(step::Launched::Done(res)) => res,
         #[cfg(feature = "cuda")]
         Ok(step::Launched::Pending(p)) => {
-            // Read back even if the world broke meanwhile (it frees the read-back buffer).
+            // Read back even if the world broke meanwhile (it frees the read-back buffer). The
+            // GPU wait holds no lock: the next step launches meanwhile.
+            p.wait();
             let mut guard = shared.engine.lock().unwrap();
             match guard.as_mut() {
                 Some(engine) => engine.finish(req, *p, &shared.seqs),

@@ -414,6 +414,15 @@ pub(super) struct PendingAnswer {
 
 #[cfg(feature = "cuda")]
 impl PendingAnswer {
+    /// Waits until the step's words are on the host (call it without the engine lock, so the
+    /// next step can be launched meanwhile).
+    pub(super) fn wait(&self) {
+        if let Err(e) = self.reduce.wait() {
+            // `finish` reads the same error back from the driver.
+            tracing::debug!("waiting for a launched step: {e}");
+        }
+    }
+
     /// Records in `seqs` the draws this step will make, so the next step can feed them (from
     /// the device where the row allows).
     pub(super) fn expect_draws(&self, seqs: &mut SeqTable) {
