@@ -97,6 +97,11 @@ impl SeqTable {
         self.lens.get(&seq_id).copied().unwrap_or(0)
     }
 
+    /// Whether this rank tracks `seq_id` (not released or dropped).
+    pub fn knows(&self, seq_id: u64) -> bool {
+        self.lens.contains_key(&seq_id)
+    }
+
     /// Number of sequences tracked.
     pub fn n_seqs(&self) -> usize {
         self.lens.len()

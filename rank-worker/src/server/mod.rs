@@ -700,7 +700,9 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
             };
             let a = agreed.as_mut().expect("taken only below");
             let device = alone && engine.device_feed_ok(a.n_tokens());
-            match step::fill_fed(req, a, &mut shared.seqs.lock().unwrap(), &fed, ticket, device) {
+            // (The sequence table's guard must not live into the wait below.)
+            let filled = step::fill_fed(req, a, &mut shared.seqs.lock().unwrap(), &fed, ticket, device);
+            match filled {
                 Ok(d) => fed_dev = d,
                 Err(t) => {
                     // A fed token is known only when step `t` is read back.

@@ -139,7 +139,8 @@ pub(super) fn record_draws(seqs: &mut SeqTable, resp: &pb::StepResponse) {
 /// token drawn (never expected: both are the first candidate) fails here and is forgotten.
 pub(super) fn check_device_fed(seqs: &mut SeqTable, resp: &mut pb::StepResponse, fed: &[DeviceFed]) {
     for f in fed {
-        if seqs.take_fed_check(f.seq_id, f.from) {
+        // A sequence released meanwhile (it ended in the step before) has no check left.
+        if seqs.take_fed_check(f.seq_id, f.from) || !seqs.knows(f.seq_id) {
             continue;
         }
         tracing::error!(seq_id = f.seq_id, "the token fed on the device was not the token drawn");
