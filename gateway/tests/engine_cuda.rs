@@ -6,8 +6,8 @@
 //!
 //! What must hold: the tokens are those of one step at a time (overlap off), for requests one
 //! by one (greedy, greedy with a repetition penalty, seeded sampling with penalties, a stop
-//! token) and for four greedy requests at once; and the same with device feeding off
-//! (`MINIMAX_DEVICE_FEED=0`, overlap on).
+//! token), and the same with device feeding off (`MINIMAX_DEVICE_FEED=0`, overlap on); four
+//! greedy requests at once (device-fed rows 0-3) complete.
 
 mod common;
 
@@ -27,7 +27,7 @@ fn config(overlap: bool, device_feed: bool) -> (EngineConfig, PathBuf) {
         s.env.push(("MINIMAX_DEVICE_FEED".into(), if device_feed { "1" } else { "0" }.into()));
     }
     w.load_timeout = Duration::from_secs(600);
-    w.step_timeout = Duration::from_secs(120);
+    w.step_timeout = Duration::from_secs(30);
     let mut sched = SchedConfig { prefill_chunk: 24, ..Default::default() };
     sched.overlap = overlap;
     (EngineConfig { sched, world: w }, dir)
@@ -72,7 +72,14 @@ async fn cuda_overlapped_decode_with_device_fed_tokens_gives_the_tokens_of_one_s
         }
         // The outputs depend on the input (so a wrong fed token would show).
         assert!(outs.iter().any(|o| o.0 != outs[0].0), "four prompts, one output: the model ignores its input");
-        all.extend(outs);
+        // Steps of several tokens run other kernels than one-token steps (other summation
+        // orders), and which sequences share a step depends on timing: these outputs are not
+        // compared across runs, only required to complete (a device-fed token that was not the
+        // drawn one fails its request; the model test `device_fed_tokens_give_the_logits_of_
+        // host_fed_tokens` checks batched feeding bit for bit).
+        for o in &outs {
+            assert_eq!((o.0.len(), o.1), (32, Some(FinishReason::Length)));
+        }
         let m = engine.metrics();
         assert_eq!(m.steps_in_flight_max, if overlap { 2 } else { 1 }, "overlap {overlap}: {m:?}");
         runs.push(all);

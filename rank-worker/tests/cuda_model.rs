@@ -749,3 +749,57 @@ fn fast_path_qk_fuse_matches_qk_norm_launch() {
     }
     eprintln!("m2.7:iq4xs:2 fast path: q/k norms in the attention bit-identical to the q/k norm launch over {} steps (direct, graphs, first tiles after the wait, merge without the early trigger, blocks of empty splits leaving at once)", runs[0].len());
 }
+
+/// Overlapped decode's device-fed tokens (`CudaModel::set_device_feed`): a step whose tokens are
+/// the greedy draws the previous step's sampling merge left on the device, launched before that
+/// reduction is read back, gives bit for bit the logits of the same step fed those tokens from
+/// the host; the rows are fed in another order than they were drawn (batch index != pick
+/// index), and the earlier step's reduction, read back after the next step ran, is intact
+/// (its logits buffer alternates with the next step's).
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn device_fed_tokens_give_the_logits_of_host_fed_tokens() {
+    use minimax_shared::model::synthetic::SyntheticSpec;
+    use minimax_shared::sampling::SamplingSpec;
+    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
+    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 64 }, CudaOptions::default(), 7).unwrap();
+    assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
+    let prompts: [Vec<u32>; 3] = [vec![1, 17, 4242, 99_999, 200_000], vec![5, 6, 7, 8], vec![123_456, 42, 7]];
+    let greedy = SamplingSpec { temperature: 0.0, ..Default::default() };
+    let jobs: Vec<(SamplingSpec, Option<u32>)> = (0..3).map(|_| (greedy.clone(), None)).collect();
+    let step = |seq: u64, pt: &[u32], cached: usize, tokens: Vec<u32>| SeqStep { seq_id: seq, page_table: pt.to_vec(), cached_len: cached, tokens, logits: LogitsWanted::Last };
+    // The second step feeds row order [2, 0, 1] of the first.
+    let order = [2usize, 0, 1];
+    let mut results = Vec::new();
+    for (path, device) in [(0u32, false), (1, true)] {
+        let pts: Vec<Vec<u32>> = (0..3u32).map(|s| vec![10 * (3 * path + s)]).collect();
+        let seq = |s: usize| 100 * path as u64 + s as u64;
+        let a = ForwardBatch { seqs: (0..3).map(|s| step(seq(s), &pts[s], 0, prompts[s].clone())).collect() };
+        let pending = m.forward_stage_lazy(&a).unwrap().unwrap().enqueue_reduce(&jobs).unwrap().expect("rows on the device");
+        let picks: Vec<usize> = (0..3).map(|r| pending.pick_index(r).expect("a device pick")).collect();
+        let (logits_b, drawn) = if device {
+            // Launched before the first step is read back; the tokens are placeholders.
+            m.set_device_feed(order.iter().enumerate().map(|(bi, &r)| (bi, picks[r])).collect());
+            let b = ForwardBatch { seqs: order.iter().map(|&s| step(seq(s), &pts[s], prompts[s].len(), vec![0])).collect() };
+            let lb = m.forward_stage(&b).unwrap().unwrap().logits;
+            let c = m.collect_reduce(pending, &jobs).unwrap();
+            (lb, c)
+        } else {
+            let c = m.collect_reduce(pending, &jobs).unwrap();
+            let b = ForwardBatch { seqs: order.iter().map(|&s| step(seq(s), &pts[s], prompts[s].len(), vec![c.results[s].as_ref().unwrap().candidate_ids[0]])).collect() };
+            (m.forward_stage(&b).unwrap().unwrap().logits, c)
+        };
+        let tokens: Vec<u32> = drawn.results.iter().map(|r| r.as_ref().unwrap().candidate_ids[0]).collect();
+        let picked: Vec<u32> = drawn.picks.iter().map(|p| p.expect("a pick read back")).collect();
+        assert_eq!(tokens, picked, "path {path}: the device picks are the greedy draws");
+        assert!(logits_b.iter().all(|x| x.is_finite()));
+        results.push((tokens, logits_b));
+    }
+    assert_eq!(results[0].0, results[1].0, "the first step's draws differ");
+    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+    assert!(bits(&results[0].1) == bits(&results[1].1), "device-fed logits differ from host-fed (max |diff| {})", max_diff(&results[0].1, &results[1].1));
+    // A wrong feed would show: the fed tokens differ between rows, and so do the rows' logits.
+    let v = m.config().vocab_size;
+    assert!(results[0].1[..v] != results[0].1[v..2 * v], "two rows with the same logits");
+    eprintln!("device-fed tokens {:?} (rows fed in order {order:?}): logits bit-identical to host-fed", results[0].0);
+}
