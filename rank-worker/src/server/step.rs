@@ -65,6 +65,7 @@ pub(super) struct DeviceFed {
     pub bi: usize,
     pub seq_id: u64,
     /// The device pick it reads, and the compute ticket of the step that wrote it.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub pick: usize,
     pub from: u64,
 }
@@ -122,6 +123,7 @@ pub(super) fn fill_fed(req: &mut pb::StepRequest, agreed: &mut Agreed, seqs: &mu
 /// Whether a row's drawn token can be fed to the next step on the device: a greedy row whose
 /// sampling in the next step does not depend on it (no repetition, frequency or presence
 /// penalty: those count the token, which the host learns only when the step is read back).
+#[cfg(feature = "cuda")]
 pub(super) fn feeds_on_device(spec: &sampling::SamplingSpec) -> bool {
     spec.temperature == 0.0 && spec.repetition_penalty == 1.0 && spec.frequency_penalty == 0.0 && spec.presence_penalty == 0.0
 }
@@ -293,9 +295,10 @@ impl Engine {
     /// reductions and their read-back, so the next step can be enqueued behind it before its
     /// answer is read ([`Engine::finish`]); `fed` are its device-fed tokens. Every other step
     /// is computed and answered here.
-    pub(super) fn launch(&mut self, req: &pb::StepRequest, mut agreed: Agreed, ticket: u64, fed: &[DeviceFed]) -> Launched {
+    pub(super) fn launch(&mut self, req: &pb::StepRequest, agreed: Agreed, ticket: u64, fed: &[DeviceFed]) -> Launched {
         #[cfg(feature = "cuda")]
         if self.device_feed_ok(agreed.batch.n_tokens()) {
+            let mut agreed = agreed;
             agreed.t0 = Instant::now();
             let crate::backend::Backend::Cuda(m) = &mut self.backend else { unreachable!("device_feed_ok") };
             if !fed.is_empty() {
