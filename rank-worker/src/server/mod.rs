@@ -693,6 +693,7 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
     let mut fed_dev: Vec<step::DeviceFed> = Vec::new();
     let launched = shared.pipe.wait_turn(ticket, epoch, &ready).and_then(|()| {
         let mut agreed = Some(agreed);
+        let mut waited = false;
         loop {
             let mut guard = shared.engine.lock().unwrap();
             let Some(engine) = guard.as_mut().filter(|e| e.world.is_some() || alone) else {
@@ -700,6 +701,14 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
             };
             let a = agreed.as_mut().expect("taken only below");
             let device = alone && engine.device_feed_ok(a.n_tokens());
+            if alone && !device && !waited {
+                // Computed here and now (e.g. a prefill chunk): let the step before be read
+                // back first, or its answer would wait for this whole compute.
+                drop(guard);
+                waited = true;
+                shared.pipe.wait_finished(ticket, epoch, &ready)?;
+                continue;
+            }
             // (The sequence table's guard must not live into the wait below.)
             let filled = step::fill_fed(req, a, &mut shared.seqs.lock().unwrap(), &fed, ticket, device);
             match filled {
@@ -760,7 +769,8 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
             p.wait();
             let mut guard = shared.engine.lock().unwrap();
             match guard.as_mut() {
-                Some(engine) => engine.finish(req, *p, &shared.seqs),
+                // A world that broke meanwhile restarted its tickets: its draws are not recorded.
+                Some(engine) => engine.finish(req, *p, ordered.is_ok().then_some(&shared.seqs)),
                 None => Err(pipe_broken("the engine went away before the step was read back")),
             }
         }

@@ -150,7 +150,7 @@ pub(super) fn check_device_fed(seqs: &mut SeqTable, resp: &mut pb::StepResponse,
         if let Some(r) = resp.seqs.iter_mut().find(|r| r.seq_id == f.seq_id) {
             r.rows.clear();
             r.cache_len = 0;
-            r.error = format!("sequence {}: the token fed on the device was not the token drawn in the step before (internal error)", f.seq_id);
+            r.error = format!("sequence {}: the token fed on the device was not the token drawn in the step before (its logits were not finite, or an internal error)", f.seq_id);
         }
     }
 }
@@ -341,10 +341,11 @@ impl Engine {
         Launched::Done(self.compute(req, agreed))
     }
 
-    /// Reads back a step [`Engine::launch`] left pending and answers it; records its draws
-    /// (and, for rows whose pick a later step may have fed, whether the pick was the draw).
+    /// Reads back a step [`Engine::launch`] left pending and answers it; records its draws in
+    /// `seqs` (and, for rows whose pick a later step may have fed, whether the pick was the
+    /// draw). `seqs` None: the world broke since the launch; only the answer is built.
     #[cfg(feature = "cuda")]
-    pub(super) fn finish(&mut self, req: &pb::StepRequest, p: PendingAnswer, seqs: &std::sync::Mutex<SeqTable>) -> Result<pb::StepResponse, StepError> {
+    pub(super) fn finish(&mut self, req: &pb::StepRequest, p: PendingAnswer, seqs: Option<&std::sync::Mutex<SeqTable>>) -> Result<pb::StepResponse, StepError> {
         let PendingAnswer { agreed, rows, jobs, reduce, draws, ticket, launch_ms } = p;
         let Agreed { t0, batch, batch_src, mut results } = agreed;
         let crate::backend::Backend::Cuda(m) = &self.backend else { unreachable!("only CUDA steps are left pending") };
@@ -353,6 +354,7 @@ impl Engine {
             apply_rows(req, &batch_src, &rows, &jobs, c.results, &mut results, &mut self.replay)?;
             Ok(c.picks)
         });
+        let Some(seqs) = seqs else { return applied.map(|_| pb::StepResponse { rank: self.rank, step_id: req.step_id, seqs: results, compute_ms: t0.elapsed().as_secs_f32() * 1e3 }) };
         let mut seqs = seqs.lock().unwrap();
         let picks = match applied {
             Ok(p) => p,
