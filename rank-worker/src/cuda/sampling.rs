@@ -130,8 +130,11 @@ pub struct Enqueued {
 /// What [`DeviceSampler::collect`] returns: per job, its reduction, and the greedy draw the
 /// merge left on the device for it (when picks were asked for and the row had a candidate).
 pub struct Collected {
+    /// Per job, `reduce_row`'s result.
     pub results: Vec<RowResult>,
+    /// How many rows the device finished and how many the host reduced.
     pub stats: ReduceStats,
+    /// Per job, the merge's greedy draw (None: not asked for, or no candidate).
     pub picks: Vec<Option<u32>>,
 }
 

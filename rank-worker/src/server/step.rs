@@ -63,10 +63,12 @@ pub(super) fn placeholder_fed(req: &mut pb::StepRequest) -> Vec<usize> {
 pub(super) struct DeviceFed {
     /// Its index in the agreed batch.
     pub bi: usize,
+    /// The sequence (its fed-check is looked up by it).
     pub seq_id: u64,
     /// The device pick it reads, and the compute ticket of the step that wrote it.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub pick: usize,
+    /// The compute ticket of the step whose pick it reads.
     pub from: u64,
 }
 
