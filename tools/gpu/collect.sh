@@ -10,10 +10,10 @@ shift || true
 case "$out" in .devbin*) ;; *) echo "output folder must be .devbin* (git-ignored)" >&2; exit 2 ;; esac
 names=("$@")
 if [ ${#names[@]} -eq 0 ]; then
-  for f in rank-worker/tests/cuda_*.rs; do names+=("$(basename "$f" .rs)"); done
+  for f in rank-worker/tests/cuda_*.rs gateway/tests/engine_cuda.rs; do names+=("$(basename "$f" .rs)"); done
 fi
 mkdir -p "$out"
-rm -f "$out"/cuda_*
+rm -f "$out"/cuda_* "$out"/engine_cuda
 for t in "${names[@]}"; do
   f=$(ls -t target/release/deps/$t-* 2>/dev/null | grep -v '\.d$' | head -1 || true)
   [ -n "$f" ] || { echo "no build of $t (cargo test --release --no-run --test $t)" >&2; continue; }

@@ -3,6 +3,8 @@
 # prints a pass/fail table. Build them on a dev machine first:
 #   CARGO_PROFILE_RELEASE_DEBUG=0 cargo test -p minimax-rank --release --no-run \
 #       --test cuda_kernels --test cuda_model
+#   cargo test -p minimax-gateway --release --no-run --test engine_cuda   # a served CUDA rank
+#   cargo build --release -p minimax-rank --bins
 #   tools/gpu/collect.sh          # copies + strips them into .devbin/
 # then, on the GPU machine, from the repository root:
 #   tools/gpu/run_tests.sh [.devbin] [extra test-binary args...]
@@ -42,7 +44,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>
 
 table=()
 fail=0
-for b in "$bin_dir"/cuda_*; do
+# engine_cuda (gateway/tests): the engine against a real CUDA rank process ($bin_dir/minimax-rank).
+export MINIMAX_RANK_BINARY=${MINIMAX_RANK_BINARY:-$(cd "$bin_dir" && pwd)/minimax-rank}
+for b in "$bin_dir"/cuda_* "$bin_dir"/engine_cuda; do
   [ -x "$b" ] || continue
   name=$(basename "$b")
   log="$log_dir/$name.log"
