@@ -1100,3 +1100,80 @@ mod tcp_tests {
         }
     }
 }
+
+#[cfg(test)]
+mod pipe_tests {
+    use std::sync::{Arc, Mutex};
+    use std::time::{Duration, Instant};
+
+    use super::Pipe;
+
+    /// Overlapped decode's order on one rank: steps launch in ticket order, each only after
+    /// every step but the one before it was answered; answers come in ticket order; a step
+    /// that needs the answer of the step before (a host-fed token) waits for it while holding
+    /// its turn, and nothing deadlocks.
+    #[test]
+    fn launches_and_answers_keep_ticket_order() {
+        let pipe = Arc::new(Pipe::default());
+        pipe.reset();
+        let epoch = pipe.epoch();
+        let n = 24u64;
+        let tickets: Vec<u64> = (0..n).map(|i| pipe.pass(1000 + i, epoch, true).expect("a ticket")).collect();
+        assert_eq!(tickets, (0..n).collect::<Vec<_>>());
+        // (event, ticket), in the order they happened.
+        let log = Arc::new(Mutex::new(Vec::<(&str, u64)>::new()));
+        let ready = || true;
+        let threads: Vec<_> = tickets
+            .iter()
+            .rev() // started out of order on purpose
+            .map(|&t| {
+                let (pipe, log) = (pipe.clone(), log.clone());
+                std::thread::spawn(move || {
+                    pipe.wait_turn(t, epoch, &ready).unwrap();
+                    if t % 5 == 3 {
+                        // Needs the token only the previous step's answer gives.
+                        pipe.wait_finished(t, epoch, &ready).unwrap();
+                        log.lock().unwrap().push(("waited", t));
+                    }
+                    pipe.compute_started();
+                    log.lock().unwrap().push(("launch", t));
+                    pipe.done(t, epoch);
+                    pipe.wait_finished(t, epoch, &ready).unwrap();
+                    // The read-back takes a while (the GPU).
+                    std::thread::sleep(Duration::from_micros(300 * (t % 3)));
+                    log.lock().unwrap().push(("answer", t));
+                    pipe.finished(t, epoch);
+                })
+            })
+            .collect();
+        let deadline = Instant::now() + Duration::from_secs(20);
+        for th in threads {
+            while !th.is_finished() {
+                assert!(Instant::now() < deadline, "the pipe deadlocked");
+                std::thread::sleep(Duration::from_millis(5));
+            }
+            th.join().unwrap();
+        }
+        let log = log.lock().unwrap();
+        let pos = |ev: &str, t: u64| log.iter().position(|&(e, x)| e == ev && x == t).unwrap_or_else(|| panic!("no {ev} {t}"));
+        for t in 0..n {
+            if t > 0 {
+                assert!(pos("launch", t - 1) < pos("launch", t), "launch {t} before launch {}", t - 1);
+                assert!(pos("answer", t - 1) < pos("answer", t), "answer {t} before answer {}", t - 1);
+            }
+            if t > 1 {
+                assert!(pos("answer", t - 2) < pos("launch", t), "launch {t} before answer {}", t - 2);
+            }
+            if t % 5 == 3 && t > 0 {
+                assert!(pos("answer", t - 1) < pos("waited", t), "step {t} fed before the answer it needs");
+            }
+        }
+        // A new world: waiters of the old one give up instead of hanging.
+        let t = pipe.pass(5000, epoch, true).unwrap();
+        let p2 = pipe.clone();
+        let waiter = std::thread::spawn(move || p2.wait_finished(t + 1, epoch, &|| true));
+        std::thread::sleep(Duration::from_millis(20));
+        pipe.reset();
+        assert!(waiter.join().unwrap().is_err(), "a waiter of a reset world must give up");
+    }
+}
