@@ -7,7 +7,9 @@
 //! What must hold: the tokens are those of one step at a time (overlap off), for requests one
 //! by one (greedy, greedy with a repetition penalty, seeded sampling with penalties, a stop
 //! token), and the same with device feeding off (`MINIMAX_DEVICE_FEED=0`, overlap on); four
-//! greedy requests at once (device-fed rows 0-3) complete.
+//! greedy requests at once (device-fed rows 0-3) complete; and the rank's log (its stderr,
+//! appended to a file by a wrapper script) shows a step fed from the device exactly in the
+//! run with device feeding on.
 
 mod common;
 
@@ -19,12 +21,23 @@ use minimax_gateway::engine::{Engine, EngineConfig, FinishReason, GenerationRequ
 use minimax_gateway::ranks::supervisor::WorldMode;
 use minimax_gateway::sched::SchedConfig;
 
+/// The rank's log (its stderr): the rank runs through a wrapper script that appends it here.
+fn rank_log(dir: &std::path::Path) -> PathBuf {
+    dir.join("rank.log")
+}
+
 fn config(overlap: bool, device_feed: bool) -> (EngineConfig, PathBuf) {
     let (mut w, dir) = common::spawn_world("mmx-cuda", 1, "tensor", 64, vec![]);
     if let WorldMode::Spawn(s) = &mut w.mode {
         s.devices = vec![std::env::var("MINIMAX_TEST_CUDA_DEVICE").unwrap_or_else(|_| "cuda:0".into())];
         s.synthetic = Some("m2.7:iq4xs:8".into());
         s.env.push(("MINIMAX_DEVICE_FEED".into(), if device_feed { "1" } else { "0" }.into()));
+        s.env.push(("RUST_LOG".into(), "info".into()));
+        let wrapper = dir.join("rank.sh");
+        let script = format!("#!/bin/sh\nexec '{}' \"$@\" 2>>'{}'\n", s.rank_binary.display(), rank_log(&dir).display());
+        std::fs::write(&wrapper, script).unwrap();
+        std::fs::set_permissions(&wrapper, std::os::unix::fs::PermissionsExt::from_mode(0o755)).unwrap();
+        s.rank_binary = wrapper;
     }
     w.load_timeout = Duration::from_secs(600);
     w.step_timeout = Duration::from_secs(30);
@@ -83,6 +96,10 @@ async fn cuda_overlapped_decode_with_device_fed_tokens_gives_the_tokens_of_one_s
         let m = engine.metrics();
         assert_eq!(m.steps_in_flight_max, if overlap { 2 } else { 1 }, "overlap {overlap}: {m:?}");
         runs.push(all);
+        // Whether a step was launched before the one it follows was read back (the rank logs
+        // the first such step): it must happen with device feeding on, and never with it off.
+        let log = std::fs::read_to_string(rank_log(&dir)).unwrap_or_default();
+        assert_eq!(log.contains("device-fed tokens"), overlap && feed, "overlap {overlap}, device feed {feed}: device feeding seen in the rank's log");
         stop(engine, dir).await;
     }
     let stop_run = &runs[0][1];
