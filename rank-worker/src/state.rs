@@ -58,7 +58,7 @@ pub enum Draw {
     Pending { ticket: u64, pick: Option<usize> },
 }
 
-/// How a `feed_drawn` sequence gets its token ([`SeqTable::take_feed`]).
+/// How a `feed_drawn` sequence gets its token ([`SeqTable::feed`]).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Feed {
     /// The token, known on the host.
@@ -170,19 +170,6 @@ impl SeqTable {
             false
         } else {
             true
-        }
-    }
-
-    /// Takes the token last drawn for `seq_id`, if known on the host: a `feed_drawn` step feeds
-    /// it once.
-    pub fn take_draw(&mut self, seq_id: u64) -> Option<u32> {
-        match self.draws.get(&seq_id) {
-            Some(Draw::Token(t)) => {
-                let t = *t;
-                self.draws.remove(&seq_id);
-                Some(t)
-            }
-            _ => None,
         }
     }
 
@@ -370,8 +357,8 @@ mod tests {
         assert!(t.resolve_draw(1, 5, Some(40)));
         assert!(!t.resolve_draw(2, 5, Some(41)));
         assert_eq!(t.feed(2, 6, true), Feed::Token(41));
-        assert_eq!(t.take_draw(2), Some(41));
-        assert_eq!(t.take_draw(2), None);
+        t.drop_draw(2);
+        assert_eq!(t.feed(2, 6, true), Feed::None, "fed once");
         // Checks are per (sequence, ticket): the next step's own record does not hide this one.
         t.set_fed_check(1, 5, true);
         t.set_fed_check(1, 6, false);

@@ -113,8 +113,8 @@ pub struct CudaModel {
     /// [`CudaModel::build_dense_bf16`]), and the memory they live in.
     dense_bf16: Vec<[DevMat; 4]>,
     _dense_bufs: Vec<CudaSlice<u16>>,
-    /// The next fast step's device-fed tokens: (batch sequence, the previous step's sampling
-    /// row whose greedy draw it feeds). Set by [`CudaModel::set_device_feed`], taken by the step.
+    /// The next fast step's device-fed tokens: (batch sequence, pick index of the previous
+    /// step's greedy draw it feeds). Set by [`CudaModel::set_device_feed`], taken by the step.
     feed: Vec<(usize, usize)>,
 }
 
@@ -410,15 +410,11 @@ impl CudaModel {
         self.fast_off.as_deref()
     }
 
-    /// Whether a step of `nt` tokens takes the fast path (device-fed tokens need it).
-    pub fn takes_fast_path(&self, nt: usize) -> bool {
-        self.fast_eligible(nt)
-    }
-
-    /// Overlapped decode: in the next (fast) step, batch sequence `seq` feeds the greedy draw
-    /// that the previous step's sampling merge left on the device for its row `row`, instead
-    /// of its token (a placeholder). The embedding reads it there, so the next step is
-    /// launched before the previous one's answer is read.
+    /// Overlapped decode: in the next (fast) step, each `(batch sequence, pick)` feeds the
+    /// greedy draw the previous step's sampling merge left on the device at index `pick`
+    /// ([`sampling::PendingReduce::pick_index`]), instead of its token (a placeholder). The
+    /// embedding reads it there, so the next step is launched before the previous one's
+    /// answer is read.
     pub fn set_device_feed(&mut self, feed: Vec<(usize, usize)>) {
         self.feed = feed;
     }
@@ -469,8 +465,9 @@ impl CudaModel {
         per + self.head.n_bytes()
     }
 
-    /// Copies logits rows of the last fast step: none here; see forward.
-    fn fast_eligible(&self, nt: usize) -> bool {
+    /// Whether a step of `nt` tokens takes the fast path (graphs, logits left on the device;
+    /// device-fed tokens need it).
+    pub fn fast_eligible(&self, nt: usize) -> bool {
         self.fast.is_some() && self.opts.fast_decode && nt >= 1 && nt <= MAX_FAST_TOKENS
     }
 

@@ -127,6 +127,16 @@ pub struct Enqueued {
     stride: usize,
 }
 
+impl Enqueued {
+    /// Waits until the read-back is on the host (nothing to wait for when no row ran).
+    fn wait(&self) -> Result<(), CudaError> {
+        if let Some(ev) = &self.done {
+            ev.synchronize()?;
+        }
+        Ok(())
+    }
+}
+
 /// What [`DeviceSampler::collect`] returns: per job, its reduction, and the greedy draw the
 /// merge left on the device for it (when picks were asked for and the row had a candidate).
 pub struct Collected {
@@ -402,9 +412,7 @@ impl DeviceSampler {
     fn decode(&mut self, jobs: &[RowJob], e: &Enqueued) -> Result<Vec<Option<RowPartial>>, CudaError> {
         let (v, nb, n) = (self.vocab, self.nb, e.dev.len());
         let (dev, plans, params, tot_off) = (&e.dev, &e.plans, &e.params, e.tot_off);
-        if let Some(ev) = &e.done {
-            ev.synchronize()?;
-        }
+        e.wait()?;
         let slot = self.slots[e.slot].as_ref().ok_or_else(|| CudaError::Shape("sampling: read-back slot missing".into()))?;
         // SAFETY: the event above follows the copy of `out_words` words into the slot.
         self.host_out.clear();
@@ -552,8 +560,8 @@ impl<'m> StepLogits<'m> {
 
     /// Overlapped decode: enqueues [`StepLogits::reduce`]'s kernels and read-back for rows left
     /// on the device, each row's greedy draw also written where the next step's embedding
-    /// reads device-fed tokens ([`CudaModel::set_device_feed`]: row `r` of `jobs` is pick
-    /// `r`). Nothing is waited for; [`CudaModel::collect_reduce`] finishes it, with the same
+    /// reads device-fed tokens ([`CudaModel::set_device_feed`]; a row's pick index is
+    /// [`PendingReduce::pick_index`]). Nothing is waited for; [`CudaModel::collect_reduce`] finishes it, with the same
     /// jobs. None: the rows are not on the device, or there are none.
     pub fn enqueue_reduce(&self, jobs: &[(SamplingSpec, Option<u32>)]) -> Result<Option<PendingReduce>, CudaError> {
         let (g, v) = (&self.model.gpu, self.model.cfg.vocab_size);
@@ -562,9 +570,8 @@ impl<'m> StepLogits<'m> {
             return Err(CudaError::Shape(format!("sampling: {} rows, {} specs", self.rows.len(), jobs.len())));
         }
         let Some(ws) = self.model.fast.as_ref().filter(|_| !jobs.is_empty() && jobs.len() <= super::MAX_FAST_TOKENS) else { return Ok(None) };
-        let rj: Vec<RowJob> = jobs.iter().zip(src).map(|((spec, target), &src_row)| RowJob { src_row, spec, target: *target, host_row: None }).collect();
         let picks = Some((g.ptr(&ws.picks), super::MAX_FAST_TOKENS));
-        let e = with_sampler(g, v, |s| s.enqueue(g, g.ptr(&ws.logits[*par]), v, &rj, picks))?;
+        let e = with_sampler(g, v, |s| s.enqueue(g, g.ptr(&ws.logits[*par]), v, &device_jobs(jobs, src), picks))?;
         Ok(Some(PendingReduce { e, src: src.clone() }))
     }
 
@@ -582,8 +589,7 @@ impl<'m> StepLogits<'m> {
         match &self.data {
             RowData::Device(src, par) => {
                 let ws = self.model.fast.as_ref().ok_or_else(|| CudaError::Shape("device logits rows without a fast workspace".into()))?;
-                let rj: Vec<RowJob> = jobs.iter().zip(src).map(|((spec, target), &src_row)| RowJob { src_row, spec, target: *target, host_row: None }).collect();
-                with_sampler(g, v, |s| s.reduce(g, g.ptr(&ws.logits[*par]), v, &rj))
+                with_sampler(g, v, |s| s.reduce(g, g.ptr(&ws.logits[*par]), v, &device_jobs(jobs, src)))
             }
             RowData::Host(logits) => {
                 if logits.len() != jobs.len() * v {
@@ -601,6 +607,11 @@ impl<'m> StepLogits<'m> {
     }
 }
 
+/// Jobs for rows in the fast workspace's logits buffer: `jobs[r]` reads row `src[r]`.
+fn device_jobs<'a>(jobs: &'a [(SamplingSpec, Option<u32>)], src: &[usize]) -> Vec<RowJob<'a>> {
+    jobs.iter().zip(src).map(|((spec, target), &src_row)| RowJob { src_row, spec, target: *target, host_row: None }).collect()
+}
+
 /// A step's reduction enqueued by [`StepLogits::enqueue_reduce`] (holds no borrow of the model:
 /// the next step may be launched before it is collected).
 pub struct PendingReduce {
@@ -611,10 +622,7 @@ pub struct PendingReduce {
 impl PendingReduce {
     /// Waits (spinning, without any lock) until the read-back is on the host.
     pub fn wait(&self) -> Result<(), CudaError> {
-        if let Some(ev) = &self.e.done {
-            ev.synchronize()?;
-        }
-        Ok(())
+        self.e.wait()
     }
 
     /// Where the merge writes row `job`'s greedy draw (the index a device-fed token of the next
@@ -631,8 +639,7 @@ impl CudaModel {
     /// device-fed token of the next step was).
     pub fn collect_reduce(&self, p: PendingReduce, jobs: &[(SamplingSpec, Option<u32>)]) -> Result<Collected, CudaError> {
         let (g, v) = (&self.gpu, self.cfg.vocab_size);
-        let rj: Vec<RowJob> = jobs.iter().zip(&p.src).map(|((spec, target), &src_row)| RowJob { src_row, spec, target: *target, host_row: None }).collect();
-        with_sampler(g, v, |s| s.collect(g, p.e, &rj))
+        with_sampler(g, v, |s| s.collect(g, p.e, &device_jobs(jobs, &p.src)))
     }
 
     /// Reduces the logits rows of the last `forward(batch)`, which returned `out`, one per

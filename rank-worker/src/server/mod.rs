@@ -701,22 +701,20 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
             };
             let a = agreed.as_mut().expect("taken only below");
             let device = alone && engine.device_feed_ok(a.n_tokens());
-            if alone && !device && !waited {
+            let filled = if alone && !device && !waited {
                 // Computed here and now (e.g. a prefill chunk): let the step before be read
                 // back first, or its answer would wait for this whole compute.
-                drop(guard);
-                waited = true;
-                shared.pipe.wait_finished(ticket, epoch, &ready)?;
-                continue;
-            }
-            // (The sequence table's guard must not live into the wait below.)
-            let filled = step::fill_fed(req, a, &mut shared.seqs.lock().unwrap(), &fed, ticket, device);
+                Err(ticket)
+            } else {
+                // (The sequence table's guard must not live into the wait below.)
+                step::fill_fed(req, a, &mut shared.seqs.lock().unwrap(), &fed, ticket, device)
+            };
             match filled {
                 Ok(d) => fed_dev = d,
-                Err(t) => {
-                    // A fed token is known only when step `t` is read back.
+                Err(answered) => {
                     drop(guard);
-                    shared.pipe.wait_finished(t + 1, epoch, &ready)?;
+                    waited = true;
+                    shared.pipe.wait_finished(answered, epoch, &ready)?;
                     continue;
                 }
             }
@@ -726,7 +724,7 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
             *shared.step_started.lock().unwrap() = Some(start);
             let idle = shared.last_compute_end.lock().unwrap().map(|e| start.saturating_duration_since(e));
             let agreed = agreed.take().expect("set above");
-            let launched = if alone { engine.launch(req, agreed, ticket, &fed_dev) } else { step::Launched::Done(engine.compute(req, agreed)) };
+            let launched = if alone { engine.launch(req, agreed, ticket, device, &fed_dev) } else { step::Launched::Done(engine.compute(req, agreed)) };
             *shared.step_started.lock().unwrap() = None;
             *shared.last_compute_end.lock().unwrap() = Some(Instant::now());
             tracing::debug!(target: "minimax::step", step = req.step_id, idle_ms = idle.map_or(-1.0, |d| d.as_secs_f64() * 1e3), "since the previous compute ended");

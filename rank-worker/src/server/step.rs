@@ -65,7 +65,7 @@ pub(super) struct DeviceFed {
     pub bi: usize,
     /// The sequence (its fed-check is looked up by it).
     pub seq_id: u64,
-    /// The device pick it reads, and the compute ticket of the step that wrote it.
+    /// The device pick it reads.
     #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
     pub pick: usize,
     /// The compute ticket of the step whose pick it reads.
@@ -77,15 +77,15 @@ pub(super) struct DeviceFed {
 /// or (`device`: this step can read it there) the greedy draw the step launched just before
 /// left on the device. A sequence with no drawn token (its previous step failed, or it asked
 /// for no draw) leaves the batch with an error and is forgotten here (pipelined steps advanced
-/// its length at the agreement). `Err(t)`: a token is not known yet; nothing was changed:
-/// wait until the step with ticket `t` is read back and call again.
+/// its length at the agreement). `Err(n)`: a token is not known yet; nothing was changed:
+/// wait until every step below ticket `n` was read back (`Pipe::wait_finished`) and call again.
 pub(super) fn fill_fed(req: &mut pb::StepRequest, agreed: &mut Agreed, seqs: &mut SeqTable, fed: &[usize], ticket: u64, device: bool) -> Result<Vec<DeviceFed>, u64> {
     use crate::state::Feed;
     for &i in fed {
         if agreed.batch_src.contains(&i)
             && let Feed::Wait(t) = seqs.feed(req.seqs[i].seq_id, ticket, device)
         {
-            return Err(t);
+            return Err(t + 1);
         }
     }
     let mut dev = Vec::new();
@@ -286,23 +286,24 @@ impl Engine {
     pub(super) fn device_feed_ok(&self, nt: usize) -> bool {
         #[cfg(feature = "cuda")]
         if let crate::backend::Backend::Cuda(m) = &self.backend {
-            return device_feed_on() && self.head && self.world.as_ref().is_none_or(|w| w.transport.world() == 1) && self.replay.is_none() && device_sampling_on() && m.takes_fast_path(nt);
+            return device_feed_on() && self.head && self.world.as_ref().is_none_or(|w| w.transport.world() == 1) && self.replay.is_none() && device_sampling_on() && m.fast_eligible(nt);
         }
         let _ = nt;
         false
     }
 
     /// Overlapped decode, one-rank worlds: starts an agreed step (lengths already advanced)
-    /// with compute ticket `ticket`. A CUDA fast step is only enqueued: its forward, its row
+    /// with compute ticket `ticket`. With `device` ([`Engine::device_feed_ok`] for this step, as
+    /// [`fill_fed`] was told) a CUDA fast step is only enqueued: its forward, its row
     /// reductions and their read-back, so the next step can be enqueued behind it before its
     /// answer is read ([`Engine::finish`]); `fed` are its device-fed tokens. Every other step
     /// is computed and answered here.
-    pub(super) fn launch(&mut self, req: &pb::StepRequest, agreed: Agreed, ticket: u64, fed: &[DeviceFed]) -> Launched {
+    pub(super) fn launch(&mut self, req: &pb::StepRequest, agreed: Agreed, ticket: u64, device: bool, fed: &[DeviceFed]) -> Launched {
         #[cfg(feature = "cuda")]
-        if self.device_feed_ok(agreed.batch.n_tokens()) {
+        if device {
             let mut agreed = agreed;
             agreed.t0 = Instant::now();
-            let crate::backend::Backend::Cuda(m) = &mut self.backend else { unreachable!("device_feed_ok") };
+            let crate::backend::Backend::Cuda(m) = &mut self.backend else { unreachable!("device_feed_ok: CUDA only") };
             if !fed.is_empty() {
                 static FIRST: std::sync::Once = std::sync::Once::new();
                 FIRST.call_once(|| tracing::info!(tokens = fed.len(), "overlapped decode: a step launched before the one it follows was read back (device-fed tokens)"));
@@ -339,7 +340,7 @@ impl Engine {
             let launch_ms = agreed.t0.elapsed().as_secs_f64() * 1e3;
             return Launched::Pending(Box::new(PendingAnswer { agreed, rows, jobs, reduce, draws, ticket, launch_ms }));
         }
-        let _ = (ticket, fed);
+        let _ = (ticket, device, fed);
         Launched::Done(self.compute(req, agreed))
     }
 
@@ -356,25 +357,22 @@ impl Engine {
             apply_rows(req, &batch_src, &rows, &jobs, c.results, &mut results, &mut self.replay)?;
             Ok(c.picks)
         });
-        let Some(seqs) = seqs else { return applied.map(|_| pb::StepResponse { rank: self.rank, step_id: req.step_id, seqs: results, compute_ms: t0.elapsed().as_secs_f32() * 1e3 }) };
-        let mut seqs = seqs.lock().unwrap();
-        let picks = match applied {
-            Ok(p) => p,
-            Err(e) => {
-                for &(seq_id, _, _) in &draws {
+        if let Some(seqs) = seqs {
+            let mut seqs = seqs.lock().unwrap();
+            for &(seq_id, ri, pick) in &draws {
+                let Ok(picks) = &applied else {
                     seqs.resolve_draw(seq_id, ticket, None);
+                    continue;
+                };
+                let i = batch_src[rows[ri].seq];
+                let token = results[i].rows.last().and_then(|r| r.drawn_token);
+                let taken = seqs.resolve_draw(seq_id, ticket, token);
+                if pick.is_some() && taken {
+                    seqs.set_fed_check(seq_id, ticket, token.is_some() && picks[ri] == token);
                 }
-                return Err(e);
-            }
-        };
-        for &(seq_id, ri, pick) in &draws {
-            let i = batch_src[rows[ri].seq];
-            let token = results[i].rows.last().and_then(|r| r.drawn_token);
-            let taken = seqs.resolve_draw(seq_id, ticket, token);
-            if pick.is_some() && taken {
-                seqs.set_fed_check(seq_id, ticket, token.is_some() && picks[ri] == token);
             }
         }
+        applied?;
         let total_ms = t0.elapsed().as_secs_f64() * 1e3;
         tracing::debug!(target: "minimax::step", step = req.step_id, tokens = batch.n_tokens(), forward_ms = launch_ms, answer_ms = total_ms - launch_ms, "step (launched, then read back)");
         Ok(pb::StepResponse { rank: self.rank, step_id: req.step_id, seqs: results, compute_ms: total_ms as f32 })
@@ -508,41 +506,39 @@ fn apply_rows(
     results: &mut [pb::SeqResult],
     replay: &mut Option<crate::replay::Replay>,
 ) -> Result<(), StepError> {
-    {
-        let mut reds = reds.into_iter();
-        for (ri, row) in rows.iter().enumerate() {
-            let i = batch_src[row.seq];
-            let s = &req.seqs[i];
-            let spec = &jobs[ri].0;
-            let red = reds
-                .next()
-                .expect("one reduction per row")
-                .map_err(|e| StepError::Invalid(format!("sequence {}: sampling: {e}", s.seq_id)))?;
-            results[i].rows.push(pb::row_output(row.position as u32, red));
-            // TEST ONLY (--test-replay): one candidate, the scripted token.
-            if s.logits == pb::LogitsMode::Last as i32
-                && let Some(f) = replay.as_mut().and_then(|r| r.forced(s.seq_id, &s.page_table, row.position as u32))
-            {
-                let ro = results[i].rows.last_mut().expect("just pushed");
-                ro.candidate_ids = vec![f.token];
-                ro.candidate_logits = vec![0.0];
-                ro.candidate_raw_logits = vec![0.0];
-                ro.raw_logsumexp = 0.0;
-                ro.top_ids = vec![f.token];
-                ro.top_logprobs = vec![0.0];
-                ro.top_ids.truncate(spec.top_logprobs as usize);
-                ro.top_logprobs.truncate(spec.top_logprobs as usize);
-            }
-            // The draw with the gateway's uniform number (the last row: the one it samples).
-            if s.logits == pb::LogitsMode::Last as i32
-                && let Some(u) = s.sampling.as_ref().and_then(|sp| sp.draw)
-            {
-                // A row that cannot be drawn (e.g. infinite logits from a tiny temperature) gets
-                // no token: the gateway's own draw fails that request alone, and a step feeding
-                // it finds none ("drew none").
-                if let Err(e) = pb::draw_row(results[i].rows.last_mut().expect("just pushed"), spec.temperature, u) {
-                    tracing::warn!(seq_id = s.seq_id, "no token drawn: {e}");
-                }
+    let mut reds = reds.into_iter();
+    for (ri, row) in rows.iter().enumerate() {
+        let i = batch_src[row.seq];
+        let s = &req.seqs[i];
+        let spec = &jobs[ri].0;
+        let red = reds
+            .next()
+            .expect("one reduction per row")
+            .map_err(|e| StepError::Invalid(format!("sequence {}: sampling: {e}", s.seq_id)))?;
+        results[i].rows.push(pb::row_output(row.position as u32, red));
+        // TEST ONLY (--test-replay): one candidate, the scripted token.
+        if s.logits == pb::LogitsMode::Last as i32
+            && let Some(f) = replay.as_mut().and_then(|r| r.forced(s.seq_id, &s.page_table, row.position as u32))
+        {
+            let ro = results[i].rows.last_mut().expect("just pushed");
+            ro.candidate_ids = vec![f.token];
+            ro.candidate_logits = vec![0.0];
+            ro.candidate_raw_logits = vec![0.0];
+            ro.raw_logsumexp = 0.0;
+            ro.top_ids = vec![f.token];
+            ro.top_logprobs = vec![0.0];
+            ro.top_ids.truncate(spec.top_logprobs as usize);
+            ro.top_logprobs.truncate(spec.top_logprobs as usize);
+        }
+        // The draw with the gateway's uniform number (the last row: the one it samples).
+        if s.logits == pb::LogitsMode::Last as i32
+            && let Some(u) = s.sampling.as_ref().and_then(|sp| sp.draw)
+        {
+            // A row that cannot be drawn (e.g. infinite logits from a tiny temperature) gets
+            // no token: the gateway's own draw fails that request alone, and a step feeding
+            // it finds none ("drew none").
+            if let Err(e) = pb::draw_row(results[i].rows.last_mut().expect("just pushed"), spec.temperature, u) {
+                tracing::warn!(seq_id = s.seq_id, "no token drawn: {e}");
             }
         }
     }
