@@ -7,9 +7,16 @@
 //! draws again with the same function and the same number to check the rank's token.
 //!
 //! - temperature `<= 0` (greedy) or a single candidate: the first in canonical order;
-//! - otherwise: softmax over the candidates' final logits in f64, in canonical order
-//!   (final logit descending, id ascending), and the first candidate whose cumulative weight
-//!   exceeds `u * total`. The order makes the result independent of how a rank lists them.
+//! - otherwise: softmax over the candidates' final logits in f64 (weights
+//!   [`det_exp`]`(logit - max)`, summed one after another), in canonical order (final logit
+//!   descending, id ascending; `-0.0` and `+0.0` are equal, as in the candidate order), and the
+//!   first candidate whose cumulative weight exceeds `u * total`. The order makes the result
+//!   independent of how a rank lists them.
+//!
+//! The head's GPU draws the same way (`samp_merge`, kernels/sampling.cu) to feed sampled
+//! tokens to the next step on the device: every step here is one IEEE operation it repeats.
+
+use super::exp::det_exp;
 
 /// Why no candidate can be drawn (the head rank broke the contract).
 #[derive(Clone, Debug, PartialEq, thiserror::Error)]
@@ -39,7 +46,7 @@ pub fn draw(ids: &[u32], logits: &[f32], temperature: f32, u: f64) -> Result<usi
         return Err(DrawError::BadUniform(u));
     }
     let mut order: Vec<usize> = (0..ids.len()).collect();
-    order.sort_by(|&a, &b| logits[b].total_cmp(&logits[a]).then(ids[a].cmp(&ids[b])));
+    order.sort_by(|&a, &b| logits[b].partial_cmp(&logits[a]).unwrap_or(std::cmp::Ordering::Equal).then(ids[a].cmp(&ids[b])));
     if temperature <= 0.0 || order.len() == 1 {
         return Ok(order[0]);
     }
@@ -47,8 +54,11 @@ pub fn draw(ids: &[u32], logits: &[f32], temperature: f32, u: f64) -> Result<usi
     if !max.is_finite() {
         return Err(DrawError::NotFinite);
     }
-    let weights: Vec<f64> = order.iter().map(|&i| (logits[i] as f64 - max).exp()).collect();
-    let total: f64 = weights.iter().sum();
+    let weights: Vec<f64> = order.iter().map(|&i| det_exp(logits[i] as f64 - max)).collect();
+    let mut total = 0.0;
+    for w in &weights {
+        total += w;
+    }
     let target = u * total;
     let mut acc = 0.0;
     for (k, &i) in order.iter().enumerate() {
@@ -82,6 +92,16 @@ mod tests {
         assert_eq!(draw(&ids, &l, 1.0, 0.76).unwrap(), 0);
         // The same whatever order the candidates come in.
         assert_eq!(draw(&[8, 2], &[0.0, -(3f32.ln())], 1.0, 0.76).unwrap(), 1);
+    }
+
+    #[test]
+    fn signed_zeros_tie_and_the_lower_id_comes_first() {
+        // Candidate order keys -0.0 as +0.0: the id decides, whichever sign each has.
+        assert_eq!(draw(&[9, 4], &[0.0, -0.0], 0.0, 0.5).unwrap(), 1);
+        assert_eq!(draw(&[4, 9], &[-0.0, 0.0], 0.0, 0.5).unwrap(), 0);
+        // Equal weights: the lower half of [0, 1) is id 4's.
+        assert_eq!(draw(&[9, 4], &[0.0, -0.0], 1.0, 0.49).unwrap(), 1);
+        assert_eq!(draw(&[9, 4], &[0.0, -0.0], 1.0, 0.51).unwrap(), 0);
     }
 
     #[test]

@@ -18,7 +18,8 @@
 //! 4. **Candidate order**: tokens with a finite logit, sorted by logit descending, ties by id
 //!    ascending. Every cut below keeps a prefix of this order, so the result is deterministic.
 //! 5. **top_k** (`0` = off): keep the first `k`.
-//! 6. **top_p** (`>= 1` or `<= 0` = off): softmax over the kept tokens (in f64); keep the
+//! 6. **top_p** (`>= 1` or `<= 0` = off): softmax over the kept tokens (in f64, with
+//!    [`exp::det_exp`], summed in candidate order); keep the
 //!    smallest prefix whose cumulative probability is `>= top_p` (at least one token).
 //! 7. **min_p** (`0` = off): keep tokens with `p >= min_p * p_max`, i.e.
 //!    `z - z_max >= ln(min_p)` (again a prefix).
@@ -36,7 +37,10 @@
 use std::cmp::Ordering;
 
 pub mod draw;
+pub mod exp;
 pub mod partial;
+
+use exp::det_exp;
 
 /// Sampling parameters of one sequence, as the gateway asks the head rank to apply them.
 #[derive(Clone, Debug, PartialEq)]
@@ -241,7 +245,7 @@ pub fn reduce_row(raw: &[f32], spec: &SamplingSpec, target: Option<u32>) -> Resu
         let mut c = top_n(finite, k);
         let zmax = c[0].1;
         if spec.top_p > 0.0 && spec.top_p < 1.0 {
-            let w: Vec<f64> = c.iter().map(|&(_, v)| ((v - zmax) as f64).exp()).collect();
+            let w: Vec<f64> = c.iter().map(|&(_, v)| det_exp((v - zmax) as f64)).collect();
             let total: f64 = w.iter().sum();
             let target = spec.top_p as f64 * total;
             let mut acc = 0.0;

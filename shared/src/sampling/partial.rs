@@ -16,6 +16,7 @@
 //! relative of `reduce_row`'s, and a cut that lands within that margin is `None`, never a guess.
 //! The log-sum-exp (hence `top_logprobs` and `target_logprob`) is the partial reducer's own.
 
+use super::exp::det_exp;
 use super::{RowReduction, SamplingError, SamplingSpec};
 
 /// What a partial reducer must compute for one row.
@@ -106,7 +107,7 @@ fn kept(p: &RowPartial, spec: &SamplingSpec) -> Option<usize> {
         // reduce_row's own cuts on the whole kept set.
         let mut keep = k;
         if top_p_active(spec) {
-            let w: Vec<f64> = c[..k].iter().map(|&v| ((v - zmax) as f64).exp()).collect();
+            let w: Vec<f64> = c[..k].iter().map(|&v| det_exp((v - zmax) as f64)).collect();
             let total: f64 = w.iter().sum();
             let target = spec.top_p as f64 * total;
             let mut acc = 0.0;
@@ -140,7 +141,7 @@ fn kept(p: &RowPartial, spec: &SamplingSpec) -> Option<usize> {
         let mut acc = 0.0;
         let mut bounds = (have + 1, INF);
         for (i, &v) in c.iter().enumerate() {
-            acc += ((v - zmax) as f64).exp();
+            acc += det_exp((v - zmax) as f64);
             if acc >= target - margin {
                 bounds = (i + 1, if acc >= target + margin { i + 1 } else { INF });
                 break;
@@ -219,7 +220,7 @@ pub fn partial_from_row(raw: &[f32], spec: &SamplingSpec, target: Option<u32>, p
     order(&mut fin);
     let total = (plan.need_total && n_finite > 0).then(|| {
         let m = fin[0].1;
-        fin.iter().rev().map(|&(_, v)| ((v - m) as f64).exp()).sum()
+        fin.iter().rev().map(|&(_, v)| det_exp((v - m) as f64)).sum()
     });
     fin.truncate(plan.candidates);
     RowPartial {
