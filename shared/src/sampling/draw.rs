@@ -70,6 +70,69 @@ pub fn draw(ids: &[u32], logits: &[f32], temperature: f32, u: f64) -> Result<usi
     Ok(order[order.len() - 1])
 }
 
+/// The draw as the head's GPU makes it (`samp_merge`'s pick, kernels/sampling.cu: this is
+/// its CPU twin), fused from [`partial::finish`](super::partial::finish)'s cuts and [`draw`]:
+/// `cand` are a row's leading final logits in candidate order as the device holds them,
+/// `n_finite` its count of finite logits, `bound` the size of its candidate set before the
+/// top_p / min_p cuts (the plan's `candidates` of a [`whole_set`](super::partial::RowPlan)
+/// row: top_k, or the vocabulary). A set larger than what is held, and rows `draw` refuses,
+/// give None (no pick). Greedy rows take the first.
+pub fn draw_leading(cand: &[f32], n_finite: usize, bound: usize, spec: &super::SamplingSpec, u: f64) -> Option<usize> {
+    if cand.is_empty() || !(0.0..1.0).contains(&u) || spec.temperature.is_nan() {
+        return None;
+    }
+    if spec.temperature <= 0.0 {
+        return Some(0);
+    }
+    let k = bound.min(n_finite);
+    if k == 0 || k > cand.len() {
+        return None;
+    }
+    let zmax = cand[0];
+    // finish: the top_p cut over the first k, then min_p.
+    let mut keep = k;
+    if spec.top_p > 0.0 && spec.top_p < 1.0 {
+        let mut total = 0.0;
+        for &v in &cand[..k] {
+            total += det_exp((v - zmax) as f64);
+        }
+        let target = spec.top_p as f64 * total;
+        let mut acc = 0.0;
+        for (i, &v) in cand[..k].iter().enumerate() {
+            acc += det_exp((v - zmax) as f64);
+            if acc >= target {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    if spec.min_p > 0.0 {
+        let floor = spec.min_p.ln();
+        keep = cand[..keep].iter().take_while(|&&v| v - zmax >= floor).count().max(1);
+    }
+    // draw, over candidates already in canonical order.
+    if keep == 1 {
+        return Some(0);
+    }
+    let max = zmax as f64;
+    if !max.is_finite() {
+        return None;
+    }
+    let mut total = 0.0;
+    for &v in &cand[..keep] {
+        total += det_exp(v as f64 - max);
+    }
+    let target = u * total;
+    let mut acc = 0.0;
+    for (i, &v) in cand[..keep].iter().enumerate() {
+        acc += det_exp(v as f64 - max);
+        if target < acc {
+            return Some(i);
+        }
+    }
+    Some(keep - 1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -102,6 +165,74 @@ mod tests {
         // Equal weights: the lower half of [0, 1) is id 4's.
         assert_eq!(draw(&[9, 4], &[0.0, -0.0], 1.0, 0.49).unwrap(), 1);
         assert_eq!(draw(&[9, 4], &[0.0, -0.0], 1.0, 0.51).unwrap(), 0);
+    }
+
+    /// The device's fused draw picks what the host's `finish` + `draw` pick, on rows with ties,
+    /// signed zeros, -inf bans and every cut.
+    #[test]
+    fn draw_leading_is_finish_then_draw() {
+        use crate::sampling::partial::{finish, partial_from_row, plan};
+        use crate::sampling::{SamplingSpec, reduce_row};
+        let mut x = 0x9e37_79b9_7f4a_7c15u64;
+        let mut next = move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 11) as f64 / (1u64 << 53) as f64
+        };
+        let pick = |u: f64, k: usize| ((u * k as f64) as usize).min(k - 1);
+        // A min_p whose ln is exactly -0.5: on the quarter grid below, some candidates then sit
+        // exactly on the min_p floor (temperature 1).
+        let e = (-0.5f32).exp().to_bits();
+        let min_p_edge = (e - 8..e + 8).map(f32::from_bits).find(|m| m.ln() == -0.5).expect("an f32 with ln = -0.5");
+        let (mut drawn, mut several) = (0, 0);
+        for case in 0..3000 {
+            let n = [5usize, 64, 300, 2000][pick(next(), 4)];
+            let ties = pick(next(), 3) == 0;
+            let mut raw: Vec<f32> = (0..n).map(|_| if ties { ((next() * 12.0).floor() / 4.0 - 1.5) as f32 } else { (next() * 14.0 - 7.0) as f32 }).collect();
+            if pick(next(), 5) == 0 {
+                raw[case % n] = -0.0;
+                raw[(case * 7 + 1) % n] = 0.0;
+            }
+            let spec = SamplingSpec {
+                temperature: [1.0, 1.0, 0.7, 1.3, 0.2][pick(next(), 5)],
+                // 0: no top_k, the whole (small) vocabulary is the set.
+                top_k: [0u32, 1, 2, 20, 40, 64, 1024][pick(next(), 7)],
+                top_p: [1.0, 0.95, 0.5, 0.999][pick(next(), 4)],
+                min_p: [0.0, 0.0, 0.05, 0.5, min_p_edge, min_p_edge][pick(next(), 6)],
+                logit_bias: if pick(next(), 7) == 0 { vec![(0, f32::NEG_INFINITY), (1, 2.5)] } else { Vec::new() },
+                ..Default::default()
+            };
+            // Exact boundaries too: 0, and halves / quarters of totals of equal weights (ties).
+            let u = match pick(next(), 8) {
+                0 => 0.0,
+                1 => 0.5,
+                2 => 0.25,
+                _ => next(),
+            };
+            let want = reduce_row(&raw, &spec, None).unwrap();
+            let host = draw(&want.candidate_ids, &want.candidate_logits, spec.temperature, u).unwrap();
+            let pl = plan(&spec, None, n, 1024);
+            if spec.top_k == 0 && n > 1024 {
+                assert!(!pl.whole_set, "a set larger than the cap is not whole");
+                continue;
+            }
+            assert!(!pl.full_row && !pl.need_total && pl.whole_set, "{spec:?}");
+            let p = partial_from_row(&raw, &spec, None, &pl);
+            assert_eq!(finish(&p, &spec, None), Some(Ok(want.clone())));
+            let got = draw_leading(&p.cand_logits, p.n_finite, pl.candidates, &spec, u).expect("a pick");
+            assert_eq!(p.cand_ids[got], want.candidate_ids[host], "case {case} {spec:?} u {u}");
+            drawn += 1;
+            several += (want.candidate_ids.len() > 1) as usize;
+        }
+        assert!(drawn > 2500 && several > 1500, "{several} draws among several candidates");
+        // No pick where the device does not hold the set or the uniform is out of range;
+        // greedy takes the first.
+        let s = SamplingSpec::default();
+        assert_eq!(draw_leading(&[1.0, 0.5], 5, 3, &s, 0.3), None);
+        assert_eq!(draw_leading(&[1.0, 0.5], 2, 3, &s, 1.0), None);
+        assert_eq!(draw_leading(&[1.0, 0.5], 2, 3, &SamplingSpec { temperature: 0.0, ..s.clone() }, 0.99), Some(0));
+        assert_eq!(draw_leading(&[1.0, 0.5], 2, 3, &s, 0.99), Some(1));
     }
 
     #[test]

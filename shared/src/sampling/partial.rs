@@ -29,10 +29,14 @@ pub struct RowPlan {
     /// The row cannot be reduced partially (invalid spec or token, duplicate history or bias
     /// entries, or a candidate set certainly larger than the cap): reduce the full row.
     pub full_row: bool,
+    /// The candidates are the whole set top_k leaves (greedy: the argmax), so every cut and the
+    /// draw are decided from them alone: a device can draw the row's token itself
+    /// ([`draw_leading`](super::draw::draw_leading), with `candidates` as the bound).
+    pub whole_set: bool,
 }
 
 impl RowPlan {
-    const FULL: RowPlan = RowPlan { candidates: 0, need_total: false, full_row: true };
+    const FULL: RowPlan = RowPlan { candidates: 0, need_total: false, full_row: true, whole_set: false };
 }
 
 /// One row as a partial reducer computed it.
@@ -81,14 +85,14 @@ pub fn plan(spec: &SamplingSpec, target: Option<u32>, vocab: usize, cap: usize) 
         return RowPlan::FULL;
     }
     if spec.temperature == 0.0 {
-        return RowPlan { candidates: 1, need_total: false, full_row: false };
+        return RowPlan { candidates: 1, need_total: false, full_row: false, whole_set: true };
     }
     let k = if spec.top_k == 0 { vocab } else { (spec.top_k as usize).min(vocab) };
     let top_p = top_p_active(spec);
     if k > cap && !top_p && spec.min_p <= 0.0 {
         return RowPlan::FULL;
     }
-    RowPlan { candidates: k.min(cap), need_total: top_p && k > cap, full_row: false }
+    RowPlan { candidates: k.min(cap), need_total: top_p && k > cap, full_row: false, whole_set: k <= cap }
 }
 
 /// Relative bound on the difference between two f64 sums of the same `n` positive terms in
@@ -327,7 +331,14 @@ mod tests {
         assert!(!plan(&s, None, 1000, 1024).full_row);
         assert_eq!(plan(&SamplingSpec { top_k: 40, ..s.clone() }, None, 200_064, 1024).candidates, 40);
         let p = plan(&SamplingSpec { top_p: 0.9, ..s.clone() }, None, 200_064, 1024);
-        assert_eq!((p.candidates, p.need_total, p.full_row), (1024, true, false));
+        assert_eq!((p.candidates, p.need_total, p.full_row, p.whole_set), (1024, true, false, false));
+        // Whole sets: top_k within the cap (or a vocabulary within it), and greedy rows.
+        let p = plan(&SamplingSpec { top_k: 40, top_p: 0.95, ..s.clone() }, None, 200_064, 1024);
+        assert_eq!((p.candidates, p.need_total, p.whole_set), (40, false, true));
+        assert!(plan(&SamplingSpec { top_k: 1024, ..s.clone() }, None, 200_064, 1024).whole_set);
+        assert!(!plan(&SamplingSpec { top_k: 1025, min_p: 0.1, ..s.clone() }, None, 200_064, 1024).whole_set);
+        assert!(plan(&SamplingSpec { top_p: 0.5, ..s.clone() }, None, 1000, 1024).whole_set);
+        assert!(plan(&SamplingSpec { temperature: 0.0, ..s.clone() }, None, 200_064, 1024).whole_set);
         assert!(plan(&SamplingSpec { history: vec![(1, 1), (1, 2)], ..s.clone() }, None, 10, 4).full_row);
         assert!(plan(&SamplingSpec { logit_bias: vec![(10, 1.0)], ..s.clone() }, None, 10, 4).full_row);
         assert!(plan(&s, Some(10), 10, 64).full_row);
