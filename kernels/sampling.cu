@@ -13,10 +13,13 @@
 //                 keys (radix select on unique 64-bit keys).
 //   samp_merge    one block per row: log-sum-exp, exact global top-T and top-K from the chunks'
 //                 keys, sorted (value descending, id ascending), target's raw logit; with
-//                 `picks`, the row's first candidate (the greedy draw; -1 if none) at
-//                 picks[row] and, for the host's check, out[pick_off + row].
+//                 `picks`, the row's drawn token (-1 if none) at picks[row] and, for the
+//                 host's check, out[pick_off + row]: the first candidate, or, for a row given
+//                 the host's uniform number (P_U_*), the token the host's finish + draw take
+//                 (sp_draw_leading; CPU twin minimax_shared::sampling::draw::draw_leading).
 //   samp_total    grid (NB, rows), rows that ask for it: per chunk f64 sum of
-//                 exp((double)(zt - zmax)) (the top_p total; the host adds the chunks in order).
+//                 sp_det_exp((double)(zt - zmax)) (the top_p total; the host adds the chunks
+//                 in order).
 //
 // Keys: (order-preserving bits of the value) << 32 | (0xffffffff - id): larger key = earlier in
 // candidate order (value descending, ties to the lower id), all keys distinct, 0 = no key. -0.0
@@ -47,6 +50,14 @@
 #define P_NEED_TOTAL 9
 #define P_OUT_OFF 10
 #define P_SRC_ROW 11
+// The device draw: top_p (f32), ln(min_p) as the host computed it (all ones: min_p off), the
+// uniform number's f64 bits, low word first (all ones: no draw, the pick is the first
+// candidate). The host gives a uniform only to rows whose candidates are the whole set P_KC
+// bounds (RowPlan::whole_set).
+#define P_TOPP 12
+#define P_MINP_LN 13
+#define P_U_LO 14
+#define P_U_HI 15
 
 // Header words of a row's output.
 #define H_NAN 0
@@ -90,6 +101,30 @@ __device__ __forceinline__ float sp_z(const float* row, int i, const u32* bits, 
 }
 
 __device__ __forceinline__ float sp_final(float z, float temp) { return temp > 0.0f ? __fdiv_rn(z, temp) : z; }
+
+// ---- the sampling exponential: bit-identical to minimax_shared::sampling::exp::det_exp ----
+// e^x from IEEE +, -, * in a fixed order (no contraction into FMA: the _rn intrinsics), so a
+// draw or a top_p cut decided here is the host's to the bit. Cody-Waite reduction by ln 2,
+// Taylor to r^13/13! in Horner form, times 2^k.
+
+__constant__ unsigned long long SP_INV_FACT[14] = {
+    0x3ff0000000000000ull, 0x3ff0000000000000ull, 0x3fe0000000000000ull, 0x3fc5555555555555ull,
+    0x3fa5555555555555ull, 0x3f81111111111111ull, 0x3f56c16c16c16c17ull, 0x3f2a01a01a01a01aull,
+    0x3efa01a01a01a01aull, 0x3ec71de3a556c734ull, 0x3e927e4fb7789f5cull, 0x3e5ae64567f544e4ull,
+    0x3e21eed8eff8d898ull, 0x3de6124613a86d09ull};
+
+__device__ __forceinline__ double sp_det_exp(double x) {
+    if (x != x) return x;
+    if (x <= -708.0) return 0.0;
+    if (x >= 709.0) return __longlong_as_double(0x7ff0000000000000ll);
+    const double k = round(__dmul_rn(x, __longlong_as_double(0x3ff71547652b82fell)));
+    const double hi = __dsub_rn(x, __dmul_rn(k, __longlong_as_double(0x3fe62e42fee00000ll)));
+    const double r = __dsub_rn(hi, __dmul_rn(k, __longlong_as_double(0x3dea39ef35793c76ll)));
+    double p = __longlong_as_double((long long)SP_INV_FACT[13]);
+#pragma unroll
+    for (int n = 12; n >= 0; n--) p = __dadd_rn(__dmul_rn(p, r), __longlong_as_double((long long)SP_INV_FACT[n]));
+    return __dmul_rn(p, __longlong_as_double(((long long)k + 1023ll) << 52));
+}
 
 // ---- block reductions (blockDim.x == SP_THREADS) ----
 
@@ -223,6 +258,77 @@ __device__ void sp_select(SpSel& s, u32 k, F count, u64& prefix, u64& mask) {
 }
 
 __device__ __forceinline__ bool sp_selected(u64 key, u64 prefix, u64 mask) { return key != 0 && (key & mask) >= prefix; }
+
+// The index among the row's `got` leading candidates (final logits `zs`, candidate order) that
+// the host's partial::finish + draw take with the row's uniform number; 0 without a uniform
+// (the greedy pick) or for greedy rows; -1: no pick (the set is not all held, the uniform is
+// out of range). Step for step draw_leading (minimax_shared::sampling::draw): the weights in
+// parallel, every sum and walk in order by thread 0. Every thread of the block calls it with
+// the same arguments; `wp`, `wd`: SP_KMAX doubles of shared scratch; `res`: one shared int.
+__device__ int sp_draw_leading(const float* zs, u32 got, u32 nfin, const u32* P, double* wp, double* wd, int* res) {
+    const u64 ub = ((u64)P[P_U_HI] << 32) | (u64)P[P_U_LO];
+    const float temp = __uint_as_float(P[P_TEMP]);
+    if (got == 0) return -1;
+    if (ub == ~0ull) return 0;
+    const double u = __longlong_as_double((long long)ub);
+    if (!(u >= 0.0 && u < 1.0) || temp != temp) return -1;
+    if (temp <= 0.0f) return 0;
+    const u32 k = min(P[P_KC], nfin);
+    if (k == 0 || k > got) return -1;
+    const float zmax = zs[0];
+    const double dmax = (double)zmax;
+    const float top_p = __uint_as_float(P[P_TOPP]);
+    const bool cut_p = top_p > 0.0f && top_p < 1.0f;
+    for (u32 t = threadIdx.x; t < k; t += SP_THREADS) {
+        if (cut_p) wp[t] = sp_det_exp((double)__fsub_rn(zs[t], zmax));
+        wd[t] = sp_det_exp(__dsub_rn((double)zs[t], dmax));
+    }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        u32 keep = k;
+        if (cut_p) {
+            double total = 0.0;
+            for (u32 i = 0; i < k; i++) total = __dadd_rn(total, wp[i]);
+            const double target = __dmul_rn((double)top_p, total);
+            double acc = 0.0;
+            for (u32 i = 0; i < k; i++) {
+                acc = __dadd_rn(acc, wp[i]);
+                if (acc >= target) {
+                    keep = i + 1;
+                    break;
+                }
+            }
+        }
+        if (P[P_MINP_LN] != 0xffffffffu) {
+            const float floor_ln = __uint_as_float(P[P_MINP_LN]);
+            u32 n = 0;
+            while (n < keep && __fsub_rn(zs[n], zmax) >= floor_ln) n++;
+            keep = max(n, 1u);
+        }
+        int at = 0;
+        if (keep > 1) {
+            if (!isfinite(dmax)) {
+                at = -1;
+            } else {
+                double total = 0.0;
+                for (u32 i = 0; i < keep; i++) total = __dadd_rn(total, wd[i]);
+                const double target = __dmul_rn(u, total);
+                double acc = 0.0;
+                at = (int)keep - 1;
+                for (u32 i = 0; i < keep; i++) {
+                    acc = __dadd_rn(acc, wd[i]);
+                    if (target < acc) {
+                        at = (int)i;
+                        break;
+                    }
+                }
+            }
+        }
+        *res = at;
+    }
+    __syncthreads();
+    return *res;
+}
 
 // ---- kernels ----
 
@@ -425,7 +531,10 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_merge(
     __shared__ SpSel s;
     __shared__ u64 sel[2 * SP_KMAX];
     __shared__ u32 red_u[32];
-    __shared__ u32 row_ok;
+    __shared__ u32 row_ok, row_nfin;
+    __shared__ float zs[SP_KMAX];
+    __shared__ double wp[SP_KMAX], wd[SP_KMAX];
+    __shared__ int drawn_at;
     const int r = blockIdx.x, tid = threadIdx.x;
     const u32* P = params + r * SP_PW;
     const float* row = logits + (i64)P[P_SRC_ROW] * stride;
@@ -453,13 +562,14 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_merge(
         H[H_NCAND] = 0u;
         H[H_NTOP] = 0u;
         row_ok = (u32)nan_min == 0xffffffffu && flags == 0;
+        row_nfin = (u32)nfin;
     }
     // Broadcast through shared memory: a global value written by thread 0 and read back by the
     // others after the barrier is not safe here (nvcc hoisted that load above the barrier, so
     // the other threads read the stale header and left thread 0 to run the selects alone).
     __syncthreads();
-    // The greedy draw for overlapped decode's device-fed tokens (every row; the host decides
-    // which rows feed one): none until the candidates below are known.
+    // The draw for overlapped decode's device-fed tokens (every row; the host decides which
+    // rows feed one): none until the candidates below are known.
     if (tid == 0 && picks != nullptr && r < npicks) {
         picks[r] = -1;
         out[pick_off + r] = 0xffffffffu;
@@ -492,15 +602,19 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_merge(
             ids[t] = id;
             vals[t] = __float_as_uint(zt);
             raws[t] = __float_as_uint(row[id]);
-            if (t == 0) {
-                H[H_ZMAX] = __float_as_uint(zt);
-                if (picks != nullptr && r < npicks) {
-                    picks[r] = (int)id;
-                    out[pick_off + r] = id;
-                }
-            }
+            zs[t] = zt;
+            if (t == 0) H[H_ZMAX] = __float_as_uint(zt);
         }
         if (tid == 0) H[H_NCAND] = k;
+        if (picks != nullptr && r < npicks) {
+            __syncthreads();
+            const int at = sp_draw_leading(zs, k, row_nfin, P, wp, wd, &drawn_at);
+            if (tid == 0 && at >= 0) {
+                const u32 id = min(sp_key_id(sel[at]), (u32)vocab - 1);
+                picks[r] = (int)id;
+                out[pick_off + r] = id;
+            }
+        }
     }
 }
 
@@ -527,7 +641,7 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_total(
             const int i = base + j * SP_THREADS + tid;
             if (i < vocab) {
                 const float z = sp_z(row, i, bits, tt, tzr, tlen);
-                if (z > NEG_INF) acc += exp((double)__fsub_rn(sp_final(z, temp), zmax));
+                if (z > NEG_INF) acc += sp_det_exp((double)__fsub_rn(sp_final(z, temp), zmax));
             }
         }
     }

@@ -5,11 +5,12 @@
 //! GPU; run on one with prebuilt binaries (`MINIMAX_RANK_BINARY`, `--ignored`).
 //!
 //! What must hold: the tokens are those of one step at a time (overlap off), for requests one
-//! by one (greedy, greedy with a repetition penalty, seeded sampling with penalties, a stop
-//! token), and the same with device feeding off (`MINIMAX_DEVICE_FEED=0`, overlap on); four
+//! by one (greedy, greedy with a repetition penalty, seeded sampling with penalties, seeded
+//! sampling with MiniMax's defaults and with min_p, which the merge kernel draws and feeds on
+//! the device, a stop token), and the same with device feeding off (`MINIMAX_DEVICE_FEED=0`, overlap on); four
 //! greedy requests at once (device-fed rows 0-3) complete; and the rank's log (its stderr,
-//! appended to a file by a wrapper script) shows a step fed from the device exactly in the
-//! run with device feeding on.
+//! appended to a file by a wrapper script) shows a step fed from the device, and one fed a
+//! sampled token drawn there, exactly in the run with device feeding on.
 
 mod common;
 
@@ -77,6 +78,12 @@ async fn cuda_overlapped_decode_with_device_fed_tokens_gives_the_tokens_of_one_s
         all.push(run(&engine, with_stop).await);
         all.push(run(&engine, GenerationRequest { request_id: "rep".into(), prompt: prompt(17, 6), max_tokens: 24, sampling: penalized(None, 0.0), stop_token_ids: vec![] }).await);
         all.push(run(&engine, GenerationRequest { request_id: "s1".into(), prompt: prompt(45, 7), max_tokens: 24, sampling: penalized(Some(11), 0.8), stop_token_ids: vec![] }).await);
+        // MiniMax's recommended sampling (the defaults: temperature 1, top_p 0.95, top_k 40),
+        // seeded, no penalties: drawn on the device by the merge kernel and fed from there
+        // when device feeding is on; and with min_p and a lower temperature.
+        all.push(run(&engine, GenerationRequest { request_id: "s2".into(), prompt: prompt(38, 9), max_tokens: 32, sampling: SamplingParams { seed: Some(7), ..Default::default() }, stop_token_ids: vec![] }).await);
+        let sp = SamplingParams { seed: Some(8), temperature: 0.6, min_p: 0.05, ..Default::default() };
+        all.push(run(&engine, GenerationRequest { request_id: "s3".into(), prompt: prompt(21, 10), max_tokens: 32, sampling: sp, stop_token_ids: vec![] }).await);
         // Four greedy requests at once (steps of up to four tokens, device-fed rows 0-3).
         let reqs: Vec<GenerationRequest> = (0..4).map(|i| greedy_req(&format!("g{i}"), prompt(9 + 5 * i as usize, 8 + i), 32)).collect();
         let outs = futures_util::future::join_all(reqs.into_iter().map(|r| run(&engine, r))).await;
@@ -100,6 +107,7 @@ async fn cuda_overlapped_decode_with_device_fed_tokens_gives_the_tokens_of_one_s
         // the first such step): it must happen with device feeding on, and never with it off.
         let log = std::fs::read_to_string(rank_log(&dir)).unwrap_or_default();
         assert_eq!(log.contains("device-fed tokens"), overlap && feed, "overlap {overlap}, device feed {feed}: device feeding seen in the rank's log");
+        assert_eq!(log.contains("device-drawn tokens"), overlap && feed, "overlap {overlap}, device feed {feed}: a sampled token fed from the device seen in the rank's log");
         stop(engine, dir).await;
     }
     let stop_run = &runs[0][1];

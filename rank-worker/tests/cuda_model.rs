@@ -775,7 +775,7 @@ fn device_fed_tokens_give_the_logits_of_host_fed_tokens() {
         let pts: Vec<Vec<u32>> = (0..3u32).map(|s| vec![10 * (3 * path + s)]).collect();
         let seq = |s: usize| 100 * path as u64 + s as u64;
         let a = ForwardBatch { seqs: (0..3).map(|s| step(seq(s), &pts[s], 0, prompts[s].clone())).collect() };
-        let pending = m.forward_stage_lazy(&a).unwrap().unwrap().enqueue_reduce(&jobs).unwrap().expect("rows on the device");
+        let pending = m.forward_stage_lazy(&a).unwrap().unwrap().enqueue_reduce(&jobs, &[None; 3]).unwrap().expect("rows on the device");
         let picks: Vec<usize> = (0..3).map(|r| pending.pick_index(r).expect("a device pick")).collect();
         let (logits_b, drawn) = if device {
             // Launched before the first step is read back; the tokens are placeholders.

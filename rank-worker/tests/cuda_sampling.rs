@@ -15,6 +15,7 @@ use minimax_rank::cuda::sampling::{DeviceSampler, HEADER_WORDS, MAX_CANDIDATES, 
 use minimax_rank::cuda::{CudaModel, CudaOptions, Gpu};
 use minimax_shared::forward::{ForwardBatch, LogitsWanted, SeqStep};
 use minimax_shared::gguf::GgufModel;
+use minimax_shared::sampling::draw::draw;
 use minimax_shared::sampling::partial::{finish, partial_from_row, plan};
 use minimax_shared::sampling::{RowReduction, SamplingSpec, reduce_row};
 
@@ -207,7 +208,7 @@ fn device_reduction_equals_reduce_row_on_random_rows() {
             let buf = gpu.upload(&flat).unwrap();
             // Rows in reverse order of the buffer: src_row is honoured.
             let jobs: Vec<RowJob> = (0..rows_per_batch)
-                .map(|r| RowJob { src_row: rows_per_batch - 1 - r, spec: &specs[r].0, target: specs[r].1, host_row: None })
+                .map(|r| RowJob { src_row: rows_per_batch - 1 - r, spec: &specs[r].0, target: specs[r].1, host_row: None, draw: None })
                 .collect();
             let rows_of = |r: usize| &rows[rows_per_batch - 1 - r];
             // Once to size the workspaces, then poisoned, then the checked run.
@@ -247,6 +248,107 @@ fn device_reduction_equals_reduce_row_on_random_rows() {
     }
     assert!(failures.is_empty(), "{} failures", failures.len());
     assert!(n_dev * 2 > n_rows, "most rows must be decided on the device");
+}
+
+/// Whether the device sees a non-finite value in the row's own logits or final logits (it then
+/// reports no candidates and leaves no pick; the host reduces such rows itself).
+fn device_sees_non_finite(raw: &[f32], s: &SamplingSpec) -> bool {
+    let t = s.temperature;
+    raw.iter().any(|x| x.is_nan() || *x == f32::INFINITY)
+        || s.penalised(raw).is_ok_and(|z| z.iter().any(|&x| x > f32::NEG_INFINITY && !(if t > 0.0 { x / t } else { x }).is_finite()))
+}
+
+/// The merge's own draw (overlapped decode feeds it to the next step on the device): given the
+/// gateway's uniform number, the pick is bit for bit the token the host's `finish` + `draw`
+/// take, on random rows (ties, signed zeros, -inf, huge values, NaN), random whole-set specs
+/// (top_k within the cap, or a vocabulary within it; top_p, min_p, penalties, bias) and
+/// uniforms on exact boundaries; without one, the pick is the first candidate.
+#[test]
+#[ignore = "needs a CUDA GPU"]
+fn device_draws_are_the_host_draws() {
+    let gpu = Gpu::new(0).unwrap();
+    let mut rng = Rng(0xd4a3_0001_5eed_0002);
+    let mut failures: Vec<String> = Vec::new();
+    let (mut drawn, mut among_several, mut first_only, mut none) = (0, 0, 0, 0);
+    for &v in &[7usize, 97, 1000, 8193, 200_064] {
+        let mut sampler = DeviceSampler::new(&gpu, v).unwrap();
+        let n = if v > 60_000 { 16 } else { 32 };
+        let picks_buf = gpu.zeros::<i32>(n).unwrap();
+        for round in 0..6 {
+            let rows: Vec<Vec<f32>> = (0..n).map(|_| {
+                let kind = rng.below(5);
+                random_row(&mut rng, v, kind)
+            }).collect();
+            let specs: Vec<SamplingSpec> = (0..n)
+                .map(|_| {
+                    let (mut s, _) = random_spec(&mut rng, v);
+                    s.temperature = rng.pick(&[1.0, 1.0, 0.7, 1.3, 0.2, 0.0]);
+                    s.top_k = if v <= MAX_CANDIDATES && rng.below(4) == 0 { 0 } else { rng.pick(&[1, 2, 20, 40, 40, 64, 1024]) };
+                    if rng.below(4) == 0 {
+                        s.history.clear(); // the served case: no penalties
+                        s.repetition_penalty = 1.0;
+                    }
+                    s
+                })
+                .collect();
+            let uniforms: Vec<Option<f64>> = (0..n).map(|_| match rng.below(8) {
+                0 => None,
+                1 => Some(0.0),
+                2 => Some(0.5),
+                3 => Some(0.25),
+                _ => Some(rng.unit()),
+            }).collect();
+            let flat: Vec<f32> = rows.concat();
+            let buf = gpu.upload(&flat).unwrap();
+            let jobs: Vec<RowJob> = (0..n).map(|r| RowJob { src_row: r, spec: &specs[r], target: None, host_row: None, draw: uniforms[r] }).collect();
+            if round == 0 {
+                // Sizes the workspaces; then poisoned.
+                let e = sampler.enqueue(&gpu, gpu.ptr(&buf), v, &jobs, Some((gpu.ptr(&picks_buf), n))).unwrap();
+                sampler.collect(&gpu, e, &jobs).unwrap();
+                sampler.poison(&gpu).unwrap();
+            }
+            let e = sampler.enqueue(&gpu, gpu.ptr(&buf), v, &jobs, Some((gpu.ptr(&picks_buf), n))).unwrap();
+            let c = sampler.collect(&gpu, e, &jobs).unwrap();
+            let on_device = gpu.download(&picks_buf).unwrap();
+            for r in 0..n {
+                let (s, u) = (&specs[r], uniforms[r]);
+                let what = format!("vocab {v} round {round} row {r} spec {s:?} u {u:?}");
+                let pl = plan(s, None, v, MAX_CANDIDATES);
+                let read_back = c.picks[r];
+                if on_device[r] != read_back.map_or(-1, |t| t as i32) {
+                    failures.push(format!("{what}: picks array {} vs read-back {read_back:?}", on_device[r]));
+                }
+                if pl.full_row {
+                    continue; // not reduced on the device: no pick
+                }
+                let want_result = reduce_row(&rows[r], s, None);
+                let want: Option<u32> = match (&want_result, u) {
+                    (Ok(red), Some(u)) if pl.whole_set => draw(&red.candidate_ids, &red.candidate_logits, s.temperature, u).ok().map(|k| red.candidate_ids[k]),
+                    (Ok(red), _) => red.candidate_ids.first().copied(),
+                    (Err(_), _) => None,
+                };
+                match (read_back, want) {
+                    (Some(g), Some(w)) if g == w => {
+                        let several = want_result.as_ref().is_ok_and(|x| x.candidate_ids.len() > 1);
+                        if u.is_some() && pl.whole_set && s.temperature > 0.0 {
+                            drawn += 1;
+                            among_several += several as usize;
+                        } else {
+                            first_only += 1;
+                        }
+                    }
+                    (None, _) if device_sees_non_finite(&rows[r], s) || want.is_none() => none += 1,
+                    (g, w) => failures.push(format!("{what}: device pick {g:?}, host draw {w:?}")),
+                }
+            }
+        }
+    }
+    eprintln!("device draws: {drawn} sampled ({among_several} among several candidates), {first_only} first-candidate picks, {none} rows without a pick");
+    for f in failures.iter().take(30) {
+        eprintln!("FAIL {f}");
+    }
+    assert!(failures.is_empty(), "{} failures", failures.len());
+    assert!(among_several > 100 && first_only > 20 && none > 0, "every kind of row must have run");
 }
 
 #[test]
@@ -421,7 +523,7 @@ fn timing_device_vs_host_reduction() {
             ("greedy", SamplingSpec { temperature: 0.0, ..Default::default() }, &buf_g),
             ("top_p=0.9 only, concentrated rows (1024 candidates + total)", SamplingSpec { top_p: 0.9, ..Default::default() }, &buf_c),
         ] {
-            let jobs: Vec<RowJob> = (0..n).map(|r| RowJob { src_row: r, spec: &spec, target: Some(7), host_row: None }).collect();
+            let jobs: Vec<RowJob> = (0..n).map(|r| RowJob { src_row: r, spec: &spec, target: Some(7), host_row: None, draw: None }).collect();
             let mut stats = Default::default();
             let dev = time_it(20, || stats = sampler.reduce(&gpu, gpu.ptr(buf), v, &jobs).unwrap().1);
             gpu.profile_begin();
@@ -443,6 +545,24 @@ fn timing_device_vs_host_reduction() {
                 red * 1e3,
                 red * 1e3 / n as f64
             );
+        }
+        // Overlapped decode's merge with picks: the first candidate, or the row's own draw
+        // with the gateway's uniform (MiniMax's defaults; no penalties, as served).
+        let spec = SamplingSpec { top_k: 40, top_p: 0.95, ..Default::default() };
+        let picks_buf = gpu.zeros::<i32>(n).unwrap();
+        for (name, u) in [("picks, first candidate", None), ("picks, drawn on the device", Some(0.37))] {
+            let jobs: Vec<RowJob> = (0..n).map(|r| RowJob { src_row: r, spec: &spec, target: None, host_row: None, draw: u }).collect();
+            let mut call = || {
+                let e = sampler.enqueue(&gpu, gpu.ptr(&buf_g), v, &jobs, Some((gpu.ptr(&picks_buf), n))).unwrap();
+                sampler.collect(&gpu, e, &jobs).unwrap();
+            };
+            let dev = time_it(20, &mut call);
+            gpu.profile_begin();
+            call();
+            let kernels = gpu.profile_end().unwrap();
+            let merge: f32 = kernels.iter().filter(|k| k.0.contains("merge")).map(|k| k.1).sum();
+            let all: f32 = kernels.iter().map(|k| k.1).sum();
+            eprintln!("TIMING vocab {v} rows {n:>2} [t=1 top_k=40 top_p=0.95, {name}]: {:.1} us/call; kernels {:.1} us, samp_merge {:.1} us", dev * 1e6, all * 1e3, merge * 1e3);
         }
     }
 }

@@ -114,7 +114,7 @@ pub struct CudaModel {
     dense_bf16: Vec<[DevMat; 4]>,
     _dense_bufs: Vec<CudaSlice<u16>>,
     /// The next fast step's device-fed tokens: (batch sequence, pick index of the previous
-    /// step's greedy draw it feeds). Set by [`CudaModel::set_device_feed`], taken by the step.
+    /// step's draw it feeds). Set by [`CudaModel::set_device_feed`], taken by the step.
     feed: Vec<(usize, usize)>,
 }
 
@@ -411,7 +411,7 @@ impl CudaModel {
     }
 
     /// Overlapped decode: in the next (fast) step, each `(batch sequence, pick)` feeds the
-    /// greedy draw the previous step's sampling merge left on the device at index `pick`
+    /// draw the previous step's sampling merge left on the device at index `pick`
     /// ([`sampling::PendingReduce::pick_index`]), instead of its token (a placeholder). The
     /// embedding reads it there, so the next step is launched before the previous one's
     /// answer is read.

@@ -50,6 +50,10 @@ const P_TARGET: usize = 8;
 const P_NEED_TOTAL: usize = 9;
 const P_OUT_OFF: usize = 10;
 const P_SRC_ROW: usize = 11;
+const P_TOPP: usize = 12;
+const P_MINP_LN: usize = 13;
+const P_U_LO: usize = 14;
+const P_U_HI: usize = 15;
 const H_NAN: usize = 0;
 const H_FLAGS: usize = 1;
 const H_LSE: usize = 2;
@@ -72,6 +76,11 @@ pub struct RowJob<'a> {
     /// The same row on the host, if there is one: used for host fallbacks instead of a
     /// download, and every value the device reports is checked against it.
     pub host_row: Option<&'a [f32]>,
+    /// The gateway's uniform number for this row's draw, when the merge should draw the token
+    /// itself (a pick of an [`enqueue`](DeviceSampler::enqueue) with picks): taken only for
+    /// rows whose plan is a [`whole_set`](RowPlan::whole_set). Without it the pick is the
+    /// first candidate (the greedy draw).
+    pub draw: Option<f64>,
 }
 
 /// How the rows of one call were reduced.
@@ -137,14 +146,14 @@ impl Enqueued {
     }
 }
 
-/// What [`DeviceSampler::collect`] returns: per job, its reduction, and the greedy draw the
-/// merge left on the device for it (when picks were asked for and the row had a candidate).
+/// What [`DeviceSampler::collect`] returns: per job, its reduction, and the draw the merge
+/// left on the device for it (when picks were asked for and the row had one).
 pub struct Collected {
     /// Per job, `reduce_row`'s result.
     pub results: Vec<RowResult>,
     /// How many rows the device finished and how many the host reduced.
     pub stats: ReduceStats,
-    /// Per job, the merge's greedy draw (None: not asked for, or no candidate).
+    /// Per job, the merge's draw (None: not asked for, or none).
     pub picks: Vec<Option<u32>>,
 }
 
@@ -210,8 +219,9 @@ impl DeviceSampler {
 
     /// Enqueues the kernels of [`DeviceSampler::reduce`] and the read-back of their words,
     /// without waiting. `picks`: (device address, capacity) of an i32 array where the merge
-    /// writes each device row's greedy draw (overlapped decode's device-fed tokens). At most
-    /// two calls may be enqueued and not collected.
+    /// writes each device row's drawn token (overlapped decode's device-fed tokens): with the
+    /// job's [`draw`](RowJob::draw) the token `partial::finish` + `draw::draw` take, otherwise
+    /// the first candidate. At most two calls may be enqueued and not collected.
     pub fn enqueue(&mut self, gpu: &Gpu, logits: u64, stride: usize, jobs: &[RowJob], picks: Option<(u64, usize)>) -> Result<Enqueued, CudaError> {
         let v = self.vocab;
         if stride < v || !logits.is_multiple_of(4) {
@@ -276,7 +286,7 @@ impl DeviceSampler {
         Ok(Collected { results: out, stats, picks })
     }
 
-    /// The greedy draws an enqueued call read back, per device row.
+    /// The draws an enqueued call read back, per device row.
     fn picks_of(&self, e: &Enqueued) -> Vec<Option<u32>> {
         match e.pick_off {
             Some(off) => self.host_out[off..off + e.dev.len()].iter().map(|&w| (w != u32::MAX).then_some(w)).collect(),
@@ -317,6 +327,12 @@ impl DeviceSampler {
             p[P_NEED_TOTAL] = pl.need_total as u32;
             p[P_OUT_OFF] = out_off as u32;
             p[P_SRC_ROW] = u32::try_from(j.src_row).map_err(|_| CudaError::Shape("sampling: row index".into()))?;
+            p[P_TOPP] = s.top_p.to_bits();
+            // The host's own ln, so the min_p floor is the one partial::finish compares with.
+            p[P_MINP_LN] = if s.min_p > 0.0 { s.min_p.ln().to_bits() } else { u32::MAX };
+            let u = j.draw.filter(|_| pl.whole_set).map_or(u64::MAX, f64::to_bits);
+            p[P_U_LO] = u as u32;
+            p[P_U_HI] = (u >> 32) as u32;
             out_off += 3 * pl.candidates;
             for (t, (c, b)) in ents {
                 touch.extend([t, c, b.unwrap_or(0.0).to_bits(), b.is_some() as u32]);
@@ -324,7 +340,7 @@ impl DeviceSampler {
         }
         let n_touch = touch.len() / TW;
         let tot_off = out_off.next_multiple_of(2);
-        // Then one word a row for the greedy draws (when asked for).
+        // Then one word a row for the draws (when asked for).
         let pick_off = tot_off + 2 * n * nb;
         let out_words = pick_off + if picks.is_some() { n } else { 0 };
         let in_words = n * PW + touch.len();
@@ -559,19 +575,21 @@ impl<'m> StepLogits<'m> {
     }
 
     /// Overlapped decode: enqueues [`StepLogits::reduce`]'s kernels and read-back for rows left
-    /// on the device, each row's greedy draw also written where the next step's embedding
-    /// reads device-fed tokens ([`CudaModel::set_device_feed`]; a row's pick index is
-    /// [`PendingReduce::pick_index`]). Nothing is waited for; [`CudaModel::collect_reduce`] finishes it, with the same
-    /// jobs. None: the rows are not on the device, or there are none.
-    pub fn enqueue_reduce(&self, jobs: &[(SamplingSpec, Option<u32>)]) -> Result<Option<PendingReduce>, CudaError> {
+    /// on the device, each row's draw also written where the next step's embedding reads
+    /// device-fed tokens ([`CudaModel::set_device_feed`]; a row's pick index is
+    /// [`PendingReduce::pick_index`]): drawn with `draws[row]`, the gateway's uniform number,
+    /// where given (see [`RowJob::draw`]), else the first candidate. Nothing is waited for;
+    /// [`CudaModel::collect_reduce`] finishes it, with the same jobs. None: the rows are not
+    /// on the device, or there are none.
+    pub fn enqueue_reduce(&self, jobs: &[(SamplingSpec, Option<u32>)], draws: &[Option<f64>]) -> Result<Option<PendingReduce>, CudaError> {
         let (g, v) = (&self.model.gpu, self.model.cfg.vocab_size);
         let RowData::Device(src, par) = &self.data else { return Ok(None) };
-        if jobs.len() != self.rows.len() {
-            return Err(CudaError::Shape(format!("sampling: {} rows, {} specs", self.rows.len(), jobs.len())));
+        if jobs.len() != self.rows.len() || draws.len() != jobs.len() {
+            return Err(CudaError::Shape(format!("sampling: {} rows, {} specs, {} draws", self.rows.len(), jobs.len(), draws.len())));
         }
         let Some(ws) = self.model.fast.as_ref().filter(|_| !jobs.is_empty() && jobs.len() <= super::MAX_FAST_TOKENS) else { return Ok(None) };
         let picks = Some((g.ptr(&ws.picks), super::MAX_FAST_TOKENS));
-        let e = with_sampler(g, v, |s| s.enqueue(g, g.ptr(&ws.logits[*par]), v, &device_jobs(jobs, src), picks))?;
+        let e = with_sampler(g, v, |s| s.enqueue(g, g.ptr(&ws.logits[*par]), v, &device_jobs(jobs, src, draws), picks))?;
         Ok(Some(PendingReduce { e, src: src.clone() }))
     }
 
@@ -589,7 +607,7 @@ impl<'m> StepLogits<'m> {
         match &self.data {
             RowData::Device(src, par) => {
                 let ws = self.model.fast.as_ref().ok_or_else(|| CudaError::Shape("device logits rows without a fast workspace".into()))?;
-                with_sampler(g, v, |s| s.reduce(g, g.ptr(&ws.logits[*par]), v, &device_jobs(jobs, src)))
+                with_sampler(g, v, |s| s.reduce(g, g.ptr(&ws.logits[*par]), v, &device_jobs(jobs, src, &[])))
             }
             RowData::Host(logits) => {
                 if logits.len() != jobs.len() * v {
@@ -599,7 +617,7 @@ impl<'m> StepLogits<'m> {
                 let rj: Vec<RowJob> = jobs
                     .iter()
                     .enumerate()
-                    .map(|(ri, (spec, target))| RowJob { src_row: ri, spec, target: *target, host_row: Some(&logits[ri * v..(ri + 1) * v]) })
+                    .map(|(ri, (spec, target))| RowJob { src_row: ri, spec, target: *target, host_row: Some(&logits[ri * v..(ri + 1) * v]), draw: None })
                     .collect();
                 with_sampler(g, v, |s| s.reduce(g, g.ptr(&up), v, &rj))
             }
@@ -608,8 +626,13 @@ impl<'m> StepLogits<'m> {
 }
 
 /// Jobs for rows in the fast workspace's logits buffer: `jobs[r]` reads row `src[r]`.
-fn device_jobs<'a>(jobs: &'a [(SamplingSpec, Option<u32>)], src: &[usize]) -> Vec<RowJob<'a>> {
-    jobs.iter().zip(src).map(|((spec, target), &src_row)| RowJob { src_row, spec, target: *target, host_row: None }).collect()
+/// `draws`: per job, the uniform number of a draw the merge makes itself (empty: none).
+fn device_jobs<'a>(jobs: &'a [(SamplingSpec, Option<u32>)], src: &[usize], draws: &[Option<f64>]) -> Vec<RowJob<'a>> {
+    jobs.iter()
+        .zip(src)
+        .enumerate()
+        .map(|(i, ((spec, target), &src_row))| RowJob { src_row, spec, target: *target, host_row: None, draw: draws.get(i).copied().flatten() })
+        .collect()
 }
 
 /// A step's reduction enqueued by [`StepLogits::enqueue_reduce`] (holds no borrow of the model:
@@ -625,8 +648,8 @@ impl PendingReduce {
         self.e.wait()
     }
 
-    /// Where the merge writes row `job`'s greedy draw (the index a device-fed token of the next
-    /// step names), if the row is reduced on the device and the index fits.
+    /// Where the merge writes row `job`'s draw (the index a device-fed token of the next step
+    /// names), if the row is reduced on the device and the index fits.
     pub fn pick_index(&self, job: usize) -> Option<usize> {
         self.e.pick_off?;
         self.e.dev.iter().position(|&i| i == job).filter(|&d| d < super::MAX_FAST_TOKENS)
@@ -635,11 +658,11 @@ impl PendingReduce {
 
 impl CudaModel {
     /// Waits for a reduction [`StepLogits::enqueue_reduce`] enqueued and finishes its rows (the
-    /// same `jobs`); also returns each row's greedy draw as the device computed it (what a
-    /// device-fed token of the next step was).
+    /// same `jobs`); also returns each row's draw as the device computed it (what a device-fed
+    /// token of the next step was).
     pub fn collect_reduce(&self, p: PendingReduce, jobs: &[(SamplingSpec, Option<u32>)]) -> Result<Collected, CudaError> {
         let (g, v) = (&self.gpu, self.cfg.vocab_size);
-        with_sampler(g, v, |s| s.collect(g, p.e, &device_jobs(jobs, &p.src)))
+        with_sampler(g, v, |s| s.collect(g, p.e, &device_jobs(jobs, &p.src, &[])))
     }
 
     /// Reduces the logits rows of the last `forward(batch)`, which returned `out`, one per
@@ -665,7 +688,7 @@ impl CudaModel {
         let mk = |src: &dyn Fn(usize) -> usize| -> Vec<RowJob> {
             jobs.iter()
                 .enumerate()
-                .map(|(ri, (spec, target))| RowJob { src_row: src(ri), spec, target: *target, host_row: Some(out.row(ri)) })
+                .map(|(ri, (spec, target))| RowJob { src_row: src(ri), spec, target: *target, host_row: Some(out.row(ri)), draw: None })
                 .collect()
         };
         if on_device {

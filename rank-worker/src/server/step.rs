@@ -122,12 +122,17 @@ pub(super) fn fill_fed(req: &mut pb::StepRequest, agreed: &mut Agreed, seqs: &mu
     Ok(dev)
 }
 
-/// Whether a row's drawn token can be fed to the next step on the device: a greedy row whose
-/// sampling in the next step does not depend on it (no repetition, frequency or presence
-/// penalty: those count the token, which the host learns only when the step is read back).
+/// Whether a row's drawn token can be fed to the next step on the device: the device draws
+/// what the host draws (greedy, or a candidate set the device holds whole:
+/// `RowPlan::whole_set`, e.g. top_k 40) and the row's sampling in the next step does not
+/// depend on the token (no repetition, frequency or presence penalty: those count the token,
+/// which the host learns only when the step is read back). `MINIMAX_DEVICE_DRAW=0` keeps
+/// sampled rows (temperature > 0) on the host's draw.
 #[cfg(feature = "cuda")]
-pub(super) fn feeds_on_device(spec: &sampling::SamplingSpec) -> bool {
-    spec.temperature == 0.0 && spec.repetition_penalty == 1.0 && spec.frequency_penalty == 0.0 && spec.presence_penalty == 0.0
+pub(super) fn feeds_on_device(spec: &sampling::SamplingSpec, target: Option<u32>, vocab: usize) -> bool {
+    let plan = sampling::partial::plan(spec, target, vocab, crate::cuda::sampling::MAX_CANDIDATES);
+    let drawn_there = spec.temperature == 0.0 || device_draw_on();
+    drawn_there && !plan.full_row && plan.whole_set && spec.repetition_penalty == 1.0 && spec.frequency_penalty == 0.0 && spec.presence_penalty == 0.0
 }
 
 /// Remembers the tokens this step drew, for the `feed_drawn` steps that follow.
@@ -304,9 +309,15 @@ impl Engine {
             let mut agreed = agreed;
             agreed.t0 = Instant::now();
             let crate::backend::Backend::Cuda(m) = &mut self.backend else { unreachable!("device_feed_ok: CUDA only") };
+            let vocab = m.config().vocab_size;
             if !fed.is_empty() {
                 static FIRST: std::sync::Once = std::sync::Once::new();
                 FIRST.call_once(|| tracing::info!(tokens = fed.len(), "overlapped decode: a step launched before the one it follows was read back (device-fed tokens)"));
+                let sampled = |f: &DeviceFed| req.seqs[agreed.batch_src[f.bi]].sampling.as_ref().is_some_and(|sp| sp.temperature > 0.0);
+                if fed.iter().any(sampled) {
+                    static SAMPLED: std::sync::Once = std::sync::Once::new();
+                    SAMPLED.call_once(|| tracing::info!("overlapped decode: a sampled token drawn on the device fed the next step (device-drawn tokens)"));
+                }
             }
             m.set_device_feed(fed.iter().map(|f| (f.bi, f.pick)).collect());
             let out = match m.forward_stage_lazy(&agreed.batch) {
@@ -316,7 +327,26 @@ impl Engine {
             let Some(out) = out else { return Launched::Done(Err(StepError::Backend("the head rank's forward returned no logits".into()))) };
             let rows = out.rows().to_vec();
             let jobs = row_jobs(req, &agreed.batch_src, agreed.batch.seqs.len(), &rows);
-            let pending = match out.enqueue_reduce(&jobs) {
+            // The draws it leaves: the last row of each sampled sequence. Rows a next step may
+            // feed from the device carry the gateway's uniform number, so the merge draws the
+            // host's token there (greedy rows: the first candidate either way).
+            let mut draws = Vec::new();
+            let mut uniforms = vec![None; rows.len()];
+            for (ri, row) in rows.iter().enumerate() {
+                let s = &req.seqs[agreed.batch_src[row.seq]];
+                let last = rows.get(ri + 1).is_none_or(|r| r.seq != row.seq);
+                if last
+                    && s.logits == pb::LogitsMode::Last as i32
+                    && let Some(u) = s.sampling.as_ref().and_then(|sp| sp.draw)
+                {
+                    let dev = feeds_on_device(&jobs[ri].0, jobs[ri].1, vocab);
+                    if dev {
+                        uniforms[ri] = Some(u);
+                    }
+                    draws.push((s.seq_id, ri, dev));
+                }
+            }
+            let pending = match out.enqueue_reduce(&jobs, &uniforms) {
                 Ok(p) => p,
                 Err(e) => {
                     tracing::warn!("device sampling failed, reducing on the host: {e}");
@@ -327,16 +357,7 @@ impl Engine {
                 // Rows not on the device (or none): answered at once.
                 return Launched::Done(answer(self.rank, self.head, &mut self.replay, req, agreed, Some(StepOut::Cuda(out))));
             };
-            // The draws it leaves: the last row of each sampled sequence.
-            let mut draws = Vec::new();
-            for (ri, row) in rows.iter().enumerate() {
-                let s = &req.seqs[agreed.batch_src[row.seq]];
-                let last = rows.get(ri + 1).is_none_or(|r| r.seq != row.seq);
-                if last && s.logits == pb::LogitsMode::Last as i32 && s.sampling.as_ref().is_some_and(|sp| sp.draw.is_some()) {
-                    let pick = if feeds_on_device(&jobs[ri].0) { reduce.pick_index(ri) } else { None };
-                    draws.push((s.seq_id, ri, pick));
-                }
-            }
+            let draws = draws.into_iter().map(|(seq_id, ri, dev)| (seq_id, ri, if dev { reduce.pick_index(ri) } else { None })).collect();
             let launch_ms = agreed.t0.elapsed().as_secs_f64() * 1e3;
             return Launched::Pending(Box::new(PendingAnswer { agreed, rows, jobs, reduce, draws, ticket, launch_ms }));
         }
@@ -653,6 +674,14 @@ fn device_feed_on() -> bool {
     ON.get()
 }
 
+/// Device-fed sampled tokens (the merge kernel draws with the gateway's uniform number): on
+/// unless `MINIMAX_DEVICE_DRAW=0`, read once. Off, only greedy rows are fed on the device.
+#[cfg(feature = "cuda")]
+fn device_draw_on() -> bool {
+    static ON: crate::cuda::env_flag::EnvFlag = crate::cuda::env_flag::EnvFlag::new("MINIMAX_DEVICE_DRAW", true);
+    ON.get()
+}
+
 /// Device sampling for the CUDA backend: on unless `MINIMAX_DEVICE_SAMPLING=0`, read once.
 #[cfg(feature = "cuda")]
 fn device_sampling_on() -> bool {
@@ -667,5 +696,32 @@ fn to_seq_step(s: &pb::SeqStep) -> SeqStep {
         cached_len: s.expected_cache_len as usize,
         tokens: s.tokens.clone(),
         logits: logits_wanted(s.logits),
+    }
+}
+
+#[cfg(all(test, feature = "cuda"))]
+mod tests {
+    use super::feeds_on_device;
+    use minimax_shared::sampling::SamplingSpec;
+
+    /// The rows a next step may read from the device: those the merge draws as the host does
+    /// and whose next sampling does not count the token.
+    #[test]
+    fn device_feeding_takes_greedy_rows_and_whole_candidate_sets_without_penalties() {
+        let v = 200_064;
+        let d = SamplingSpec::default;
+        // MiniMax's recommended settings (the gateway's defaults), and greedy.
+        assert!(feeds_on_device(&SamplingSpec { top_k: 40, top_p: 0.95, ..d() }, None, v));
+        assert!(feeds_on_device(&SamplingSpec { temperature: 0.0, ..d() }, None, v));
+        assert!(feeds_on_device(&SamplingSpec { top_k: 1024, min_p: 0.05, logit_bias: vec![(3, -1.0)], ..d() }, None, v));
+        // A small vocabulary is a whole set without top_k.
+        assert!(feeds_on_device(&SamplingSpec { top_p: 0.9, ..d() }, None, 1000));
+        // Sets larger than the device holds: top_p alone, top_k above the cap.
+        assert!(!feeds_on_device(&SamplingSpec { top_p: 0.9, ..d() }, None, v));
+        assert!(!feeds_on_device(&SamplingSpec { top_k: 1025, ..d() }, None, v));
+        // Penalties count the token; an invalid spec is reduced on the host.
+        assert!(!feeds_on_device(&SamplingSpec { top_k: 40, presence_penalty: 0.5, ..d() }, None, v));
+        assert!(!feeds_on_device(&SamplingSpec { temperature: 0.0, repetition_penalty: 1.1, ..d() }, None, v));
+        assert!(!feeds_on_device(&SamplingSpec { temperature: -1.0, top_k: 40, ..d() }, None, v));
     }
 }
