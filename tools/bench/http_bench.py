@@ -10,6 +10,9 @@ decodes exactly the asked number of tokens:
 Prompts are token-id arrays (random ids, fixed seed) so the prompt length is exact; each
 prompt differs from the others in its first token, so the prefix cache does not shorten them.
 
+Requests are greedy unless `--sampling default` (the server's sampling defaults: MiniMax's
+temperature 1, top_p 0.95, top_k 40, what most clients get).
+
 Standard library only, so it runs on any machine with Python 3. Example:
   tools/bench/http_bench.py --url http://127.0.0.1:8000 --streams 1,4,16,32
 """
@@ -26,6 +29,11 @@ import urllib.parse
 import urllib.request
 
 
+# What each request asks for: greedy (temperature 0), or the server's defaults (MiniMax's
+# recommended temperature 1, top_p 0.95, top_k 40), set by --sampling.
+SAMPLING = {"temperature": 0}
+
+
 def stream_completion(url, api_key, prompt, max_tokens, timeout):
     """Runs one streamed completion; returns (t_start, [arrival time of each token chunk])."""
     u = urllib.parse.urlparse(url)
@@ -35,7 +43,7 @@ def stream_completion(url, api_key, prompt, max_tokens, timeout):
         "max_tokens": max_tokens,
         "stream": True,
         "ignore_eos": True,
-        "temperature": 0,
+        **SAMPLING,
     })
     headers = {"Content-Type": "application/json"}
     if api_key:
@@ -127,8 +135,12 @@ def main():
     ap.add_argument("--streams", default="1,4,16,32")
     ap.add_argument("--stream-tokens", default="64", help="tokens each concurrent stream decodes; a comma list runs the stream rounds once for each (e.g. 32,128)")
     ap.add_argument("--timeout", type=float, default=600)
+    ap.add_argument("--sampling", choices=["greedy", "default"], default="greedy",
+                    help="greedy (temperature 0), or the server's default sampling (no sampling fields sent: MiniMax's temperature 1, top_p 0.95, top_k 40)")
     ap.add_argument("--mixed", type=int, default=0, help="prompt length of the mixed-load round: an N-token prompt arrives while 4 streams decode; its TTFT and the streams' inter-token gaps during its prefill (0: skip)")
     a = ap.parse_args()
+    global SAMPLING
+    SAMPLING = {"temperature": 0} if a.sampling == "greedy" else {}
 
     info = model_info(a.url, a.api_key)
     ctx = int(info.get("context_length") or info.get("max_model_len") or 4096)
@@ -245,7 +257,8 @@ def mixed_round(a, next_prompt):
 
 def print_table(info, ctx, url, rows):
     w = max(len(r[0]) for r in rows)
-    print(f"model {info['id']}, context {ctx}, {url}")
+    how = "greedy" if SAMPLING else "server-default sampling (temperature 1, top_p 0.95, top_k 40)"
+    print(f"model {info['id']}, context {ctx}, {url}, {how}")
     print(f"| {'metric'.ljust(w)} | value |")
     print(f"| {'-' * w} | ----- |")
     for k, v in rows:
