@@ -1,7 +1,7 @@
 //! The engine against a REAL CUDA rank (`minimax-rank serve --device cuda:0`) serving eight
 //! synthetic MiniMax-M2.7 layers (the real widths, so decode takes the fast path: graphs,
 //! device sampling, and overlapped decode with device-fed tokens, where step N+1 is launched
-//! before step N is read back and embeds N's greedy draw from the device). Ignored without a
+//! before step N is read back and embeds N's draw from the device). Ignored without a
 //! GPU; run on one with prebuilt binaries (`MINIMAX_RANK_BINARY`, `--ignored`).
 //!
 //! What must hold: the tokens are those of one step at a time (overlap off), for requests one

@@ -53,8 +53,8 @@ pub enum Draw {
     /// Drawn and checked on the host.
     Token(u32),
     /// The step with compute ticket `ticket` draws it and was launched without being read back
-    /// yet; `pick`: where it leaves the greedy draw on the device, when that is the token (a
-    /// greedy row whose next step's sampling does not depend on it).
+    /// yet; `pick`: where it leaves the draw on the device, when that is the token (a row the
+    /// device draws as the host does, whose next step's sampling does not depend on it).
     Pending { ticket: u64, pick: Option<usize> },
 }
 

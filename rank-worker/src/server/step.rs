@@ -58,7 +58,7 @@ pub(super) fn placeholder_fed(req: &mut pb::StepRequest) -> Vec<usize> {
     fed
 }
 
-/// A `feed_drawn` sequence fed the greedy draw the step before left on the device.
+/// A `feed_drawn` sequence fed the draw the step before left on the device.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct DeviceFed {
     /// Its index in the agreed batch.
@@ -74,7 +74,7 @@ pub(super) struct DeviceFed {
 
 /// Overlapped decode, before the forward of the step with compute ticket `ticket`: each `fed`
 /// sequence feeds the token this rank drew for it, which also joins its penalties' history,
-/// or (`device`: this step can read it there) the greedy draw the step launched just before
+/// or (`device`: this step can read it there) the draw the step launched just before
 /// left on the device. A sequence with no drawn token (its previous step failed, or it asked
 /// for no draw) leaves the batch with an error and is forgotten here (pipelined steps advanced
 /// its length at the agreement). `Err(n)`: a token is not known yet; nothing was changed:
@@ -126,12 +126,12 @@ pub(super) fn fill_fed(req: &mut pb::StepRequest, agreed: &mut Agreed, seqs: &mu
 /// what the host draws (greedy, or a candidate set the device holds whole:
 /// `RowPlan::whole_set`, e.g. top_k 40) and the row's sampling in the next step does not
 /// depend on the token (no repetition, frequency or presence penalty: those count the token,
-/// which the host learns only when the step is read back). `MINIMAX_DEVICE_DRAW=0` keeps
-/// sampled rows (temperature > 0) on the host's draw.
+/// which the host learns only when the step is read back). `sampled`: sampled rows
+/// (temperature > 0) too (`MINIMAX_DEVICE_DRAW`), else greedy rows only.
 #[cfg(feature = "cuda")]
-pub(super) fn feeds_on_device(spec: &sampling::SamplingSpec, target: Option<u32>, vocab: usize) -> bool {
+pub(super) fn feeds_on_device(spec: &sampling::SamplingSpec, target: Option<u32>, vocab: usize, sampled: bool) -> bool {
     let plan = sampling::partial::plan(spec, target, vocab, crate::cuda::sampling::MAX_CANDIDATES);
-    let drawn_there = spec.temperature == 0.0 || device_draw_on();
+    let drawn_there = spec.temperature == 0.0 || sampled;
     drawn_there && !plan.full_row && plan.whole_set && spec.repetition_penalty == 1.0 && spec.frequency_penalty == 0.0 && spec.presence_penalty == 0.0
 }
 
@@ -145,7 +145,7 @@ pub(super) fn record_draws(seqs: &mut SeqTable, resp: &pb::StepResponse) {
 }
 
 /// After the step it followed was read back: a device-fed sequence whose pick was not the
-/// token drawn (never expected: both are the first candidate) fails here and is forgotten.
+/// token drawn (never expected: the device draws as the host does) fails here and is forgotten.
 pub(super) fn check_device_fed(seqs: &mut SeqTable, resp: &mut pb::StepResponse, fed: &[DeviceFed]) {
     for f in fed {
         // A sequence released meanwhile (it ended in the step before) has no check left.
@@ -339,7 +339,7 @@ impl Engine {
                     && s.logits == pb::LogitsMode::Last as i32
                     && let Some(u) = s.sampling.as_ref().and_then(|sp| sp.draw)
                 {
-                    let dev = feeds_on_device(&jobs[ri].0, jobs[ri].1, vocab);
+                    let dev = feeds_on_device(&jobs[ri].0, jobs[ri].1, vocab, device_draw_on());
                     if dev {
                         uniforms[ri] = Some(u);
                     }
@@ -711,17 +711,20 @@ mod tests {
         let v = 200_064;
         let d = SamplingSpec::default;
         // MiniMax's recommended settings (the gateway's defaults), and greedy.
-        assert!(feeds_on_device(&SamplingSpec { top_k: 40, top_p: 0.95, ..d() }, None, v));
-        assert!(feeds_on_device(&SamplingSpec { temperature: 0.0, ..d() }, None, v));
-        assert!(feeds_on_device(&SamplingSpec { top_k: 1024, min_p: 0.05, logit_bias: vec![(3, -1.0)], ..d() }, None, v));
+        assert!(feeds_on_device(&SamplingSpec { top_k: 40, top_p: 0.95, ..d() }, None, v, true));
+        assert!(feeds_on_device(&SamplingSpec { temperature: 0.0, ..d() }, None, v, true));
+        assert!(feeds_on_device(&SamplingSpec { top_k: 1024, min_p: 0.05, logit_bias: vec![(3, -1.0)], ..d() }, None, v, true));
         // A small vocabulary is a whole set without top_k.
-        assert!(feeds_on_device(&SamplingSpec { top_p: 0.9, ..d() }, None, 1000));
+        assert!(feeds_on_device(&SamplingSpec { top_p: 0.9, ..d() }, None, 1000, true));
         // Sets larger than the device holds: top_p alone, top_k above the cap.
-        assert!(!feeds_on_device(&SamplingSpec { top_p: 0.9, ..d() }, None, v));
-        assert!(!feeds_on_device(&SamplingSpec { top_k: 1025, ..d() }, None, v));
+        assert!(!feeds_on_device(&SamplingSpec { top_p: 0.9, ..d() }, None, v, true));
+        assert!(!feeds_on_device(&SamplingSpec { top_k: 1025, ..d() }, None, v, true));
         // Penalties count the token; an invalid spec is reduced on the host.
-        assert!(!feeds_on_device(&SamplingSpec { top_k: 40, presence_penalty: 0.5, ..d() }, None, v));
-        assert!(!feeds_on_device(&SamplingSpec { temperature: 0.0, repetition_penalty: 1.1, ..d() }, None, v));
-        assert!(!feeds_on_device(&SamplingSpec { temperature: -1.0, top_k: 40, ..d() }, None, v));
+        assert!(!feeds_on_device(&SamplingSpec { top_k: 40, presence_penalty: 0.5, ..d() }, None, v, true));
+        assert!(!feeds_on_device(&SamplingSpec { temperature: 0.0, repetition_penalty: 1.1, ..d() }, None, v, true));
+        assert!(!feeds_on_device(&SamplingSpec { temperature: -1.0, top_k: 40, ..d() }, None, v, true));
+        // Sampled rows off (MINIMAX_DEVICE_DRAW=0): greedy rows only.
+        assert!(!feeds_on_device(&SamplingSpec { top_k: 40, top_p: 0.95, ..d() }, None, v, false));
+        assert!(feeds_on_device(&SamplingSpec { temperature: 0.0, ..d() }, None, v, false));
     }
 }
