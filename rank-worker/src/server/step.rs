@@ -327,9 +327,9 @@ impl Engine {
             let Some(out) = out else { return Launched::Done(Err(StepError::Backend("the head rank's forward returned no logits".into()))) };
             let rows = out.rows().to_vec();
             let jobs = row_jobs(req, &agreed.batch_src, agreed.batch.seqs.len(), &rows);
-            // The draws it leaves: the last row of each sampled sequence. Rows a next step may
-            // feed from the device carry the gateway's uniform number, so the merge draws the
-            // host's token there (greedy rows: the first candidate either way).
+            // The draws it leaves: the last row of each sampled sequence. Sampled rows a next
+            // step may feed from the device carry the gateway's uniform number, so the merge
+            // draws the host's token there (greedy rows: the first candidate, as without).
             let mut draws = Vec::new();
             let mut uniforms = vec![None; rows.len()];
             for (ri, row) in rows.iter().enumerate() {
@@ -340,7 +340,7 @@ impl Engine {
                     && let Some(u) = s.sampling.as_ref().and_then(|sp| sp.draw)
                 {
                     let dev = feeds_on_device(&jobs[ri].0, jobs[ri].1, vocab, device_draw_on());
-                    if dev {
+                    if dev && jobs[ri].0.temperature > 0.0 {
                         uniforms[ri] = Some(u);
                     }
                     draws.push((s.seq_id, ri, dev));
@@ -674,11 +674,12 @@ fn device_feed_on() -> bool {
     ON.get()
 }
 
-/// Device-fed sampled tokens (the merge kernel draws with the gateway's uniform number): on
-/// unless `MINIMAX_DEVICE_DRAW=0`, read once. Off, only greedy rows are fed on the device.
+/// Device-fed sampled tokens (the merge kernel draws with the gateway's uniform number): off
+/// unless `MINIMAX_DEVICE_DRAW=1`, read once, until its GPU tests have run (session 30 had no
+/// GPU). Off, only greedy rows are fed on the device.
 #[cfg(feature = "cuda")]
 fn device_draw_on() -> bool {
-    static ON: crate::cuda::env_flag::EnvFlag = crate::cuda::env_flag::EnvFlag::new("MINIMAX_DEVICE_DRAW", true);
+    static ON: crate::cuda::env_flag::EnvFlag = crate::cuda::env_flag::EnvFlag::new("MINIMAX_DEVICE_DRAW", false);
     ON.get()
 }
 
