@@ -50,28 +50,37 @@ pub fn draw(ids: &[u32], logits: &[f32], temperature: f32, u: f64) -> Result<usi
     if temperature <= 0.0 || order.len() == 1 {
         return Ok(order[0]);
     }
-    let max = logits[order[0]] as f64;
-    if !max.is_finite() {
+    if !(logits[order[0]] as f64).is_finite() {
         return Err(DrawError::NotFinite);
     }
-    let weights: Vec<f64> = order.iter().map(|&i| det_exp(logits[i] as f64 - max)).collect();
+    Ok(order[walk(order.len(), |j| logits[order[j]], u)])
+}
+
+/// The position the uniform `u` picks among `n >= 1` final logits in canonical order (`v(0)`
+/// the largest, finite): weights `det_exp(v as f64 - v(0) as f64)` (an f64 difference),
+/// summed in order; the first whose cumulative weight exceeds `u * total` (the last, should
+/// rounding leave none).
+fn walk(n: usize, v: impl Fn(usize) -> f32, u: f64) -> usize {
+    let max = v(0) as f64;
+    let w: Vec<f64> = (0..n).map(|i| det_exp(v(i) as f64 - max)).collect();
     let mut total = 0.0;
-    for w in &weights {
-        total += w;
+    for wi in &w {
+        total += wi;
     }
     let target = u * total;
     let mut acc = 0.0;
-    for (k, &i) in order.iter().enumerate() {
-        acc += weights[k];
+    for (i, wi) in w.iter().enumerate() {
+        acc += wi;
         if target < acc {
-            return Ok(i);
+            return i;
         }
     }
-    Ok(order[order.len() - 1])
+    n - 1
 }
 
 /// The draw as the head's GPU makes it (`samp_merge`'s pick, kernels/sampling.cu: this is
-/// its CPU twin), fused from [`partial::finish`](super::partial::finish)'s cuts and [`draw`]:
+/// its CPU twin, step for step), [`partial::finish`](super::partial::finish)'s cuts and
+/// [`draw`]'s walk over the held candidates:
 /// `cand` are a row's leading final logits in candidate order as the device holds them,
 /// `n_finite` its count of finite logits, `bound` the size of its candidate set before the
 /// top_p / min_p cuts (the plan's `candidates` of a [`whole_set`](super::partial::RowPlan)
@@ -88,49 +97,16 @@ pub fn draw_leading(cand: &[f32], n_finite: usize, bound: usize, spec: &super::S
     if k == 0 || k > cand.len() {
         return None;
     }
-    let zmax = cand[0];
-    // finish: the top_p cut over the first k, then min_p.
-    let mut keep = k;
-    if spec.top_p > 0.0 && spec.top_p < 1.0 {
-        let mut total = 0.0;
-        for &v in &cand[..k] {
-            total += det_exp((v - zmax) as f64);
-        }
-        let target = spec.top_p as f64 * total;
-        let mut acc = 0.0;
-        for (i, &v) in cand[..k].iter().enumerate() {
-            acc += det_exp((v - zmax) as f64);
-            if acc >= target {
-                keep = i + 1;
-                break;
-            }
-        }
-    }
-    if spec.min_p > 0.0 {
-        let floor = spec.min_p.ln();
-        keep = cand[..keep].iter().take_while(|&&v| v - zmax >= floor).count().max(1);
-    }
-    // draw, over candidates already in canonical order.
+    // finish's cuts over the first k, then draw's walk over what they keep (candidates
+    // already in canonical order).
+    let keep = super::keep_after_cuts(k, |i| cand[i], spec);
     if keep == 1 {
         return Some(0);
     }
-    let max = zmax as f64;
-    if !max.is_finite() {
+    if !(cand[0] as f64).is_finite() {
         return None;
     }
-    let mut total = 0.0;
-    for &v in &cand[..keep] {
-        total += det_exp(v as f64 - max);
-    }
-    let target = u * total;
-    let mut acc = 0.0;
-    for (i, &v) in cand[..keep].iter().enumerate() {
-        acc += det_exp(v as f64 - max);
-        if target < acc {
-            return Some(i);
-        }
-    }
-    Some(keep - 1)
+    Some(walk(keep, |i| cand[i], u))
 }
 
 #[cfg(test)]

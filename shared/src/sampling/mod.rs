@@ -200,6 +200,36 @@ impl SamplingSpec {
     }
 }
 
+/// How many leading candidates of a set the top_p and min_p cuts keep (steps 6-7), the set
+/// given as its `n >= 1` final logits in candidate order (`v(0)` the largest). The one
+/// definition `reduce_row`, `partial::finish` and the device's draw (`draw::draw_leading`)
+/// share: weights `det_exp((v - v(0)) as f64)` (an f32 difference), summed in order.
+pub(crate) fn keep_after_cuts(n: usize, v: impl Fn(usize) -> f32, spec: &SamplingSpec) -> usize {
+    let zmax = v(0);
+    let mut keep = n;
+    if spec.top_p > 0.0 && spec.top_p < 1.0 {
+        let w: Vec<f64> = (0..n).map(|i| det_exp((v(i) - zmax) as f64)).collect();
+        let mut total = 0.0;
+        for wi in &w {
+            total += wi;
+        }
+        let target = spec.top_p as f64 * total;
+        let mut acc = 0.0;
+        for (i, wi) in w.iter().enumerate() {
+            acc += wi;
+            if acc >= target {
+                keep = i + 1;
+                break;
+            }
+        }
+    }
+    if spec.min_p > 0.0 {
+        let floor = spec.min_p.ln();
+        keep = (0..keep).take_while(|&i| v(i) - zmax >= floor).count().max(1);
+    }
+    keep
+}
+
 /// Reduces one row of raw logits per `spec` (see the module docs for the exact order), and
 /// scores `target` when given.
 pub fn reduce_row(raw: &[f32], spec: &SamplingSpec, target: Option<u32>) -> Result<RowReduction, SamplingError> {
@@ -243,27 +273,7 @@ pub fn reduce_row(raw: &[f32], spec: &SamplingSpec, target: Option<u32>) -> Resu
         }
         let k = if spec.top_k == 0 { finite.len() } else { (spec.top_k as usize).min(finite.len()) };
         let mut c = top_n(finite, k);
-        let zmax = c[0].1;
-        if spec.top_p > 0.0 && spec.top_p < 1.0 {
-            let w: Vec<f64> = c.iter().map(|&(_, v)| det_exp((v - zmax) as f64)).collect();
-            let total: f64 = w.iter().sum();
-            let target = spec.top_p as f64 * total;
-            let mut acc = 0.0;
-            let mut keep = c.len();
-            for (i, wi) in w.iter().enumerate() {
-                acc += wi;
-                if acc >= target {
-                    keep = i + 1;
-                    break;
-                }
-            }
-            c.truncate(keep);
-        }
-        if spec.min_p > 0.0 {
-            let floor = spec.min_p.ln();
-            let keep = c.iter().take_while(|&&(_, v)| v - zmax >= floor).count().max(1);
-            c.truncate(keep);
-        }
+        c.truncate(keep_after_cuts(c.len(), |i| c[i].1, spec));
         c
     };
     let mut out = RowReduction { raw_logsumexp: lse, top_ids, top_logprobs, target_logprob, ..Default::default() };

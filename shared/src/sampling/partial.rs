@@ -109,25 +109,7 @@ fn kept(p: &RowPartial, spec: &SamplingSpec) -> Option<usize> {
     let zmax = c[0];
     if k <= have {
         // reduce_row's own cuts on the whole kept set.
-        let mut keep = k;
-        if top_p_active(spec) {
-            let w: Vec<f64> = c[..k].iter().map(|&v| det_exp((v - zmax) as f64)).collect();
-            let total: f64 = w.iter().sum();
-            let target = spec.top_p as f64 * total;
-            let mut acc = 0.0;
-            for (i, wi) in w.iter().enumerate() {
-                acc += wi;
-                if acc >= target {
-                    keep = i + 1;
-                    break;
-                }
-            }
-        }
-        if spec.min_p > 0.0 {
-            let floor = spec.min_p.ln();
-            keep = c[..keep].iter().take_while(|&&v| v - zmax >= floor).count().max(1);
-        }
-        return Some(keep);
+        return Some(super::keep_after_cuts(k, |i| c[i], spec));
     }
     if !zmax.is_finite() {
         return None;
