@@ -22,6 +22,13 @@ const PAGE: usize = 16;
 /// cached value), f32 accumulation in a different order than the CPU; logits are O(10).
 const TOL: f32 = 2e-2;
 
+/// A synthetic model of MiniMax-M2.7's real widths (`desc` as `--synthetic` takes it), with
+/// `n_pages` KV pages and weights from `seed`.
+fn synthetic(desc: &str, n_pages: usize, seed: u64) -> CudaModel {
+    let spec = minimax_shared::model::synthetic::SyntheticSpec::parse(desc).unwrap();
+    CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages }, CudaOptions::default(), seed).unwrap()
+}
+
 fn gpu_model(path: &std::path::Path, n_pages: usize, kv_dtype: KvDtype) -> CudaModel {
     let m = Arc::new(GgufModel::open(path).unwrap());
     CudaModel::load(m, KvSpec { page_size: PAGE, n_pages }, CudaOptions { device: 0, kv_dtype, ..Default::default() }).unwrap()
@@ -288,9 +295,7 @@ fn invalid_batches_are_rejected_before_touching_the_cache() {
 #[ignore = "needs a CUDA GPU"]
 fn fast_path_fused_launches_are_bit_identical() {
     use minimax_rank::cuda::fast::set_attn_fusion;
-    use minimax_shared::model::synthetic::SyntheticSpec;
-    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
-    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 64 }, CudaOptions::default(), 7).unwrap();
+    let mut m = synthetic("m2.7:iq4xs:2", 64, 7);
     assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
     let prompt: Vec<u32> = vec![1, 17, 4242, 99_999, 200_000];
     let mut runs: Vec<Vec<Vec<f32>>> = Vec::new();
@@ -336,9 +341,7 @@ fn fast_path_fused_launches_are_bit_identical() {
 #[ignore = "needs a CUDA GPU"]
 fn fast_path_short_context_attention_matches_split_form() {
     use minimax_rank::cuda::fast::{ATTN_SHORT_MAX_CTX, set_attn_short};
-    use minimax_shared::model::synthetic::SyntheticSpec;
-    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
-    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 13).unwrap();
+    let mut m = synthetic("m2.7:iq4xs:2", 200, 13);
     assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
     // Kernels of one direct (no graph) one-token step at context `cached + 1`.
     let kernels_at = |m: &mut CudaModel, short: bool, cached: usize, base: u32| -> Vec<String> {
@@ -394,12 +397,10 @@ fn fast_path_normless_router_matches_norm_and_router() {
     use minimax_rank::cuda::fast::{set_route_inline, set_router_normless};
     // The router's own top-k (inline routing in the gate/up has its own test).
     set_route_inline(Some(false));
-    use minimax_shared::model::synthetic::SyntheticSpec;
     // The Q8_0-head mix: the f32 rounding of the two forms can flip a near-tie in the top-k
     // (then the logits move by ~1e-2, past this test's bound); with the Q6_K-head mix's random
     // weights one does at step 4 (session 26), with these weights none does.
-    let spec = SyntheticSpec::parse("m2.7:iq4xs-q8out:2").unwrap();
-    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 19).unwrap();
+    let mut m = synthetic("m2.7:iq4xs-q8out:2", 200, 19);
     assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
     let kernels = |m: &mut CudaModel, on: bool, base: u32| -> Vec<String> {
         set_router_normless(Some(on));
@@ -449,9 +450,7 @@ fn fast_path_normless_router_matches_norm_and_router() {
 #[ignore = "needs a CUDA GPU"]
 fn fast_path_inline_route_is_bit_identical() {
     use minimax_rank::cuda::fast::{set_route_inline, set_router_f32n_warps};
-    use minimax_shared::model::synthetic::SyntheticSpec;
-    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
-    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 23).unwrap();
+    let mut m = synthetic("m2.7:iq4xs:2", 200, 23);
     assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
     // (inline, router warps a block)
     let set = |(inline, warps): (bool, u32)| {
@@ -515,9 +514,7 @@ fn spec_vocab(m: &CudaModel) -> usize {
 #[ignore = "needs a CUDA GPU"]
 fn fast_path_pdl_prefetch_is_bit_identical() {
     use minimax_rank::cuda::fast::{PDL_ALL_PARTS, PDL_EARLY_PARTS, PDL_MVQS2, PDL_PREFETCH_PARTS, PDL_ROUTER, set_pdl_parts};
-    use minimax_shared::model::synthetic::SyntheticSpec;
-    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
-    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 160 }, CudaOptions::default(), 11).unwrap();
+    let mut m = synthetic("m2.7:iq4xs:2", 160, 11);
     assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
     let all = PDL_ALL_PARTS;
     // (parts, graphs): the 2-rows-per-warp and the 1-row mvqs_*p both, early triggers alone.
@@ -579,13 +576,11 @@ fn fast_step_series(m: &mut CudaModel, base: u32) -> Vec<Vec<f32>> {
 #[ignore = "needs a CUDA GPU"]
 fn fast_path_norm_fusion_is_bit_identical() {
     use minimax_rank::cuda::fast::{set_norm_fusion, set_norm_x8, set_router_normless};
-    use minimax_shared::model::synthetic::SyntheticSpec;
     // The separate MoE norm is the baseline (router_topk_f32n rounds differently), and the
     // down's last-block norm the fused form (the x8 hand-over rounds differently: its own test).
     set_router_normless(Some(false));
     set_norm_x8(Some(false));
-    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
-    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 12).unwrap();
+    let mut m = synthetic("m2.7:iq4xs:2", 200, 12);
     assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
     // (router, down, late trigger, graphs)
     let settings = [(false, false, true, false), (true, false, true, false), (false, true, true, false), (true, true, true, true), (true, true, false, true), (false, false, true, true)];
@@ -622,9 +617,7 @@ fn fast_path_norm_fusion_is_bit_identical() {
 #[ignore = "needs a CUDA GPU"]
 fn fast_path_norm_x8_matches_last_block_norm() {
     use minimax_rank::cuda::fast::set_norm_x8;
-    use minimax_shared::model::synthetic::SyntheticSpec;
-    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
-    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 200 }, CudaOptions::default(), 31).unwrap();
+    let mut m = synthetic("m2.7:iq4xs:2", 200, 31);
     assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
     let count = |ks: &[String], p: &str| ks.iter().filter(|k| k.starts_with(p)).count();
     set_norm_x8(Some(true));
@@ -682,9 +675,7 @@ fn fast_path_norm_x8_matches_last_block_norm() {
 #[ignore = "needs a CUDA GPU"]
 fn fast_path_qk_fuse_matches_qk_norm_launch() {
     use minimax_rank::cuda::fast::set_qk_fuse;
-    use minimax_shared::model::synthetic::SyntheticSpec;
-    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
-    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 2200 }, CudaOptions::default(), 23).unwrap();
+    let mut m = synthetic("m2.7:iq4xs:2", 2200, 23);
     assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
     let kernels = |m: &mut CudaModel, on: bool, base: u32| -> Vec<String> {
         set_qk_fuse(Some(on));
@@ -759,10 +750,8 @@ fn fast_path_qk_fuse_matches_qk_norm_launch() {
 #[test]
 #[ignore = "needs a CUDA GPU"]
 fn device_fed_tokens_give_the_logits_of_host_fed_tokens() {
-    use minimax_shared::model::synthetic::SyntheticSpec;
     use minimax_shared::sampling::SamplingSpec;
-    let spec = SyntheticSpec::parse("m2.7:iq4xs:2").unwrap();
-    let mut m = CudaModel::synthetic(&spec, KvSpec { page_size: PAGE, n_pages: 64 }, CudaOptions::default(), 7).unwrap();
+    let mut m = synthetic("m2.7:iq4xs:2", 64, 7);
     assert!(m.fast_path_off().is_none(), "fast path off: {:?}", m.fast_path_off());
     let prompts: [Vec<u32>; 3] = [vec![1, 17, 4242, 99_999, 200_000], vec![5, 6, 7, 8], vec![123_456, 42, 7]];
     let greedy = SamplingSpec { temperature: 0.0, ..Default::default() };
