@@ -170,7 +170,7 @@ async fn chat(st: AppState, headers: HeaderMap, body: Body) -> Result<Response, 
 }
 
 /// `tool_choice` demanded a call the model did not make: say so instead of pretending.
-fn tool_choice_error(msg: &str) -> ApiError {
+pub(super) fn tool_choice_error(msg: &str) -> ApiError {
     let mut e = ApiError::new(StatusCode::BAD_GATEWAY, "model_error", msg);
     e.param = Some("tool_choice".into());
     e.code = Some("tool_choice_unmet");
@@ -245,12 +245,14 @@ impl ChunkEncoder for ChatEncoder {
         Ok(out)
     }
 
-    fn usage(&mut self, usage: &Usage) -> Option<Json> {
+    fn finish(&mut self, usage: &Usage) -> Vec<Json> {
         self.include_usage.then(|| {
             json!({
                 "id": self.meta.id, "object": "chat.completion.chunk", "created": self.meta.created,
                 "model": self.meta.model, "choices": [], "usage": usage_json(usage),
             })
         })
+        .into_iter()
+        .collect()
     }
 }

@@ -200,12 +200,14 @@ impl ChunkEncoder for CompletionEncoder {
         Ok(out)
     }
 
-    fn usage(&mut self, usage: &Usage) -> Option<Json> {
+    fn finish(&mut self, usage: &Usage) -> Vec<Json> {
         self.include_usage.then(|| {
             json!({
                 "id": self.id, "object": "text_completion", "created": self.created, "model": self.model,
                 "choices": [], "usage": usage_json(usage),
             })
         })
+        .into_iter()
+        .collect()
     }
 }

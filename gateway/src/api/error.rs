@@ -51,7 +51,7 @@ impl ApiError {
         let mut e = Self::new(
             StatusCode::UNAUTHORIZED,
             "authentication_error",
-            "invalid or missing API key: send `Authorization: Bearer <key>`",
+            "invalid or missing API key: send `Authorization: Bearer <key>` (or `x-api-key: <key>`)",
         );
         e.code = Some("invalid_api_key");
         e

@@ -13,6 +13,7 @@ pub mod completions;
 pub mod config;
 pub mod engine_backend;
 pub mod error;
+pub mod messages;
 pub mod metrics;
 pub mod misc;
 pub mod params;
@@ -41,6 +42,8 @@ pub fn router(st: AppState) -> Router {
     let v1 = Router::new()
         .route("/v1/chat/completions", post(chat::handler))
         .route("/v1/completions", post(completions::handler))
+        .route("/v1/messages", post(messages::handler))
+        .route("/v1/messages/count_tokens", post(messages::count_tokens))
         .route("/v1/perplexity", post(perplexity::handler))
         .route("/v1/models", get(misc::models))
         .route("/v1/models/{id}", get(misc::model))
@@ -64,18 +67,24 @@ pub async fn serve(st: AppState, shutdown: impl Future<Output = ()> + Send + 'st
     Ok(())
 }
 
-/// `--api-key`: /v1/* requires `Authorization: Bearer <key>` (`/health` and `/metrics` stay
-/// open for probes and scrapers).
+/// `--api-key`: /v1/* requires `Authorization: Bearer <key>` or, as Anthropic clients send it,
+/// `x-api-key: <key>` (`/health` and `/metrics` stay open for probes and scrapers).
 async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response {
     if let Some(key) = &st.args.api_key {
-        let given = req
-            .headers()
+        let h = req.headers();
+        let bearer = h
             .get(header::AUTHORIZATION)
             .and_then(|v| v.to_str().ok())
             .and_then(|v| v.strip_prefix("Bearer ").or_else(|| v.strip_prefix("bearer ")))
             .map(str::trim);
-        if !given.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes())) {
-            return ApiError::unauthorized().into_response();
+        let x_api_key = h.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim);
+        let ok = |g: Option<&str>| g.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes()));
+        if !(ok(bearer) || ok(x_api_key)) {
+            let e = ApiError::unauthorized();
+            if req.uri().path().starts_with("/v1/messages") {
+                return messages::error::response(&e);
+            }
+            return e.into_response();
         }
     }
     next.run(req).await

@@ -55,6 +55,8 @@ pub struct ChoiceEnd {
     pub usage: Usage,
     /// Chat only: the parser's final state (content, reasoning, calls, tool_choice verdict).
     pub chat: Option<Finished>,
+    /// The stop string that ended the choice, if one did.
+    pub stop_sequence: Option<String>,
 }
 
 /// A step of one choice.
@@ -340,7 +342,8 @@ impl Run {
         if self.choices.iter().all(|c| c.done) {
             self.state.metrics.e2e(self.log.started.elapsed().as_secs_f64());
         }
-        ChoiceEnd { reason, usage, chat }
+        let stop_sequence = self.choices[slot].stop.matched().map(str::to_string);
+        ChoiceEnd { reason, usage, chat, stop_sequence }
     }
 
     /// Cancels everything (drops the engine streams).

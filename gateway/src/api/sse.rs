@@ -1,6 +1,7 @@
-//! Server-sent events exactly as OpenAI frames them: `data: {json}\n\n` per chunk, a final
-//! `data: [DONE]\n\n`. An error after the stream started is sent as `data: {"error":{...}}`
-//! and the stream ends without `[DONE]`.
+//! Server-sent events. By default exactly as OpenAI frames them: `data: {json}\n\n` per chunk,
+//! a final `data: [DONE]\n\n`; an error after the stream started is sent as
+//! `data: {"error":{...}}` and the stream ends without `[DONE]`. An encoder may frame its
+//! chunks otherwise (the Anthropic Messages API: `event: <type>` lines, no `[DONE]`).
 
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -31,14 +32,27 @@ pub fn done() -> Bytes {
     Bytes::from_static(b"data: [DONE]\n\n")
 }
 
-/// Turns updates into chunk objects; chat and completions differ.
+/// Turns updates into chunk objects; chat, completions and messages differ.
 pub trait ChunkEncoder: Send + 'static {
     /// Chunks sent before any token (chat: the role of every choice).
     fn start(&mut self) -> Vec<Json>;
     /// Chunks for one update, or an error that ends the stream.
     fn update(&mut self, u: Update) -> Result<Vec<Json>, ApiError>;
-    /// The usage chunk (`stream_options.include_usage`), sent after every choice finished.
-    fn usage(&mut self, usage: &Usage) -> Option<Json>;
+    /// The chunks sent after every choice finished (OpenAI: the usage chunk when
+    /// `stream_options.include_usage` asked for it).
+    fn finish(&mut self, usage: &Usage) -> Vec<Json>;
+    /// One chunk on the wire (OpenAI: `data: {json}`).
+    fn frame(&self, chunk: &Json) -> Bytes {
+        event(chunk)
+    }
+    /// What ends a finished stream (OpenAI: `data: [DONE]`).
+    fn end(&self) -> Option<Bytes> {
+        Some(done())
+    }
+    /// The chunk that reports an error after the stream started.
+    fn error(&self, e: &ApiError) -> Json {
+        stream_error_event(e)
+    }
 }
 
 struct StreamState {
@@ -53,7 +67,7 @@ struct StreamState {
 /// The streaming response. `first` is the update already taken from the run (so that an error
 /// before the first token could still become an HTTP status).
 pub fn response(run: Run, mut enc: Box<dyn ChunkEncoder>, first: Option<Update>, timeout: Option<Duration>) -> Response {
-    let mut queue: VecDeque<Bytes> = enc.start().iter().map(event).collect();
+    let mut queue: VecDeque<Bytes> = enc.start().iter().map(|c| enc.frame(c)).collect();
     let mut st = StreamState {
         run,
         enc,
@@ -90,7 +104,8 @@ pub fn response(run: Run, mut enc: Box<dyn ChunkEncoder>, first: Option<Update>,
                 Some(Ok(u)) => push_update(&mut st, u),
                 Some(Err(e)) => {
                     st.run.fail(&e.message);
-                    st.queue.push_back(event(&stream_error_event(&e)));
+                    let b = st.enc.frame(&st.enc.error(&e));
+                    st.queue.push_back(b);
                     st.ended = true;
                 }
                 None => finish(&mut st),
@@ -108,10 +123,16 @@ pub fn response(run: Run, mut enc: Box<dyn ChunkEncoder>, first: Option<Update>,
 
 fn push_update(st: &mut StreamState, u: Update) {
     match st.enc.update(u) {
-        Ok(chunks) => st.queue.extend(chunks.iter().map(event)),
+        Ok(chunks) => {
+            for c in &chunks {
+                let b = st.enc.frame(c);
+                st.queue.push_back(b);
+            }
+        }
         Err(e) => {
             st.run.fail(&e.message);
-            st.queue.push_back(event(&stream_error_event(&e)));
+            let b = st.enc.frame(&st.enc.error(&e));
+            st.queue.push_back(b);
             st.ended = true;
             return;
         }
@@ -126,9 +147,12 @@ fn finish(st: &mut StreamState) {
         return;
     }
     let usage = st.run.usage;
-    if let Some(u) = st.enc.usage(&usage) {
-        st.queue.push_back(event(&u));
+    for c in st.enc.finish(&usage) {
+        let b = st.enc.frame(&c);
+        st.queue.push_back(b);
     }
-    st.queue.push_back(done());
+    if let Some(b) = st.enc.end() {
+        st.queue.push_back(b);
+    }
     st.ended = true;
 }

@@ -7,6 +7,8 @@ pub struct StopMatcher {
     stops: Vec<String>,
     held: String,
     stopped: bool,
+    /// The stop string that matched (the Anthropic API reports it).
+    matched: Option<String>,
 }
 
 /// What one push released.
@@ -21,7 +23,7 @@ pub struct StopOutput {
 impl StopMatcher {
     /// Empty strings are ignored.
     pub fn new(stops: Vec<String>) -> Self {
-        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new(), stopped: false }
+        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new(), stopped: false, matched: None }
     }
 
     pub fn is_active(&self) -> bool {
@@ -30,6 +32,11 @@ impl StopMatcher {
 
     pub fn stopped(&self) -> bool {
         self.stopped
+    }
+
+    /// The stop string that ended the text, once one did.
+    pub fn matched(&self) -> Option<&str> {
+        self.matched.as_deref()
     }
 
     /// Feeds decoded text. Text that might be the start of a stop string is held back.
@@ -42,8 +49,9 @@ impl StopMatcher {
         }
         self.held.push_str(text);
         // Earliest complete match wins (ties: the longer string was written first anyway).
-        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str())).min();
-        if let Some(pos) = first {
+        let first = self.stops.iter().filter_map(|s| self.held.find(s.as_str()).map(|p| (p, s))).min_by_key(|m| m.0);
+        if let Some((pos, s)) = first {
+            self.matched = Some(s.clone());
             let out = self.held[..pos].to_string();
             self.held.clear();
             self.stopped = true;
@@ -109,6 +117,19 @@ mod tests {
                 assert_eq!(got, ("hello wörld ".to_string(), true), "split {i} {j}");
             }
         }
+    }
+
+    #[test]
+    fn the_matched_string_is_the_earliest_one() {
+        let mut m = StopMatcher::new(vec!["c d".into(), "b c".into()]);
+        assert_eq!(m.matched(), None);
+        assert!(!m.push("a b").stopped);
+        assert!(m.push(" c d").stopped);
+        assert_eq!(m.matched(), Some("b c"));
+        let mut m = StopMatcher::new(vec!["zz".into()]);
+        m.push("abc");
+        m.finish();
+        assert_eq!(m.matched(), None);
     }
 
     #[test]

@@ -1,0 +1,150 @@
+//! `POST /v1/messages` and `POST /v1/messages/count_tokens`: the Anthropic Messages API, so
+//! agents built on it (Claude Code and others that speak Anthropic's protocol) run against the
+//! same engine, chat template, reasoning split and tool-call parser as `/v1/chat/completions`.
+//! The request is read into the chat path's form (`request.rs`); the answer is Anthropic's
+//! message (`thinking`, `text` and `tool_use` blocks, `stop_reason`, `usage`) or its event
+//! stream (`stream.rs`); errors are Anthropic's `{"type":"error","error":{...}}` (`error.rs`).
+//! See docs/API.md "Anthropic Messages API".
+
+pub mod error;
+pub mod request;
+pub mod stream;
+
+use std::time::Instant;
+
+use axum::body::Body;
+use axum::extract::State;
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::Response;
+use serde_json::{Value as Json, json};
+
+use super::body::json_object;
+use super::common::{check_model, max_tokens, next_update};
+use super::error::ApiError;
+use super::run::{ChoiceEnd, ChoiceJob, ChoiceKind, RequestLog, Run};
+use super::state::{AppState, new_id};
+use crate::engine::{GenerationRequest, Usage};
+use crate::text::toolcall::ParsedCall;
+
+pub async fn handler(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    match messages(st, headers, body).await {
+        Ok(r) => r,
+        Err(e) => error::response(&e),
+    }
+}
+
+pub async fn count_tokens(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
+    let r = async {
+        let obj = json_object(&headers, body, st.args.max_body_bytes).await?;
+        let (chat, p) = request::read(&obj, &st.sampling_defaults, true)?;
+        check_model(&st, p.model.as_deref())?;
+        let prepared = st.text.prepare(&chat)?;
+        Ok::<_, ApiError>(super::error::json_response(StatusCode::OK, &json!({"input_tokens": prepared.prompt_ids.len()})))
+    };
+    r.await.unwrap_or_else(|e| error::response(&e))
+}
+
+async fn messages(st: AppState, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
+    let started = Instant::now();
+    let obj = json_object(&headers, body, st.args.max_body_bytes).await?;
+    let (chat, p) = request::read(&obj, &st.sampling_defaults, false)?;
+    check_model(&st, p.model.as_deref())?;
+    let prepared = st.text.prepare(&chat)?;
+    let prompt_len = prepared.prompt_ids.len();
+    let max = max_tokens(&st, Some(p.max_tokens), prompt_len, "messages")?;
+    let id = new_id("msg");
+    let job = ChoiceJob {
+        index: 0,
+        prompt_index: 0,
+        request: GenerationRequest {
+            request_id: id.clone(),
+            prompt: prepared.prompt_ids.clone(),
+            max_tokens: max,
+            sampling: p.sampling.clone(),
+            stop_token_ids: st.text.tokenizer().eog_ids(),
+        },
+        stop: p.stop_sequences.clone(),
+        kind: ChoiceKind::Chat(Box::new(st.text.output_parser(&prepared))),
+    };
+    let log = RequestLog::new(id.clone(), "messages", started, prompt_len as u32);
+    let mut run = Run::start(&st, log, vec![job])?;
+    let timeout = st.args.timeout();
+    let deadline = timeout.map(|t| started + t);
+    let model = st.model.id.clone();
+
+    if p.stream {
+        // Wait for the first event so that a refusal (queue full, ranks down) is still a status.
+        let first = match next_update(&mut run, deadline, timeout).await {
+            Some(Ok(u)) => Some(u),
+            Some(Err(e)) => return Err(e),
+            None => None,
+        };
+        let enc = stream::MessageEncoder::new(id, model, prompt_len as u32);
+        let remaining = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        return Ok(super::sse::response(run, Box::new(enc), first, remaining));
+    }
+
+    let mut end: Option<ChoiceEnd> = None;
+    while let Some(u) = next_update(&mut run, deadline, timeout).await {
+        let u = u?;
+        if u.end.is_some() {
+            end = u.end;
+        }
+        if run.all_done() {
+            break;
+        }
+    }
+    let end = end.ok_or_else(|| ApiError::internal("the message ended without a result"))?;
+    let fin = end.chat.as_ref().ok_or_else(|| ApiError::internal("the message ended without a parsed result"))?;
+    if let Some(err) = &fin.tool_choice_error {
+        return Err(super::chat::tool_choice_error(&err.0));
+    }
+    let mut content = Vec::new();
+    if !fin.reasoning_content.is_empty() {
+        content.push(json!({"type": "thinking", "thinking": fin.reasoning_content, "signature": ""}));
+    }
+    if !fin.content.is_empty() {
+        content.push(json!({"type": "text", "text": fin.content}));
+    }
+    content.extend(fin.tool_calls.iter().map(tool_use_block));
+    let body = json!({
+        "id": id, "type": "message", "role": "assistant", "model": model, "content": content,
+        "stop_reason": stop_reason(&end), "stop_sequence": end.stop_sequence, "usage": usage_json(&run.usage),
+    });
+    Ok(super::error::json_response(StatusCode::OK, &body))
+}
+
+/// Anthropic's `stop_reason` for how the choice ended.
+pub fn stop_reason(end: &ChoiceEnd) -> &'static str {
+    match end.reason {
+        "tool_calls" => "tool_use",
+        "length" => "max_tokens",
+        _ if end.stop_sequence.is_some() => "stop_sequence",
+        _ => "end_turn",
+    }
+}
+
+/// Anthropic's `usage`: `input_tokens` counts the prompt tokens not read from the prefix cache.
+pub fn usage_json(u: &Usage) -> Json {
+    json!({
+        "input_tokens": u.prompt_tokens.saturating_sub(u.cached_tokens),
+        "output_tokens": u.completion_tokens,
+        "cache_creation_input_tokens": 0,
+        "cache_read_input_tokens": u.cached_tokens,
+    })
+}
+
+/// A parsed call as a `tool_use` block (`input`: its arguments object).
+fn tool_use_block(c: &ParsedCall) -> Json {
+    json!({"type": "tool_use", "id": c.id, "name": c.name, "input": input_object(&c.arguments)})
+}
+
+/// The arguments' JSON text as an object (the parser writes an object; anything else is
+/// wrapped so the block stays valid).
+pub fn input_object(arguments: &str) -> Json {
+    match serde_json::from_str::<Json>(arguments) {
+        Ok(v @ Json::Object(_)) => v,
+        Ok(v) => json!({"value": v}),
+        Err(_) => json!({"raw": arguments}),
+    }
+}

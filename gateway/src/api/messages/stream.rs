@@ -1,0 +1,215 @@
+//! The Messages API's event stream: `message_start`, a `ping`, then content blocks in the order
+//! the model writes them (`thinking`, `text`, one `tool_use` per call), each opened by
+//! `content_block_start`, filled by `content_block_delta` (`thinking_delta`, `text_delta`,
+//! `input_json_delta` with the arguments' JSON text as it is parsed) and closed by
+//! `content_block_stop`; then `message_delta` (stop reason, usage) and `message_stop`. Every
+//! event is framed `event: <type>` + `data: <json>`; no `[DONE]`.
+
+use bytes::Bytes;
+use serde_json::{Value as Json, json};
+
+use crate::api::error::ApiError;
+use crate::api::run::Update;
+use crate::api::sse::ChunkEncoder;
+use crate::engine::Usage;
+use crate::text::output::Delta;
+
+/// The kind of the open content block.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Block {
+    Thinking,
+    Text,
+    /// A tool call, by its index among the calls.
+    Tool(usize),
+}
+
+/// Encodes one message's updates as Anthropic stream events.
+pub struct MessageEncoder {
+    id: String,
+    model: String,
+    prompt_tokens: u32,
+    /// The open block and its index; blocks are numbered in the order they open.
+    open: Option<(Block, usize)>,
+    next_index: usize,
+    stop_reason: &'static str,
+    stop_sequence: Option<String>,
+}
+
+impl MessageEncoder {
+    pub fn new(id: String, model: String, prompt_tokens: u32) -> Self {
+        Self { id, model, prompt_tokens, open: None, next_index: 0, stop_reason: "end_turn", stop_sequence: None }
+    }
+
+    fn close(&mut self, out: &mut Vec<Json>) {
+        if let Some((_, index)) = self.open.take() {
+            out.push(json!({"type": "content_block_stop", "index": index}));
+        }
+    }
+
+    /// Opens a block of `kind` unless it is the open one; returns its index.
+    fn ensure(&mut self, kind: Block, start: impl FnOnce() -> Json, out: &mut Vec<Json>) -> usize {
+        if let Some((k, index)) = self.open
+            && k == kind
+        {
+            return index;
+        }
+        self.close(out);
+        let index = self.next_index;
+        self.next_index += 1;
+        self.open = Some((kind, index));
+        out.push(json!({"type": "content_block_start", "index": index, "content_block": start()}));
+        index
+    }
+
+    fn delta(index: usize, delta: Json) -> Json {
+        json!({"type": "content_block_delta", "index": index, "delta": delta})
+    }
+}
+
+impl ChunkEncoder for MessageEncoder {
+    fn start(&mut self) -> Vec<Json> {
+        let usage = json!({"input_tokens": self.prompt_tokens, "output_tokens": 0, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 0});
+        vec![
+            json!({"type": "message_start", "message": {
+                "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
+                "stop_reason": null, "stop_sequence": null, "usage": usage,
+            }}),
+            json!({"type": "ping"}),
+        ]
+    }
+
+    fn update(&mut self, u: Update) -> Result<Vec<Json>, ApiError> {
+        let mut out = Vec::new();
+        for d in u.deltas {
+            match d {
+                Delta::Reasoning(t) if !t.is_empty() => {
+                    let i = self.ensure(Block::Thinking, || json!({"type": "thinking", "thinking": "", "signature": ""}), &mut out);
+                    out.push(Self::delta(i, json!({"type": "thinking_delta", "thinking": t})));
+                }
+                Delta::Content(t) if !t.is_empty() => {
+                    let i = self.ensure(Block::Text, || json!({"type": "text", "text": ""}), &mut out);
+                    out.push(Self::delta(i, json!({"type": "text_delta", "text": t})));
+                }
+                Delta::ToolCallStart { index, id, name } => {
+                    self.close(&mut out);
+                    self.ensure(Block::Tool(index), || json!({"type": "tool_use", "id": id, "name": name, "input": {}}), &mut out);
+                }
+                Delta::ToolCallArguments { index, chunk } if !chunk.is_empty() => {
+                    let i = self.ensure(Block::Tool(index), || json!({"type": "tool_use", "id": "", "name": "", "input": {}}), &mut out);
+                    out.push(Self::delta(i, json!({"type": "input_json_delta", "partial_json": chunk})));
+                }
+                _ => {}
+            }
+        }
+        if let Some(end) = u.end {
+            if let Some(err) = end.chat.as_ref().and_then(|f| f.tool_choice_error.as_ref()) {
+                return Err(crate::api::chat::tool_choice_error(&err.0));
+            }
+            self.close(&mut out);
+            self.stop_reason = super::stop_reason(&end);
+            self.stop_sequence = end.stop_sequence;
+        }
+        Ok(out)
+    }
+
+    fn finish(&mut self, usage: &Usage) -> Vec<Json> {
+        vec![
+            json!({"type": "message_delta", "delta": {"stop_reason": self.stop_reason, "stop_sequence": self.stop_sequence}, "usage": super::usage_json(usage)}),
+            json!({"type": "message_stop"}),
+        ]
+    }
+
+    fn frame(&self, chunk: &Json) -> Bytes {
+        let kind = chunk.get("type").and_then(Json::as_str).unwrap_or("message");
+        Bytes::from(format!("event: {kind}\ndata: {chunk}\n\n"))
+    }
+
+    fn end(&self) -> Option<Bytes> {
+        None
+    }
+
+    fn error(&self, e: &ApiError) -> Json {
+        super::error::body(e)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::api::run::ChoiceEnd;
+
+    fn update(deltas: Vec<Delta>, end: Option<ChoiceEnd>) -> Update {
+        Update { slot: 0, index: 0, deltas, logprobs: Vec::new(), end }
+    }
+
+    fn types(v: &[Json]) -> Vec<String> {
+        v.iter()
+            .map(|e| {
+                let t = e["type"].as_str().unwrap().to_string();
+                match e.get("delta").and_then(|d| d.get("type")) {
+                    Some(d) => format!("{t}:{}", d.as_str().unwrap()),
+                    None => t,
+                }
+            })
+            .collect()
+    }
+
+    /// Blocks open in the order the model writes them, one per kind change and one per tool
+    /// call, and each is closed once.
+    #[test]
+    fn blocks_follow_the_deltas() {
+        let mut e = MessageEncoder::new("msg-1".into(), "m".into(), 12);
+        let mut all = e.start();
+        all.extend(
+            e.update(update(
+                vec![
+                    Delta::Reasoning("Think".into()),
+                    Delta::Reasoning("ing.".into()),
+                    Delta::Content("Let me ".into()),
+                    Delta::Content("check.".into()),
+                    Delta::ToolCallStart { index: 0, id: "call_a".into(), name: "get_weather".into() },
+                    Delta::ToolCallArguments { index: 0, chunk: "{\"city\": ".into() },
+                    Delta::ToolCallArguments { index: 0, chunk: "\"Paris\"}".into() },
+                    Delta::ToolCallStart { index: 1, id: "call_b".into(), name: "get_time".into() },
+                    Delta::ToolCallArguments { index: 1, chunk: "{}".into() },
+                ],
+                None,
+            ))
+            .unwrap(),
+        );
+        let end = ChoiceEnd { reason: "tool_calls", usage: Usage::default(), chat: None, stop_sequence: None };
+        all.extend(e.update(update(vec![], Some(end))).unwrap());
+        all.extend(e.finish(&Usage { prompt_tokens: 12, completion_tokens: 9, cached_tokens: 4 }));
+        assert_eq!(
+            types(&all),
+            [
+                "message_start", "ping",
+                "content_block_start", "content_block_delta:thinking_delta", "content_block_delta:thinking_delta", "content_block_stop",
+                "content_block_start", "content_block_delta:text_delta", "content_block_delta:text_delta", "content_block_stop",
+                "content_block_start", "content_block_delta:input_json_delta", "content_block_delta:input_json_delta", "content_block_stop",
+                "content_block_start", "content_block_delta:input_json_delta", "content_block_stop",
+                "message_delta", "message_stop",
+            ]
+        );
+        let starts: Vec<&Json> = all.iter().filter(|e| e["type"] == "content_block_start").collect();
+        assert_eq!(starts.iter().map(|s| s["index"].as_u64().unwrap()).collect::<Vec<_>>(), [0, 1, 2, 3]);
+        assert_eq!(starts[2]["content_block"], json!({"type": "tool_use", "id": "call_a", "name": "get_weather", "input": {}}));
+        let md = &all[all.len() - 2];
+        assert_eq!(md["delta"]["stop_reason"], "tool_use");
+        assert_eq!(md["usage"], json!({"input_tokens": 8, "output_tokens": 9, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4}));
+        let f = e.frame(&all[0]);
+        assert!(f.starts_with(b"event: message_start\ndata: {") && f.ends_with(b"}\n\n"));
+        assert!(e.end().is_none());
+    }
+
+    #[test]
+    fn a_stop_sequence_is_reported() {
+        let mut e = MessageEncoder::new("msg-2".into(), "m".into(), 3);
+        e.update(update(vec![Delta::Content("alpha ".into())], None)).unwrap();
+        let end = ChoiceEnd { reason: "stop", usage: Usage::default(), chat: None, stop_sequence: Some("STOP".into()) };
+        let out = e.update(update(vec![], Some(end))).unwrap();
+        assert_eq!(types(&out), ["content_block_stop"]);
+        let fin = e.finish(&Usage::default());
+        assert_eq!(fin[0]["delta"], json!({"stop_reason": "stop_sequence", "stop_sequence": "STOP"}));
+    }
+}
