@@ -11,7 +11,7 @@ venv=${E2E_VENV:-target/e2e-venv}
 echo "== e2e: building gateway and rank =="
 cargo build -j"$jobs" -p minimax-gateway -p minimax-rank --bins 2>&1 | tail -n 3
 
-if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import openai, pytest" 2>/dev/null; then
+if [ ! -x "$venv/bin/python" ] || ! "$venv/bin/python" -c "import openai, anthropic, pytest" 2>/dev/null; then
   echo "== e2e: creating $venv =="
   python3 -m venv "$venv"
   "$venv/bin/pip" install -q --disable-pip-version-check -r tests/e2e/requirements.txt

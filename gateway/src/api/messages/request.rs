@@ -79,11 +79,23 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams, count_only: bool
     match f.get("thinking") {
         None => {}
         Some(Json::Object(t)) => match t.get("type").and_then(Json::as_str) {
-            Some("enabled" | "disabled") => {}
-            Some(x) => return Err(ApiError::invalid("thinking.type", format!("must be `enabled` or `disabled`, got `{x}`"))),
+            Some("enabled" | "disabled" | "adaptive" | "between_tools") => {}
+            Some(x) => {
+                return Err(ApiError::invalid("thinking.type", format!("must be `enabled`, `disabled`, `adaptive` or `between_tools`, got `{x}`")));
+            }
             None => return Err(ApiError::invalid("thinking.type", "is required")),
         },
         Some(v) => return Err(ApiError::invalid("thinking", format!("must be an object, got {}", type_name(v)))),
+    }
+    // `effort` has no counterpart here; a structured output `format` needs constrained decoding.
+    match f.get("output_config") {
+        None => {}
+        Some(Json::Object(o)) => {
+            if o.get("format").is_some_and(|v| !v.is_null()) {
+                return Err(ApiError::unsupported("output_config.format", "structured outputs are not supported yet (they need constrained decoding)"));
+            }
+        }
+        Some(v) => return Err(ApiError::invalid("output_config", format!("must be an object, got {}", type_name(v)))),
     }
     for (key, why) in [
         ("mcp_servers", "MCP servers are not supported"),
@@ -94,8 +106,8 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams, count_only: bool
             return Err(ApiError::unsupported(key, why));
         }
     }
-    // Accepted and ignored: they do not change the output.
-    for k in ["metadata", "service_tier"] {
+    // Accepted and ignored: they do not change the output (prompt caching is automatic here).
+    for k in ["metadata", "service_tier", "cache_control", "diagnostics", "inference_geo", "speed", "user_profile_id", "workspace_id"] {
         let _ = f.get(k);
     }
     let mut messages = Vec::new();
@@ -402,6 +414,19 @@ mod tests {
         let mut v = base();
         v["messages"] = json!([]);
         assert_eq!(err(v).param.as_deref(), Some("messages"));
+        let mut v = base();
+        v["output_config"] = json!({"effort": "high", "format": {"type": "json_schema", "schema": {}}});
+        assert_eq!(err(v).param.as_deref(), Some("output_config.format"));
+        let mut v = base();
+        v["thinking"] = json!({"type": "sometimes"});
+        assert_eq!(err(v).param.as_deref(), Some("thinking.type"));
+        // Newer fields that change nothing here are accepted.
+        let mut v = base();
+        v["output_config"] = json!({"effort": "low"});
+        v["thinking"] = json!({"type": "adaptive"});
+        v["cache_control"] = json!({"type": "ephemeral"});
+        v["speed"] = json!("fast");
+        assert!(read_json(v).is_ok());
         // count_tokens needs no max_tokens.
         let mut v = base();
         v.as_object_mut().unwrap().remove("max_tokens");
