@@ -38,7 +38,7 @@ pub async fn count_tokens(State(st): State<AppState>, headers: HeaderMap, body: 
         let obj = json_object(&headers, body, st.args.max_body_bytes).await?;
         let (chat, p) = request::read(&obj, &st.sampling_defaults, true)?;
         check_model(&st, p.model.as_deref())?;
-        let prepared = st.text.prepare(&chat)?;
+        let prepared = st.text.prepare(&chat).map_err(|e| request::anthropic_names(e.into()))?;
         Ok::<_, ApiError>(super::error::json_response(StatusCode::OK, &json!({"input_tokens": prepared.prompt_ids.len()})))
     };
     r.await.unwrap_or_else(|e| error::response(&e))
@@ -49,7 +49,7 @@ async fn messages(st: AppState, headers: HeaderMap, body: Body) -> Result<Respon
     let obj = json_object(&headers, body, st.args.max_body_bytes).await?;
     let (chat, p) = request::read(&obj, &st.sampling_defaults, false)?;
     check_model(&st, p.model.as_deref())?;
-    let prepared = st.text.prepare(&chat)?;
+    let prepared = st.text.prepare(&chat).map_err(|e| request::anthropic_names(e.into()))?;
     let prompt_len = prepared.prompt_ids.len();
     let max = max_tokens(&st, Some(p.max_tokens), prompt_len, "messages")?;
     let id = new_id("msg");

@@ -153,6 +153,19 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams, count_only: bool
     Ok((chat, MessagesParams { model, max_tokens, stream, stop_sequences, sampling }))
 }
 
+/// An error the chat path raised about a tool, with the field named as the Anthropic request
+/// has it (`tools[0].input_schema`, not `tools[0].function.parameters`).
+pub fn anthropic_names(mut e: ApiError) -> ApiError {
+    let rename = |s: &str| s.replace(".function.parameters", ".input_schema").replace(".function.", ".");
+    if let Some(p) = &e.param
+        && p.starts_with("tools[")
+    {
+        e.message = rename(&e.message);
+        e.param = Some(rename(p));
+    }
+    e
+}
+
 /// The text of an array of `text` blocks (joined by newlines).
 fn texts(blocks: &[Json], at: &str) -> Result<String, ApiError> {
     let mut out = Vec::new();
@@ -383,6 +396,16 @@ mod tests {
         assert_eq!(chat.tools.as_ref().unwrap()[0]["function"]["parameters"]["properties"]["city"]["type"], "string");
         assert_eq!(chat.tool_choice, Some(json!("required")));
         assert_eq!(chat.parallel_tool_calls, Some(false));
+    }
+
+    #[test]
+    fn tool_errors_name_anthropic_fields() {
+        let e = anthropic_names(ApiError::invalid("tools[1].function.parameters", "is not a valid JSON schema"));
+        assert_eq!((e.param.as_deref(), e.message.as_str()), (Some("tools[1].input_schema"), "tools[1].input_schema: is not a valid JSON schema"));
+        let e = anthropic_names(ApiError::invalid("tools[0].function.name", "duplicate"));
+        assert_eq!(e.param.as_deref(), Some("tools[0].name"));
+        let e = anthropic_names(ApiError::invalid("messages[0].content", "x"));
+        assert_eq!(e.param.as_deref(), Some("messages[0].content"));
     }
 
     #[test]
