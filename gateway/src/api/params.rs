@@ -157,36 +157,14 @@ pub fn common(f: &mut Fields<'_>, ep: Endpoint, defaults: &SamplingParams, max_n
     let stop = match f.get("stop") {
         None => Vec::new(),
         Some(Json::String(s)) => vec![s.clone()],
-        Some(Json::Array(a)) => {
-            if a.len() > 4 {
-                return Err(ApiError::invalid("stop", format!("takes at most 4 strings, got {}", a.len())));
-            }
-            a.iter()
-                .enumerate()
-                .map(|(i, v)| match v {
-                    Json::String(s) => Ok(s.clone()),
-                    v => Err(ApiError::invalid(format!("stop[{i}]"), format!("must be a string, got {}", type_name(v)))),
-                })
-                .collect::<Result<_, _>>()?
-        }
+        Some(Json::Array(a)) => string_array("stop", a, 4)?,
         Some(v) => {
             return Err(ApiError::invalid("stop", format!("must be a string or an array of strings, got {}", type_name(v))));
         }
     };
 
     let mut s = defaults.clone();
-    if let Some(t) = f.number("temperature", 0.0, 2.0)? {
-        s.temperature = t as f32;
-    }
-    if let Some(p) = f.number("top_p", 0.0, 1.0)? {
-        if p == 0.0 {
-            return Err(ApiError::invalid("top_p", "must be greater than 0"));
-        }
-        s.top_p = p as f32;
-    }
-    if let Some(k) = f.integer("top_k", -1, i64::from(u32::MAX))? {
-        s.top_k = if k < 0 { 0 } else { k as u32 };
-    }
+    temperature_top_p_top_k(f, &mut s, 2.0)?;
     if let Some(p) = f.number("min_p", 0.0, 1.0)? {
         s.min_p = p as f32;
     }
@@ -231,6 +209,38 @@ pub fn common(f: &mut Fields<'_>, ep: Endpoint, defaults: &SamplingParams, max_n
         let _ = f.get(k);
     }
     Ok(CommonParams { model, stream, include_usage, n, max_tokens, stop, sampling: s, ignore_eos })
+}
+
+/// `temperature` (0..`max_temperature`), `top_p` ((0, 1]) and `top_k` (an integer; -1 or 0 =
+/// off) into `s`.
+pub fn temperature_top_p_top_k(f: &mut Fields<'_>, s: &mut SamplingParams, max_temperature: f64) -> Result<(), ApiError> {
+    if let Some(t) = f.number("temperature", 0.0, max_temperature)? {
+        s.temperature = t as f32;
+    }
+    if let Some(p) = f.number("top_p", 0.0, 1.0)? {
+        if p == 0.0 {
+            return Err(ApiError::invalid("top_p", "must be greater than 0"));
+        }
+        s.top_p = p as f32;
+    }
+    if let Some(k) = f.integer("top_k", -1, i64::from(u32::MAX))? {
+        s.top_k = if k < 0 { 0 } else { k as u32 };
+    }
+    Ok(())
+}
+
+/// An array of at most `max` strings (stop strings), each error naming `key[i]`.
+pub fn string_array(key: &str, a: &[Json], max: usize) -> Result<Vec<String>, ApiError> {
+    if a.len() > max {
+        return Err(ApiError::invalid(key, format!("takes at most {max} strings, got {}", a.len())));
+    }
+    a.iter()
+        .enumerate()
+        .map(|(i, v)| match v {
+            Json::String(s) => Ok(s.clone()),
+            v => Err(ApiError::invalid(format!("{key}[{i}]"), format!("must be a string, got {}", type_name(v)))),
+        })
+        .collect()
 }
 
 fn logit_bias(v: Option<&Json>, vocab: usize) -> Result<HashMap<u32, f32>, ApiError> {

@@ -18,7 +18,7 @@
 use serde_json::{Map, Value as Json, json};
 
 use crate::api::error::ApiError;
-use crate::api::params::{Fields, type_name};
+use crate::api::params::{Fields, string_array, temperature_top_p_top_k, type_name};
 use crate::engine::SamplingParams;
 use crate::text::request::ChatText;
 
@@ -48,33 +48,11 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams, count_only: bool
     let stream = f.bool("stream")?.unwrap_or(false);
     let stop_sequences = match f.get("stop_sequences") {
         None => Vec::new(),
-        Some(Json::Array(a)) => {
-            if a.len() > MAX_STOP_SEQUENCES {
-                return Err(ApiError::invalid("stop_sequences", format!("takes at most {MAX_STOP_SEQUENCES} strings, got {}", a.len())));
-            }
-            a.iter()
-                .enumerate()
-                .map(|(i, v)| match v {
-                    Json::String(s) => Ok(s.clone()),
-                    v => Err(ApiError::invalid(format!("stop_sequences[{i}]"), format!("must be a string, got {}", type_name(v)))),
-                })
-                .collect::<Result<_, _>>()?
-        }
+        Some(Json::Array(a)) => string_array("stop_sequences", a, MAX_STOP_SEQUENCES)?,
         Some(v) => return Err(ApiError::invalid("stop_sequences", format!("must be an array of strings, got {}", type_name(v)))),
     };
     let mut sampling = defaults.clone();
-    if let Some(t) = f.number("temperature", 0.0, 1.0)? {
-        sampling.temperature = t as f32;
-    }
-    if let Some(p) = f.number("top_p", 0.0, 1.0)? {
-        if p == 0.0 {
-            return Err(ApiError::invalid("top_p", "must be greater than 0"));
-        }
-        sampling.top_p = p as f32;
-    }
-    if let Some(k) = f.integer("top_k", 0, i64::from(u32::MAX))? {
-        sampling.top_k = k as u32;
-    }
+    temperature_top_p_top_k(&mut f, &mut sampling, 1.0)?;
     // MiniMax-M2 always reasons; `thinking` is checked and otherwise has no effect.
     match f.get("thinking") {
         None => {}
