@@ -39,8 +39,15 @@ def test_reasoning_becomes_a_thinking_block(claude):
     m = claude.messages.create(model="m2-small", max_tokens=200, messages=[{"role": "user", "content": "REPLAY:reason 2+2?"}])
     assert [b.type for b in m.content] == ["thinking", "text"]
     assert m.content[0].thinking == "Two plus two is four.\nNo doubt."
+    assert m.content[0].signature  # never empty: clients drop unsigned thinking
     assert m.content[1].text == "The answer is 4. Ünïcödé 🎉 done."
     assert m.stop_reason == "end_turn"
+
+
+def test_any_model_name_is_served(claude):
+    # Anthropic clients name their own models (background tasks, subagents).
+    m = claude.messages.create(model="claude-haiku-4-5", max_tokens=2, messages=[{"role": "user", "content": "x"}])
+    assert m.model == "m2-small"
 
 
 def test_stream_rebuilds_the_message(claude):
@@ -78,18 +85,32 @@ def test_tool_use_round_trip(claude):
     ]
     r2 = claude.messages.create(model="m2-small", max_tokens=4, tools=TOOLS, messages=follow)
     assert r2.stop_reason in ("end_turn", "max_tokens", "tool_use")
-    # The whole history counts: more input than the first turn.
+    # The whole history counts, the thinking sent back included (MiniMax-M2's template keeps
+    # the reasoning of the turn in progress).
     n1 = claude.messages.count_tokens(model="m2-small", tools=TOOLS, messages=msgs).input_tokens
     n2 = claude.messages.count_tokens(model="m2-small", tools=TOOLS, messages=follow).input_tokens
-    assert 0 < n1 < n2
+    no_thinking = [follow[0], {"role": "assistant", "content": [b for b in follow[1]["content"] if b["type"] != "thinking"]}, follow[2]]
+    n3 = claude.messages.count_tokens(model="m2-small", tools=TOOLS, messages=no_thinking).input_tokens
+    assert 0 < n1 < n3 < n2
+
+    # An image a tool returned stands as a placeholder; the turn still runs.
+    with_image = msgs + [
+        {"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in m.content]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id,
+                                      "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}]},
+    ]
+    assert claude.messages.create(model="m2-small", max_tokens=2, tools=TOOLS, messages=with_image).usage.output_tokens <= 2
 
 
 def test_stop_sequence_is_reported(claude):
-    m = claude.messages.create(
-        model="m2-small", max_tokens=100, stop_sequences=["STOP"], messages=[{"role": "user", "content": "REPLAY:stop go"}]
-    )
+    kw = dict(model="m2-small", max_tokens=100, stop_sequences=["STOP"], messages=[{"role": "user", "content": "REPLAY:stop go"}])
+    m = claude.messages.create(**kw)
     assert m.stop_reason == "stop_sequence" and m.stop_sequence == "STOP"
     assert m.content[-1].type == "text" and m.content[-1].text == "alpha beta "
+    with claude.messages.stream(**kw) as s:
+        final = s.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", "STOP")
+    assert [b.model_dump() for b in final.content] == [b.model_dump() for b in m.content]
 
 
 def test_errors_are_sdk_exceptions(server, claude):
@@ -105,8 +126,10 @@ def test_errors_are_sdk_exceptions(server, claude):
             messages=[{"role": "user", "content": [{"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}]}],
         )
     assert "messages[0].content[0].type" in e.value.body["error"]["message"]
-    with pytest.raises(anthropic.NotFoundError):
-        claude.messages.create(model="claude-nope", max_tokens=8, messages=[{"role": "user", "content": "x"}])
+    with pytest.raises(anthropic.BadRequestError) as e:
+        claude.messages.create(model="m2-small", max_tokens=8, messages=[{"role": "user", "content": "x"}],
+                               output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}})
+    assert "output_config.format" in e.value.body["error"]["message"]
     bad = anthropic.Anthropic(base_url=server.base, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as e:
         bad.messages.create(model="m2-small", max_tokens=8, messages=[{"role": "user", "content": "x"}])

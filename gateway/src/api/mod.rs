@@ -80,11 +80,7 @@ async fn auth(State(st): State<AppState>, req: Request, next: Next) -> Response 
         let x_api_key = h.get("x-api-key").and_then(|v| v.to_str().ok()).map(str::trim);
         let ok = |g: Option<&str>| g.is_some_and(|g| constant_time_eq(g.as_bytes(), key.as_bytes()));
         if !(ok(bearer) || ok(x_api_key)) {
-            let e = ApiError::unauthorized();
-            if req.uri().path().starts_with("/v1/messages") {
-                return messages::error::response(&e);
-            }
-            return e.into_response();
+            return shaped_for(req.uri().path(), ApiError::unauthorized());
         }
     }
     next.run(req).await
@@ -103,9 +99,14 @@ async fn count(State(st): State<AppState>, req: Request, next: Next) -> Response
 }
 
 async fn not_found(method: Method, uri: axum::http::Uri) -> Response {
-    ApiError::route_not_found(method.as_str(), uri.path()).into_response()
+    shaped_for(uri.path(), ApiError::route_not_found(method.as_str(), uri.path()))
 }
 
 async fn method_not_allowed(method: Method, uri: axum::http::Uri) -> Response {
-    ApiError::method_not_allowed(method.as_str(), uri.path()).into_response()
+    shaped_for(uri.path(), ApiError::method_not_allowed(method.as_str(), uri.path()))
+}
+
+/// An error in the shape of the API the path belongs to (Anthropic under `/v1/messages`).
+fn shaped_for(path: &str, e: ApiError) -> Response {
+    if path.starts_with("/v1/messages") { messages::error::response(&e) } else { e.into_response() }
 }

@@ -17,6 +17,7 @@ pub fn kind(status: StatusCode) -> &'static str {
         413 => "request_too_large",
         429 => "rate_limit_error",
         503 | 529 => "overloaded_error",
+        504 => "timeout_error",
         _ => "api_error",
     }
 }
@@ -26,10 +27,15 @@ pub fn body(e: &ApiError) -> Json {
     json!({"type": "error", "error": {"type": kind(e.status), "message": e.message}})
 }
 
-/// The error response.
+/// The error response. A 502 (the model did not make the call `tool_choice` demanded) or 504
+/// (the server's timeout) says `x-should-retry: false`: the SDKs retry 5xx, and a retry
+/// would run the whole generation again for the same outcome.
 pub fn response(e: &ApiError) -> Response {
     let mut r = (e.status, body(e).to_string()).into_response();
     r.headers_mut().insert(header::CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    if matches!(e.status.as_u16(), 502 | 504) {
+        r.headers_mut().insert("x-should-retry", HeaderValue::from_static("false"));
+    }
     r
 }
 
@@ -44,6 +50,10 @@ mod tests {
         assert_eq!(kind(ApiError::unauthorized().status), "authentication_error");
         assert_eq!(kind(StatusCode::TOO_MANY_REQUESTS), "rate_limit_error");
         assert_eq!(kind(StatusCode::SERVICE_UNAVAILABLE), "overloaded_error");
-        assert_eq!(kind(StatusCode::GATEWAY_TIMEOUT), "api_error");
+        assert_eq!(kind(StatusCode::GATEWAY_TIMEOUT), "timeout_error");
+        assert_eq!(kind(StatusCode::INTERNAL_SERVER_ERROR), "api_error");
+        let r = response(&ApiError::timeout(1.0));
+        assert_eq!(r.headers()["x-should-retry"], "false");
+        assert!(response(&ApiError::invalid("x", "y")).headers().get("x-should-retry").is_none());
     }
 }

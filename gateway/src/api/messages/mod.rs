@@ -19,12 +19,12 @@ use axum::response::Response;
 use serde_json::{Value as Json, json};
 
 use super::body::json_object;
-use super::common::{check_model, max_tokens, next_update};
+use super::common::{max_tokens, next_update};
 use super::error::ApiError;
 use super::run::{ChoiceEnd, ChoiceJob, ChoiceKind, RequestLog, Run};
+use super::sse::ChunkEncoder;
 use super::state::{AppState, new_id};
 use crate::engine::{GenerationRequest, Usage};
-use crate::text::toolcall::ParsedCall;
 
 pub async fn handler(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     match messages(st, headers, body).await {
@@ -36,8 +36,7 @@ pub async fn handler(State(st): State<AppState>, headers: HeaderMap, body: Body)
 pub async fn count_tokens(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     let r = async {
         let obj = json_object(&headers, body, st.args.max_body_bytes).await?;
-        let (chat, p) = request::read(&obj, &st.sampling_defaults, true)?;
-        check_model(&st, p.model.as_deref())?;
+        let (chat, _) = request::read(&obj, &st.sampling_defaults, true)?;
         let prepared = st.text.prepare(&chat).map_err(|e| request::anthropic_names(e.into()))?;
         Ok::<_, ApiError>(super::error::json_response(StatusCode::OK, &json!({"input_tokens": prepared.prompt_ids.len()})))
     };
@@ -48,7 +47,11 @@ async fn messages(st: AppState, headers: HeaderMap, body: Body) -> Result<Respon
     let started = Instant::now();
     let obj = json_object(&headers, body, st.args.max_body_bytes).await?;
     let (chat, p) = request::read(&obj, &st.sampling_defaults, false)?;
-    check_model(&st, p.model.as_deref())?;
+    // Any model name: this server has one model, and Anthropic clients name theirs in many
+    // places (background and subagent models); the answer names the served one.
+    if let Some(m) = p.model.as_deref().filter(|m| *m != st.model.id) {
+        tracing::debug!(requested = m, served = %st.model.id, "messages: serving the one model for another name");
+    }
     let prepared = st.text.prepare(&chat).map_err(|e| request::anthropic_names(e.into()))?;
     let prompt_len = prepared.prompt_ids.len();
     let max = max_tokens(&st, Some(p.max_tokens), prompt_len, "messages")?;
@@ -84,32 +87,26 @@ async fn messages(st: AppState, headers: HeaderMap, body: Body) -> Result<Respon
         return Ok(super::sse::response(run, Box::new(enc), first, remaining));
     }
 
-    let mut end: Option<ChoiceEnd> = None;
+    // The answer's blocks come from the events a stream would carry, so both are the same.
+    let mut enc = stream::MessageEncoder::new(id.clone(), model.clone(), prompt_len as u32);
+    let mut events = Vec::new();
+    let mut ended = false;
     while let Some(u) = next_update(&mut run, deadline, timeout).await {
         let u = u?;
-        if u.end.is_some() {
-            end = u.end;
-        }
+        ended |= u.end.is_some();
+        events.extend(enc.update(u)?);
         if run.all_done() {
             break;
         }
     }
-    let end = end.ok_or_else(|| ApiError::internal("the message ended without a result"))?;
-    let fin = end.chat.as_ref().ok_or_else(|| ApiError::internal("the message ended without a parsed result"))?;
-    if let Some(err) = &fin.tool_choice_error {
-        return Err(super::chat::tool_choice_error(&err.0));
+    if !ended {
+        return Err(ApiError::internal("the message ended without a result"));
     }
-    let mut content = Vec::new();
-    if !fin.reasoning_content.is_empty() {
-        content.push(json!({"type": "thinking", "thinking": fin.reasoning_content, "signature": ""}));
-    }
-    if !fin.content.is_empty() {
-        content.push(json!({"type": "text", "text": fin.content}));
-    }
-    content.extend(fin.tool_calls.iter().map(tool_use_block));
+    let last = enc.finish(&run.usage);
+    let delta = &last[0]["delta"];
     let body = json!({
-        "id": id, "type": "message", "role": "assistant", "model": model, "content": content,
-        "stop_reason": stop_reason(&end), "stop_sequence": end.stop_sequence, "usage": usage_json(&run.usage),
+        "id": id, "type": "message", "role": "assistant", "model": model, "content": stream::assemble(&events),
+        "stop_reason": delta["stop_reason"], "stop_sequence": delta["stop_sequence"], "usage": usage_json(&run.usage),
     });
     Ok(super::error::json_response(StatusCode::OK, &body))
 }
@@ -132,11 +129,6 @@ pub fn usage_json(u: &Usage) -> Json {
         "cache_creation_input_tokens": 0,
         "cache_read_input_tokens": u.cached_tokens,
     })
-}
-
-/// A parsed call as a `tool_use` block (`input`: its arguments object).
-fn tool_use_block(c: &ParsedCall) -> Json {
-    json!({"type": "tool_use", "id": c.id, "name": c.name, "input": input_object(&c.arguments)})
 }
 
 /// The arguments' JSON text as an object (the parser writes an object; anything else is

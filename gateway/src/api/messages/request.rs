@@ -75,24 +75,31 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams, count_only: bool
         }
         Some(v) => return Err(ApiError::invalid("output_config", format!("must be an object, got {}", type_name(v)))),
     }
-    for (key, why) in [
-        ("mcp_servers", "MCP servers are not supported"),
-        ("container", "containers are not supported"),
-        ("context_management", "context management is not supported"),
-    ] {
+    for (key, why) in [("mcp_servers", "MCP servers are not supported"), ("container", "containers are not supported")] {
         if f.get(key).is_some() {
             return Err(ApiError::unsupported(key, why));
         }
     }
-    // Accepted and ignored: they do not change the output (prompt caching is automatic here).
-    for k in ["metadata", "service_tier", "cache_control", "diagnostics", "inference_geo", "speed", "user_profile_id", "workspace_id"] {
+    // Accepted and ignored: they do not change the output (prompt caching is automatic here;
+    // `context_management`, which Claude Code sends, only clears context the client resends).
+    for k in [
+        "metadata",
+        "service_tier",
+        "cache_control",
+        "context_management",
+        "diagnostics",
+        "inference_geo",
+        "speed",
+        "user_profile_id",
+        "workspace_id",
+    ] {
         let _ = f.get(k);
     }
     let mut messages = Vec::new();
     if let Some(sys) = f.get("system") {
         let text = match sys {
             Json::String(s) => s.clone(),
-            Json::Array(blocks) => texts(blocks, "system")?,
+            Json::Array(blocks) => texts(blocks, "system", false)?,
             v => return Err(ApiError::invalid("system", format!("must be a string or an array of text blocks, got {}", type_name(v)))),
         };
         messages.push(json!({"role": "system", "content": text}));
@@ -106,7 +113,7 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams, count_only: bool
         return Err(ApiError::invalid("messages", "must hold at least one message"));
     }
     for (i, turn) in turns.iter().enumerate() {
-        turn_messages(turn, i, &mut messages)?;
+        turn_messages(turn, i, i + 1 == turns.len(), &mut messages)?;
     }
     if turns.last().and_then(|t| t.get("role")).and_then(Json::as_str) == Some("assistant") {
         return Err(ApiError::unsupported(
@@ -127,7 +134,8 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams, count_only: bool
     if !unknown.is_empty() {
         tracing::debug!(fields = ?unknown, "messages: ignoring unknown request fields");
     }
-    let chat = ChatText { messages, tools, tool_choice, parallel_tool_calls, chat_template_kwargs: None, reasoning_format: None };
+    // Reasoning always split out: it is the answer's thinking block, whatever the server default.
+    let chat = ChatText { messages, tools, tool_choice, parallel_tool_calls, chat_template_kwargs: None, reasoning_format: Some("parsed".into()) };
     Ok((chat, MessagesParams { model, max_tokens, stream, stop_sequences, sampling }))
 }
 
@@ -144,17 +152,24 @@ pub fn anthropic_names(mut e: ApiError) -> ApiError {
     e
 }
 
-/// The text of an array of `text` blocks (joined by newlines).
-fn texts(blocks: &[Json], at: &str) -> Result<String, ApiError> {
+/// The text of an array of `text` blocks (joined by newlines); with `placeholders`, an image or
+/// document block stands as a note that it was left out (a tool's output, earlier turns).
+fn texts(blocks: &[Json], at: &str, placeholders: bool) -> Result<String, ApiError> {
     let mut out = Vec::new();
     for (i, b) in blocks.iter().enumerate() {
         let p = format!("{at}[{i}]");
         match block_type(b, &p)? {
             "text" => out.push(text_of(b, &p)?),
+            t @ ("image" | "document") if placeholders => out.push(placeholder(t)),
             t => return Err(ApiError::invalid(format!("{p}.type"), format!("must be `text` here, got `{t}`"))),
         }
     }
     Ok(out.join("\n"))
+}
+
+/// What stands in the prompt for an image or document the model cannot read.
+fn placeholder(kind: &str) -> String {
+    format!("[{kind} omitted: this model reads text only]")
 }
 
 fn block_type<'a>(b: &'a Json, at: &str) -> Result<&'a str, ApiError> {
@@ -192,8 +207,10 @@ fn unsupported_block(t: &str, at: &str) -> ApiError {
     ApiError::unsupported(format!("{at}.type"), why)
 }
 
-/// One Anthropic turn as chat messages, appended to `out`.
-fn turn_messages(turn: &Json, i: usize, out: &mut Vec<Json>) -> Result<(), ApiError> {
+/// One Anthropic turn as chat messages, appended to `out`. `last`: the turn being answered
+/// (an image or document there is refused; in earlier turns, which a client resends every time,
+/// it becomes a placeholder, so one pasted screenshot does not fail the rest of a session).
+fn turn_messages(turn: &Json, i: usize, last: bool, out: &mut Vec<Json>) -> Result<(), ApiError> {
     let at = format!("messages[{i}]");
     let Json::Object(o) = turn else {
         return Err(ApiError::invalid(&at, format!("must be an object, got {}", type_name(turn))));
@@ -217,35 +234,35 @@ fn turn_messages(turn: &Json, i: usize, out: &mut Vec<Json>) -> Result<(), ApiEr
         out.push(assistant_message(blocks, &at)?);
         return Ok(());
     }
-    // A user turn: text (merged) and tool results, in block order.
+    // A user turn: its tool results first (they answer the assistant turn before; Anthropic
+    // asks clients to put them first), then its text merged into one user message.
     let mut text: Vec<String> = Vec::new();
-    let flush = |text: &mut Vec<String>, out: &mut Vec<Json>| {
-        if !text.is_empty() {
-            out.push(json!({"role": "user", "content": text.join("\n")}));
-            text.clear();
-        }
-    };
     for (j, b) in blocks.iter().enumerate() {
         let p = format!("{at}.content[{j}]");
         match block_type(b, &p)? {
             "text" => text.push(text_of(b, &p)?),
             "tool_result" => {
-                flush(&mut text, out);
                 let id = string_field(b, "tool_use_id", &p)?;
-                let content = match b.get("content") {
+                let mut content = match b.get("content") {
                     None | Some(Json::Null) => String::new(),
                     Some(Json::String(s)) => s.clone(),
-                    Some(Json::Array(a)) => texts(a, &format!("{p}.content"))?,
+                    Some(Json::Array(a)) => texts(a, &format!("{p}.content"), true)?,
                     Some(v) => {
                         return Err(ApiError::invalid(format!("{p}.content"), format!("must be a string or an array of text blocks, got {}", type_name(v))));
                     }
                 };
+                if b.get("is_error").and_then(Json::as_bool) == Some(true) {
+                    content = format!("Error: {content}");
+                }
                 out.push(json!({"role": "tool", "tool_call_id": id, "content": content}));
             }
+            t @ ("image" | "document") if !last => text.push(placeholder(t)),
             t => return Err(unsupported_block(t, &p)),
         }
     }
-    flush(&mut text, out);
+    if !text.is_empty() {
+        out.push(json!({"role": "user", "content": text.join("\n")}));
+    }
     Ok(())
 }
 
@@ -397,6 +414,19 @@ mod tests {
         v["messages"][0]["content"] = json!([{"type": "image", "source": {}}]);
         let e = err(v);
         assert_eq!((e.param.as_deref(), e.code), (Some("messages[0].content[0].type"), Some("unsupported_value")));
+        // In an earlier turn, or a tool's output, an image becomes a placeholder.
+        let mut v = base();
+        v["messages"] = json!([
+            {"role": "user", "content": [{"type": "text", "text": "look"}, {"type": "image", "source": {}}]},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "c1", "name": "read", "input": {}}]},
+            {"role": "user", "content": [{"type": "text", "text": "next"},
+                {"type": "tool_result", "tool_use_id": "c1", "is_error": true, "content": [{"type": "image", "source": {}}]}]},
+        ]);
+        let (chat, _) = read_json(v).unwrap();
+        assert_eq!(chat.messages[0]["content"], "look\n[image omitted: this model reads text only]");
+        // The tool result comes before the turn's text, whatever the block order.
+        assert_eq!(chat.messages[2], json!({"role": "tool", "tool_call_id": "c1", "content": "Error: [image omitted: this model reads text only]"}));
+        assert_eq!(chat.messages[3], json!({"role": "user", "content": "next"}));
         let mut v = base();
         v["messages"] = json!([{"role": "user", "content": "a"}, {"role": "assistant", "content": "The answer is"}]);
         assert_eq!(err(v).param.as_deref(), Some("messages[1]"));
@@ -426,6 +456,7 @@ mod tests {
         v["output_config"] = json!({"effort": "low"});
         v["thinking"] = json!({"type": "adaptive"});
         v["cache_control"] = json!({"type": "ephemeral"});
+        v["context_management"] = json!({"edits": [{"type": "clear_thinking_20251015", "keep": "all"}]});
         v["speed"] = json!("fast");
         assert!(read_json(v).is_ok());
         // count_tokens needs no max_tokens.

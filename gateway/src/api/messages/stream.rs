@@ -23,7 +23,8 @@ enum Block {
     Tool(usize),
 }
 
-/// Encodes one message's updates as Anthropic stream events.
+/// Encodes one message's updates as Anthropic stream events (the non-streamed answer is
+/// [`assemble`]d from the same events, so both carry the same blocks).
 pub struct MessageEncoder {
     id: String,
     model: String,
@@ -31,17 +32,53 @@ pub struct MessageEncoder {
     /// The open block and its index; blocks are numbered in the order they open.
     open: Option<(Block, usize)>,
     next_index: usize,
+    /// Whitespace written outside any text block, held until text follows (a text block of
+    /// whitespace alone is never opened).
+    pending_ws: String,
+    /// FNV-1a state over the open thinking block's text (its signature).
+    thinking_hash: u64,
     stop_reason: &'static str,
     stop_sequence: Option<String>,
 }
 
+const FNV_OFFSET: u64 = 0xcbf2_9ce4_8422_2325;
+
+/// A thinking block's `signature` from the FNV-1a hash of its text: not a cryptographic one
+/// (nothing here checks it), but never empty, so clients that drop unsigned thinking blocks
+/// send the reasoning back.
+fn signature(hash: u64) -> String {
+    format!("minimax-serve-{hash:016x}")
+}
+
+fn fnv(mut h: u64, text: &str) -> u64 {
+    for b in text.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    h
+}
+
 impl MessageEncoder {
     pub fn new(id: String, model: String, prompt_tokens: u32) -> Self {
-        Self { id, model, prompt_tokens, open: None, next_index: 0, stop_reason: "end_turn", stop_sequence: None }
+        Self {
+            id,
+            model,
+            prompt_tokens,
+            open: None,
+            next_index: 0,
+            pending_ws: String::new(),
+            thinking_hash: FNV_OFFSET,
+            stop_reason: "end_turn",
+            stop_sequence: None,
+        }
     }
 
     fn close(&mut self, out: &mut Vec<Json>) {
-        if let Some((_, index)) = self.open.take() {
+        if let Some((kind, index)) = self.open.take() {
+            if kind == Block::Thinking {
+                out.push(Self::delta(index, json!({"type": "signature_delta", "signature": signature(self.thinking_hash)})));
+                self.thinking_hash = FNV_OFFSET;
+            }
             out.push(json!({"type": "content_block_stop", "index": index}));
         }
     }
@@ -54,6 +91,9 @@ impl MessageEncoder {
             return index;
         }
         self.close(out);
+        if kind != Block::Text {
+            self.pending_ws.clear();
+        }
         let index = self.next_index;
         self.next_index += 1;
         self.open = Some((kind, index));
@@ -84,11 +124,17 @@ impl ChunkEncoder for MessageEncoder {
             match d {
                 Delta::Reasoning(t) if !t.is_empty() => {
                     let i = self.ensure(Block::Thinking, || json!({"type": "thinking", "thinking": "", "signature": ""}), &mut out);
+                    self.thinking_hash = fnv(self.thinking_hash, &t);
                     out.push(Self::delta(i, json!({"type": "thinking_delta", "thinking": t})));
                 }
                 Delta::Content(t) if !t.is_empty() => {
+                    if !matches!(self.open, Some((Block::Text, _))) && t.trim().is_empty() {
+                        self.pending_ws.push_str(&t);
+                        continue;
+                    }
                     let i = self.ensure(Block::Text, || json!({"type": "text", "text": ""}), &mut out);
-                    out.push(Self::delta(i, json!({"type": "text_delta", "text": t})));
+                    let text = std::mem::take(&mut self.pending_ws) + &t;
+                    out.push(Self::delta(i, json!({"type": "text_delta", "text": text})));
                 }
                 Delta::ToolCallStart { index, id, name } => {
                     self.close(&mut out);
@@ -107,7 +153,7 @@ impl ChunkEncoder for MessageEncoder {
             }
             self.close(&mut out);
             self.stop_reason = super::stop_reason(&end);
-            self.stop_sequence = end.stop_sequence;
+            self.stop_sequence = end.stop_sequence.filter(|_| self.stop_reason == "stop_sequence");
         }
         Ok(out)
     }
@@ -131,6 +177,41 @@ impl ChunkEncoder for MessageEncoder {
     fn error(&self, e: &ApiError) -> Json {
         super::error::body(e)
     }
+}
+
+/// The content blocks the events describe, as the non-streamed answer carries them (what an
+/// SDK's stream accumulation rebuilds).
+pub fn assemble(events: &[Json]) -> Vec<Json> {
+    let mut blocks: Vec<Json> = Vec::new();
+    let mut json_text: Vec<String> = Vec::new();
+    for e in events {
+        let i = e["index"].as_u64().unwrap_or(0) as usize;
+        match e["type"].as_str() {
+            Some("content_block_start") => {
+                blocks.push(e["content_block"].clone());
+                json_text.push(String::new());
+            }
+            Some("content_block_delta") => {
+                let (Some(b), d) = (blocks.get_mut(i), &e["delta"]) else { continue };
+                let append = |b: &mut Json, key: &str, more: &Json| {
+                    let s = format!("{}{}", b[key].as_str().unwrap_or(""), more.as_str().unwrap_or(""));
+                    b[key] = Json::String(s);
+                };
+                match d["type"].as_str() {
+                    Some("thinking_delta") => append(b, "thinking", &d["thinking"]),
+                    Some("text_delta") => append(b, "text", &d["text"]),
+                    Some("signature_delta") => b["signature"] = d["signature"].clone(),
+                    Some("input_json_delta") => json_text[i].push_str(d["partial_json"].as_str().unwrap_or("")),
+                    _ => {}
+                }
+            }
+            Some("content_block_stop") if blocks.get(i).is_some_and(|b| b["type"] == "tool_use") => {
+                blocks[i]["input"] = super::input_object(&json_text[i]);
+            }
+            _ => {}
+        }
+    }
+    blocks
 }
 
 #[cfg(test)]
@@ -184,7 +265,7 @@ mod tests {
             types(&all),
             [
                 "message_start", "ping",
-                "content_block_start", "content_block_delta:thinking_delta", "content_block_delta:thinking_delta", "content_block_stop",
+                "content_block_start", "content_block_delta:thinking_delta", "content_block_delta:thinking_delta", "content_block_delta:signature_delta", "content_block_stop",
                 "content_block_start", "content_block_delta:text_delta", "content_block_delta:text_delta", "content_block_stop",
                 "content_block_start", "content_block_delta:input_json_delta", "content_block_delta:input_json_delta", "content_block_stop",
                 "content_block_start", "content_block_delta:input_json_delta", "content_block_stop",
@@ -197,9 +278,33 @@ mod tests {
         let md = &all[all.len() - 2];
         assert_eq!(md["delta"]["stop_reason"], "tool_use");
         assert_eq!(md["usage"], json!({"input_tokens": 8, "output_tokens": 9, "cache_creation_input_tokens": 0, "cache_read_input_tokens": 4}));
+        // The blocks the events build: what the non-streamed answer carries.
+        let blocks = assemble(&all);
+        assert_eq!(blocks[0], json!({"type": "thinking", "thinking": "Thinking.", "signature": signature(fnv(FNV_OFFSET, "Thinking."))}));
+        assert_eq!(blocks[1], json!({"type": "text", "text": "Let me check."}));
+        assert_eq!(blocks[2], json!({"type": "tool_use", "id": "call_a", "name": "get_weather", "input": {"city": "Paris"}}));
+        assert_eq!(blocks[3]["input"], json!({}));
         let f = e.frame(&all[0]);
         assert!(f.starts_with(b"event: message_start\ndata: {") && f.ends_with(b"}\n\n"));
         assert!(e.end().is_none());
+    }
+
+    /// Whitespace between blocks opens no text block; before text it is kept.
+    #[test]
+    fn whitespace_alone_opens_no_text_block() {
+        let mut e = MessageEncoder::new("msg-3".into(), "m".into(), 3);
+        let mut all = e.update(update(vec![Delta::Reasoning("r".into()), Delta::Content("\n\n".into())], None)).unwrap();
+        all.extend(e.update(update(vec![Delta::ToolCallStart { index: 0, id: "c".into(), name: "f".into() }], None)).unwrap());
+        all.extend(e.update(update(vec![Delta::ToolCallArguments { index: 0, chunk: "{}".into() }, Delta::Content("\n".into())], None)).unwrap());
+        let end = ChoiceEnd { reason: "tool_calls", usage: Usage::default(), chat: None, stop_sequence: Some("x".into()) };
+        all.extend(e.update(update(vec![], Some(end))).unwrap());
+        assert_eq!(assemble(&all).iter().map(|b| b["type"].as_str().unwrap()).collect::<Vec<_>>(), ["thinking", "tool_use"]);
+        // A stop string reported only with the stop_sequence reason.
+        assert_eq!(e.finish(&Usage::default())[0]["delta"], json!({"stop_reason": "tool_use", "stop_sequence": null}));
+        let mut e = MessageEncoder::new("msg-4".into(), "m".into(), 3);
+        let mut all = e.update(update(vec![Delta::Content(" \n".into()), Delta::Content("Hi".into())], None)).unwrap();
+        all.extend(e.update(update(vec![], Some(ChoiceEnd { reason: "stop", usage: Usage::default(), chat: None, stop_sequence: None }))).unwrap());
+        assert_eq!(assemble(&all), [json!({"type": "text", "text": " \nHi"})]);
     }
 
     #[test]
