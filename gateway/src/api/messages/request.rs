@@ -2,8 +2,8 @@
 //! OpenAI-style messages the chat template takes ([`ChatText`]), and the sampling fields.
 //!
 //! - `system` (a string or text blocks) becomes a system message;
-//! - a user turn's `text` blocks become a user message and each `tool_result` block a `tool`
-//!   message (in block order, so results follow the assistant turn that called them);
+//! - a user turn's `tool_result` blocks become `tool` messages (first, so they follow the
+//!   assistant turn that called them) and its `text` blocks one user message;
 //! - an assistant turn's `thinking` blocks become `reasoning_content` (MiniMax-M2 wants its
 //!   earlier reasoning back), `text` blocks `content`, `tool_use` blocks `tool_calls` (the
 //!   input object as JSON text); `redacted_thinking` is dropped;
@@ -11,9 +11,10 @@
 //!   `tool_choice` `auto` / `any` / `tool` / `none` become `auto` / `required` / a named
 //!   function / `none` (`disable_parallel_tool_use` is `parallel_tool_calls: false`).
 //!
-//! Refused with a 400 naming the field: images and documents (the model reads text only),
-//! server tools (`type` other than `custom`), a last message from the assistant (prefill), and
-//! wrong types anywhere.
+//! Refused with a 400 naming the field: images and documents in the last turn (the model
+//! reads text only; earlier ones, and those in tool results, become a placeholder), server
+//! tools (`type` other than `custom`), a last message from the assistant (prefill), structured
+//! outputs, and wrong types anywhere.
 
 use serde_json::{Map, Value as Json, json};
 
