@@ -18,6 +18,7 @@ pub mod metrics;
 pub mod misc;
 pub mod params;
 pub mod perplexity;
+pub mod responses;
 pub mod run;
 pub mod sse;
 pub mod state;
@@ -44,6 +45,7 @@ pub fn router(st: AppState) -> Router {
         .route("/v1/completions", post(completions::handler))
         .route("/v1/messages", post(messages::handler))
         .route("/v1/messages/count_tokens", post(messages::count_tokens))
+        .route("/v1/responses", post(responses::handler))
         .route("/v1/perplexity", post(perplexity::handler))
         .route("/v1/models", get(misc::models))
         .route("/v1/models/{id}", get(misc::model))
