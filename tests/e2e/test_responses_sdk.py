@@ -1,0 +1,101 @@
+"""The official OpenAI Python SDK's Responses API (what Codex CLI speaks) against the real
+gateway + CPU ranks (`/v1/responses`)."""
+
+import json
+
+import openai
+import pytest
+
+TOOLS = [
+    {
+        "type": "function",
+        "name": "get_weather",
+        "description": "Weather forecast",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+        "strict": False,
+    }
+]
+
+
+def test_text_response_and_usage(client):
+    r = client.responses.create(model="m2-small", input="Hello", max_output_tokens=8)
+    assert r.object == "response" and r.model == "m2-small"
+    assert r.status in ("completed", "incomplete")
+    assert r.usage.output_tokens <= 8 and r.usage.input_tokens > 0
+    assert r.usage.total_tokens == r.usage.input_tokens + r.usage.output_tokens
+
+
+def test_reasoning_and_message_items(client):
+    r = client.responses.create(model="m2-small", input="REPLAY:reason 2+2?", instructions="Answer briefly.")
+    assert [i.type for i in r.output] == ["reasoning", "message"]
+    assert r.output[0].content[0].text == "Two plus two is four.\nNo doubt."
+    assert r.output_text == "The answer is 4. Ünïcödé 🎉 done."
+    assert r.status == "completed" and r.instructions == "Answer briefly."
+
+
+def test_stream_rebuilds_the_response(client):
+    kw = dict(model="m2-small", input=[{"role": "user", "content": "REPLAY:reason 2+2?"}])
+    full = client.responses.create(**kw)
+    with client.responses.stream(**kw) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_response()
+    def strip(items):
+        # Item ids differ between two responses; the stream helper adds `parsed` to text parts.
+        def clean(v):
+            if isinstance(v, dict):
+                return {k: clean(x) for k, x in v.items() if k not in ("id", "parsed")}
+            if isinstance(v, list):
+                return [clean(x) for x in v]
+            return v
+        return [clean(i.model_dump()) for i in items]
+    assert strip(final.output) == strip(full.output)
+    assert final.usage.output_tokens == full.usage.output_tokens
+    assert kinds[0] == "response.created" and kinds[-1] == "response.completed"
+    assert kinds.count("response.output_item.added") == kinds.count("response.output_item.done") == 2
+
+
+def test_function_call_round_trip(client):
+    inp = [{"role": "user", "content": "REPLAY:tools What is the weather in Paris?"}]
+    r = client.responses.create(model="m2-small", input=inp, tools=TOOLS)
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert len(calls) == 1 and calls[0].name == "get_weather"
+    assert json.loads(calls[0].arguments) == {"city": "Paris", "days": 3}
+    assert [i.type for i in r.output] == ["reasoning", "message", "function_call"]
+
+    # Streaming: the SDK accumulates the argument deltas into the same call.
+    with client.responses.stream(model="m2-small", input=inp, tools=TOOLS) as s:
+        final = s.get_final_response()
+    sc = [i for i in final.output if i.type == "function_call"]
+    assert [(c.name, json.loads(c.arguments), c.call_id) for c in sc] == [("get_weather", {"city": "Paris", "days": 3}, sc[0].call_id)]
+
+    # Codex's next request: the whole input, the model's items included, and the output.
+    follow = inp + [i.model_dump(exclude_none=True) for i in r.output] + [
+        {"type": "function_call_output", "call_id": calls[0].call_id, "output": "Sunny, 25 C"}
+    ]
+    r2 = client.responses.create(model="m2-small", input=follow, tools=TOOLS, max_output_tokens=4)
+    assert r2.status in ("completed", "incomplete")
+    assert r2.usage.input_tokens > r.usage.input_tokens
+
+
+def test_incomplete_at_max_output_tokens(client):
+    r = client.responses.create(model="m2-small", input="REPLAY:reason 2+2?", max_output_tokens=3)
+    assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
+    assert r.usage.output_tokens == 3
+
+
+def test_errors_are_sdk_exceptions(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="m2-small", input="x", previous_response_id="resp_123")
+    assert e.value.body["param"] == "previous_response_id"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="m2-small", input="x", tools=[{"type": "web_search"}])
+    assert e.value.body["param"] == "tools[0].type"
+    with pytest.raises(openai.BadRequestError) as e:
+        client.responses.create(model="m2-small", input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}])
+    assert e.value.body["param"] == "input[0].content[0].type"
+    # The server still serves.
+    assert client.responses.create(model="m2-small", input="x", max_output_tokens=2).usage.output_tokens <= 2
