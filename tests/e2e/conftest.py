@@ -34,6 +34,12 @@ REPLAY = {
             "text": "Two plus two is four.\nNo doubt.</think>\n\nThe answer is 4. Ünïcödé 🎉 done.",
         },
         {"trigger": "REPLAY:stop", "text": "r</think>\n\nalpha beta STOP gamma delta"},
+        {
+            "trigger": "REPLAY:patch",
+            "text": "Add the file.</think>\n\n<minimax:tool_call>\n<invoke name=\"apply_patch\">\n"
+            "<parameter name=\"input\">*** Begin Patch\n*** Add File: hello.txt\n+hello\n*** End Patch\n</parameter>\n"
+            "</invoke>\n</minimax:tool_call>",
+        },
     ]
 }
 

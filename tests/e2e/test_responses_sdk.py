@@ -81,6 +81,34 @@ def test_function_call_round_trip(client):
     assert r2.usage.input_tokens > r.usage.input_tokens
 
 
+APPLY_PATCH = {
+    "type": "custom",
+    "name": "apply_patch",
+    "description": "Use the `apply_patch` tool to edit files. This is a FREEFORM tool, so do not wrap the patch in JSON.",
+    "format": {"type": "grammar", "syntax": "lark", "definition": "start: begin_patch hunk+ end_patch\nbegin_patch: \"*** Begin Patch\" LF"},
+}
+
+
+def test_custom_tool_call_round_trip(client):
+    # Codex's freeform apply_patch: the call comes back as a custom_tool_call with the raw patch;
+    # hosted tools in the same list are left out.
+    inp = [{"role": "user", "content": "REPLAY:patch create hello.txt"}]
+    tools = [APPLY_PATCH, {"type": "web_search"}]
+    r = client.responses.create(model="m2-small", input=inp, tools=tools)
+    calls = [i for i in r.output if i.type == "custom_tool_call"]
+    assert [(c.name, c.input) for c in calls] == [("apply_patch", "*** Begin Patch\n*** Add File: hello.txt\n+hello\n*** End Patch\n")]
+    with client.responses.stream(model="m2-small", input=inp, tools=tools) as s:
+        kinds = [e.type for e in s]
+        final = s.get_final_response()
+    assert [(i.type, getattr(i, "input", None)) for i in final.output if i.type == "custom_tool_call"] == [("custom_tool_call", calls[0].input)]
+    assert "response.custom_tool_call_input.done" in kinds
+    follow = inp + [i.model_dump(exclude_none=True) for i in r.output] + [
+        {"type": "custom_tool_call_output", "call_id": calls[0].call_id, "output": "Success. Updated: A hello.txt"}
+    ]
+    r2 = client.responses.create(model="m2-small", input=follow, tools=tools, max_output_tokens=4)
+    assert r2.usage.input_tokens > r.usage.input_tokens
+
+
 def test_incomplete_at_max_output_tokens(client):
     r = client.responses.create(model="m2-small", input="REPLAY:reason 2+2?", max_output_tokens=3)
     assert r.status == "incomplete" and r.incomplete_details.reason == "max_output_tokens"
@@ -92,8 +120,8 @@ def test_errors_are_sdk_exceptions(client):
         client.responses.create(model="m2-small", input="x", previous_response_id="resp_123")
     assert e.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="m2-small", input="x", tools=[{"type": "web_search"}])
-    assert e.value.body["param"] == "tools[0].type"
+        client.responses.create(model="m2-small", input="x", text={"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}}})
+    assert e.value.body["param"] == "text.format.type"
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="m2-small", input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}])
     assert e.value.body["param"] == "input[0].content[0].type"

@@ -7,13 +7,17 @@
 //!   `output_text` parts), `function_call_output` items as `tool` messages; consecutive
 //!   `reasoning`, assistant `message` and `function_call` items as one assistant message
 //!   (`reasoning_content`, `content`, `tool_calls`), as the model wrote them;
-//! - `tools` (`function` tools) become chat tools, `tool_choice` and `parallel_tool_calls`
-//!   pass through.
+//! - `tools`: `function` tools become chat tools; `custom` (freeform) tools, Codex's
+//!   `apply_patch`, become function tools of one string parameter `input` (its grammar in the
+//!   parameter's description), and their calls go back as `custom_tool_call` items with the
+//!   raw input; `custom_tool_call` / `custom_tool_call_output` input items map back the same
+//!   way. Hosted tools (web search, file search, image generation, ...) are left out: nothing
+//!   here runs them. `tool_choice` and `parallel_tool_calls` pass through.
 //!
 //! Nothing is stored: `store` is accepted and has no effect, and `previous_response_id` /
 //! `conversation` are refused (send the whole input). Also refused with a 400 naming the
-//! field: hosted tools (web search, file search, ...), structured output formats, background
-//! runs, image and file inputs in the last item (earlier ones become a placeholder).
+//! field: structured output formats, background runs, image and file inputs in the last item
+//! (earlier ones become a placeholder).
 
 use serde_json::{Map, Value as Json, json};
 
@@ -36,6 +40,8 @@ pub struct ResponsesParams {
     pub tool_choice: Json,
     pub parallel_tool_calls: bool,
     pub metadata: Json,
+    /// Names of the `custom` (freeform) tools: their calls are `custom_tool_call` items.
+    pub custom_tools: Vec<String>,
 }
 
 /// Reads a Responses request.
@@ -106,7 +112,18 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams) -> Result<(ChatT
         Some(Json::Array(a)) => a.clone(),
         Some(v) => return Err(ApiError::invalid("tools", format!("must be an array, got {}", type_name(v)))),
     };
-    let tools: Vec<Json> = tools_in.iter().enumerate().map(|(i, t)| tool(t, i)).collect::<Result<_, _>>()?;
+    let mut tools = Vec::new();
+    let mut custom_tools = Vec::new();
+    for (i, t) in tools_in.iter().enumerate() {
+        match tool(t, i)? {
+            Tool::Function(f) => tools.push(f),
+            Tool::Custom(f, name) => {
+                tools.push(f);
+                custom_tools.push(name);
+            }
+            Tool::Hosted(kind) => tracing::debug!(kind, "responses: leaving out a hosted tool nothing here runs"),
+        }
+    }
     let tool_choice = match f.get("tool_choice") {
         None => json!("auto"),
         Some(Json::String(s)) if ["auto", "none", "required"].contains(&s.as_str()) => json!(s),
@@ -127,13 +144,13 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams) -> Result<(ChatT
     };
     let chat = ChatText {
         messages,
+        tool_choice: (!tools.is_empty()).then_some(chat_choice),
         tools: (!tools.is_empty()).then(|| Json::Array(tools)),
-        tool_choice: (!tools_in.is_empty()).then_some(chat_choice),
         parallel_tool_calls: Some(parallel_tool_calls),
         chat_template_kwargs: None,
         reasoning_format: Some("parsed".into()),
     };
-    let params = ResponsesParams { model, max_output_tokens, stream, sampling, instructions, tools: Json::Array(tools_in), tool_choice, parallel_tool_calls, metadata };
+    let params = ResponsesParams { model, max_output_tokens, stream, sampling, instructions, tools: Json::Array(tools_in), tool_choice, parallel_tool_calls, metadata, custom_tools };
     Ok((chat, params))
 }
 
@@ -210,7 +227,14 @@ impl Items {
                     let arguments = string_field(item, "arguments", &at)?;
                     self.calls.push(json!({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}));
                 }
-                "function_call_output" => {
+                "custom_tool_call" => {
+                    let call_id = string_field(item, "call_id", &at)?;
+                    let name = string_field(item, "name", &at)?;
+                    let input = string_field(item, "input", &at)?;
+                    let arguments = json!({"input": input}).to_string();
+                    self.calls.push(json!({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}));
+                }
+                "function_call_output" | "custom_tool_call_output" => {
                     self.flush(out);
                     let call_id = string_field(item, "call_id", &at)?;
                     let output = match o.get("output") {
@@ -267,20 +291,42 @@ fn content_text(v: Option<&Json>, at: &str, strict: bool) -> Result<String, ApiE
     }
 }
 
-/// A `function` tool as a chat tool.
-fn tool(t: &Json, i: usize) -> Result<Json, ApiError> {
+/// A request tool as the chat path takes it.
+enum Tool {
+    Function(Json),
+    /// A freeform tool as a function of one string `input`, and its name.
+    Custom(Json, String),
+    /// A tool the provider runs (its type): left out.
+    Hosted(String),
+}
+
+fn tool(t: &Json, i: usize) -> Result<Tool, ApiError> {
     let at = format!("tools[{i}]");
-    match t.get("type").and_then(Json::as_str) {
-        Some("function") => {}
-        Some(x) => return Err(ApiError::unsupported(format!("{at}.type"), format!("`{x}` tools are not supported; define a function tool"))),
+    let kind = match t.get("type").and_then(Json::as_str) {
+        Some(k) => k,
         None => return Err(ApiError::invalid(format!("{at}.type"), "is required")),
+    };
+    if kind != "function" && kind != "custom" {
+        return Ok(Tool::Hosted(kind.to_string()));
     }
     let name = string_field(t, "name", &at)?;
-    let mut function = json!({"name": name, "parameters": t.get("parameters").cloned().filter(|p| !p.is_null()).unwrap_or_else(|| json!({"type": "object", "properties": {}}))});
+    let parameters = if kind == "custom" {
+        let mut about = "The tool's input as raw text, exactly as the tool description asks (not JSON).".to_string();
+        if let Some(f) = t.get("format").filter(|f| f.get("type").and_then(Json::as_str) == Some("grammar")) {
+            let syntax = f.get("syntax").and_then(Json::as_str).unwrap_or("lark");
+            let definition = f.get("definition").and_then(Json::as_str).unwrap_or("");
+            about.push_str(&format!(" It follows this {syntax} grammar:\n{definition}"));
+        }
+        json!({"type": "object", "properties": {"input": {"type": "string", "description": about}}, "required": ["input"]})
+    } else {
+        t.get("parameters").cloned().filter(|p| !p.is_null()).unwrap_or_else(|| json!({"type": "object", "properties": {}}))
+    };
+    let mut function = json!({"name": name, "parameters": parameters});
     if let Some(d) = t.get("description").and_then(Json::as_str) {
         function["description"] = json!(d);
     }
-    Ok(json!({"type": "function", "function": function}))
+    let f = json!({"type": "function", "function": function});
+    Ok(if kind == "custom" { Tool::Custom(f, name) } else { Tool::Function(f) })
 }
 
 #[cfg(test)]
@@ -325,6 +371,33 @@ mod tests {
         assert_eq!(chat.tool_choice, Some(json!("auto")));
     }
 
+    /// Codex's freeform `apply_patch`: a function of one string `input` carrying the grammar;
+    /// its calls and outputs in later input map back; hosted tools are left out.
+    #[test]
+    fn custom_tools_become_one_string_functions() {
+        let (chat, p) = read_json(json!({
+            "input": [
+                {"role": "user", "content": "Add a file"},
+                {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "*** Begin Patch\n*** End Patch\n"},
+                {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done"},
+            ],
+            "tools": [
+                {"type": "custom", "name": "apply_patch", "description": "Edit files", "format": {"type": "grammar", "syntax": "lark", "definition": "start: begin_patch hunk+ end_patch"}},
+                {"type": "web_search"},
+            ],
+        }))
+        .unwrap();
+        assert_eq!(p.custom_tools, ["apply_patch"]);
+        let tools = chat.tools.unwrap();
+        assert_eq!(tools.as_array().unwrap().len(), 1);
+        let input = &tools[0]["function"]["parameters"]["properties"]["input"];
+        assert_eq!(input["type"], "string");
+        assert!(input["description"].as_str().unwrap().ends_with("lark grammar:\nstart: begin_patch hunk+ end_patch"));
+        let args: Json = serde_json::from_str(chat.messages[1]["tool_calls"][0]["function"]["arguments"].as_str().unwrap()).unwrap();
+        assert_eq!(args, json!({"input": "*** Begin Patch\n*** End Patch\n"}));
+        assert_eq!(chat.messages[2], json!({"role": "tool", "tool_call_id": "c1", "content": "Done"}));
+    }
+
     #[test]
     fn bad_requests_name_the_field() {
         let base = || json!({"model": "m", "input": "hi"});
@@ -333,8 +406,8 @@ mod tests {
         v["previous_response_id"] = json!("resp_1");
         assert_eq!(err(v).param.as_deref(), Some("previous_response_id"));
         let mut v = base();
-        v["tools"] = json!([{"type": "web_search"}]);
-        assert_eq!(err(v).param.as_deref(), Some("tools[0].type"));
+        v["tools"] = json!([{"type": "function"}]);
+        assert_eq!(err(v).param.as_deref(), Some("tools[0].name"));
         let mut v = base();
         v["text"] = json!({"format": {"type": "json_schema", "schema": {}}});
         assert_eq!(err(v).param.as_deref(), Some("text.format.type"));

@@ -24,6 +24,8 @@ enum Kind {
     Message,
     /// A call, by its index among the calls.
     Call(usize),
+    /// A call of a `custom` (freeform) tool: its input goes out raw, at its end.
+    Custom(usize),
 }
 
 /// The output item being written.
@@ -94,6 +96,10 @@ impl ResponseEncoder {
                 let args = if status == "completed" { o.text.as_str() } else { "" };
                 json!({"id": o.id, "type": "function_call", "call_id": o.call_id, "name": o.name, "arguments": args, "status": status})
             }
+            Kind::Custom(_) => {
+                let input = if status == "completed" { custom_input(&o.text) } else { String::new() };
+                json!({"id": o.id, "type": "custom_tool_call", "call_id": o.call_id, "name": o.name, "input": input, "status": status})
+            }
         }
     }
 
@@ -112,6 +118,11 @@ impl ResponseEncoder {
             }
             Kind::Call(_) => {
                 out.push(self.event("response.function_call_arguments.done", json!({"item_id": id, "output_index": oi, "name": o.name, "arguments": o.text})));
+            }
+            Kind::Custom(_) => {
+                let input = custom_input(&o.text);
+                out.push(self.event("response.custom_tool_call_input.delta", json!({"item_id": id, "output_index": oi, "delta": input})));
+                out.push(self.event("response.custom_tool_call_input.done", json!({"item_id": id, "output_index": oi, "input": input})));
             }
         }
         let item = self.item(&o, "completed");
@@ -133,6 +144,7 @@ impl ResponseEncoder {
             Kind::Reasoning => "rs",
             Kind::Message => "msg",
             Kind::Call(_) => "fc",
+            Kind::Custom(_) => "ctc",
         };
         let suffix = self.id.rsplit(['-', '_']).next().unwrap_or("");
         let (call_id, name) = call.map(|(c, n)| (c.to_string(), n.to_string())).unwrap_or_default();
@@ -148,9 +160,18 @@ impl ResponseEncoder {
                 let ev = json!({"item_id": o.id, "output_index": output_index, "content_index": 0, "part": text_part("")});
                 out.push(self.event("response.content_part.added", ev));
             }
-            Kind::Call(_) => {}
+            Kind::Call(_) | Kind::Custom(_) => {}
         }
         self.open = Some(o);
+    }
+}
+
+/// A custom tool's raw input from the arguments the model wrote (`{"input": "..."}`); other
+/// JSON goes out as its text.
+fn custom_input(arguments: &str) -> String {
+    match serde_json::from_str::<Json>(arguments) {
+        Ok(Json::Object(o)) if o.len() == 1 && o.get("input").is_some_and(Json::is_string) => o["input"].as_str().unwrap_or("").to_string(),
+        _ => arguments.to_string(),
     }
 }
 
@@ -200,14 +221,19 @@ impl ChunkEncoder for ResponseEncoder {
                 }
                 Delta::ToolCallStart { index, id, name } => {
                     self.close(&mut out);
-                    self.ensure(Kind::Call(index), Some((&id, &name)), &mut out);
+                    let kind = if self.params.custom_tools.contains(&name) { Kind::Custom(index) } else { Kind::Call(index) };
+                    self.ensure(kind, Some((&id, &name)), &mut out);
                 }
                 Delta::ToolCallArguments { index, chunk } if !chunk.is_empty() => {
-                    self.ensure(Kind::Call(index), None, &mut out);
+                    if !self.open.as_ref().is_some_and(|o| matches!(o.kind, Kind::Call(i) | Kind::Custom(i) if i == index)) {
+                        self.ensure(Kind::Call(index), None, &mut out);
+                    }
                     let o = self.open.as_mut().expect("just opened");
                     o.text.push_str(&chunk);
-                    let ev = json!({"item_id": o.id, "output_index": o.output_index, "delta": chunk});
-                    out.push(self.event("response.function_call_arguments.delta", ev));
+                    if let Kind::Call(_) = o.kind {
+                        let ev = json!({"item_id": o.id, "output_index": o.output_index, "delta": chunk});
+                        out.push(self.event("response.function_call_arguments.delta", ev));
+                    }
                 }
                 _ => {}
             }
@@ -260,6 +286,7 @@ mod tests {
             tool_choice: json!("auto"),
             parallel_tool_calls: true,
             metadata: Json::Null,
+            custom_tools: vec!["apply_patch".into()],
         }
     }
 
@@ -315,6 +342,33 @@ mod tests {
         assert_eq!(out[2]["arguments"], "{\"command\":[\"ls\"]}");
         assert_eq!(r["usage"]["input_tokens_details"]["cached_tokens"], 4);
         assert_eq!(r["usage"]["total_tokens"], 15);
+    }
+
+    /// A freeform tool's call goes out as a `custom_tool_call` with the raw input.
+    #[test]
+    fn a_custom_tool_call_carries_the_raw_input() {
+        let mut e = ResponseEncoder::new("resp-c".into(), 7, "m".into(), params());
+        let patch = "*** Begin Patch\n*** Add File: a.txt\n+hi\n*** End Patch\n";
+        let args = json!({"input": patch}).to_string();
+        let (a, b) = args.split_at(10);
+        let mut all = e
+            .update(update(
+                vec![
+                    Delta::ToolCallStart { index: 0, id: "call_p".into(), name: "apply_patch".into() },
+                    Delta::ToolCallArguments { index: 0, chunk: a.into() },
+                    Delta::ToolCallArguments { index: 0, chunk: b.into() },
+                ],
+                Some(ChoiceEnd { reason: "tool_calls", usage: Usage::default(), chat: None, stop_sequence: None }),
+            ))
+            .unwrap();
+        all.extend(e.finish(&Usage::default()));
+        let types: Vec<&str> = all.iter().map(|v| v["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            types,
+            ["response.output_item.added", "response.custom_tool_call_input.delta", "response.custom_tool_call_input.done", "response.output_item.done", "response.completed"]
+        );
+        let item = &all[3]["item"];
+        assert_eq!((item["type"].as_str(), item["call_id"].as_str(), item["input"].as_str()), (Some("custom_tool_call"), Some("call_p"), Some(patch)));
     }
 
     #[test]
