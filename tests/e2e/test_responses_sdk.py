@@ -41,8 +41,19 @@ def test_stream_rebuilds_the_response(client):
     kw = dict(model="m2-small", input=[{"role": "user", "content": "REPLAY:reason 2+2?"}])
     full = client.responses.create(**kw)
     with client.responses.stream(**kw) as s:
-        kinds = [e.type for e in s]
+        events = list(s)
         final = s.get_final_response()
+    kinds = [e.type for e in events]
+    # The deltas, per item, add up to the finished items' text, and those to the non-streamed output.
+    text = {}
+    for e in events:
+        if e.type in ("response.reasoning_text.delta", "response.output_text.delta"):
+            text[e.item_id] = text.get(e.item_id, "") + e.delta
+    done = {e.item.id: e.item for e in events if e.type == "response.output_item.done"}
+    assert {i: done[i].content[0].text for i in text} == text
+    assert sorted(text.values()) == sorted([full.output[0].content[0].text, full.output_text])
+    seqs = [e.sequence_number for e in events]
+    assert seqs == list(range(len(seqs)))
     def strip(items):
         # Item ids differ between two responses; the stream helper adds `parsed` to text parts.
         def clean(v):
@@ -66,11 +77,14 @@ def test_function_call_round_trip(client):
     assert json.loads(calls[0].arguments) == {"city": "Paris", "days": 3}
     assert [i.type for i in r.output] == ["reasoning", "message", "function_call"]
 
-    # Streaming: the SDK accumulates the argument deltas into the same call.
+    # Streaming: the argument deltas add up to the finished call.
     with client.responses.stream(model="m2-small", input=inp, tools=TOOLS) as s:
+        events = list(s)
         final = s.get_final_response()
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
     sc = [i for i in final.output if i.type == "function_call"]
-    assert [(c.name, json.loads(c.arguments), c.call_id) for c in sc] == [("get_weather", {"city": "Paris", "days": 3}, sc[0].call_id)]
+    assert [(c.name, json.loads(c.arguments)) for c in sc] == [("get_weather", {"city": "Paris", "days": 3})]
+    assert args == sc[0].arguments
 
     # Codex's next request: the whole input, the model's items included, and the output.
     follow = inp + [i.model_dump(exclude_none=True) for i in r.output] + [
@@ -78,7 +92,38 @@ def test_function_call_round_trip(client):
     ]
     r2 = client.responses.create(model="m2-small", input=follow, tools=TOOLS, max_output_tokens=4)
     assert r2.status in ("completed", "incomplete")
-    assert r2.usage.input_tokens > r.usage.input_tokens
+    # The reasoning item reaches the prompt (the template keeps the turn in progress's).
+    no_reasoning = [i for i in follow if i.get("type") != "reasoning"]
+    r3 = client.responses.create(model="m2-small", input=no_reasoning, tools=TOOLS, max_output_tokens=1)
+    assert r.usage.input_tokens < r3.usage.input_tokens < r2.usage.input_tokens
+
+
+def test_a_codex_shaped_turn(client):
+    # What Codex sends: instructions, a developer item, two user items, the model's reasoning,
+    # a call of an MCP server's function (a namespace tool) and its output, a developer item
+    # when settings change, the next user message; every tool kind it lists.
+    tools = TOOLS + [
+        {"type": "namespace", "name": "mcp__docs", "description": "Docs", "tools": [
+            {"type": "function", "name": "search", "description": "Search", "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}]},
+        {"type": "web_search"},
+        APPLY_PATCH,
+    ]
+    inp = [
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "<permissions>workspace-write</permissions>"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "<environment_context>cwd=/repo</environment_context>"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Find the docs."}]},
+        {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Search the docs server."}], "encrypted_content": None},
+        {"type": "function_call", "call_id": "call_9", "namespace": "mcp__docs", "name": "search", "arguments": "{\"q\": \"install\"}"},
+        {"type": "function_call_output", "call_id": "call_9", "output": "See INSTALL.md"},
+        {"type": "message", "role": "developer", "content": [{"type": "input_text", "text": "<permissions>read-only</permissions>"}]},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "REPLAY:tools and the weather?"}]},
+    ]
+    with client.responses.stream(model="gpt-5-codex", instructions="You are Codex.", input=inp, tools=tools,
+                                 store=False, include=["reasoning.encrypted_content"], reasoning={"effort": "medium"},
+                                 extra_body={"text": {"verbosity": "low"}, "prompt_cache_key": "t1"}) as s:
+        r = s.get_final_response()
+    assert r.model == "m2-small" and r.status == "completed"
+    assert [i.type for i in r.output] == ["reasoning", "message", "function_call"]
 
 
 APPLY_PATCH = {

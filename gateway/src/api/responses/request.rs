@@ -42,6 +42,13 @@ pub struct ResponsesParams {
     pub metadata: Json,
     /// Names of the `custom` (freeform) tools: their calls are `custom_tool_call` items.
     pub custom_tools: Vec<String>,
+    /// Functions of a namespace tool: (the name the model sees, the namespace, the name).
+    pub namespaced: Vec<(String, String, String)>,
+}
+
+/// The name the model sees for a namespace's function.
+pub fn flat_name(namespace: &str, name: &str) -> String {
+    format!("{namespace}__{name}")
 }
 
 /// Reads a Responses request.
@@ -114,20 +121,35 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams) -> Result<(ChatT
     };
     let mut tools = Vec::new();
     let mut custom_tools = Vec::new();
+    let mut namespaced = Vec::new();
     for (i, t) in tools_in.iter().enumerate() {
-        match tool(t, i)? {
-            Tool::Function(f) => tools.push(f),
-            Tool::Custom(f, name) => {
-                tools.push(f);
-                custom_tools.push(name);
+        let at = format!("tools[{i}]");
+        // A namespace (Codex's MCP servers) lends its name to its functions: `ns__name`.
+        let (ns, inner): (Option<&str>, Vec<(String, &Json)>) = if t.get("type").and_then(Json::as_str) == Some("namespace") {
+            let ns = t.get("name").and_then(Json::as_str).ok_or_else(|| ApiError::invalid(format!("{at}.name"), "is required"))?;
+            let list = t.get("tools").and_then(Json::as_array).ok_or_else(|| ApiError::invalid(format!("{at}.tools"), "must be an array"))?;
+            (Some(ns), list.iter().enumerate().map(|(j, x)| (format!("{at}.tools[{j}]"), x)).collect())
+        } else {
+            (None, vec![(at, t)])
+        };
+        for (at, t) in inner {
+            match tool(t, &at, ns)? {
+                Tool::Function(f) => tools.push(f),
+                Tool::Custom(f, name) => {
+                    tools.push(f);
+                    custom_tools.push(name);
+                }
+                Tool::Hosted(kind) => tracing::debug!(kind, "responses: leaving out a hosted tool nothing here runs"),
             }
-            Tool::Hosted(kind) => tracing::debug!(kind, "responses: leaving out a hosted tool nothing here runs"),
+            if let (Some(ns), Some(name)) = (ns, t.get("name").and_then(Json::as_str)) {
+                namespaced.push((flat_name(ns, name), ns.to_string(), name.to_string()));
+            }
         }
     }
     let tool_choice = match f.get("tool_choice") {
         None => json!("auto"),
         Some(Json::String(s)) if ["auto", "none", "required"].contains(&s.as_str()) => json!(s),
-        Some(Json::Object(o)) if o.get("type").and_then(Json::as_str) == Some("function") => match o.get("name") {
+        Some(Json::Object(o)) if matches!(o.get("type").and_then(Json::as_str), Some("function" | "custom")) => match o.get("name") {
             Some(Json::String(n)) => json!({"type": "function", "name": n}),
             _ => return Err(ApiError::invalid("tool_choice.name", "is required")),
         },
@@ -150,7 +172,7 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams) -> Result<(ChatT
         chat_template_kwargs: None,
         reasoning_format: Some("parsed".into()),
     };
-    let params = ResponsesParams { model, max_output_tokens, stream, sampling, instructions, tools: Json::Array(tools_in), tool_choice, parallel_tool_calls, metadata, custom_tools };
+    let params = ResponsesParams { model, max_output_tokens, stream, sampling, instructions, tools: Json::Array(tools_in), tool_choice, parallel_tool_calls, metadata, custom_tools, namespaced };
     Ok((chat, params))
 }
 
@@ -167,7 +189,7 @@ impl Items {
         if self.reasoning.is_empty() && self.content.is_empty() && self.calls.is_empty() {
             return;
         }
-        let mut m = json!({"role": "assistant", "content": self.content.join("")});
+        let mut m = json!({"role": "assistant", "content": self.content.join("\n\n")});
         if !self.reasoning.is_empty() {
             m["reasoning_content"] = Json::String(self.reasoning.join("\n"));
         }
@@ -201,12 +223,23 @@ impl Items {
                         None => return Err(ApiError::invalid(format!("{at}.role"), "is required")),
                     };
                     let text = content_text(o.get("content"), &format!("{at}.content"), last && role == "user")?;
-                    if role == "assistant" {
-                        self.content.push(text);
-                    } else {
-                        self.flush(out);
-                        let role = if role == "developer" { "system" } else { role };
-                        out.push(json!({"role": role, "content": text}));
+                    match role {
+                        "assistant" => self.content.push(text),
+                        "user" => {
+                            self.flush(out);
+                            out.push(json!({"role": "user", "content": text}));
+                        }
+                        // The template takes one system message, first: `instructions` and the
+                        // leading system / developer items (Codex's permissions) make it; a later
+                        // one (settings changed mid-session) is a labelled user message there.
+                        _ if out.iter().all(|m| m["role"] == "system") => match out.first_mut() {
+                            Some(sys) => sys["content"] = json!(format!("{}\n\n{text}", sys["content"].as_str().unwrap_or(""))),
+                            None => out.push(json!({"role": "system", "content": text})),
+                        },
+                        _ => {
+                            self.flush(out);
+                            out.push(json!({"role": "user", "content": format!("[{role} message]\n{text}")}));
+                        }
                     }
                 }
                 "reasoning" => {
@@ -223,7 +256,10 @@ impl Items {
                 }
                 "function_call" => {
                     let call_id = string_field(item, "call_id", &at)?;
-                    let name = string_field(item, "name", &at)?;
+                    let mut name = string_field(item, "name", &at)?;
+                    if let Some(ns) = o.get("namespace").and_then(Json::as_str) {
+                        name = flat_name(ns, &name);
+                    }
                     let arguments = string_field(item, "arguments", &at)?;
                     self.calls.push(json!({"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}));
                 }
@@ -300,8 +336,7 @@ enum Tool {
     Hosted(String),
 }
 
-fn tool(t: &Json, i: usize) -> Result<Tool, ApiError> {
-    let at = format!("tools[{i}]");
+fn tool(t: &Json, at: &str, namespace: Option<&str>) -> Result<Tool, ApiError> {
     let kind = match t.get("type").and_then(Json::as_str) {
         Some(k) => k,
         None => return Err(ApiError::invalid(format!("{at}.type"), "is required")),
@@ -309,7 +344,10 @@ fn tool(t: &Json, i: usize) -> Result<Tool, ApiError> {
     if kind != "function" && kind != "custom" {
         return Ok(Tool::Hosted(kind.to_string()));
     }
-    let name = string_field(t, "name", &at)?;
+    let mut name = string_field(t, "name", at)?;
+    if let Some(ns) = namespace {
+        name = flat_name(ns, &name);
+    }
     let parameters = if kind == "custom" {
         let mut about = "The tool's input as raw text, exactly as the tool description asks (not JSON).".to_string();
         if let Some(f) = t.get("format").filter(|f| f.get("type").and_then(Json::as_str) == Some("grammar")) {
@@ -352,19 +390,23 @@ mod tests {
                 {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Listing."}]},
                 {"type": "function_call", "call_id": "call_1", "name": "shell", "arguments": "{\"command\":[\"ls\"]}"},
                 {"type": "function_call_output", "call_id": "call_1", "output": "a.txt"},
+                {"type": "message", "role": "developer", "content": "Sandbox changed."},
                 {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Thanks"}]},
             ]
         }))
         .unwrap();
         assert_eq!((p.max_output_tokens, p.stream, p.parallel_tool_calls), (Some(100), true, true));
+        chat.validate().expect("a conversation the chat path takes");
         let m = &chat.messages;
-        assert_eq!(m[0], json!({"role": "system", "content": "You are a coding agent."}));
-        assert_eq!(m[1], json!({"role": "system", "content": "Be careful."}));
-        assert_eq!(m[2], json!({"role": "user", "content": "List files"}));
-        assert_eq!(m[3]["reasoning_content"], "Use ls.");
-        assert_eq!(m[3]["content"], "Listing.");
-        assert_eq!(m[3]["tool_calls"][0], json!({"id": "call_1", "type": "function", "function": {"name": "shell", "arguments": "{\"command\":[\"ls\"]}"}}));
-        assert_eq!(m[4], json!({"role": "tool", "tool_call_id": "call_1", "content": "a.txt"}));
+        // One system message: the instructions and the leading developer item.
+        assert_eq!(m[0], json!({"role": "system", "content": "You are a coding agent.\n\nBe careful."}));
+        assert_eq!(m[1], json!({"role": "user", "content": "List files"}));
+        assert_eq!(m[2]["reasoning_content"], "Use ls.");
+        assert_eq!(m[2]["content"], "Listing.");
+        assert_eq!(m[2]["tool_calls"][0], json!({"id": "call_1", "type": "function", "function": {"name": "shell", "arguments": "{\"command\":[\"ls\"]}"}}));
+        assert_eq!(m[3], json!({"role": "tool", "tool_call_id": "call_1", "content": "a.txt"}));
+        // A developer item after the conversation started is a labelled user message.
+        assert_eq!(m[4], json!({"role": "user", "content": "[developer message]\nSandbox changed."}));
         assert_eq!(m[5], json!({"role": "user", "content": "Thanks"}));
         assert_eq!(m.len(), 6);
         assert_eq!(chat.tools.unwrap()[0]["function"]["name"], "shell");
@@ -388,6 +430,7 @@ mod tests {
         }))
         .unwrap();
         assert_eq!(p.custom_tools, ["apply_patch"]);
+        chat.validate().expect("a conversation the chat path takes");
         let tools = chat.tools.unwrap();
         assert_eq!(tools.as_array().unwrap().len(), 1);
         let input = &tools[0]["function"]["parameters"]["properties"]["input"];
@@ -396,6 +439,25 @@ mod tests {
         let args: Json = serde_json::from_str(chat.messages[1]["tool_calls"][0]["function"]["arguments"].as_str().unwrap()).unwrap();
         assert_eq!(args, json!({"input": "*** Begin Patch\n*** End Patch\n"}));
         assert_eq!(chat.messages[2], json!({"role": "tool", "tool_call_id": "c1", "content": "Done"}));
+    }
+
+    /// Codex's MCP tools: a namespace's functions under `ns__name`, and back from history.
+    #[test]
+    fn namespace_functions_are_flattened() {
+        let (chat, p) = read_json(json!({
+            "input": [
+                {"role": "user", "content": "Search docs"},
+                {"type": "function_call", "call_id": "c1", "namespace": "mcp__docs", "name": "search", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "found"},
+            ],
+            "tools": [{"type": "namespace", "name": "mcp__docs", "description": "Docs server", "tools": [
+                {"type": "function", "name": "search", "parameters": {"type": "object", "properties": {}}}]}],
+        }))
+        .unwrap();
+        chat.validate().expect("valid");
+        assert_eq!(chat.tools.unwrap()[0]["function"]["name"], "mcp__docs__search");
+        assert_eq!(chat.messages[1]["tool_calls"][0]["function"]["name"], "mcp__docs__search");
+        assert_eq!(p.namespaced, [("mcp__docs__search".to_string(), "mcp__docs".to_string(), "search".to_string())]);
     }
 
     #[test]

@@ -52,12 +52,15 @@ pub struct ResponseEncoder {
     output: Vec<Json>,
     /// Whitespace written outside a message item, held until text follows.
     pending_ws: String,
+    /// Every call started so far, by index: its kind, id and name (arguments that arrive
+    /// after another item opened reopen the right one).
+    calls: Vec<(usize, Kind, String, String)>,
     incomplete: bool,
 }
 
 impl ResponseEncoder {
     pub fn new(id: String, created_at: u64, model: String, params: ResponsesParams) -> Self {
-        Self { id, created_at, model, params, seq: Cell::new(0), open: None, output: Vec::new(), pending_ws: String::new(), incomplete: false }
+        Self { id, created_at, model, params, seq: Cell::new(0), open: None, output: Vec::new(), pending_ws: String::new(), calls: Vec::new(), incomplete: false }
     }
 
     /// An event of `kind` with the next sequence number.
@@ -85,25 +88,36 @@ impl ResponseEncoder {
     fn item(&self, o: &Open, status: &str) -> Json {
         match o.kind {
             Kind::Reasoning => {
-                let content = if status == "completed" { json!([{"type": "reasoning_text", "text": o.text}]) } else { json!([]) };
+                let content = if status == "in_progress" { json!([]) } else { json!([{"type": "reasoning_text", "text": o.text}]) };
                 json!({"id": o.id, "type": "reasoning", "summary": [], "content": content, "status": status})
             }
             Kind::Message => {
-                let content = if status == "completed" { json!([text_part(&o.text)]) } else { json!([]) };
+                let content = if status == "in_progress" { json!([]) } else { json!([text_part(&o.text)]) };
                 json!({"id": o.id, "type": "message", "role": "assistant", "status": status, "content": content})
             }
             Kind::Call(_) => {
-                let args = if status == "completed" { o.text.as_str() } else { "" };
-                json!({"id": o.id, "type": "function_call", "call_id": o.call_id, "name": o.name, "arguments": args, "status": status})
+                let args = if status == "in_progress" { "" } else { o.text.as_str() };
+                let mut item = json!({"id": o.id, "type": "function_call", "call_id": o.call_id, "name": o.name, "arguments": args, "status": status});
+                // A namespace's function goes back under its own name and namespace.
+                if let Some((_, ns, name)) = self.params.namespaced.iter().find(|n| n.0 == o.name) {
+                    item["name"] = json!(name);
+                    item["namespace"] = json!(ns);
+                }
+                item
             }
             Kind::Custom(_) => {
-                let input = if status == "completed" { custom_input(&o.text) } else { String::new() };
+                let input = if status == "in_progress" { String::new() } else { custom_input(&o.text) };
                 json!({"id": o.id, "type": "custom_tool_call", "call_id": o.call_id, "name": o.name, "input": input, "status": status})
             }
         }
     }
 
+    /// Closes the open item: `completed`, or `incomplete` when the length limit cut it.
     fn close(&mut self, out: &mut Vec<Json>) {
+        self.close_as("completed", out);
+    }
+
+    fn close_as(&mut self, status: &str, out: &mut Vec<Json>) {
         let Some(o) = self.open.take() else { return };
         let (id, oi) = (o.id.as_str(), o.output_index);
         match o.kind {
@@ -125,7 +139,7 @@ impl ResponseEncoder {
                 out.push(self.event("response.custom_tool_call_input.done", json!({"item_id": id, "output_index": oi, "input": input})));
             }
         }
-        let item = self.item(&o, "completed");
+        let item = self.item(&o, status);
         out.push(self.event("response.output_item.done", json!({"output_index": oi, "item": item})));
         self.output.push(item);
     }
@@ -222,11 +236,16 @@ impl ChunkEncoder for ResponseEncoder {
                 Delta::ToolCallStart { index, id, name } => {
                     self.close(&mut out);
                     let kind = if self.params.custom_tools.contains(&name) { Kind::Custom(index) } else { Kind::Call(index) };
+                    self.calls.push((index, kind, id.clone(), name.clone()));
                     self.ensure(kind, Some((&id, &name)), &mut out);
                 }
                 Delta::ToolCallArguments { index, chunk } if !chunk.is_empty() => {
                     if !self.open.as_ref().is_some_and(|o| matches!(o.kind, Kind::Call(i) | Kind::Custom(i) if i == index)) {
-                        self.ensure(Kind::Call(index), None, &mut out);
+                        let (kind, id, name) = match self.calls.iter().find(|c| c.0 == index) {
+                            Some((_, k, id, name)) => (*k, id.clone(), name.clone()),
+                            None => (Kind::Call(index), String::new(), String::new()),
+                        };
+                        self.ensure(kind, Some((&id, &name)), &mut out);
                     }
                     let o = self.open.as_mut().expect("just opened");
                     o.text.push_str(&chunk);
@@ -242,8 +261,8 @@ impl ChunkEncoder for ResponseEncoder {
             if let Some(err) = end.chat.as_ref().and_then(|f| f.tool_choice_error.as_ref()) {
                 return Err(crate::api::chat::tool_choice_error(&err.0));
             }
-            self.close(&mut out);
             self.incomplete = end.reason == "length";
+            self.close_as(if self.incomplete { "incomplete" } else { "completed" }, &mut out);
         }
         Ok(out)
     }
@@ -287,6 +306,7 @@ mod tests {
             parallel_tool_calls: true,
             metadata: Json::Null,
             custom_tools: vec!["apply_patch".into()],
+            namespaced: vec![("mcp__docs__search".into(), "mcp__docs".into(), "search".into())],
         }
     }
 
@@ -371,12 +391,29 @@ mod tests {
         assert_eq!((item["type"].as_str(), item["call_id"].as_str(), item["input"].as_str()), (Some("custom_tool_call"), Some("call_p"), Some(patch)));
     }
 
+    /// A namespace's function call goes out under its own name with its namespace.
+    #[test]
+    fn a_namespace_call_names_its_namespace() {
+        let mut e = ResponseEncoder::new("resp-n".into(), 7, "m".into(), params());
+        let out = e
+            .update(update(
+                vec![Delta::ToolCallStart { index: 0, id: "c".into(), name: "mcp__docs__search".into() }, Delta::ToolCallArguments { index: 0, chunk: "{}".into() }],
+                Some(ChoiceEnd { reason: "tool_calls", usage: Usage::default(), chat: None, stop_sequence: None }),
+            ))
+            .unwrap();
+        let done = out.iter().find(|v| v["type"] == "response.output_item.done").unwrap();
+        assert_eq!((done["item"]["name"].as_str(), done["item"]["namespace"].as_str()), (Some("search"), Some("mcp__docs")));
+        assert_eq!(out[0]["item"]["namespace"], "mcp__docs");
+    }
+
     #[test]
     fn a_length_cut_is_incomplete_and_a_failure_is_an_event() {
         let mut e = ResponseEncoder::new("resp-x".into(), 7, "m".into(), params());
         e.update(update(vec![Delta::Content("abc".into())], Some(ChoiceEnd { reason: "length", usage: Usage::default(), chat: None, stop_sequence: None }))).unwrap();
         let fin = e.finish(&Usage::default());
         assert_eq!(fin[0]["type"], "response.incomplete");
+        assert_eq!(fin[0]["response"]["output"][0]["status"], "incomplete");
+        assert_eq!(fin[0]["response"]["output"][0]["content"][0]["text"], "abc");
         assert_eq!(fin[0]["response"]["incomplete_details"]["reason"], "max_output_tokens");
         let f = e.error(&ApiError::timeout(3.0));
         assert_eq!((f["type"].as_str(), f["response"]["status"].as_str()), (Some("response.failed"), Some("failed")));
