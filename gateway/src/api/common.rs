@@ -6,9 +6,10 @@ use futures_util::StreamExt;
 use serde_json::{Value as Json, json};
 
 use super::error::ApiError;
-use super::run::{LogprobEntry, Run, Update};
+use super::run::{ChoiceJob, ChoiceKind, LogprobEntry, Run, Update};
 use super::state::AppState;
-use crate::engine::{SamplingParams, Usage};
+use crate::engine::{GenerationRequest, SamplingParams, Usage};
+use crate::text::prompt::PreparedChat;
 use crate::text::tokenizer::Tokenizer;
 
 /// 404 unless `model` is absent or the served id.
@@ -36,6 +37,24 @@ pub fn max_tokens(st: &AppState, requested: Option<u32>, prompt_len: usize, para
     }
     let room = (ctx - prompt_len) as u32;
     Ok(requested.map_or(room, |m| m.min(room)))
+}
+
+/// The one chat choice of a request that has a single answer (Responses, Messages): the
+/// prepared prompt, `max` output tokens, end-of-generation tokens as stops, the chat parser.
+pub fn single_chat_job(st: &AppState, prepared: &PreparedChat, id: &str, max: u32, sampling: SamplingParams, stop: Vec<String>) -> ChoiceJob {
+    ChoiceJob {
+        index: 0,
+        prompt_index: 0,
+        request: GenerationRequest {
+            request_id: id.to_string(),
+            prompt: prepared.prompt_ids.clone(),
+            max_tokens: max,
+            sampling,
+            stop_token_ids: st.text.tokenizer().eog_ids(),
+        },
+        stop,
+        kind: ChoiceKind::Chat(Box::new(st.text.output_parser(prepared))),
+    }
 }
 
 /// Choice `i` of a seeded request gets its own seed so that `n` choices differ but each is

@@ -19,12 +19,12 @@ use axum::response::Response;
 use serde_json::{Value as Json, json};
 
 use super::body::json_object;
-use super::common::{max_tokens, next_update};
+use super::common::{max_tokens, next_update, single_chat_job};
 use super::error::ApiError;
-use super::run::{ChoiceEnd, ChoiceJob, ChoiceKind, RequestLog, Run};
+use super::run::{ChoiceEnd, RequestLog, Run};
 use super::sse::ChunkEncoder;
 use super::state::{AppState, new_id};
-use crate::engine::{GenerationRequest, Usage};
+use crate::engine::Usage;
 
 pub async fn handler(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     match messages(st, headers, body).await {
@@ -56,19 +56,7 @@ async fn messages(st: AppState, headers: HeaderMap, body: Body) -> Result<Respon
     let prompt_len = prepared.prompt_ids.len();
     let max = max_tokens(&st, Some(p.max_tokens), prompt_len, "messages")?;
     let id = new_id("msg");
-    let job = ChoiceJob {
-        index: 0,
-        prompt_index: 0,
-        request: GenerationRequest {
-            request_id: id.clone(),
-            prompt: prepared.prompt_ids.clone(),
-            max_tokens: max,
-            sampling: p.sampling.clone(),
-            stop_token_ids: st.text.tokenizer().eog_ids(),
-        },
-        stop: p.stop_sequences.clone(),
-        kind: ChoiceKind::Chat(Box::new(st.text.output_parser(&prepared))),
-    };
+    let job = single_chat_job(&st, &prepared, &id, max, p.sampling.clone(), p.stop_sequences.clone());
     let log = RequestLog::new(id.clone(), "messages", started, prompt_len as u32);
     let mut run = Run::start(&st, log, vec![job])?;
     let timeout = st.args.timeout();

@@ -17,12 +17,11 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 use super::body::json_object;
-use super::common::{max_tokens, next_update};
+use super::common::{max_tokens, next_update, single_chat_job};
 use super::error::ApiError;
-use super::run::{ChoiceJob, ChoiceKind, RequestLog, Run};
+use super::run::{RequestLog, Run};
 use super::sse::ChunkEncoder;
 use super::state::{AppState, new_id, unix_now};
-use crate::engine::GenerationRequest;
 
 pub async fn handler(State(st): State<AppState>, headers: HeaderMap, body: Body) -> Response {
     match responses(st, headers, body).await {
@@ -43,19 +42,7 @@ async fn responses(st: AppState, headers: HeaderMap, body: Body) -> Result<Respo
     let prompt_len = prepared.prompt_ids.len();
     let max = max_tokens(&st, p.max_output_tokens, prompt_len, "input")?;
     let id = new_id("resp");
-    let job = ChoiceJob {
-        index: 0,
-        prompt_index: 0,
-        request: GenerationRequest {
-            request_id: id.clone(),
-            prompt: prepared.prompt_ids.clone(),
-            max_tokens: max,
-            sampling: p.sampling.clone(),
-            stop_token_ids: st.text.tokenizer().eog_ids(),
-        },
-        stop: Vec::new(),
-        kind: ChoiceKind::Chat(Box::new(st.text.output_parser(&prepared))),
-    };
+    let job = single_chat_job(&st, &prepared, &id, max, p.sampling.clone(), Vec::new());
     let log = RequestLog::new(id.clone(), "responses", started, prompt_len as u32);
     let mut run = Run::start(&st, log, vec![job])?;
     let timeout = st.args.timeout();
