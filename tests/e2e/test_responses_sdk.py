@@ -119,11 +119,15 @@ def test_a_codex_shaped_turn(client):
         {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "REPLAY:tools and the weather?"}]},
     ]
     with client.responses.stream(model="gpt-5-codex", instructions="You are Codex.", input=inp, tools=tools,
-                                 store=False, include=["reasoning.encrypted_content"], reasoning={"effort": "medium"},
+                                 store=False, include=["reasoning.encrypted_content"], reasoning={"effort": "medium", "summary": "auto"},
                                  extra_body={"text": {"verbosity": "low"}, "prompt_cache_key": "t1"}) as s:
+        kinds = [e.type for e in s]
         r = s.get_final_response()
     assert r.model == "m2-small" and r.status == "completed"
     assert [i.type for i in r.output] == ["reasoning", "message", "function_call"]
+    # A summary was asked for (Codex shows summaries by default): the reasoning streams as one.
+    assert "response.reasoning_summary_text.delta" in kinds and "response.reasoning_text.delta" not in kinds
+    assert r.output[0].summary[0].text == r.output[0].content[0].text == "The user wants the weather in Paris."
 
 
 APPLY_PATCH = {

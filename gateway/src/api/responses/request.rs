@@ -44,6 +44,9 @@ pub struct ResponsesParams {
     pub custom_tools: Vec<String>,
     /// Functions of a namespace tool: (the name the model sees, the namespace, the name).
     pub namespaced: Vec<(String, String, String)>,
+    /// `reasoning.summary` was asked for: reasoning items carry the reasoning as their summary
+    /// too, streamed as summary text.
+    pub summary: bool,
 }
 
 /// The name the model sees for a namespace's function.
@@ -84,11 +87,14 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams) -> Result<(ChatT
         },
         Some(v) => return Err(ApiError::invalid("text", format!("must be an object, got {}", type_name(v)))),
     }
-    // The model always reasons: `reasoning` (effort, summary) is accepted with no effect.
-    match f.get("reasoning") {
-        None | Some(Json::Object(_)) => {}
+    // The model always reasons (`effort` has no effect). Asked for a summary, the reasoning is
+    // streamed as the summary too: there is no separate summarizer, and clients (Codex) show
+    // summaries by default, raw reasoning only when asked.
+    let summary = match f.get("reasoning") {
+        None => false,
+        Some(Json::Object(r)) => ["summary", "generate_summary"].iter().any(|k| r.get(*k).and_then(Json::as_str).is_some_and(|v| v != "none")),
         Some(v) => return Err(ApiError::invalid("reasoning", format!("must be an object, got {}", type_name(v)))),
-    }
+    };
     // Accepted and ignored: they do not change the output.
     for k in ["store", "include", "user", "safety_identifier", "service_tier", "prompt_cache_key", "prompt_cache_retention", "truncation", "stream_options", "top_logprobs", "max_tool_calls"] {
         let _ = f.get(k);
@@ -172,7 +178,7 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams) -> Result<(ChatT
         chat_template_kwargs: None,
         reasoning_format: Some("parsed".into()),
     };
-    let params = ResponsesParams { model, max_output_tokens, stream, sampling, instructions, tools: Json::Array(tools_in), tool_choice, parallel_tool_calls, metadata, custom_tools, namespaced };
+    let params = ResponsesParams { model, max_output_tokens, stream, sampling, instructions, tools: Json::Array(tools_in), tool_choice, parallel_tool_calls, metadata, custom_tools, namespaced, summary };
     Ok((chat, params))
 }
 

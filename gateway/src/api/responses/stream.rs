@@ -88,8 +88,10 @@ impl ResponseEncoder {
     fn item(&self, o: &Open, status: &str) -> Json {
         match o.kind {
             Kind::Reasoning => {
-                let content = if status == "in_progress" { json!([]) } else { json!([{"type": "reasoning_text", "text": o.text}]) };
-                json!({"id": o.id, "type": "reasoning", "summary": [], "content": content, "status": status})
+                let done = status != "in_progress";
+                let content = if done { json!([{"type": "reasoning_text", "text": o.text}]) } else { json!([]) };
+                let summary = if done && self.params.summary { json!([{"type": "summary_text", "text": o.text}]) } else { json!([]) };
+                json!({"id": o.id, "type": "reasoning", "summary": summary, "content": content, "status": status})
             }
             Kind::Message => {
                 let content = if status == "in_progress" { json!([]) } else { json!([text_part(&o.text)]) };
@@ -121,6 +123,11 @@ impl ResponseEncoder {
         let Some(o) = self.open.take() else { return };
         let (id, oi) = (o.id.as_str(), o.output_index);
         match o.kind {
+            Kind::Reasoning if self.params.summary => {
+                let part = json!({"type": "summary_text", "text": o.text});
+                out.push(self.event("response.reasoning_summary_text.done", json!({"item_id": id, "output_index": oi, "summary_index": 0, "text": o.text})));
+                out.push(self.event("response.reasoning_summary_part.done", json!({"item_id": id, "output_index": oi, "summary_index": 0, "part": part})));
+            }
             Kind::Reasoning => {
                 let part = json!({"type": "reasoning_text", "text": o.text});
                 out.push(self.event("response.reasoning_text.done", json!({"item_id": id, "output_index": oi, "content_index": 0, "text": o.text})));
@@ -166,6 +173,10 @@ impl ResponseEncoder {
         let item = self.item(&o, "in_progress");
         out.push(self.event("response.output_item.added", json!({"output_index": output_index, "item": item})));
         match kind {
+            Kind::Reasoning if self.params.summary => {
+                let ev = json!({"item_id": o.id, "output_index": output_index, "summary_index": 0, "part": {"type": "summary_text", "text": ""}});
+                out.push(self.event("response.reasoning_summary_part.added", ev));
+            }
             Kind::Reasoning => {
                 let ev = json!({"item_id": o.id, "output_index": output_index, "content_index": 0, "part": {"type": "reasoning_text", "text": ""}});
                 out.push(self.event("response.content_part.added", ev));
@@ -218,8 +229,12 @@ impl ChunkEncoder for ResponseEncoder {
                     self.ensure(Kind::Reasoning, None, &mut out);
                     let o = self.open.as_mut().expect("just opened");
                     o.text.push_str(&t);
-                    let ev = json!({"item_id": o.id, "output_index": o.output_index, "content_index": 0, "delta": t});
-                    out.push(self.event("response.reasoning_text.delta", ev));
+                    let ev = if self.params.summary {
+                        ("response.reasoning_summary_text.delta", json!({"item_id": o.id, "output_index": o.output_index, "summary_index": 0, "delta": t}))
+                    } else {
+                        ("response.reasoning_text.delta", json!({"item_id": o.id, "output_index": o.output_index, "content_index": 0, "delta": t}))
+                    };
+                    out.push(self.event(ev.0, ev.1));
                 }
                 Delta::Content(t) if !t.is_empty() => {
                     if !self.open.as_ref().is_some_and(|o| o.kind == Kind::Message) && t.trim().is_empty() {
@@ -307,6 +322,7 @@ mod tests {
             metadata: Json::Null,
             custom_tools: vec!["apply_patch".into()],
             namespaced: vec![("mcp__docs__search".into(), "mcp__docs".into(), "search".into())],
+            summary: false,
         }
     }
 
@@ -389,6 +405,22 @@ mod tests {
         );
         let item = &all[3]["item"];
         assert_eq!((item["type"].as_str(), item["call_id"].as_str(), item["input"].as_str()), (Some("custom_tool_call"), Some("call_p"), Some(patch)));
+    }
+
+    /// Asked for a summary, the reasoning streams as summary text and the item holds both.
+    #[test]
+    fn a_summary_streams_the_reasoning() {
+        let mut e = ResponseEncoder::new("resp-s".into(), 7, "m".into(), ResponsesParams { summary: true, ..params() });
+        let out = e
+            .update(update(vec![Delta::Reasoning("Think.".into()), Delta::Content("Done.".into())], Some(ChoiceEnd { reason: "stop", usage: Usage::default(), chat: None, stop_sequence: None })))
+            .unwrap();
+        let types: Vec<&str> = out.iter().take(5).map(|v| v["type"].as_str().unwrap()).collect();
+        assert_eq!(
+            types,
+            ["response.output_item.added", "response.reasoning_summary_part.added", "response.reasoning_summary_text.delta", "response.reasoning_summary_text.done", "response.reasoning_summary_part.done"]
+        );
+        let item = &out[5]["item"];
+        assert_eq!((item["summary"][0]["text"].as_str(), item["content"][0]["text"].as_str()), (Some("Think."), Some("Think.")));
     }
 
     /// A namespace's function call goes out under its own name with its namespace.
