@@ -69,11 +69,10 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams, count_only: bool
     // `effort` has no counterpart here; a structured output `format` needs constrained decoding.
     match f.get("output_config") {
         None => {}
-        Some(Json::Object(o)) => {
-            if o.get("format").is_some_and(|v| !v.is_null()) {
-                return Err(ApiError::unsupported("output_config.format", "structured outputs are not supported yet (they need constrained decoding)"));
-            }
+        Some(Json::Object(o)) if o.get("format").is_some_and(|v| !v.is_null()) => {
+            return Err(ApiError::unsupported("output_config.format", "structured outputs are not supported yet (they need constrained decoding)"));
         }
+        Some(Json::Object(_)) => {}
         Some(v) => return Err(ApiError::invalid("output_config", format!("must be an object, got {}", type_name(v)))),
     }
     for (key, why) in [("mcp_servers", "MCP servers are not supported"), ("container", "containers are not supported")] {
