@@ -2,6 +2,7 @@
 
 pub mod api;
 pub mod cli;
+pub mod constrain;
 pub mod engine;
 pub mod kv;
 pub mod ranks;

@@ -11,7 +11,9 @@ pub mod v1 {
     /// The protocol version ranks report in `DescribeResponse.protocol_version`.
     /// 2: drawn tokens (`SamplingSpec.draw`, `RowOutput.drawn_token`, `SeqStep.feed_drawn`) and
     /// chained steps in one-rank worlds; a version-1 rank would run overlapped steps unordered.
-    pub const PROTOCOL_VERSION: u32 = 2;
+    /// 3: allowed-token masks (`SamplingSpec.allowed_tokens`), which a version-2 rank would
+    /// ignore (structured outputs would silently not hold).
+    pub const PROTOCOL_VERSION: u32 = 3;
 
     mod convert;
     pub use convert::{count_in_history, draw_row, row_output, sampling_spec};

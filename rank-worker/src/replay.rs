@@ -11,8 +11,11 @@
 //! File format (JSON):
 //! ```json
 //! {"scripts": [{"trigger": "REPLAY:tools", "text": "Thinking…</think>\n\n<minimax:tool_call>…"},
-//!              {"trigger": "REPLAY:ids", "tokens": [12, 34]}]}
+//!              {"trigger": "REPLAY:ids", "tokens": [12, 34]},
+//!              {"trigger": "REPLAY:json", "text": "ok</think>\n\n", "then": "sample"}]}
 //! ```
+//! `"then": "sample"` lets the model sample normally after the script (instead of ending it):
+//! structured-output tests script the reasoning block and let the masks shape the rest.
 //! `text` is turned into tokens by greedy longest match over the model's vocabulary (every
 //! byte has a token in a byte-level BPE, so any text is reachable and decodes back exactly).
 //!
@@ -42,6 +45,8 @@ pub enum ReplayError {
 struct Script {
     trigger: String,
     tokens: Vec<u32>,
+    /// After the script: sample normally (`true`) or end the sequence.
+    then_sample: bool,
 }
 
 #[derive(Debug, Clone, PartialEq)]
@@ -179,7 +184,12 @@ impl Replay {
                     .ok_or(format!("scripts[{i}].tokens: token ids below {} expected", vocab.len()))?,
                 _ => return Err(format!("scripts[{i}]: exactly one of `text` or `tokens` is required")),
             };
-            scripts.push(Script { trigger, tokens });
+            let then_sample = match s.get("then").map(|t| t.as_str()) {
+                None | Some(Some("end")) => false,
+                Some(Some("sample")) => true,
+                _ => return Err(format!("scripts[{i}].then: `end` (default) or `sample` expected")),
+            };
+            scripts.push(Script { trigger, tokens, then_sample });
         }
         Ok(Replay { scripts, vocab, eos, page_size: page_size.max(1), pages: HashMap::new(), plans: HashMap::new() })
     }
@@ -223,7 +233,12 @@ impl Replay {
             SeqPlan::None => None,
             SeqPlan::Script { script, start } => {
                 let k = (position + 1).checked_sub(start)? as usize;
-                Some(Forced { token: self.scripts[script].tokens.get(k).copied().unwrap_or(self.eos) })
+                let sc = &self.scripts[script];
+                match sc.tokens.get(k) {
+                    Some(&token) => Some(Forced { token }),
+                    None if sc.then_sample => None,
+                    None => Some(Forced { token: self.eos }),
+                }
             }
         }
     }
@@ -276,6 +291,21 @@ mod tests {
         assert_eq!(r.forced(2, &[11, 12, 13, 14], other.len() as u32 - 1), None);
         r.observe(3, &pages, 4, &prompt[4..]);
         assert_eq!(r.forced(3, &pages, p - 1), Some(Forced { token: 5 }));
+    }
+
+    #[test]
+    fn then_sample_hands_over_after_the_script() {
+        let m = meta();
+        let vocab = vocab_bytes(m.metadata()).unwrap();
+        let doc = r#"{"scripts": [{"trigger": "XYZ", "tokens": [5], "then": "sample"}]}"#;
+        let mut r = Replay::from_json(doc, m.metadata(), 4).unwrap();
+        let prompt = greedy_encode(&vocab, "XYZ").unwrap();
+        let pages = [1u32, 2, 3];
+        r.observe(1, &pages, 0, &prompt);
+        let p = prompt.len() as u32;
+        assert_eq!(r.forced(1, &pages, p - 1), Some(Forced { token: 5 }));
+        assert_eq!(r.forced(1, &pages, p), None, "sampled after the script, not ended");
+        assert!(Replay::from_json(r#"{"scripts": [{"trigger": "a", "tokens": [1], "then": "stop"}]}"#, m.metadata(), 4).is_err());
     }
 
     #[test]

@@ -13,6 +13,7 @@ pub mod completions;
 pub mod config;
 pub mod engine_backend;
 pub mod error;
+pub mod format;
 pub mod messages;
 pub mod metrics;
 pub mod misc;

@@ -5,6 +5,9 @@ use std::sync::Arc;
 use super::backend::Backend;
 use super::config::ApiArgs;
 use super::metrics::Metrics;
+use crate::constrain::ConstraintSpec;
+use crate::constrain::schema::Grammar;
+use crate::constrain::vocab::TokenIndex;
 use crate::engine::SamplingParams;
 use crate::text::prompt::TextPipeline;
 
@@ -29,11 +32,15 @@ pub struct AppState {
     pub metrics: Arc<Metrics>,
     pub args: Arc<ApiArgs>,
     pub sampling_defaults: Arc<SamplingParams>,
+    /// The vocabulary as structured outputs' masks see it (built once at start).
+    pub token_index: Arc<TokenIndex>,
 }
 
 impl AppState {
     pub fn new(backend: Arc<dyn Backend>, text: Arc<TextPipeline>, model: ModelMeta, args: ApiArgs) -> Self {
+        let token_index = Arc::new(TokenIndex::new(text.tokenizer()));
         AppState {
+            token_index,
             backend,
             text,
             model: Arc::new(model),
@@ -41,6 +48,15 @@ impl AppState {
             sampling_defaults: Arc::new(args.sampling_defaults()),
             args: Arc::new(args),
         }
+    }
+}
+
+impl AppState {
+    /// A structured output's constraint for a prompt that ends inside a reasoning block
+    /// (`starts_in_reasoning`: the document starts after its closing tag) or not.
+    pub fn constraint(&self, grammar: Grammar, starts_in_reasoning: bool) -> Arc<ConstraintSpec> {
+        let close = self.text.format().reasoning.close.as_bytes().to_vec();
+        Arc::new(ConstraintSpec { grammar, index: self.token_index.clone(), reasoning_close: starts_in_reasoning.then_some(close) })
     }
 }
 

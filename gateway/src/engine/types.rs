@@ -3,6 +3,9 @@
 //! parsing); the engine owns tokens, pages, batching and sampling.
 
 use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::constrain::ConstraintSpec;
 
 /// Sampling settings of one request, already validated by the API layer.
 #[derive(Clone, Debug, PartialEq)]
@@ -26,6 +29,8 @@ pub struct SamplingParams {
     pub logprobs: bool,
     /// 0..=20 top alternatives per token.
     pub top_logprobs: u32,
+    /// Structured outputs: the document the output must be (`None`: free text).
+    pub constraint: Option<Arc<ConstraintSpec>>,
 }
 
 impl Default for SamplingParams {
@@ -43,6 +48,7 @@ impl Default for SamplingParams {
             seed: None,
             logprobs: false,
             top_logprobs: 0,
+            constraint: None,
         }
     }
 }

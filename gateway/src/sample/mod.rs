@@ -17,7 +17,10 @@
 //!   them in, nor on which other sequences share the step: the same seed gives the same tokens
 //!   whatever the batching;
 //! - logprobs: raw logit − raw log-sum-exp (the model's distribution, before any sampling
-//!   transform, as OpenAI reports them); top_logprobs straight from the rank.
+//!   transform, as OpenAI reports them); top_logprobs straight from the rank;
+//! - structured outputs: a constrained request's spec carries the step's allowed-token mask
+//!   (or, inside the reasoning block, bans its end-of-generation tokens), and every sampled
+//!   token moves the request's matcher on (`crate::constrain`).
 
 use std::collections::HashMap;
 
@@ -26,6 +29,7 @@ use minimax_shared::sampling::draw::{DrawError, draw};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 
+use crate::constrain::{Constraint, ConstraintError, Rule};
 use crate::engine::{SamplingParams, TokenLogprob};
 
 /// Per-request sampling state: the RNG stream and the generated-token counts the rank's
@@ -35,6 +39,7 @@ pub struct Sampler {
     params: SamplingParams,
     rng: ChaCha20Rng,
     history: HashMap<u32, u32>,
+    constraint: Option<Constraint>,
 }
 
 /// Why a row could not be sampled (the rank broke the contract).
@@ -46,6 +51,8 @@ pub enum SampleError {
     RaggedRaw { ids: usize, raw: usize },
     #[error("the head rank drew token {rank}, but the step's uniform number draws token {gateway}")]
     DrawMismatch { rank: u32, gateway: u32 },
+    #[error("structured output: {0}")]
+    Constraint(#[from] ConstraintError),
 }
 
 /// One sampled token.
@@ -58,7 +65,14 @@ pub struct Sampled {
 impl Sampler {
     pub fn new(params: SamplingParams) -> Self {
         let seed = params.seed.unwrap_or_else(|| rand::rng().random());
-        Self { params, rng: ChaCha20Rng::seed_from_u64(seed), history: HashMap::new() }
+        let constraint = params.constraint.clone().map(Constraint::new);
+        Self { params, rng: ChaCha20Rng::seed_from_u64(seed), history: HashMap::new(), constraint }
+    }
+
+    /// Whether the request's output is constrained: its next step's rule depends on the token
+    /// drawn now, so it cannot be fed from the rank's own draw (overlapped decode).
+    pub fn constrained(&self) -> bool {
+        self.constraint.is_some()
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -79,7 +93,22 @@ impl Sampler {
     /// The spec of the request's next sampled step, with the uniform number it takes.
     pub fn next_spec(&mut self) -> (SamplingSpec, f64) {
         let u = self.next_draw();
-        (self.spec(u), u)
+        let mut spec = self.spec(u);
+        if let Some(c) = &mut self.constraint {
+            match c.rule() {
+                Rule::NoEnd => {
+                    for &t in c.eog() {
+                        match spec.logit_bias.iter_mut().find(|b| b.token == t) {
+                            Some(b) => b.bias = f32::NEG_INFINITY,
+                            None => spec.logit_bias.push(TokenBias { token: t, bias: f32::NEG_INFINITY }),
+                        }
+                    }
+                    spec.logit_bias.sort_by_key(|b| b.token);
+                }
+                Rule::Only(mask) => spec.allowed_tokens = Some(mask_bytes(&mask, c.vocab())),
+            }
+        }
+        (spec, u)
     }
 
     /// What the head rank must reduce this request's next row to, and the uniform number it
@@ -103,6 +132,7 @@ impl Sampler {
             history,
             top_logprobs: if p.logprobs || p.top_logprobs > 0 { p.top_logprobs.min(20) } else { 0 },
             draw: Some(draw),
+            allowed_tokens: None,
         }
     }
 
@@ -120,6 +150,9 @@ impl Sampler {
             return Err(SampleError::DrawMismatch { rank: t, gateway: ids[pick] });
         }
         let token = ids[pick];
+        if let Some(c) = &mut self.constraint {
+            c.advance(token)?;
+        }
         self.observe(token);
         let logprob = if self.params.logprobs || self.params.top_logprobs > 0 {
             let lp = if raw.is_empty() { f32::NAN } else { raw[pick] - row.raw_logsumexp };
@@ -130,6 +163,13 @@ impl Sampler {
         };
         Ok(Sampled { token, logprob })
     }
+}
+
+/// A mask of 64-bit words as the proto's bytes (bit `t % 8` of byte `t / 8`).
+fn mask_bytes(mask: &[u64], vocab: usize) -> Vec<u8> {
+    let mut out: Vec<u8> = mask.iter().flat_map(|w| w.to_le_bytes()).collect();
+    out.truncate(vocab.div_ceil(8));
+    out
 }
 
 #[cfg(test)]

@@ -584,7 +584,8 @@ impl Scheduler {
 
     /// Whether overlapped decode can plan `s` again while its step in flight draws its next
     /// token: that token must be fed next (one unseen draw at most, so the penalties' history
-    /// misses only the token the rank adds), and must not end the sequence by length.
+    /// misses only the token the rank adds), must not end the sequence by length, and must not
+    /// decide the next step's allowed tokens (structured outputs).
     fn can_feed_drawn(&self, s: &Seq) -> bool {
         self.overlap
             && s.draw_in_flight
@@ -593,6 +594,7 @@ impl Scheduler {
             && !s.out.closed()
             && s.generated + 1 < s.max_tokens
             && s.tokens.len() + 1 < self.context
+            && !s.sampler.as_ref().is_some_and(Sampler::constrained)
     }
 
     /// Picks the step's entries among the running sequences; `None` if none can run.

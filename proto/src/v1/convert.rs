@@ -24,6 +24,7 @@ pub fn sampling_spec(s: Option<&SamplingSpec>) -> Spec {
         logit_bias: s.logit_bias.iter().map(|b| (b.token, b.bias)).collect(),
         history: s.history.iter().map(|h| (h.token, h.count)).collect(),
         top_logprobs: s.top_logprobs,
+        allowed: s.allowed_tokens.as_ref().map(|m| std::sync::Arc::from(m.as_slice())),
     }
 }
 

@@ -724,6 +724,8 @@ mod tests {
         assert!(!feeds_on_device(&SamplingSpec { top_k: 40, presence_penalty: 0.5, ..d() }, None, v, true));
         assert!(!feeds_on_device(&SamplingSpec { temperature: 0.0, repetition_penalty: 1.1, ..d() }, None, v, true));
         assert!(!feeds_on_device(&SamplingSpec { temperature: -1.0, top_k: 40, ..d() }, None, v, true));
+        // A structured output's next mask depends on the token drawn: the gateway must see it.
+        assert!(!feeds_on_device(&SamplingSpec { temperature: 0.0, allowed: Some(vec![0xffu8; v / 8].into()), ..d() }, None, v, true));
         // Sampled rows off (MINIMAX_DEVICE_DRAW=0): greedy rows only.
         assert!(!feeds_on_device(&SamplingSpec { top_k: 40, top_p: 0.95, ..d() }, None, v, false));
         assert!(feeds_on_device(&SamplingSpec { temperature: 0.0, ..d() }, None, v, false));

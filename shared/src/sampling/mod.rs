@@ -12,7 +12,8 @@
 //! 1. **Penalties**, for every token `t` of the history with count `c > 0`:
 //!    - repetition (`r != 1`): `z[t] = z[t] / r` if `z[t] > 0`, else `z[t] * r`;
 //!    - frequency and presence: `z[t] -= frequency * c + presence`.
-//! 2. **Logit bias**: `z[t] += bias[t]` (a bias of `-inf` bans a token).
+//! 2. **Logit bias**: `z[t] += bias[t]` (a bias of `-inf` bans a token); then, with an
+//!    allowed-token mask (structured outputs), `z[t] = -inf` for every token outside it.
 //! 3. **Temperature**: `0` is greedy: the candidate set is the single argmax of the penalised
 //!    logits (ties → lowest id) with sampling logit `0`. Otherwise `z /= temperature`.
 //! 4. **Candidate order**: tokens with a finite logit, sorted by logit descending, ties by id
@@ -63,6 +64,10 @@ pub struct SamplingSpec {
     pub history: Vec<(u32, u32)>,
     /// How many top raw alternatives to return (0..=20).
     pub top_logprobs: u32,
+    /// Structured outputs: the tokens the row may take (bit `t % 8` of byte `t / 8`, exactly
+    /// `ceil(vocab / 8)` bytes); every other token is removed with the logit bias (step 2).
+    /// `None`: every token.
+    pub allowed: Option<std::sync::Arc<[u8]>>,
 }
 
 impl Default for SamplingSpec {
@@ -79,6 +84,7 @@ impl Default for SamplingSpec {
             logit_bias: Vec::new(),
             history: Vec::new(),
             top_logprobs: 0,
+            allowed: None,
         }
     }
 }
@@ -195,6 +201,16 @@ impl SamplingSpec {
         for &(t, b) in &self.logit_bias {
             let t = check(t)?;
             z[t] += b;
+        }
+        if let Some(m) = &self.allowed {
+            if m.len() != vocab.div_ceil(8) {
+                return Err(SamplingError::Invalid(format!("allowed-token mask of {} bytes for a vocabulary of {vocab} (needs {})", m.len(), vocab.div_ceil(8))));
+            }
+            for (t, v) in z.iter_mut().enumerate() {
+                if m[t / 8] >> (t % 8) & 1 == 0 {
+                    *v = f32::NEG_INFINITY;
+                }
+            }
         }
         Ok(z)
     }
@@ -481,6 +497,34 @@ mod tests {
         }
         assert_eq!(r.target_logprob, Some(raw[299] - lse));
         assert_eq!(r.raw_logsumexp, lse);
+    }
+
+    #[test]
+    fn an_allowed_token_mask_is_a_ban_of_every_other_token_before_the_cuts() {
+        let raw = row(3, 203);
+        let allowed: Vec<u32> = (0..203).filter(|t| t % 7 == 2 || t % 11 == 0).collect();
+        let mut mask = vec![0u8; 203usize.div_ceil(8)];
+        for &t in &allowed {
+            mask[t as usize / 8] |= 1 << (t % 8);
+        }
+        let bans: Vec<(u32, f32)> = (0..203).filter(|t| !allowed.contains(t)).map(|t| (t, f32::NEG_INFINITY)).collect();
+        for base in [
+            SamplingSpec { temperature: 0.0, ..Default::default() },
+            SamplingSpec { temperature: 0.8, top_k: 5, top_p: 0.9, ..Default::default() },
+            SamplingSpec { temperature: 1.0, min_p: 0.2, logit_bias: vec![(2, 1.0)], top_logprobs: 3, ..Default::default() },
+        ] {
+            let masked = reduce_row(&raw, &SamplingSpec { allowed: Some(mask.clone().into()), ..base.clone() }, Some(4)).unwrap();
+            let mut banned = base.clone();
+            banned.logit_bias.extend(bans.iter().filter(|b| !base.logit_bias.iter().any(|x| x.0 == b.0)));
+            assert_eq!(masked, reduce_row(&raw, &banned, Some(4)).unwrap(), "{base:?}");
+            assert!(masked.candidate_ids.iter().all(|t| allowed.contains(t)));
+            // Raw logprobs stay the model's own: the target and top_logprobs ignore the mask.
+            assert_eq!(masked.target_logprob, Some(raw[4] - logsumexp(&raw)));
+        }
+        let short = SamplingSpec { allowed: Some(vec![0xffu8; 3].into()), ..Default::default() };
+        assert!(matches!(reduce_row(&raw, &short, None), Err(SamplingError::Invalid(m)) if m.contains("26")));
+        let none = SamplingSpec { allowed: Some(vec![0u8; 26].into()), ..Default::default() };
+        assert_eq!(reduce_row(&raw, &none, None), Err(SamplingError::NoCandidates));
     }
 
     #[test]

@@ -27,7 +27,8 @@ pub struct RowPlan {
     /// Whether the top_p total over every finite candidate logit is needed.
     pub need_total: bool,
     /// The row cannot be reduced partially (invalid spec or token, duplicate history or bias
-    /// entries, or a candidate set certainly larger than the cap): reduce the full row.
+    /// entries, an allowed-token mask, or a candidate set certainly larger than the cap):
+    /// reduce the full row.
     pub full_row: bool,
     /// The candidates are the whole set top_k leaves (greedy: the argmax), so every cut and the
     /// draw are decided from them alone: a device can draw the row's token itself
@@ -81,6 +82,7 @@ pub fn plan(spec: &SamplingSpec, target: Option<u32>, vocab: usize, cap: usize) 
         || !spec.logit_bias.iter().all(|b| in_range(b.0))
         || has_duplicates(&spec.history)
         || has_duplicates(&spec.logit_bias)
+        || spec.allowed.is_some()
     {
         return RowPlan::FULL;
     }
@@ -320,6 +322,9 @@ mod tests {
         assert!(plan(&SamplingSpec { top_k: 1024, ..s.clone() }, None, 200_064, 1024).whole_set);
         assert!(!plan(&SamplingSpec { top_k: 1025, min_p: 0.1, ..s.clone() }, None, 200_064, 1024).whole_set);
         assert!(plan(&SamplingSpec { top_p: 0.5, ..s.clone() }, None, 1000, 1024).whole_set);
+        // An allowed-token mask (structured outputs) is applied on the host's full row.
+        let masked = SamplingSpec { temperature: 0.0, allowed: Some(vec![0xffu8; 125].into()), ..s.clone() };
+        assert!(plan(&masked, None, 1000, 1024).full_row);
         assert!(plan(&SamplingSpec { temperature: 0.0, ..s.clone() }, None, 200_064, 1024).whole_set);
         assert!(plan(&SamplingSpec { history: vec![(1, 1), (1, 2)], ..s.clone() }, None, 10, 4).full_row);
         assert!(plan(&SamplingSpec { logit_bias: vec![(10, 1.0)], ..s.clone() }, None, 10, 4).full_row);

@@ -1,0 +1,596 @@
+//! A byte-at-a-time JSON matcher for a compiled schema ([`Grammar`]): a pushdown automaton
+//! whose state is a small set of [`Thread`]s (more than one only while `anyOf` alternatives,
+//! or a literal and a longer one, are both still possible).
+//!
+//! Every state it accepts can still be completed into a document that satisfies the schema
+//! (the schema compiler refuses schemas where that fails), so masking tokens by this matcher
+//! never leaves the model without a way to finish. Two bounds keep every document finite and
+//! sane: a whitespace run between tokens is at most [`MAX_WS`] bytes, a number at most
+//! [`MAX_NUMBER`] bytes with an exponent of at most two digits (so it fits an f64).
+
+use std::sync::Arc;
+
+use super::schema::{Grammar, Node, NodeId, UNBOUNDED};
+
+/// Longest run of whitespace allowed between JSON tokens.
+pub const MAX_WS: u8 = 48;
+/// Longest number, in bytes.
+pub const MAX_NUMBER: u8 = 32;
+const NO_KEY: u32 = u32::MAX;
+
+/// Where inside a string's characters the matcher is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum StrSub {
+    Plain,
+    /// After a backslash.
+    Esc,
+    /// Hex digits of `\u` still to come.
+    Hex(u8),
+    /// UTF-8 continuation bytes still to come, and the range of the next one.
+    Utf8 { need: u8, lo: u8, hi: u8 },
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum NumSt {
+    Minus,
+    Zero,
+    Int,
+    FracStart,
+    Frac,
+    ExpStart,
+    ExpSign,
+    Exp,
+    /// Two exponent digits: no more (every number fits an f64, which many parsers need).
+    Exp2,
+}
+
+impl NumSt {
+    fn accepting(self) -> bool {
+        matches!(self, NumSt::Zero | NumSt::Int | NumSt::Frac | NumSt::Exp | NumSt::Exp2)
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Seq {
+    /// After the opening bracket / brace.
+    Open,
+    /// Waiting for the child frame above (a value, or an object key).
+    Child,
+    /// After a key: expecting `:`.
+    Colon,
+    /// After an element / member.
+    Item,
+    /// After a comma.
+    Comma,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+enum Frame {
+    /// Before a value of `node` (whitespace allowed).
+    Value { node: NodeId },
+    /// Inside literal trie `trie` at node `at`.
+    Lit { trie: u32, at: u32 },
+    /// Inside a string value, after its opening quote; `chars` counted only when bounded.
+    Str { min: u32, max: u32, chars: u32, sub: StrSub },
+    /// Inside an object key of object `obj`: the declared-key trie position (`NO_KEY` once the
+    /// text left every declared key), and whether other keys are allowed.
+    Key { obj: NodeId, at: u32, free: bool, sub: StrSub },
+    Num { integer: bool, st: NumSt, len: u8 },
+    Arr { node: NodeId, count: u32, st: Seq },
+    /// `cur`: the property whose value is being written (index, or `NO_KEY` for an additional
+    /// one).
+    Obj { node: NodeId, seen: u64, st: Seq, cur: u32 },
+    /// After the document: only whitespace.
+    End,
+}
+
+#[derive(Debug, PartialEq, Eq, Hash)]
+struct Link {
+    frame: Frame,
+    below: Option<Arc<Link>>,
+}
+
+/// One possible parse: the frame on top, the stack below it (shared between threads), and the
+/// length of the current whitespace run.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Thread {
+    top: Frame,
+    below: Option<Arc<Link>>,
+    ws: u8,
+}
+
+impl Thread {
+    fn with_top(&self, top: Frame) -> Thread {
+        Thread { top, below: self.below.clone(), ws: 0 }
+    }
+
+    /// `child` on top of this thread's stack with `parent` replacing its top.
+    fn push(&self, parent: Frame, child: Frame) -> Thread {
+        Thread { top: child, below: Some(Arc::new(Link { frame: parent, below: self.below.clone() })), ws: 0 }
+    }
+
+    /// The stack below the top, with the parent told that its child completed.
+    fn pop(&self, g: &Grammar, key: Option<u32>) -> Option<Thread> {
+        let link = self.below.as_ref()?;
+        let parent = child_done(g, link.frame, key)?;
+        Some(Thread { top: parent, below: link.below.clone(), ws: 0 })
+    }
+}
+
+/// A matcher state: the set of live threads.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct State {
+    threads: Vec<Thread>,
+}
+
+fn is_ws(b: u8) -> bool {
+    matches!(b, b' ' | b'\t' | b'\n' | b'\r')
+}
+
+impl State {
+    /// Before the document's first byte.
+    pub fn start(g: &Grammar) -> State {
+        let end = Arc::new(Link { frame: Frame::End, below: None });
+        State { threads: vec![Thread { top: Frame::Value { node: g.root }, below: Some(end), ws: 0 }] }
+    }
+
+    /// Whether no thread is left (the bytes so far cannot start a valid document).
+    pub fn is_dead(&self) -> bool {
+        self.threads.is_empty()
+    }
+
+    /// Whether the document may end here.
+    pub fn can_end(&self, g: &Grammar) -> bool {
+        self.threads.iter().any(|t| can_end(g, t))
+    }
+
+    /// The state after byte `b` (possibly dead).
+    pub fn step(&self, g: &Grammar, b: u8) -> State {
+        let mut out = Vec::with_capacity(self.threads.len());
+        for t in &self.threads {
+            step_thread(g, t, b, &mut out);
+        }
+        if out.len() > 1 {
+            dedup(&mut out);
+        }
+        State { threads: out }
+    }
+
+    /// Steps `out` in place through `bytes`; false (and `out` dead) when they do not fit.
+    pub fn feed(&mut self, g: &Grammar, bytes: &[u8]) -> bool {
+        for &b in bytes {
+            *self = self.step(g, b);
+            if self.is_dead() {
+                return false;
+            }
+        }
+        true
+    }
+}
+
+fn dedup(v: &mut Vec<Thread>) {
+    let mut i = 0;
+    while i < v.len() {
+        if v[..i].contains(&v[i]) {
+            v.swap_remove(i);
+        } else {
+            i += 1;
+        }
+    }
+}
+
+fn can_end(g: &Grammar, t: &Thread) -> bool {
+    match t.top {
+        Frame::End => true,
+        Frame::Num { st, .. } if st.accepting() => t.pop(g, None).is_some_and(|p| can_end(g, &p)),
+        Frame::Lit { trie, at } if g.lits[trie as usize].nodes[at as usize].end.is_some() => {
+            t.pop(g, None).is_some_and(|p| can_end(g, &p))
+        }
+        _ => false,
+    }
+}
+
+/// The parent frame once its child (a value, or a key with the property it named) completed.
+fn child_done(g: &Grammar, parent: Frame, key: Option<u32>) -> Option<Frame> {
+    match parent {
+        Frame::Arr { node, count, st: Seq::Child } => Some(Frame::Arr { node, count: count + 1, st: Seq::Item }),
+        Frame::Obj { node, seen, st: Seq::Child, cur } => match key {
+            // A key completed: remember which property it named; expect ':'.
+            Some(k) => {
+                let seen = if k == NO_KEY { seen } else { seen | (1 << k) };
+                Some(Frame::Obj { node, seen, st: Seq::Colon, cur: k })
+            }
+            None => Some(Frame::Obj { node, seen, st: Seq::Item, cur }),
+        },
+        Frame::End => Some(Frame::End),
+        _ => {
+            let _ = g;
+            None
+        }
+    }
+}
+
+/// The element schema for index `count` of an array, if another element is allowed.
+fn array_item(g: &Grammar, node: NodeId, count: u32) -> Option<NodeId> {
+    let Node::Array { prefix, items, max, .. } = &g.nodes[node as usize] else { return None };
+    if count >= *max {
+        return None;
+    }
+    prefix.get(count as usize).copied().or(*items)
+}
+
+/// Whether an object may still take another key.
+fn object_open(g: &Grammar, node: NodeId, seen: u64) -> bool {
+    let Node::Object { props, additional, .. } = &g.nodes[node as usize] else { return false };
+    additional.is_some() || (0..props.len()).any(|k| seen & (1 << k) == 0)
+}
+
+fn object_complete(g: &Grammar, node: NodeId, seen: u64) -> bool {
+    let Node::Object { required, .. } = &g.nodes[node as usize] else { return false };
+    required & !seen == 0
+}
+
+/// String content byte `b` from `sub`: the next sub-state and whether a character completed.
+fn str_byte(sub: StrSub, b: u8) -> Option<(StrSub, bool)> {
+    match sub {
+        StrSub::Plain => match b {
+            0x00..=0x1f | b'"' => None,
+            b'\\' => Some((StrSub::Esc, false)),
+            0x20..=0x7f => Some((StrSub::Plain, true)),
+            0xc2..=0xdf => Some((StrSub::Utf8 { need: 1, lo: 0x80, hi: 0xbf }, false)),
+            0xe0 => Some((StrSub::Utf8 { need: 2, lo: 0xa0, hi: 0xbf }, false)),
+            0xed => Some((StrSub::Utf8 { need: 2, lo: 0x80, hi: 0x9f }, false)),
+            0xe1..=0xef => Some((StrSub::Utf8 { need: 2, lo: 0x80, hi: 0xbf }, false)),
+            0xf0 => Some((StrSub::Utf8 { need: 3, lo: 0x90, hi: 0xbf }, false)),
+            0xf1..=0xf3 => Some((StrSub::Utf8 { need: 3, lo: 0x80, hi: 0xbf }, false)),
+            0xf4 => Some((StrSub::Utf8 { need: 3, lo: 0x80, hi: 0x8f }, false)),
+            _ => None,
+        },
+        StrSub::Utf8 { need, lo, hi } => {
+            if !(lo..=hi).contains(&b) {
+                return None;
+            }
+            if need == 1 { Some((StrSub::Plain, true)) } else { Some((StrSub::Utf8 { need: need - 1, lo: 0x80, hi: 0xbf }, false)) }
+        }
+        StrSub::Esc => match b {
+            b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Some((StrSub::Plain, true)),
+            b'u' => Some((StrSub::Hex(4), false)),
+            _ => None,
+        },
+        StrSub::Hex(n) => {
+            if !b.is_ascii_hexdigit() {
+                return None;
+            }
+            if n == 1 { Some((StrSub::Plain, true)) } else { Some((StrSub::Hex(n - 1), false)) }
+        }
+    }
+}
+
+/// Bytes still needed after a number state before it can end.
+fn num_need(st: NumSt) -> u8 {
+    if st.accepting() { 0 } else { 1 }
+}
+
+fn num_byte(integer: bool, st: NumSt, b: u8) -> Option<NumSt> {
+    use NumSt::*;
+    Some(match (st, b) {
+        (Minus, b'0') => Zero,
+        (Minus, b'1'..=b'9') => Int,
+        (Int, b'0'..=b'9') => Int,
+        (Zero | Int, b'.') if !integer => FracStart,
+        (Zero | Int | Frac, b'e' | b'E') if !integer => ExpStart,
+        (FracStart | Frac, b'0'..=b'9') => Frac,
+        (ExpStart, b'+' | b'-') => ExpSign,
+        (ExpStart | ExpSign, b'0'..=b'9') => Exp,
+        (Exp, b'0'..=b'9') => Exp2,
+        _ => return None,
+    })
+}
+
+/// Enters a value of `node` with its first byte `b` (the thread's top is the `Value` frame).
+fn enter(g: &Grammar, t: &Thread, node: NodeId, b: u8, out: &mut Vec<Thread>) {
+    match &g.nodes[node as usize] {
+        Node::AnyOf(alts) => {
+            for &a in alts {
+                enter(g, t, a, b, out);
+            }
+        }
+        Node::Lit(trie) => {
+            if let Some(at) = g.lits[*trie as usize].next(0, b) {
+                out.push(t.with_top(Frame::Lit { trie: *trie, at }));
+            }
+        }
+        Node::Number { integer } => {
+            let st = match b {
+                b'-' => NumSt::Minus,
+                b'0' => NumSt::Zero,
+                b'1'..=b'9' => NumSt::Int,
+                _ => return,
+            };
+            out.push(t.with_top(Frame::Num { integer: *integer, st, len: 1 }));
+        }
+        Node::String { min, max } => {
+            if b == b'"' {
+                out.push(t.with_top(Frame::Str { min: *min, max: *max, chars: 0, sub: StrSub::Plain }));
+            }
+        }
+        Node::Array { .. } => {
+            if b == b'[' {
+                out.push(t.with_top(Frame::Arr { node, count: 0, st: Seq::Open }));
+            }
+        }
+        Node::Object { .. } => {
+            if b == b'{' {
+                out.push(t.with_top(Frame::Obj { node, seen: 0, st: Seq::Open, cur: NO_KEY }));
+            }
+        }
+    }
+}
+
+fn ws_step(t: &Thread, out: &mut Vec<Thread>) {
+    if t.ws < MAX_WS {
+        let mut n = t.clone();
+        n.ws += 1;
+        out.push(n);
+    }
+}
+
+fn step_thread(g: &Grammar, t: &Thread, b: u8, out: &mut Vec<Thread>) {
+    match t.top {
+        Frame::Value { node } => {
+            if is_ws(b) {
+                ws_step(t, out);
+            } else {
+                enter(g, t, node, b, out);
+            }
+        }
+        Frame::End => {
+            if is_ws(b) {
+                ws_step(t, out);
+            }
+        }
+        Frame::Lit { trie, at } => {
+            let tr = &g.lits[trie as usize];
+            if let Some(n) = tr.next(at, b) {
+                out.push(t.with_top(Frame::Lit { trie, at: n }));
+            }
+            if tr.nodes[at as usize].end.is_some()
+                && let Some(p) = t.pop(g, None)
+            {
+                step_thread(g, &p, b, out);
+            }
+        }
+        Frame::Num { integer, st, len } => {
+            if let Some(n) = num_byte(integer, st, b)
+                && len + 1 + num_need(n) <= MAX_NUMBER
+            {
+                out.push(t.with_top(Frame::Num { integer, st: n, len: len + 1 }));
+            }
+            if st.accepting()
+                && let Some(p) = t.pop(g, None)
+            {
+                step_thread(g, &p, b, out);
+            }
+        }
+        Frame::Str { min, max, chars, sub } => {
+            let bounded = min > 0 || max != UNBOUNDED;
+            if sub == StrSub::Plain && b == b'"' {
+                if chars >= min
+                    && let Some(p) = t.pop(g, None)
+                {
+                    out.push(p);
+                }
+                return;
+            }
+            // A new character may only start below the maximum.
+            if sub == StrSub::Plain && bounded && chars >= max {
+                return;
+            }
+            if let Some((sub, done)) = str_byte(sub, b) {
+                let chars = if bounded && done { chars + 1 } else { chars };
+                out.push(t.with_top(Frame::Str { min, max, chars, sub }));
+            }
+        }
+        Frame::Key { obj, at, free, sub } => key_byte(g, t, obj, at, free, sub, b, out),
+        Frame::Arr { node, count, st } => {
+            let min = match &g.nodes[node as usize] {
+                Node::Array { min, .. } => *min,
+                _ => return,
+            };
+            match (st, b) {
+                (Seq::Open | Seq::Item | Seq::Comma, _) if is_ws(b) => ws_step(t, out),
+                (Seq::Open | Seq::Item, b']') if count >= min => {
+                    if let Some(p) = t.pop(g, None) {
+                        out.push(p);
+                    }
+                }
+                (Seq::Item, b',') => {
+                    if array_item(g, node, count).is_some() {
+                        out.push(t.with_top(Frame::Arr { node, count, st: Seq::Comma }));
+                    }
+                }
+                (Seq::Open | Seq::Comma, _) => {
+                    if let Some(item) = array_item(g, node, count) {
+                        let child = t.push(Frame::Arr { node, count, st: Seq::Child }, Frame::Value { node: item });
+                        enter(g, &child, item, b, out);
+                    }
+                }
+                _ => {}
+            }
+        }
+        Frame::Obj { node, seen, st, cur } => match (st, b) {
+            (Seq::Open | Seq::Colon | Seq::Item | Seq::Comma, _) if is_ws(b) => ws_step(t, out),
+            (Seq::Open | Seq::Item, b'}') if object_complete(g, node, seen) => {
+                if let Some(p) = t.pop(g, None) {
+                    out.push(p);
+                }
+            }
+            (Seq::Item, b',') => {
+                if object_open(g, node, seen) {
+                    out.push(t.with_top(Frame::Obj { node, seen, st: Seq::Comma, cur: NO_KEY }));
+                }
+            }
+            (Seq::Open | Seq::Comma, b'"') => {
+                if object_open(g, node, seen) {
+                    let free = matches!(&g.nodes[node as usize], Node::Object { additional: Some(_), .. });
+                    out.push(t.push(Frame::Obj { node, seen, st: Seq::Child, cur: NO_KEY }, Frame::Key { obj: node, at: 0, free, sub: StrSub::Plain }));
+                }
+            }
+            (Seq::Colon, b':') => {
+                let Node::Object { props, additional, .. } = &g.nodes[node as usize] else { return };
+                let value = if cur == NO_KEY { additional.expect("an additional key was allowed") } else { props[cur as usize] };
+                out.push(t.push(Frame::Obj { node, seen, st: Seq::Child, cur }, Frame::Value { node: value }));
+            }
+            _ => {}
+        },
+    }
+}
+
+/// One byte of an object key.
+#[allow(clippy::too_many_arguments)]
+fn key_byte(g: &Grammar, t: &Thread, obj: NodeId, at: u32, free: bool, sub: StrSub, b: u8, out: &mut Vec<Thread>) {
+    let Node::Object { keys, .. } = &g.nodes[obj as usize] else { return };
+    let trie = &g.keys[*keys as usize];
+    let seen = match t.below.as_ref().map(|l| l.frame) {
+        Some(Frame::Obj { seen, .. }) => seen,
+        _ => return,
+    };
+    if sub == StrSub::Plain && b == b'"' {
+        // The key ends: a declared key not written yet, or (when allowed) any other key.
+        let declared = (at != NO_KEY).then(|| trie.nodes[at as usize].end).flatten();
+        let key = match declared {
+            Some(k) if seen & (1 << k) == 0 => k,
+            Some(_) => return,
+            None if free => NO_KEY,
+            None => return,
+        };
+        if let Some(p) = t.pop(g, Some(key)) {
+            out.push(p);
+        }
+        return;
+    }
+    let Some((nsub, _)) = str_byte(sub, b) else { return };
+    // The declared-key trie follows the bytes as a JSON encoder writes the keys (escapes
+    // included); without other keys allowed, only towards keys not written yet. (With them, it
+    // follows every declared key, so a key written again is caught at its closing quote.)
+    let nat = if at != NO_KEY {
+        match trie.next(at, b) {
+            Some(n) if free || trie.nodes[n as usize].below & !seen != 0 => n,
+            _ => NO_KEY,
+        }
+    } else {
+        NO_KEY
+    };
+    if nat == NO_KEY && !free {
+        return;
+    }
+    out.push(t.with_top(Frame::Key { obj, at: nat, free, sub: nsub }));
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn accepts(g: &Grammar, text: &str) -> bool {
+        let mut s = State::start(g);
+        s.feed(g, text.as_bytes()) && s.can_end(g)
+    }
+
+    fn prefix_ok(g: &Grammar, text: &str) -> bool {
+        let mut s = State::start(g);
+        s.feed(g, text.as_bytes())
+    }
+
+    #[test]
+    fn any_object_takes_json_objects_only() {
+        let g = Grammar::any_object();
+        for ok in [r#"{}"#, r#"{"a": [1, -2.5e3, "x\u00e9\n", true, null, {"b": {}}]}"#, " {\"k\":\"é\"} \n"] {
+            assert!(accepts(&g, ok), "{ok}");
+        }
+        for bad in ["[]", "{", r#"{"a" 1}"#, r#"{"a":01}"#, r#"{"a":1,}"#, "{\"a\":\"\x01\"}", r#"{"a":"\x"}"#, "{} x", r#"{"a":tru}"#] {
+            assert!(!accepts(&g, bad), "{bad}");
+        }
+        // Invalid UTF-8 inside strings is refused byte by byte.
+        let mut s = State::start(&g);
+        assert!(s.feed(&g, b"{\"a\":\""));
+        assert!(s.step(&g, 0xc0).is_dead());
+        assert!(s.step(&g, 0xed).step(&g, 0xa0).is_dead(), "a UTF-16 surrogate in UTF-8");
+        assert!(!s.step(&g, 0xe2).step(&g, 0x82).step(&g, 0xac).is_dead(), "the euro sign");
+    }
+
+    #[test]
+    fn objects_follow_properties_required_and_additional() {
+        let g = Grammar::from_schema(&json!({
+            "type": "object",
+            "properties": {"name": {"type": "string", "maxLength": 3}, "n": {"type": "integer"}, "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 2}},
+            "required": ["name", "n"],
+            "additionalProperties": false
+        }))
+        .unwrap();
+        assert!(accepts(&g, r#"{"name":"abc","n":-12}"#));
+        assert!(accepts(&g, r#"{"n":0, "name":"", "tags":["b","a"]}"#));
+        assert!(!accepts(&g, r#"{"name":"abcd","n":1}"#), "maxLength");
+        assert!(!accepts(&g, r#"{"name":"a"}"#), "required n");
+        assert!(!accepts(&g, r#"{"name":"a","n":1.5}"#), "integer");
+        assert!(!accepts(&g, r#"{"name":"a","n":1,"x":1}"#), "no additional properties");
+        assert!(!accepts(&g, r#"{"name":"a","name":"b","n":1}"#), "no duplicate keys");
+        assert!(!accepts(&g, r#"{"name":"a","n":1,"tags":["a","b","a"]}"#), "maxItems");
+        assert!(!accepts(&g, r#"{"name":"a","n":1,"tags":["c"]}"#), "enum");
+        // A key already written cannot even be started again.
+        assert!(!prefix_ok(&g, r#"{"name":"a","na"#));
+        assert!(prefix_ok(&g, r#"{"name":"a","n"#));
+    }
+
+    #[test]
+    fn additional_keys_may_not_shadow_declared_ones() {
+        let g = Grammar::from_schema(&json!({"properties": {"a": {"type": "integer"}}, "additionalProperties": {"type": "string"}})).unwrap();
+        assert!(accepts(&g, r#"{"a": 1, "ab": "x", "b": "y"}"#));
+        assert!(!accepts(&g, r#"{"a": "x"}"#), "declared a is an integer");
+        assert!(!accepts(&g, r#"{"ab": 1}"#), "additional keys are strings");
+        assert!(!accepts(&g, r#"{"a": 1, "a": 2}"#));
+        assert!(!accepts(&g, r#"{"a": 1, "a": "x"}"#), "a declared key written again is not an additional one");
+    }
+
+    #[test]
+    fn any_of_refs_and_literals() {
+        let g = Grammar::from_schema(&json!({
+            "$defs": {"node": {"type": "object", "properties": {"v": {"const": 12}, "next": {"anyOf": [{"$ref": "#/$defs/node"}, {"type": "null"}]}}, "required": ["v", "next"], "additionalProperties": false}},
+            "$ref": "#/$defs/node"
+        }))
+        .unwrap();
+        assert!(accepts(&g, r#"{"v":12,"next":{"v":12,"next":null}}"#));
+        assert!(!accepts(&g, r#"{"v":1,"next":null}"#));
+        assert!(!accepts(&g, r#"{"v":123,"next":null}"#));
+        let g = Grammar::from_schema(&json!({"enum": [1, 12, "x", null, {"a": [true]}]})).unwrap();
+        for ok in ["1", "12", "\"x\"", "null", "{\"a\":[true]}", " 12 "] {
+            assert!(accepts(&g, ok), "{ok}");
+        }
+        assert!(!accepts(&g, "2") && !accepts(&g, "{\"a\": [true]}"), "enum members are written compactly");
+    }
+
+    #[test]
+    fn numbers_and_whitespace_are_bounded() {
+        let g = Grammar::from_schema(&json!({"type": "number"})).unwrap();
+        assert!(accepts(&g, "-0.5e+10"));
+        assert!(!accepts(&g, "1e308"), "three exponent digits");
+        assert!(!accepts(&g, "1."));
+        assert!(accepts(&g, &"9".repeat(MAX_NUMBER as usize)));
+        assert!(!prefix_ok(&g, &"9".repeat(MAX_NUMBER as usize + 1)));
+        // A state one byte short of the bound may not start an exponent it cannot finish.
+        let mut s = State::start(&g);
+        assert!(s.feed(&g, "9".repeat(MAX_NUMBER as usize - 1).as_bytes()));
+        assert!(s.step(&g, b'e').is_dead());
+        assert!(accepts(&g, &format!("{}1", " ".repeat(MAX_WS as usize))));
+        assert!(!prefix_ok(&g, &" ".repeat(MAX_WS as usize + 1)));
+    }
+
+    #[test]
+    fn strings_count_characters_not_bytes() {
+        let g = Grammar::from_schema(&json!({"type": "string", "minLength": 2, "maxLength": 2})).unwrap();
+        assert!(accepts(&g, "\"éa\""));
+        assert!(accepts(&g, r#""\n\u0041""#));
+        assert!(!accepts(&g, "\"a\""));
+        assert!(!accepts(&g, "\"abc\""));
+    }
+}

@@ -1,0 +1,505 @@
+//! JSON Schema → [`Grammar`]: the subset of JSON Schema a structured-output request may use,
+//! compiled into nodes the byte matcher ([`super::matcher`]) walks.
+//!
+//! Enforced: `type` (one or a list), `enum`, `const`, `properties`, `required`,
+//! `additionalProperties` (bool or schema; JSON Schema's default `true`), `items`,
+//! `prefixItems`, `minItems`, `maxItems`, `minLength`, `maxLength`, `anyOf` / `oneOf` (as
+//! "any of"), `allOf` of one schema, `$ref` to `#`, `#/$defs/...` or `#/definitions/...`
+//! (recursion allowed), `nullable` (OpenAPI). Accepted and not enforced (the value still has
+//! the right type): `format`, `pattern`, `minimum` / `maximum` / `exclusive*`, `multipleOf`,
+//! `uniqueItems`, `minProperties` / `maxProperties`. Refused with an error naming the keyword
+//! and its place: `not`, `if` / `then` / `else`, `patternProperties`, `allOf` of several,
+//! `dependentSchemas`, `dependentRequired`, `unevaluatedProperties`, `propertyNames`, and
+//! schemas no value satisfies (`false`, an empty `enum`).
+
+use std::collections::HashMap;
+
+use serde_json::Value as Json;
+
+/// Index of a node in [`Grammar::nodes`].
+pub type NodeId = u32;
+
+/// Most declared properties one object schema may have (the matcher keeps a 64-bit set).
+pub const MAX_PROPERTIES: usize = 64;
+/// Most nodes a compiled schema may have.
+const MAX_NODES: usize = 20_000;
+
+/// A byte trie over a fixed set of strings (literal JSON texts, or object keys).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ByteTrie {
+    pub nodes: Vec<TrieNode>,
+}
+
+/// One trie node: its edges, whether a string ends here (with that string's index), and the
+/// set of string indices reachable from it (first 64; used to skip keys already written).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct TrieNode {
+    pub edges: Vec<(u8, u32)>,
+    pub end: Option<u32>,
+    pub below: u64,
+}
+
+impl ByteTrie {
+    fn build(strings: &[Vec<u8>]) -> Self {
+        let mut t = ByteTrie { nodes: vec![TrieNode::default()] };
+        for (i, s) in strings.iter().enumerate() {
+            let bit = if i < 64 { 1u64 << i } else { 0 };
+            let mut at = 0usize;
+            t.nodes[0].below |= bit;
+            for &b in s {
+                let next = match t.nodes[at].edges.iter().find(|e| e.0 == b) {
+                    Some(&(_, n)) => n as usize,
+                    None => {
+                        t.nodes.push(TrieNode::default());
+                        let n = t.nodes.len() - 1;
+                        t.nodes[at].edges.push((b, n as u32));
+                        n
+                    }
+                };
+                at = next;
+                t.nodes[at].below |= bit;
+            }
+            if t.nodes[at].end.is_none() {
+                t.nodes[at].end = Some(i as u32);
+            }
+        }
+        t
+    }
+
+    /// The node reached from `at` by byte `b`.
+    pub fn next(&self, at: u32, b: u8) -> Option<u32> {
+        self.nodes[at as usize].edges.iter().find(|e| e.0 == b).map(|e| e.1)
+    }
+}
+
+/// What a value at some place of the document may be.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Node {
+    /// One of a fixed set of JSON texts (`enum`, `const`, `null`, `true` / `false`): a trie
+    /// index into [`Grammar::lits`].
+    Lit(u32),
+    /// A JSON number; `integer`: no fraction or exponent.
+    Number { integer: bool },
+    /// A JSON string of `min..=max` characters.
+    String { min: u32, max: u32 },
+    /// A JSON array: element `i` matches `prefix[i]`, later ones `items` (`None`: no more).
+    Array { prefix: Vec<NodeId>, items: Option<NodeId>, min: u32, max: u32 },
+    /// A JSON object: declared properties (key trie [`Grammar::keys`] index, their schemas in
+    /// key order), the required ones as a bit set, and the schema of other keys (`None`: none
+    /// allowed).
+    Object { keys: u32, props: Vec<NodeId>, required: u64, additional: Option<NodeId> },
+    /// Any of these.
+    AnyOf(Vec<NodeId>),
+}
+
+/// A compiled schema.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Grammar {
+    pub nodes: Vec<Node>,
+    pub lits: Vec<ByteTrie>,
+    pub keys: Vec<ByteTrie>,
+    pub root: NodeId,
+}
+
+/// Why a schema cannot be used.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("{path}: {why}")]
+pub struct SchemaError {
+    /// JSON-pointer-like place in the schema (`#/properties/items/items`).
+    pub path: String,
+    pub why: String,
+}
+
+/// No upper bound.
+pub const UNBOUNDED: u32 = u32::MAX;
+
+const IGNORED: &[&str] = &[
+    "$schema", "$id", "$comment", "title", "description", "default", "examples", "format", "pattern",
+    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
+    "minProperties", "maxProperties", "readOnly", "writeOnly", "deprecated", "contentEncoding",
+    "contentMediaType", "discriminator", "strict", "name", "$defs", "definitions", "additionalItems",
+    "contains", "minContains", "maxContains",
+];
+const REFUSED: &[&str] = &[
+    "not", "if", "then", "else", "patternProperties", "dependentSchemas", "dependentRequired",
+    "unevaluatedProperties", "unevaluatedItems", "propertyNames", "$dynamicRef", "$recursiveRef",
+];
+const KNOWN: &[&str] = &[
+    "type", "enum", "const", "properties", "required", "additionalProperties", "items", "prefixItems",
+    "minItems", "maxItems", "minLength", "maxLength", "anyOf", "oneOf", "allOf", "$ref", "nullable",
+];
+
+impl Grammar {
+    /// Any JSON value at all (`{"type": "json_object"}` uses [`Grammar::any_object`]).
+    pub fn any_value() -> Self {
+        let mut c = Compiler::new(&Json::Null);
+        let root = c.any();
+        c.finish(root)
+    }
+
+    /// Any JSON object (OpenAI's `json_object` response format).
+    pub fn any_object() -> Self {
+        let mut c = Compiler::new(&Json::Null);
+        let any = c.any();
+        let keys = c.key_trie(&[]);
+        let root = c.push(Node::Object { keys, props: vec![], required: 0, additional: Some(any) });
+        c.finish(root)
+    }
+
+    /// Compiles a JSON Schema document.
+    pub fn from_schema(schema: &Json) -> Result<Self, SchemaError> {
+        let mut c = Compiler::new(schema);
+        let root = c.compile(schema, "#")?;
+        let g = c.finish(root);
+        g.check_satisfiable()?;
+        Ok(g)
+    }
+
+    /// Refuses grammars where some node can never be completed (e.g. a required property whose
+    /// schema is an object that requires itself), so the matcher never reaches a dead end.
+    fn check_satisfiable(&self) -> Result<(), SchemaError> {
+        let n = self.nodes.len();
+        let mut ok = vec![false; n];
+        loop {
+            let mut changed = false;
+            for i in 0..n {
+                if ok[i] {
+                    continue;
+                }
+                let sat = match &self.nodes[i] {
+                    Node::Lit(_) | Node::Number { .. } | Node::String { .. } => true,
+                    Node::Array { prefix, items, min, .. } => {
+                        let need = *min as usize;
+                        (0..need).all(|k| match prefix.get(k) {
+                            Some(&p) => ok[p as usize],
+                            None => items.is_some_and(|it| ok[it as usize]),
+                        })
+                    }
+                    Node::Object { props, required, .. } => {
+                        props.iter().enumerate().all(|(k, &p)| required & (1 << k) == 0 || ok[p as usize])
+                    }
+                    Node::AnyOf(alts) => alts.iter().any(|&a| ok[a as usize]),
+                };
+                if sat {
+                    ok[i] = true;
+                    changed = true;
+                }
+            }
+            if !changed {
+                break;
+            }
+        }
+        if !ok[self.root as usize] {
+            return Err(SchemaError { path: "#".into(), why: "no finite JSON value satisfies this schema".into() });
+        }
+        Ok(())
+    }
+}
+
+struct Compiler<'a> {
+    doc: &'a Json,
+    nodes: Vec<Node>,
+    lits: Vec<ByteTrie>,
+    keys: Vec<ByteTrie>,
+    refs: HashMap<String, NodeId>,
+    any: Option<NodeId>,
+}
+
+impl<'a> Compiler<'a> {
+    fn new(doc: &'a Json) -> Self {
+        Compiler { doc, nodes: Vec::new(), lits: Vec::new(), keys: Vec::new(), refs: HashMap::new(), any: None }
+    }
+
+    fn finish(self, root: NodeId) -> Grammar {
+        Grammar { nodes: self.nodes, lits: self.lits, keys: self.keys, root }
+    }
+
+    fn push(&mut self, n: Node) -> NodeId {
+        self.nodes.push(n);
+        (self.nodes.len() - 1) as NodeId
+    }
+
+    fn lit(&mut self, texts: &[Vec<u8>]) -> NodeId {
+        self.lits.push(ByteTrie::build(texts));
+        let i = (self.lits.len() - 1) as u32;
+        self.push(Node::Lit(i))
+    }
+
+    fn key_trie(&mut self, keys: &[Vec<u8>]) -> u32 {
+        self.keys.push(ByteTrie::build(keys));
+        (self.keys.len() - 1) as u32
+    }
+
+    /// The node of "any JSON value" (built once; it refers to itself).
+    fn any(&mut self) -> NodeId {
+        if let Some(a) = self.any {
+            return a;
+        }
+        let any = self.push(Node::AnyOf(Vec::new()));
+        self.any = Some(any);
+        let lit = self.lit(&[b"null".to_vec(), b"true".to_vec(), b"false".to_vec()]);
+        let num = self.push(Node::Number { integer: false });
+        let s = self.push(Node::String { min: 0, max: UNBOUNDED });
+        let arr = self.push(Node::Array { prefix: vec![], items: Some(any), min: 0, max: UNBOUNDED });
+        let keys = self.key_trie(&[]);
+        let obj = self.push(Node::Object { keys, props: vec![], required: 0, additional: Some(any) });
+        self.nodes[any as usize] = Node::AnyOf(vec![lit, num, s, arr, obj]);
+        any
+    }
+
+    fn err(path: &str, why: impl Into<String>) -> SchemaError {
+        SchemaError { path: path.to_string(), why: why.into() }
+    }
+
+    fn compile(&mut self, s: &Json, path: &str) -> Result<NodeId, SchemaError> {
+        if self.nodes.len() > MAX_NODES {
+            return Err(Self::err(path, format!("the schema is too large (more than {MAX_NODES} nodes)")));
+        }
+        let obj = match s {
+            Json::Bool(true) => return Ok(self.any()),
+            Json::Bool(false) => return Err(Self::err(path, "the schema `false` admits no value")),
+            Json::Object(o) => o,
+            other => return Err(Self::err(path, format!("a schema must be an object or a boolean, got {other}"))),
+        };
+        for k in obj.keys() {
+            if REFUSED.contains(&k.as_str()) {
+                return Err(Self::err(&format!("{path}/{k}"), "this keyword is not supported in structured outputs"));
+            }
+            if !KNOWN.contains(&k.as_str()) && !IGNORED.contains(&k.as_str()) && !k.starts_with("x-") {
+                tracing::debug!(keyword = %k, path, "structured outputs: unknown schema keyword ignored");
+            }
+        }
+        if let Some(r) = obj.get("$ref") {
+            let r = r.as_str().ok_or_else(|| Self::err(&format!("{path}/$ref"), "must be a string"))?;
+            return self.reference(r, &format!("{path}/$ref"));
+        }
+        if let Some(all) = obj.get("allOf") {
+            let list = all.as_array().ok_or_else(|| Self::err(&format!("{path}/allOf"), "must be an array"))?;
+            if list.len() != 1 {
+                return Err(Self::err(&format!("{path}/allOf"), "allOf is supported with exactly one schema"));
+            }
+            // Sibling keywords beside a one-schema allOf are annotations (pydantic's style).
+            return self.compile(&list[0], &format!("{path}/allOf/0"));
+        }
+        let base = self.compile_plain(obj, path)?;
+        if obj.get("nullable").and_then(Json::as_bool) == Some(true) {
+            let null = self.lit(&[b"null".to_vec()]);
+            return Ok(self.push(Node::AnyOf(vec![base, null])));
+        }
+        Ok(base)
+    }
+
+    fn reference(&mut self, r: &str, path: &str) -> Result<NodeId, SchemaError> {
+        if let Some(&n) = self.refs.get(r) {
+            return Ok(n);
+        }
+        let target = if r == "#" {
+            self.doc
+        } else if let Some(ptr) = r.strip_prefix('#') {
+            self.doc.pointer(ptr).ok_or_else(|| Self::err(path, format!("reference {r} does not resolve in this schema")))?
+        } else {
+            return Err(Self::err(path, format!("only local references (#/...) are supported, got {r}")));
+        };
+        // A placeholder first, so recursive references end here.
+        let slot = self.push(Node::AnyOf(Vec::new()));
+        self.refs.insert(r.to_string(), slot);
+        let body = self.compile(target, r)?;
+        self.nodes[slot as usize] = Node::AnyOf(vec![body]);
+        Ok(slot)
+    }
+
+    fn compile_plain(&mut self, obj: &serde_json::Map<String, Json>, path: &str) -> Result<NodeId, SchemaError> {
+        if let Some(c) = obj.get("const") {
+            return Ok(self.lit(&[compact(c)]));
+        }
+        if let Some(e) = obj.get("enum") {
+            let list = e.as_array().ok_or_else(|| Self::err(&format!("{path}/enum"), "must be an array"))?;
+            if list.is_empty() {
+                return Err(Self::err(&format!("{path}/enum"), "an empty enum admits no value"));
+            }
+            let texts: Vec<Vec<u8>> = list.iter().map(compact).collect();
+            return Ok(self.lit(&texts));
+        }
+        for key in ["anyOf", "oneOf"] {
+            if let Some(a) = obj.get(key) {
+                let list = a.as_array().ok_or_else(|| Self::err(&format!("{path}/{key}"), "must be an array"))?;
+                if list.is_empty() {
+                    return Err(Self::err(&format!("{path}/{key}"), "must not be empty"));
+                }
+                let mut alts = Vec::new();
+                for (i, s) in list.iter().enumerate() {
+                    alts.push(self.compile(s, &format!("{path}/{key}/{i}"))?);
+                }
+                return Ok(self.push(Node::AnyOf(alts)));
+            }
+        }
+        let types: Vec<String> = match obj.get("type") {
+            None => {
+                // No type: infer from the keywords present, else any value.
+                if obj.contains_key("properties") || obj.contains_key("additionalProperties") || obj.contains_key("required") {
+                    vec!["object".into()]
+                } else if obj.contains_key("items") || obj.contains_key("prefixItems") {
+                    vec!["array".into()]
+                } else {
+                    return Ok(self.any());
+                }
+            }
+            Some(Json::String(t)) => vec![t.clone()],
+            Some(Json::Array(ts)) => {
+                let mut v = Vec::new();
+                for t in ts {
+                    v.push(t.as_str().ok_or_else(|| Self::err(&format!("{path}/type"), "must be a string or an array of strings"))?.to_string());
+                }
+                if v.is_empty() {
+                    return Err(Self::err(&format!("{path}/type"), "an empty list of types admits no value"));
+                }
+                v
+            }
+            Some(_) => return Err(Self::err(&format!("{path}/type"), "must be a string or an array of strings")),
+        };
+        let mut alts = Vec::new();
+        for t in &types {
+            alts.push(self.typed(t, obj, path)?);
+        }
+        Ok(if alts.len() == 1 { alts[0] } else { self.push(Node::AnyOf(alts)) })
+    }
+
+    fn typed(&mut self, t: &str, obj: &serde_json::Map<String, Json>, path: &str) -> Result<NodeId, SchemaError> {
+        let count = |k: &str| -> Result<Option<u32>, SchemaError> {
+            match obj.get(k) {
+                None => Ok(None),
+                Some(v) => v
+                    .as_u64()
+                    .map(|n| Some(n.min(UNBOUNDED as u64 - 1) as u32))
+                    .ok_or_else(|| Self::err(&format!("{path}/{k}"), "must be a non-negative integer")),
+            }
+        };
+        Ok(match t {
+            "null" => self.lit(&[b"null".to_vec()]),
+            "boolean" => self.lit(&[b"true".to_vec(), b"false".to_vec()]),
+            "number" => self.push(Node::Number { integer: false }),
+            "integer" => self.push(Node::Number { integer: true }),
+            "string" => {
+                let (min, max) = (count("minLength")?.unwrap_or(0), count("maxLength")?.unwrap_or(UNBOUNDED));
+                if min > max {
+                    return Err(Self::err(path, format!("minLength {min} > maxLength {max}")));
+                }
+                self.push(Node::String { min, max })
+            }
+            "array" => {
+                let (min, max) = (count("minItems")?.unwrap_or(0), count("maxItems")?.unwrap_or(UNBOUNDED));
+                if min > max {
+                    return Err(Self::err(path, format!("minItems {min} > maxItems {max}")));
+                }
+                let mut prefix = Vec::new();
+                if let Some(p) = obj.get("prefixItems") {
+                    let list = p.as_array().ok_or_else(|| Self::err(&format!("{path}/prefixItems"), "must be an array"))?;
+                    for (i, s) in list.iter().enumerate() {
+                        prefix.push(self.compile(s, &format!("{path}/prefixItems/{i}"))?);
+                    }
+                }
+                let items = match obj.get("items") {
+                    None => Some(self.any()),
+                    Some(Json::Bool(false)) => None,
+                    Some(s) => Some(self.compile(s, &format!("{path}/items"))?),
+                };
+                if items.is_none() && (min as usize) > prefix.len() {
+                    return Err(Self::err(path, format!("minItems {min} needs more items than prefixItems allows")));
+                }
+                self.push(Node::Array { prefix, items, min, max })
+            }
+            "object" => self.object(obj, path)?,
+            other => return Err(Self::err(&format!("{path}/type"), format!("unknown type {other:?}"))),
+        })
+    }
+
+    fn object(&mut self, obj: &serde_json::Map<String, Json>, path: &str) -> Result<NodeId, SchemaError> {
+        let mut names = Vec::new();
+        let mut props = Vec::new();
+        if let Some(p) = obj.get("properties") {
+            let map = p.as_object().ok_or_else(|| Self::err(&format!("{path}/properties"), "must be an object"))?;
+            if map.len() > MAX_PROPERTIES {
+                return Err(Self::err(&format!("{path}/properties"), format!("at most {MAX_PROPERTIES} properties per object are supported, got {}", map.len())));
+            }
+            for (k, s) in map {
+                names.push(k.clone());
+                props.push(self.compile(s, &format!("{path}/properties/{k}"))?);
+            }
+        }
+        let mut required = 0u64;
+        if let Some(r) = obj.get("required") {
+            let list = r.as_array().ok_or_else(|| Self::err(&format!("{path}/required"), "must be an array of property names"))?;
+            for (i, k) in list.iter().enumerate() {
+                let k = k.as_str().ok_or_else(|| Self::err(&format!("{path}/required/{i}"), "must be a string"))?;
+                match names.iter().position(|n| n == k) {
+                    Some(j) => required |= 1 << j,
+                    None => {
+                        return Err(Self::err(&format!("{path}/required/{i}"), format!("required property {k:?} is not in properties (declare its schema)")));
+                    }
+                }
+            }
+        }
+        let additional = match obj.get("additionalProperties") {
+            None | Some(Json::Bool(true)) => Some(self.any()),
+            Some(Json::Bool(false)) => None,
+            Some(s) => Some(self.compile(s, &format!("{path}/additionalProperties"))?),
+        };
+        // Keys are matched as the bytes a JSON encoder writes between the quotes.
+        let texts: Vec<Vec<u8>> = names.iter().map(|k| {
+            let s = serde_json::to_string(k).expect("a string serializes");
+            s.as_bytes()[1..s.len() - 1].to_vec()
+        }).collect();
+        let keys = self.key_trie(&texts);
+        Ok(self.push(Node::Object { keys, props, required, additional }))
+    }
+}
+
+/// The compact JSON text of a value (what an `enum` / `const` member must be written as).
+fn compact(v: &Json) -> Vec<u8> {
+    serde_json::to_vec(v).expect("a JSON value serializes")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn err_path(s: Json) -> String {
+        Grammar::from_schema(&s).unwrap_err().path
+    }
+
+    #[test]
+    fn refuses_what_it_cannot_enforce_and_names_the_place() {
+        assert_eq!(err_path(json!({"properties": {"a": {"not": {"type": "string"}}}})), "#/properties/a/not");
+        assert_eq!(err_path(json!({"type": "object", "required": ["b"], "properties": {"a": {}}})), "#/required/0");
+        assert_eq!(err_path(json!({"enum": []})), "#/enum");
+        assert_eq!(err_path(json!({"$ref": "#/$defs/missing"})), "#/$ref");
+        assert_eq!(err_path(json!({"type": "wat"})), "#/type");
+        assert_eq!(err_path(json!({"allOf": [{}, {}]})), "#/allOf");
+        assert_eq!(err_path(json!(false)), "#");
+        assert_eq!(err_path(json!({"type": "string", "minLength": 3, "maxLength": 2})), "#");
+    }
+
+    #[test]
+    fn a_schema_with_no_finite_value_is_refused() {
+        // A node that requires itself can never be closed.
+        let s = json!({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]}},
+                       "$ref": "#/$defs/n"});
+        assert!(Grammar::from_schema(&s).unwrap_err().why.contains("no finite"));
+        // The optional form is fine (a linked list).
+        let s = json!({"$defs": {"n": {"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}}}, "$ref": "#/$defs/n"});
+        assert!(Grammar::from_schema(&s).is_ok());
+    }
+
+    #[test]
+    fn key_tries_hold_the_encoded_keys() {
+        let g = Grammar::from_schema(&json!({"properties": {"a\"b": {}, "ab": {}}})).unwrap();
+        let Node::Object { keys, .. } = &g.nodes[g.root as usize] else { panic!("{:?}", g.nodes[g.root as usize]) };
+        let t = &g.keys[*keys as usize];
+        let mut at = 0;
+        for &b in br#"a\"b"# {
+            at = t.next(at, b).expect("the escaped key is in the trie");
+        }
+        assert_eq!(t.nodes[at as usize].end, Some(0));
+    }
+}

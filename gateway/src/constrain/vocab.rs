@@ -1,0 +1,172 @@
+//! The vocabulary as the matcher sees it: every ordinary token's bytes, sorted, so the tokens a
+//! matcher state allows are found in one walk that shares the work of common prefixes (a trie
+//! walk without building the trie) and skips every token under a prefix the state refuses.
+
+use super::matcher::State;
+use super::schema::Grammar;
+use crate::text::tokenizer::{TokenType, Tokenizer};
+
+/// One bit per token id (bit `t % 64` of word `t / 64`), set when the token is allowed.
+pub type Mask = Vec<u64>;
+
+/// The vocabulary's ordinary tokens in byte order, with their common-prefix lengths.
+#[derive(Debug)]
+pub struct TokenIndex {
+    vocab: usize,
+    /// Every token's bytes, by id (special tokens too: the reasoning block's tag is one).
+    all: Vec<Box<[u8]>>,
+    /// The ordinary token ids, sorted by their bytes.
+    ids: Vec<u32>,
+    /// `lcp[i]`: bytes `bytes[i]` shares with `bytes[i - 1]` (0 for the first).
+    lcp: Vec<u16>,
+    /// End-of-generation ids (allowed where the document may end).
+    eog: Vec<u32>,
+}
+
+impl TokenIndex {
+    /// Indexes a tokenizer's ordinary tokens (control, user-defined, unused and unknown tokens
+    /// never belong to a constrained document).
+    pub fn new(tok: &Tokenizer) -> Self {
+        let v = tok.vocab_size() as u32;
+        let all = (0..v).map(|id| tok.token_bytes(id).to_vec().into_boxed_slice()).collect();
+        let ordinary = (0..v).filter(|&id| matches!(tok.token_type(id), TokenType::Normal | TokenType::Byte) && !tok.is_eog(id)).collect();
+        Self::build(all, ordinary, tok.eog_ids())
+    }
+
+    /// Indexes explicit `(id, bytes)` pairs, all ordinary, in a vocabulary of `vocab` ids
+    /// (tests and benchmarks).
+    pub fn from_tokens(vocab: usize, items: Vec<(u32, Vec<u8>)>, eog: Vec<u32>) -> Self {
+        let mut all: Vec<Box<[u8]>> = vec![Box::default(); vocab];
+        let ids = items.iter().map(|(i, _)| *i).collect();
+        for (i, b) in items {
+            all[i as usize] = b.into_boxed_slice();
+        }
+        Self::build(all, ids, eog)
+    }
+
+    fn build(all: Vec<Box<[u8]>>, mut ids: Vec<u32>, eog: Vec<u32>) -> Self {
+        ids.retain(|&i| !all[i as usize].is_empty());
+        ids.sort_by(|&a, &b| all[a as usize].cmp(&all[b as usize]).then(a.cmp(&b)));
+        let mut lcp = Vec::with_capacity(ids.len());
+        for i in 0..ids.len() {
+            let l = if i == 0 { 0 } else { all[ids[i] as usize].iter().zip(&*all[ids[i - 1] as usize]).take_while(|(a, b)| a == b).count() };
+            lcp.push(l.min(u16::MAX as usize) as u16);
+        }
+        TokenIndex { vocab: all.len(), all, ids, lcp, eog }
+    }
+
+    /// The bytes token `id` stands for (empty outside the vocabulary).
+    pub fn token_bytes(&self, id: u32) -> &[u8] {
+        self.all.get(id as usize).map_or(&[], |b| b)
+    }
+
+    /// The vocabulary size masks cover.
+    pub fn vocab(&self) -> usize {
+        self.vocab
+    }
+
+    /// The end-of-generation ids.
+    pub fn eog(&self) -> &[u32] {
+        &self.eog
+    }
+
+    /// The tokens whose bytes keep `state` alive, plus the end-of-generation tokens when the
+    /// document may end in `state`.
+    pub fn allowed(&self, g: &Grammar, state: &State) -> Mask {
+        let mut mask = vec![0u64; self.vocab.div_ceil(64)];
+        let set = |m: &mut Mask, t: u32| m[(t / 64) as usize] |= 1 << (t % 64);
+        if state.can_end(g) {
+            for &t in &self.eog {
+                set(&mut mask, t);
+            }
+        }
+        // stack[d]: the state after the first d bytes of the token last walked.
+        let mut stack: Vec<State> = vec![state.clone()];
+        let mut i = 0;
+        while i < self.ids.len() {
+            let b = &self.all[self.ids[i] as usize];
+            let keep = (self.lcp[i] as usize).min(stack.len() - 1);
+            stack.truncate(keep + 1);
+            let mut dead_at = None;
+            for (d, &byte) in b.iter().enumerate().skip(keep) {
+                let next = stack[d].step(g, byte);
+                if next.is_dead() {
+                    dead_at = Some(d);
+                    break;
+                }
+                stack.push(next);
+            }
+            match dead_at {
+                None => {
+                    set(&mut mask, self.ids[i]);
+                    i += 1;
+                }
+                Some(d) => {
+                    // Every following token that starts with these d + 1 bytes dies too.
+                    i += 1;
+                    while i < self.ids.len() && self.lcp[i] as usize > d {
+                        i += 1;
+                    }
+                }
+            }
+        }
+        mask
+    }
+}
+
+/// Whether `t` is set in `m`.
+pub fn allows(m: &Mask, t: u32) -> bool {
+    m.get((t / 64) as usize).is_some_and(|w| w >> (t % 64) & 1 == 1)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    /// A small vocabulary: every byte alone plus some merges.
+    fn index() -> TokenIndex {
+        let mut items: Vec<(u32, Vec<u8>)> = (0..=255u8).map(|b| (b as u32, vec![b])).collect();
+        for (i, t) in ["{\"", "\":", "true", "false", "null", "\"}", "  ", "ab", "abc", "\",\"", "}\n", "12", "1.", "é"].iter().enumerate() {
+            items.push((256 + i as u32, t.as_bytes().to_vec()));
+        }
+        TokenIndex::from_tokens(300, items, vec![299])
+    }
+
+    /// The same answer as stepping every token on its own.
+    fn brute(idx: &TokenIndex, g: &Grammar, s: &State) -> Mask {
+        let mut m = vec![0u64; idx.vocab.div_ceil(64)];
+        for id in &idx.ids {
+            let mut st = s.clone();
+            if st.feed(g, idx.token_bytes(*id)) {
+                m[(*id / 64) as usize] |= 1 << (id % 64);
+            }
+        }
+        if s.can_end(g) {
+            for &t in &idx.eog {
+                m[(t / 64) as usize] |= 1 << (t % 64);
+            }
+        }
+        m
+    }
+
+    #[test]
+    fn the_walk_allows_exactly_the_tokens_that_fit() {
+        let idx = index();
+        let g = Grammar::from_schema(&json!({"type": "object", "properties": {"ab": {"type": "boolean"}, "n": {"type": "number"}}, "required": ["ab"], "additionalProperties": false})).unwrap();
+        let mut s = State::start(&g);
+        for prefix in ["", "{", "{\"", "{\"a", "{\"ab\":", "{\"ab\": t", "{\"ab\": true", "{\"ab\": true,\"n\":1", "{\"ab\": true,\"n\":1}"] {
+            let mut st = s.clone();
+            assert!(st.feed(&g, prefix.as_bytes()), "{prefix}");
+            let m = idx.allowed(&g, &st);
+            assert_eq!(m, brute(&idx, &g, &st), "after {prefix:?}");
+            assert!(m.iter().any(|w| *w != 0), "something is always allowed after {prefix:?}");
+        }
+        assert!(s.feed(&g, b"{\"ab\":false}"));
+        let m = idx.allowed(&g, &s);
+        assert!(allows(&m, 299), "end of generation once the document is complete");
+        assert!(allows(&m, b' ' as u32) && !allows(&m, b'x' as u32));
+        let m = idx.allowed(&g, &State::start(&g));
+        assert!(!allows(&m, 299) && allows(&m, 256) && !allows(&m, 258), "`{{\"` may start it, `true` may not");
+    }
+}
