@@ -34,6 +34,8 @@ REPLAY = {
             "text": "Two plus two is four.\nNo doubt.</think>\n\nThe answer is 4. Ünïcödé 🎉 done.",
         },
         {"trigger": "REPLAY:stop", "text": "r</think>\n\nalpha beta STOP gamma delta"},
+        # Structured outputs: the reasoning block is scripted, the document is sampled (masked).
+        {"trigger": "REPLAY:json", "text": "ok</think>\n\n", "then": "sample"},
         {
             "trigger": "REPLAY:patch",
             "text": "Add the file.</think>\n\n<minimax:tool_call>\n<invoke name=\"apply_patch\">\n"

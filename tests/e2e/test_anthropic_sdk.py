@@ -128,8 +128,8 @@ def test_errors_are_sdk_exceptions(server, claude):
     assert "messages[0].content[0].type" in e.value.body["error"]["message"]
     with pytest.raises(anthropic.BadRequestError) as e:
         claude.messages.create(model="m2-small", max_tokens=8, messages=[{"role": "user", "content": "x"}],
-                               output_config={"format": {"type": "json_schema", "schema": {"type": "object"}}})
-    assert "output_config.format" in e.value.body["error"]["message"]
+                               output_config={"format": {"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"not": {}}}}}})
+    assert "output_config.format.schema.properties.a.not" in e.value.body["error"]["message"]
     bad = anthropic.Anthropic(base_url=server.base, api_key="wrong", max_retries=0)
     with pytest.raises(anthropic.AuthenticationError) as e:
         bad.messages.create(model="m2-small", max_tokens=8, messages=[{"role": "user", "content": "x"}])

@@ -135,10 +135,11 @@ def test_errors_are_sdk_exceptions(server, client):
     assert e.value.body["param"] == "temperature"
     with pytest.raises(openai.BadRequestError):
         client.chat.completions.create(model="m2-small", messages=[{"role": "wizard", "content": "x"}])
-    with pytest.raises(openai.BadRequestError):
+    with pytest.raises(openai.BadRequestError) as e:
         client.chat.completions.create(
-            model="m2-small", messages=[{"role": "user", "content": "x"}], response_format={"type": "json_object"}
+            model="m2-small", messages=[{"role": "user", "content": "x"}], response_format={"type": "xml"}
         )
+    assert e.value.body["param"] == "response_format.type"
     with pytest.raises(openai.NotFoundError):
         client.chat.completions.create(model="gpt-4o", messages=[{"role": "user", "content": "x"}])
     bad = openai.OpenAI(base_url=server.url, api_key="wrong", max_retries=0)

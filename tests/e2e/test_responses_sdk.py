@@ -169,8 +169,8 @@ def test_errors_are_sdk_exceptions(client):
         client.responses.create(model="m2-small", input="x", previous_response_id="resp_123")
     assert e.value.body["param"] == "previous_response_id"
     with pytest.raises(openai.BadRequestError) as e:
-        client.responses.create(model="m2-small", input="x", text={"format": {"type": "json_schema", "name": "s", "schema": {"type": "object"}}})
-    assert e.value.body["param"] == "text.format.type"
+        client.responses.create(model="m2-small", input="x", text={"format": {"type": "json_schema", "name": "s", "schema": {"enum": []}}})
+    assert e.value.body["param"] == "text.format.schema.enum"
     with pytest.raises(openai.BadRequestError) as e:
         client.responses.create(model="m2-small", input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x/y.png"}]}])
     assert e.value.body["param"] == "input[0].content[0].type"

@@ -43,21 +43,7 @@ async fn chat(st: AppState, headers: HeaderMap, body: Body) -> Result<Response, 
     let p = common(&mut f, Endpoint::Chat, &st.sampling_defaults, st.args.max_n, vocab)?;
     check_model(&st, p.model.as_deref())?;
 
-    match f.get("response_format") {
-        None => {}
-        Some(Json::Object(o)) => match o.get("type").and_then(Json::as_str) {
-            Some("text") => {}
-            Some(t @ ("json_object" | "json_schema")) => {
-                return Err(ApiError::unsupported(
-                    "response_format.type",
-                    format!("`{t}` is not supported yet (it needs constrained decoding); use `text`"),
-                ));
-            }
-            Some(t) => return Err(ApiError::invalid("response_format.type", format!("unknown type `{t}`"))),
-            None => return Err(ApiError::invalid("response_format.type", "is required")),
-        },
-        Some(v) => return Err(ApiError::invalid("response_format", format!("must be an object, got {}", type_name(v)))),
-    }
+    let format = super::format::chat_response_format(f.get("response_format"))?;
     reject_if_present(&mut f, "functions", "the legacy `functions` field is not supported; use `tools`")?;
     reject_if_present(&mut f, "function_call", "the legacy `function_call` field is not supported; use `tool_choice`")?;
     reject_if_present(&mut f, "audio", "audio output is not supported")?;
@@ -87,6 +73,7 @@ async fn chat(st: AppState, headers: HeaderMap, body: Body) -> Result<Response, 
         tracing::debug!(id = %id, fields = ?unknown, "ignoring unknown request fields");
     }
     let prepared = st.text.prepare(&chat_text)?;
+    let sampling = super::format::constrained(&st, format, &prepared, p.sampling.clone(), "response_format")?;
     let max = max_tokens(&st, p.max_tokens, prepared.prompt_ids.len(), "messages")?;
     let stop_ids = if p.ignore_eos { Vec::new() } else { st.text.tokenizer().eog_ids() };
     let want_logprobs = p.sampling.logprobs;
@@ -98,7 +85,7 @@ async fn chat(st: AppState, headers: HeaderMap, body: Body) -> Result<Response, 
                 request_id: format!("{id}-{i}"),
                 prompt: prepared.prompt_ids.clone(),
                 max_tokens: max,
-                sampling: choice_sampling(&p.sampling, i),
+                sampling: choice_sampling(&sampling, i),
                 stop_token_ids: stop_ids.clone(),
             },
             stop: p.stop.clone(),

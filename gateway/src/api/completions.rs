@@ -59,6 +59,10 @@ async fn completions(st: AppState, headers: HeaderMap, body: Body) -> Result<Res
     {
         return Err(ApiError::unsupported("suffix", "`suffix` (fill-in-the-middle) is not supported by this model"));
     }
+    // Structured outputs on raw prompts: the document starts with the first generated token.
+    let format = super::format::chat_response_format(f.get("response_format"))?;
+    let mut sampling = p.sampling.clone();
+    sampling.constraint = format.map(|g| st.constraint(g, false));
     let inputs = prompts(f.get("prompt"), "prompt", vocab)?;
     let unknown = f.unknown();
     let id = new_id("cmpl");
@@ -81,7 +85,7 @@ async fn completions(st: AppState, headers: HeaderMap, body: Body) -> Result<Res
                     request_id: format!("{id}-{index}"),
                     prompt: ids.clone(),
                     max_tokens: max,
-                    sampling: choice_sampling(&p.sampling, i),
+                    sampling: choice_sampling(&sampling, i),
                     stop_token_ids: stop_ids.clone(),
                 },
                 stop: p.stop.clone(),

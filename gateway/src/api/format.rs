@@ -5,7 +5,26 @@ use serde_json::Value as Json;
 
 use super::error::ApiError;
 use super::params::type_name;
+use super::state::AppState;
 use crate::constrain::schema::{Grammar, SchemaError};
+use crate::engine::SamplingParams;
+use crate::text::prompt::PreparedChat;
+use crate::text::request::ToolChoice;
+
+/// `sampling` with the structured output's constraint for this prompt (the document starts
+/// after the reasoning block when the prompt opens one). A tool choice that demands a call is
+/// refused: the answer is the document, never a call (`field` names the format in the error).
+pub fn constrained(st: &AppState, grammar: Option<Grammar>, prepared: &PreparedChat, mut sampling: SamplingParams, field: &str) -> Result<SamplingParams, ApiError> {
+    let Some(g) = grammar else { return Ok(sampling) };
+    if matches!(prepared.output.tool_choice, ToolChoice::Required | ToolChoice::Function(_)) {
+        return Err(ApiError::invalid(
+            field,
+            "a structured output cannot be combined with a tool choice that requires a call (the answer is the JSON document); use tool_choice `auto` or `none`",
+        ));
+    }
+    sampling.constraint = Some(st.constraint(g, prepared.output.starts_in_reasoning));
+    Ok(sampling)
+}
 
 /// The schema error as a 400 naming the field and the place inside the schema.
 fn schema_error(field: &str, e: SchemaError) -> ApiError {

@@ -1,4 +1,5 @@
 use super::*;
+use std::sync::Arc;
 
 fn row(ids: &[u32], logits: &[f32]) -> RowOutput {
     let lse = logits.iter().map(|&l| (l as f64).exp()).sum::<f64>().ln() as f32;
@@ -111,4 +112,32 @@ fn the_ranks_draw_is_checked_against_the_same_uniform() {
     r.drawn_token = Some(4);
     assert_eq!(s.sample(&r, 0.5), Err(SampleError::DrawMismatch { rank: 4, gateway: 6 }));
     assert_eq!(s.sample(&r, 0.9).unwrap().token, 4);
+}
+
+#[test]
+fn constrained_specs_ban_the_end_in_reasoning_then_carry_the_mask() {
+    use crate::constrain::ConstraintSpec;
+    use crate::constrain::schema::Grammar;
+    use crate::constrain::vocab::TokenIndex;
+    // Tokens 0..=9: "0".."9"; 10: "</think>"; 11: end of generation.
+    let mut items: Vec<(u32, Vec<u8>)> = (0..10u32).map(|t| (t, vec![b'0' + t as u8])).collect();
+    items.push((10, b"</think>".to_vec()));
+    let index = Arc::new(TokenIndex::from_tokens(12, items, vec![11]));
+    let spec = ConstraintSpec { grammar: Grammar::from_schema(&serde_json::json!({"enum": [42]})).unwrap(), index, reasoning_close: Some(b"</think>".to_vec()) };
+    let mut p = params(1.0, 3);
+    p.logit_bias.insert(11, 5.0);
+    p.constraint = Some(Arc::new(spec));
+    let mut s = Sampler::new(p);
+    assert!(s.constrained());
+    let (spec, _) = s.next_spec();
+    assert_eq!(spec.allowed_tokens, None);
+    assert_eq!(spec.logit_bias.iter().find(|b| b.token == 11).map(|b| b.bias), Some(f32::NEG_INFINITY), "the end is banned, over the request's own bias");
+    take(&mut s, &row(&[10], &[0.0])).unwrap();
+    let (spec, _) = s.next_spec();
+    // Only "4" may start the document: bit 4 of the 2-byte mask.
+    assert_eq!(spec.allowed_tokens, Some(vec![0b0001_0000, 0]));
+    assert!(matches!(take(&mut s, &row(&[5], &[0.0])), Err(SampleError::Constraint(_))), "a token outside the mask is an error");
+    take(&mut s, &row(&[4], &[0.0])).unwrap();
+    take(&mut s, &row(&[2], &[0.0])).unwrap();
+    assert_eq!(s.next_spec().0.allowed_tokens, Some(vec![0, 0b0000_1000]), "then only the end");
 }

@@ -627,3 +627,37 @@ async fn an_overlapped_entry_after_a_stop_is_dropped_and_its_pages_wait_for_it()
     assert_eq!(s.take_releases().len(), 1);
     assert!(s.is_idle());
 }
+
+/// A structured output on the fake world's 97-token vocabulary (token `t < 95` is the byte
+/// `0x20 + t`, token 96 ends generation).
+fn constrained_request(seed: u64) -> GenerationRequest {
+    use crate::constrain::ConstraintSpec;
+    use crate::constrain::schema::Grammar;
+    use crate::constrain::vocab::TokenIndex;
+    let items = (0..95u32).map(|t| (t, vec![0x20 + t as u8])).collect();
+    let index = Arc::new(TokenIndex::from_tokens(97, items, vec![96]));
+    let schema = serde_json::json!({"type": "object", "properties": {"a": {"enum": ["x", "yz"]}, "b": {"type": "boolean"}}, "required": ["a", "b"], "additionalProperties": false});
+    let spec = ConstraintSpec { grammar: Grammar::from_schema(&schema).unwrap(), index, reasoning_close: None };
+    let sampling = SamplingParams { temperature: 0.9, top_k: 20, seed: Some(seed), constraint: Some(Arc::new(spec)), ..Default::default() };
+    GenerationRequest { stop_token_ids: vec![96], ..req("json", vec![3, 1, 4], 1000, sampling) }
+}
+
+#[tokio::test]
+async fn constrained_outputs_are_valid_and_never_fed_from_the_rank() {
+    let mut runs = vec![];
+    for on in [false, true] {
+        let (w, mut s) = overlapped(256, 2048, on);
+        let mut rxs: Vec<_> = (0..3).map(|seed| submit(&mut s, constrained_request(seed))).collect();
+        let fed = if on { drive_overlapped(&mut s, &w).await } else { drive(&mut s, &w).await; 0 };
+        assert_eq!(fed, 0, "a constrained sequence's next mask needs the token drawn");
+        runs.push(rxs.iter_mut().map(outcome).collect::<Vec<_>>());
+    }
+    assert_eq!(runs[0], runs[1]);
+    for (toks, reason, _, err) in &runs[0] {
+        assert_eq!((reason, err), (&Some(FinishReason::Stop), &None));
+        let text: String = toks.iter().map(|&t| char::from(0x20 + t as u8)).collect();
+        let doc: serde_json::Value = serde_json::from_str(&text).unwrap_or_else(|e| panic!("{e}: {text}"));
+        assert!(doc["a"] == "x" || doc["a"] == "yz", "{text}");
+        assert!(doc["b"].is_boolean() && doc.as_object().unwrap().len() == 2, "{text}");
+    }
+}

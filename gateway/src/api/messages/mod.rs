@@ -46,17 +46,18 @@ pub async fn count_tokens(State(st): State<AppState>, headers: HeaderMap, body: 
 async fn messages(st: AppState, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     let started = Instant::now();
     let obj = json_object(&headers, body, st.args.max_body_bytes).await?;
-    let (chat, p) = request::read(&obj, &st.sampling_defaults, false)?;
+    let (chat, mut p) = request::read(&obj, &st.sampling_defaults, false)?;
     // Any model name: this server has one model, and Anthropic clients name theirs in many
     // places (background and subagent models); the answer names the served one.
     if let Some(m) = p.model.as_deref().filter(|m| *m != st.model.id) {
         tracing::debug!(requested = m, served = %st.model.id, "messages: serving the one model for another name");
     }
     let prepared = st.text.prepare(&chat).map_err(|e| request::anthropic_names(e.into()))?;
+    let sampling = super::format::constrained(&st, p.format.take(), &prepared, p.sampling.clone(), "output_config.format")?;
     let prompt_len = prepared.prompt_ids.len();
     let max = max_tokens(&st, Some(p.max_tokens), prompt_len, "messages")?;
     let id = new_id("msg");
-    let job = single_chat_job(&st, &prepared, &id, max, p.sampling.clone(), p.stop_sequences.clone());
+    let job = single_chat_job(&st, &prepared, &id, max, sampling, p.stop_sequences.clone());
     let log = RequestLog::new(id.clone(), "messages", started, prompt_len as u32);
     let mut run = Run::start(&st, log, vec![job])?;
     let timeout = st.args.timeout();

@@ -19,7 +19,9 @@
 use serde_json::{Map, Value as Json, json};
 
 use crate::api::error::ApiError;
+use crate::api::format::anthropic_output_format;
 use crate::api::params::{Fields, string_array, temperature_top_p_top_k, type_name};
+use crate::constrain::schema::Grammar;
 use crate::engine::SamplingParams;
 use crate::text::request::ChatText;
 
@@ -31,6 +33,9 @@ pub struct MessagesParams {
     pub stream: bool,
     pub stop_sequences: Vec<String>,
     pub sampling: SamplingParams,
+    /// A structured output's compiled schema (`output_config.format`, or the older top-level
+    /// `output_format`).
+    pub format: Option<Grammar>,
 }
 
 /// Most stop sequences a request may give.
@@ -66,14 +71,17 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams, count_only: bool
         },
         Some(v) => return Err(ApiError::invalid("thinking", format!("must be an object, got {}", type_name(v)))),
     }
-    // `effort` has no counterpart here; a structured output `format` needs constrained decoding.
-    match f.get("output_config") {
-        None => {}
-        Some(Json::Object(o)) if o.get("format").is_some_and(|v| !v.is_null()) => {
-            return Err(ApiError::unsupported("output_config.format", "structured outputs are not supported yet (they need constrained decoding)"));
-        }
-        Some(Json::Object(_)) => {}
+    // `effort` has no counterpart here.
+    let mut format = match f.get("output_config") {
+        None => None,
+        Some(Json::Object(o)) => anthropic_output_format(o.get("format"), "output_config.format")?,
         Some(v) => return Err(ApiError::invalid("output_config", format!("must be an object, got {}", type_name(v)))),
+    };
+    if let Some(g) = anthropic_output_format(f.get("output_format"), "output_format")? {
+        if format.is_some() {
+            return Err(ApiError::invalid("output_format", "give the format once, in `output_config.format`"));
+        }
+        format = Some(g);
     }
     for (key, why) in [("mcp_servers", "MCP servers are not supported"), ("container", "containers are not supported")] {
         if f.get(key).is_some() {
@@ -136,7 +144,7 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams, count_only: bool
     }
     // Reasoning always split out: it is the answer's thinking block, whatever the server default.
     let chat = ChatText { messages, tools, tool_choice, parallel_tool_calls, chat_template_kwargs: None, reasoning_format: Some("parsed".into()) };
-    Ok((chat, MessagesParams { model, max_tokens, stream, stop_sequences, sampling }))
+    Ok((chat, MessagesParams { model, max_tokens, stream, stop_sequences, sampling, format }))
 }
 
 /// An error the chat path raised about a tool, with the field named as the Anthropic request
@@ -446,8 +454,11 @@ mod tests {
         v["messages"] = json!([]);
         assert_eq!(err(v).param.as_deref(), Some("messages"));
         let mut v = base();
-        v["output_config"] = json!({"effort": "high", "format": {"type": "json_schema", "schema": {}}});
-        assert_eq!(err(v).param.as_deref(), Some("output_config.format"));
+        v["output_config"] = json!({"effort": "high", "format": {"type": "xml"}});
+        assert_eq!(err(v).param.as_deref(), Some("output_config.format.type"));
+        let mut v = base();
+        v["output_config"] = json!({"format": {"type": "json_schema", "schema": {"type": "object", "properties": {"a": {"if": {}}}}}});
+        assert_eq!(err(v).param.as_deref(), Some("output_config.format.schema.properties.a.if"));
         let mut v = base();
         v["thinking"] = json!({"type": "sometimes"});
         assert_eq!(err(v).param.as_deref(), Some("thinking.type"));

@@ -33,16 +33,17 @@ pub async fn handler(State(st): State<AppState>, headers: HeaderMap, body: Body)
 async fn responses(st: AppState, headers: HeaderMap, body: Body) -> Result<Response, ApiError> {
     let started = Instant::now();
     let obj = json_object(&headers, body, st.args.max_body_bytes).await?;
-    let (chat, p) = request::read(&obj, &st.sampling_defaults)?;
+    let (chat, mut p) = request::read(&obj, &st.sampling_defaults)?;
     // Any model name: agents name theirs in their own settings; the answer names the served one.
     if let Some(m) = p.model.as_deref().filter(|m| *m != st.model.id) {
         tracing::debug!(requested = m, served = %st.model.id, "responses: serving the one model for another name");
     }
     let prepared = st.text.prepare(&chat)?;
+    let sampling = super::format::constrained(&st, p.format.take(), &prepared, p.sampling.clone(), "text.format")?;
     let prompt_len = prepared.prompt_ids.len();
     let max = max_tokens(&st, p.max_output_tokens, prompt_len, "input")?;
     let id = new_id("resp");
-    let job = single_chat_job(&st, &prepared, &id, max, p.sampling.clone(), Vec::new());
+    let job = single_chat_job(&st, &prepared, &id, max, sampling, Vec::new());
     let log = RequestLog::new(id.clone(), "responses", started, prompt_len as u32);
     let mut run = Run::start(&st, log, vec![job])?;
     let timeout = st.args.timeout();

@@ -22,7 +22,9 @@
 use serde_json::{Map, Value as Json, json};
 
 use crate::api::error::ApiError;
+use crate::api::format::responses_text_format;
 use crate::api::params::{Fields, temperature_top_p_top_k, type_name};
+use crate::constrain::schema::Grammar;
 use crate::engine::SamplingParams;
 use crate::text::request::ChatText;
 
@@ -47,6 +49,10 @@ pub struct ResponsesParams {
     /// `reasoning.summary` was asked for: reasoning items carry the reasoning as their summary
     /// too, streamed as summary text.
     pub summary: bool,
+    /// `text.format` as asked (echoed in the response object).
+    pub text_format: Json,
+    /// A structured output's compiled schema (`text.format` `json_schema` / `json_object`).
+    pub format: Option<Grammar>,
 }
 
 /// The name the model sees for a namespace's function.
@@ -77,16 +83,14 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams) -> Result<(ChatT
     if f.bool("background")? == Some(true) {
         return Err(ApiError::unsupported("background", "background responses are not supported"));
     }
-    match f.get("text") {
-        None => {}
-        Some(Json::Object(t)) => match t.get("format").and_then(|v| v.get("type")).and_then(Json::as_str) {
-            None | Some("text") => {}
-            Some(x) => {
-                return Err(ApiError::unsupported("text.format.type", format!("`{x}` is not supported yet (it needs constrained decoding); use `text`")));
-            }
-        },
+    let (text_format, format) = match f.get("text") {
+        None => (json!({"type": "text"}), None),
+        Some(Json::Object(t)) => {
+            let fmt = t.get("format");
+            (fmt.cloned().filter(|v| !v.is_null()).unwrap_or_else(|| json!({"type": "text"})), responses_text_format(fmt)?)
+        }
         Some(v) => return Err(ApiError::invalid("text", format!("must be an object, got {}", type_name(v)))),
-    }
+    };
     // The model always reasons (`effort` has no effect). Asked for a summary, the reasoning is
     // streamed as the summary too: there is no separate summarizer, and clients (Codex) show
     // summaries by default, raw reasoning only when asked.
@@ -178,7 +182,7 @@ pub fn read(obj: &Map<String, Json>, defaults: &SamplingParams) -> Result<(ChatT
         chat_template_kwargs: None,
         reasoning_format: Some("parsed".into()),
     };
-    let params = ResponsesParams { model, max_output_tokens, stream, sampling, instructions, tools: Json::Array(tools_in), tool_choice, parallel_tool_calls, metadata, custom_tools, namespaced, summary };
+    let params = ResponsesParams { model, max_output_tokens, stream, sampling, instructions, tools: Json::Array(tools_in), tool_choice, parallel_tool_calls, metadata, custom_tools, namespaced, summary, text_format, format };
     Ok((chat, params))
 }
 
@@ -477,8 +481,8 @@ mod tests {
         v["tools"] = json!([{"type": "function"}]);
         assert_eq!(err(v).param.as_deref(), Some("tools[0].name"));
         let mut v = base();
-        v["text"] = json!({"format": {"type": "json_schema", "schema": {}}});
-        assert_eq!(err(v).param.as_deref(), Some("text.format.type"));
+        v["text"] = json!({"format": {"type": "json_schema", "schema": {"anyOf": []}}});
+        assert_eq!(err(v).param.as_deref(), Some("text.format.schema.anyOf"));
         let mut v = base();
         v["input"] = json!([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]);
         assert_eq!(err(v).param.as_deref(), Some("input[0].content[0].type"));

@@ -81,6 +81,7 @@ impl ResponseEncoder {
             "instructions": p.instructions, "max_output_tokens": p.max_output_tokens, "metadata": p.metadata,
             "parallel_tool_calls": p.parallel_tool_calls, "tool_choice": p.tool_choice, "tools": p.tools,
             "temperature": p.sampling.temperature, "top_p": p.sampling.top_p, "store": false,
+            "text": {"format": p.text_format},
             "usage": usage.map(usage_json),
         })
     }
@@ -323,6 +324,8 @@ mod tests {
             custom_tools: vec!["apply_patch".into()],
             namespaced: vec![("mcp__docs__search".into(), "mcp__docs".into(), "search".into())],
             summary: false,
+            text_format: json!({"type": "text"}),
+            format: None,
         }
     }
 
