@@ -20,7 +20,7 @@ const NO_KEY: u32 = u32::MAX;
 
 /// Where inside a string's characters the matcher is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-enum StrSub {
+pub enum StrSub {
     Plain,
     /// After a backslash.
     Esc,
@@ -156,6 +156,15 @@ impl State {
         State { threads: out }
     }
 
+    /// When the state is one thread inside a string value: that string's view (the masks'
+    /// fast path: which tokens stay inside a string does not depend on the stack below).
+    pub fn in_string(&self) -> Option<StrView> {
+        match self.threads.as_slice() {
+            [t @ Thread { top: Frame::Str { min, max, chars, sub }, .. }] => Some(StrView { min: *min, max: *max, chars: *chars, sub: *sub, bounded: *min > 0 || *max != UNBOUNDED, thread: t.clone() }),
+            _ => None,
+        }
+    }
+
     /// Steps `out` in place through `bytes`; false (and `out` dead) when they do not fit.
     pub fn feed(&mut self, g: &Grammar, bytes: &[u8]) -> bool {
         for &b in bytes {
@@ -166,6 +175,73 @@ impl State {
         }
         true
     }
+}
+
+/// One thread inside a string value (see [`State::in_string`]).
+#[derive(Clone, Debug)]
+pub struct StrView {
+    pub min: u32,
+    pub max: u32,
+    /// Characters so far (counted only when `bounded`).
+    pub chars: u32,
+    pub sub: StrSub,
+    pub bounded: bool,
+    thread: Thread,
+}
+
+impl StrView {
+    /// The state right after the string's closing quote (`None`: it may not close here, or
+    /// its parent takes no value end).
+    pub fn after_close(&self, g: &Grammar) -> Option<State> {
+        self.thread.pop(g, None).map(|t| State { threads: vec![t] })
+    }
+
+    /// Whether a token whose bytes run as `run` from this view keeps the string valid up to
+    /// its end or its closing quote (what follows a closing quote is the caller's to check).
+    pub fn admits(&self, run: &StrRun) -> bool {
+        // Every character a token starts must start below the maximum: the k-th start sees the
+        // characters completed before it, the one in progress (if any) included.
+        let mid = u32::from(self.sub != StrSub::Plain);
+        let fits = |starts: u32| !self.bounded || starts == 0 || self.chars + mid + starts <= self.max;
+        match *run {
+            StrRun::Dead => false,
+            StrRun::Inside { starts } => fits(starts),
+            StrRun::Closes { starts, done, .. } => fits(starts) && self.chars + done >= self.min,
+        }
+    }
+}
+
+/// What a token's bytes do to a string's content from some sub-state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum StrRun {
+    /// A byte no string may hold there.
+    Dead,
+    /// Every byte stays inside the string; `starts`: characters begun.
+    Inside { starts: u32 },
+    /// The closing quote is byte `at`; `starts` characters were begun and `done` completed
+    /// before it.
+    Closes { at: u32, starts: u32, done: u32 },
+}
+
+/// Runs `bytes` through a string's content from `sub` (length bounds are [`StrView::admits`]'s).
+pub fn str_run(mut sub: StrSub, bytes: &[u8]) -> StrRun {
+    let (mut starts, mut done) = (0u32, 0u32);
+    for (i, &b) in bytes.iter().enumerate() {
+        if sub == StrSub::Plain && b == b'"' {
+            return StrRun::Closes { at: i as u32, starts, done };
+        }
+        if sub == StrSub::Plain {
+            starts += 1;
+        }
+        match str_byte(sub, b) {
+            Some((n, completed)) => {
+                sub = n;
+                done += u32::from(completed);
+            }
+            None => return StrRun::Dead,
+        }
+    }
+    StrRun::Inside { starts }
 }
 
 fn dedup(v: &mut Vec<Thread>) {

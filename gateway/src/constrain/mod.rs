@@ -107,6 +107,11 @@ impl Constraint {
         }
     }
 
+    /// The compiled schema.
+    pub fn grammar(&self) -> &Grammar {
+        &self.spec.grammar
+    }
+
     /// The end-of-generation tokens (banned inside the reasoning block).
     pub fn eog(&self) -> &[u32] {
         self.spec.index.eog()

@@ -2,7 +2,10 @@
 //! matcher state allows are found in one walk that shares the work of common prefixes (a trie
 //! walk without building the trie) and skips every token under a prefix the state refuses.
 
-use super::matcher::State;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use super::matcher::{State, StrRun, StrSub, str_run};
 use super::schema::Grammar;
 use crate::text::tokenizer::{TokenType, Tokenizer};
 
@@ -21,6 +24,9 @@ pub struct TokenIndex {
     lcp: Vec<u16>,
     /// End-of-generation ids (allowed where the document may end).
     eog: Vec<u32>,
+    /// Per string sub-state: what every ordinary token (in `ids` order) does inside a string,
+    /// computed once on first use.
+    strings: Mutex<HashMap<StrSub, Arc<Vec<StrRun>>>>,
 }
 
 impl TokenIndex {
@@ -52,7 +58,7 @@ impl TokenIndex {
             let l = if i == 0 { 0 } else { all[ids[i] as usize].iter().zip(&*all[ids[i - 1] as usize]).take_while(|(a, b)| a == b).count() };
             lcp.push(l.min(u16::MAX as usize) as u16);
         }
-        TokenIndex { vocab: all.len(), all, ids, lcp, eog }
+        TokenIndex { vocab: all.len(), all, ids, lcp, eog, strings: Mutex::new(HashMap::new()) }
     }
 
     /// The bytes token `id` stands for (empty outside the vocabulary).
@@ -70,11 +76,40 @@ impl TokenIndex {
         &self.eog
     }
 
+    /// What every ordinary token does inside a string from `sub`.
+    fn string_runs(&self, sub: StrSub) -> Arc<Vec<StrRun>> {
+        let mut cache = self.strings.lock().expect("the string-run cache lock");
+        cache.entry(sub).or_insert_with(|| Arc::new(self.ids.iter().map(|&id| str_run(sub, &self.all[id as usize])).collect())).clone()
+    }
+
     /// The tokens whose bytes keep `state` alive, plus the end-of-generation tokens when the
     /// document may end in `state`.
     pub fn allowed(&self, g: &Grammar, state: &State) -> Mask {
         let mut mask = vec![0u64; self.vocab.div_ceil(64)];
         let set = |m: &mut Mask, t: u32| m[(t / 64) as usize] |= 1 << (t % 64);
+        if let Some(view) = state.in_string() {
+            // Inside a string value (most of a document's tokens): the tokens that stay inside
+            // are known per sub-state; only those that close it are run on past the quote.
+            let runs = self.string_runs(view.sub);
+            let after = view.after_close(g);
+            for (i, run) in runs.iter().enumerate() {
+                if !view.admits(run) {
+                    continue;
+                }
+                let id = self.ids[i];
+                let ok = match *run {
+                    StrRun::Closes { at, .. } => after.as_ref().is_some_and(|a| {
+                        let mut a = a.clone();
+                        a.feed(g, &self.all[id as usize][at as usize + 1..])
+                    }),
+                    _ => true,
+                };
+                if ok {
+                    set(&mut mask, id);
+                }
+            }
+            return mask;
+        }
         if state.can_end(g) {
             for &t in &self.eog {
                 set(&mut mask, t);
@@ -168,5 +203,30 @@ mod tests {
         assert!(allows(&m, b' ' as u32) && !allows(&m, b'x' as u32));
         let m = idx.allowed(&g, &State::start(&g));
         assert!(!allows(&m, 299) && allows(&m, 256) && !allows(&m, 258), "`{{\"` may start it, `true` may not");
+    }
+
+    #[test]
+    fn inside_strings_the_fast_path_is_the_walk() {
+        // Tokens that close strings, escape, and split multi-byte characters.
+        let mut items: Vec<(u32, Vec<u8>)> = (0..=255u8).map(|b| (b as u32, vec![b])).collect();
+        let extra: [&[u8]; 14] = [b"a\"", b"\"]", b"\\u00", b"\\n", "é".as_bytes(), b"\xc3", b"\xa9x", b"\",\"", b"\"}", b"ab\"}", b"\"],", b"xyz", b"\"\"", "\u{20ac}\"".as_bytes()];
+        for (i, t) in extra.iter().enumerate() {
+            items.push((256 + i as u32, t.to_vec()));
+        }
+        let idx = TokenIndex::from_tokens(300, items, vec![299]);
+        let g = Grammar::from_schema(&json!({"type": "object", "properties": {
+            "s": {"type": "array", "items": {"type": "string"}},
+            "b": {"type": "string", "minLength": 2, "maxLength": 4}
+        }, "additionalProperties": false})).unwrap();
+        for prefix in [
+            &b"{\"s\":[\""[..], b"{\"s\":[\"ab", b"{\"s\":[\"a\\", b"{\"s\":[\"a\\u0", b"{\"s\":[\"\xc3", b"{\"s\":[\"\xe2\x82",
+            b"{\"b\":\"", b"{\"b\":\"a", b"{\"b\":\"ab", b"{\"b\":\"abc", b"{\"b\":\"abcd", b"{\"b\":\"abc\xc3", b"{\"b\":\"a\\",
+            b"{\"b\":\"ab\",\"s\":[\"", b"{\"s\":[\"x\",\"",
+        ] {
+            let mut st = State::start(&g);
+            assert!(st.feed(&g, prefix), "{}", String::from_utf8_lossy(prefix));
+            assert!(st.in_string().is_some(), "{}", String::from_utf8_lossy(prefix));
+            assert_eq!(idx.allowed(&g, &st), brute(&idx, &g, &st), "after {}", String::from_utf8_lossy(prefix));
+        }
     }
 }
