@@ -378,7 +378,7 @@ async fn errors_have_openai_bodies_and_statuses() {
         (json!({"messages": [{"role": "wizard", "content": "x"}]}), "messages[0].role"),
         (json!({"messages": [{"role": "user", "content": "x"}], "temperature": "hot"}), "temperature"),
         (json!({"messages": [{"role": "user", "content": "x"}], "n": 0}), "n"),
-        (json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_object"}}), "response_format.type"),
+        (json!({"messages": [{"role": "user", "content": "x"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"not": {}}}}}), "response_format.json_schema.schema.not"),
         (json!({"messages": [{"role": "user", "content": "x"}], "functions": []}), "functions"),
         (json!({"messages": [{"role": "user", "content": "x"}], "tools": [{"type": "function"}]}), ""),
         (json!({"messages": [{"role": "user", "content": "x"}], "stream": "yes"}), "stream"),

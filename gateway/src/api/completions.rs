@@ -62,7 +62,7 @@ async fn completions(st: AppState, headers: HeaderMap, body: Body) -> Result<Res
     // Structured outputs on raw prompts: the document starts with the first generated token.
     let format = super::format::chat_response_format(f.get("response_format"))?;
     let mut sampling = p.sampling.clone();
-    sampling.constraint = format.map(|g| st.constraint(g, false));
+    sampling.constraint = format.map(|g| st.constraint(g, false, crate::constrain::Mode::Document));
     let inputs = prompts(f.get("prompt"), "prompt", vocab)?;
     let unknown = f.unknown();
     let id = new_id("cmpl");

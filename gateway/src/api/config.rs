@@ -79,6 +79,13 @@ pub struct ApiArgs {
     /// Largest accepted `n` (choices per prompt).
     #[arg(long, env = "MINIMAX_MAX_N", default_value_t = 16)]
     pub max_n: u32,
+
+    /// Which requests' tool-call blocks are held to the tools' grammar (names, declared
+    /// parameters, required ones, value types) by constrained decoding: `required` (when
+    /// `tool_choice` demands a call: `required` or a named function), `always` (every request
+    /// with tools), `off`.
+    #[arg(long, env = "MINIMAX_GUIDED_TOOL_CALLS", default_value = "required", value_parser = ["required", "always", "off"])]
+    pub guided_tool_calls: String,
 }
 
 fn parse_reasoning(s: &str) -> Result<ReasoningMode, String> {

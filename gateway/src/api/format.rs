@@ -6,7 +6,10 @@ use serde_json::Value as Json;
 use super::error::ApiError;
 use super::params::type_name;
 use super::state::AppState;
-use crate::constrain::schema::{Grammar, SchemaError};
+use std::sync::Arc;
+
+use crate::constrain::schema::{CallTags, CallTool, Grammar, SchemaError};
+use crate::constrain::{ConstraintSpec, Mode};
 use crate::engine::SamplingParams;
 use crate::text::prompt::PreparedChat;
 use crate::text::request::ToolChoice;
@@ -15,15 +18,55 @@ use crate::text::request::ToolChoice;
 /// after the reasoning block when the prompt opens one). A tool choice that demands a call is
 /// refused: the answer is the document, never a call (`field` names the format in the error).
 pub fn constrained(st: &AppState, grammar: Option<Grammar>, prepared: &PreparedChat, mut sampling: SamplingParams, field: &str) -> Result<SamplingParams, ApiError> {
-    let Some(g) = grammar else { return Ok(sampling) };
-    if matches!(prepared.output.tool_choice, ToolChoice::Required | ToolChoice::Function(_)) {
+    let out = &prepared.output;
+    let must_call = matches!(out.tool_choice, ToolChoice::Required | ToolChoice::Function(_));
+    let Some(g) = grammar else {
+        // No structured output: guided tool calls, where asked for.
+        let guided = match st.args.guided_tool_calls.as_str() {
+            "always" => out.tool_choice != ToolChoice::None,
+            "required" => must_call,
+            _ => false,
+        };
+        if guided && !out.tools.is_empty() {
+            sampling.constraint = Some(tool_constraint(st, prepared, must_call));
+        }
+        return Ok(sampling);
+    };
+    if must_call {
         return Err(ApiError::invalid(
             field,
             "a structured output cannot be combined with a tool choice that requires a call (the answer is the JSON document); use tool_choice `auto` or `none`",
         ));
     }
-    sampling.constraint = Some(st.constraint(g, prepared.output.starts_in_reasoning));
+    sampling.constraint = Some(st.constraint(g, out.starts_in_reasoning, Mode::Document));
     Ok(sampling)
+}
+
+/// The tool-call grammar of a request: its tools (only the named one for a named choice), at
+/// most one invoke a block when calls may not run in parallel.
+fn tool_constraint(st: &AppState, prepared: &PreparedChat, must_call: bool) -> Arc<ConstraintSpec> {
+    let out = &prepared.output;
+    let tags = &st.text.format().tool_calls;
+    let tools: Vec<CallTool<'_>> = out
+        .tools
+        .iter()
+        .filter(|t| match &out.tool_choice {
+            ToolChoice::Function(name) => &t.name == name,
+            _ => true,
+        })
+        .map(|t| CallTool { name: &t.name, parameters: &t.parameters })
+        .collect();
+    let call_tags = CallTags {
+        invoke_open: tags.invoke_open,
+        invoke_close: tags.invoke_close,
+        param_open: tags.param_open,
+        param_close: tags.param_close,
+        block_close: tags.block_close,
+    };
+    let max = if out.parallel_tool_calls { 64 } else { 1 };
+    let g = Grammar::tool_calls(&tools, call_tags, max);
+    let mode = Mode::ToolCalls { open: tags.block_open.as_bytes().to_vec(), must_call };
+    st.constraint(g, out.starts_in_reasoning, mode)
 }
 
 /// The schema error as a 400 naming the field and the place inside the schema.

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use super::backend::Backend;
 use super::config::ApiArgs;
 use super::metrics::Metrics;
-use crate::constrain::ConstraintSpec;
+use crate::constrain::{ConstraintSpec, Mode};
 use crate::constrain::schema::Grammar;
 use crate::constrain::vocab::TokenIndex;
 use crate::engine::SamplingParams;
@@ -54,9 +54,9 @@ impl AppState {
 impl AppState {
     /// A structured output's constraint for a prompt that ends inside a reasoning block
     /// (`starts_in_reasoning`: the document starts after its closing tag) or not.
-    pub fn constraint(&self, grammar: Grammar, starts_in_reasoning: bool) -> Arc<ConstraintSpec> {
+    pub fn constraint(&self, grammar: Grammar, starts_in_reasoning: bool, mode: Mode) -> Arc<ConstraintSpec> {
         let close = self.text.format().reasoning.close.as_bytes().to_vec();
-        Arc::new(ConstraintSpec { grammar, index: self.token_index.clone(), reasoning_close: starts_in_reasoning.then_some(close) })
+        Arc::new(ConstraintSpec { grammar, index: self.token_index.clone(), reasoning_close: starts_in_reasoning.then_some(close), mode })
     }
 }
 

@@ -10,7 +10,7 @@ use std::time::Instant;
 use minimax_gateway::constrain::matcher::State;
 use minimax_gateway::constrain::schema::Grammar;
 use minimax_gateway::constrain::vocab::TokenIndex;
-use minimax_gateway::constrain::{Constraint, ConstraintSpec, Rule};
+use minimax_gateway::constrain::{Constraint, ConstraintSpec, Mode, Rule};
 use minimax_shared::sampling::{SamplingSpec, reduce_row};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
@@ -132,7 +132,7 @@ fn main() {
 
     // A whole document written token by token as a sampler would (a random allowed token each
     // step, the state's mask from the per-request cache when the state repeats).
-    let spec = Arc::new(ConstraintSpec { grammar: g, index: index.clone(), reasoning_close: None });
+    let spec = Arc::new(ConstraintSpec { grammar: g, index: index.clone(), reasoning_close: None, mode: Mode::Document });
     let mut c = Constraint::new(spec);
     let mut rng = ChaCha20Rng::seed_from_u64(9);
     let (mut steps, mut total) = (0usize, 0.0f64);

@@ -62,6 +62,10 @@ enum Seq {
     Item,
     /// After a comma.
     Comma,
+    /// Waiting for a tag child (tool calls).
+    Tag,
+    /// Waiting for a name child (tool calls).
+    Name,
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -82,6 +86,35 @@ enum Frame {
     Obj { node: NodeId, seen: u64, st: Seq, cur: u32 },
     /// After the document: only whitespace.
     End,
+    /// Before a value of `node` with no whitespace first (tool-call parameter values).
+    Tight { node: NodeId },
+    /// Element `i` of a chain is being written; `i == len`: all written (may end here).
+    Chain { node: NodeId, i: u32 },
+    /// Raw text up to its closing tag (`Grammar::texts[close]`), `k` bytes of the tag matched.
+    Raw { close: u32, k: u32 },
+    /// One of a tag trie's strings, among the alternatives `allow` (bits of string indices).
+    Tag { trie: u32, at: u32, allow: u64 },
+    /// A name between `name="` and `">` (a tool's, or a parameter's of `owner`): the trie
+    /// position (`NO_KEY` off every declared name), whether other names are allowed, and once
+    /// the quote came (`quote`), the name's index in `at`.
+    Name { owner: NodeId, at: u32, free: bool, quote: bool, len: u16 },
+    /// A tool-call block's invokes (`count` so far).
+    Calls { node: NodeId, count: u32, st: Seq },
+    /// One invoke's parameters.
+    Params { node: NodeId, seen: u64, st: Seq },
+}
+
+/// Longest tool or parameter name (the tool-call parser's limit).
+const MAX_NAME: u16 = 256;
+
+/// What a parent does next once its child completed.
+enum Next {
+    /// Its new state.
+    Top(Frame),
+    /// Its new state, with a new child on top.
+    Push(Frame, Frame),
+    /// It completed too.
+    Complete,
 }
 
 #[derive(Debug, PartialEq, Eq, Hash)]
@@ -112,8 +145,13 @@ impl Thread {
     /// The stack below the top, with the parent told that its child completed.
     fn pop(&self, g: &Grammar, key: Option<u32>) -> Option<Thread> {
         let link = self.below.as_ref()?;
-        let parent = child_done(g, link.frame, key)?;
-        Some(Thread { top: parent, below: link.below.clone(), ws: 0 })
+        Some(match child_done(g, link.frame, key)? {
+            Next::Top(parent) => Thread { top: parent, below: link.below.clone(), ws: 0 },
+            Next::Push(parent, child) => {
+                Thread { top: child, below: Some(Arc::new(Link { frame: parent, below: link.below.clone() })), ws: 0 }
+            }
+            Next::Complete => Thread { top: link.frame, below: link.below.clone(), ws: 0 }.pop(g, None)?,
+        })
     }
 }
 
@@ -132,6 +170,11 @@ impl State {
     pub fn start(g: &Grammar) -> State {
         let end = Arc::new(Link { frame: Frame::End, below: None });
         State { threads: vec![Thread { top: Frame::Value { node: g.root }, below: Some(end), ws: 0 }] }
+    }
+
+    /// Whether every thread finished the document (only whitespace may follow).
+    pub fn at_end(&self) -> bool {
+        !self.threads.is_empty() && self.threads.iter().all(|t| t.top == Frame::End)
     }
 
     /// Whether no thread is left (the bytes so far cannot start a valid document).
@@ -262,28 +305,81 @@ fn can_end(g: &Grammar, t: &Thread) -> bool {
         Frame::Lit { trie, at } if g.lits[trie as usize].nodes[at as usize].end.is_some() => {
             t.pop(g, None).is_some_and(|p| can_end(g, &p))
         }
+        Frame::Chain { node, i } if i as usize == chain_len(g, node) => t.pop(g, None).is_some_and(|p| can_end(g, &p)),
         _ => false,
     }
 }
 
-/// The parent frame once its child (a value, or a key with the property it named) completed.
-fn child_done(g: &Grammar, parent: Frame, key: Option<u32>) -> Option<Frame> {
-    match parent {
-        Frame::Arr { node, count, st: Seq::Child } => Some(Frame::Arr { node, count: count + 1, st: Seq::Item }),
+fn chain_len(g: &Grammar, node: NodeId) -> usize {
+    match &g.nodes[node as usize] {
+        Node::Chain { items, .. } => items.len(),
+        _ => 0,
+    }
+}
+
+/// The frame that waits for a value of `node`: whitespace first unless the node is tight.
+fn value_frame(g: &Grammar, node: NodeId) -> Frame {
+    let tight = match &g.nodes[node as usize] {
+        Node::Raw(_) => true,
+        Node::Chain { tight, .. } => *tight,
+        _ => false,
+    };
+    if tight { Frame::Tight { node } } else { Frame::Value { node } }
+}
+
+/// The parent's next step once its child (a value, a key with the property it named, a tag
+/// with the alternative it was, a name with its index) completed.
+fn child_done(g: &Grammar, parent: Frame, key: Option<u32>) -> Option<Next> {
+    Some(match parent {
+        Frame::Arr { node, count, st: Seq::Child } => Next::Top(Frame::Arr { node, count: count + 1, st: Seq::Item }),
         Frame::Obj { node, seen, st: Seq::Child, cur } => match key {
             // A key completed: remember which property it named; expect ':'.
             Some(k) => {
                 let seen = if k == NO_KEY { seen } else { seen | (1 << k) };
-                Some(Frame::Obj { node, seen, st: Seq::Colon, cur: k })
+                Next::Top(Frame::Obj { node, seen, st: Seq::Colon, cur: k })
             }
-            None => Some(Frame::Obj { node, seen, st: Seq::Item, cur }),
+            None => Next::Top(Frame::Obj { node, seen, st: Seq::Item, cur }),
         },
-        Frame::End => Some(Frame::End),
-        _ => {
-            let _ = g;
-            None
+        Frame::End => Next::Top(Frame::End),
+        Frame::Chain { node, i } => {
+            let Node::Chain { items, tight } = &g.nodes[node as usize] else { return None };
+            let i = i as usize + 1;
+            match items.get(i) {
+                Some(&next) => {
+                    let child = if *tight { Frame::Tight { node: next } } else { Frame::Value { node: next } };
+                    Next::Push(Frame::Chain { node, i: i as u32 }, child)
+                }
+                None => Next::Top(Frame::Chain { node, i: i as u32 }),
+            }
         }
-    }
+        // Tool-call blocks: tag 0 opens an invoke, tag 1 closes the block.
+        Frame::Calls { node, count, st: Seq::Tag } => match key? {
+            0 => Next::Push(Frame::Calls { node, count, st: Seq::Name }, Frame::Name { owner: node, at: 0, free: false, quote: false, len: 0 }),
+            _ => Next::Complete,
+        },
+        Frame::Calls { node, count, st: Seq::Name } => {
+            let Node::Calls { bodies, .. } = &g.nodes[node as usize] else { return None };
+            let body = *bodies.get(key? as usize)?;
+            Next::Push(Frame::Calls { node, count: count + 1, st: Seq::Child }, Frame::Params { node: body, seen: 0, st: Seq::Open })
+        }
+        Frame::Calls { node, count, st: Seq::Child } => Next::Top(Frame::Calls { node, count, st: Seq::Item }),
+        // Invokes: tag 0 opens a parameter, tag 1 closes the invoke.
+        Frame::Params { node, seen, st: Seq::Tag } => match key? {
+            0 => {
+                let free = matches!(&g.nodes[node as usize], Node::Params { free: Some(_), .. });
+                Next::Push(Frame::Params { node, seen, st: Seq::Name }, Frame::Name { owner: node, at: 0, free, quote: false, len: 0 })
+            }
+            _ => Next::Complete,
+        },
+        Frame::Params { node, seen, st: Seq::Name } => {
+            let Node::Params { values, free, .. } = &g.nodes[node as usize] else { return None };
+            let k = key?;
+            let (value, seen) = if k == NO_KEY { ((*free)?, seen) } else { (*values.get(k as usize)?, seen | (1 << k)) };
+            Next::Push(Frame::Params { node, seen, st: Seq::Child }, value_frame(g, value))
+        }
+        Frame::Params { node, seen, st: Seq::Child } => Next::Top(Frame::Params { node, seen, st: Seq::Item }),
+        _ => return None,
+    })
 }
 
 /// The element schema for index `count` of an array, if another element is allowed.
@@ -400,6 +496,24 @@ fn enter(g: &Grammar, t: &Thread, node: NodeId, b: u8, out: &mut Vec<Thread>) {
                 out.push(t.with_top(Frame::Obj { node, seen: 0, st: Seq::Open, cur: NO_KEY }));
             }
         }
+        Node::Chain { items, .. } => {
+            if let Some(&first) = items.first() {
+                let child = t.push(Frame::Chain { node, i: 0 }, Frame::Tight { node: first });
+                enter(g, &child, first, b, out);
+            }
+        }
+        Node::Raw(close) => step_thread(g, &t.with_top(Frame::Raw { close: *close, k: 0 }), b, out),
+        Node::Calls { .. } => step_thread(g, &t.with_top(Frame::Calls { node, count: 0, st: Seq::Open }), b, out),
+        Node::Params { .. } => step_thread(g, &t.with_top(Frame::Params { node, seen: 0, st: Seq::Open }), b, out),
+    }
+}
+
+/// Starts a tag among `allow` of trie `trie` with its first byte (the thread's top becomes
+/// the tag's parent, `parent`).
+fn start_tag(g: &Grammar, t: &Thread, parent: Frame, trie: u32, allow: u64, b: u8, out: &mut Vec<Thread>) {
+    if allow != 0 {
+        let child = t.push(parent, Frame::Tag { trie, at: 0, allow });
+        step_thread(g, &child, b, out);
     }
 }
 
@@ -423,6 +537,68 @@ fn step_thread(g: &Grammar, t: &Thread, b: u8, out: &mut Vec<Thread>) {
         Frame::End => {
             if is_ws(b) {
                 ws_step(t, out);
+            }
+        }
+        Frame::Tight { node } => enter(g, t, node, b, out),
+        Frame::Chain { node, i } => {
+            // Only an ended chain is ever on top: it ends where the next byte is its parent's.
+            if i as usize == chain_len(g, node)
+                && let Some(p) = t.pop(g, None)
+            {
+                step_thread(g, &p, b, out);
+            }
+        }
+        Frame::Raw { close, k } => {
+            let tag = &g.texts[close as usize];
+            if b == tag[k as usize] {
+                if k as usize + 1 == tag.len() {
+                    if let Some(p) = t.pop(g, None) {
+                        out.push(p);
+                    }
+                } else {
+                    out.push(t.with_top(Frame::Raw { close, k: k + 1 }));
+                }
+            } else {
+                // The tag's first byte appears nowhere else in it, so a mismatch restarts here.
+                let k = u32::from(b == tag[0]);
+                out.push(t.with_top(Frame::Raw { close, k }));
+            }
+        }
+        Frame::Tag { trie, at, allow } => {
+            let tr = &g.tags[trie as usize];
+            if let Some(n) = tr.next(at, b).filter(|&n| tr.nodes[n as usize].below & allow != 0) {
+                match tr.nodes[n as usize].end {
+                    Some(e) if tr.nodes[n as usize].edges.is_empty() => {
+                        if let Some(p) = t.pop(g, Some(e)) {
+                            out.push(p);
+                        }
+                    }
+                    _ => out.push(t.with_top(Frame::Tag { trie, at: n, allow })),
+                }
+            }
+        }
+        Frame::Name { owner, at, free, quote, len } => name_byte(g, t, owner, at, free, quote, len, b, out),
+        Frame::Calls { node, count, st } => {
+            let Node::Calls { tags, max, .. } = &g.nodes[node as usize] else { return };
+            match st {
+                Seq::Open | Seq::Item if is_ws(b) => ws_step(t, out),
+                Seq::Open | Seq::Item => {
+                    let allow = u64::from(count < *max) | (u64::from(count >= 1) << 1);
+                    start_tag(g, t, Frame::Calls { node, count, st: Seq::Tag }, *tags, allow, b, out);
+                }
+                _ => {}
+            }
+        }
+        Frame::Params { node, seen, st } => {
+            let Node::Params { tags, values, required, free, .. } = &g.nodes[node as usize] else { return };
+            match st {
+                Seq::Open | Seq::Item if is_ws(b) => ws_step(t, out),
+                Seq::Open | Seq::Item => {
+                    let more = free.is_some() || (0..values.len()).any(|k| seen & (1 << k) == 0);
+                    let allow = u64::from(more) | (u64::from(required & !seen == 0) << 1);
+                    start_tag(g, t, Frame::Params { node, seen, st: Seq::Tag }, *tags, allow, b, out);
+                }
+                _ => {}
             }
         }
         Frame::Lit { trie, at } => {
@@ -563,6 +739,56 @@ fn key_byte(g: &Grammar, t: &Thread, obj: NodeId, at: u32, free: bool, sub: StrS
     out.push(t.with_top(Frame::Key { obj, at: nat, free, sub: nsub }));
 }
 
+/// One byte of a tool or parameter name (`NAME">`).
+#[allow(clippy::too_many_arguments)]
+fn name_byte(g: &Grammar, t: &Thread, owner: NodeId, at: u32, free: bool, quote: bool, len: u16, b: u8, out: &mut Vec<Thread>) {
+    if quote {
+        if b == b'>'
+            && let Some(p) = t.pop(g, Some(at))
+        {
+            out.push(p);
+        }
+        return;
+    }
+    let (trie, seen) = match &g.nodes[owner as usize] {
+        Node::Calls { names, .. } => (&g.keys[*names as usize], 0u64),
+        Node::Params { keys, .. } => {
+            let seen = match t.below.as_ref().map(|l| l.frame) {
+                Some(Frame::Params { seen, .. }) => seen,
+                _ => return,
+            };
+            (&g.keys[*keys as usize], seen)
+        }
+        _ => return,
+    };
+    if b == b'"' {
+        let declared = (at != NO_KEY).then(|| trie.nodes[at as usize].end).flatten();
+        let key = match declared {
+            Some(k) if seen & (1 << k) == 0 => k,
+            Some(_) => return,
+            None if free && len > 0 => NO_KEY,
+            None => return,
+        };
+        out.push(t.with_top(Frame::Name { owner, at: key, free, quote: true, len }));
+        return;
+    }
+    if matches!(b, b'<' | b'>' | b'\n') || len >= MAX_NAME {
+        return;
+    }
+    let nat = if at != NO_KEY {
+        match trie.next(at, b) {
+            Some(n) if free || trie.nodes[n as usize].below & !seen != 0 => n,
+            _ => NO_KEY,
+        }
+    } else {
+        NO_KEY
+    };
+    if nat == NO_KEY && !free {
+        return;
+    }
+    out.push(t.with_top(Frame::Name { owner, at: nat, free, quote: false, len: len + 1 }));
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -668,5 +894,73 @@ mod tests {
         assert!(accepts(&g, r#""\n\u0041""#));
         assert!(!accepts(&g, "\"a\""));
         assert!(!accepts(&g, "\"abc\""));
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod tool_tests {
+    use super::*;
+    use crate::constrain::schema::{CallTags, CallTool};
+    use serde_json::json;
+
+    pub(crate) const TAGS: CallTags<'static> = CallTags {
+        invoke_open: "<invoke name=\"",
+        invoke_close: "</invoke>",
+        param_open: "<parameter name=\"",
+        param_close: "</parameter>",
+        block_close: "</minimax:tool_call>",
+    };
+
+    fn grammar(max: u32) -> Grammar {
+        let weather = json!({"type": "object", "properties": {
+            "city": {"type": "string"}, "days": {"type": "integer"}, "unit": {"enum": ["c", "f"]},
+            "opts": {"type": "object", "properties": {"x": {"type": "boolean"}}, "required": ["x"], "additionalProperties": false}
+        }, "required": ["city"]});
+        let free = json!({"type": "object"});
+        let none = json!({"type": "object", "properties": {}, "additionalProperties": false});
+        Grammar::tool_calls(
+            &[CallTool { name: "get_weather", parameters: &weather }, CallTool { name: "anything", parameters: &free }, CallTool { name: "ping", parameters: &none }],
+            TAGS,
+            max,
+        )
+    }
+
+    fn accepts(g: &Grammar, text: &str) -> bool {
+        let mut s = State::start(g);
+        s.feed(g, text.as_bytes()) && s.at_end()
+    }
+
+    #[test]
+    fn tool_blocks_follow_the_tools() {
+        let g = grammar(8);
+        let ok = [
+            "\n<invoke name=\"get_weather\">\n<parameter name=\"city\">Paris <b>!</parameter>\n<parameter name=\"days\">3</parameter>\n</invoke>\n</minimax:tool_call>",
+            "<invoke name=\"get_weather\"><parameter name=\"unit\">f</parameter><parameter name=\"city\"></parameter><parameter name=\"opts\"> {\"x\": true} </parameter></invoke></minimax:tool_call>",
+            "<invoke name=\"anything\"><parameter name=\"q\">1</parameter><parameter name=\"r\">x</parameter></invoke><invoke name=\"ping\"></invoke></minimax:tool_call>",
+        ];
+        for t in ok {
+            assert!(accepts(&g, t), "{t}");
+        }
+        let bad = [
+            ("</minimax:tool_call>", "no invoke"),
+            ("<invoke name=\"get_weathe\">", "unknown tool"),
+            ("<invoke name=\"get_weather\"></invoke>", "city is required"),
+            ("<invoke name=\"get_weather\"><parameter name=\"town\">", "undeclared parameter"),
+            ("<invoke name=\"get_weather\"><parameter name=\"city\">a</parameter><parameter name=\"city\">", "twice"),
+            ("<invoke name=\"get_weather\"><parameter name=\"days\">3.5<", "an integer"),
+            ("<invoke name=\"get_weather\"><parameter name=\"unit\"> c", "enum values verbatim, no space"),
+            ("<invoke name=\"get_weather\"><parameter name=\"unit\">k", "enum"),
+            ("<invoke name=\"ping\"><parameter name=\"", "ping takes no parameters"),
+            ("<invoke name=\"ping\"></invoke>x", "text inside the block"),
+        ];
+        for (t, why) in bad {
+            let mut s = State::start(&g);
+            assert!(!s.feed(&g, t.as_bytes()) || !s.at_end() && t.ends_with("</minimax:tool_call>"), "{why}: {t}");
+        }
+        // One invoke a block when calls may not run in parallel.
+        let one = grammar(1);
+        assert!(accepts(&one, "<invoke name=\"ping\"></invoke></minimax:tool_call>"));
+        let mut s = State::start(&one);
+        assert!(!s.feed(&one, b"<invoke name=\"ping\"></invoke><invoke"));
     }
 }

@@ -12,6 +12,12 @@
 //! the document starts (leading whitespace allowed) and, once it is complete, only whitespace
 //! and end of generation remain. Masks are cached per matcher state, so the steps inside a long
 //! free-text string (the same state again and again) cost nothing after the first.
+//!
+//! Tool calls ([`Mode::ToolCalls`]) use the same machinery on a different grammar: the answer is
+//! free text, and every tool-call block the model opens is held to the tools it may call (their
+//! names, their declared parameters, required ones present, values of the declared types) until
+//! the block closes; with `tool_choice` `required` or a named function the answer may not end
+//! before one block was written.
 
 pub mod matcher;
 pub mod schema;
@@ -36,19 +42,33 @@ pub struct ConstraintSpec {
     pub index: Arc<TokenIndex>,
     /// The reasoning block's closing tag when the output starts inside one.
     pub reasoning_close: Option<Vec<u8>>,
+    /// Which part of the answer the grammar holds.
+    pub mode: Mode,
+}
+
+/// Which part of the answer (after any reasoning) the grammar holds.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Mode {
+    /// All of it: one document.
+    Document,
+    /// Every tool-call block, from just after its opening tag `open` to its closing tag; the
+    /// text around blocks is free. `must_call`: the answer may not end before a block.
+    ToolCalls { open: Vec<u8>, must_call: bool },
 }
 
 impl PartialEq for ConstraintSpec {
     /// Same schema, same reasoning framing, same vocabulary index.
     fn eq(&self, o: &Self) -> bool {
-        self.grammar == o.grammar && self.reasoning_close == o.reasoning_close && Arc::ptr_eq(&self.index, &o.index)
+        self.grammar == o.grammar && self.reasoning_close == o.reasoning_close && self.mode == o.mode && Arc::ptr_eq(&self.index, &o.index)
     }
 }
 
 /// The rule of the next step.
 #[derive(Debug, Clone, PartialEq)]
 pub enum Rule {
-    /// Anything but ending (inside the reasoning block).
+    /// Anything.
+    Free,
+    /// Anything but ending (inside the reasoning block, or before a required tool call).
     NoEnd,
     /// Only the tokens of this mask.
     Only(Arc<Mask>),
@@ -69,6 +89,10 @@ enum Phase {
     Reasoning(Vec<u8>),
     Document,
     Ended,
+    /// Tool calls: free text; the last bytes, where a block's opening tag may be starting.
+    Text(Vec<u8>),
+    /// Tool calls: inside a block.
+    Block,
 }
 
 /// The per-request matcher and its mask cache.
@@ -78,20 +102,41 @@ pub struct Constraint {
     phase: Phase,
     state: State,
     cache: HashMap<State, Arc<Mask>>,
+    /// Tool-call blocks completed.
+    calls: u32,
 }
 
 impl Constraint {
     pub fn new(spec: Arc<ConstraintSpec>) -> Self {
         let state = State::start(&spec.grammar);
-        let phase = if spec.reasoning_close.is_some() { Phase::Reasoning(Vec::new()) } else { Phase::Document };
-        Constraint { spec, phase, state, cache: HashMap::new() }
+        let phase = match (&spec.reasoning_close, &spec.mode) {
+            (Some(_), _) => Phase::Reasoning(Vec::new()),
+            (None, Mode::Document) => Phase::Document,
+            (None, Mode::ToolCalls { .. }) => Phase::Text(Vec::new()),
+        };
+        Constraint { spec, phase, state, cache: HashMap::new(), calls: 0 }
+    }
+
+    /// Whether the next step's rule depends on the token drawn now, so the step may not be
+    /// planned before that token is seen (overlapped decode). Free text around tool calls may
+    /// be: a block opened by the token in flight is then entered one token late, and a token
+    /// that does not fit it leaves that block unconstrained (as without constraints).
+    pub fn needs_drawn_token(&self) -> bool {
+        match self.spec.mode {
+            Mode::Document => true,
+            Mode::ToolCalls { .. } => matches!(self.phase, Phase::Block),
+        }
     }
 
     /// The rule the next sampled token must follow.
     pub fn rule(&mut self) -> Rule {
         match self.phase {
             Phase::Reasoning(_) => Rule::NoEnd,
-            Phase::Document | Phase::Ended => {
+            Phase::Text(_) => match self.spec.mode {
+                Mode::ToolCalls { must_call: true, .. } if self.calls == 0 => Rule::NoEnd,
+                _ => Rule::Free,
+            },
+            Phase::Document | Phase::Ended | Phase::Block => {
                 if let Some(m) = self.cache.get(&self.state) {
                     return Rule::Only(m.clone());
                 }
@@ -124,29 +169,35 @@ impl Constraint {
 
     /// Moves past a sampled token.
     pub fn advance(&mut self, token: u32) -> Result<(), ConstraintError> {
-        let g = &self.spec.grammar;
-        let bytes = self.spec.index.token_bytes(token);
+        let spec = self.spec.clone();
+        let bytes = spec.index.token_bytes(token);
         match &mut self.phase {
             Phase::Reasoning(tail) => {
-                let close = self.spec.reasoning_close.as_deref().expect("a reasoning phase has a tag");
+                let close = spec.reasoning_close.as_deref().expect("a reasoning phase has a tag");
                 tail.extend_from_slice(bytes);
                 match find(tail, close) {
                     Some(at) => {
                         let rest = tail[at + close.len()..].to_vec();
-                        self.phase = Phase::Document;
-                        if !self.state.feed(g, &rest) {
-                            return Err(ConstraintError::AfterReasoning);
+                        match &spec.mode {
+                            Mode::Document => {
+                                self.phase = Phase::Document;
+                                if !self.state.feed(&spec.grammar, &rest) {
+                                    return Err(ConstraintError::AfterReasoning);
+                                }
+                            }
+                            Mode::ToolCalls { .. } => {
+                                self.phase = Phase::Text(Vec::new());
+                                self.text(&rest);
+                            }
                         }
                     }
-                    None if tail.len() > close.len() => {
-                        tail.drain(..tail.len() - close.len());
-                    }
-                    None => {}
+                    None => keep_tail(tail, close.len()),
                 }
                 Ok(())
             }
             Phase::Document => {
-                if self.spec.index.eog().contains(&token) {
+                let g = &spec.grammar;
+                if spec.index.eog().contains(&token) {
                     if !self.state.can_end(g) {
                         return Err(ConstraintError::Left(token));
                     }
@@ -162,7 +213,68 @@ impl Constraint {
                 Ok(())
             }
             Phase::Ended => Ok(()),
+            Phase::Text(_) => {
+                self.text(bytes);
+                Ok(())
+            }
+            Phase::Block => {
+                if bytes.is_empty() {
+                    // End of generation (or a control token) inside a block: the mask allows
+                    // neither, so only a token drawn before the block was seen gets here.
+                    tracing::warn!(token, "structured tool call: the block was left open; not constrained further");
+                    self.phase = Phase::Text(Vec::new());
+                    return Ok(());
+                }
+                self.block(bytes);
+                Ok(())
+            }
         }
+    }
+
+    /// Free text around tool calls: watches for a block's opening tag.
+    fn text(&mut self, bytes: &[u8]) {
+        let Mode::ToolCalls { open, .. } = &self.spec.mode else { return };
+        let open = open.clone();
+        let Phase::Text(tail) = &mut self.phase else { return };
+        tail.extend_from_slice(bytes);
+        match find(tail, &open) {
+            Some(at) => {
+                let rest = tail[at + open.len()..].to_vec();
+                self.phase = Phase::Block;
+                self.state = State::start(&self.spec.grammar);
+                self.block(&rest);
+            }
+            None => keep_tail(tail, open.len()),
+        }
+    }
+
+    /// Inside a tool-call block: bytes up to its end, then free text again. Bytes that do not
+    /// fit (only possible for a token drawn before the block was seen) leave the block to the
+    /// parser, unconstrained.
+    fn block(&mut self, bytes: &[u8]) {
+        let g = &self.spec.grammar;
+        for (i, &b) in bytes.iter().enumerate() {
+            let next = self.state.step(g, b);
+            if next.is_dead() {
+                tracing::warn!("structured tool call: a token drawn before the block was seen does not fit it; not constrained further");
+                self.phase = Phase::Text(Vec::new());
+                return;
+            }
+            self.state = next;
+            if self.state.at_end() {
+                self.calls += 1;
+                self.phase = Phase::Text(Vec::new());
+                self.text(&bytes[i + 1..]);
+                return;
+            }
+        }
+    }
+}
+
+/// Keeps the last `n - 1` bytes (where a tag of `n` bytes may be starting).
+fn keep_tail(tail: &mut Vec<u8>, n: usize) {
+    if tail.len() >= n {
+        tail.drain(..tail.len() + 1 - n);
     }
 }
 
@@ -190,11 +302,12 @@ mod tests {
         }
         let index = Arc::new(TokenIndex::from_tokens(262, items, vec![EOG]));
         let grammar = Grammar::from_schema(&json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": false})).unwrap();
-        Arc::new(ConstraintSpec { grammar, index, reasoning_close: reasoning.then(|| b"</think>".to_vec()) })
+        Arc::new(ConstraintSpec { grammar, index, reasoning_close: reasoning.then(|| b"</think>".to_vec()), mode: Mode::Document })
     }
 
     fn allowed(c: &mut Constraint, t: u32) -> bool {
         match c.rule() {
+            Rule::Free => true,
             Rule::NoEnd => t != EOG,
             Rule::Only(m) => vocab::allows(&m, t),
         }
@@ -233,5 +346,63 @@ mod tests {
         assert!(matches!(c.rule(), Rule::Only(_)));
         assert_eq!(c.advance(b'[' as u32), Err(ConstraintError::Left(b'[' as u32)));
         assert_eq!(c.advance(EOG), Err(ConstraintError::Left(EOG)), "no end before the document");
+    }
+}
+
+#[cfg(test)]
+mod tool_mode_tests {
+    use super::*;
+    use crate::constrain::schema::CallTool;
+    use serde_json::json;
+
+    const EOG: u32 = 300;
+    const OPEN: u32 = 256;
+
+    /// Bytes as tokens, the block's opening tag as one token (as MiniMax-M2's vocabulary has it).
+    fn spec(must_call: bool) -> Arc<ConstraintSpec> {
+        let mut items: Vec<(u32, Vec<u8>)> = (0..=255u8).map(|b| (b as u32, vec![b])).collect();
+        items.push((OPEN, b"<minimax:tool_call>".to_vec()));
+        let index = Arc::new(TokenIndex::from_tokens(301, items, vec![EOG]));
+        let params = json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]});
+        let grammar = Grammar::tool_calls(&[CallTool { name: "f", parameters: &params }], crate::constrain::matcher::tool_tests::TAGS, 4);
+        Arc::new(ConstraintSpec { grammar, index, reasoning_close: Some(b"</think>".to_vec()), mode: Mode::ToolCalls { open: b"<minimax:tool_call>".to_vec(), must_call } })
+    }
+
+    fn feed(c: &mut Constraint, text: &str) {
+        for b in text.bytes() {
+            if let Rule::Only(m) = c.rule() {
+                assert!(vocab::allows(&m, b as u32), "{:?} refused", b as char);
+            }
+            c.advance(b as u32).unwrap();
+        }
+    }
+
+    #[test]
+    fn text_is_free_blocks_are_held_and_a_required_call_comes_before_the_end() {
+        let mut c = Constraint::new(spec(true));
+        feed(&mut c, "hmm</think>\n\nLet me call it.\n");
+        assert_eq!(c.rule(), Rule::NoEnd, "a required call is still to come");
+        assert!(!c.needs_drawn_token(), "free text may be decoded overlapped");
+        c.advance(OPEN).unwrap();
+        assert!(c.needs_drawn_token());
+        let Rule::Only(m) = c.rule() else { panic!("inside the block") };
+        assert!(!vocab::allows(&m, EOG) && !vocab::allows(&m, b'x' as u32) && vocab::allows(&m, b'<' as u32));
+        feed(&mut c, "\n<invoke name=\"f\">\n<parameter name=\"n\">42</parameter>\n</invoke>\n</minimax:tool_call>");
+        assert_eq!(c.rule(), Rule::Free, "after the block: free, and the end is allowed");
+        feed(&mut c, " done");
+        // Without a required call the end is allowed from the start.
+        let mut c = Constraint::new(spec(false));
+        feed(&mut c, "x</think>ok");
+        assert_eq!(c.rule(), Rule::Free);
+    }
+
+    #[test]
+    fn a_token_drawn_before_the_block_was_seen_that_does_not_fit_leaves_it_free() {
+        let mut c = Constraint::new(spec(false));
+        feed(&mut c, "</think>");
+        c.advance(OPEN).unwrap();
+        // Overlapped decode: this token was drawn without the block's mask.
+        c.advance(b'Z' as u32).unwrap();
+        assert_eq!(c.rule(), Rule::Free);
     }
 }

@@ -90,6 +90,19 @@ pub enum Node {
     Object { keys: u32, props: Vec<NodeId>, required: u64, additional: Option<NodeId> },
     /// Any of these.
     AnyOf(Vec<NodeId>),
+    /// These one after the other (`tight`: no whitespace before any of them).
+    Chain { items: Vec<NodeId>, tight: bool },
+    /// Any text up to and including the first occurrence of [`Grammar::texts`]`[i]` (a tag whose
+    /// first byte occurs nowhere else in it).
+    Raw(u32),
+    /// A tool-call block's body: invokes of the tools named in key trie `names` (bodies in name
+    /// order), at most `max`, at least one; `tags` (a [`Grammar::tags`] index) holds the invoke's
+    /// opening tag (string 0) and the block's closing tag (string 1).
+    Calls { names: u32, bodies: Vec<NodeId>, tags: u32, max: u32 },
+    /// An invoke's parameters: declared ones (key trie `keys`, value nodes in key order), the
+    /// required ones, the value of other names (`None`: none allowed); `tags`: the parameter's
+    /// opening tag (string 0) and the invoke's closing tag (string 1).
+    Params { keys: u32, values: Vec<NodeId>, required: u64, free: Option<NodeId>, tags: u32 },
 }
 
 /// A compiled schema.
@@ -98,6 +111,10 @@ pub struct Grammar {
     pub nodes: Vec<Node>,
     pub lits: Vec<ByteTrie>,
     pub keys: Vec<ByteTrie>,
+    /// Tries of tag alternatives (tool calls).
+    pub tags: Vec<ByteTrie>,
+    /// Closing tags of raw text (tool calls).
+    pub texts: Vec<Vec<u8>>,
     pub root: NodeId,
 }
 
@@ -179,6 +196,12 @@ impl Grammar {
                         props.iter().enumerate().all(|(k, &p)| required & (1 << k) == 0 || ok[p as usize])
                     }
                     Node::AnyOf(alts) => alts.iter().any(|&a| ok[a as usize]),
+                    Node::Chain { items, .. } => items.iter().all(|&a| ok[a as usize]),
+                    Node::Raw(_) => true,
+                    Node::Calls { bodies, max, .. } => *max > 0 && bodies.iter().any(|&a| ok[a as usize]),
+                    Node::Params { values, required, .. } => {
+                        values.iter().enumerate().all(|(k, &p)| required & (1 << k) == 0 || ok[p as usize])
+                    }
                 };
                 if sat {
                     ok[i] = true;
@@ -201,17 +224,19 @@ struct Compiler<'a> {
     nodes: Vec<Node>,
     lits: Vec<ByteTrie>,
     keys: Vec<ByteTrie>,
+    tags: Vec<ByteTrie>,
+    texts: Vec<Vec<u8>>,
     refs: HashMap<String, NodeId>,
     any: Option<NodeId>,
 }
 
 impl<'a> Compiler<'a> {
     fn new(doc: &'a Json) -> Self {
-        Compiler { doc, nodes: Vec::new(), lits: Vec::new(), keys: Vec::new(), refs: HashMap::new(), any: None }
+        Compiler { doc, nodes: Vec::new(), lits: Vec::new(), keys: Vec::new(), tags: Vec::new(), texts: Vec::new(), refs: HashMap::new(), any: None }
     }
 
     fn finish(self, root: NodeId) -> Grammar {
-        Grammar { nodes: self.nodes, lits: self.lits, keys: self.keys, root }
+        Grammar { nodes: self.nodes, lits: self.lits, keys: self.keys, tags: self.tags, texts: self.texts, root }
     }
 
     fn push(&mut self, n: Node) -> NodeId {
@@ -451,6 +476,107 @@ impl<'a> Compiler<'a> {
         }).collect();
         let keys = self.key_trie(&texts);
         Ok(self.push(Node::Object { keys, props, required, additional }))
+    }
+}
+
+/// The tags of a tool-call block (MiniMax-M2: `<minimax:tool_call>` … `</minimax:tool_call>`).
+#[derive(Debug, Clone, Copy)]
+pub struct CallTags<'a> {
+    pub invoke_open: &'a str,
+    pub invoke_close: &'a str,
+    pub param_open: &'a str,
+    pub param_close: &'a str,
+    pub block_close: &'a str,
+}
+
+/// One tool as the call grammar needs it.
+#[derive(Debug, Clone, Copy)]
+pub struct CallTool<'a> {
+    pub name: &'a str,
+    /// Its `parameters` schema.
+    pub parameters: &'a Json,
+}
+
+impl Grammar {
+    /// The body of a tool-call block after its opening tag: 1..=`max` invokes of `tools`, each
+    /// with its declared parameters (required ones present, none twice), then the block's
+    /// closing tag. A parameter whose schema admits a string is raw text (the template writes
+    /// strings verbatim); an enum of strings is one of them, verbatim; any other value is JSON
+    /// its schema admits (any JSON value where the schema cannot be compiled). A tool that
+    /// declares no properties and allows others takes any names with raw values.
+    pub fn tool_calls(tools: &[CallTool<'_>], tags: CallTags<'_>, max: u32) -> Grammar {
+        let empty = Json::Null;
+        let mut c = Compiler::new(&empty);
+        c.texts.push(tags.param_close.as_bytes().to_vec());
+        let raw = c.push(Node::Raw(0));
+        let close_lit = c.lit(&[tags.param_close.as_bytes().to_vec()]);
+        c.tags.push(ByteTrie::build(&[tags.param_open.as_bytes().to_vec(), tags.invoke_close.as_bytes().to_vec()]));
+        let param_tags = (c.tags.len() - 1) as u32;
+        c.tags.push(ByteTrie::build(&[tags.invoke_open.as_bytes().to_vec(), tags.block_close.as_bytes().to_vec()]));
+        let call_tags = (c.tags.len() - 1) as u32;
+        let mut bodies = Vec::new();
+        for t in tools {
+            c.doc = t.parameters;
+            c.refs.clear();
+            let props = t.parameters.get("properties").and_then(Json::as_object);
+            let mut names = Vec::new();
+            let mut values = Vec::new();
+            for (k, ps) in props.into_iter().flatten().take(MAX_PROPERTIES) {
+                names.push(k.as_bytes().to_vec());
+                let v = match raw_strings(ps) {
+                    Some(Some(list)) => {
+                        let lit = c.lit(&list);
+                        c.push(Node::Chain { items: vec![lit, close_lit], tight: true })
+                    }
+                    Some(None) => raw,
+                    None => {
+                        let n = c.compile(ps, "#").unwrap_or_else(|_| c.any());
+                        c.push(Node::Chain { items: vec![n, close_lit], tight: false })
+                    }
+                };
+                values.push(v);
+            }
+            let required = t.parameters.get("required").and_then(Json::as_array).map_or(0, |r| {
+                r.iter().filter_map(Json::as_str).filter_map(|k| names.iter().position(|n| n == k.as_bytes())).fold(0u64, |m, i| m | (1 << i))
+            });
+            let closed = t.parameters.get("additionalProperties") == Some(&Json::Bool(false));
+            let free = (names.is_empty() && !closed).then_some(raw);
+            let keys = c.key_trie(&names);
+            bodies.push(c.push(Node::Params { keys, values, required, free, tags: param_tags }));
+        }
+        let names: Vec<Vec<u8>> = tools.iter().map(|t| t.name.as_bytes().to_vec()).collect();
+        let names = c.key_trie(&names);
+        let root = c.push(Node::Calls { names, bodies, tags: call_tags, max: max.max(1) });
+        c.finish(root)
+    }
+}
+
+/// How a parameter's raw text is read (as the tool-call parser's typing does): `Some(None)`:
+/// any text (the schema admits a string, or says nothing); `Some(Some(list))`: one of these
+/// strings (an enum or const of strings only); `None`: JSON.
+fn raw_strings(schema: &Json) -> Option<Option<Vec<Vec<u8>>>> {
+    let Some(o) = schema.as_object() else { return Some(None) };
+    let members: Option<Vec<&Json>> = match (o.get("enum"), o.get("const")) {
+        (Some(Json::Array(a)), _) => Some(a.iter().collect()),
+        (None, Some(v)) => Some(vec![v]),
+        _ => None,
+    };
+    if let Some(m) = members {
+        let strings: Option<Vec<Vec<u8>>> = m.iter().map(|v| v.as_str().map(|s| s.as_bytes().to_vec())).collect();
+        return match strings {
+            Some(list) if !list.is_empty() => Some(Some(list)),
+            _ => None,
+        };
+    }
+    match o.get("type") {
+        Some(Json::String(t)) => (t == "string").then_some(None),
+        Some(Json::Array(ts)) => ts.iter().any(|t| t == "string").then_some(None),
+        Some(_) => None,
+        None if o.contains_key("properties") || o.contains_key("items") => None,
+        None => match o.get("anyOf").or_else(|| o.get("oneOf")).and_then(Json::as_array) {
+            Some(alts) => alts.iter().any(|a| matches!(raw_strings(a), Some(None))).then_some(None),
+            None => Some(None),
+        },
     }
 }
 

@@ -50,7 +50,7 @@ fn walk(spec: &Arc<ConstraintSpec>, seed: u64, eog_bias: f64) -> String {
 }
 
 fn check(schema: &Json, seeds: u64, eog_bias: f64) {
-    let spec = Arc::new(ConstraintSpec { grammar: Grammar::from_schema(schema).unwrap(), index: index(), reasoning_close: None });
+    let spec = Arc::new(ConstraintSpec { grammar: Grammar::from_schema(schema).unwrap(), index: index(), reasoning_close: None, mode: super::Mode::Document });
     let validator = jsonschema::validator_for(schema).unwrap();
     for seed in 0..seeds {
         let text = walk(&spec, seed, eog_bias);
@@ -90,4 +90,63 @@ fn recursive_and_free_form_schemas_end_validly() {
     });
     check(&tree, 20, 200.0);
     check(&json!({"type": "object", "additionalProperties": {"type": "string", "maxLength": 3}}), 20, 200.0);
+}
+
+/// Random walks through guided tool-call blocks: every block the walk writes is read by the
+/// real tool-call parser into calls that are valid for their tool (name, parameters, types,
+/// the tool's whole schema as the `jsonschema` crate checks it). (No free-text parameters: a
+/// uniform walk would almost never spell their closing tag; `tool_tests` covers those.)
+#[test]
+fn random_tool_call_blocks_parse_into_valid_calls() {
+    use crate::constrain::schema::{CallTags, CallTool};
+    use crate::text::format::ModelFormat;
+    use crate::text::request::{ToolChoice, parse_tools};
+    use crate::text::toolcall::{CallIds, ToolCallParser};
+
+    let tools_json = json!([
+        {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {
+            "city": {"enum": ["Paris", "Lyon", "Saint-Étienne"]}, "days": {"type": "integer"}, "unit": {"enum": ["celsius", "fahrenheit"]},
+            "when": {"type": "object", "properties": {"hour": {"type": "integer"}, "exact": {"type": "boolean"}}, "required": ["hour"], "additionalProperties": false},
+            "tags": {"type": "array", "items": {"type": "number"}, "maxItems": 2}
+        }, "required": ["city", "unit"]}}},
+        {"type": "function", "function": {"name": "noop", "parameters": {"type": "object", "properties": {}, "additionalProperties": false}}}
+    ]);
+    let toolset = Arc::new(parse_tools(Some(&tools_json)).unwrap());
+    let fmt = ModelFormat::minimax_m2();
+    let t = &fmt.tool_calls;
+    let tools: Vec<CallTool<'_>> = toolset.iter().map(|s| CallTool { name: &s.name, parameters: &s.parameters }).collect();
+    let tags = CallTags { invoke_open: t.invoke_open, invoke_close: t.invoke_close, param_open: t.param_open, param_close: t.param_close, block_close: t.block_close };
+    let g = Grammar::tool_calls(&tools, tags, 3);
+    let idx = index();
+    let spec = Arc::new(ConstraintSpec { grammar: g, index: idx.clone(), reasoning_close: None, mode: super::Mode::Document });
+    let mut calls = 0;
+    for seed in 0..30 {
+        let mut c = Constraint::new(spec.clone());
+        let mut rng = ChaCha20Rng::seed_from_u64(seed);
+        let mut out = t.block_open.as_bytes().to_vec();
+        // The grammar ends at the block's closing tag (the matcher's end, where only
+        // whitespace may follow): walk until then.
+        for _ in 0..3000 {
+            if c.state.at_end() {
+                break;
+            }
+            let Rule::Only(m) = c.rule() else { unreachable!() };
+            let ids: Vec<u32> = (0..idx.vocab() as u32).filter(|&t| allows(&m, t) && !idx.eog().contains(&t)).collect();
+            assert!(!ids.is_empty(), "dead end after {:?}", String::from_utf8_lossy(&out));
+            let pick = ids[rng.random_range(0..ids.len())];
+            c.advance(pick).unwrap();
+            out.extend_from_slice(idx.token_bytes(pick));
+        }
+        assert!(c.state.at_end(), "seed {seed}: no end: {}", String::from_utf8_lossy(&out));
+        let text = String::from_utf8_lossy(&out).into_owned();
+        let mut p = ToolCallParser::new(t.clone(), toolset.clone(), ToolChoice::Auto, true, CallIds::default());
+        p.push(&text);
+        p.finish();
+        assert!(!p.calls().is_empty(), "seed {seed}: {text}");
+        for call in p.calls() {
+            assert!(call.is_valid(), "seed {seed}: {:?} in {text}", call.problems);
+        }
+        calls += p.calls().len();
+    }
+    assert!(calls >= 30);
 }

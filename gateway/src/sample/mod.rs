@@ -69,10 +69,11 @@ impl Sampler {
         Self { params, rng: ChaCha20Rng::seed_from_u64(seed), history: HashMap::new(), constraint }
     }
 
-    /// Whether the request's output is constrained: its next step's rule depends on the token
-    /// drawn now, so it cannot be fed from the rank's own draw (overlapped decode).
-    pub fn constrained(&self) -> bool {
-        self.constraint.is_some()
+    /// Whether the request's next step's rule depends on the token drawn now (structured
+    /// outputs, the inside of a guided tool call), so it cannot be fed from the rank's own draw
+    /// (overlapped decode).
+    pub fn needs_drawn_token(&self) -> bool {
+        self.constraint.as_ref().is_some_and(Constraint::needs_drawn_token)
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -96,6 +97,7 @@ impl Sampler {
         let mut spec = self.spec(u);
         if let Some(c) = &mut self.constraint {
             match c.rule() {
+                Rule::Free => {}
                 Rule::NoEnd => {
                     for &t in c.eog() {
                         match spec.logit_bias.iter_mut().find(|b| b.token == t) {
@@ -105,7 +107,16 @@ impl Sampler {
                     }
                     spec.logit_bias.sort_by_key(|b| b.token);
                 }
-                Rule::Only(mask) => spec.allowed_tokens = Some(mask_bytes(&mask, c.vocab())),
+                // A mask that bans few tokens travels as bans (logit_bias −∞, the same
+                // reduction), which a CUDA rank reduces on the device; others as the mask.
+                Rule::Only(mask) => match banned(&mask, c.vocab(), MAX_BANS.min(c.vocab() / 8)) {
+                    Some(bans) => {
+                        spec.logit_bias.retain(|b| !bans.binary_search(&b.token).is_ok());
+                        spec.logit_bias.extend(bans.into_iter().map(|token| TokenBias { token, bias: f32::NEG_INFINITY }));
+                        spec.logit_bias.sort_by_key(|b| b.token);
+                    }
+                    None => spec.allowed_tokens = Some(mask_bytes(&mask, c.vocab())),
+                },
             }
         }
         (spec, u)
@@ -163,6 +174,19 @@ impl Sampler {
         };
         Ok(Sampled { token, logprob })
     }
+}
+
+/// Most banned tokens a mask is sent as (as `logit_bias` entries) instead of as a mask (and at
+/// most an eighth of the vocabulary: a mask's size).
+const MAX_BANS: usize = 4096;
+
+/// The tokens a mask bans, ascending, when at most `limit`.
+fn banned(mask: &[u64], vocab: usize, limit: usize) -> Option<Vec<u32>> {
+    let allowed: usize = mask.iter().map(|w| w.count_ones() as usize).sum();
+    if vocab - allowed.min(vocab) > limit {
+        return None;
+    }
+    Some((0..vocab as u32).filter(|&t| mask[(t / 64) as usize] >> (t % 64) & 1 == 0).collect())
 }
 
 /// A mask of 64-bit words as the proto's bytes (bit `t % 8` of byte `t / 8`).

@@ -594,7 +594,7 @@ impl Scheduler {
             && !s.out.closed()
             && s.generated + 1 < s.max_tokens
             && s.tokens.len() + 1 < self.context
-            && !s.sampler.as_ref().is_some_and(Sampler::constrained)
+            && !s.sampler.as_ref().is_some_and(Sampler::needs_drawn_token)
     }
 
     /// Picks the step's entries among the running sequences; `None` if none can run.

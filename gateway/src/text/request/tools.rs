@@ -62,6 +62,11 @@ impl ToolSet {
         self.tools.iter().map(|t| t.raw.clone()).collect()
     }
 
+    /// The tools, in request order.
+    pub fn iter(&self) -> impl Iterator<Item = &ToolSpec> {
+        self.tools.iter()
+    }
+
     /// Number of tools.
     pub fn len(&self) -> usize {
         self.tools.len()
