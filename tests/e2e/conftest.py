@@ -36,6 +36,8 @@ REPLAY = {
         {"trigger": "REPLAY:stop", "text": "r</think>\n\nalpha beta STOP gamma delta"},
         # Structured outputs: the reasoning block is scripted, the document is sampled (masked).
         {"trigger": "REPLAY:json", "text": "ok</think>\n\n", "then": "sample"},
+        # Guided tool calls: the block is opened by the script, its inside is sampled (masked).
+        {"trigger": "REPLAY:call", "text": "ok</think>\n\n<minimax:tool_call>", "then": "sample"},
         {
             "trigger": "REPLAY:patch",
             "text": "Add the file.</think>\n\n<minimax:tool_call>\n<invoke name=\"apply_patch\">\n"

@@ -149,3 +149,49 @@ def test_anthropic_output_format(server):
     text = "".join(b.text for b in m.content if b.type == "text")
     assert m.stop_reason == "end_turn"
     check_record(json.loads(text))
+
+
+CALL_TOOLS = [
+    {"type": "function", "function": {"name": "set_alarm", "parameters": {
+        "type": "object",
+        "properties": {
+            "hour": {"type": "integer"},
+            "days": {"type": "array", "items": {"enum": ["mon", "tue"]}, "maxItems": 2},
+            "loud": {"type": "boolean"},
+            "mode": {"enum": ["fast", "slow"]},
+        },
+        "required": ["hour", "loud"],
+        "additionalProperties": False,
+    }}},
+    {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}},
+]
+
+
+def check_call(name, args):
+    if name == "ping":
+        assert args == {}
+        return
+    assert name == "set_alarm", name
+    assert set(args) <= {"hour", "days", "loud", "mode"} and {"hour", "loud"} <= set(args), args
+    assert isinstance(args["hour"], int) and not isinstance(args["hour"], bool), args
+    assert isinstance(args["loud"], bool), args
+    assert all(d in ("mon", "tue") for d in args.get("days", [])) and len(args.get("days", [])) <= 2, args
+    assert args.get("mode", "fast") in ("fast", "slow"), args
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "set_alarm"}}])
+def test_required_tool_calls_are_held_to_the_tools(client, choice):
+    # The script opens a call block; the random model writes its inside under the masks, then
+    # may only end. Without them it writes noise there and the answer is a 502 `tool_choice_unmet`.
+    for seed in range(2):
+        r = client.chat.completions.create(
+            model="m2-small", messages=[{"role": "user", "content": "REPLAY:call wake me"}], tools=CALL_TOOLS,
+            tool_choice=choice, seed=seed, max_tokens=2000,
+        )
+        assert r.choices[0].finish_reason == "tool_calls", r
+        calls = r.choices[0].message.tool_calls
+        assert calls, r
+        for c in calls:
+            check_call(c.function.name, json.loads(c.function.arguments))
+            if isinstance(choice, dict):
+                assert c.function.name == "set_alarm"

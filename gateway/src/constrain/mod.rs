@@ -16,8 +16,9 @@
 //! Tool calls ([`Mode::ToolCalls`]) use the same machinery on a different grammar: the answer is
 //! free text, and every tool-call block the model opens is held to the tools it may call (their
 //! names, their declared parameters, required ones present, values of the declared types) until
-//! the block closes; with `tool_choice` `required` or a named function the answer may not end
-//! before one block was written.
+//! the block closes, and then only whitespace and the end may follow (the calls end the turn, as
+//! the chat template renders them); with `tool_choice` `required` or a named function the
+//! answer may not end before one block was written.
 
 pub mod matcher;
 pub mod schema;
@@ -124,7 +125,7 @@ impl Constraint {
     pub fn needs_drawn_token(&self) -> bool {
         match self.spec.mode {
             Mode::Document => true,
-            Mode::ToolCalls { .. } => matches!(self.phase, Phase::Block),
+            Mode::ToolCalls { .. } => matches!(self.phase, Phase::Block | Phase::Document),
         }
     }
 
@@ -262,9 +263,14 @@ impl Constraint {
             }
             self.state = next;
             if self.state.at_end() {
+                // The calls end the turn (as the chat template renders them): only whitespace
+                // and the end may follow.
                 self.calls += 1;
-                self.phase = Phase::Text(Vec::new());
-                self.text(&bytes[i + 1..]);
+                self.phase = Phase::Document;
+                if !self.state.feed(g, &bytes[i + 1..]) {
+                    tracing::warn!("structured tool call: text after the block in a token drawn before the block ended; not constrained further");
+                    self.phase = Phase::Text(Vec::new());
+                }
                 return;
             }
         }
@@ -388,8 +394,10 @@ mod tool_mode_tests {
         let Rule::Only(m) = c.rule() else { panic!("inside the block") };
         assert!(!vocab::allows(&m, EOG) && !vocab::allows(&m, b'x' as u32) && vocab::allows(&m, b'<' as u32));
         feed(&mut c, "\n<invoke name=\"f\">\n<parameter name=\"n\">42</parameter>\n</invoke>\n</minimax:tool_call>");
-        assert_eq!(c.rule(), Rule::Free, "after the block: free, and the end is allowed");
-        feed(&mut c, " done");
+        let Rule::Only(m) = c.rule() else { panic!("after the block: only whitespace and the end") };
+        assert!(vocab::allows(&m, EOG) && vocab::allows(&m, b'\n' as u32) && !vocab::allows(&m, b'd' as u32));
+        feed(&mut c, "\n");
+        c.advance(EOG).unwrap();
         // Without a required call the end is allowed from the start.
         let mut c = Constraint::new(spec(false));
         feed(&mut c, "x</think>ok");
