@@ -208,6 +208,22 @@ impl State {
         }
     }
 
+    /// When the state is one thread inside raw text (a tool call's string value): its closing
+    /// tag, the bytes of it matched, and the state right after the tag (the masks' fast path:
+    /// raw text takes any token that does not complete the tag).
+    pub fn in_raw(&self, g: &Grammar) -> Option<(u32, u32, Option<State>)> {
+        let [t] = self.threads.as_slice() else { return None };
+        let (close, k) = match t.top {
+            Frame::Raw { close, k } => (close, k),
+            Frame::Tight { node } => match g.nodes[node as usize] {
+                Node::Raw(close) => (close, 0),
+                _ => return None,
+            },
+            _ => return None,
+        };
+        Some((close, k, t.pop(g, None).map(|p| State { threads: vec![p] })))
+    }
+
     /// Steps `out` in place through `bytes`; false (and `out` dead) when they do not fit.
     pub fn feed(&mut self, g: &Grammar, bytes: &[u8]) -> bool {
         for &b in bytes {
@@ -264,6 +280,22 @@ pub enum StrRun {
     /// The closing quote is byte `at`; `starts` characters were begun and `done` completed
     /// before it.
     Closes { at: u32, starts: u32, done: u32 },
+}
+
+/// Where `bytes`, read from raw text with `k` bytes of its closing `tag` matched, complete the
+/// tag: the index just past it, or `None` when they stay inside the text.
+pub fn raw_run(tag: &[u8], mut k: usize, bytes: &[u8]) -> Option<usize> {
+    for (i, &b) in bytes.iter().enumerate() {
+        if b == tag[k] {
+            k += 1;
+            if k == tag.len() {
+                return Some(i + 1);
+            }
+        } else {
+            k = usize::from(b == tag[0]);
+        }
+    }
+    None
 }
 
 /// Runs `bytes` through a string's content from `sub` (length bounds are [`StrView::admits`]'s).

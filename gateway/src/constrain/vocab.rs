@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use super::matcher::{State, StrRun, StrSub, str_run};
+use super::matcher::{State, StrRun, StrSub, raw_run, str_run};
 use super::schema::Grammar;
 use crate::text::tokenizer::{TokenType, Tokenizer};
 
@@ -27,6 +27,9 @@ pub struct TokenIndex {
     /// Per string sub-state: what every ordinary token (in `ids` order) does inside a string,
     /// computed once on first use.
     strings: Mutex<HashMap<StrSub, Arc<Vec<StrRun>>>>,
+    /// Per raw-text closing tag and bytes of it matched: where every ordinary token completes
+    /// the tag (`u16::MAX`: it does not), computed once on first use.
+    raws: Mutex<HashMap<(Vec<u8>, u32), Arc<Vec<u16>>>>,
 }
 
 impl TokenIndex {
@@ -58,7 +61,7 @@ impl TokenIndex {
             let l = if i == 0 { 0 } else { all[ids[i] as usize].iter().zip(&*all[ids[i - 1] as usize]).take_while(|(a, b)| a == b).count() };
             lcp.push(l.min(u16::MAX as usize) as u16);
         }
-        TokenIndex { vocab: all.len(), all, ids, lcp, eog, strings: Mutex::new(HashMap::new()) }
+        TokenIndex { vocab: all.len(), all, ids, lcp, eog, strings: Mutex::new(HashMap::new()), raws: Mutex::new(HashMap::new()) }
     }
 
     /// The bytes token `id` stands for (empty outside the vocabulary).
@@ -80,6 +83,17 @@ impl TokenIndex {
     fn string_runs(&self, sub: StrSub) -> Arc<Vec<StrRun>> {
         let mut cache = self.strings.lock().expect("the string-run cache lock");
         cache.entry(sub).or_insert_with(|| Arc::new(self.ids.iter().map(|&id| str_run(sub, &self.all[id as usize])).collect())).clone()
+    }
+
+    /// Where every ordinary token completes raw text's closing `tag` from `k` matched bytes.
+    fn raw_runs(&self, tag: &[u8], k: u32) -> Arc<Vec<u16>> {
+        let mut cache = self.raws.lock().expect("the raw-run cache lock");
+        cache
+            .entry((tag.to_vec(), k))
+            .or_insert_with(|| {
+                Arc::new(self.ids.iter().map(|&id| raw_run(tag, k as usize, &self.all[id as usize]).map_or(u16::MAX, |e| e.min(u16::MAX as usize - 1) as u16)).collect())
+            })
+            .clone()
     }
 
     /// The tokens whose bytes keep `state` alive, plus the end-of-generation tokens when the
@@ -104,6 +118,23 @@ impl TokenIndex {
                     }),
                     _ => true,
                 };
+                if ok {
+                    set(&mut mask, id);
+                }
+            }
+            return mask;
+        }
+        if let Some((close, k, after)) = state.in_raw(g) {
+            // Inside raw text: every token that does not complete the closing tag; those that
+            // do run on past it.
+            let runs = self.raw_runs(&g.texts[close as usize], k);
+            for (i, &end) in runs.iter().enumerate() {
+                let id = self.ids[i];
+                let ok = end == u16::MAX
+                    || after.as_ref().is_some_and(|a| {
+                        let mut a = a.clone();
+                        a.feed(g, &self.all[id as usize][end as usize..])
+                    });
                 if ok {
                     set(&mut mask, id);
                 }
@@ -227,6 +258,38 @@ mod tests {
             assert!(st.feed(&g, prefix), "{}", String::from_utf8_lossy(prefix));
             assert!(st.in_string().is_some(), "{}", String::from_utf8_lossy(prefix));
             assert_eq!(idx.allowed(&g, &st), brute(&idx, &g, &st), "after {}", String::from_utf8_lossy(prefix));
+        }
+    }
+}
+
+#[cfg(test)]
+mod raw_tests {
+    use super::*;
+    use crate::constrain::schema::CallTool;
+    use serde_json::json;
+
+    #[test]
+    fn inside_raw_text_the_fast_path_is_the_walk() {
+        let mut items: Vec<(u32, Vec<u8>)> = (0..=255u8).map(|b| (b as u32, vec![b])).collect();
+        let extra: [&[u8]; 10] = [b"<</parameter>x", b"</parameter>", b"</param", b"eter>\n<", b"x</parameter>x", b"</parameter><parameter name=\"", b"<</", b"a<", b"</parameter></invoke>", b">"];
+        for (i, t) in extra.iter().enumerate() {
+            items.push((256 + i as u32, t.to_vec()));
+        }
+        let idx = TokenIndex::from_tokens(300, items, vec![299]);
+        let params = json!({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}, "required": ["a"]});
+        let g = Grammar::tool_calls(&[CallTool { name: "f", parameters: &params }], crate::constrain::matcher::tool_tests::TAGS, 2);
+        for prefix in ["<invoke name=\"f\"><parameter name=\"a\">", "<invoke name=\"f\"><parameter name=\"a\">x<", "<invoke name=\"f\"><parameter name=\"a\">x</param", "<invoke name=\"f\"><parameter name=\"b\">"] {
+            let mut st = State::start(&g);
+            assert!(st.feed(&g, prefix.as_bytes()), "{prefix}");
+            assert!(st.in_raw(&g).is_some(), "{prefix}");
+            let mut brute = vec![0u64; 300usize.div_ceil(64)];
+            for &id in &idx.ids {
+                let mut s = st.clone();
+                if s.feed(&g, idx.token_bytes(id)) {
+                    brute[(id / 64) as usize] |= 1 << (id % 64);
+                }
+            }
+            assert_eq!(idx.allowed(&g, &st), brute, "after {prefix}");
         }
     }
 }
