@@ -84,14 +84,19 @@ fn schema_of(v: Option<&Json>, field: &str) -> Result<Grammar, ApiError> {
     }
 }
 
+/// A format field's object, `None` when absent or null.
+fn format_object<'a>(v: Option<&'a Json>, field: &str) -> Result<Option<&'a serde_json::Map<String, Json>>, ApiError> {
+    match v {
+        None | Some(Json::Null) => Ok(None),
+        Some(Json::Object(o)) => Ok(Some(o)),
+        Some(v) => Err(ApiError::invalid(field, format!("must be an object, got {}", type_name(v)))),
+    }
+}
+
 /// Chat completions' `response_format`: `text`, `json_object`, or
 /// `json_schema` (`{"json_schema": {"name", "schema", "strict"}}`). `None`: free text.
 pub fn chat_response_format(v: Option<&Json>) -> Result<Option<Grammar>, ApiError> {
-    let o = match v {
-        None | Some(Json::Null) => return Ok(None),
-        Some(Json::Object(o)) => o,
-        Some(v) => return Err(ApiError::invalid("response_format", format!("must be an object, got {}", type_name(v)))),
-    };
+    let Some(o) = format_object(v, "response_format")? else { return Ok(None) };
     match o.get("type").and_then(Json::as_str) {
         Some("text") => Ok(None),
         Some("json_object") => Ok(Some(Grammar::any_object())),
@@ -116,11 +121,7 @@ pub fn chat_response_format(v: Option<&Json>) -> Result<Option<Grammar>, ApiErro
 /// The Responses API's `text.format`: `text`, `json_object`, or `json_schema` with `name`,
 /// `schema`, `strict` beside `type`.
 pub fn responses_text_format(v: Option<&Json>) -> Result<Option<Grammar>, ApiError> {
-    let o = match v {
-        None | Some(Json::Null) => return Ok(None),
-        Some(Json::Object(o)) => o,
-        Some(v) => return Err(ApiError::invalid("text.format", format!("must be an object, got {}", type_name(v)))),
-    };
+    let Some(o) = format_object(v, "text.format")? else { return Ok(None) };
     match o.get("type").and_then(Json::as_str) {
         None | Some("text") => Ok(None),
         Some("json_object") => Ok(Some(Grammar::any_object())),
@@ -135,11 +136,7 @@ pub fn responses_text_format(v: Option<&Json>) -> Result<Option<Grammar>, ApiErr
 /// Anthropic's `output_config.format` (and the older top-level `output_format`):
 /// `{"type": "json_schema", "schema": {...}}`.
 pub fn anthropic_output_format(v: Option<&Json>, field: &str) -> Result<Option<Grammar>, ApiError> {
-    let o = match v {
-        None | Some(Json::Null) => return Ok(None),
-        Some(Json::Object(o)) => o,
-        Some(v) => return Err(ApiError::invalid(field, format!("must be an object, got {}", type_name(v)))),
-    };
+    let Some(o) = format_object(v, field)? else { return Ok(None) };
     match o.get("type").and_then(Json::as_str) {
         Some("json_schema") => schema_of(o.get("schema"), &format!("{field}.schema")).map(Some),
         Some(t) => Err(ApiError::invalid(format!("{field}.type"), format!("unknown type `{t}` (expected `json_schema`)"))),

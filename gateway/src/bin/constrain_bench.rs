@@ -74,6 +74,24 @@ fn synthetic(n: usize) -> TokenIndex {
     TokenIndex::from_tokens(n + 1, items, vec![eog])
 }
 
+/// Prints one table row: the mask of the state after `prefix`, its first time and the median
+/// of five more.
+fn mask_row(index: &TokenIndex, g: &Grammar, name: &str, prefix: &[u8]) {
+    let mut s = State::start(g);
+    assert!(s.feed(g, prefix), "{name}");
+    let mut times = Vec::new();
+    let mut allowed = 0;
+    for _ in 0..6 {
+        let t = Instant::now();
+        let m = index.allowed(g, &s);
+        times.push(t.elapsed().as_secs_f64() * 1e3);
+        allowed = m.iter().map(|w| w.count_ones()).sum::<u32>();
+    }
+    let first = times.remove(0);
+    times.sort_by(f64::total_cmp);
+    println!("| {name} | {allowed} | {first:.2} | {:.2} |", times[2]);
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     let gguf = args.iter().position(|a| a == "--gguf").and_then(|i| args.get(i + 1));
@@ -115,19 +133,7 @@ fn main() {
     println!("| matcher state | allowed tokens | mask ms (first) | mask ms (median of 5 more) |");
     println!("| --- | --- | --- | --- |");
     for (name, prefix) in cases {
-        let mut s = State::start(&g);
-        assert!(s.feed(&g, prefix), "{name}");
-        let mut times = Vec::new();
-        let mut allowed = 0;
-        for _ in 0..6 {
-            let t = Instant::now();
-            let m = index.allowed(&g, &s);
-            times.push(t.elapsed().as_secs_f64() * 1e3);
-            allowed = m.iter().map(|w| w.count_ones()).sum::<u32>();
-        }
-        let first = times.remove(0);
-        times.sort_by(f64::total_cmp);
-        println!("| {name} | {allowed} | {first:.2} | {:.2} |", times[2]);
+        mask_row(&index, &g, name, prefix);
     }
 
     // Guided tool calls: inside a raw-text parameter value, and at the tags.
@@ -140,19 +146,7 @@ fn main() {
         ("tool call: after a parameter", b"\n<invoke name=\"edit\">\n<parameter name=\"path\">a</parameter>"),
     ];
     for (name, prefix) in tool_cases {
-        let mut s = State::start(&tg);
-        assert!(s.feed(&tg, prefix), "{name}");
-        let mut times = Vec::new();
-        let mut allowed = 0;
-        for _ in 0..6 {
-            let t = Instant::now();
-            let m = index.allowed(&tg, &s);
-            times.push(t.elapsed().as_secs_f64() * 1e3);
-            allowed = m.iter().map(|w| w.count_ones()).sum::<u32>();
-        }
-        let first = times.remove(0);
-        times.sort_by(f64::total_cmp);
-        println!("| {name} | {allowed} | {first:.2} | {:.2} |", times[2]);
+        mask_row(&index, &tg, name, prefix);
     }
 
     // A whole document written token by token as a sampler would (a random allowed token each

@@ -10,7 +10,7 @@
 
 use std::sync::Arc;
 
-use super::schema::{Grammar, Node, NodeId, UNBOUNDED};
+use super::schema::{ByteTrie, Grammar, Node, NodeId, UNBOUNDED};
 
 /// Longest run of whitespace allowed between JSON tokens.
 pub const MAX_WS: u8 = 48;
@@ -755,20 +755,22 @@ fn key_byte(g: &Grammar, t: &Thread, obj: NodeId, at: u32, free: bool, sub: StrS
     }
     let Some((nsub, _)) = str_byte(sub, b) else { return };
     // The declared-key trie follows the bytes as a JSON encoder writes the keys (escapes
-    // included); without other keys allowed, only towards keys not written yet. (With them, it
-    // follows every declared key, so a key written again is caught at its closing quote.)
-    let nat = if at != NO_KEY {
-        match trie.next(at, b) {
-            Some(n) if free || trie.nodes[n as usize].below & !seen != 0 => n,
-            _ => NO_KEY,
-        }
-    } else {
-        NO_KEY
-    };
-    if nat == NO_KEY && !free {
-        return;
-    }
+    // included).
+    let Some(nat) = follow_name(trie, at, b, free, seen) else { return };
     out.push(t.with_top(Frame::Key { obj, at: nat, free, sub: nsub }));
+}
+
+/// The declared-name trie position after byte `b` of a key or name (`NO_KEY` once off every
+/// declared name), or `None` when the name can no longer be valid. Without other names
+/// allowed (`free`), only towards names not written yet (`seen`); with them, it follows every
+/// declared name, so one written again is caught at its closing quote.
+fn follow_name(trie: &ByteTrie, at: u32, b: u8, free: bool, seen: u64) -> Option<u32> {
+    let next = if at == NO_KEY { None } else { trie.next(at, b) };
+    let nat = match next {
+        Some(n) if free || trie.nodes[n as usize].below & !seen != 0 => n,
+        _ => NO_KEY,
+    };
+    (nat != NO_KEY || free).then_some(nat)
 }
 
 /// One byte of a tool or parameter name (`NAME">`).
@@ -807,17 +809,7 @@ fn name_byte(g: &Grammar, t: &Thread, owner: NodeId, at: u32, free: bool, quote:
     if matches!(b, b'<' | b'>' | b'\n') || len >= MAX_NAME {
         return;
     }
-    let nat = if at != NO_KEY {
-        match trie.next(at, b) {
-            Some(n) if free || trie.nodes[n as usize].below & !seen != 0 => n,
-            _ => NO_KEY,
-        }
-    } else {
-        NO_KEY
-    };
-    if nat == NO_KEY && !free {
-        return;
-    }
+    let Some(nat) = follow_name(trie, at, b, free, seen) else { return };
     out.push(t.with_top(Frame::Name { owner, at: nat, free, quote: false, len: len + 1 }));
 }
 
