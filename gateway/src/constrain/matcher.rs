@@ -688,10 +688,8 @@ fn step_thread(g: &Grammar, t: &Thread, b: u8, out: &mut Vec<Thread>) {
                         out.push(p);
                     }
                 }
-                (Seq::Item, b',') => {
-                    if array_item(g, node, count).is_some() {
-                        out.push(t.with_top(Frame::Arr { node, count, st: Seq::Comma }));
-                    }
+                (Seq::Item, b',') if array_item(g, node, count).is_some() => {
+                    out.push(t.with_top(Frame::Arr { node, count, st: Seq::Comma }));
                 }
                 (Seq::Open | Seq::Comma, _) => {
                     if let Some(item) = array_item(g, node, count) {
@@ -709,16 +707,12 @@ fn step_thread(g: &Grammar, t: &Thread, b: u8, out: &mut Vec<Thread>) {
                     out.push(p);
                 }
             }
-            (Seq::Item, b',') => {
-                if object_open(g, node, seen) {
-                    out.push(t.with_top(Frame::Obj { node, seen, st: Seq::Comma, cur: NO_KEY }));
-                }
+            (Seq::Item, b',') if object_open(g, node, seen) => {
+                out.push(t.with_top(Frame::Obj { node, seen, st: Seq::Comma, cur: NO_KEY }));
             }
-            (Seq::Open | Seq::Comma, b'"') => {
-                if object_open(g, node, seen) {
-                    let free = matches!(&g.nodes[node as usize], Node::Object { additional: Some(_), .. });
-                    out.push(t.push(Frame::Obj { node, seen, st: Seq::Child, cur: NO_KEY }, Frame::Key { obj: node, at: 0, free, sub: StrSub::Plain }));
-                }
+            (Seq::Open | Seq::Comma, b'"') if object_open(g, node, seen) => {
+                let free = matches!(&g.nodes[node as usize], Node::Object { additional: Some(_), .. });
+                out.push(t.push(Frame::Obj { node, seen, st: Seq::Child, cur: NO_KEY }, Frame::Key { obj: node, at: 0, free, sub: StrSub::Plain }));
             }
             (Seq::Colon, b':') => {
                 let Node::Object { props, additional, .. } = &g.nodes[node as usize] else { return };

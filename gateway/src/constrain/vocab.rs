@@ -29,8 +29,11 @@ pub struct TokenIndex {
     strings: Mutex<HashMap<StrSub, Arc<Vec<StrRun>>>>,
     /// Per raw-text closing tag and bytes of it matched: where every ordinary token completes
     /// the tag (`u16::MAX`: it does not), computed once on first use.
-    raws: Mutex<HashMap<(Vec<u8>, u32), Arc<Vec<u16>>>>,
+    raws: Mutex<HashMap<RawKey, Arc<Vec<u16>>>>,
 }
+
+/// A raw-text closing tag and how many of its bytes were matched.
+type RawKey = (Vec<u8>, u32);
 
 impl TokenIndex {
     /// Indexes a tokenizer's ordinary tokens (control, user-defined, unused and unknown tokens

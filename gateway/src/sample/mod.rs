@@ -111,7 +111,7 @@ impl Sampler {
                 // reduction), which a CUDA rank reduces on the device; others as the mask.
                 Rule::Only(mask) => match banned(&mask, c.vocab(), MAX_BANS.min(c.vocab() / 8)) {
                     Some(bans) => {
-                        spec.logit_bias.retain(|b| !bans.binary_search(&b.token).is_ok());
+                        spec.logit_bias.retain(|b| bans.binary_search(&b.token).is_err());
                         spec.logit_bias.extend(bans.into_iter().map(|token| TokenBias { token, bias: f32::NEG_INFINITY }));
                         spec.logit_bias.sort_by_key(|b| b.token);
                     }
