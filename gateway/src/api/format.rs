@@ -28,7 +28,7 @@ pub fn constrained(st: &AppState, grammar: Option<Grammar>, prepared: &PreparedC
             _ => false,
         };
         if guided && !out.tools.is_empty() {
-            sampling.constraint = Some(tool_constraint(st, prepared, must_call));
+            sampling.constraint = tool_constraint(st, prepared, must_call);
         }
         return Ok(sampling);
     };
@@ -43,8 +43,9 @@ pub fn constrained(st: &AppState, grammar: Option<Grammar>, prepared: &PreparedC
 }
 
 /// The tool-call grammar of a request: its tools (only the named one for a named choice), at
-/// most one invoke a block when calls may not run in parallel.
-fn tool_constraint(st: &AppState, prepared: &PreparedChat, must_call: bool) -> Arc<ConstraintSpec> {
+/// most one invoke a block when calls may not run in parallel. `None` (unguided) when no call
+/// of any of them can be completed (a required parameter whose schema admits no value).
+fn tool_constraint(st: &AppState, prepared: &PreparedChat, must_call: bool) -> Option<Arc<ConstraintSpec>> {
     let out = &prepared.output;
     let tags = &st.text.format().tool_calls;
     let tools: Vec<CallTool<'_>> = out
@@ -64,9 +65,9 @@ fn tool_constraint(st: &AppState, prepared: &PreparedChat, must_call: bool) -> A
         block_close: tags.block_close,
     };
     let max = if out.parallel_tool_calls { 64 } else { 1 };
-    let g = Grammar::tool_calls(&tools, call_tags, max);
+    let g = Grammar::tool_calls(&tools, call_tags, max)?;
     let mode = Mode::ToolCalls { open: tags.block_open.as_bytes().to_vec(), must_call };
-    st.constraint(g, out.starts_in_reasoning, mode)
+    Some(st.constraint(g, out.starts_in_reasoning, mode))
 }
 
 /// The schema error as a 400 naming the field and the place inside the schema.

@@ -139,7 +139,7 @@ fn main() {
     // Guided tool calls: inside a raw-text parameter value, and at the tags.
     let params = json!({"type": "object", "properties": {"path": {"type": "string"}, "line": {"type": "integer"}}, "required": ["path"]});
     let tags = CallTags { invoke_open: "<invoke name=\"", invoke_close: "</invoke>", param_open: "<parameter name=\"", param_close: "</parameter>", block_close: "</minimax:tool_call>" };
-    let tg = Grammar::tool_calls(&[CallTool { name: "edit", parameters: &params }], tags, 8);
+    let tg = Grammar::tool_calls(&[CallTool { name: "edit", parameters: &params }], tags, 8).expect("a completable call");
     let tool_cases: [(&str, &[u8]); 3] = [
         ("tool call: block start", b""),
         ("tool call: inside a raw-text value", b"\n<invoke name=\"edit\">\n<parameter name=\"path\">src/ma"),

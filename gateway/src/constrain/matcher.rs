@@ -12,6 +12,12 @@ use std::sync::Arc;
 
 use super::schema::{ByteTrie, Grammar, Node, NodeId, UNBOUNDED};
 
+/// Most threads a state keeps (alternatives still open at once); more are dropped, which only
+/// narrows what may be written (every kept thread can still complete).
+pub const MAX_THREADS: usize = 32;
+/// Deepest nesting of frames (serde_json refuses documents nested deeper than 128).
+pub const MAX_DEPTH: u16 = 100;
+
 /// Longest run of whitespace allowed between JSON tokens.
 pub const MAX_WS: u8 = 48;
 /// Longest number, in bytes.
@@ -24,8 +30,13 @@ pub enum StrSub {
     Plain,
     /// After a backslash.
     Esc,
-    /// Hex digits of `\u` still to come.
-    Hex(u8),
+    /// Hex digits of `\u` still to come; `first`: the first digit's value (16 before it),
+    /// `low`: this escape must be a low surrogate (the second half of a pair), `high`: it is a
+    /// high surrogate so far.
+    Hex { left: u8, first: u8, low: bool, high: bool },
+    /// After a high surrogate's escape: its low half must follow (`\` then `u`).
+    PairEsc,
+    PairU,
     /// UTF-8 continuation bytes still to come, and the range of the next one.
     Utf8 { need: u8, lo: u8, hi: u8 },
 }
@@ -130,27 +141,29 @@ pub struct Thread {
     top: Frame,
     below: Option<Arc<Link>>,
     ws: u8,
+    /// Frames below the top.
+    depth: u16,
 }
 
 impl Thread {
     fn with_top(&self, top: Frame) -> Thread {
-        Thread { top, below: self.below.clone(), ws: 0 }
+        Thread { top, below: self.below.clone(), ws: 0, depth: self.depth }
     }
 
     /// `child` on top of this thread's stack with `parent` replacing its top.
     fn push(&self, parent: Frame, child: Frame) -> Thread {
-        Thread { top: child, below: Some(Arc::new(Link { frame: parent, below: self.below.clone() })), ws: 0 }
+        Thread { top: child, below: Some(Arc::new(Link { frame: parent, below: self.below.clone() })), ws: 0, depth: self.depth + 1 }
     }
 
     /// The stack below the top, with the parent told that its child completed.
     fn pop(&self, g: &Grammar, key: Option<u32>) -> Option<Thread> {
         let link = self.below.as_ref()?;
         Some(match child_done(g, link.frame, key)? {
-            Next::Top(parent) => Thread { top: parent, below: link.below.clone(), ws: 0 },
+            Next::Top(parent) => Thread { top: parent, below: link.below.clone(), ws: 0, depth: self.depth - 1 },
             Next::Push(parent, child) => {
-                Thread { top: child, below: Some(Arc::new(Link { frame: parent, below: link.below.clone() })), ws: 0 }
+                Thread { top: child, below: Some(Arc::new(Link { frame: parent, below: link.below.clone() })), ws: 0, depth: self.depth }
             }
-            Next::Complete => Thread { top: link.frame, below: link.below.clone(), ws: 0 }.pop(g, None)?,
+            Next::Complete => Thread { top: link.frame, below: link.below.clone(), ws: 0, depth: self.depth - 1 }.pop(g, None)?,
         })
     }
 }
@@ -169,7 +182,12 @@ impl State {
     /// Before the document's first byte.
     pub fn start(g: &Grammar) -> State {
         let end = Arc::new(Link { frame: Frame::End, below: None });
-        State { threads: vec![Thread { top: Frame::Value { node: g.root }, below: Some(end), ws: 0 }] }
+        State { threads: vec![Thread { top: Frame::Value { node: g.root }, below: Some(end), ws: 0, depth: 1 }] }
+    }
+
+    /// How many parses are open at once.
+    pub fn threads(&self) -> usize {
+        self.threads.len()
     }
 
     /// Whether every thread finished the document (only whitespace may follow).
@@ -193,8 +211,10 @@ impl State {
         for t in &self.threads {
             step_thread(g, t, b, &mut out);
         }
+        out.retain(|t| t.depth <= MAX_DEPTH);
         if out.len() > 1 {
             dedup(&mut out);
+            out.truncate(MAX_THREADS);
         }
         State { threads: out }
     }
@@ -458,14 +478,33 @@ fn str_byte(sub: StrSub, b: u8) -> Option<(StrSub, bool)> {
         }
         StrSub::Esc => match b {
             b'"' | b'\\' | b'/' | b'b' | b'f' | b'n' | b'r' | b't' => Some((StrSub::Plain, true)),
-            b'u' => Some((StrSub::Hex(4), false)),
+            b'u' => Some((StrSub::Hex { left: 4, first: 16, low: false, high: false }, false)),
             _ => None,
         },
-        StrSub::Hex(n) => {
-            if !b.is_ascii_hexdigit() {
-                return None;
+        StrSub::PairEsc => (b == b'\\').then_some((StrSub::PairU, false)),
+        StrSub::PairU => (b == b'u').then_some((StrSub::Hex { left: 4, first: 16, low: true, high: false }, false)),
+        StrSub::Hex { left, first, low, high } => {
+            let v = (b as char).to_digit(16)? as u8;
+            // Surrogates (D800-DFFF) only as a high-low pair, which is one character: a lone
+            // half is valid JSON syntax that strict parsers (serde_json, pydantic's) refuse.
+            let (first, high) = match left {
+                4 if low && v != 0xd => return None,
+                4 => (v, false),
+                3 if first == 0xd && low => {
+                    if v < 0xc {
+                        return None;
+                    }
+                    (first, false)
+                }
+                3 if first == 0xd && v >= 0xc => return None,
+                3 => (first, first == 0xd && v >= 0x8),
+                _ => (first, high),
+            };
+            match left {
+                1 if high => Some((StrSub::PairEsc, false)),
+                1 => Some((StrSub::Plain, true)),
+                _ => Some((StrSub::Hex { left: left - 1, first, low, high }, false)),
             }
-            if n == 1 { Some((StrSub::Plain, true)) } else { Some((StrSub::Hex(n - 1), false)) }
         }
     }
 }
@@ -523,9 +562,10 @@ fn enter(g: &Grammar, t: &Thread, node: NodeId, b: u8, out: &mut Vec<Thread>) {
                 out.push(t.with_top(Frame::Arr { node, count: 0, st: Seq::Open }));
             }
         }
-        Node::Object { .. } => {
+        Node::Object { banned, .. } => {
+            // Properties that can never be written count as written.
             if b == b'{' {
-                out.push(t.with_top(Frame::Obj { node, seen: 0, st: Seq::Open, cur: NO_KEY }));
+                out.push(t.with_top(Frame::Obj { node, seen: *banned, st: Seq::Open, cur: NO_KEY }));
             }
         }
         Node::Chain { items, .. } => {
@@ -749,8 +789,13 @@ fn key_byte(g: &Grammar, t: &Thread, obj: NodeId, at: u32, free: bool, sub: StrS
     }
     let Some((nsub, _)) = str_byte(sub, b) else { return };
     // The declared-key trie follows the bytes as a JSON encoder writes the keys (escapes
-    // included).
+    // included). Escapes only along it: another spelling of a declared key (`\u0061` for
+    // `a`) would otherwise pass as an additional key.
     let Some(nat) = follow_name(trie, at, b, free, seen) else { return };
+    let escaping = !matches!(sub, StrSub::Plain | StrSub::Utf8 { .. }) || b == b'\\';
+    if escaping && nat == NO_KEY {
+        return;
+    }
     out.push(t.with_top(Frame::Key { obj, at: nat, free, sub: nsub }));
 }
 
@@ -941,6 +986,7 @@ pub(crate) mod tool_tests {
             TAGS,
             max,
         )
+        .unwrap()
     }
 
     fn accepts(g: &Grammar, text: &str) -> bool {

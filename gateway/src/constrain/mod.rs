@@ -292,6 +292,8 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 }
 
 #[cfg(test)]
+mod edge_tests;
+#[cfg(test)]
 mod walk_tests;
 
 #[cfg(test)]
@@ -370,7 +372,7 @@ mod tool_mode_tests {
         items.push((OPEN, b"<minimax:tool_call>".to_vec()));
         let index = Arc::new(TokenIndex::from_tokens(301, items, vec![EOG]));
         let params = json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]});
-        let grammar = Grammar::tool_calls(&[CallTool { name: "f", parameters: &params }], crate::constrain::matcher::tool_tests::TAGS, 4);
+        let grammar = Grammar::tool_calls(&[CallTool { name: "f", parameters: &params }], crate::constrain::matcher::tool_tests::TAGS, 4).unwrap();
         Arc::new(ConstraintSpec { grammar, index, reasoning_close: Some(b"</think>".to_vec()), mode: Mode::ToolCalls { open: b"<minimax:tool_call>".to_vec(), must_call } })
     }
 

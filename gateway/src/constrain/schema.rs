@@ -23,6 +23,14 @@ pub type NodeId = u32;
 pub const MAX_PROPERTIES: usize = 64;
 /// Most nodes a compiled schema may have.
 const MAX_NODES: usize = 20_000;
+/// Deepest nesting of schemas while compiling (references included), well within a thread's
+/// stack.
+const MAX_NESTING: u32 = 128;
+/// Keywords that constrain a value (not annotations).
+const CONSTRAINING: &[&str] = &[
+    "type", "enum", "const", "properties", "required", "additionalProperties", "items", "prefixItems",
+    "minItems", "maxItems", "minLength", "maxLength", "nullable",
+];
 
 /// A byte trie over a fixed set of strings (literal JSON texts, or object keys).
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -85,9 +93,9 @@ pub enum Node {
     /// A JSON array: element `i` matches `prefix[i]`, later ones `items` (`None`: no more).
     Array { prefix: Vec<NodeId>, items: Option<NodeId>, min: u32, max: u32 },
     /// A JSON object: declared properties (key trie [`Grammar::keys`] index, their schemas in
-    /// key order), the required ones as a bit set, and the schema of other keys (`None`: none
-    /// allowed).
-    Object { keys: u32, props: Vec<NodeId>, required: u64, additional: Option<NodeId> },
+    /// key order), the required ones as a bit set, the schema of other keys (`None`: none
+    /// allowed), and the optional ones that can never be written (no finite value).
+    Object { keys: u32, props: Vec<NodeId>, required: u64, additional: Option<NodeId>, banned: u64 },
     /// Any of these.
     AnyOf(Vec<NodeId>),
     /// These one after the other (`tight`: no whitespace before any of them).
@@ -159,7 +167,7 @@ impl Grammar {
         let mut c = Compiler::new(&Json::Null);
         let any = c.any();
         let keys = c.key_trie(&[]);
-        let root = c.push(Node::Object { keys, props: vec![], required: 0, additional: Some(any) });
+        let root = c.push(Node::Object { keys, props: vec![], required: 0, additional: Some(any), banned: 0 });
         c.finish(root)
     }
 
@@ -167,15 +175,53 @@ impl Grammar {
     pub fn from_schema(schema: &Json) -> Result<Self, SchemaError> {
         let mut c = Compiler::new(schema);
         let root = c.compile(schema, "#")?;
-        let g = c.finish(root);
-        g.check_satisfiable()?;
+        let mut g = c.finish(root);
+        g.normalize()?;
         Ok(g)
     }
 
-    /// Refuses grammars where some node can never be completed (e.g. a required property whose
-    /// schema is an object that requires itself), so the matcher never reaches a dead end.
-    fn check_satisfiable(&self) -> Result<(), SchemaError> {
+    /// Makes every state the matcher can reach completable, and its walks finite:
+    /// - alternatives that lead back to themselves without writing anything (a `$ref` cycle
+    ///   through `anyOf`) add nothing to the language but would loop the matcher: dropped;
+    /// - what can never be completed (a schema that requires itself, an empty `anyOf`) is cut
+    ///   from where it is optional (an alternative, an optional property, more array items);
+    /// - a root that can never be completed is an error.
+    fn normalize(&mut self) -> Result<(), SchemaError> {
         let n = self.nodes.len();
+        // Back edges among alternatives, by an iterative depth-first search.
+        let mut color = vec![0u8; n];
+        for start in 0..n {
+            if color[start] != 0 {
+                continue;
+            }
+            color[start] = 1;
+            let mut stack: Vec<(usize, usize)> = vec![(start, 0)];
+            while let Some(&(v, i)) = stack.last() {
+                let next = match &self.nodes[v] {
+                    Node::AnyOf(a) => a.get(i).map(|&w| w as usize),
+                    _ => None,
+                };
+                let Some(w) = next else {
+                    color[v] = 2;
+                    stack.pop();
+                    continue;
+                };
+                match color[w] {
+                    1 => {
+                        if let Node::AnyOf(a) = &mut self.nodes[v] {
+                            a.remove(i);
+                        }
+                    }
+                    0 => {
+                        stack.last_mut().expect("a frame").1 += 1;
+                        color[w] = 1;
+                        stack.push((w, 0));
+                    }
+                    _ => stack.last_mut().expect("a frame").1 += 1,
+                }
+            }
+        }
+        // Which nodes some finite value completes (a least fixed point).
         let mut ok = vec![false; n];
         loop {
             let mut changed = false;
@@ -184,20 +230,16 @@ impl Grammar {
                     continue;
                 }
                 let sat = match &self.nodes[i] {
-                    Node::Lit(_) | Node::Number { .. } | Node::String { .. } => true,
+                    Node::Lit(_) | Node::Number { .. } | Node::String { .. } | Node::Raw(_) => true,
                     Node::Array { prefix, items, min, .. } => {
                         let need = *min as usize;
-                        (0..need).all(|k| match prefix.get(k) {
-                            Some(&p) => ok[p as usize],
-                            None => items.is_some_and(|it| ok[it as usize]),
-                        })
+                        prefix.iter().take(need).all(|&p| ok[p as usize]) && (need <= prefix.len() || items.is_some_and(|it| ok[it as usize]))
                     }
                     Node::Object { props, required, .. } => {
                         props.iter().enumerate().all(|(k, &p)| required & (1 << k) == 0 || ok[p as usize])
                     }
                     Node::AnyOf(alts) => alts.iter().any(|&a| ok[a as usize]),
                     Node::Chain { items, .. } => items.iter().all(|&a| ok[a as usize]),
-                    Node::Raw(_) => true,
                     Node::Calls { bodies, max, .. } => *max > 0 && bodies.iter().any(|&a| ok[a as usize]),
                     Node::Params { values, required, .. } => {
                         values.iter().enumerate().all(|(k, &p)| required & (1 << k) == 0 || ok[p as usize])
@@ -215,6 +257,35 @@ impl Grammar {
         if !ok[self.root as usize] {
             return Err(SchemaError { path: "#".into(), why: "no finite JSON value satisfies this schema".into() });
         }
+        // Cut what can never be completed from where it is optional.
+        for node in &mut self.nodes {
+            match node {
+                Node::AnyOf(alts) => alts.retain(|&a| ok[a as usize]),
+                Node::Object { props, additional, banned, .. } => {
+                    for (k, &p) in props.iter().enumerate() {
+                        if !ok[p as usize] {
+                            *banned |= 1 << k;
+                        }
+                    }
+                    if additional.is_some_and(|a| !ok[a as usize]) {
+                        *additional = None;
+                    }
+                }
+                Node::Array { prefix, items, max, .. } => {
+                    if items.is_some_and(|it| !ok[it as usize]) {
+                        *items = None;
+                    }
+                    if let Some(cut) = prefix.iter().position(|&p| !ok[p as usize]) {
+                        prefix.truncate(cut);
+                        *max = (*max).min(cut as u32);
+                    }
+                    if items.is_none() {
+                        *max = (*max).min(prefix.len() as u32);
+                    }
+                }
+                _ => {}
+            }
+        }
         Ok(())
     }
 }
@@ -228,11 +299,13 @@ struct Compiler<'a> {
     texts: Vec<Vec<u8>>,
     refs: HashMap<String, NodeId>,
     any: Option<NodeId>,
+    /// Schemas being compiled, one inside the other (references included).
+    depth: u32,
 }
 
 impl<'a> Compiler<'a> {
     fn new(doc: &'a Json) -> Self {
-        Compiler { doc, nodes: Vec::new(), lits: Vec::new(), keys: Vec::new(), tags: Vec::new(), texts: Vec::new(), refs: HashMap::new(), any: None }
+        Compiler { doc, nodes: Vec::new(), lits: Vec::new(), keys: Vec::new(), tags: Vec::new(), texts: Vec::new(), refs: HashMap::new(), any: None, depth: 0 }
     }
 
     fn finish(self, root: NodeId) -> Grammar {
@@ -267,7 +340,7 @@ impl<'a> Compiler<'a> {
         let s = self.push(Node::String { min: 0, max: UNBOUNDED });
         let arr = self.push(Node::Array { prefix: vec![], items: Some(any), min: 0, max: UNBOUNDED });
         let keys = self.key_trie(&[]);
-        let obj = self.push(Node::Object { keys, props: vec![], required: 0, additional: Some(any) });
+        let obj = self.push(Node::Object { keys, props: vec![], required: 0, additional: Some(any), banned: 0 });
         self.nodes[any as usize] = Node::AnyOf(vec![lit, num, s, arr, obj]);
         any
     }
@@ -280,6 +353,16 @@ impl<'a> Compiler<'a> {
         if self.nodes.len() > MAX_NODES {
             return Err(Self::err(path, format!("the schema is too large (more than {MAX_NODES} nodes)")));
         }
+        if self.depth >= MAX_NESTING {
+            return Err(Self::err(path, format!("schemas nest too deep (more than {MAX_NESTING} levels, references included)")));
+        }
+        self.depth += 1;
+        let r = self.compile_nested(s, path);
+        self.depth -= 1;
+        r
+    }
+
+    fn compile_nested(&mut self, s: &Json, path: &str) -> Result<NodeId, SchemaError> {
         let obj = match s {
             Json::Bool(true) => return Ok(self.any()),
             Json::Bool(false) => return Err(Self::err(path, "the schema `false` admits no value")),
@@ -294,7 +377,11 @@ impl<'a> Compiler<'a> {
                 tracing::debug!(keyword = %k, path, "structured outputs: unknown schema keyword ignored");
             }
         }
+        let siblings: Vec<&str> = obj.keys().map(String::as_str).filter(|k| CONSTRAINING.contains(k)).collect();
         if let Some(r) = obj.get("$ref") {
+            if !siblings.is_empty() {
+                return Err(Self::err(&format!("{path}/$ref"), format!("keywords beside $ref ({}) are not supported; put them in the referenced schema", siblings.join(", "))));
+            }
             let r = r.as_str().ok_or_else(|| Self::err(&format!("{path}/$ref"), "must be a string"))?;
             return self.reference(r, &format!("{path}/$ref"));
         }
@@ -303,8 +390,10 @@ impl<'a> Compiler<'a> {
             if list.len() != 1 {
                 return Err(Self::err(&format!("{path}/allOf"), "allOf is supported with exactly one schema"));
             }
-            // Sibling keywords beside a one-schema allOf are annotations (pydantic's style).
-            return self.compile(&list[0], &format!("{path}/allOf/0"));
+            // Constraining keywords beside it hold too (annotations, pydantic's style, do not
+            // matter).
+            let inner = merged(obj, &list[0], &format!("{path}/allOf/0"))?;
+            return self.compile(&inner, &format!("{path}/allOf/0"));
         }
         let base = self.compile_plain(obj, path)?;
         if obj.get("nullable").and_then(Json::as_bool) == Some(true) {
@@ -335,14 +424,18 @@ impl<'a> Compiler<'a> {
 
     fn compile_plain(&mut self, obj: &serde_json::Map<String, Json>, path: &str) -> Result<NodeId, SchemaError> {
         if let Some(c) = obj.get("const") {
+            if members_fitting(obj, std::slice::from_ref(c), path)?.is_empty() {
+                return Err(Self::err(&format!("{path}/const"), "the constant does not satisfy the schema's other keywords"));
+            }
             return Ok(self.lit(&[compact(c)]));
         }
         if let Some(e) = obj.get("enum") {
             let list = e.as_array().ok_or_else(|| Self::err(&format!("{path}/enum"), "must be an array"))?;
+            let list = members_fitting(obj, list, path)?;
             if list.is_empty() {
-                return Err(Self::err(&format!("{path}/enum"), "an empty enum admits no value"));
+                return Err(Self::err(&format!("{path}/enum"), "no member of this enum satisfies the schema's other keywords"));
             }
-            let texts: Vec<Vec<u8>> = list.iter().map(compact).collect();
+            let texts: Vec<Vec<u8>> = list.iter().map(|v| compact(v)).collect();
             return Ok(self.lit(&texts));
         }
         for key in ["anyOf", "oneOf"] {
@@ -353,7 +446,10 @@ impl<'a> Compiler<'a> {
                 }
                 let mut alts = Vec::new();
                 for (i, s) in list.iter().enumerate() {
-                    alts.push(self.compile(s, &format!("{path}/{key}/{i}"))?);
+                    // Constraining keywords beside anyOf hold in every alternative.
+                    let p = format!("{path}/{key}/{i}");
+                    let alt = merged(obj, s, &p)?;
+                    alts.push(self.compile(&alt, &p)?);
                 }
                 return Ok(self.push(Node::AnyOf(alts)));
             }
@@ -475,7 +571,7 @@ impl<'a> Compiler<'a> {
             s.as_bytes()[1..s.len() - 1].to_vec()
         }).collect();
         let keys = self.key_trie(&texts);
-        Ok(self.push(Node::Object { keys, props, required, additional }))
+        Ok(self.push(Node::Object { keys, props, required, additional, banned: 0 }))
     }
 }
 
@@ -504,7 +600,8 @@ impl Grammar {
     /// strings verbatim); an enum of strings is one of them, verbatim; any other value is JSON
     /// its schema admits (any JSON value where the schema cannot be compiled). A tool that
     /// declares no properties and allows others takes any names with raw values.
-    pub fn tool_calls(tools: &[CallTool<'_>], tags: CallTags<'_>, max: u32) -> Grammar {
+    /// `None` when no call of any tool can be completed.
+    pub fn tool_calls(tools: &[CallTool<'_>], tags: CallTags<'_>, max: u32) -> Option<Grammar> {
         let empty = Json::Null;
         let mut c = Compiler::new(&empty);
         c.texts.push(tags.param_close.as_bytes().to_vec());
@@ -547,7 +644,9 @@ impl Grammar {
         let names: Vec<Vec<u8>> = tools.iter().map(|t| t.name.as_bytes().to_vec()).collect();
         let names = c.key_trie(&names);
         let root = c.push(Node::Calls { names, bodies, tags: call_tags, max: max.max(1) });
-        c.finish(root)
+        let mut g = c.finish(root);
+        g.normalize().ok()?;
+        Some(g)
     }
 }
 
@@ -578,6 +677,38 @@ fn raw_strings(schema: &Json) -> Option<Option<Vec<Vec<u8>>>> {
             None => Some(None),
         },
     }
+}
+
+/// `alt` with the constraining keywords of `outer` (an `anyOf` / `allOf` schema) added; a
+/// keyword in both is refused rather than intersected.
+fn merged(outer: &serde_json::Map<String, Json>, alt: &Json, path: &str) -> Result<Json, SchemaError> {
+    let extra: Vec<(&String, &Json)> = outer.iter().filter(|(k, _)| CONSTRAINING.contains(&k.as_str())).collect();
+    if extra.is_empty() {
+        return Ok(alt.clone());
+    }
+    let mut m = match alt {
+        Json::Object(m) => m.clone(),
+        Json::Bool(true) => serde_json::Map::new(),
+        _ => return Err(Compiler::err(path, "must be a schema object to combine with the keywords beside it")),
+    };
+    for (k, v) in extra {
+        if m.contains_key(k) {
+            return Err(Compiler::err(path, format!("`{k}` both here and beside it is not supported; write it in one place")));
+        }
+        m.insert(k.clone(), v.clone());
+    }
+    Ok(Json::Object(m))
+}
+
+/// The `enum` / `const` members that satisfy the other constraining keywords beside them.
+fn members_fitting<'v>(obj: &serde_json::Map<String, Json>, members: &'v [Json], path: &str) -> Result<Vec<&'v Json>, SchemaError> {
+    let rest: serde_json::Map<String, Json> =
+        obj.iter().filter(|(k, _)| CONSTRAINING.contains(&k.as_str()) && !matches!(k.as_str(), "enum" | "const")).map(|(k, v)| (k.clone(), v.clone())).collect();
+    if rest.is_empty() {
+        return Ok(members.iter().collect());
+    }
+    let v = jsonschema::validator_for(&Json::Object(rest)).map_err(|e| Compiler::err(path, format!("the keywords beside enum/const: {e}")))?;
+    Ok(members.iter().filter(|m| v.is_valid(m)).collect())
 }
 
 /// The compact JSON text of a value (what an `enum` / `const` member must be written as).

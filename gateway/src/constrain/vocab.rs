@@ -280,7 +280,7 @@ mod raw_tests {
         }
         let idx = TokenIndex::from_tokens(300, items, vec![299]);
         let params = json!({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}, "required": ["a"]});
-        let g = Grammar::tool_calls(&[CallTool { name: "f", parameters: &params }], crate::constrain::matcher::tool_tests::TAGS, 2);
+        let g = Grammar::tool_calls(&[CallTool { name: "f", parameters: &params }], crate::constrain::matcher::tool_tests::TAGS, 2).unwrap();
         for prefix in ["<invoke name=\"f\"><parameter name=\"a\">", "<invoke name=\"f\"><parameter name=\"a\">x<", "<invoke name=\"f\"><parameter name=\"a\">x</param", "<invoke name=\"f\"><parameter name=\"b\">"] {
             let mut st = State::start(&g);
             assert!(st.feed(&g, prefix.as_bytes()), "{prefix}");

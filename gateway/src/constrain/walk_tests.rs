@@ -116,7 +116,7 @@ fn random_tool_call_blocks_parse_into_valid_calls() {
     let t = &fmt.tool_calls;
     let tools: Vec<CallTool<'_>> = toolset.iter().map(|s| CallTool { name: &s.name, parameters: &s.parameters }).collect();
     let tags = CallTags { invoke_open: t.invoke_open, invoke_close: t.invoke_close, param_open: t.param_open, param_close: t.param_close, block_close: t.block_close };
-    let g = Grammar::tool_calls(&tools, tags, 3);
+    let g = Grammar::tool_calls(&tools, tags, 3).unwrap();
     let idx = index();
     let spec = Arc::new(ConstraintSpec { grammar: g, index: idx.clone(), reasoning_close: None, mode: super::Mode::Document });
     let mut calls = 0;

@@ -64,9 +64,9 @@ pub struct SamplingSpec {
     pub history: Vec<(u32, u32)>,
     /// How many top raw alternatives to return (0..=20).
     pub top_logprobs: u32,
-    /// Structured outputs: the tokens the row may take (bit `t % 8` of byte `t / 8`, exactly
-    /// `ceil(vocab / 8)` bytes); every other token is removed with the logit bias (step 2).
-    /// `None`: every token.
+    /// Structured outputs: the tokens the row may take (bit `t % 8` of byte `t / 8`; tokens
+    /// past the mask are not allowed, bits past the vocabulary are ignored); every other token
+    /// is removed with the logit bias (step 2). `None`: every token.
     pub allowed: Option<std::sync::Arc<[u8]>>,
 }
 
@@ -203,11 +203,10 @@ impl SamplingSpec {
             z[t] += b;
         }
         if let Some(m) = &self.allowed {
-            if m.len() != vocab.div_ceil(8) {
-                return Err(SamplingError::Invalid(format!("allowed-token mask of {} bytes for a vocabulary of {vocab} (needs {})", m.len(), vocab.div_ceil(8))));
-            }
+            // Tokens past the mask are banned (a tokenizer shorter than the logits row has no
+            // text for them); bits past the vocabulary are ignored.
             for (t, v) in z.iter_mut().enumerate() {
-                if m[t / 8] >> (t % 8) & 1 == 0 {
+                if m.get(t / 8).is_none_or(|byte| byte >> (t % 8) & 1 == 0) {
                     *v = f32::NEG_INFINITY;
                 }
             }
@@ -521,8 +520,13 @@ mod tests {
             // Raw logprobs stay the model's own: the target and top_logprobs ignore the mask.
             assert_eq!(masked.target_logprob, Some(raw[4] - logsumexp(&raw)));
         }
-        let short = SamplingSpec { allowed: Some(vec![0xffu8; 3].into()), ..Default::default() };
-        assert!(matches!(reduce_row(&raw, &short, None), Err(SamplingError::Invalid(m)) if m.contains("26")));
+        // A short mask bans the tokens past it; a long one's extra bits are ignored.
+        let short = SamplingSpec { allowed: Some(vec![0xffu8; 3].into()), temperature: 1.0, ..Default::default() };
+        let mut ids = reduce_row(&raw, &short, None).unwrap().candidate_ids;
+        ids.sort();
+        assert_eq!(ids, (0..24).collect::<Vec<u32>>());
+        let long = SamplingSpec { allowed: Some(vec![0xffu8; 40].into()), ..Default::default() };
+        assert_eq!(reduce_row(&raw, &long, None).unwrap().candidate_ids.len(), 203);
         let none = SamplingSpec { allowed: Some(vec![0u8; 26].into()), ..Default::default() };
         assert_eq!(reduce_row(&raw, &none, None), Err(SamplingError::NoCandidates));
     }

@@ -1,0 +1,118 @@
+//! Schemas and documents at the edges, each a bug a review found (a crash, a dead end, or a
+//! document that broke its schema): the matcher must refuse or survive them, and agree with an
+//! independent validator (the `jsonschema` crate) on what it accepts.
+
+use serde_json::{Value as Json, json};
+
+use super::matcher::{MAX_THREADS, State};
+use super::schema::Grammar;
+
+fn g(s: &Json) -> Grammar {
+    Grammar::from_schema(s).unwrap_or_else(|e| panic!("{s}: {e}"))
+}
+
+fn accepts(g: &Grammar, text: &str) -> bool {
+    let mut s = State::start(g);
+    s.feed(g, text.as_bytes()) && s.can_end(g)
+}
+
+fn prefix_ok(g: &Grammar, text: &str) -> bool {
+    let mut s = State::start(g);
+    s.feed(g, text.as_bytes())
+}
+
+/// The matcher and the validator agree on `doc` (which must parse).
+fn agrees(schema: &Json, doc: &str) {
+    let valid = jsonschema::validator_for(schema).unwrap().is_valid(&serde_json::from_str::<Json>(doc).unwrap());
+    assert_eq!(accepts(&g(schema), doc), valid, "{schema} on {doc}");
+}
+
+#[test]
+fn references_that_write_nothing_neither_loop_nor_dead_end() {
+    let s = json!({"anyOf": [{"$ref": "#"}, {"type": "null"}]});
+    assert!(accepts(&g(&s), "null") && !prefix_ok(&g(&s), "1"));
+    let s = json!({"$defs": {"a": {"$ref": "#/$defs/a"}}, "type": "object", "properties": {"x": {"$ref": "#/$defs/a"}}});
+    assert!(accepts(&g(&s), "{}") && !prefix_ok(&g(&s), "{\"x\""), "x can never be written");
+    let s = json!({"$defs": {"a": {"$ref": "#/$defs/b"}, "b": {"$ref": "#/$defs/a"}}, "properties": {"x": {"$ref": "#/$defs/a"}}, "additionalProperties": false});
+    assert!(accepts(&g(&s), "{}") && !prefix_ok(&g(&s), "{\"x\""));
+}
+
+#[test]
+fn long_reference_chains_are_refused_not_a_crash() {
+    let mut defs = serde_json::Map::new();
+    for i in 0..10_000 {
+        defs.insert(format!("a{i}"), json!({"$ref": format!("#/$defs/a{}", i + 1)}));
+    }
+    defs.insert("a10000".into(), json!({"type": "string"}));
+    let s = json!({"$defs": defs, "$ref": "#/$defs/a0"});
+    // A tokio worker's stack.
+    let r = std::thread::Builder::new().stack_size(2 << 20).spawn(move || Grammar::from_schema(&s).map(|_| ())).unwrap().join().unwrap();
+    assert!(r.unwrap_err().why.contains("nest too deep"));
+}
+
+#[test]
+fn what_can_never_be_completed_is_cut_where_optional() {
+    let n = json!({"type": "object", "properties": {"next": {"$ref": "#/$defs/n"}}, "required": ["next"]});
+    for (s, ok, never) in [
+        (json!({"$defs": {"n": n}, "type": "object", "properties": {"x": {"$ref": "#/$defs/n"}}}), "{}", "{\"x\""),
+        (json!({"$defs": {"n": n}, "anyOf": [{"$ref": "#/$defs/n"}, {"type": "null"}]}), "null", "{"),
+        (json!({"$defs": {"n": n}, "type": "array", "items": {"$ref": "#/$defs/n"}}), "[]", "[{"),
+        (json!({"$defs": {"n": n}, "type": "object", "additionalProperties": {"$ref": "#/$defs/n"}}), "{}", "{\"k\""),
+    ] {
+        let gr = g(&s);
+        assert!(accepts(&gr, ok) && !prefix_ok(&gr, never), "{s}");
+    }
+    // minItems of billions is read, not looped over.
+    assert!(Grammar::from_schema(&json!({"type": "array", "minItems": 4_000_000_000u64, "items": {"type": "null"}})).is_ok());
+}
+
+#[test]
+fn other_spellings_of_declared_keys_are_not_additional_keys() {
+    let s = json!({"properties": {"a": {"type": "integer"}, "a/b": {"type": "integer"}, "q\"": {"type": "integer"}}, "additionalProperties": {"type": "string"}});
+    for doc in [r#"{"\u0061": "x"}"#, r#"{"a": 1, "\u0061": "x"}"#, r#"{"a\/b": "x"}"#, r#"{"q\"": 1}"#, r#"{"b": "x"}"#] {
+        agrees(&s, doc);
+    }
+}
+
+#[test]
+fn surrogate_escapes_come_in_pairs_and_count_once() {
+    let one = r#""\ud83d\ude00""#;
+    agrees(&json!({"type": "string", "minLength": 2}), one);
+    agrees(&json!({"type": "string", "maxLength": 1}), one);
+    for lone in [r#""\ud800""#, r#""\udc00""#, r#""\ud800x""#, r#""\ud800\u0041""#] {
+        assert!(!accepts(&g(&json!({"type": "string"})), lone), "{lone}");
+    }
+}
+
+#[test]
+fn keywords_beside_combinators_hold_or_are_refused() {
+    for (s, doc) in [
+        (json!({"type": "string", "anyOf": [{"maxLength": 2}, {"minLength": 5}]}), "1"),
+        (json!({"type": "string", "anyOf": [{"maxLength": 2}, {"minLength": 5}]}), "\"abc\""),
+        (json!({"type": "string", "anyOf": [{"maxLength": 2}, {"minLength": 5}]}), "\"abcde\""),
+        (json!({"type": "string", "allOf": [{"maxLength": 3}]}), "1"),
+        (json!({"type": "string", "enum": ["a", 1]}), "1"),
+        (json!({"type": "string", "enum": ["a", 1]}), "\"a\""),
+    ] {
+        agrees(&s, doc);
+    }
+    let err = |s: Json| Grammar::from_schema(&s).unwrap_err().path;
+    assert_eq!(err(json!({"$defs": {"s": {"type": "string"}}, "$ref": "#/$defs/s", "maxLength": 1})), "#/$ref");
+    assert_eq!(err(json!({"type": "object", "properties": {"a": {}}, "anyOf": [{"properties": {"b": {}}}]})), "#/anyOf/0");
+}
+
+#[test]
+fn unions_and_nesting_stay_bounded() {
+    let s = json!({"$defs": {"node": {"anyOf": [
+        {"type": "object", "properties": {"name": {"type": "string"}, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}, "additionalProperties": false},
+        {"type": "object", "properties": {"id": {"type": "integer"}, "children": {"type": "array", "items": {"$ref": "#/$defs/node"}}}, "additionalProperties": false}
+    ]}}, "$ref": "#/$defs/node"});
+    let gr = g(&s);
+    let mut st = State::start(&gr);
+    assert!(st.feed(&gr, "{\"children\":[".repeat(16).as_bytes()));
+    assert!(st.threads() <= MAX_THREADS, "{} threads", st.threads());
+    // Nesting beyond what JSON parsers take is refused, not a stack overflow.
+    let any = Grammar::any_object();
+    assert!(prefix_ok(&any, &format!("{{\"a\":{}", "[".repeat(90))));
+    assert!(!prefix_ok(&any, &format!("{{\"a\":{}", "[".repeat(5000))));
+}
