@@ -208,6 +208,13 @@ impl Constraint {
                 // A refused token leaves the state as it was.
                 let mut next = self.state.clone();
                 if bytes.is_empty() || !next.feed(g, bytes) {
+                    if matches!(spec.mode, Mode::ToolCalls { .. }) {
+                        // After a tool-call block the mask allows only whitespace and the end;
+                        // a token it did not shape (a test replay) leaves the text free.
+                        tracing::warn!(token, "structured tool call: text after the block; not constrained further");
+                        self.phase = Phase::Text(Vec::new());
+                        return Ok(());
+                    }
                     return Err(ConstraintError::Left(token));
                 }
                 self.state = next;
@@ -412,6 +419,12 @@ mod tool_mode_tests {
         feed(&mut c, "</think>");
         c.advance(OPEN).unwrap();
         // Overlapped decode: this token was drawn without the block's mask.
+        c.advance(b'Z' as u32).unwrap();
+        assert_eq!(c.rule(), Rule::Free);
+        // Likewise text after a block that the mask did not shape (a test replay).
+        let mut c = Constraint::new(spec(false));
+        feed(&mut c, "</think><minimax:tool_call><invoke name=\"f\"><parameter name=\"n\">1</parameter></invoke></minimax:tool_call>");
+        assert!(matches!(c.rule(), Rule::Only(_)));
         c.advance(b'Z' as u32).unwrap();
         assert_eq!(c.rule(), Rule::Free);
     }
