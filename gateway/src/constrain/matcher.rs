@@ -228,6 +228,16 @@ impl State {
         }
     }
 
+    /// When the state is one thread inside an object key where other keys are allowed: the key
+    /// (the masks' fast path: each token is checked by a plain loop over its bytes instead of
+    /// stepping states).
+    pub fn in_free_key(&self) -> Option<KeyView> {
+        let [t] = self.threads.as_slice() else { return None };
+        let Frame::Key { obj, at, free: true, sub } = t.top else { return None };
+        let Some(Frame::Obj { seen, .. }) = t.below.as_ref().map(|l| l.frame) else { return None };
+        Some(KeyView { thread: t.clone(), obj, at, sub, seen })
+    }
+
     /// When the state is one thread inside raw text (a tool call's string value): its closing
     /// tag, the bytes of it matched, and the state right after the tag (the masks' fast path:
     /// raw text takes any token that does not complete the tag).
@@ -251,6 +261,45 @@ impl State {
             if self.is_dead() {
                 return false;
             }
+        }
+        true
+    }
+}
+
+/// One thread inside an object key that may be any key (see [`State::in_free_key`]).
+#[derive(Clone, Debug)]
+pub struct KeyView {
+    thread: Thread,
+    obj: NodeId,
+    at: u32,
+    sub: StrSub,
+    seen: u64,
+}
+
+impl KeyView {
+    /// Whether `bytes` keep the key valid (what [`key_byte`] would say byte by byte); a token
+    /// that closes the key runs on through the state after it.
+    pub fn admits(&self, g: &Grammar, bytes: &[u8]) -> bool {
+        let Node::Object { keys, .. } = &g.nodes[self.obj as usize] else { return false };
+        let trie = &g.keys[*keys as usize];
+        let (mut at, mut sub) = (self.at, self.sub);
+        for (i, &b) in bytes.iter().enumerate() {
+            if sub == StrSub::Plain && b == b'"' {
+                let declared = (at != NO_KEY).then(|| trie.nodes[at as usize].end).flatten();
+                let key = match declared {
+                    Some(k) if self.seen & (1 << k) == 0 => k,
+                    Some(_) => return false,
+                    None => NO_KEY,
+                };
+                let Some(p) = self.thread.pop(g, Some(key)) else { return false };
+                return State { threads: vec![p] }.feed(g, &bytes[i + 1..]);
+            }
+            let Some((nsub, _)) = str_byte(sub, b) else { return false };
+            let Some(nat) = follow_name(trie, at, b, true, self.seen) else { return false };
+            if (!matches!(sub, StrSub::Plain | StrSub::Utf8 { .. }) || b == b'\\') && nat == NO_KEY {
+                return false;
+            }
+            (at, sub) = (nat, nsub);
         }
         true
     }

@@ -127,6 +127,16 @@ impl TokenIndex {
             }
             return mask;
         }
+        if let Some(key) = state.in_free_key() {
+            // Inside an object key where other keys are allowed: nearly every token fits, and
+            // a loop over a token's bytes says which, without stepping states.
+            for &id in &self.ids {
+                if key.admits(g, &self.all[id as usize]) {
+                    set(&mut mask, id);
+                }
+            }
+            return mask;
+        }
         if let Some((close, k, after)) = state.in_raw(g) {
             // Inside raw text: every token that does not complete the closing tag; those that
             // do run on past it.
@@ -285,6 +295,37 @@ mod raw_tests {
             let mut st = State::start(&g);
             assert!(st.feed(&g, prefix.as_bytes()), "{prefix}");
             assert!(st.in_raw(&g).is_some(), "{prefix}");
+            let mut brute = vec![0u64; 300usize.div_ceil(64)];
+            for &id in &idx.ids {
+                let mut s = st.clone();
+                if s.feed(&g, idx.token_bytes(id)) {
+                    brute[(id / 64) as usize] |= 1 << (id % 64);
+                }
+            }
+            assert_eq!(idx.allowed(&g, &st), brute, "after {prefix}");
+        }
+    }
+}
+
+#[cfg(test)]
+mod key_tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn inside_free_keys_the_fast_path_is_the_walk() {
+        let mut items: Vec<(u32, Vec<u8>)> = (0..=255u8).map(|b| (b as u32, vec![b])).collect();
+        let extra: [&[u8]; 12] = [b"ab", b"abc\"", b"\":", b"\": 1", b"\":\"x", b"a\\\"b\"", b"\\u0061", b"q\\", b"\"}", b"b\": tr", "é\"".as_bytes(), b"\\n\""];
+        for (i, t) in extra.iter().enumerate() {
+            items.push((256 + i as u32, t.to_vec()));
+        }
+        let idx = TokenIndex::from_tokens(300, items, vec![299]);
+        let g = Grammar::from_schema(&json!({"properties": {"ab": {"type": "integer"}, "a\"b": {"type": "boolean"}, "abc": {"type": "null"}},
+                                              "additionalProperties": {"type": "string"}})).unwrap();
+        for prefix in ["{\"", "{\"a", "{\"ab", "{\"a\\", "{\"x", "{\"ab\":1,\"", "{\"ab\":1,\"a", "{\"é"] {
+            let mut st = State::start(&g);
+            assert!(st.feed(&g, prefix.as_bytes()), "{prefix}");
+            assert!(st.in_free_key().is_some(), "{prefix}");
             let mut brute = vec![0u64; 300usize.div_ceil(64)];
             for &id in &idx.ids {
                 let mut s = st.clone();
