@@ -195,3 +195,24 @@ def test_required_tool_calls_are_held_to_the_tools(client, choice):
             check_call(c.function.name, json.loads(c.function.arguments))
             if isinstance(choice, dict):
                 assert c.function.name == "set_alarm"
+
+
+def test_anthropic_tool_choice_any_and_responses_required_give_valid_calls(server, client):
+    # Anthropic `tool_choice: any` and the Responses API's `required` map to a demanded call:
+    # the block the script opens is held to the tools.
+    claude = anthropic.Anthropic(base_url=server.base, api_key=server.api_key, max_retries=0, timeout=120)
+    tools = [{"name": t["function"]["name"], "input_schema": t["function"]["parameters"]} for t in CALL_TOOLS]
+    m = claude.messages.create(
+        model="m2-small", max_tokens=2000, messages=[{"role": "user", "content": "REPLAY:call wake me"}], tools=tools,
+        tool_choice={"type": "any"},
+    )
+    uses = [b for b in m.content if b.type == "tool_use"]
+    assert m.stop_reason == "tool_use" and uses, m
+    for u in uses:
+        check_call(u.name, u.input)
+    rtools = [{"type": "function", "name": t["function"]["name"], "parameters": t["function"]["parameters"]} for t in CALL_TOOLS]
+    r = client.responses.create(model="m2-small", input="REPLAY:call wake me", tools=rtools, tool_choice="required", max_output_tokens=2000)
+    calls = [i for i in r.output if i.type == "function_call"]
+    assert calls, r
+    for c in calls:
+        check_call(c.name, json.loads(c.arguments))

@@ -136,6 +136,10 @@ fn main() {
         mask_row(&index, &g, name, prefix);
     }
 
+    // An object that allows other keys (a non-strict schema), inside a new key.
+    let open = Grammar::from_schema(&json!({"type": "object", "properties": {"path": {"type": "string"}}})).unwrap();
+    mask_row(&index, &open, "object key, other keys allowed", b"{\"path\": \"a\", \"");
+
     // Guided tool calls: inside a raw-text parameter value, and at the tags.
     let params = json!({"type": "object", "properties": {"path": {"type": "string"}, "line": {"type": "integer"}}, "required": ["path"]});
     let tags = CallTags { invoke_open: "<invoke name=\"", invoke_close: "</invoke>", param_open: "<parameter name=\"", param_close: "</parameter>", block_close: "</minimax:tool_call>" };

@@ -20,6 +20,11 @@ pub struct TokenIndex {
     all: Vec<Box<[u8]>>,
     /// The ordinary token ids, sorted by their bytes.
     ids: Vec<u32>,
+    /// Their bytes back to back in that order (`off[i]..off[i + 1]`), so every walk over the
+    /// vocabulary reads memory in order: 200k boxes read in sorted order cost ~35 ms in cache
+    /// misses alone.
+    sorted: Vec<u8>,
+    off: Vec<u32>,
     /// `lcp[i]`: bytes `bytes[i]` shares with `bytes[i - 1]` (0 for the first).
     lcp: Vec<u16>,
     /// End-of-generation ids (allowed where the document may end).
@@ -64,7 +69,18 @@ impl TokenIndex {
             let l = if i == 0 { 0 } else { all[ids[i] as usize].iter().zip(&*all[ids[i - 1] as usize]).take_while(|(a, b)| a == b).count() };
             lcp.push(l.min(u16::MAX as usize) as u16);
         }
-        TokenIndex { vocab: all.len(), all, ids, lcp, eog, strings: Mutex::new(HashMap::new()), raws: Mutex::new(HashMap::new()) }
+        let mut sorted = Vec::new();
+        let mut off = vec![0u32];
+        for &id in &ids {
+            sorted.extend_from_slice(&all[id as usize]);
+            off.push(sorted.len() as u32);
+        }
+        TokenIndex { vocab: all.len(), all, ids, sorted, off, lcp, eog, strings: Mutex::new(HashMap::new()), raws: Mutex::new(HashMap::new()) }
+    }
+
+    /// The bytes of the `i`-th ordinary token in byte order.
+    fn nth(&self, i: usize) -> &[u8] {
+        &self.sorted[self.off[i] as usize..self.off[i + 1] as usize]
     }
 
     /// The bytes token `id` stands for (empty outside the vocabulary).
@@ -85,7 +101,7 @@ impl TokenIndex {
     /// What every ordinary token does inside a string from `sub`.
     fn string_runs(&self, sub: StrSub) -> Arc<Vec<StrRun>> {
         let mut cache = self.strings.lock().expect("the string-run cache lock");
-        cache.entry(sub).or_insert_with(|| Arc::new(self.ids.iter().map(|&id| str_run(sub, &self.all[id as usize])).collect())).clone()
+        cache.entry(sub).or_insert_with(|| Arc::new((0..self.ids.len()).map(|i| str_run(sub, self.nth(i))).collect())).clone()
     }
 
     /// Where every ordinary token completes raw text's closing `tag` from `k` matched bytes.
@@ -94,7 +110,7 @@ impl TokenIndex {
         cache
             .entry((tag.to_vec(), k))
             .or_insert_with(|| {
-                Arc::new(self.ids.iter().map(|&id| raw_run(tag, k as usize, &self.all[id as usize]).map_or(u16::MAX, |e| e.min(u16::MAX as usize - 1) as u16)).collect())
+                Arc::new((0..self.ids.len()).map(|i| raw_run(tag, k as usize, self.nth(i)).map_or(u16::MAX, |e| e.min(u16::MAX as usize - 1) as u16)).collect())
             })
             .clone()
     }
@@ -117,7 +133,7 @@ impl TokenIndex {
                 let ok = match *run {
                     StrRun::Closes { at, .. } => after.as_ref().is_some_and(|a| {
                         let mut a = a.clone();
-                        a.feed(g, &self.all[id as usize][at as usize + 1..])
+                        a.feed(g, &self.nth(i)[at as usize + 1..])
                     }),
                     _ => true,
                 };
@@ -130,8 +146,8 @@ impl TokenIndex {
         if let Some(key) = state.in_free_key() {
             // Inside an object key where other keys are allowed: nearly every token fits, and
             // a loop over a token's bytes says which, without stepping states.
-            for &id in &self.ids {
-                if key.admits(g, &self.all[id as usize]) {
+            for (i, &id) in self.ids.iter().enumerate() {
+                if key.admits(g, self.nth(i)) {
                     set(&mut mask, id);
                 }
             }
@@ -146,7 +162,7 @@ impl TokenIndex {
                 let ok = end == u16::MAX
                     || after.as_ref().is_some_and(|a| {
                         let mut a = a.clone();
-                        a.feed(g, &self.all[id as usize][end as usize..])
+                        a.feed(g, &self.nth(i)[end as usize..])
                     });
                 if ok {
                     set(&mut mask, id);
@@ -163,7 +179,7 @@ impl TokenIndex {
         let mut stack: Vec<State> = vec![state.clone()];
         let mut i = 0;
         while i < self.ids.len() {
-            let b = &self.all[self.ids[i] as usize];
+            let b = self.nth(i);
             let keep = (self.lcp[i] as usize).min(stack.len() - 1);
             stack.truncate(keep + 1);
             let mut dead_at = None;
