@@ -4,21 +4,12 @@
 
 use serde_json::{Value as Json, json};
 
+use super::matcher::tests::{accepts, prefix_ok};
 use super::matcher::{MAX_THREADS, State};
 use super::schema::Grammar;
 
 fn g(s: &Json) -> Grammar {
     Grammar::from_schema(s).unwrap_or_else(|e| panic!("{s}: {e}"))
-}
-
-fn accepts(g: &Grammar, text: &str) -> bool {
-    let mut s = State::start(g);
-    s.feed(g, text.as_bytes()) && s.can_end(g)
-}
-
-fn prefix_ok(g: &Grammar, text: &str) -> bool {
-    let mut s = State::start(g);
-    s.feed(g, text.as_bytes())
 }
 
 /// The matcher and the validator agree on `doc` (which must parse).

@@ -902,16 +902,18 @@ fn name_byte(g: &Grammar, t: &Thread, owner: NodeId, at: u32, free: bool, quote:
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use serde_json::json;
 
-    fn accepts(g: &Grammar, text: &str) -> bool {
+    /// Whether `text` is a whole document of `g`.
+    pub(crate) fn accepts(g: &Grammar, text: &str) -> bool {
         let mut s = State::start(g);
         s.feed(g, text.as_bytes()) && s.can_end(g)
     }
 
-    fn prefix_ok(g: &Grammar, text: &str) -> bool {
+    /// Whether `text` starts a document of `g`.
+    pub(crate) fn prefix_ok(g: &Grammar, text: &str) -> bool {
         let mut s = State::start(g);
         s.feed(g, text.as_bytes())
     }

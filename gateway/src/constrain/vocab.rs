@@ -229,7 +229,7 @@ mod tests {
     }
 
     /// The same answer as stepping every token on its own.
-    fn brute(idx: &TokenIndex, g: &Grammar, s: &State) -> Mask {
+    pub(super) fn brute(idx: &TokenIndex, g: &Grammar, s: &State) -> Mask {
         let mut m = vec![0u64; idx.vocab.div_ceil(64)];
         for id in &idx.ids {
             let mut st = s.clone();
@@ -311,14 +311,7 @@ mod raw_tests {
             let mut st = State::start(&g);
             assert!(st.feed(&g, prefix.as_bytes()), "{prefix}");
             assert!(st.in_raw(&g).is_some(), "{prefix}");
-            let mut brute = vec![0u64; 300usize.div_ceil(64)];
-            for &id in &idx.ids {
-                let mut s = st.clone();
-                if s.feed(&g, idx.token_bytes(id)) {
-                    brute[(id / 64) as usize] |= 1 << (id % 64);
-                }
-            }
-            assert_eq!(idx.allowed(&g, &st), brute, "after {prefix}");
+            assert_eq!(idx.allowed(&g, &st), super::tests::brute(&idx, &g, &st), "after {prefix}");
         }
     }
 }
@@ -342,14 +335,7 @@ mod key_tests {
             let mut st = State::start(&g);
             assert!(st.feed(&g, prefix.as_bytes()), "{prefix}");
             assert!(st.in_free_key().is_some(), "{prefix}");
-            let mut brute = vec![0u64; 300usize.div_ceil(64)];
-            for &id in &idx.ids {
-                let mut s = st.clone();
-                if s.feed(&g, idx.token_bytes(id)) {
-                    brute[(id / 64) as usize] |= 1 << (id % 64);
-                }
-            }
-            assert_eq!(idx.allowed(&g, &st), brute, "after {prefix}");
+            assert_eq!(idx.allowed(&g, &st), super::tests::brute(&idx, &g, &st), "after {prefix}");
         }
     }
 }
