@@ -216,3 +216,13 @@ def test_anthropic_tool_choice_any_and_responses_required_give_valid_calls(serve
     assert calls, r
     for c in calls:
         check_call(c.name, json.loads(c.arguments))
+
+
+def test_completions_response_format_starts_the_document_at_the_first_token(client):
+    # A raw prompt: no reasoning block, the document is the whole completion.
+    r = client.completions.create(
+        model="m2-small", prompt="Give me the record:", max_tokens=1500, seed=4,
+        extra_body={"response_format": fmt()},
+    )
+    assert r.choices[0].finish_reason == "stop", r
+    check_record(json.loads(r.choices[0].text))
