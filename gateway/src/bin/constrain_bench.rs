@@ -167,7 +167,7 @@ fn main() {
         total += dt;
         worst = worst.max(dt);
         steps += 1;
-        let ids: Vec<u32> = (0..index.vocab() as u32).filter(|&t| m[(t / 64) as usize] >> (t % 64) & 1 == 1).collect();
+        let ids: Vec<u32> = (0..index.vocab() as u32).filter(|&t| m.mask[(t / 64) as usize] >> (t % 64) & 1 == 1).collect();
         let pick = ids[rng.random_range(0..ids.len())];
         if index.eog().contains(&pick) {
             break;

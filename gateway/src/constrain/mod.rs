@@ -29,7 +29,7 @@ use std::sync::Arc;
 
 use matcher::State;
 use schema::Grammar;
-use vocab::{Mask, TokenIndex};
+use vocab::{Allowed, TokenIndex};
 
 /// Most masks kept per request.
 const CACHE: usize = 64;
@@ -72,7 +72,7 @@ pub enum Rule {
     /// Anything but ending (inside the reasoning block, or before a required tool call).
     NoEnd,
     /// Only the tokens of this mask.
-    Only(Arc<Mask>),
+    Only(Arc<Allowed>),
 }
 
 /// Why the output could not be kept valid.
@@ -102,7 +102,7 @@ pub struct Constraint {
     spec: Arc<ConstraintSpec>,
     phase: Phase,
     state: State,
-    cache: HashMap<State, Arc<Mask>>,
+    cache: HashMap<State, Arc<Allowed>>,
     /// Tool-call blocks completed.
     calls: u32,
 }
@@ -142,7 +142,8 @@ impl Constraint {
                     return Rule::Only(m.clone());
                 }
                 let t0 = std::time::Instant::now();
-                let m = Arc::new(self.spec.index.allowed(&self.spec.grammar, &self.state));
+                let index = &self.spec.index;
+                let m = Arc::new(Allowed::new(index.allowed(&self.spec.grammar, &self.state), index.vocab()));
                 tracing::trace!(us = t0.elapsed().as_micros() as u64, "structured output: token mask computed");
                 if self.cache.len() >= CACHE {
                     self.cache.clear();
@@ -161,11 +162,6 @@ impl Constraint {
     /// The end-of-generation tokens (banned inside the reasoning block).
     pub fn eog(&self) -> &[u32] {
         self.spec.index.eog()
-    }
-
-    /// The vocabulary size masks cover.
-    pub fn vocab(&self) -> usize {
-        self.spec.index.vocab()
     }
 
     /// Moves past a sampled token.
@@ -324,7 +320,7 @@ mod tests {
         match c.rule() {
             Rule::Free => true,
             Rule::NoEnd => t != EOG,
-            Rule::Only(m) => vocab::allows(&m, t),
+            Rule::Only(m) => vocab::allows(&m.mask, t),
         }
     }
 
@@ -386,7 +382,7 @@ mod tool_mode_tests {
     fn feed(c: &mut Constraint, text: &str) {
         for b in text.bytes() {
             if let Rule::Only(m) = c.rule() {
-                assert!(vocab::allows(&m, b as u32), "{:?} refused", b as char);
+                assert!(vocab::allows(&m.mask, b as u32), "{:?} refused", b as char);
             }
             c.advance(b as u32).unwrap();
         }
@@ -401,10 +397,10 @@ mod tool_mode_tests {
         c.advance(OPEN).unwrap();
         assert!(c.needs_drawn_token());
         let Rule::Only(m) = c.rule() else { panic!("inside the block") };
-        assert!(!vocab::allows(&m, EOG) && !vocab::allows(&m, b'x' as u32) && vocab::allows(&m, b'<' as u32));
+        assert!(!vocab::allows(&m.mask, EOG) && !vocab::allows(&m.mask, b'x' as u32) && vocab::allows(&m.mask, b'<' as u32));
         feed(&mut c, "\n<invoke name=\"f\">\n<parameter name=\"n\">42</parameter>\n</invoke>\n</minimax:tool_call>");
         let Rule::Only(m) = c.rule() else { panic!("after the block: only whitespace and the end") };
-        assert!(vocab::allows(&m, EOG) && vocab::allows(&m, b'\n' as u32) && !vocab::allows(&m, b'd' as u32));
+        assert!(vocab::allows(&m.mask, EOG) && vocab::allows(&m.mask, b'\n' as u32) && !vocab::allows(&m.mask, b'd' as u32));
         feed(&mut c, "\n");
         c.advance(EOG).unwrap();
         // Without a required call the end is allowed from the start.

@@ -12,6 +12,42 @@ use crate::text::tokenizer::{TokenType, Tokenizer};
 /// One bit per token id (bit `t % 64` of word `t / 64`), set when the token is allowed.
 pub type Mask = Vec<u64>;
 
+/// Most banned tokens a mask is sent as (as `logit_bias` entries) instead of as a mask (and at
+/// most an eighth of the vocabulary: a mask's size).
+pub const MAX_BANS: usize = 4096;
+
+/// A mask and the form it travels to the head rank in, both made once per matcher state.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Allowed {
+    pub mask: Mask,
+    pub wire: Wire,
+}
+
+/// How a mask crosses gRPC.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Wire {
+    /// The few tokens it bans, ascending: sent as `logit_bias` −∞ (the same reduction), which a
+    /// CUDA rank does on the device.
+    Bans(Vec<u32>),
+    /// `SamplingSpec.allowed_tokens`: bit `t % 8` of byte `t / 8`.
+    Bits(Vec<u8>),
+}
+
+impl Allowed {
+    /// `mask` over a vocabulary of `vocab` tokens, with its wire form.
+    pub fn new(mask: Mask, vocab: usize) -> Self {
+        let allowed: usize = mask.iter().map(|w| w.count_ones() as usize).sum();
+        let wire = if vocab - allowed.min(vocab) <= MAX_BANS.min(vocab / 8) {
+            Wire::Bans((0..vocab as u32).filter(|&t| !allows(&mask, t)).collect())
+        } else {
+            let mut bytes: Vec<u8> = mask.iter().flat_map(|w| w.to_le_bytes()).collect();
+            bytes.truncate(vocab.div_ceil(8));
+            Wire::Bits(bytes)
+        };
+        Allowed { mask, wire }
+    }
+}
+
 /// The vocabulary's ordinary tokens in byte order, with their common-prefix lengths.
 #[derive(Debug)]
 pub struct TokenIndex {
@@ -337,5 +373,28 @@ mod key_tests {
             assert!(st.in_free_key().is_some(), "{prefix}");
             assert_eq!(idx.allowed(&g, &st), super::tests::brute(&idx, &g, &st), "after {prefix}");
         }
+    }
+}
+
+#[cfg(test)]
+mod wire_tests {
+    use super::*;
+
+    #[test]
+    fn few_bans_travel_as_bans_others_as_bits() {
+        // 100 tokens: banning 12 (an eighth) or fewer goes as bans, more as the bit mask.
+        let mask_without = |banned: &[u32]| {
+            let mut m = vec![0u64; 2];
+            for t in (0..100u32).filter(|t| !banned.contains(t)) {
+                m[(t / 64) as usize] |= 1 << (t % 64);
+            }
+            m
+        };
+        let few: Vec<u32> = (0..12).map(|i| i * 7).collect();
+        assert_eq!(Allowed::new(mask_without(&few), 100).wire, Wire::Bans(few));
+        let many: Vec<u32> = (0..13).collect();
+        let Wire::Bits(bits) = Allowed::new(mask_without(&many), 100).wire else { panic!("13 bans of 100 go as bits") };
+        assert_eq!(bits.len(), 13);
+        assert_eq!((bits[0], bits[1], bits[12]), (0, 0b1110_0000, 0b0000_1111));
     }
 }

@@ -31,7 +31,7 @@ fn walk(spec: &Arc<ConstraintSpec>, seed: u64, eog_bias: f64) -> String {
     let mut out = Vec::new();
     for step in 0..5000 {
         let Rule::Only(m) = c.rule() else { panic!("no reasoning block here") };
-        let ids: Vec<u32> = (0..idx.vocab() as u32).filter(|&t| allows(&m, t)).collect();
+        let ids: Vec<u32> = (0..idx.vocab() as u32).filter(|&t| allows(&m.mask, t)).collect();
         assert!(!ids.is_empty(), "dead end after {:?}", String::from_utf8_lossy(&out));
         let ends = ids.iter().any(|t| idx.eog().contains(t));
         if ends && rng.random_bool((eog_bias / ids.len() as f64).min(0.9)) {
@@ -131,7 +131,7 @@ fn random_tool_call_blocks_parse_into_valid_calls() {
                 break;
             }
             let Rule::Only(m) = c.rule() else { unreachable!() };
-            let ids: Vec<u32> = (0..idx.vocab() as u32).filter(|&t| allows(&m, t) && !idx.eog().contains(&t)).collect();
+            let ids: Vec<u32> = (0..idx.vocab() as u32).filter(|&t| allows(&m.mask, t) && !idx.eog().contains(&t)).collect();
             assert!(!ids.is_empty(), "dead end after {:?}", String::from_utf8_lossy(&out));
             let pick = ids[rng.random_range(0..ids.len())];
             c.advance(pick).unwrap();

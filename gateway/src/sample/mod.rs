@@ -29,6 +29,7 @@ use minimax_shared::sampling::draw::{DrawError, draw};
 use rand::{Rng, SeedableRng};
 use rand_chacha::ChaCha20Rng;
 
+use crate::constrain::vocab::Wire;
 use crate::constrain::{Constraint, ConstraintError, Rule};
 use crate::engine::{SamplingParams, TokenLogprob};
 
@@ -107,15 +108,14 @@ impl Sampler {
                     }
                     spec.logit_bias.sort_by_key(|b| b.token);
                 }
-                // A mask that bans few tokens travels as bans (logit_bias −∞, the same
-                // reduction), which a CUDA rank reduces on the device; others as the mask.
-                Rule::Only(mask) => match banned(&mask, c.vocab(), MAX_BANS.min(c.vocab() / 8)) {
-                    Some(bans) => {
+                // The mask in the form made with it (`vocab::Wire`).
+                Rule::Only(a) => match &a.wire {
+                    Wire::Bans(bans) => {
                         spec.logit_bias.retain(|b| bans.binary_search(&b.token).is_err());
-                        spec.logit_bias.extend(bans.into_iter().map(|token| TokenBias { token, bias: f32::NEG_INFINITY }));
+                        spec.logit_bias.extend(bans.iter().map(|&token| TokenBias { token, bias: f32::NEG_INFINITY }));
                         spec.logit_bias.sort_by_key(|b| b.token);
                     }
-                    None => spec.allowed_tokens = Some(mask_bytes(&mask, c.vocab())),
+                    Wire::Bits(bytes) => spec.allowed_tokens = Some(bytes.clone()),
                 },
             }
         }
@@ -174,26 +174,6 @@ impl Sampler {
         };
         Ok(Sampled { token, logprob })
     }
-}
-
-/// Most banned tokens a mask is sent as (as `logit_bias` entries) instead of as a mask (and at
-/// most an eighth of the vocabulary: a mask's size).
-const MAX_BANS: usize = 4096;
-
-/// The tokens a mask bans, ascending, when at most `limit`.
-fn banned(mask: &[u64], vocab: usize, limit: usize) -> Option<Vec<u32>> {
-    let allowed: usize = mask.iter().map(|w| w.count_ones() as usize).sum();
-    if vocab - allowed.min(vocab) > limit {
-        return None;
-    }
-    Some((0..vocab as u32).filter(|&t| mask[(t / 64) as usize] >> (t % 64) & 1 == 0).collect())
-}
-
-/// A mask of 64-bit words as the proto's bytes (bit `t % 8` of byte `t / 8`).
-fn mask_bytes(mask: &[u64], vocab: usize) -> Vec<u8> {
-    let mut out: Vec<u8> = mask.iter().flat_map(|w| w.to_le_bytes()).collect();
-    out.truncate(vocab.div_ceil(8));
-    out
 }
 
 #[cfg(test)]
