@@ -6,8 +6,7 @@
 pub struct StopMatcher {
     stops: Vec<String>,
     held: String,
-    stopped: bool,
-    /// The stop string that matched (the Anthropic API reports it).
+    /// The stop string that matched, once one did (the Anthropic API reports it).
     matched: Option<String>,
 }
 
@@ -23,7 +22,7 @@ pub struct StopOutput {
 impl StopMatcher {
     /// Empty strings are ignored.
     pub fn new(stops: Vec<String>) -> Self {
-        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new(), stopped: false, matched: None }
+        StopMatcher { stops: stops.into_iter().filter(|s| !s.is_empty()).collect(), held: String::new(), matched: None }
     }
 
     pub fn is_active(&self) -> bool {
@@ -31,7 +30,7 @@ impl StopMatcher {
     }
 
     pub fn stopped(&self) -> bool {
-        self.stopped
+        self.matched.is_some()
     }
 
     /// The stop string that ended the text, once one did.
@@ -41,7 +40,7 @@ impl StopMatcher {
 
     /// Feeds decoded text. Text that might be the start of a stop string is held back.
     pub fn push(&mut self, text: &str) -> StopOutput {
-        if self.stopped {
+        if self.stopped() {
             return StopOutput { text: String::new(), stopped: true };
         }
         if self.stops.is_empty() {
@@ -54,7 +53,6 @@ impl StopMatcher {
             self.matched = Some(s.clone());
             let out = self.held[..pos].to_string();
             self.held.clear();
-            self.stopped = true;
             return StopOutput { text: out, stopped: true };
         }
         let hold = self.longest_partial();
@@ -66,7 +64,7 @@ impl StopMatcher {
 
     /// End of stream without a match: held-back text is output after all.
     pub fn finish(&mut self) -> String {
-        if self.stopped {
+        if self.stopped() {
             return String::new();
         }
         std::mem::take(&mut self.held)
