@@ -100,15 +100,8 @@ async fn chat(st: AppState, headers: HeaderMap, body: Body) -> Result<Response, 
     let tok = st.text.tokenizer().clone();
 
     if p.stream {
-        // Wait for the first event so that a refusal (queue full, ranks down) is still a status.
-        let first = match next_update(&mut run, deadline, timeout).await {
-            Some(Ok(u)) => Some(u),
-            Some(Err(e)) => return Err(e),
-            None => None,
-        };
         let enc = ChatEncoder { meta, tok, n: p.n, include_usage: p.include_usage, want_logprobs };
-        let remaining = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        return Ok(sse::response(run, Box::new(enc), first, remaining));
+        return sse::start(run, Box::new(enc), deadline, timeout).await;
     }
 
     let mut ends: Vec<Option<Finished>> = (0..p.n).map(|_| None).collect();

@@ -7,6 +7,7 @@ use serde_json::{Value as Json, json};
 
 use super::error::ApiError;
 use super::run::{ChoiceJob, ChoiceKind, LogprobEntry, Run, Update};
+use super::sse::ChunkEncoder;
 use super::state::AppState;
 use crate::engine::{GenerationRequest, SamplingParams, Usage};
 use crate::text::prompt::PreparedChat;
@@ -65,6 +66,25 @@ pub fn choice_sampling(s: &SamplingParams, i: u32) -> SamplingParams {
         s.seed = Some(seed.wrapping_add(i as u64));
     }
     s
+}
+
+/// Runs a single-answer request (Responses, Messages) to its end through `enc`, as its stream
+/// would: the events, or an internal error naming `what` when the run ended without a result.
+pub async fn run_to_end(run: &mut Run, enc: &mut dyn ChunkEncoder, deadline: Option<Instant>, timeout: Option<Duration>, what: &str) -> Result<Vec<Json>, ApiError> {
+    let mut events = Vec::new();
+    let mut ended = false;
+    while let Some(u) = next_update(run, deadline, timeout).await {
+        let u = u?;
+        ended |= u.end.is_some();
+        events.extend(enc.update(u)?);
+        if run.all_done() {
+            break;
+        }
+    }
+    if !ended {
+        return Err(ApiError::internal(format!("the {what} ended without a result")));
+    }
+    Ok(events)
 }
 
 /// The next update, or a timeout error once the deadline passed (the run is cancelled).

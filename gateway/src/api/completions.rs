@@ -113,13 +113,7 @@ async fn completions(st: AppState, headers: HeaderMap, body: Body) -> Result<Res
     };
 
     if p.stream {
-        let first = match next_update(&mut run, deadline, timeout).await {
-            Some(Ok(u)) => Some(u),
-            Some(Err(e)) => return Err(e),
-            None => None,
-        };
-        let remaining = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        return Ok(sse::response(run, Box::new(enc), first, remaining));
+        return sse::start(run, Box::new(enc), deadline, timeout).await;
     }
 
     let mut texts = vec![String::new(); total];

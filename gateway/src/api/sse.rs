@@ -64,6 +64,18 @@ struct StreamState {
     ended: bool,
 }
 
+/// Answers with a stream once the run's first update came: a refusal before it (queue full,
+/// ranks down) is still an HTTP status. `deadline` ends the request (also its stream).
+pub async fn start(mut run: Run, enc: Box<dyn ChunkEncoder>, deadline: Option<std::time::Instant>, timeout: Option<Duration>) -> Result<Response, ApiError> {
+    let first = match super::common::next_update(&mut run, deadline, timeout).await {
+        Some(Ok(u)) => Some(u),
+        Some(Err(e)) => return Err(e),
+        None => None,
+    };
+    let remaining = deadline.map(|d| d.saturating_duration_since(std::time::Instant::now()));
+    Ok(response(run, enc, first, remaining))
+}
+
 /// The streaming response. `first` is the update already taken from the run (so that an error
 /// before the first token could still become an HTTP status).
 pub fn response(run: Run, mut enc: Box<dyn ChunkEncoder>, first: Option<Update>, timeout: Option<Duration>) -> Response {

@@ -19,7 +19,7 @@ use axum::response::Response;
 use serde_json::{Value as Json, json};
 
 use super::body::json_object;
-use super::common::{max_tokens, next_update, single_chat_job};
+use super::common::{max_tokens, run_to_end, single_chat_job};
 use super::error::ApiError;
 use super::run::{ChoiceEnd, RequestLog, Run};
 use super::sse::ChunkEncoder;
@@ -65,32 +65,13 @@ async fn messages(st: AppState, headers: HeaderMap, body: Body) -> Result<Respon
     let model = st.model.id.clone();
 
     if p.stream {
-        // Wait for the first event so that a refusal (queue full, ranks down) is still a status.
-        let first = match next_update(&mut run, deadline, timeout).await {
-            Some(Ok(u)) => Some(u),
-            Some(Err(e)) => return Err(e),
-            None => None,
-        };
         let enc = stream::MessageEncoder::new(id, model, prompt_len as u32);
-        let remaining = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        return Ok(super::sse::response(run, Box::new(enc), first, remaining));
+        return super::sse::start(run, Box::new(enc), deadline, timeout).await;
     }
 
     // The answer's blocks come from the events a stream would carry, so both are the same.
     let mut enc = stream::MessageEncoder::new(id.clone(), model.clone(), prompt_len as u32);
-    let mut events = Vec::new();
-    let mut ended = false;
-    while let Some(u) = next_update(&mut run, deadline, timeout).await {
-        let u = u?;
-        ended |= u.end.is_some();
-        events.extend(enc.update(u)?);
-        if run.all_done() {
-            break;
-        }
-    }
-    if !ended {
-        return Err(ApiError::internal("the message ended without a result"));
-    }
+    let events = run_to_end(&mut run, &mut enc, deadline, timeout, "message").await?;
     let last = enc.finish(&run.usage);
     let delta = &last[0]["delta"];
     let body = json!({

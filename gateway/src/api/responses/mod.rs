@@ -17,7 +17,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 
 use super::body::json_object;
-use super::common::{max_tokens, next_update, single_chat_job};
+use super::common::{max_tokens, run_to_end, single_chat_job};
 use super::error::ApiError;
 use super::run::{RequestLog, Run};
 use super::sse::ChunkEncoder;
@@ -52,27 +52,9 @@ async fn responses(st: AppState, headers: HeaderMap, body: Body) -> Result<Respo
     let mut enc = stream::ResponseEncoder::new(id, unix_now(), st.model.id.clone(), p);
 
     if stream {
-        // Wait for the first event so that a refusal (queue full, ranks down) is still a status.
-        let first = match next_update(&mut run, deadline, timeout).await {
-            Some(Ok(u)) => Some(u),
-            Some(Err(e)) => return Err(e),
-            None => None,
-        };
-        let remaining = deadline.map(|d| d.saturating_duration_since(Instant::now()));
-        return Ok(super::sse::response(run, Box::new(enc), first, remaining));
+        return super::sse::start(run, Box::new(enc), deadline, timeout).await;
     }
-    let mut ended = false;
-    while let Some(u) = next_update(&mut run, deadline, timeout).await {
-        let u = u?;
-        ended |= u.end.is_some();
-        enc.update(u)?;
-        if run.all_done() {
-            break;
-        }
-    }
-    if !ended {
-        return Err(ApiError::internal("the response ended without a result"));
-    }
+    run_to_end(&mut run, &mut enc, deadline, timeout, "response").await?;
     let last = enc.finish(&run.usage);
     Ok(super::error::json_response(StatusCode::OK, &last[0]["response"]))
 }
