@@ -33,7 +33,7 @@
 #define SP_CHUNK (SP_THREADS * SP_NPT)
 #define SP_MAX_TOP 20
 #define SP_KMAX 1024
-#define SP_PW 16
+#define SP_PW 17
 #define SP_HDR 48
 #define SP_TW 4
 
@@ -58,6 +58,10 @@
 #define P_MINP_LN 13
 #define P_U_LO 14
 #define P_U_HI 15
+// Structured outputs: the word offset in `params` of the row's allowed-token mask (bit t % 32 of
+// word t / 32 set: token t may be drawn; vocab / 32 words, rounded up), all ones: no mask. A
+// banned token's penalised logit is -inf, as reduce_row's `penalised` bans it after the bias.
+#define P_MASK 16
 
 // Header words of a row's output.
 #define H_NAN 0
@@ -86,8 +90,15 @@ __device__ __forceinline__ u32 sp_ord(float v) {
 __device__ __forceinline__ u64 sp_key(float v, u32 id) { return ((u64)sp_ord(v) << 32) | (u64)(0xffffffffu - id); }
 __device__ __forceinline__ u32 sp_key_id(u64 k) { return 0xffffffffu - (u32)k; }
 
-// The penalised logit of token i of a row: the raw value unless the token is touched.
-__device__ __forceinline__ float sp_z(const float* row, int i, const u32* bits, const u32* touch, const float* tz, int tlen) {
+// The row's allowed-token mask (P_MASK), or null.
+__device__ __forceinline__ const u32* sp_mask(const u32* params, const u32* P) {
+    return P[P_MASK] == 0xffffffffu ? nullptr : params + P[P_MASK];
+}
+
+// The penalised logit of token i of a row: the raw value unless the token is touched; -inf
+// when the row's mask bans it.
+__device__ __forceinline__ float sp_z(const float* row, int i, const u32* bits, const u32* touch, const float* tz, int tlen, const u32* mask) {
+    if (mask != nullptr && !((mask[i >> 5] >> (i & 31)) & 1u)) return NEG_INF;
     float x = row[i];
     if ((bits[i >> 5] >> (i & 31)) & 1u) {
         int lo = 0, hi = tlen - 1;
@@ -374,6 +385,7 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_chunk(
     const int tlen = P[P_TLEN];
     const float temp = __uint_as_float(P[P_TEMP]);
     const int base = blk * SP_CHUNK;
+    const u32* amask = sp_mask(params, P);
 
     float rv[SP_NPT], zv[SP_NPT];
     u32 zok = 0, nfin = 0, nan_min = 0xffffffffu, flags = 0;
@@ -392,7 +404,7 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_chunk(
                 m = fmaxf(m, x);
                 if (x == POS_INF) flags |= F_RAW_INF;
             }
-            const float z = sp_z(row, i, bits, tt, tzr, tlen);
+            const float z = sp_z(row, i, bits, tt, tzr, tlen, amask);
             if (z > NEG_INF) {
                 const float zt = sp_final(z, temp);
                 if (!(zt > NEG_INF && zt < POS_INF)) flags |= F_ZT_INF;
@@ -593,12 +605,13 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_merge(
         const u32* tt = touch + (i64)P[P_TOFF] * SP_TW;
         const float* tzr = tz + P[P_TOFF];
         const float temp = __uint_as_float(P[P_TEMP]);
+        const u32* amask = sp_mask(params, P);
         u32* ids = out + P[P_OUT_OFF];
         u32* vals = ids + K;
         u32* raws = vals + K;
         for (u32 t = tid; t < k; t += SP_THREADS) {
             const u32 id = min(sp_key_id(sel[t]), (u32)vocab - 1);
-            const float zt = sp_final(sp_z(row, id, bits, tt, tzr, P[P_TLEN]), temp);
+            const float zt = sp_final(sp_z(row, id, bits, tt, tzr, P[P_TLEN], amask), temp);
             ids[t] = id;
             vals[t] = __float_as_uint(zt);
             raws[t] = __float_as_uint(row[id]);
@@ -636,11 +649,12 @@ extern "C" __global__ void __launch_bounds__(SP_THREADS) samp_total(
         const float temp = __uint_as_float(P[P_TEMP]);
         const float zmax = __uint_as_float(H[H_ZMAX]);
         const int base = blk * SP_CHUNK;
+        const u32* amask = sp_mask(params, P);
 #pragma unroll
         for (int j = 0; j < SP_NPT; j++) {
             const int i = base + j * SP_THREADS + tid;
             if (i < vocab) {
-                const float z = sp_z(row, i, bits, tt, tzr, tlen);
+                const float z = sp_z(row, i, bits, tt, tzr, tlen, amask);
                 if (z > NEG_INF) acc += sp_det_exp((double)__fsub_rn(sp_final(z, temp), zmax));
             }
         }

@@ -36,6 +36,7 @@ fn config(overlap: bool, device_feed: bool) -> (EngineConfig, PathBuf) {
         // Sampled rows drawn on the device too (opt-in until this test has passed on a GPU).
         s.env.push(("MINIMAX_DEVICE_DRAW".into(), if device_feed { "1" } else { "0" }.into()));
         s.env.push(("RUST_LOG".into(), "info".into()));
+        std::fs::create_dir_all(&dir).unwrap();
         let wrapper = dir.join("rank.sh");
         let script = format!("#!/bin/sh\nexec '{}' \"$@\" 2>>'{}'\n", s.rank_binary.display(), rank_log(&dir).display());
         std::fs::write(&wrapper, script).unwrap();

@@ -122,6 +122,19 @@ fn random_spec(rng: &mut Rng, v: usize) -> (SamplingSpec, Option<u32>) {
             .map(|t| (t, rng.pick(&[5.0, -5.0, 0.25, f32::NEG_INFINITY, 100.0])))
             .collect();
     }
+    if rng.below(4) == 0 {
+        // Structured outputs: an allowed-token mask, dense to sparse, some shorter than the row
+        // (the tokens past it banned).
+        let len = if rng.below(4) == 0 { v / 2 + 1 } else { v };
+        let one_in = rng.pick(&[2u64, 50, 5000]);
+        let mut m = vec![0u8; len.div_ceil(8)];
+        for t in 0..len {
+            if rng.below(one_in) == 0 {
+                m[t / 8] |= 1 << (t % 8);
+            }
+        }
+        s.allowed = Some(m.into());
+    }
     let mut target = if rng.below(2) == 0 { Some(rng.below(v as u64) as u32) } else { None };
     match rng.below(30) {
         0 => s.temperature = -1.0,

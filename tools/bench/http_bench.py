@@ -34,8 +34,10 @@ import urllib.request
 SAMPLING = {"temperature": 0}
 
 
-def stream_completion(url, api_key, prompt, max_tokens, timeout):
-    """Runs one streamed completion; returns (t_start, [arrival time of each token chunk])."""
+def stream_completion(url, api_key, prompt, max_tokens, timeout, extra=None, usage=None):
+    """Runs one streamed completion; returns (t_start, [arrival time of each token chunk]).
+    `extra`: more request fields (they override the defaults); `usage`: a dict the stream's
+    usage object is stored into, when the server sends one."""
     u = urllib.parse.urlparse(url)
     conn = http.client.HTTPConnection(u.hostname, u.port or 80, timeout=timeout)
     body = json.dumps({
@@ -44,6 +46,7 @@ def stream_completion(url, api_key, prompt, max_tokens, timeout):
         "stream": True,
         "ignore_eos": True,
         **SAMPLING,
+        **(extra or {}),
     })
     headers = {"Content-Type": "application/json"}
     if api_key:
@@ -64,6 +67,8 @@ def stream_completion(url, api_key, prompt, max_tokens, timeout):
         ev = json.loads(data)
         if "error" in ev:
             raise RuntimeError(f"stream error: {ev['error']}")
+        if usage is not None and ev.get("usage"):
+            usage.update(ev["usage"])
         for ch in ev.get("choices", []):
             if ch.get("text") or ch.get("finish_reason") is None:
                 arrivals.append(time.perf_counter())
@@ -137,6 +142,7 @@ def main():
     ap.add_argument("--timeout", type=float, default=600)
     ap.add_argument("--sampling", choices=["greedy", "default"], default="greedy",
                     help="greedy (temperature 0), or the server's default sampling (no sampling fields sent: MiniMax's temperature 1, top_p 0.95, top_k 40)")
+    ap.add_argument("--structured", type=int, default=0, help="tokens of the structured-output round: batch-1 greedy streams constrained by a JSON schema (an array of integers: a small allowed set every token; a long string: nearly every token allowed) against an unconstrained one (0: skip)")
     ap.add_argument("--mixed", type=int, default=0, help="prompt length of the mixed-load round: an N-token prompt arrives while 4 streams decode; its TTFT and the streams' inter-token gaps during its prefill (0: skip)")
     a = ap.parse_args()
     global SAMPLING
@@ -220,6 +226,8 @@ def main():
 
     if a.mixed and a.mixed + 2 <= ctx:
         rows.extend(mixed_round(a, next_prompt))
+    if a.structured:
+        rows.extend(structured_round(a, next_prompt))
 
     print_table(info, ctx, a.url, rows)
 
@@ -253,6 +261,40 @@ def mixed_round(a, next_prompt):
         ("mixed: decoding streams' inter-token gap during that prefill, p50 / max (ms); before it, p50",
          f"{pct(gaps, 50) * 1000:.1f} / {max(gaps, default=float('nan')) * 1000:.1f}; {pct(before, 50) * 1000:.1f}"),
     ]
+
+
+# The structured-output round's documents: long enough that the model cannot end them early.
+STRUCTURED = [
+    ("integers", {"type": "array", "items": {"type": "integer"}, "minItems": 4000}),
+    ("string", {"type": "object", "properties": {"t": {"type": "string", "minLength": 20000}}, "required": ["t"]}),
+]
+
+
+def structured_round(a, next_prompt):
+    """Batch-1 greedy decode of a.structured tokens, unconstrained and then under each schema of
+    STRUCTURED (response_format json_schema on /v1/completions: the document starts at the first
+    token). Per-token time from the stream's arrivals and its usage; the gateway's step split
+    shows where a constrained step's extra time goes (the mask is made in the engine's gap)."""
+    rows = []
+    cases = [("unconstrained", None)] + [(n, {"type": "json_schema", "json_schema": {"name": n, "schema": sch}}) for n, sch in STRUCTURED]
+    for name, fmt in cases:
+        usage = {}
+        extra = {"stream_options": {"include_usage": True}}
+        if fmt:
+            extra.update({"response_format": fmt, "ignore_eos": False})
+        c0 = step_counters(a.url, a.api_key)
+        try:
+            t0, arr = stream_completion(a.url, a.api_key, next_prompt(5), a.structured, a.timeout, extra, usage)
+        except Exception as e:
+            rows.append((f"structured ({name})", f"FAILED: {str(e)[:120]}"))
+            continue
+        r = step_row(f"structured ({name})", c0, step_counters(a.url, a.api_key))
+        n = usage.get("completion_tokens", len(arr))
+        if len(arr) >= 2:
+            rows.append((f"structured ({name}): decode tok/s, batch 1, {n} tokens", f"{(n - 1) / (arr[-1] - arr[0]):.1f}"))
+        if r:
+            rows.append(r)
+    return rows
 
 
 def print_table(info, ctx, url, rows):

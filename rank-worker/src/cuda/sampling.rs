@@ -30,7 +30,7 @@ pub const MAX_CANDIDATES: usize = 1024;
 const MAX_TOP: usize = 20;
 const THREADS: u32 = 1024;
 const CHUNK: usize = 8192;
-const PW: usize = 16;
+const PW: usize = 17;
 const HDR: usize = HEADER_WORDS;
 /// Words of a row's output header (`SP_HDR` in the kernels).
 pub const HEADER_WORDS: usize = 48;
@@ -54,6 +54,7 @@ const P_TOPP: usize = 12;
 const P_MINP_LN: usize = 13;
 const P_U_LO: usize = 14;
 const P_U_HI: usize = 15;
+const P_MASK: usize = 16;
 const H_NAN: usize = 0;
 const H_FLAGS: usize = 1;
 const H_LSE: usize = 2;
@@ -302,6 +303,8 @@ impl DeviceSampler {
         let words = v.div_ceil(32);
         let mut params = vec![0u32; n * PW];
         let mut touch: Vec<u32> = Vec::new();
+        // Allowed-token masks (structured outputs), `words` a row, after the touch entries.
+        let mut masks: Vec<u32> = Vec::new();
         let mut out_off = n * HDR;
         let kcap = dev.iter().map(|&i| plans[i].candidates).max().unwrap_or(1).max(1);
         for (d, &i) in dev.iter().enumerate() {
@@ -333,17 +336,33 @@ impl DeviceSampler {
             let u = j.draw.filter(|_| pl.whole_set).map_or(u64::MAX, f64::to_bits);
             p[P_U_LO] = u as u32;
             p[P_U_HI] = (u >> 32) as u32;
+            // An offset within `masks` here; made an offset within the input words below.
+            p[P_MASK] = match &s.allowed {
+                Some(m) => {
+                    let at = masks.len() as u32;
+                    push_mask(&mut masks, m, words);
+                    at
+                }
+                None => u32::MAX,
+            };
             out_off += 3 * pl.candidates;
             for (t, (c, b)) in ents {
                 touch.extend([t, c, b.unwrap_or(0.0).to_bits(), b.is_some() as u32]);
             }
         }
         let n_touch = touch.len() / TW;
+        let mask_base = u32::try_from(n * PW + touch.len()).map_err(|_| CudaError::Shape("sampling: parameter words".into()))?;
+        for d in 0..n {
+            let w = &mut params[d * PW + P_MASK];
+            if *w != u32::MAX {
+                *w += mask_base;
+            }
+        }
         let tot_off = out_off.next_multiple_of(2);
         // Then one word a row for the draws (when asked for).
         let pick_off = tot_off + 2 * n * nb;
         let out_words = pick_off + if picks.is_some() { n } else { 0 };
-        let in_words = n * PW + touch.len();
+        let in_words = n * PW + touch.len() + masks.len();
         grow(gpu, &mut self.input, in_words)?;
         grow(gpu, &mut self.tz, n_touch.max(1))?;
         grow(gpu, &mut self.bitmap, n * words)?;
@@ -352,6 +371,7 @@ impl DeviceSampler {
         grow(gpu, &mut self.cand_keys, n * nb * kcap)?;
         grow(gpu, &mut self.out, out_words)?;
         params.extend_from_slice(&touch);
+        params.extend_from_slice(&masks);
         gpu.stream.memcpy_htod(&params, &mut self.input.slice_mut(0..in_words))?;
         gpu.stream.memset_zeros(&mut self.bitmap.slice_mut(0..n * words))?;
         let pin = gpu.ptr(&self.input);
@@ -473,6 +493,16 @@ impl DeviceSampler {
         }
         Ok(partials)
     }
+}
+
+/// Appends an allowed-token mask (`SamplingSpec::allowed`: bit `t % 8` of byte `t / 8`) as
+/// `words` little-endian u32 words (bit `t % 32` of word `t / 32`, the kernels' `P_MASK`
+/// layout); bytes past the mask are zeros (tokens past it are banned, as on the host).
+fn push_mask(out: &mut Vec<u32>, mask: &[u8], words: usize) {
+    out.extend((0..words).map(|w| {
+        let b = |i: usize| mask.get(4 * w + i).copied().unwrap_or(0);
+        u32::from_le_bytes([b(0), b(1), b(2), b(3)])
+    }));
 }
 
 /// Every raw value the device reports must be the host row's (catches a wrong row mapping).

@@ -126,13 +126,20 @@ pub(super) fn fill_fed(req: &mut pb::StepRequest, agreed: &mut Agreed, seqs: &mu
 /// what the host draws (greedy, or a candidate set the device holds whole:
 /// `RowPlan::whole_set`, e.g. top_k 40) and the row's sampling in the next step does not
 /// depend on the token (no repetition, frequency or presence penalty: those count the token,
-/// which the host learns only when the step is read back). `sampled`: sampled rows
+/// which the host learns only when the step is read back; nor does an allowed-token mask: the
+/// gateway's next mask follows the token). `sampled`: sampled rows
 /// (temperature > 0) too (`MINIMAX_DEVICE_DRAW`), else greedy rows only.
 #[cfg(feature = "cuda")]
 pub(super) fn feeds_on_device(spec: &sampling::SamplingSpec, target: Option<u32>, vocab: usize, sampled: bool) -> bool {
     let plan = sampling::partial::plan(spec, target, vocab, crate::cuda::sampling::MAX_CANDIDATES);
     let drawn_there = spec.temperature == 0.0 || sampled;
-    drawn_there && !plan.full_row && plan.whole_set && spec.repetition_penalty == 1.0 && spec.frequency_penalty == 0.0 && spec.presence_penalty == 0.0
+    drawn_there
+        && !plan.full_row
+        && plan.whole_set
+        && spec.repetition_penalty == 1.0
+        && spec.frequency_penalty == 0.0
+        && spec.presence_penalty == 0.0
+        && spec.allowed.is_none()
 }
 
 /// Remembers the tokens this step drew, for the `feed_drawn` steps that follow.

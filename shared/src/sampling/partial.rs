@@ -27,8 +27,7 @@ pub struct RowPlan {
     /// Whether the top_p total over every finite candidate logit is needed.
     pub need_total: bool,
     /// The row cannot be reduced partially (invalid spec or token, duplicate history or bias
-    /// entries, an allowed-token mask, or a candidate set certainly larger than the cap):
-    /// reduce the full row.
+    /// entries, or a candidate set certainly larger than the cap): reduce the full row.
     pub full_row: bool,
     /// The candidates are the whole set top_k leaves (greedy: the argmax), so every cut and the
     /// draw are decided from them alone: a device can draw the row's token itself
@@ -82,19 +81,32 @@ pub fn plan(spec: &SamplingSpec, target: Option<u32>, vocab: usize, cap: usize) 
         || !spec.logit_bias.iter().all(|b| in_range(b.0))
         || has_duplicates(&spec.history)
         || has_duplicates(&spec.logit_bias)
-        || spec.allowed.is_some()
     {
         return RowPlan::FULL;
     }
     if spec.temperature == 0.0 {
         return RowPlan { candidates: 1, need_total: false, full_row: false, whole_set: true };
     }
-    let k = if spec.top_k == 0 { vocab } else { (spec.top_k as usize).min(vocab) };
+    let mut k = if spec.top_k == 0 { vocab } else { (spec.top_k as usize).min(vocab) };
+    if let Some(m) = &spec.allowed {
+        // A mask (structured outputs) bounds the set: often a few tokens, held whole.
+        k = k.min(allowed_count(m, vocab).max(1));
+    }
     let top_p = top_p_active(spec);
     if k > cap && !top_p && spec.min_p <= 0.0 {
         return RowPlan::FULL;
     }
     RowPlan { candidates: k.min(cap), need_total: top_p && k > cap, full_row: false, whole_set: k <= cap }
+}
+
+/// Tokens below `vocab` an allowed-token mask lets through (bit `t % 8` of byte `t / 8`).
+fn allowed_count(mask: &[u8], vocab: usize) -> usize {
+    let full = (vocab / 8).min(mask.len());
+    let mut n: usize = mask[..full].iter().map(|b| b.count_ones() as usize).sum();
+    if full < mask.len() && vocab % 8 != 0 {
+        n += (mask[full] & ((1u8 << (vocab % 8)) - 1)).count_ones() as usize;
+    }
+    n
 }
 
 /// Relative bound on the difference between two f64 sums of the same `n` positive terms in
@@ -242,6 +254,15 @@ mod tests {
             .collect()
     }
 
+    /// A mask of `n` tokens' bits letting through those `keep` says.
+    fn mask(n: u32, keep: impl Fn(u32) -> bool) -> std::sync::Arc<[u8]> {
+        let mut m = vec![0u8; (n as usize).div_ceil(8)];
+        for t in (0..n).filter(|&t| keep(t)) {
+            m[t as usize / 8] |= 1 << (t % 8);
+        }
+        m.into()
+    }
+
     fn specs(vocab: u32) -> Vec<SamplingSpec> {
         let d = SamplingSpec::default;
         vec![
@@ -267,6 +288,13 @@ mod tests {
                 ..d()
             },
             SamplingSpec { temperature: 0.8, top_k: 3, top_logprobs: 20, ..d() },
+            // Allowed-token masks (structured outputs): greedy, sampled with cuts, one shorter
+            // than the row (the tokens past it banned) beside a bias, one that bans every token.
+            SamplingSpec { temperature: 0.0, allowed: Some(mask(vocab, |t| t % 5 == 3)), ..d() },
+            SamplingSpec { temperature: 1.0, top_p: 0.9, top_logprobs: 3, allowed: Some(mask(vocab, |t| t % 3 != 0)), ..d() },
+            SamplingSpec { temperature: 0.7, logit_bias: vec![(1, 4.0), (8, f32::NEG_INFINITY)], allowed: Some(mask(vocab / 2, |t| t % 7 == 1)), ..d() },
+            SamplingSpec { temperature: 1.0, top_k: 40, allowed: Some(mask(vocab, |t| t < 3 || t == vocab - 1)), ..d() },
+            SamplingSpec { temperature: 1.0, allowed: Some(mask(vocab, |_| false)), ..d() },
         ]
     }
 
@@ -322,9 +350,19 @@ mod tests {
         assert!(plan(&SamplingSpec { top_k: 1024, ..s.clone() }, None, 200_064, 1024).whole_set);
         assert!(!plan(&SamplingSpec { top_k: 1025, min_p: 0.1, ..s.clone() }, None, 200_064, 1024).whole_set);
         assert!(plan(&SamplingSpec { top_p: 0.5, ..s.clone() }, None, 1000, 1024).whole_set);
-        // An allowed-token mask (structured outputs) is applied on the host's full row.
+        // An allowed-token mask (structured outputs) is reduced partially too, and bounds the
+        // set by the tokens it lets through (bits past the vocabulary not counted).
         let masked = SamplingSpec { temperature: 0.0, allowed: Some(vec![0xffu8; 125].into()), ..s.clone() };
-        assert!(plan(&masked, None, 1000, 1024).full_row);
+        assert!(!plan(&masked, None, 1000, 1024).full_row);
+        let few = SamplingSpec { allowed: Some(vec![0b1000_0101u8; 25_008].into()), ..s.clone() };
+        let p = plan(&few, None, 200_064, 1024);
+        assert_eq!((p.candidates, p.full_row, p.whole_set), (0, true, false), "75,024 tokens allowed");
+        let mut sparse = vec![0u8; 25_008];
+        sparse[7] = 0b11;
+        sparse[25_007] = 0xff;
+        let p = plan(&SamplingSpec { allowed: Some(sparse.clone().into()), ..s.clone() }, None, 200_062, 1024);
+        assert_eq!((p.candidates, p.full_row, p.whole_set), (8, false, true), "2 + 6 of the last byte's bits below the vocabulary");
+        assert_eq!(plan(&SamplingSpec { allowed: Some(vec![0u8; 3].into()), ..s.clone() }, None, 20, 1024).candidates, 1);
         assert!(plan(&SamplingSpec { temperature: 0.0, ..s.clone() }, None, 200_064, 1024).whole_set);
         assert!(plan(&SamplingSpec { history: vec![(1, 1), (1, 2)], ..s.clone() }, None, 10, 4).full_row);
         assert!(plan(&SamplingSpec { logit_bias: vec![(10, 1.0)], ..s.clone() }, None, 10, 4).full_row);
