@@ -140,6 +140,16 @@ fn main() {
     let open = Grammar::from_schema(&json!({"type": "object", "properties": {"path": {"type": "string"}}})).unwrap();
     mask_row(&index, &open, "object key, other keys allowed", b"{\"path\": \"a\", \"");
 
+    // Patterned strings (`pattern`, `format`): no per-sub-state runs, the generic walk.
+    let pat = Grammar::from_schema(&json!({"type": "object", "properties": {
+        "when": {"type": "string", "format": "date-time"},
+        "mail": {"type": "string", "format": "email"},
+        "note": {"type": "string", "pattern": "^[^<>]*$"}
+    }})).unwrap();
+    mask_row(&index, &pat, "inside a date-time (format)", b"{\"when\": \"2024-0");
+    mask_row(&index, &pat, "inside an email's local part (format)", b"{\"mail\": \"john.sm");
+    mask_row(&index, &pat, "inside a permissive pattern (^[^<>]*$)", b"{\"note\": \"fn main() {");
+
     // Guided tool calls: inside a raw-text parameter value, and at the tags.
     let params = json!({"type": "object", "properties": {"path": {"type": "string"}, "line": {"type": "integer"}}, "required": ["path"]});
     let tags = CallTags { invoke_open: "<invoke name=\"", invoke_close: "</invoke>", param_open: "<parameter name=\"", param_close: "</parameter>", block_close: "</minimax:tool_call>" };

@@ -107,3 +107,58 @@ fn unions_and_nesting_stay_bounded() {
     assert!(prefix_ok(&any, &format!("{{\"a\":{}", "[".repeat(90))));
     assert!(!prefix_ok(&any, &format!("{{\"a\":{}", "[".repeat(5000))));
 }
+
+/// Patterned strings: characters are checked as decoded (escapes, surrogate pairs, UTF-8), and
+/// a partial character is refused as soon as no completion of it can match.
+#[test]
+fn patterned_strings_check_decoded_characters_and_prune_partial_ones() {
+    let pg = g(&json!({"type": "string", "pattern": "^[a-z😀]{1,3}$"}));
+    let ok = |text: &str| {
+        let mut s = State::start(&pg);
+        s.feed(&pg, text.as_bytes()) && s.can_end(&pg)
+    };
+    let alive = |text: &str| {
+        let mut s = State::start(&pg);
+        s.feed(&pg, text.as_bytes())
+    };
+    assert!(ok(r#""abc""#));
+    assert!(ok(r#""\u0061b""#), "an escaped letter is the letter");
+    assert!(ok("\"a😀\""), "a four-byte character");
+    assert!(ok(r#""\ud83d\ude00""#), "the same character as a surrogate pair");
+    assert!(!alive(r#""abcd"#), "a fourth character");
+    assert!(!alive(r#""A"#));
+    assert!(!ok(r#""""#), "at least one character");
+    // Partial characters that can no longer become a letter or the emoji die at once.
+    assert!(alive(r#""\u00"#) && !alive(r#""\u00f"#), "\\u00f_ is no letter");
+    assert!(alive(r#""\ud83d"#) && !alive(r#""\ud83c"#), "only the emoji's high surrogate");
+    assert!(alive(r#""\ud83d\ude0"#) && !alive(r#""\ud83d\ude1"#));
+    let alive_bytes = |bytes: &[u8]| {
+        let mut s = State::start(&pg);
+        s.feed(&pg, bytes)
+    };
+    assert!(alive_bytes(b"\"\xf0\x9f") && !alive_bytes(b"\"\xc3"), "a two-byte lead can be no letter");
+    assert!(!alive_bytes(b"\"\xf0\x90"), "nor can this four-byte prefix become the emoji");
+    assert!(!alive(r#""\n"#), "a newline is not in the class");
+    // A format with a pattern: both hold.
+    let g2 = g(&json!({"type": "string", "format": "date", "pattern": "^2024"}));
+    let mut s = State::start(&g2);
+    assert!(s.feed(&g2, br#""2024-02-28""#) && s.can_end(&g2));
+    // The built-in date is a strict subset of the format: no 29 February (no leap years).
+    let mut s = State::start(&g2);
+    assert!(!s.feed(&g2, br#""2024-02-29"#));
+    let mut s = State::start(&g2);
+    assert!(!s.feed(&g2, br#""2023"#));
+}
+
+#[test]
+fn bad_patterns_and_impossible_strings_are_refused_at_their_place() {
+    let e = Grammar::from_schema(&json!({"properties": {"a": {"type": "string", "pattern": "(x"}}})).unwrap_err();
+    assert_eq!(e.path, "#/properties/a/pattern");
+    assert!(e.why.contains("missing `)`"), "{}", e.why);
+    let e = Grammar::from_schema(&json!({"type": "string", "pattern": "^a{5}$", "maxLength": 3})).unwrap_err();
+    assert!(e.why.contains("no string satisfies"), "{}", e.why);
+    let e = Grammar::from_schema(&json!({"type": "string", "pattern": 3})).unwrap_err();
+    assert_eq!(e.path, "#/pattern");
+    // Unknown formats stay annotations.
+    assert!(Grammar::from_schema(&json!({"type": "string", "format": "color"})).is_ok());
+}

@@ -10,6 +10,7 @@
 
 use std::sync::Arc;
 
+use super::regex::{Dfa, MAX_CHAR};
 use super::schema::{ByteTrie, Grammar, Node, NodeId, UNBOUNDED};
 
 /// Most threads a state keeps (alternatives still open at once); more are dropped, which only
@@ -39,6 +40,23 @@ pub enum StrSub {
     PairU,
     /// UTF-8 continuation bytes still to come, and the range of the next one.
     Utf8 { need: u8, lo: u8, hi: u8 },
+}
+
+/// Where inside a patterned string's characters the matcher is: [`StrSub`] with the value of
+/// the character being written, so the automaton can be stepped when it completes (and every
+/// partial character is kept only while some completion of it continues the automaton).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PSub {
+    Plain,
+    Esc,
+    /// `\u` hex digits: `left` still to come, `acc` their value so far; `high`: the high
+    /// surrogate this escape is the low half of (0: a first escape).
+    Hex { left: u8, acc: u16, high: u16 },
+    /// After high surrogate `high`'s escape: `\` then `u` of its low half.
+    PairEsc { high: u16 },
+    PairU { high: u16 },
+    /// UTF-8 continuation bytes still to come, the range of the next one, the bits so far.
+    Utf8 { need: u8, lo: u8, hi: u8, acc: u32 },
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -87,6 +105,8 @@ enum Frame {
     Lit { trie: u32, at: u32 },
     /// Inside a string value, after its opening quote; `chars` counted only when bounded.
     Str { min: u32, max: u32, chars: u32, sub: StrSub },
+    /// Inside a string value with an automaton (`Grammar::dfas[dfa]`, in state `ds`).
+    PStr { dfa: u32, ds: u32, sub: PSub },
     /// Inside an object key of object `obj`: the declared-key trie position (`NO_KEY` once the
     /// text left every declared key), and whether other keys are allowed.
     Key { obj: NodeId, at: u32, free: bool, sub: StrSub },
@@ -558,6 +578,104 @@ fn str_byte(sub: StrSub, b: u8) -> Option<(StrSub, bool)> {
     }
 }
 
+/// The characters a `\u` escape with `left` hex digits still to come and value `acc` so far can
+/// still write (`high`: the high surrogate it completes, or 0), as at most three ranges: the
+/// first escape's non-surrogates, and the supplementary characters of a pair.
+fn hex_reach(left: u8, acc: u16, high: u16) -> [(u32, u32); 3] {
+    const NONE: (u32, u32) = (1, 0);
+    let shift = 4 * left as u32;
+    let lo = (acc as u32) << shift;
+    let hi = lo | ((1u32 << shift) - 1);
+    let clip = |a: u32, b: u32| if lo.max(a) <= hi.min(b) { (lo.max(a), hi.min(b)) } else { NONE };
+    let pair = |h: u32, l: (u32, u32)| (0x10000 + ((h - 0xd800) << 10) + (l.0 - 0xdc00), 0x10000 + ((h - 0xd800) << 10) + (l.1 - 0xdc00));
+    if high != 0 {
+        let l = clip(0xdc00, 0xdfff);
+        return [if l.0 <= l.1 { pair(high as u32, l) } else { NONE }, NONE, NONE];
+    }
+    let h = clip(0xd800, 0xdbff);
+    let sup = if h.0 <= h.1 { (pair(h.0, (0xdc00, 0xdc00)).0, pair(h.1, (0xdfff, 0xdfff)).1) } else { NONE };
+    [clip(0, 0xd7ff), clip(0xe000, 0xffff), sup]
+}
+
+/// The characters a partial UTF-8 sequence (`need` more bytes, the next in `lo..=hi`, bits
+/// `acc` so far) can still be.
+fn utf8_reach(need: u8, lo: u8, hi: u8, acc: u32) -> (u32, u32) {
+    let rest = 6 * (need as u32 - 1);
+    let base = acc << (6 * need as u32);
+    (base | (((lo & 0x3f) as u32) << rest), base | (((hi & 0x3f) as u32) << rest) | ((1u32 << rest) - 1))
+}
+
+/// Patterned string content byte `b` from (`ds`, `sub`): the next state, or `None` when no
+/// completion of it continues the automaton.
+fn pstr_byte(d: &Dfa, ds: u32, sub: PSub, b: u8) -> Option<(u32, PSub)> {
+    let char_done = |c: u32| d.next(ds, c).map(|n| (n, PSub::Plain));
+    let partial = |sub: PSub, lo: u32, hi: u32| d.any_in(ds, lo, hi).then_some((ds, sub));
+    match sub {
+        PSub::Plain => match b {
+            0x00..=0x1f | b'"' => None,
+            b'\\' => partial(PSub::Esc, 0, MAX_CHAR),
+            0x20..=0x7f => char_done(b as u32),
+            0xc2..=0xdf | 0xe0..=0xef | 0xf0..=0xf4 => {
+                let (need, lo, hi, acc) = match b {
+                    0xc2..=0xdf => (1, 0x80, 0xbf, (b & 0x1f) as u32),
+                    0xe0 => (2, 0xa0, 0xbf, 0),
+                    0xed => (2, 0x80, 0x9f, 0xd),
+                    0xe1..=0xef => (2, 0x80, 0xbf, (b & 0x0f) as u32),
+                    0xf0 => (3, 0x90, 0xbf, 0),
+                    0xf4 => (3, 0x80, 0x8f, 4),
+                    _ => (3, 0x80, 0xbf, (b & 0x07) as u32),
+                };
+                let (rlo, rhi) = utf8_reach(need, lo, hi, acc);
+                partial(PSub::Utf8 { need, lo, hi, acc }, rlo, rhi)
+            }
+            _ => None,
+        },
+        PSub::Utf8 { need, lo, hi, acc } => {
+            if !(lo..=hi).contains(&b) {
+                return None;
+            }
+            let acc = (acc << 6) | (b & 0x3f) as u32;
+            if need == 1 {
+                return char_done(acc);
+            }
+            let (rlo, rhi) = utf8_reach(need - 1, 0x80, 0xbf, acc);
+            partial(PSub::Utf8 { need: need - 1, lo: 0x80, hi: 0xbf, acc }, rlo, rhi)
+        }
+        PSub::Esc => match b {
+            b'"' => char_done(0x22),
+            b'\\' => char_done(0x5c),
+            b'/' => char_done(0x2f),
+            b'b' => char_done(0x08),
+            b'f' => char_done(0x0c),
+            b'n' => char_done(0x0a),
+            b'r' => char_done(0x0d),
+            b't' => char_done(0x09),
+            b'u' => hex_reach(4, 0, 0).iter().any(|r| r.0 <= r.1 && d.any_in(ds, r.0, r.1)).then_some((ds, PSub::Hex { left: 4, acc: 0, high: 0 })),
+            _ => None,
+        },
+        PSub::PairEsc { high } => (b == b'\\').then_some((ds, PSub::PairU { high })),
+        PSub::PairU { high } => (b == b'u').then_some((ds, PSub::Hex { left: 4, acc: 0, high })),
+        PSub::Hex { left, acc, high } => {
+            let v = (b as char).to_digit(16)? as u16;
+            let (left, acc) = (left - 1, (acc << 4) | v);
+            if left > 0 {
+                let reach = hex_reach(left, acc, high);
+                return reach.iter().any(|r| r.0 <= r.1 && d.any_in(ds, r.0, r.1)).then_some((ds, PSub::Hex { left, acc, high }));
+            }
+            match (high, acc) {
+                (0, 0xd800..=0xdbff) => {
+                    let base = 0x10000 + (((acc - 0xd800) as u32) << 10);
+                    d.any_in(ds, base, base + 0x3ff).then_some((ds, PSub::PairEsc { high: acc }))
+                }
+                (0, 0xdc00..=0xdfff) => None,
+                (0, c) => char_done(c as u32),
+                (h, 0xdc00..=0xdfff) => char_done(0x10000 + (((h - 0xd800) as u32) << 10) + (acc - 0xdc00) as u32),
+                _ => None,
+            }
+        }
+    }
+}
+
 /// Bytes still needed after a number state before it can end.
 fn num_need(st: NumSt) -> u8 {
     if st.accepting() { 0 } else { 1 }
@@ -604,6 +722,11 @@ fn enter(g: &Grammar, t: &Thread, node: NodeId, b: u8, out: &mut Vec<Thread>) {
         Node::String { min, max } => {
             if b == b'"' {
                 out.push(t.with_top(Frame::Str { min: *min, max: *max, chars: 0, sub: StrSub::Plain }));
+            }
+        }
+        Node::Pattern(dfa) => {
+            if b == b'"' {
+                out.push(t.with_top(Frame::PStr { dfa: *dfa, ds: Dfa::START, sub: PSub::Plain }));
             }
         }
         Node::Array { .. } => {
@@ -762,6 +885,20 @@ fn step_thread(g: &Grammar, t: &Thread, b: u8, out: &mut Vec<Thread>) {
             if let Some((sub, done)) = str_byte(sub, b) {
                 let chars = if bounded && done { chars + 1 } else { chars };
                 out.push(t.with_top(Frame::Str { min, max, chars, sub }));
+            }
+        }
+        Frame::PStr { dfa, ds, sub } => {
+            let d = &g.dfas[dfa as usize];
+            if sub == PSub::Plain && b == b'"' {
+                if d.accepts(ds)
+                    && let Some(p) = t.pop(g, None)
+                {
+                    out.push(p);
+                }
+                return;
+            }
+            if let Some((ds, sub)) = pstr_byte(d, ds, sub, b) {
+                out.push(t.with_top(Frame::PStr { dfa, ds, sub }));
             }
         }
         Frame::Key { obj, at, free, sub } => key_byte(g, t, obj, at, free, sub, b, out),

@@ -20,6 +20,7 @@
 //! the chat template renders them); with `tool_choice` `required` or a named function the
 //! answer may not end before one block was written.
 
+pub mod regex;
 pub mod matcher;
 pub mod schema;
 pub mod vocab;

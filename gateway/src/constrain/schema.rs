@@ -5,9 +5,11 @@
 //! `additionalProperties` (bool or schema; JSON Schema's default `true`), `items`,
 //! `prefixItems`, `minItems`, `maxItems`, `minLength`, `maxLength`, `anyOf` / `oneOf` (as
 //! "any of"), `allOf` of one schema, `$ref` to `#`, `#/$defs/...` or `#/definitions/...`
-//! (recursion allowed), `nullable` (OpenAPI). Accepted and not enforced (the value still has
-//! the right type): `format`, `pattern`, `minimum` / `maximum` / `exclusive*`, `multipleOf`,
-//! `uniqueItems`, `minProperties` / `maxProperties`. Refused with an error naming the keyword
+//! (recursion allowed), `nullable` (OpenAPI), `pattern` and the `format`s `date-time`, `date`,
+//! `time`, `uuid`, `email`, `hostname`, `ipv4`, `uri` (strings stepping an automaton,
+//! [`super::regex`]). Accepted and not enforced (the value still has the right type): other
+//! formats, `minimum` / `maximum` / `exclusive*`, `multipleOf`, `uniqueItems`,
+//! `minProperties` / `maxProperties`. Refused with an error naming the keyword
 //! and its place: `not`, `if` / `then` / `else`, `patternProperties`, `allOf` of several,
 //! `dependentSchemas`, `dependentRequired`, `unevaluatedProperties`, `propertyNames`, and
 //! schemas no value satisfies (`false`, an empty `enum`).
@@ -15,6 +17,8 @@
 use std::collections::HashMap;
 
 use serde_json::Value as Json;
+
+use super::regex::{self, Dfa};
 
 /// Index of a node in [`Grammar::nodes`].
 pub type NodeId = u32;
@@ -29,7 +33,7 @@ const MAX_NESTING: u32 = 128;
 /// Keywords that constrain a value (not annotations).
 const CONSTRAINING: &[&str] = &[
     "type", "enum", "const", "properties", "required", "additionalProperties", "items", "prefixItems",
-    "minItems", "maxItems", "minLength", "maxLength", "nullable",
+    "minItems", "maxItems", "minLength", "maxLength", "nullable", "pattern",
 ];
 
 /// A byte trie over a fixed set of strings (literal JSON texts, or object keys).
@@ -100,6 +104,9 @@ pub enum Node {
     AnyOf(Vec<NodeId>),
     /// These one after the other (`tight`: no whitespace before any of them).
     Chain { items: Vec<NodeId>, tight: bool },
+    /// A string whose characters step an automaton ([`Grammar::dfas`]): `pattern`, `format`
+    /// and length bounds together.
+    Pattern(u32),
     /// Any text up to and including the first occurrence of [`Grammar::texts`]`[i]` (a tag whose
     /// first byte occurs nowhere else in it).
     Raw(u32),
@@ -123,6 +130,8 @@ pub struct Grammar {
     pub tags: Vec<ByteTrie>,
     /// Closing tags of raw text (tool calls).
     pub texts: Vec<Vec<u8>>,
+    /// Automata of strings with a `pattern` or `format` ([`Node::Pattern`]).
+    pub dfas: Vec<Dfa>,
     pub root: NodeId,
 }
 
@@ -139,7 +148,7 @@ pub struct SchemaError {
 pub const UNBOUNDED: u32 = u32::MAX;
 
 const IGNORED: &[&str] = &[
-    "$schema", "$id", "$comment", "title", "description", "default", "examples", "format", "pattern",
+    "$schema", "$id", "$comment", "title", "description", "default", "examples",
     "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
     "minProperties", "maxProperties", "readOnly", "writeOnly", "deprecated", "contentEncoding",
     "contentMediaType", "discriminator", "strict", "name", "$defs", "definitions", "additionalItems",
@@ -152,6 +161,7 @@ const REFUSED: &[&str] = &[
 const KNOWN: &[&str] = &[
     "type", "enum", "const", "properties", "required", "additionalProperties", "items", "prefixItems",
     "minItems", "maxItems", "minLength", "maxLength", "anyOf", "oneOf", "allOf", "$ref", "nullable",
+    "pattern", "format",
 ];
 
 impl Grammar {
@@ -230,7 +240,7 @@ impl Grammar {
                     continue;
                 }
                 let sat = match &self.nodes[i] {
-                    Node::Lit(_) | Node::Number { .. } | Node::String { .. } | Node::Raw(_) => true,
+                    Node::Lit(_) | Node::Number { .. } | Node::String { .. } | Node::Pattern(_) | Node::Raw(_) => true,
                     Node::Array { prefix, items, min, .. } => {
                         let need = *min as usize;
                         prefix.iter().take(need).all(|&p| ok[p as usize]) && (need <= prefix.len() || items.is_some_and(|it| ok[it as usize]))
@@ -297,6 +307,7 @@ struct Compiler<'a> {
     keys: Vec<ByteTrie>,
     tags: Vec<ByteTrie>,
     texts: Vec<Vec<u8>>,
+    dfas: Vec<Dfa>,
     refs: HashMap<String, NodeId>,
     any: Option<NodeId>,
     /// Schemas being compiled, one inside the other (references included).
@@ -305,11 +316,11 @@ struct Compiler<'a> {
 
 impl<'a> Compiler<'a> {
     fn new(doc: &'a Json) -> Self {
-        Compiler { doc, nodes: Vec::new(), lits: Vec::new(), keys: Vec::new(), tags: Vec::new(), texts: Vec::new(), refs: HashMap::new(), any: None, depth: 0 }
+        Compiler { doc, nodes: Vec::new(), lits: Vec::new(), keys: Vec::new(), tags: Vec::new(), texts: Vec::new(), dfas: Vec::new(), refs: HashMap::new(), any: None, depth: 0 }
     }
 
     fn finish(self, root: NodeId) -> Grammar {
-        Grammar { nodes: self.nodes, lits: self.lits, keys: self.keys, tags: self.tags, texts: self.texts, root }
+        Grammar { nodes: self.nodes, lits: self.lits, keys: self.keys, tags: self.tags, texts: self.texts, dfas: self.dfas, root }
     }
 
     fn push(&mut self, n: Node) -> NodeId {
@@ -505,7 +516,14 @@ impl<'a> Compiler<'a> {
                 if min > max {
                     return Err(Self::err(path, format!("minLength {min} > maxLength {max}")));
                 }
-                self.push(Node::String { min, max })
+                match self.string_automaton(obj, min, max, path)? {
+                    Some(d) => {
+                        self.dfas.push(d);
+                        let i = (self.dfas.len() - 1) as u32;
+                        self.push(Node::Pattern(i))
+                    }
+                    None => self.push(Node::String { min, max }),
+                }
             }
             "array" => {
                 let (min, max) = (count("minItems")?.unwrap_or(0), count("maxItems")?.unwrap_or(UNBOUNDED));
@@ -532,6 +550,34 @@ impl<'a> Compiler<'a> {
             "object" => self.object(obj, path)?,
             other => return Err(Self::err(&format!("{path}/type"), format!("unknown type {other:?}"))),
         })
+    }
+
+    /// The automaton of a string's `pattern`, known `format` and length bounds together, or
+    /// `None` when it has neither (the plain string node counts lengths itself).
+    fn string_automaton(&mut self, obj: &serde_json::Map<String, Json>, min: u32, max: u32, path: &str) -> Result<Option<Dfa>, SchemaError> {
+        let text = |k: &str| -> Result<Option<&str>, SchemaError> {
+            obj.get(k).map(|v| v.as_str().ok_or_else(|| Self::err(&format!("{path}/{k}"), "must be a string"))).transpose()
+        };
+        let pattern = text("pattern")?;
+        let format = text("format")?.and_then(regex::format_pattern);
+        let mut parts = Vec::new();
+        if let Some(p) = pattern {
+            parts.push(Dfa::from_pattern(p).map_err(|e| Self::err(&format!("{path}/pattern"), e))?);
+        }
+        if let Some(f) = format {
+            parts.push(Dfa::from_pattern(f).map_err(|e| Self::err(&format!("{path}/format"), e))?);
+        }
+        if parts.is_empty() {
+            return Ok(None);
+        }
+        if min > 0 || max != UNBOUNDED {
+            parts.push(Dfa::length(min, if max == UNBOUNDED { u32::MAX } else { max }).map_err(|e| Self::err(path, e))?);
+        }
+        let mut d = parts.remove(0);
+        for p in &parts {
+            d = d.intersect(p).map_err(|e| Self::err(path, e))?.ok_or_else(|| Self::err(path, "no string satisfies this pattern, format and length bounds together"))?;
+        }
+        Ok(Some(d))
     }
 
     fn object(&mut self, obj: &serde_json::Map<String, Json>, path: &str) -> Result<NodeId, SchemaError> {

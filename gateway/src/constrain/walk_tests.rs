@@ -150,3 +150,31 @@ fn random_tool_call_blocks_parse_into_valid_calls() {
     }
     assert!(calls >= 30);
 }
+
+/// Strings with a `pattern` or a `format`: every walk's values match (the validator checks
+/// formats too), however the model spells the characters (escapes, multi-byte UTF-8).
+#[test]
+fn patterned_and_formatted_strings_match_in_random_walks() {
+    let schema = json!({
+        "type": "object",
+        "properties": {
+            "id": {"type": "string", "format": "uuid"},
+            "when": {"type": "string", "format": "date-time"},
+            "day": {"type": "string", "format": "date"},
+            "mail": {"type": "string", "format": "email", "maxLength": 40},
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3,5}$"},
+            "word": {"type": "string", "pattern": "é|ß", "maxLength": 6},
+            "ip": {"type": "string", "format": "ipv4"}
+        },
+        "required": ["id", "when", "day", "mail", "code", "word", "ip"],
+        "additionalProperties": false
+    });
+    let spec = Arc::new(ConstraintSpec { grammar: Grammar::from_schema(&schema).unwrap(), index: index(), reasoning_close: None, mode: super::Mode::Document });
+    let validator = jsonschema::options().should_validate_formats(true).build(&schema).unwrap();
+    for seed in 0..25 {
+        let text = walk(&spec, seed, 50.0);
+        let doc: Json = serde_json::from_str(&text).unwrap_or_else(|e| panic!("seed {seed}: {e}: {text}"));
+        let errors: Vec<String> = validator.iter_errors(&doc).map(|e| e.to_string()).collect();
+        assert!(errors.is_empty(), "seed {seed}: {errors:?} in {text}");
+    }
+}
