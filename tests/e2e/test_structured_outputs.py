@@ -4,7 +4,10 @@ token masks its output would be noise: every document below parses and satisfies
 only because the gateway masks every token that would leave the schema. The replay script
 `REPLAY:json` ends the reasoning block (`ok</think>\\n\\n`) and then lets the model sample."""
 
+import datetime
 import json
+import re
+import uuid
 
 import anthropic
 import openai
@@ -99,6 +102,31 @@ def test_sdk_parse_with_a_pydantic_model(client):
     )
     plan = r.choices[0].message.parsed
     assert isinstance(plan, Plan) and len(plan.steps) <= 2
+
+
+class Stamped(pydantic.BaseModel):
+    when: datetime.datetime
+    day: datetime.date
+    at: datetime.time
+    id: uuid.UUID
+    code: str = pydantic.Field(pattern=r"^[A-Z]{2}-\d{3}$")
+    url: pydantic.AnyUrl
+    ip: pydantic.IPvAnyAddress
+
+
+def test_sdk_parse_with_formats_and_patterns(client):
+    # pydantic writes `format` (date-time, date, time, uuid, uri, ipvanyaddress) and `pattern`;
+    # the random model can only write values pydantic then accepts.
+    for seed in (1, 2, 3):
+        r = client.chat.completions.parse(
+            model="m2-small", messages=[{"role": "user", "content": PROMPT}], response_format=Stamped, seed=seed,
+            temperature=1.0, max_tokens=1500,
+        )
+        c = r.choices[0]
+        assert c.finish_reason == "stop", c
+        v = c.message.parsed
+        assert isinstance(v, Stamped), c.message.content
+        assert re.fullmatch(r"[A-Z]{2}-\d{3}", v.code), v.code
 
 
 def test_json_object_mode(client):
