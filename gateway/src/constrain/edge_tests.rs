@@ -162,3 +162,35 @@ fn bad_patterns_and_impossible_strings_are_refused_at_their_place() {
     // Unknown formats stay annotations.
     assert!(Grammar::from_schema(&json!({"type": "string", "format": "color"})).is_ok());
 }
+
+/// Bounded integers: every prefix the matcher keeps can still end in range, and it ends only
+/// there; the bounds read like JSON Schema's (exclusive ones, fractional ones, draft 4's flags).
+#[test]
+fn bounded_integers_stay_in_range_from_the_first_digit() {
+    let check = |schema: Json, yes: &[&str], no: &[&str], dead: &[&str]| {
+        let gr = g(&schema);
+        for d in yes {
+            let mut s = State::start(&gr);
+            assert!(s.feed(&gr, d.as_bytes()) && s.can_end(&gr), "{schema}: {d} must be accepted");
+        }
+        for d in no {
+            let mut s = State::start(&gr);
+            assert!(!(s.feed(&gr, d.as_bytes()) && s.can_end(&gr)), "{schema}: {d} must be refused");
+        }
+        for d in dead {
+            let mut s = State::start(&gr);
+            assert!(!s.feed(&gr, d.as_bytes()), "{schema}: prefix {d} must die at once");
+        }
+    };
+    check(json!({"type": "integer", "minimum": 10, "maximum": 250}), &["10", "99", "250", "137", "25"], &["9", "251", "1", "2"], &["0", "-", "2500", "300", "2510"]);
+    check(json!({"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 5}), &["1", "4"], &["0", "5"], &["-", "5", "0", "10"]);
+    check(json!({"type": "integer", "minimum": -3.5, "maximum": 2.5}), &["-3", "0", "-0", "2"], &["-4", "3"], &["-4", "3", "-30"]);
+    check(json!({"type": "integer", "minimum": 0, "exclusiveMinimum": true}), &["1", "1000000"], &["0"], &["-", "0"]);
+    check(json!({"type": "integer", "maximum": -100}), &["-100", "-9999999"], &["-99", "100"], &["0", "1", "-0"]);
+    check(json!({"type": "integer", "minimum": 9223372036854775807u64}), &["9223372036854775807"], &[], &["1", "-", "92233720368547758080"]);
+    // Inside a document, the number ends where its parent's next byte comes.
+    check(json!({"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 12}}), &["[1, 12,7]"], &["[0]", "[13]"], &["[0", "[13"]);
+    let e = Grammar::from_schema(&json!({"type": "integer", "minimum": 3, "maximum": 2.5})).unwrap_err();
+    assert!(e.why.contains("no integer"), "{}", e.why);
+    assert_eq!(Grammar::from_schema(&json!({"properties": {"n": {"type": "integer", "minimum": "1"}}})).unwrap_err().path, "#/properties/n/minimum");
+}

@@ -111,6 +111,9 @@ enum Frame {
     /// text left every declared key), and whether other keys are allowed.
     Key { obj: NodeId, at: u32, free: bool, sub: StrSub },
     Num { integer: bool, st: NumSt, len: u8 },
+    /// A bounded integer (`Node::Int`): its sign, the digits' value and count so far (0: only
+    /// the sign).
+    Int { node: NodeId, neg: bool, v: u64, k: u8 },
     Arr { node: NodeId, count: u32, st: Seq },
     /// `cur`: the property whose value is being written (index, or `NO_KEY` for an additional
     /// one).
@@ -423,6 +426,7 @@ fn can_end(g: &Grammar, t: &Thread) -> bool {
     match t.top {
         Frame::End => true,
         Frame::Num { st, .. } if st.accepting() => t.pop(g, None).is_some_and(|p| can_end(g, &p)),
+        Frame::Int { node, neg, v, k } if int_ends(g, node, neg, v, k) => t.pop(g, None).is_some_and(|p| can_end(g, &p)),
         Frame::Lit { trie, at } if g.lits[trie as usize].nodes[at as usize].end.is_some() => {
             t.pop(g, None).is_some_and(|p| can_end(g, &p))
         }
@@ -676,6 +680,51 @@ fn pstr_byte(d: &Dfa, ds: u32, sub: PSub, b: u8) -> Option<(u32, PSub)> {
     }
 }
 
+/// The bounds of integer node `node`.
+fn int_range(g: &Grammar, node: NodeId) -> (i64, i64) {
+    match g.nodes[node as usize] {
+        Node::Int { lo, hi } => (lo, hi),
+        _ => (i64::MIN, i64::MAX),
+    }
+}
+
+/// Whether an integer written so far as (`neg`, digits' value `v`, `k` digits; `k == 0`: only
+/// the sign) can still end in `lo..=hi` with more digits or none.
+fn int_feasible(lo: i64, hi: i64, neg: bool, v: u64, k: u8) -> bool {
+    // The magnitudes that fit: for a negative number, -hi..=-lo.
+    let (mlo, mhi) = if neg { (-(hi as i128), -(lo as i128)) } else { (lo as i128, hi as i128) };
+    if mhi < mlo.max(0) {
+        return false;
+    }
+    if k == 0 {
+        return true;
+    }
+    if v == 0 {
+        // "0" or "-0": no digit may follow a leading zero.
+        return mlo <= 0;
+    }
+    // v followed by j more digits: v·10^j ..= v·10^j + 10^j - 1, at most 19 digits in all.
+    let mut p: i128 = 1;
+    for _ in k..=19 {
+        let a = v as i128 * p;
+        if a > mhi {
+            return false;
+        }
+        if a + p - 1 >= mlo {
+            return true;
+        }
+        p *= 10;
+    }
+    false
+}
+
+/// Whether the integer written so far is a whole one within its node's bounds.
+fn int_ends(g: &Grammar, node: NodeId, neg: bool, v: u64, k: u8) -> bool {
+    let (lo, hi) = int_range(g, node);
+    let x = if neg { -(v as i128) } else { v as i128 };
+    k >= 1 && lo as i128 <= x && x <= hi as i128
+}
+
 /// Bytes still needed after a number state before it can end.
 fn num_need(st: NumSt) -> u8 {
     if st.accepting() { 0 } else { 1 }
@@ -718,6 +767,16 @@ fn enter(g: &Grammar, t: &Thread, node: NodeId, b: u8, out: &mut Vec<Thread>) {
                 _ => return,
             };
             out.push(t.with_top(Frame::Num { integer: *integer, st, len: 1 }));
+        }
+        Node::Int { lo, hi } => {
+            let (neg, v, k) = match b {
+                b'-' => (true, 0, 0),
+                b'0'..=b'9' => (false, (b - b'0') as u64, 1),
+                _ => return,
+            };
+            if int_feasible(*lo, *hi, neg, v, k) {
+                out.push(t.with_top(Frame::Int { node, neg, v, k }));
+            }
         }
         Node::String { min, max } => {
             if b == b'"' {
@@ -863,6 +922,20 @@ fn step_thread(g: &Grammar, t: &Thread, b: u8, out: &mut Vec<Thread>) {
                 out.push(t.with_top(Frame::Num { integer, st: n, len: len + 1 }));
             }
             if st.accepting()
+                && let Some(p) = t.pop(g, None)
+            {
+                step_thread(g, &p, b, out);
+            }
+        }
+        Frame::Int { node, neg, v, k } => {
+            if b.is_ascii_digit() && !(k >= 1 && v == 0) && k < 19 {
+                let (lo, hi) = int_range(g, node);
+                let (v2, k2) = (v * 10 + (b - b'0') as u64, k + 1);
+                if int_feasible(lo, hi, neg, v2, k2) {
+                    out.push(t.with_top(Frame::Int { node, neg, v: v2, k: k2 }));
+                }
+            }
+            if int_ends(g, node, neg, v, k)
                 && let Some(p) = t.pop(g, None)
             {
                 step_thread(g, &p, b, out);

@@ -7,9 +7,9 @@
 //! "any of"), `allOf` of one schema, `$ref` to `#`, `#/$defs/...` or `#/definitions/...`
 //! (recursion allowed), `nullable` (OpenAPI), `pattern` and the `format`s `date-time`, `date`,
 //! `time`, `uuid`, `email`, `hostname`, `ipv4`, `uri` (strings stepping an automaton,
-//! [`super::regex`]). Accepted and not enforced (the value still has the right type): other
-//! formats, `minimum` / `maximum` / `exclusive*`, `multipleOf`, `uniqueItems`,
-//! `minProperties` / `maxProperties`. Refused with an error naming the keyword
+//! [`super::regex`]), `minimum` / `maximum` / `exclusive*` on integers. Accepted and not
+//! enforced (the value still has the right type): other formats, bounds on non-integer
+//! numbers, `multipleOf`, `uniqueItems`, `minProperties` / `maxProperties`. Refused with an error naming the keyword
 //! and its place: `not`, `if` / `then` / `else`, `patternProperties`, `allOf` of several,
 //! `dependentSchemas`, `dependentRequired`, `unevaluatedProperties`, `propertyNames`, and
 //! schemas no value satisfies (`false`, an empty `enum`).
@@ -33,7 +33,8 @@ const MAX_NESTING: u32 = 128;
 /// Keywords that constrain a value (not annotations).
 const CONSTRAINING: &[&str] = &[
     "type", "enum", "const", "properties", "required", "additionalProperties", "items", "prefixItems",
-    "minItems", "maxItems", "minLength", "maxLength", "nullable", "pattern",
+    "minItems", "maxItems", "minLength", "maxLength", "nullable", "pattern", "minimum", "maximum",
+    "exclusiveMinimum", "exclusiveMaximum",
 ];
 
 /// A byte trie over a fixed set of strings (literal JSON texts, or object keys).
@@ -92,6 +93,8 @@ pub enum Node {
     Lit(u32),
     /// A JSON number; `integer`: no fraction or exponent.
     Number { integer: bool },
+    /// A JSON integer in `lo..=hi` (`minimum` / `maximum` / `exclusive*` on an integer).
+    Int { lo: i64, hi: i64 },
     /// A JSON string of `min..=max` characters.
     String { min: u32, max: u32 },
     /// A JSON array: element `i` matches `prefix[i]`, later ones `items` (`None`: no more).
@@ -149,7 +152,7 @@ pub const UNBOUNDED: u32 = u32::MAX;
 
 const IGNORED: &[&str] = &[
     "$schema", "$id", "$comment", "title", "description", "default", "examples",
-    "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf", "uniqueItems",
+    "multipleOf", "uniqueItems",
     "minProperties", "maxProperties", "readOnly", "writeOnly", "deprecated", "contentEncoding",
     "contentMediaType", "discriminator", "strict", "name", "$defs", "definitions", "additionalItems",
     "contains", "minContains", "maxContains",
@@ -161,7 +164,7 @@ const REFUSED: &[&str] = &[
 const KNOWN: &[&str] = &[
     "type", "enum", "const", "properties", "required", "additionalProperties", "items", "prefixItems",
     "minItems", "maxItems", "minLength", "maxLength", "anyOf", "oneOf", "allOf", "$ref", "nullable",
-    "pattern", "format",
+    "pattern", "format", "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum",
 ];
 
 impl Grammar {
@@ -240,7 +243,7 @@ impl Grammar {
                     continue;
                 }
                 let sat = match &self.nodes[i] {
-                    Node::Lit(_) | Node::Number { .. } | Node::String { .. } | Node::Pattern(_) | Node::Raw(_) => true,
+                    Node::Lit(_) | Node::Number { .. } | Node::Int { .. } | Node::String { .. } | Node::Pattern(_) | Node::Raw(_) => true,
                     Node::Array { prefix, items, min, .. } => {
                         let need = *min as usize;
                         prefix.iter().take(need).all(|&p| ok[p as usize]) && (need <= prefix.len() || items.is_some_and(|it| ok[it as usize]))
@@ -510,7 +513,10 @@ impl<'a> Compiler<'a> {
             "null" => self.lit(&[b"null".to_vec()]),
             "boolean" => self.lit(&[b"true".to_vec(), b"false".to_vec()]),
             "number" => self.push(Node::Number { integer: false }),
-            "integer" => self.push(Node::Number { integer: true }),
+            "integer" => match int_bounds(obj, path)? {
+                Some((lo, hi)) => self.push(Node::Int { lo, hi }),
+                None => self.push(Node::Number { integer: true }),
+            },
             "string" => {
                 let (min, max) = (count("minLength")?.unwrap_or(0), count("maxLength")?.unwrap_or(UNBOUNDED));
                 if min > max {
@@ -744,6 +750,42 @@ fn merged(outer: &serde_json::Map<String, Json>, alt: &Json, path: &str) -> Resu
         m.insert(k.clone(), v.clone());
     }
     Ok(Json::Object(m))
+}
+
+/// An integer's bounds from `minimum` / `maximum` / `exclusiveMinimum` / `exclusiveMaximum`
+/// (numbers; draft 4's boolean `exclusive*` beside them too), as the integers they allow
+/// (`None`: unbounded); an empty range is an error.
+fn int_bounds(obj: &serde_json::Map<String, Json>, path: &str) -> Result<Option<(i64, i64)>, SchemaError> {
+    let num = |k: &str| -> Result<Option<f64>, SchemaError> {
+        match obj.get(k) {
+            None | Some(Json::Bool(_)) => Ok(None),
+            Some(v) => v.as_f64().filter(|x| x.is_finite()).map(Some).ok_or_else(|| Compiler::err(&format!("{path}/{k}"), "must be a number")),
+        }
+    };
+    let flag = |k: &str| obj.get(k) == Some(&Json::Bool(true));
+    let (min, max, xmin, xmax) = (num("minimum")?, num("maximum")?, num("exclusiveMinimum")?, num("exclusiveMaximum")?);
+    if min.is_none() && max.is_none() && xmin.is_none() && xmax.is_none() {
+        return Ok(None);
+    }
+    // i64 through f64: the bounds saturate at the ends of the range.
+    let mut lo = i64::MIN;
+    let mut hi = i64::MAX;
+    if let Some(m) = min {
+        lo = lo.max(if flag("exclusiveMinimum") { m.floor() as i64 + 1 } else { m.ceil() as i64 });
+    }
+    if let Some(m) = xmin {
+        lo = lo.max(m.floor() as i64 + 1);
+    }
+    if let Some(m) = max {
+        hi = hi.min(if flag("exclusiveMaximum") { m.ceil() as i64 - 1 } else { m.floor() as i64 });
+    }
+    if let Some(m) = xmax {
+        hi = hi.min(m.ceil() as i64 - 1);
+    }
+    if lo > hi {
+        return Err(Compiler::err(path, "no integer satisfies these minimum / maximum bounds"));
+    }
+    Ok(Some((lo, hi)))
 }
 
 /// The `enum` / `const` members that satisfy the other constraining keywords beside them.

@@ -151,8 +151,8 @@ fn random_tool_call_blocks_parse_into_valid_calls() {
     assert!(calls >= 30);
 }
 
-/// Strings with a `pattern` or a `format`: every walk's values match (the validator checks
-/// formats too), however the model spells the characters (escapes, multi-byte UTF-8).
+/// Strings with a `pattern` or a `format`, and bounded integers: every walk's values match (the
+/// validator checks formats too), however the model spells the characters (escapes, UTF-8).
 #[test]
 fn patterned_and_formatted_strings_match_in_random_walks() {
     let schema = json!({
@@ -164,9 +164,11 @@ fn patterned_and_formatted_strings_match_in_random_walks() {
             "mail": {"type": "string", "format": "email", "maxLength": 40},
             "code": {"type": "string", "pattern": "^[A-Z]{2}-\\d{3,5}$"},
             "word": {"type": "string", "pattern": "é|ß", "maxLength": 6},
-            "ip": {"type": "string", "format": "ipv4"}
+            "ip": {"type": "string", "format": "ipv4"},
+            "age": {"type": "integer", "minimum": 18, "maximum": 120},
+            "neg": {"type": "integer", "minimum": -1000, "exclusiveMaximum": -5}
         },
-        "required": ["id", "when", "day", "mail", "code", "word", "ip"],
+        "required": ["id", "when", "day", "mail", "code", "word", "ip", "age", "neg"],
         "additionalProperties": false
     });
     let spec = Arc::new(ConstraintSpec { grammar: Grammar::from_schema(&schema).unwrap(), index: index(), reasoning_close: None, mode: super::Mode::Document });
