@@ -138,6 +138,39 @@ enum Frame {
     Params { node: NodeId, seen: u64, st: Seq },
 }
 
+/// A patterned string's position for the masks' fast path ([`State::in_pattern`]).
+pub struct PatView {
+    dfa: u32,
+    /// The automaton's state and the character in progress where the view was taken.
+    pub ds: u32,
+    pub sub: PSub,
+    /// The state right after the closing quote (`None`: nothing may follow it).
+    pub after: Option<State>,
+}
+
+/// One byte of a patterned string ([`PatView::step`]).
+pub enum PatStep {
+    /// Still inside the string.
+    In(u32, PSub),
+    /// The closing quote (the string may end here).
+    Close,
+    Dead,
+}
+
+impl PatView {
+    /// Byte `b` from (`ds`, `sub`), as the matcher's `PStr` frame takes it.
+    pub fn step(&self, g: &Grammar, ds: u32, sub: PSub, b: u8) -> PatStep {
+        let d = &g.dfas[self.dfa as usize];
+        if sub == PSub::Plain && b == b'"' {
+            return if d.accepts(ds) { PatStep::Close } else { PatStep::Dead };
+        }
+        match pstr_byte(d, ds, sub, b) {
+            Some((ds, sub)) => PatStep::In(ds, sub),
+            None => PatStep::Dead,
+        }
+    }
+}
+
 /// Longest tool or parameter name (the tool-call parser's limit).
 const MAX_NAME: u16 = 256;
 
@@ -249,6 +282,14 @@ impl State {
             [t @ Thread { top: Frame::Str { min, max, chars, sub }, .. }] => Some(StrView { min: *min, max: *max, chars: *chars, sub: *sub, bounded: *min > 0 || *max != UNBOUNDED, thread: t.clone() }),
             _ => None,
         }
+    }
+
+    /// When the state is one thread inside a patterned string (`pattern` / `format`): its view
+    /// (the masks' fast path: a token's bytes inside the string step only the automaton).
+    pub fn in_pattern(&self, g: &Grammar) -> Option<PatView> {
+        let [t] = self.threads.as_slice() else { return None };
+        let Frame::PStr { dfa, ds, sub } = t.top else { return None };
+        Some(PatView { dfa, ds, sub, after: t.pop(g, None).map(|p| State { threads: vec![p] }) })
     }
 
     /// When the state is one thread inside an object key where other keys are allowed: the key

@@ -5,7 +5,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use super::matcher::{State, StrRun, StrSub, raw_run, str_run};
+use super::matcher::{PSub, PatStep, State, StrRun, StrSub, raw_run, str_run};
 use super::schema::Grammar;
 use crate::text::tokenizer::{TokenType, Tokenizer};
 
@@ -179,6 +179,53 @@ impl TokenIndex {
             }
             return mask;
         }
+        if let Some(view) = state.in_pattern(g) {
+            // Inside a patterned string: the bytes up to the closing quote step the automaton
+            // only (shared across tokens by their common prefix, as the general walk below);
+            // a token that closes the string runs on from the state after it.
+            let mut stack: Vec<(u32, PSub)> = vec![(view.ds, view.sub)];
+            let mut i = 0;
+            while i < self.ids.len() {
+                let b = self.nth(i);
+                let keep = (self.lcp[i] as usize).min(stack.len() - 1);
+                stack.truncate(keep + 1);
+                let mut dead_at = None;
+                let mut ok = true;
+                for (d, &byte) in b.iter().enumerate().skip(keep) {
+                    let (ds, sub) = stack[d];
+                    match view.step(g, ds, sub, byte) {
+                        PatStep::In(ds, sub) => stack.push((ds, sub)),
+                        PatStep::Close => {
+                            ok = view.after.as_ref().is_some_and(|a| {
+                                let mut a = a.clone();
+                                a.feed(g, &b[d + 1..])
+                            });
+                            break;
+                        }
+                        PatStep::Dead => {
+                            dead_at = Some(d);
+                            break;
+                        }
+                    }
+                }
+                match dead_at {
+                    None => {
+                        if ok {
+                            set(&mut mask, self.ids[i]);
+                        }
+                        i += 1;
+                    }
+                    Some(d) => {
+                        // Every following token that starts with these d + 1 bytes dies too.
+                        i += 1;
+                        while i < self.ids.len() && self.lcp[i] as usize > d {
+                            i += 1;
+                        }
+                    }
+                }
+            }
+            return mask;
+        }
         if let Some(key) = state.in_free_key() {
             // Inside an object key where other keys are allowed: nearly every token fits, and
             // a loop over a token's bytes says which, without stepping states.
@@ -323,6 +370,38 @@ mod tests {
             assert!(st.feed(&g, prefix), "{}", String::from_utf8_lossy(prefix));
             assert!(st.in_string().is_some(), "{}", String::from_utf8_lossy(prefix));
             assert_eq!(idx.allowed(&g, &st), brute(&idx, &g, &st), "after {}", String::from_utf8_lossy(prefix));
+        }
+    }
+}
+
+#[cfg(test)]
+mod pattern_tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn inside_a_patterned_string_the_fast_path_is_the_walk() {
+        let mut items: Vec<(u32, Vec<u8>)> = (0..=255u8).map(|b| (b as u32, vec![b])).collect();
+        let extra: [&[u8]; 12] = [b"ab", b"abc", b"\"}", b"\",\"", b"\\u00", b"\\u0061", b"\xc3\xa9", b"\xc3", b"\"", b"12", b"\\n", b"a\"]"];
+        for (i, t) in extra.iter().enumerate() {
+            items.push((256 + i as u32, t.to_vec()));
+        }
+        let idx = TokenIndex::from_tokens(300, items, vec![299]);
+        let g = Grammar::from_schema(&json!({"type": "object", "properties": {
+            "p": {"type": "string", "pattern": "^[a-cé]{1,4}$"},
+            "d": {"type": "string", "format": "date"},
+            "q": {"type": "array", "items": {"type": "string", "pattern": "a"}}
+        }, "additionalProperties": false})).unwrap();
+        for prefix in [
+            &b"{\"p\":\""[..], b"{\"p\":\"ab", b"{\"p\":\"abcc", b"{\"p\":\"a\\", b"{\"p\":\"a\\u00", b"{\"p\":\"\xc3",
+            b"{\"d\":\"2024-", b"{\"d\":\"2024-02-2", b"{\"q\":[\"", b"{\"q\":[\"xa", b"{\"q\":[\"a\",\"b",
+        ] {
+            let mut st = State::start(&g);
+            assert!(st.feed(&g, prefix), "{}", String::from_utf8_lossy(prefix));
+            assert!(st.in_pattern(&g).is_some(), "{}", String::from_utf8_lossy(prefix));
+            let m = idx.allowed(&g, &st);
+            assert_eq!(m, super::tests::brute(&idx, &g, &st), "after {}", String::from_utf8_lossy(prefix));
+            assert!(m.iter().any(|w| *w != 0), "a way on after {}", String::from_utf8_lossy(prefix));
         }
     }
 }
