@@ -299,6 +299,8 @@ fn find(hay: &[u8], needle: &[u8]) -> Option<usize> {
 mod edge_tests;
 #[cfg(test)]
 mod walk_tests;
+#[cfg(test)]
+mod review_tests;
 
 #[cfg(test)]
 mod tests {

@@ -33,7 +33,7 @@ const MAX_NESTING: u32 = 128;
 /// Keywords that constrain a value (not annotations).
 const CONSTRAINING: &[&str] = &[
     "type", "enum", "const", "properties", "required", "additionalProperties", "items", "prefixItems",
-    "minItems", "maxItems", "minLength", "maxLength", "nullable", "pattern", "minimum", "maximum",
+    "minItems", "maxItems", "minLength", "maxLength", "nullable", "pattern", "format", "minimum", "maximum",
     "exclusiveMinimum", "exclusiveMaximum",
 ];
 
@@ -475,6 +475,12 @@ impl<'a> Compiler<'a> {
                     vec!["object".into()]
                 } else if obj.contains_key("items") || obj.contains_key("prefixItems") {
                     vec!["array".into()]
+                } else if ["pattern", "format", "minLength", "maxLength"].iter().any(|k| obj.contains_key(*k)) {
+                    // String keywords with no type: only strings (a subset of what the schema
+                    // admits, so what is written always satisfies it).
+                    vec!["string".into()]
+                } else if ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"].iter().any(|k| obj.contains_key(*k)) {
+                    vec!["integer".into()]
                 } else {
                     return Ok(self.any());
                 }
@@ -754,38 +760,54 @@ fn merged(outer: &serde_json::Map<String, Json>, alt: &Json, path: &str) -> Resu
 
 /// An integer's bounds from `minimum` / `maximum` / `exclusiveMinimum` / `exclusiveMaximum`
 /// (numbers; draft 4's boolean `exclusive*` beside them too), as the integers they allow
-/// (`None`: unbounded); an empty range is an error.
+/// (`None`: unbounded); an empty range (within what a 19-digit integer can be) is an error.
+/// Integer bounds are read exactly (no trip through f64); all arithmetic is in i128.
 fn int_bounds(obj: &serde_json::Map<String, Json>, path: &str) -> Result<Option<(i64, i64)>, SchemaError> {
-    let num = |k: &str| -> Result<Option<f64>, SchemaError> {
-        match obj.get(k) {
-            None | Some(Json::Bool(_)) => Ok(None),
-            Some(v) => v.as_f64().filter(|x| x.is_finite()).map(Some).ok_or_else(|| Compiler::err(&format!("{path}/{k}"), "must be a number")),
+    /// A bound as the integer it puts at the edge: `up` rounds a fraction up (a lower bound).
+    fn edge(v: &Json, up: bool, k: &str, path: &str) -> Result<Option<i128>, SchemaError> {
+        if let Some(i) = v.as_i64() {
+            return Ok(Some(i as i128));
         }
-    };
+        if let Some(u) = v.as_u64() {
+            return Ok(Some(u as i128));
+        }
+        match v {
+            Json::Bool(_) => Ok(None),
+            _ => {
+                let x = v.as_f64().filter(|x| x.is_finite()).ok_or_else(|| Compiler::err(&format!("{path}/{k}"), "must be a number"))?;
+                // f64 → i128 saturates far outside i64, so the range checks below stay exact.
+                Ok(Some(if up { x.ceil() as i128 } else { x.floor() as i128 }))
+            }
+        }
+    }
     let flag = |k: &str| obj.get(k) == Some(&Json::Bool(true));
-    let (min, max, xmin, xmax) = (num("minimum")?, num("maximum")?, num("exclusiveMinimum")?, num("exclusiveMaximum")?);
+    let get = |k: &str, up: bool| obj.get(k).map(|v| edge(v, up, k, path)).transpose().map(Option::flatten);
+    let (min, max, xmin, xmax) = (get("minimum", true)?, get("maximum", false)?, get("exclusiveMinimum", false)?, get("exclusiveMaximum", true)?);
     if min.is_none() && max.is_none() && xmin.is_none() && xmax.is_none() {
         return Ok(None);
     }
-    // i64 through f64: the bounds saturate at the ends of the range.
-    let mut lo = i64::MIN;
-    let mut hi = i64::MAX;
+    let mut lo = i64::MIN as i128;
+    let mut hi = i64::MAX as i128;
     if let Some(m) = min {
-        lo = lo.max(if flag("exclusiveMinimum") { m.floor() as i64 + 1 } else { m.ceil() as i64 });
+        // Draft 4: `exclusiveMinimum: true` makes `minimum` exclusive (an integer bound: +1;
+        // a fractional one was rounded up already, which excludes it too).
+        let exact = obj.get("minimum").is_some_and(|v| v.is_i64() || v.is_u64() || v.as_f64().is_some_and(|x| x.fract() == 0.0));
+        lo = lo.max(if flag("exclusiveMinimum") && exact { m + 1 } else { m });
     }
     if let Some(m) = xmin {
-        lo = lo.max(m.floor() as i64 + 1);
+        lo = lo.max(m + 1);
     }
     if let Some(m) = max {
-        hi = hi.min(if flag("exclusiveMaximum") { m.ceil() as i64 - 1 } else { m.floor() as i64 });
+        let exact = obj.get("maximum").is_some_and(|v| v.is_i64() || v.is_u64() || v.as_f64().is_some_and(|x| x.fract() == 0.0));
+        hi = hi.min(if flag("exclusiveMaximum") && exact { m - 1 } else { m });
     }
     if let Some(m) = xmax {
-        hi = hi.min(m.ceil() as i64 - 1);
+        hi = hi.min(m - 1);
     }
     if lo > hi {
         return Err(Compiler::err(path, "no integer satisfies these minimum / maximum bounds"));
     }
-    Ok(Some((lo, hi)))
+    Ok(Some((lo as i64, hi as i64)))
 }
 
 /// The `enum` / `const` members that satisfy the other constraining keywords beside them.
@@ -795,7 +817,10 @@ fn members_fitting<'v>(obj: &serde_json::Map<String, Json>, members: &'v [Json],
     if rest.is_empty() {
         return Ok(members.iter().collect());
     }
-    let v = jsonschema::validator_for(&Json::Object(rest)).map_err(|e| Compiler::err(path, format!("the keywords beside enum/const: {e}")))?;
+    let v = jsonschema::options()
+        .should_validate_formats(true)
+        .build(&Json::Object(rest))
+        .map_err(|e| Compiler::err(path, format!("the keywords beside enum/const: {e}")))?;
     Ok(members.iter().filter(|m| v.is_valid(m)).collect())
 }
 
