@@ -660,7 +660,7 @@ fn pstr_byte(d: &Dfa, ds: u32, sub: PSub, b: u8) -> Option<(u32, PSub)> {
             0x00..=0x1f | b'"' => None,
             b'\\' => partial(PSub::Esc, 0, MAX_CHAR),
             0x20..=0x7f => char_done(b as u32),
-            0xc2..=0xdf | 0xe0..=0xef | 0xf0..=0xf4 => {
+            0xc2..=0xf4 => {
                 let (need, lo, hi, acc) = match b {
                     0xc2..=0xdf => (1, 0x80, 0xbf, (b & 0x1f) as u32),
                     0xe0 => (2, 0xa0, 0xbf, 0),
@@ -751,7 +751,7 @@ fn int_feasible(lo: i64, hi: i64, neg: bool, v: u64, k: u8) -> bool {
         if a > mhi {
             return false;
         }
-        if a + p - 1 >= mlo {
+        if a + p > mlo {
             return true;
         }
         p *= 10;

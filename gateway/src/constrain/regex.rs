@@ -192,6 +192,19 @@ impl Dfa {
         t.get(i).is_some_and(|r| r.0 <= hi)
     }
 
+    /// Whether it accepts all of `s` (tests).
+    #[cfg(test)]
+    pub fn matches(&self, s: &str) -> bool {
+        let mut st = Self::START;
+        for c in s.chars() {
+            match self.next(st, c as u32) {
+                Some(n) => st = n,
+                None => return false,
+            }
+        }
+        self.accepts(st)
+    }
+
     /// How many states it has.
     pub fn len(&self) -> usize {
         self.states.len()
@@ -785,14 +798,7 @@ mod tests {
     use super::*;
 
     fn matches(d: &Dfa, s: &str) -> bool {
-        let mut st = Dfa::START;
-        for c in s.chars() {
-            match d.next(st, c as u32) {
-                Some(n) => st = n,
-                None => return false,
-            }
-        }
-        d.accepts(st)
+        d.matches(s)
     }
 
     #[test]

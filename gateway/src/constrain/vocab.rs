@@ -151,6 +151,16 @@ impl TokenIndex {
             .clone()
     }
 
+    /// The first token after `i` that does not start with token `i`'s first `d + 1` bytes
+    /// (those die where token `i` died, at byte `d`).
+    fn past_prefix(&self, mut i: usize, d: usize) -> usize {
+        i += 1;
+        while i < self.ids.len() && self.lcp[i] as usize > d {
+            i += 1;
+        }
+        i
+    }
+
     /// The tokens whose bytes keep `state` alive, plus the end-of-generation tokens when the
     /// document may end in `state`.
     pub fn allowed(&self, g: &Grammar, state: &State) -> Mask {
@@ -215,13 +225,7 @@ impl TokenIndex {
                         }
                         i += 1;
                     }
-                    Some(d) => {
-                        // Every following token that starts with these d + 1 bytes dies too.
-                        i += 1;
-                        while i < self.ids.len() && self.lcp[i] as usize > d {
-                            i += 1;
-                        }
-                    }
+                    Some(d) => i = self.past_prefix(i, d),
                 }
             }
             return mask;
@@ -279,13 +283,7 @@ impl TokenIndex {
                     set(&mut mask, self.ids[i]);
                     i += 1;
                 }
-                Some(d) => {
-                    // Every following token that starts with these d + 1 bytes dies too.
-                    i += 1;
-                    while i < self.ids.len() && self.lcp[i] as usize > d {
-                        i += 1;
-                    }
-                }
+                Some(d) => i = self.past_prefix(i, d),
             }
         }
         mask
