@@ -160,14 +160,19 @@ pub enum PatStep {
 impl PatView {
     /// Byte `b` from (`ds`, `sub`), as the matcher's `PStr` frame takes it.
     pub fn step(&self, g: &Grammar, ds: u32, sub: PSub, b: u8) -> PatStep {
-        let d = &g.dfas[self.dfa as usize];
-        if sub == PSub::Plain && b == b'"' {
-            return if d.accepts(ds) { PatStep::Close } else { PatStep::Dead };
-        }
-        match pstr_byte(d, ds, sub, b) {
-            Some((ds, sub)) => PatStep::In(ds, sub),
-            None => PatStep::Dead,
-        }
+        pstr_step(&g.dfas[self.dfa as usize], ds, sub, b)
+    }
+}
+
+/// Byte `b` of a patterned string from (`ds`, `sub`): the one definition the matcher's `PStr`
+/// frame and the masks' fast path share.
+fn pstr_step(d: &Dfa, ds: u32, sub: PSub, b: u8) -> PatStep {
+    if sub == PSub::Plain && b == b'"' {
+        return if d.accepts(ds) { PatStep::Close } else { PatStep::Dead };
+    }
+    match pstr_byte(d, ds, sub, b) {
+        Some((ds, sub)) => PatStep::In(ds, sub),
+        None => PatStep::Dead,
     }
 }
 
@@ -655,25 +660,22 @@ fn utf8_reach(need: u8, lo: u8, hi: u8, acc: u32) -> (u32, u32) {
 fn pstr_byte(d: &Dfa, ds: u32, sub: PSub, b: u8) -> Option<(u32, PSub)> {
     let char_done = |c: u32| d.next(ds, c).map(|n| (n, PSub::Plain));
     let partial = |sub: PSub, lo: u32, hi: u32| d.any_in(ds, lo, hi).then_some((ds, sub));
+    let partial_hex = |sub: PSub, reach: [(u32, u32); 3]| reach.iter().any(|r| r.0 <= r.1 && d.any_in(ds, r.0, r.1)).then_some((ds, sub));
     match sub {
         PSub::Plain => match b {
             0x00..=0x1f | b'"' => None,
             b'\\' => partial(PSub::Esc, 0, MAX_CHAR),
             0x20..=0x7f => char_done(b as u32),
-            0xc2..=0xf4 => {
-                let (need, lo, hi, acc) = match b {
-                    0xc2..=0xdf => (1, 0x80, 0xbf, (b & 0x1f) as u32),
-                    0xe0 => (2, 0xa0, 0xbf, 0),
-                    0xed => (2, 0x80, 0x9f, 0xd),
-                    0xe1..=0xef => (2, 0x80, 0xbf, (b & 0x0f) as u32),
-                    0xf0 => (3, 0x90, 0xbf, 0),
-                    0xf4 => (3, 0x80, 0x8f, 4),
-                    _ => (3, 0x80, 0xbf, (b & 0x07) as u32),
-                };
-                let (rlo, rhi) = utf8_reach(need, lo, hi, acc);
-                partial(PSub::Utf8 { need, lo, hi, acc }, rlo, rhi)
-            }
-            _ => None,
+            // A UTF-8 lead byte: the plain string's table says which (the payload bits are the
+            // low 6 - need bits).
+            _ => match str_byte(StrSub::Plain, b)? {
+                (StrSub::Utf8 { need, lo, hi }, _) => {
+                    let acc = (b & (0x3f >> need)) as u32;
+                    let (rlo, rhi) = utf8_reach(need, lo, hi, acc);
+                    partial(PSub::Utf8 { need, lo, hi, acc }, rlo, rhi)
+                }
+                _ => None,
+            },
         },
         PSub::Utf8 { need, lo, hi, acc } => {
             if !(lo..=hi).contains(&b) {
@@ -695,7 +697,7 @@ fn pstr_byte(d: &Dfa, ds: u32, sub: PSub, b: u8) -> Option<(u32, PSub)> {
             b'n' => char_done(0x0a),
             b'r' => char_done(0x0d),
             b't' => char_done(0x09),
-            b'u' => hex_reach(4, 0, 0).iter().any(|r| r.0 <= r.1 && d.any_in(ds, r.0, r.1)).then_some((ds, PSub::Hex { left: 4, acc: 0, high: 0 })),
+            b'u' => partial_hex(PSub::Hex { left: 4, acc: 0, high: 0 }, hex_reach(4, 0, 0)),
             _ => None,
         },
         PSub::PairEsc { high } => (b == b'\\').then_some((ds, PSub::PairU { high })),
@@ -704,8 +706,7 @@ fn pstr_byte(d: &Dfa, ds: u32, sub: PSub, b: u8) -> Option<(u32, PSub)> {
             let v = (b as char).to_digit(16)? as u16;
             let (left, acc) = (left - 1, (acc << 4) | v);
             if left > 0 {
-                let reach = hex_reach(left, acc, high);
-                return reach.iter().any(|r| r.0 <= r.1 && d.any_in(ds, r.0, r.1)).then_some((ds, PSub::Hex { left, acc, high }));
+                return partial_hex(PSub::Hex { left, acc, high }, hex_reach(left, acc, high));
             }
             match (high, acc) {
                 (0, 0xd800..=0xdbff) => {
@@ -1001,20 +1002,15 @@ fn step_thread(g: &Grammar, t: &Thread, b: u8, out: &mut Vec<Thread>) {
                 out.push(t.with_top(Frame::Str { min, max, chars, sub }));
             }
         }
-        Frame::PStr { dfa, ds, sub } => {
-            let d = &g.dfas[dfa as usize];
-            if sub == PSub::Plain && b == b'"' {
-                if d.accepts(ds)
-                    && let Some(p) = t.pop(g, None)
-                {
+        Frame::PStr { dfa, ds, sub } => match pstr_step(&g.dfas[dfa as usize], ds, sub, b) {
+            PatStep::In(ds, sub) => out.push(t.with_top(Frame::PStr { dfa, ds, sub })),
+            PatStep::Close => {
+                if let Some(p) = t.pop(g, None) {
                     out.push(p);
                 }
-                return;
             }
-            if let Some((ds, sub)) = pstr_byte(d, ds, sub, b) {
-                out.push(t.with_top(Frame::PStr { dfa, ds, sub }));
-            }
-        }
+            PatStep::Dead => {}
+        },
         Frame::Key { obj, at, free, sub } => key_byte(g, t, obj, at, free, sub, b, out),
         Frame::Arr { node, count, st } => {
             let min = match &g.nodes[node as usize] {

@@ -797,10 +797,6 @@ impl Nfa {
 mod tests {
     use super::*;
 
-    fn matches(d: &Dfa, s: &str) -> bool {
-        d.matches(s)
-    }
-
     #[test]
     fn patterns_match_what_ecmascript_matches() {
         let cases: &[(&str, &[&str], &[&str])] = &[
@@ -826,10 +822,10 @@ mod tests {
         for (p, yes, no) in cases {
             let d = Dfa::from_pattern(p).unwrap_or_else(|e| panic!("{p}: {e}"));
             for s in *yes {
-                assert!(matches(&d, s), "{p} must match {s:?}");
+                assert!(d.matches(s), "{p} must match {s:?}");
             }
             for s in *no {
-                assert!(!matches(&d, s), "{p} must not match {s:?}");
+                assert!(!d.matches(s), "{p} must not match {s:?}");
             }
         }
     }
@@ -874,10 +870,10 @@ mod tests {
         for (f, yes, no) in cases {
             let d = Dfa::from_pattern(format_pattern(f).unwrap()).unwrap();
             for s in *yes {
-                assert!(matches(&d, s), "{f} must accept {s:?}");
+                assert!(d.matches(s), "{f} must accept {s:?}");
             }
             for s in *no {
-                assert!(!matches(&d, s), "{f} must refuse {s:?}");
+                assert!(!d.matches(s), "{f} must refuse {s:?}");
             }
         }
         assert_eq!(format_pattern("color"), None);
@@ -888,7 +884,7 @@ mod tests {
         let p = Dfa::from_pattern(r"^[ab]*c?$").unwrap();
         let both = p.intersect(&Dfa::length(2, 3).unwrap()).unwrap().unwrap();
         for (s, ok) in [("ab", true), ("abc", true), ("a", false), ("abab", false), ("ac", true), ("cc", false)] {
-            assert_eq!(matches(&both, s), ok, "{s}");
+            assert_eq!(both.matches(s), ok, "{s}");
         }
         // After "abc" nothing may follow: the state has no way on.
         let mut st = Dfa::START;
@@ -899,7 +895,7 @@ mod tests {
         // Every state left can still reach an accepting one; an impossible pair is None.
         assert!(Dfa::from_pattern(r"^a{5}$").unwrap().intersect(&Dfa::length(0, 3).unwrap()).unwrap().is_none());
         let unb = p.intersect(&Dfa::length(3, u32::MAX).unwrap()).unwrap().unwrap();
-        assert!(matches(&unb, "aaaaaaaaab") && !matches(&unb, "ab"));
+        assert!(unb.matches("aaaaaaaaab") && !unb.matches("ab"));
     }
 
     #[test]

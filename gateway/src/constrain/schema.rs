@@ -528,7 +528,7 @@ impl<'a> Compiler<'a> {
                 if min > max {
                     return Err(Self::err(path, format!("minLength {min} > maxLength {max}")));
                 }
-                match self.string_automaton(obj, min, max, path)? {
+                match Self::string_automaton(obj, min, max, path)? {
                     Some(d) => {
                         self.dfas.push(d);
                         let i = (self.dfas.len() - 1) as u32;
@@ -566,7 +566,7 @@ impl<'a> Compiler<'a> {
 
     /// The automaton of a string's `pattern`, known `format` and length bounds together, or
     /// `None` when it has neither (the plain string node counts lengths itself).
-    fn string_automaton(&mut self, obj: &serde_json::Map<String, Json>, min: u32, max: u32, path: &str) -> Result<Option<Dfa>, SchemaError> {
+    fn string_automaton(obj: &serde_json::Map<String, Json>, min: u32, max: u32, path: &str) -> Result<Option<Dfa>, SchemaError> {
         let text = |k: &str| -> Result<Option<&str>, SchemaError> {
             obj.get(k).map(|v| v.as_str().ok_or_else(|| Self::err(&format!("{path}/{k}"), "must be a string"))).transpose()
         };
@@ -781,29 +781,21 @@ fn int_bounds(obj: &serde_json::Map<String, Json>, path: &str) -> Result<Option<
         }
     }
     let flag = |k: &str| obj.get(k) == Some(&Json::Bool(true));
-    let get = |k: &str, up: bool| obj.get(k).map(|v| edge(v, up, k, path)).transpose().map(Option::flatten);
-    let (min, max, xmin, xmax) = (get("minimum", true)?, get("maximum", false)?, get("exclusiveMinimum", false)?, get("exclusiveMaximum", true)?);
-    if min.is_none() && max.is_none() && xmin.is_none() && xmax.is_none() {
+    // The smallest / largest integer a bound lets through: an exclusive one (a number, or
+    // draft 4's `exclusive*: true` beside `minimum` / `maximum`) moves past floor / ceil.
+    let lower = |k: &str, exclusive: bool| -> Result<Option<i128>, SchemaError> {
+        Ok(obj.get(k).map(|v| edge(v, !exclusive, k, path)).transpose()?.flatten().map(|m| if exclusive { m + 1 } else { m }))
+    };
+    let upper = |k: &str, exclusive: bool| -> Result<Option<i128>, SchemaError> {
+        Ok(obj.get(k).map(|v| edge(v, exclusive, k, path)).transpose()?.flatten().map(|m| if exclusive { m - 1 } else { m }))
+    };
+    let los = [lower("minimum", flag("exclusiveMinimum"))?, lower("exclusiveMinimum", true)?];
+    let his = [upper("maximum", flag("exclusiveMaximum"))?, upper("exclusiveMaximum", true)?];
+    if los.iter().chain(&his).all(Option::is_none) {
         return Ok(None);
     }
-    let mut lo = i64::MIN as i128;
-    let mut hi = i64::MAX as i128;
-    if let Some(m) = min {
-        // Draft 4: `exclusiveMinimum: true` makes `minimum` exclusive (an integer bound: +1;
-        // a fractional one was rounded up already, which excludes it too).
-        let exact = obj.get("minimum").is_some_and(|v| v.is_i64() || v.is_u64() || v.as_f64().is_some_and(|x| x.fract() == 0.0));
-        lo = lo.max(if flag("exclusiveMinimum") && exact { m + 1 } else { m });
-    }
-    if let Some(m) = xmin {
-        lo = lo.max(m + 1);
-    }
-    if let Some(m) = max {
-        let exact = obj.get("maximum").is_some_and(|v| v.is_i64() || v.is_u64() || v.as_f64().is_some_and(|x| x.fract() == 0.0));
-        hi = hi.min(if flag("exclusiveMaximum") && exact { m - 1 } else { m });
-    }
-    if let Some(m) = xmax {
-        hi = hi.min(m - 1);
-    }
+    let lo = los.into_iter().flatten().fold(i64::MIN as i128, i128::max);
+    let hi = his.into_iter().flatten().fold(i64::MAX as i128, i128::min);
     if lo > hi {
         return Err(Compiler::err(path, "no integer satisfies these minimum / maximum bounds"));
     }

@@ -131,15 +131,16 @@ pub(super) fn fill_fed(req: &mut pb::StepRequest, agreed: &mut Agreed, seqs: &mu
 /// (temperature > 0) too (`MINIMAX_DEVICE_DRAW`), else greedy rows only.
 #[cfg(feature = "cuda")]
 pub(super) fn feeds_on_device(spec: &sampling::SamplingSpec, target: Option<u32>, vocab: usize, sampled: bool) -> bool {
-    let plan = sampling::partial::plan(spec, target, vocab, crate::cuda::sampling::MAX_CANDIDATES);
     let drawn_there = spec.temperature == 0.0 || sampled;
     drawn_there
-        && !plan.full_row
-        && plan.whole_set
         && spec.repetition_penalty == 1.0
         && spec.frequency_penalty == 0.0
         && spec.presence_penalty == 0.0
         && spec.allowed.is_none()
+        && {
+            let plan = sampling::partial::plan(spec, target, vocab, crate::cuda::sampling::MAX_CANDIDATES);
+            !plan.full_row && plan.whole_set
+        }
 }
 
 /// Remembers the tokens this step drew, for the `feed_drawn` steps that follow.
