@@ -33,7 +33,8 @@ fn config(overlap: bool, device_feed: bool) -> (EngineConfig, PathBuf) {
         s.devices = vec![std::env::var("MINIMAX_TEST_CUDA_DEVICE").unwrap_or_else(|_| "cuda:0".into())];
         s.synthetic = Some("m2.7:iq4xs:8".into());
         s.env.push(("MINIMAX_DEVICE_FEED".into(), if device_feed { "1" } else { "0" }.into()));
-        // Sampled rows drawn on the device too (opt-in until this test has passed on a GPU).
+        // Sampled rows drawn on the device too (the default; off with feeding off, so the log check
+        // below tells the two apart).
         s.env.push(("MINIMAX_DEVICE_DRAW".into(), if device_feed { "1" } else { "0" }.into()));
         s.env.push(("RUST_LOG".into(), "info".into()));
         std::fs::create_dir_all(&dir).unwrap();

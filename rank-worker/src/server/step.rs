@@ -682,12 +682,12 @@ fn device_feed_on() -> bool {
     ON.get()
 }
 
-/// Device-fed sampled tokens (the merge kernel draws with the gateway's uniform number): off
-/// unless `MINIMAX_DEVICE_DRAW=1`, read once, until its GPU tests have run (session 30 had no
-/// GPU). Off, only greedy rows are fed on the device.
+/// Device-fed sampled tokens (the merge kernel draws with the gateway's uniform number): on
+/// unless `MINIMAX_DEVICE_DRAW=0`, read once (its GPU tests and HTTP A/B passed in session
+/// 33). Off, only greedy rows are fed on the device.
 #[cfg(feature = "cuda")]
 fn device_draw_on() -> bool {
-    static ON: crate::cuda::env_flag::EnvFlag = crate::cuda::env_flag::EnvFlag::new("MINIMAX_DEVICE_DRAW", false);
+    static ON: crate::cuda::env_flag::EnvFlag = crate::cuda::env_flag::EnvFlag::new("MINIMAX_DEVICE_DRAW", true);
     ON.get()
 }
 
