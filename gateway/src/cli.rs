@@ -141,6 +141,13 @@ pub struct EngineArgs {
     #[arg(long, env = "MINIMAX_OVERLAP", value_enum, default_value_t = OnOff::On)]
     pub overlap: OnOff,
 
+    /// Overlapped decode of structured outputs and guided tool calls: a constrained
+    /// sequence's next step is sent before the token its rule depends on is known, and the
+    /// rule follows with the step after (docs/SCHEDULER.md, "Late rules"); `off`: such a
+    /// sequence waits for its token, one step at a time.
+    #[arg(long, env = "MINIMAX_LATE_RULES", value_enum, default_value_t = OnOff::On)]
+    pub late_rules: OnOff,
+
     /// Seconds one step may take on the ranks before the world is declared broken.
     #[arg(long, env = "MINIMAX_STEP_TIMEOUT", default_value_t = 300.0)]
     pub step_timeout: f64,
@@ -263,6 +270,7 @@ impl EngineArgs {
             max_queue: self.max_queue,
             pipeline_inflight: self.pipeline_inflight,
             overlap: self.overlap == OnOff::On,
+            late_rules: self.late_rules == OnOff::On,
         };
         Ok(EngineConfig { sched, world })
     }

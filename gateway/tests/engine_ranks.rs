@@ -169,3 +169,71 @@ async fn one_rank_overlapped_decode_gives_the_tokens_of_one_step_at_a_time() {
     }
     assert_eq!(runs[0][2].0.len(), 20);
 }
+
+/// Structured outputs in a one-rank world (the fixture's own vocabulary): with late rules a
+/// constrained sequence's next step is sent before its token is known and its rule follows
+/// with the step after (the rank's forward runs meanwhile, its reduction waits for the rule);
+/// the tokens are those of one step at a time (overlap off, and overlap with late rules off),
+/// greedy and seeded sampled, alone and two at once, and every output is a valid prefix of
+/// the schema's documents (a whole one where it stopped).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn one_rank_structured_outputs_with_late_rules_give_the_tokens_of_one_step_at_a_time() {
+    use std::sync::Arc;
+
+    use minimax_gateway::constrain::schema::Grammar;
+    use minimax_gateway::constrain::vocab::TokenIndex;
+    use minimax_gateway::constrain::{ConstraintSpec, Mode};
+    use minimax_gateway::text::format::ModelFormat;
+    use minimax_gateway::text::tokenizer::Tokenizer;
+
+    let tok = Tokenizer::from_gguf(common::root().join("fixtures/m2-small/q8_0.gguf"), &ModelFormat::minimax_m2()).expect("tokenizer");
+    let index = Arc::new(TokenIndex::new(&tok));
+    // Items with no room for whitespace inside them (random weights favour it).
+    let schema = serde_json::json!({
+        "type": "array",
+        "items": {"type": "string", "pattern": "^[a-z0-9]{3,6}$"},
+        "minItems": 2,
+        "maxItems": 4
+    });
+    let spec = Arc::new(ConstraintSpec { grammar: Grammar::from_schema(&schema).unwrap(), index: index.clone(), reasoning_close: None, mode: Mode::Document });
+    // And a request's own logit bias against whitespace tokens, which each rule is merged with.
+    let blank: std::collections::HashMap<u32, f32> = (0..index.vocab() as u32).filter(|&t| !index.token_bytes(t).is_empty() && index.token_bytes(t).iter().all(u8::is_ascii_whitespace)).map(|t| (t, -30.0)).collect();
+    assert!(!blank.is_empty());
+    let req = |id: &str, salt: u32, temperature: f32, seed: u64| GenerationRequest {
+        request_id: id.into(),
+        prompt: prompt(12, salt),
+        max_tokens: 40,
+        sampling: SamplingParams { temperature, top_k: 40, seed: Some(seed), constraint: Some(spec.clone()), logit_bias: blank.clone(), ..Default::default() },
+        stop_token_ids: index.eog().to_vec(),
+    };
+    let mut runs = vec![];
+    for (overlap, late) in [(false, false), (true, false), (true, true)] {
+        let (mut cfg, dir) = config(1, "tensor", vec![]);
+        cfg.sched.overlap = overlap;
+        cfg.sched.late_rules = late;
+        let engine = Engine::start(cfg);
+        engine.wait_ready(Duration::from_secs(90)).await.expect("rank ready");
+        let mut all = vec![run(&engine, req("alone", 3, 0.0, 1)).await];
+        let pair = futures_util::future::join_all([req("g", 4, 0.0, 2), req("s", 5, 0.9, 3)].map(|r| run(&engine, r))).await;
+        all.extend(pair);
+        let m = engine.metrics();
+        assert_eq!(m.late_rules > 0, overlap && late, "overlap {overlap}, late rules {late}: {m:?}");
+        runs.push(all.into_iter().map(|o| (o.tokens, o.finish.map(|f| f.0))).collect::<Vec<_>>());
+        stop(engine, dir).await;
+    }
+    assert_eq!(runs[0], runs[1], "overlap without late rules changed the outputs");
+    assert_eq!(runs[0], runs[2], "late rules changed the outputs");
+    for (tokens, finish) in &runs[0] {
+        let bytes: Vec<u8> = tokens.iter().flat_map(|&t| index.token_bytes(t).to_vec()).collect();
+        let text = String::from_utf8_lossy(&bytes);
+        assert!(tokens.len() >= 8, "{} tokens: {text}", tokens.len());
+        let mut state = minimax_gateway::constrain::matcher::State::start(&spec.grammar);
+        assert!(state.feed(&spec.grammar, &bytes), "not a prefix of a document: {text}");
+        if *finish == Ok(FinishReason::Stop) {
+            let doc: serde_json::Value = serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{e}: {text}"));
+            let items = doc.as_array().unwrap_or_else(|| panic!("{text}"));
+            assert!((2..=4).contains(&items.len()), "{text}");
+            assert!(items.iter().all(|v| v.as_str().is_some_and(|s| (3..=6).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit()))), "{text}");
+        }
+    }
+}

@@ -13,7 +13,9 @@ pub mod v1 {
     /// chained steps in one-rank worlds; a version-1 rank would run overlapped steps unordered.
     /// 3: allowed-token masks (`SamplingSpec.allowed_tokens`), which a version-2 rank would
     /// ignore (structured outputs would silently not hold).
-    pub const PROTOCOL_VERSION: u32 = 3;
+    /// 4: late rules (`SamplingSpec.rule_follows`, `StepRequest.late_rules`), which a
+    /// version-3 rank would take as unconstrained rows.
+    pub const PROTOCOL_VERSION: u32 = 4;
 
     mod convert;
     pub use convert::{count_in_history, draw_row, row_output, sampling_spec};

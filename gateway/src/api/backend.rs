@@ -26,6 +26,8 @@ pub struct EngineStats {
     /// Steps sent to the ranks and not answered yet, and the most at once (pipeline worlds).
     pub steps_in_flight: u64,
     pub steps_in_flight_max: u64,
+    /// Rules sent after their rows (late rules: structured outputs in overlapped decode).
+    pub late_rules: u64,
     /// Where served step time goes (sums since the start).
     pub step_times: crate::engine::metrics::StepTimes,
 }

@@ -39,6 +39,7 @@ impl Backend for Engine {
             ranks_ready: m.ranks_ready,
             steps_in_flight: m.steps_in_flight,
             steps_in_flight_max: m.steps_in_flight_max,
+            late_rules: m.late_rules,
             step_times: m.step_times,
         }
     }

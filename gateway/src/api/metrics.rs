@@ -179,6 +179,8 @@ impl Metrics {
         let _ = writeln!(o, "minimax_steps_in_flight {}", e.steps_in_flight);
         head(&mut o, "minimax_steps_in_flight_max", "gauge", "The most steps in flight at once since the start.");
         let _ = writeln!(o, "minimax_steps_in_flight_max {}", e.steps_in_flight_max);
+        head(&mut o, "minimax_late_rules_total", "counter", "Structured outputs' rules sent after their rows (overlapped decode with late rules).");
+        let _ = writeln!(o, "minimax_late_rules_total {}", e.late_rules);
         let t = &e.step_times;
         head(&mut o, "minimax_steps_total", "counter", "Steps sent to the ranks.");
         let _ = writeln!(o, "minimax_steps_total {}", t.steps);

@@ -30,6 +30,8 @@ pub struct Metrics {
     /// Steps sent to the ranks and not answered yet, and the most seen at once.
     pub steps_in_flight: AtomicU64,
     pub steps_in_flight_max: AtomicU64,
+    /// Rules sent after their rows (late rules: structured outputs in overlapped decode).
+    pub late_rules: AtomicU64,
     /// Where served step time goes (see [`StepTimes`]).
     pub step_tokens: AtomicU64,
     pub step_wall_us: AtomicU64,
@@ -77,6 +79,8 @@ pub struct MetricsSnapshot {
     pub steps_in_flight: u64,
     /// The most steps in flight at once since the start.
     pub steps_in_flight_max: u64,
+    /// Rules sent after their rows (late rules).
+    pub late_rules: u64,
     pub step_times: StepTimes,
     pub rank_restarts: u64,
     pub ranks_ready: u64,
@@ -129,6 +133,7 @@ impl MetricsSnapshot {
             steps: m.steps.load(Relaxed),
             steps_in_flight: m.steps_in_flight.load(Relaxed),
             steps_in_flight_max: m.steps_in_flight_max.load(Relaxed),
+            late_rules: m.late_rules.load(Relaxed),
             step_times: StepTimes {
                 steps: m.steps.load(Relaxed),
                 tokens: m.step_tokens.load(Relaxed),

@@ -349,6 +349,7 @@ async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::Unbo
                 plan.request.after_step_id = if inflight.is_empty() { 0 } else { last_sent };
                 last_sent = plan.request.step_id;
                 metrics.steps.fetch_add(1, Ordering::Relaxed);
+                metrics.late_rules.fetch_add(plan.request.late_rules.len() as u64, Ordering::Relaxed);
                 // (Overlapped entries feed one token the rank drew: not in `tokens`.)
                 let tokens = plan.n_tokens();
                 metrics.step_tokens.fetch_add(tokens as u64, Ordering::Relaxed);

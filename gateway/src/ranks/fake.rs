@@ -16,7 +16,7 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 
-use minimax_proto::v1::{LogitsMode, SeqResult, StepRequest, StepResponse};
+use minimax_proto::v1::{LateRule, LogitsMode, SeqResult, StepRequest, StepResponse};
 use minimax_shared::sampling::reduce_row;
 use tokio::sync::watch;
 
@@ -54,6 +54,10 @@ struct State {
     /// The head's last drawn token of each sequence.
     draws: HashMap<u64, u32>,
     steps: u64,
+    /// Steps executed (or refused), for the steps chained after them.
+    executed: std::collections::HashSet<u64>,
+    /// Late rules not taken yet, by (step, sequence).
+    rules: HashMap<(u64, u64), LateRule>,
 }
 
 /// The fake world. Wrap it in an `Arc` and hand it to `Engine::with_world`.
@@ -71,7 +75,7 @@ impl FakeWorld {
     /// A ready world (generation 1).
     pub fn new(cfg: FakeConfig) -> Self {
         let n = (cfg.n_pages * cfg.page_size) as usize;
-        let st = State { generation: 1, slots: vec![None; n], lens: vec![HashMap::new(); cfg.world_size as usize], draws: HashMap::new(), steps: 0 };
+        let st = State { generation: 1, slots: vec![None; n], lens: vec![HashMap::new(); cfg.world_size as usize], draws: HashMap::new(), steps: 0, executed: Default::default(), rules: HashMap::new() };
         let (state_tx, _) = watch::channel(WorldState::Ready(Self::info(&cfg, 1)));
         Self { cfg, state_tx, st: Mutex::new(st), restarts: AtomicU64::new(0), wrong_len_token: Mutex::new(None), refuse_token: Mutex::new(None), released: Mutex::new(vec![]) }
     }
@@ -115,6 +119,7 @@ impl FakeWorld {
                 st.slots.iter_mut().for_each(|s| *s = None);
                 st.lens.iter_mut().for_each(|l| l.clear());
                 st.draws.clear();
+                st.rules.clear();
                 st.generation
             };
             me.state_tx.send_replace(WorldState::Ready(Self::info(&me.cfg, generation)));
@@ -145,9 +150,22 @@ impl FakeWorld {
         (0..self.cfg.vocab).map(|i| (splitmix(h ^ (i as u64) << 32) % 10_000) as f32 / 1000.0).collect()
     }
 
+    /// Polls until `ready` holds (a world that never gets there is broken after 10 s).
+    async fn wait_until(&self, ready: impl Fn(&State) -> bool, what: &str) -> Result<(), WorldError> {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        while !ready(&self.st.lock().unwrap()) {
+            if std::time::Instant::now() > deadline {
+                return Err(WorldError::Broken(format!("fake world: {what} never came")));
+            }
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+        Ok(())
+    }
+
     fn execute(&self, generation: u64, req: &StepRequest) -> Result<Vec<StepResponse>, WorldError> {
         let ps = self.cfg.page_size as usize;
         let mut st = self.st.lock().unwrap();
+        st.executed.insert(req.step_id);
         if st.generation != generation || self.state_tx.borrow().ready().is_none() {
             return Err(WorldError::Broken(self.state_tx.borrow().describe()));
         }
@@ -252,8 +270,28 @@ fn splitmix(mut z: u64) -> u64 {
 impl RankWorld for FakeWorld {
     fn step(&self, generation: u64, req: StepRequest) -> BoxFuture<'_, Result<Vec<StepResponse>, WorldError>> {
         Box::pin(async move {
+            let mut req = req;
+            // As a rank does: rules for earlier steps' rows first; a chained step runs after
+            // the one it follows; rows whose rule follows wait for it.
+            self.st.lock().unwrap().rules.extend(req.late_rules.iter().map(|r| ((r.step_id, r.seq_id), r.clone())));
+            let after = req.after_step_id;
+            self.wait_until(|st| after == 0 || st.executed.contains(&after), "the step it follows").await?;
             if !self.cfg.step_delay.is_zero() {
                 tokio::time::sleep(self.cfg.step_delay).await;
+            }
+            let waiting: Vec<u64> = req.seqs.iter().filter(|s| s.sampling.as_ref().is_some_and(|sp| sp.rule_follows)).map(|s| s.seq_id).collect();
+            let step_id = req.step_id;
+            self.wait_until(|st| waiting.iter().all(|&q| st.rules.contains_key(&(step_id, q))), "a late rule").await?;
+            {
+                let mut st = self.st.lock().unwrap();
+                for s in req.seqs.iter_mut() {
+                    if let Some(sp) = s.sampling.as_mut().filter(|sp| sp.rule_follows) {
+                        let r = st.rules.remove(&(step_id, s.seq_id)).expect("waited for above");
+                        sp.logit_bias = r.logit_bias;
+                        sp.allowed_tokens = r.allowed_tokens;
+                        sp.rule_follows = false;
+                    }
+                }
             }
             self.execute(generation, &req)
         })

@@ -71,10 +71,16 @@ impl Sampler {
     }
 
     /// Whether the request's next step's rule depends on the token drawn now (structured
-    /// outputs, the inside of a guided tool call), so it cannot be fed from the rank's own draw
-    /// (overlapped decode).
+    /// outputs, the inside of a guided tool call): fed from the rank's own draw (overlapped
+    /// decode), its step then carries no rule ([`Sampler::next_spec_late`]) and the rule
+    /// follows ([`Sampler::late_rule`]).
     pub fn needs_drawn_token(&self) -> bool {
         self.constraint.as_ref().is_some_and(Constraint::needs_drawn_token)
+    }
+
+    /// Whether the request has a rule at all (structured outputs, guided tool calls).
+    pub fn is_constrained(&self) -> bool {
+        self.constraint.is_some()
     }
 
     pub fn params(&self) -> &SamplingParams {
@@ -96,30 +102,60 @@ impl Sampler {
     pub fn next_spec(&mut self) -> (SamplingSpec, f64) {
         let u = self.next_draw();
         let mut spec = self.spec(u);
-        if let Some(c) = &mut self.constraint {
-            match c.rule() {
-                Rule::Free => {}
-                Rule::NoEnd => {
-                    for &t in c.eog() {
-                        match spec.logit_bias.iter_mut().find(|b| b.token == t) {
-                            Some(b) => b.bias = f32::NEG_INFINITY,
-                            None => spec.logit_bias.push(TokenBias { token: t, bias: f32::NEG_INFINITY }),
-                        }
-                    }
-                    spec.logit_bias.sort_by_key(|b| b.token);
-                }
-                // The mask in the form made with it (`vocab::Wire`).
-                Rule::Only(a) => match &a.wire {
-                    Wire::Bans(bans) => {
-                        spec.logit_bias.retain(|b| bans.binary_search(&b.token).is_err());
-                        spec.logit_bias.extend(bans.iter().map(|&token| TokenBias { token, bias: f32::NEG_INFINITY }));
-                        spec.logit_bias.sort_by_key(|b| b.token);
-                    }
-                    Wire::Bits(bytes) => spec.allowed_tokens = Some(bytes.clone()),
-                },
-            }
+        if let Some((bias, allowed)) = self.rule() {
+            spec.logit_bias = bias;
+            spec.allowed_tokens = allowed;
         }
         (spec, u)
+    }
+
+    /// [`Sampler::next_spec`] for a step planned before the token the rule depends on is
+    /// known (overlapped decode): a constrained request's spec says its rule follows, and
+    /// [`Sampler::late_rule`] gives that rule once every earlier token was sampled here.
+    pub fn next_spec_late(&mut self) -> (SamplingSpec, f64) {
+        if self.constraint.is_none() {
+            return self.next_spec();
+        }
+        let u = self.next_draw();
+        let mut spec = self.spec(u);
+        spec.logit_bias.clear();
+        spec.rule_follows = true;
+        (spec, u)
+    }
+
+    /// The rule of the step [`Sampler::next_spec_late`] planned, for the rank's
+    /// `LateRule`: the logit bias and the allowed tokens after every token sampled so far.
+    pub fn late_rule(&mut self) -> (Vec<TokenBias>, Option<Vec<u8>>) {
+        self.rule().unwrap_or_else(|| (self.spec(0.0).logit_bias, None))
+    }
+
+    /// The request's logit bias with the constraint's next rule applied, and its mask; `None`
+    /// without a constraint.
+    fn rule(&mut self) -> Option<(Vec<TokenBias>, Option<Vec<u8>>)> {
+        let c = self.constraint.as_mut()?;
+        let mut bias: Vec<TokenBias> = self.params.logit_bias.iter().map(|(&token, &bias)| TokenBias { token, bias }).collect();
+        let mut allowed = None;
+        match c.rule() {
+            Rule::Free => {}
+            Rule::NoEnd => {
+                for &t in c.eog() {
+                    match bias.iter_mut().find(|b| b.token == t) {
+                        Some(b) => b.bias = f32::NEG_INFINITY,
+                        None => bias.push(TokenBias { token: t, bias: f32::NEG_INFINITY }),
+                    }
+                }
+            }
+            // The mask in the form made with it (`vocab::Wire`).
+            Rule::Only(a) => match &a.wire {
+                Wire::Bans(bans) => {
+                    bias.retain(|b| bans.binary_search(&b.token).is_err());
+                    bias.extend(bans.iter().map(|&token| TokenBias { token, bias: f32::NEG_INFINITY }));
+                }
+                Wire::Bits(bytes) => allowed = Some(bytes.clone()),
+            },
+        }
+        bias.sort_by_key(|b| b.token);
+        Some((bias, allowed))
     }
 
     /// What the head rank must reduce this request's next row to, and the uniform number it
@@ -144,6 +180,7 @@ impl Sampler {
             top_logprobs: if p.logprobs || p.top_logprobs > 0 { p.top_logprobs.min(20) } else { 0 },
             draw: Some(draw),
             allowed_tokens: None,
+            rule_follows: false,
         }
     }
 

@@ -40,7 +40,7 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::time::Instant;
 
-use minimax_proto::v1::{LogitsMode, SeqStep, StepRequest, StepResponse};
+use minimax_proto::v1::{LateRule, LogitsMode, SeqStep, StepRequest, StepResponse};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::engine::metrics::Metrics;
@@ -65,11 +65,16 @@ pub struct SchedConfig {
     /// One-rank worlds: keep the next decode step in flight while one computes (see the module
     /// docs). Off: one step at a time.
     pub overlap: bool,
+    /// Overlapped decode of constrained sequences (structured outputs, guided tool calls): the
+    /// next step goes out with its rule to follow (`SamplingSpec.rule_follows`), and the rule
+    /// rides on the step after (`StepRequest.late_rules`). Off: a constrained sequence waits
+    /// for each token before its next step is planned.
+    pub late_rules: bool,
 }
 
 impl Default for SchedConfig {
     fn default() -> Self {
-        Self { prefill_chunk: 2048, max_step_tokens: 2048, max_running: 64, max_queue: 256, pipeline_inflight: 0, overlap: true }
+        Self { prefill_chunk: 2048, max_step_tokens: 2048, max_running: 64, max_queue: 256, pipeline_inflight: 0, overlap: true, late_rules: true }
     }
 }
 
@@ -125,6 +130,9 @@ pub struct Seq {
     pending: usize,
     /// Its newest step in flight ends with a drawn token the gateway has not seen yet.
     draw_in_flight: bool,
+    /// The step in flight whose row was sent with its rule to follow (late rules), until the
+    /// rule is queued for the ranks.
+    rule_owed: Option<u64>,
     adopt: bool,
     published: usize,
     parent_key: u64,
@@ -166,6 +174,7 @@ impl Seq {
             kv_len: 0,
             pending: 0,
             draw_in_flight: false,
+            rule_owed: None,
             adopt: false,
             published: 0,
             parent_key: ROOT,
@@ -219,6 +228,7 @@ impl Seq {
         self.kv_len = 0;
         self.pending = 0;
         self.draw_in_flight = false;
+        self.rule_owed = None;
         self.adopt = false;
         self.published = 0;
         self.parent_key = ROOT;
@@ -296,6 +306,8 @@ pub struct Scheduler {
     /// Overlapped decode (one-rank worlds): plan a sequence whose step in flight draws a token
     /// again, feeding that token.
     overlap: bool,
+    /// Rules owed to rows sent with `rule_follows`, for the next step sent.
+    rules_out: Vec<LateRule>,
 }
 
 impl Scheduler {
@@ -319,6 +331,7 @@ impl Scheduler {
             draining: HashMap::new(),
             groups: 1,
             overlap: false,
+            rules_out: Vec::new(),
         }
     }
 
@@ -383,6 +396,7 @@ impl Scheduler {
     /// Takes an ended sequence out of service: released now, or once the steps in flight that
     /// hold it have completed (their pages are still being written).
     fn retire(&mut self, mut s: Seq) {
+        settle_rule(&mut self.rules_out, &mut s, false);
         if s.seq_id != 0 && self.is_in_flight(s.seq_id) {
             self.draining.insert(s.seq_id, s);
         } else {
@@ -399,6 +413,7 @@ impl Scheduler {
         self.to_release.clear();
         self.in_flight.clear();
         self.draining.clear();
+        self.rules_out.clear();
         self.publish_gauges();
     }
 
@@ -459,6 +474,7 @@ impl Scheduler {
         }
         self.to_release.clear();
         self.in_flight.clear();
+        self.rules_out.clear();
         self.publish_gauges();
     }
 
@@ -585,7 +601,8 @@ impl Scheduler {
     /// Whether overlapped decode can plan `s` again while its step in flight draws its next
     /// token: that token must be fed next (one unseen draw at most, so the penalties' history
     /// misses only the token the rank adds), must not end the sequence by length, and must not
-    /// decide the next step's allowed tokens (structured outputs).
+    /// decide the next step's allowed tokens (structured outputs) unless that rule may follow
+    /// (late rules).
     fn can_feed_drawn(&self, s: &Seq) -> bool {
         self.overlap
             && s.draw_in_flight
@@ -594,7 +611,7 @@ impl Scheduler {
             && !s.out.closed()
             && s.generated + 1 < s.max_tokens
             && s.tokens.len() + 1 < self.context
-            && !s.sampler.as_ref().is_some_and(Sampler::needs_drawn_token)
+            && (self.cfg.late_rules || !s.sampler.as_ref().is_some_and(Sampler::needs_drawn_token))
     }
 
     /// Picks the step's entries among the running sequences; `None` if none can run.
@@ -631,7 +648,14 @@ impl Scheduler {
                     self.running[idx].pages.extend(p);
                 }
                 let s = &mut self.running[idx];
-                let (spec, u) = s.sampler.as_mut().expect("a generation").next_spec();
+                let sampler = s.sampler.as_mut().expect("a generation");
+                // A constrained sequence's rule depends on the token in flight: it follows.
+                let late = self.cfg.late_rules && sampler.is_constrained();
+                let (spec, u) = if late { sampler.next_spec_late() } else { sampler.next_spec() };
+                if late {
+                    debug_assert!(s.rule_owed.is_none(), "the step in flight had its rule already");
+                    s.rule_owed = Some(self.next_step);
+                }
                 seqs.push(SeqStep {
                     seq_id: s.seq_id,
                     page_table: s.pages.clone(),
@@ -695,12 +719,14 @@ impl Scheduler {
             entries.push(Entry { id, expected: kv_len, n: n_ok, draw });
             budget -= n_ok;
         }
-        if entries.is_empty() {
+        if entries.is_empty() && self.rules_out.is_empty() {
             return None;
         }
+        // (With no entries: a step that only carries rules, so rows waiting for them finish.)
         let step_id = self.next_step;
         self.next_step += 1;
-        Some(Plan { request: StepRequest { step_id, seqs, after_step_id: 0 }, entries })
+        let late_rules = std::mem::take(&mut self.rules_out);
+        Some(Plan { request: StepRequest { step_id, seqs, after_step_id: 0, late_rules }, entries })
     }
 
     /// Applies every rank's answer to a planned step: the KV-length handshake, then sampling or
@@ -813,7 +839,10 @@ impl Scheduler {
             if s.generated >= s.max_tokens || s.tokens.len() >= self.context {
                 let s = self.running.remove(idx);
                 self.finish(s, FinishReason::Length);
+                continue;
             }
+            // The row in flight sent with its rule to follow gets it now that its token is in.
+            settle_rule(&mut self.rules_out, &mut self.running[idx], true);
         }
         self.publish_gauges();
     }
@@ -886,6 +915,18 @@ fn finish_with_error(s: &mut Seq, err: EngineError, metrics: &Metrics) {
             }
         }
     }
+}
+
+/// Queues in `out` the rule a row of `s` sent with `rule_follows` still waits for: the
+/// constraint's next rule (`live`: every token before that row was sampled), or none (the
+/// sequence ended; the rank reduces the row unconstrained and its answer is dropped).
+fn settle_rule(out: &mut Vec<LateRule>, s: &mut Seq, live: bool) {
+    let Some(step_id) = s.rule_owed.take() else { return };
+    let (logit_bias, allowed_tokens) = match s.sampler.as_mut() {
+        Some(sm) if live => sm.late_rule(),
+        _ => (vec![], None),
+    };
+    out.push(LateRule { step_id, seq_id: s.seq_id, logit_bias, allowed_tokens });
 }
 
 /// The step entry feeding `n` of `s`'s tokens, and the uniform number its draw takes when the

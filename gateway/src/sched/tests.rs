@@ -1,4 +1,3 @@
-use std::collections::VecDeque;
 use std::sync::Arc;
 
 use tokio::sync::{mpsc, oneshot};
@@ -492,28 +491,35 @@ fn overlapped(n_pages: u32, context: u32, on: bool) -> (FakeWorld, Scheduler) {
 }
 
 /// Runs an overlapping scheduler as the engine does on one rank: up to two steps in flight,
-/// the rank computing each as it is sent, the answers applied oldest first. Returns how many
-/// entries fed a drawn token.
-async fn drive_overlapped(s: &mut Scheduler, w: &FakeWorld) -> usize {
-    let mut fed = 0;
-    let mut flight: VecDeque<(Plan, Vec<StepResponse>)> = VecDeque::new();
+/// each chained to the one sent before it, computed concurrently as a rank would (a row whose
+/// rule follows waits for it), the answers applied oldest first. Returns how many entries fed
+/// a drawn token and how many late rules the steps carried.
+async fn drive_overlapped(s: &mut Scheduler, w: &FakeWorld) -> (usize, usize) {
+    use futures_util::StreamExt;
+    type Flight<'a> = std::pin::Pin<Box<dyn std::future::Future<Output = (Plan, Vec<StepResponse>)> + 'a>>;
+    let (mut fed, mut rules) = (0, 0);
+    let mut flight: futures_util::stream::FuturesOrdered<Flight<'_>> = Default::default();
+    let mut last_sent = 0;
     for _ in 0..10_000 {
         s.reap_cancelled();
         flush_releases(s, w).await;
         while flight.len() < 2 {
-            let Some(plan) = s.plan() else { break };
+            let Some(mut plan) = s.plan() else { break };
+            plan.request.after_step_id = if flight.is_empty() { 0 } else { last_sent };
+            last_sent = plan.request.step_id;
             fed += plan.request.seqs.iter().filter(|q| q.feed_drawn).count();
-            let resp = w.step(1, plan.request.clone()).await.unwrap();
-            flight.push_back((plan, resp));
+            rules += plan.request.late_rules.len();
+            let req = plan.request.clone();
+            flight.push_back(Box::pin(async move { (plan, w.step(1, req).await.unwrap()) }));
         }
-        let Some((plan, resp)) = flight.pop_front() else { break };
+        let Some((plan, resp)) = flight.next().await else { break };
         s.complete(plan, &resp, 0);
         flush_releases(s, w).await;
         s.kv().check_invariants();
     }
     assert!(s.is_idle(), "scheduler did not drain");
     assert_eq!(s.in_flight(), 0);
-    fed
+    (fed, rules)
 }
 
 /// Greedy, seeded sampling with penalties (the rank adds each fed token to the history),
@@ -546,7 +552,7 @@ async fn overlapped_decode_gives_the_tokens_of_one_step_at_a_time() {
         let (w, mut s) = overlapped(64, 40, on);
         let mut rxs: Vec<_> = overlap_requests(vec![stop]).into_iter().map(|r| submit(&mut s, r)).collect();
         let fed = if on {
-            drive_overlapped(&mut s, &w).await
+            drive_overlapped(&mut s, &w).await.0
         } else {
             drive(&mut s, &w).await;
             0
@@ -642,17 +648,30 @@ fn constrained_request(seed: u64) -> GenerationRequest {
     GenerationRequest { stop_token_ids: vec![96], ..req("json", vec![3, 1, 4], 1000, sampling) }
 }
 
+/// Constrained sequences in overlapped decode: with late rules each step after the first is
+/// fed from the rank's draw and its rule follows with the next step; without, each waits for
+/// its token. Either way the tokens are those of one step at a time, and valid.
 #[tokio::test]
-async fn constrained_outputs_are_valid_and_never_fed_from_the_rank() {
+async fn constrained_outputs_are_valid_and_fed_with_their_rules_following() {
     let mut runs = vec![];
-    for on in [false, true] {
+    for (on, late) in [(false, false), (true, false), (true, true)] {
         let (w, mut s) = overlapped(256, 2048, on);
+        s.cfg.late_rules = late;
         let mut rxs: Vec<_> = (0..3).map(|seed| submit(&mut s, constrained_request(seed))).collect();
-        let fed = if on { drive_overlapped(&mut s, &w).await } else { drive(&mut s, &w).await; 0 };
-        assert_eq!(fed, 0, "a constrained sequence's next mask needs the token drawn");
+        let (fed, rules) = if on { drive_overlapped(&mut s, &w).await } else { drive(&mut s, &w).await; (0, 0) };
         runs.push(rxs.iter_mut().map(outcome).collect::<Vec<_>>());
+        let tokens: usize = runs.last().unwrap().iter().map(|o| o.0.len()).sum();
+        if late {
+            // Every token but each sequence's first and last is fed (the last one's entry is
+            // dropped after the stop), and every fed row gets its rule.
+            assert!(fed >= tokens - 2 * 3, "fed {fed} of {tokens}");
+            assert_eq!(rules, fed, "one rule for each row sent with its rule to follow");
+        } else {
+            assert_eq!((fed, rules), (0, 0), "a constrained sequence's next mask needs the token drawn");
+        }
     }
     assert_eq!(runs[0], runs[1]);
+    assert_eq!(runs[0], runs[2]);
     for (toks, reason, _, err) in &runs[0] {
         assert_eq!((reason, err), (&Some(FinishReason::Stop), &None));
         let text: String = toks.iter().map(|&t| char::from(0x20 + t as u8)).collect();

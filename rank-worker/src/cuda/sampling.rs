@@ -545,6 +545,19 @@ pub struct StepLogits<'m> {
     data: RowData,
 }
 
+/// [`StepLogits`] between [`StepLogits::detach`] and [`DetachedLogits::attach`].
+pub struct DetachedLogits {
+    rows: Vec<LogitsRow>,
+    data: RowData,
+}
+
+impl DetachedLogits {
+    /// The rows again, read from `model`, the one whose forward left them.
+    pub fn attach(self, model: &CudaModel) -> StepLogits<'_> {
+        StepLogits { model, rows: self.rows, data: self.data }
+    }
+}
+
 enum RowData {
     /// `rows.len() * vocab` values, row-major.
     Host(Vec<f32>),
@@ -559,6 +572,12 @@ impl<'m> StepLogits<'m> {
 
     pub(super) fn device(model: &'m CudaModel, rows: Vec<LogitsRow>, src: Vec<usize>, par: usize) -> Self {
         Self { model, rows, data: RowData::Device(src, par) }
+    }
+
+    /// The rows without the borrow of the model, so the engine lock can be released while
+    /// they wait for late rules; no forward may run before [`DetachedLogits::attach`].
+    pub fn detach(self) -> DetachedLogits {
+        DetachedLogits { rows: self.rows, data: self.data }
     }
 
     /// The rows, in batch order.

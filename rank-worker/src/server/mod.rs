@@ -6,6 +6,7 @@
 
 mod authority;
 mod huffman_table;
+mod late_rules;
 mod step;
 
 use std::collections::VecDeque;
@@ -149,6 +150,8 @@ struct Shared {
     limits: Mutex<Option<(usize, usize)>>,
     /// The order of pipelined steps (pipeline worlds).
     pipe: Pipe,
+    /// Rules of rows sent with `rule_follows`, until their steps take them.
+    late_rules: late_rules::LateRules,
     /// The current world's transport, watched for a dead peer without taking the engine lock.
     transport: Mutex<Option<Arc<TestTransport>>>,
     /// The current world's NCCL communicator, aborted by the watcher when a peer died while
@@ -204,6 +207,7 @@ impl Shared {
     fn world_broken(&self, engine: Option<&mut Engine>, why: &str) {
         self.abort_comms(why);
         self.pipe.reset();
+        self.late_rules.clear();
         if let Some(e) = engine {
             e.world = None;
             self.seqs.lock().unwrap().clear();
@@ -643,6 +647,8 @@ impl Pipe {
 /// (feeding the tokens this one draws) arrives while this one computes.
 fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResponse, Status> {
     let cfg = &shared.cfg;
+    // Rules for rows of earlier steps first: those steps may be waiting for them.
+    shared.late_rules.deposit(&req.late_rules);
     let epoch = shared.pipe.epoch();
     let ready = || shared.state() == pb::RankState::Ready;
     let alone = cfg.world_size == 1;
@@ -694,6 +700,7 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
     let launched = shared.pipe.wait_turn(ticket, epoch, &ready).and_then(|()| {
         let mut agreed = Some(agreed);
         let mut waited = false;
+        let mut rules_in = false;
         loop {
             let mut guard = shared.engine.lock().unwrap();
             let Some(engine) = guard.as_mut().filter(|e| e.world.is_some() || alone) else {
@@ -701,6 +708,16 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
             };
             let a = agreed.as_mut().expect("taken only below");
             let device = alone && engine.device_feed_ok(a.n_tokens());
+            // Rows whose rule follows (late rules): a step computed in one go takes the rules
+            // in before it starts; a device step launches its forward first (below).
+            let waiting = a.rows_waiting(req);
+            if !device && !rules_in && !waiting.is_empty() {
+                drop(guard);
+                let rules = shared.late_rules.wait(req.step_id, &waiting, cfg.collective_timeout, &ready)?;
+                late_rules::apply(req, rules);
+                rules_in = true;
+                continue;
+            }
             let filled = if alone && !device && !waited {
                 // Computed here and now (e.g. a prefill chunk): let the step before be read
                 // back first, or its answer would wait for this whole compute.
@@ -725,6 +742,30 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
             let idle = shared.last_compute_end.lock().unwrap().map(|e| start.saturating_duration_since(e));
             let agreed = agreed.take().expect("set above");
             let launched = if alone { engine.launch(req, agreed, ticket, device, &fed_dev) } else { step::Launched::Done(engine.compute(req, agreed)) };
+            // The forward runs; its rows wait for their rules without the engine lock (the
+            // step before is read back meanwhile, and its answer lets the gateway send them).
+            #[cfg(feature = "cuda")]
+            let (launched, mut guard) = match launched {
+                step::Launched::Rules(w) => {
+                    drop(guard);
+                    let rules = shared.late_rules.wait(req.step_id, &w.waiting, cfg.collective_timeout, &ready);
+                    let mut guard = shared.engine.lock().unwrap();
+                    let launched = match (rules, guard.as_mut()) {
+                        (Ok(rules), Some(engine)) => {
+                            late_rules::apply(req, rules);
+                            engine.resume(req, *w)
+                        }
+                        (Err(e), _) => step::Launched::Done(Err(e)),
+                        (_, None) => step::Launched::Done(Err(pipe_broken("the engine went away while a step waited for its rules"))),
+                    };
+                    (launched, guard)
+                }
+                other => (other, guard),
+            };
+            #[cfg(feature = "cuda")]
+            let Some(engine) = guard.as_mut() else {
+                return Err(pipe_broken("the engine went away while a step waited for its rules"));
+            };
             *shared.step_started.lock().unwrap() = None;
             *shared.last_compute_end.lock().unwrap() = Some(Instant::now());
             tracing::debug!(target: "minimax::step", step = req.step_id, idle_ms = idle.map_or(-1.0, |d| d.as_secs_f64() * 1e3), "since the previous compute ended");
@@ -750,6 +791,9 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
                     p.expect_draws(&mut shared.seqs.lock().unwrap());
                     step::Launched::Pending(p)
                 }
+                // (`resume` never waits again.)
+                #[cfg(feature = "cuda")]
+                step::Launched::Rules(_) => step::Launched::Done(Err(StepError::Invalid("a step still waited for rules after they arrived".into()))),
             };
             return Ok(launched);
         }
@@ -760,6 +804,8 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
     let res = match launched {
         Err(e) => Err(e),
         Ok(step::Launched::Done(res)) => res,
+        #[cfg(feature = "cuda")]
+        Ok(step::Launched::Rules(_)) => unreachable!("turned into an answer above"),
         #[cfg(feature = "cuda")]
         Ok(step::Launched::Pending(p)) => {
             // Read back even if the world broke meanwhile (it frees the read-back buffer). The
@@ -943,6 +989,7 @@ pub async fn serve(cfg: ServeConfig) -> Result<(), ServeError> {
         seqs: Mutex::new(SeqTable::new(cfg.test_fault.clone())),
         limits: Mutex::new(None),
         pipe: Pipe::default(),
+        late_rules: late_rules::LateRules::default(),
         transport: Mutex::new(None),
         comm_abort: Mutex::new(None),
         step_started: Mutex::new(None),

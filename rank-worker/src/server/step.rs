@@ -30,6 +30,11 @@ pub(super) struct Agreed {
 }
 
 impl Agreed {
+    /// The sequences of the agreed rows of `req` whose rule follows (late rules).
+    pub(super) fn rows_waiting(&self, req: &pb::StepRequest) -> Vec<u64> {
+        super::late_rules::rows_waiting(req, &self.batch_src)
+    }
+
     /// Whether the agreement left anything to compute.
     pub(super) fn is_empty(&self) -> bool {
         self.batch.seqs.is_empty()
@@ -126,8 +131,9 @@ pub(super) fn fill_fed(req: &mut pb::StepRequest, agreed: &mut Agreed, seqs: &mu
 /// what the host draws (greedy, or a candidate set the device holds whole:
 /// `RowPlan::whole_set`, e.g. top_k 40) and the row's sampling in the next step does not
 /// depend on the token (no repetition, frequency or presence penalty: those count the token,
-/// which the host learns only when the step is read back; nor does an allowed-token mask: the
-/// gateway's next mask follows the token). `sampled`: sampled rows
+/// which the host learns only when the step is read back). A structured output's row may
+/// feed: the gateway sends its next row's rule after it has seen the token (late rules).
+/// `sampled`: sampled rows
 /// (temperature > 0) too (`MINIMAX_DEVICE_DRAW`), else greedy rows only.
 #[cfg(feature = "cuda")]
 pub(super) fn feeds_on_device(spec: &sampling::SamplingSpec, target: Option<u32>, vocab: usize, sampled: bool) -> bool {
@@ -136,7 +142,6 @@ pub(super) fn feeds_on_device(spec: &sampling::SamplingSpec, target: Option<u32>
         && spec.repetition_penalty == 1.0
         && spec.frequency_penalty == 0.0
         && spec.presence_penalty == 0.0
-        && spec.allowed.is_none()
         && {
             let plan = sampling::partial::plan(spec, target, vocab, crate::cuda::sampling::MAX_CANDIDATES);
             !plan.full_row && plan.whole_set
@@ -192,6 +197,9 @@ pub(super) fn agree_step(
         // (every rank sees the same request, so all refuse it alike).
         if v == Verdict::Ok && s.feed_drawn && world.is_some_and(|w| w.world() > 1) {
             v = Verdict::Invalid(format!("sequence {}: feed_drawn needs a world of one rank", s.seq_id));
+        }
+        if v == Verdict::Ok && s.sampling.as_ref().is_some_and(|sp| sp.rule_follows) && world.is_some_and(|w| w.world() > 1) {
+            v = Verdict::Invalid(format!("sequence {}: rule_follows needs a world of one rank", s.seq_id));
         }
         if v == Verdict::Ok && s.feed_drawn && !fed.contains(&i) {
             v = Verdict::Invalid(format!("sequence {}: feed_drawn feeds one drawn token; tokens must be empty", s.seq_id));
@@ -333,44 +341,24 @@ impl Engine {
                 Err(e) => return Launched::Done(Err(StepError::Backend(e.to_string()))),
             };
             let Some(out) = out else { return Launched::Done(Err(StepError::Backend("the head rank's forward returned no logits".into()))) };
-            let rows = out.rows().to_vec();
-            let jobs = row_jobs(req, &agreed.batch_src, agreed.batch.seqs.len(), &rows);
-            // The draws it leaves: the last row of each sampled sequence. Sampled rows a next
-            // step may feed from the device carry the gateway's uniform number, so the merge
-            // draws the host's token there (greedy rows: the first candidate, as without).
-            let mut draws = Vec::new();
-            let mut uniforms = vec![None; rows.len()];
-            for (ri, row) in rows.iter().enumerate() {
-                let s = &req.seqs[agreed.batch_src[row.seq]];
-                let last = rows.get(ri + 1).is_none_or(|r| r.seq != row.seq);
-                if last
-                    && s.logits == pb::LogitsMode::Last as i32
-                    && let Some(u) = s.sampling.as_ref().and_then(|sp| sp.draw)
-                {
-                    let dev = feeds_on_device(&jobs[ri].0, jobs[ri].1, vocab, device_draw_on());
-                    if dev && jobs[ri].0.temperature > 0.0 {
-                        uniforms[ri] = Some(u);
-                    }
-                    draws.push((s.seq_id, ri, dev));
-                }
+            // Rows whose rule follows: the forward runs meanwhile; the reduction waits.
+            let waiting = agreed.rows_waiting(req);
+            if !waiting.is_empty() {
+                return Launched::Rules(Box::new(AwaitRules { agreed, logits: out.detach(), ticket, waiting }));
             }
-            let pending = match out.enqueue_reduce(&jobs, &uniforms) {
-                Ok(p) => p,
-                Err(e) => {
-                    tracing::warn!("device sampling failed, reducing on the host: {e}");
-                    None
-                }
-            };
-            let Some(reduce) = pending else {
-                // Rows not on the device (or none): answered at once.
-                return Launched::Done(answer(self.rank, self.head, &mut self.replay, req, agreed, Some(StepOut::Cuda(out))));
-            };
-            let draws = draws.into_iter().map(|(seq_id, ri, dev)| (seq_id, ri, if dev { reduce.pick_index(ri) } else { None })).collect();
-            let launch_ms = agreed.t0.elapsed().as_secs_f64() * 1e3;
-            return Launched::Pending(Box::new(PendingAnswer { agreed, rows, jobs, reduce, draws, ticket, launch_ms }));
+            return enqueue_reduce(self.rank, self.head, &mut self.replay, req, agreed, out, ticket, vocab);
         }
         let _ = (ticket, device, fed);
         Launched::Done(self.compute(req, agreed))
+    }
+
+    /// Continues a step [`Engine::launch`] left waiting for rules, once they are in `req`.
+    #[cfg(feature = "cuda")]
+    pub(super) fn resume(&mut self, req: &pb::StepRequest, w: AwaitRules) -> Launched {
+        let AwaitRules { agreed, logits, ticket, .. } = w;
+        let crate::backend::Backend::Cuda(m) = &self.backend else { unreachable!("only CUDA steps wait for rules") };
+        let vocab = m.config().vocab_size;
+        enqueue_reduce(self.rank, self.head, &mut self.replay, req, agreed, logits.attach(m), ticket, vocab)
     }
 
     /// Reads back a step [`Engine::launch`] left pending and answers it; records its draws in
@@ -424,6 +412,49 @@ impl Engine {
     }
 }
 
+/// The rest of a launched device step once every row's rule is in: the row reductions are
+/// enqueued behind the forward (their read-back left pending) or, for rows the device does
+/// not reduce, computed and answered here.
+#[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
+fn enqueue_reduce(rank: u32, head: bool, replay: &mut Option<crate::replay::Replay>, req: &pb::StepRequest, agreed: Agreed, out: crate::cuda::sampling::StepLogits<'_>, ticket: u64, vocab: usize) -> Launched {
+    let rows = out.rows().to_vec();
+    let jobs = row_jobs(req, &agreed.batch_src, agreed.batch.seqs.len(), &rows);
+    // The draws it leaves: the last row of each sampled sequence. Sampled rows a next
+    // step may feed from the device carry the gateway's uniform number, so the merge
+    // draws the host's token there (greedy rows: the first candidate, as without).
+    let mut draws = Vec::new();
+    let mut uniforms = vec![None; rows.len()];
+    for (ri, row) in rows.iter().enumerate() {
+        let s = &req.seqs[agreed.batch_src[row.seq]];
+        let last = rows.get(ri + 1).is_none_or(|r| r.seq != row.seq);
+        if last
+            && s.logits == pb::LogitsMode::Last as i32
+            && let Some(u) = s.sampling.as_ref().and_then(|sp| sp.draw)
+        {
+            let dev = feeds_on_device(&jobs[ri].0, jobs[ri].1, vocab, device_draw_on());
+            if dev && jobs[ri].0.temperature > 0.0 {
+                uniforms[ri] = Some(u);
+            }
+            draws.push((s.seq_id, ri, dev));
+        }
+    }
+    let pending = match out.enqueue_reduce(&jobs, &uniforms) {
+        Ok(p) => p,
+        Err(e) => {
+            tracing::warn!("device sampling failed, reducing on the host: {e}");
+            None
+        }
+    };
+    let Some(reduce) = pending else {
+        // Rows not on the device (or none): answered at once.
+        return Launched::Done(answer(rank, head, replay, req, agreed, Some(StepOut::Cuda(out))));
+    };
+    let draws = draws.into_iter().map(|(seq_id, ri, dev)| (seq_id, ri, if dev { reduce.pick_index(ri) } else { None })).collect();
+    let launch_ms = agreed.t0.elapsed().as_secs_f64() * 1e3;
+    Launched::Pending(Box::new(PendingAnswer { agreed, rows, jobs, reduce, draws, ticket, launch_ms }))
+}
+
 /// A step [`Engine::launch`] started.
 pub(super) enum Launched {
     /// Computed and answered.
@@ -431,6 +462,21 @@ pub(super) enum Launched {
     /// Enqueued on the GPU; [`Engine::finish`] reads it back.
     #[cfg(feature = "cuda")]
     Pending(Box<PendingAnswer>),
+    /// The forward enqueued; rows wait for their late rules ([`Engine::resume`]).
+    #[cfg(feature = "cuda")]
+    Rules(Box<AwaitRules>),
+}
+
+/// A launched CUDA step whose forward is enqueued and some of whose rows wait for their rules
+/// (late rules). The engine lock may be released meanwhile: no other forward runs before it
+/// resumes (compute tickets), so its logits stay where the forward left them.
+#[cfg(feature = "cuda")]
+pub(super) struct AwaitRules {
+    agreed: Agreed,
+    logits: crate::cuda::sampling::DetachedLogits,
+    ticket: u64,
+    /// The sequences whose rows wait.
+    pub waiting: Vec<u64>,
 }
 
 /// A CUDA step whose row reductions are enqueued and not read back.
@@ -732,8 +778,10 @@ mod tests {
         assert!(!feeds_on_device(&SamplingSpec { top_k: 40, presence_penalty: 0.5, ..d() }, None, v, true));
         assert!(!feeds_on_device(&SamplingSpec { temperature: 0.0, repetition_penalty: 1.1, ..d() }, None, v, true));
         assert!(!feeds_on_device(&SamplingSpec { temperature: -1.0, top_k: 40, ..d() }, None, v, true));
-        // A structured output's next mask depends on the token drawn: the gateway must see it.
-        assert!(!feeds_on_device(&SamplingSpec { temperature: 0.0, allowed: Some(vec![0xffu8; v / 8].into()), ..d() }, None, v, true));
+        // A structured output's row (its next rule follows the token: late rules), greedy or
+        // sampled from a whole set.
+        assert!(feeds_on_device(&SamplingSpec { temperature: 0.0, allowed: Some(vec![0xffu8; v / 8].into()), ..d() }, None, v, true));
+        assert!(feeds_on_device(&SamplingSpec { top_k: 40, allowed: Some(vec![0x0fu8; v / 8].into()), ..d() }, None, v, true));
         // Sampled rows off (MINIMAX_DEVICE_DRAW=0): greedy rows only.
         assert!(!feeds_on_device(&SamplingSpec { top_k: 40, top_p: 0.95, ..d() }, None, v, false));
         assert!(feeds_on_device(&SamplingSpec { temperature: 0.0, ..d() }, None, v, false));
