@@ -51,6 +51,21 @@ fn config(overlap: bool, device_feed: bool) -> (EngineConfig, PathBuf) {
     (EngineConfig { sched, world: w }, dir)
 }
 
+/// The end-of-generation token of [`json_spec`]'s vocabulary.
+const EOG: u32 = 96;
+
+/// A JSON schema over 97 tokens of the model's vocabulary (token t < 95 is the byte 0x20 + t,
+/// 96 ends generation; the others never fit), so a mask is a small allowed set (sent as bits).
+fn json_spec() -> std::sync::Arc<minimax_gateway::constrain::ConstraintSpec> {
+    use minimax_gateway::constrain::schema::Grammar;
+    use minimax_gateway::constrain::vocab::TokenIndex;
+    use minimax_gateway::constrain::{ConstraintSpec, Mode};
+    let items = (0..95u32).map(|t| (t, vec![0x20 + t as u8])).collect();
+    let index = std::sync::Arc::new(TokenIndex::from_tokens(200_064, items, vec![EOG]));
+    let schema = serde_json::json!({"type": "object", "properties": {"id": {"type": "string", "pattern": "^[a-z]{2,5}$"}, "n": {"type": "integer", "minimum": 0, "maximum": 999}}, "required": ["id", "n"], "additionalProperties": false});
+    std::sync::Arc::new(ConstraintSpec { grammar: Grammar::from_schema(&schema).unwrap(), index, reasoning_close: None, mode: Mode::Document })
+}
+
 async fn run(engine: &Engine, req: GenerationRequest) -> (Vec<u32>, Option<FinishReason>) {
     let stream = engine.generate(req).expect("accepted");
     let events = tokio::time::timeout(Duration::from_secs(300), stream.collect_all()).await.expect("generation finished in time");
@@ -88,6 +103,16 @@ async fn cuda_overlapped_decode_with_device_fed_tokens_gives_the_tokens_of_one_s
         all.push(run(&engine, GenerationRequest { request_id: "s2".into(), prompt: prompt(38, 9), max_tokens: 32, sampling: SamplingParams { seed: Some(7), ..Default::default() }, stop_token_ids: vec![] }).await);
         let sp = SamplingParams { seed: Some(8), temperature: 0.6, min_p: 0.05, ..Default::default() };
         all.push(run(&engine, GenerationRequest { request_id: "s3".into(), prompt: prompt(21, 10), max_tokens: 32, sampling: sp, stop_token_ids: vec![] }).await);
+        // Structured outputs (an ASCII vocabulary inside the model's: token t < 95 is the byte
+        // 0x20 + t), greedy and with MiniMax's sampling: with overlap their next step goes out
+        // before the token is known and the rule follows (late rules); the forward runs
+        // meanwhile and the reduction, masked, waits for it.
+        for (id, sampling) in [("json-greedy", SamplingParams { temperature: 0.0, ..Default::default() }), ("json-sampled", SamplingParams { seed: Some(5), ..Default::default() })] {
+            let sampling = SamplingParams { constraint: Some(json_spec()), ..sampling };
+            all.push(run(&engine, GenerationRequest { request_id: id.into(), prompt: prompt(25, 11), max_tokens: 48, sampling, stop_token_ids: vec![EOG] }).await);
+        }
+        let rules = engine.metrics().late_rules;
+        assert_eq!(rules > 0, overlap, "overlap {overlap}: late rules sent: {rules}");
         // Four greedy requests at once (steps of up to four tokens, device-fed rows 0-3).
         let reqs: Vec<GenerationRequest> = (0..4).map(|i| greedy_req(&format!("g{i}"), prompt(9 + 5 * i as usize, 8 + i), 32)).collect();
         let outs = futures_util::future::join_all(reqs.into_iter().map(|r| run(&engine, r))).await;
@@ -118,6 +143,16 @@ async fn cuda_overlapped_decode_with_device_fed_tokens_gives_the_tokens_of_one_s
     assert_eq!(stop_run.1, Some(FinishReason::Stop));
     assert_eq!(stop_run.0.len(), stop_at[0], "the stop token ends the output before it");
     assert_eq!(runs[0][0].0.len(), 40);
+    // The structured outputs are valid prefixes (whole documents where they stopped).
+    for (toks, finish) in &runs[0][6..8] {
+        let text: String = toks.iter().map(|&t| char::from(0x20 + t as u8)).collect();
+        eprintln!("structured output ({finish:?}): {text}");
+        assert!(toks.iter().all(|&t| t < 95), "{toks:?}");
+        if *finish == Some(FinishReason::Stop) {
+            let doc: serde_json::Value = serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{e}: {text}"));
+            assert!(doc["n"].as_u64().is_some_and(|n| n <= 999) && doc["id"].as_str().is_some_and(|s| (2..=5).contains(&s.len())), "{text}");
+        }
+    }
     for r in 1..runs.len() {
         for (i, (a, b)) in runs[0].iter().zip(&runs[r]).enumerate() {
             assert_eq!(a, b, "run {r} (overlap / device feed), request {i}: the output differs from one step at a time");

@@ -267,6 +267,7 @@ async fn rank_death_mid_collective_aborts_nccl_and_the_world_rejoins() {
             tokens: vec![*before.last().unwrap()],
             logits: LogitsWanted::Last,
         })],
+        late_rules: vec![],
     };
     let t_kill = Instant::now();
     let (mut c0, mut c1) = (clients[0].clone(), clients[1].clone());

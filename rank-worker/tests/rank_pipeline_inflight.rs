@@ -62,7 +62,7 @@ fn seq(seq_id: u64, first_page: u32, tokens: Vec<u32>, cached_len: usize) -> Seq
 }
 
 fn req(step_id: u64, after_step_id: u64, batch: &ForwardBatch) -> pb::StepRequest {
-    pb::StepRequest { step_id, after_step_id, seqs: batch.seqs.iter().map(to_pb).collect() }
+    pb::StepRequest { step_id, after_step_id, seqs: batch.seqs.iter().map(to_pb).collect(), late_rules: vec![] }
 }
 
 /// The head rank's rows of a step vs the reference's, ≤ 1e-4.

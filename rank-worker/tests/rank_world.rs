@@ -116,7 +116,7 @@ async fn world_matches_reference(model: &str, world: usize, parallelism: &str, t
     let mut worst = 0f32;
     for (i, batch) in schedule(&seqs_of(model)).iter().enumerate() {
         let want = reference.forward(batch, &Solo).unwrap();
-        let mut req = pb::StepRequest { after_step_id: 0, step_id: i as u64 + 1, seqs: batch.seqs.iter().map(to_pb).collect() };
+        let mut req = pb::StepRequest { after_step_id: 0, step_id: i as u64 + 1, seqs: batch.seqs.iter().map(to_pb).collect(), late_rules: vec![] };
         for s in &mut req.seqs {
             s.adopt_prefix = s.seq_id == 10;
         }
@@ -211,14 +211,14 @@ async fn wrong_cache_length_is_detected_and_the_sequence_dropped_on_all_ranks() 
     p5.tokens = toks[..20].to_vec();
     let mut p6 = decode(6, &t6, 0, 0);
     p6.tokens = toks[..20].to_vec();
-    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 1, seqs: vec![p5, p6] }).await;
+    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 1, seqs: vec![p5, p6], late_rules: vec![] }).await;
     let (r0, r1) = (r[0].as_ref().unwrap(), r[1].as_ref().unwrap());
     assert_eq!((r0.seqs[0].cache_len, r1.seqs[0].cache_len), (20, 21), "the gateway sees the disagreement on this step");
     assert_eq!((r0.seqs[1].cache_len, r1.seqs[1].cache_len), (20, 20));
     assert_eq!(r0.seqs[0].rows[0].candidate_ids.len(), 5);
     assert_eq!(r0.seqs[0].rows[0].top_ids.len(), 3);
     // Step 2: decode both; the ranks agree to drop 5 and run 6.
-    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 2, seqs: vec![decode(5, &t5, 20, toks[20]), decode(6, &t6, 20, toks[20])] }).await;
+    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 2, seqs: vec![decode(5, &t5, 20, toks[20]), decode(6, &t6, 20, toks[20])], late_rules: vec![] }).await;
     for (rank, resp) in r.iter().enumerate() {
         let resp = resp.as_ref().unwrap();
         let s5 = &resp.seqs[0];
@@ -231,7 +231,7 @@ async fn wrong_cache_length_is_detected_and_the_sequence_dropped_on_all_ranks() 
     assert_eq!(r[1].as_ref().unwrap().seqs[0].cache_len, 21);
     assert_eq!(r[0].as_ref().unwrap().seqs[1].rows.len(), 1);
     // Sequence 5 was forgotten everywhere: continuing it fails on both (unknown = 0) ...
-    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 3, seqs: vec![decode(5, &t5, 21, toks[21])] }).await;
+    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 3, seqs: vec![decode(5, &t5, 21, toks[21])], late_rules: vec![] }).await;
     for resp in &r {
         let s = &resp.as_ref().unwrap().seqs[0];
         assert!(s.error.contains("mismatch"), "{}", s.error);
@@ -240,18 +240,18 @@ async fn wrong_cache_length_is_detected_and_the_sequence_dropped_on_all_ranks() 
     // ... and restarting it from scratch works; sequence 6 continues.
     let mut p5 = decode(5, &t5, 0, 0);
     p5.tokens = toks[..4].to_vec();
-    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 4, seqs: vec![p5, decode(6, &t6, 21, toks[21])] }).await;
+    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 4, seqs: vec![p5, decode(6, &t6, 21, toks[21])], late_rules: vec![] }).await;
     assert!(r.iter().all(|x| x.as_ref().unwrap().seqs.iter().all(|s| s.error.is_empty())));
     // Release forgets; truncate keeps a prefix.
     for c in &clients {
         c.clone().release(pb::ReleaseRequest { seq_ids: vec![6], keep_len: 10, truncate: true }).await.unwrap();
     }
-    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 5, seqs: vec![decode(6, &t6, 10, toks[10])] }).await;
+    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 5, seqs: vec![decode(6, &t6, 10, toks[10])], late_rules: vec![] }).await;
     assert!(r.iter().all(|x| x.as_ref().unwrap().seqs[0].error.is_empty() && x.as_ref().unwrap().seqs[0].cache_len == 11));
     // Ranks given different steps refuse as a whole, nobody computes.
     let hs = [
-        pb::StepRequest { after_step_id: 0, step_id: 6, seqs: vec![decode(6, &t6, 11, 1)] },
-        pb::StepRequest { after_step_id: 0, step_id: 7, seqs: vec![decode(6, &t6, 11, 1)] },
+        pb::StepRequest { after_step_id: 0, step_id: 6, seqs: vec![decode(6, &t6, 11, 1)], late_rules: vec![] },
+        pb::StepRequest { after_step_id: 0, step_id: 7, seqs: vec![decode(6, &t6, 11, 1)], late_rules: vec![] },
     ];
     let mut joins = Vec::new();
     for (c, req) in clients.iter().zip(hs) {
@@ -273,14 +273,14 @@ async fn kill_9_of_a_rank_fails_the_survivors_step_quickly() {
     let toks = &seqs_of("m2-small")[2];
     let mut s = decode(1, &[0, 1], 0, 0);
     s.tokens = toks[..8].to_vec();
-    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 1, seqs: vec![s] }).await;
+    let r = step_all(&clients, &pb::StepRequest { after_step_id: 0, step_id: 1, seqs: vec![s], late_rules: vec![] }).await;
     assert!(r.iter().all(|x| x.is_ok()));
     // Ranks 0 and 2 get the next step; rank 1 dies before it arrives there.
     let pending: Vec<_> = [0usize, 2]
         .iter()
         .map(|&r| {
             let mut c = clients[r].clone();
-            let req = pb::StepRequest { after_step_id: 0, step_id: 2, seqs: vec![decode(1, &[0, 1], 8, toks[8])] };
+            let req = pb::StepRequest { after_step_id: 0, step_id: 2, seqs: vec![decode(1, &[0, 1], 8, toks[8])], late_rules: vec![] };
             tokio::spawn(async move { c.step(req).await })
         })
         .collect();
@@ -300,7 +300,7 @@ async fn kill_9_of_a_rank_fails_the_survivors_step_quickly() {
         let mut c = clients[r].clone();
         let d = wait_state(&mut c, pb::RankState::Loaded).await;
         assert!(d.error.contains("world broken"), "{}", d.error);
-        let e = c.step(pb::StepRequest { after_step_id: 0, step_id: 3, seqs: vec![] }).await.unwrap_err();
+        let e = c.step(pb::StepRequest { after_step_id: 0, step_id: 3, seqs: vec![], late_rules: vec![] }).await.unwrap_err();
         assert_eq!(e.code(), tonic::Code::FailedPrecondition);
     }
     drop(procs);
@@ -428,10 +428,10 @@ async fn world_of_one_feeds_its_drawn_tokens_to_chained_steps() {
         adopt_prefix: false,
         feed_drawn: fed,
     };
-    let s1 = pb::StepRequest { step_id: 1, after_step_id: 0, seqs: vec![seq(1, vec![3, 4], 0, prompt.clone(), sampling(0.37, vec![(5, 2)]), false)] };
-    let s2 = pb::StepRequest { step_id: 2, after_step_id: 1, seqs: vec![seq(1, vec![3, 4], 20, vec![], sampling(0.61, vec![(5, 2)]), true)] };
+    let s1 = pb::StepRequest { step_id: 1, after_step_id: 0, seqs: vec![seq(1, vec![3, 4], 0, prompt.clone(), sampling(0.37, vec![(5, 2)]), false)], late_rules: vec![] };
+    let s2 = pb::StepRequest { step_id: 2, after_step_id: 1, seqs: vec![seq(1, vec![3, 4], 20, vec![], sampling(0.61, vec![(5, 2)]), true)], late_rules: vec![] };
     // A sequence that never drew feeds nothing: a clear error, the step itself runs.
-    let s3 = pb::StepRequest { step_id: 3, after_step_id: 2, seqs: vec![seq(2, vec![9], 0, vec![], sampling(0.5, vec![]), true)] };
+    let s3 = pb::StepRequest { step_id: 3, after_step_id: 2, seqs: vec![seq(2, vec![9], 0, vec![], sampling(0.5, vec![]), true)], late_rules: vec![] };
     let (h1, h2, h3) = (send_step(&clients, &s1), send_step(&clients, &s2), send_step(&clients, &s3));
     let r1 = step_answers(h1, Duration::from_secs(120)).await.remove(0).expect("step 1");
     let r2 = step_answers(h2, Duration::from_secs(120)).await.remove(0).expect("step 2");
@@ -455,7 +455,7 @@ async fn world_of_one_feeds_its_drawn_tokens_to_chained_steps() {
         None => hist.push((d1, 1)),
     }
     let with_d1: Vec<u32> = prompt.iter().copied().chain([d1]).collect();
-    let s4 = pb::StepRequest { step_id: 4, after_step_id: 3, seqs: vec![seq(3, vec![10, 11], 0, with_d1, sampling(0.61, hist), false)] };
+    let s4 = pb::StepRequest { step_id: 4, after_step_id: 3, seqs: vec![seq(3, vec![10, 11], 0, with_d1, sampling(0.61, hist), false)], late_rules: vec![] };
     let r4 = step_answers(send_step(&clients, &s4), Duration::from_secs(120)).await.remove(0).expect("step 4");
     let row4 = &r4.seqs[0].rows[0];
     let (fed, want) = (final_logits(row2, vocab), final_logits(row4, vocab));
@@ -477,7 +477,7 @@ async fn a_world_of_two_refuses_fed_tokens_alike() {
     let mut fed = to_pb(&SeqStep { seq_id: 1, page_table: vec![1], cached_len: 0, tokens: vec![], logits: LogitsWanted::Last });
     fed.feed_drawn = true;
     let plain = to_pb(&SeqStep { seq_id: 2, page_table: vec![2], cached_len: 0, tokens: vec![5, 6, 7], logits: LogitsWanted::Last });
-    let req = pb::StepRequest { step_id: 1, after_step_id: 0, seqs: vec![fed, plain] };
+    let req = pb::StepRequest { step_id: 1, after_step_id: 0, seqs: vec![fed, plain], late_rules: vec![] };
     for (r, a) in step_all(&clients, &req).await.into_iter().enumerate() {
         let a = a.unwrap_or_else(|e| panic!("rank {r}: {e}"));
         assert!(a.seqs[0].error.contains("world of one rank"), "rank {r}: {:?}", a.seqs[0].error);
@@ -496,7 +496,7 @@ async fn a_row_that_cannot_be_drawn_fails_only_its_draw() {
     bad.sampling = Some(pb::SamplingSpec { temperature: 1e-40, top_k: 5, draw: Some(0.5), ..Default::default() });
     let mut good = to_pb(&SeqStep { seq_id: 2, page_table: vec![2], cached_len: 0, tokens: vec![5, 6, 7], logits: LogitsWanted::Last });
     good.sampling = Some(pb::SamplingSpec { temperature: 0.7, top_k: 5, draw: Some(0.5), ..Default::default() });
-    let req = pb::StepRequest { step_id: 1, after_step_id: 0, seqs: vec![bad, good] };
+    let req = pb::StepRequest { step_id: 1, after_step_id: 0, seqs: vec![bad, good], late_rules: vec![] };
     let a = step_all(&clients, &req).await.remove(0).expect("the step runs");
     assert_eq!(a.seqs[0].error, "");
     assert_eq!(a.seqs[0].rows[0].drawn_token, None);

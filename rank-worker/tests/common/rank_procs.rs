@@ -196,7 +196,7 @@ pub async fn step_answers(hs: Vec<tokio::task::JoinHandle<StepAnswer>>, limit: D
 /// Sends `batch` as step `step_id` to every rank at once; each rank's response (a rank that
 /// errors or takes more than 120 s fails the test).
 pub async fn step_responses(clients: &[Client], step_id: u64, batch: &ForwardBatch) -> Vec<pb::StepResponse> {
-    let req = pb::StepRequest { after_step_id: 0, step_id, seqs: batch.seqs.iter().map(to_pb).collect() };
+    let req = pb::StepRequest { after_step_id: 0, step_id, seqs: batch.seqs.iter().map(to_pb).collect(), late_rules: vec![] };
     let mut resps = Vec::new();
     for (r, h) in send_step(clients, &req).into_iter().enumerate() {
         let resp = tokio::time::timeout(Duration::from_secs(120), h).await.expect("step hung").unwrap();
