@@ -7,10 +7,12 @@
 //! What must hold: the tokens are those of one step at a time (overlap off), for requests one
 //! by one (greedy, greedy with a repetition penalty, seeded sampling with penalties, seeded
 //! sampling with MiniMax's defaults and with min_p, which the merge kernel draws and feeds on
-//! the device, a stop token), and the same with device feeding off (`MINIMAX_DEVICE_FEED=0`, overlap on); four
-//! greedy requests at once (device-fed rows 0-3) complete; and the rank's log (its stderr,
-//! appended to a file by a wrapper script) shows a step fed from the device, and one fed a
-//! sampled token drawn there, exactly in the run with device feeding on.
+//! the device, a stop token, structured outputs greedy and sampled), and the same with device
+//! feeding off (`MINIMAX_DEVICE_FEED=0`, overlap on); four greedy requests at once (device-fed
+//! rows 0-3) complete; and the rank's log (its stderr, appended to a file by a wrapper script)
+//! shows a step fed from the device, one fed a sampled token drawn there, and a structured
+//! output's forward launched before its rule arrived (late rules, `MINIMAX_LATE_FORWARD=1`),
+//! exactly in the run with device feeding on.
 
 mod common;
 
@@ -36,6 +38,8 @@ fn config(overlap: bool, device_feed: bool) -> (EngineConfig, PathBuf) {
         // Sampled rows drawn on the device too (the default; off with feeding off, so the log check
         // below tells the two apart).
         s.env.push(("MINIMAX_DEVICE_DRAW".into(), if device_feed { "1" } else { "0" }.into()));
+        // Structured outputs' forward before their rules arrive (late rules), with feeding on.
+        s.env.push(("MINIMAX_LATE_FORWARD".into(), if device_feed { "1" } else { "0" }.into()));
         s.env.push(("RUST_LOG".into(), "info".into()));
         std::fs::create_dir_all(&dir).unwrap();
         let wrapper = dir.join("rank.sh");
@@ -137,6 +141,7 @@ async fn cuda_overlapped_decode_with_device_fed_tokens_gives_the_tokens_of_one_s
         let log = std::fs::read_to_string(rank_log(&dir)).unwrap_or_default();
         assert_eq!(log.contains("device-fed tokens"), overlap && feed, "overlap {overlap}, device feed {feed}: device feeding seen in the rank's log");
         assert_eq!(log.contains("device-drawn tokens"), overlap && feed, "overlap {overlap}, device feed {feed}: a sampled token fed from the device seen in the rank's log");
+        assert_eq!(log.contains("forward first"), overlap && feed, "overlap {overlap}, device feed {feed}: a structured output's forward launched before its rule, seen in the rank's log");
         stop(engine, dir).await;
     }
     let stop_run = &runs[0][1];

@@ -74,6 +74,15 @@ impl LateRules {
     }
 }
 
+/// Whether a CUDA device step launches its forward before its rows' rules are in (the point
+/// of late rules: the forward overlaps the gateway's turn). Opt-in (`MINIMAX_LATE_FORWARD=1`)
+/// until its GPU test has run (it was written in a session lent no GPU); off, such a step
+/// waits for its rules first, as a CPU step does, and then runs as any other.
+pub(super) fn forward_first() -> bool {
+    static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ON.get_or_init(|| std::env::var("MINIMAX_LATE_FORWARD").is_ok_and(|v| v == "1"))
+}
+
 /// The sequences of `req`'s agreed rows (`batch_src`: their request indices) whose rule
 /// follows.
 pub(super) fn rows_waiting(req: &pb::StepRequest, batch_src: &[usize]) -> Vec<u64> {

@@ -709,9 +709,10 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
             let a = agreed.as_mut().expect("taken only below");
             let device = alone && engine.device_feed_ok(a.n_tokens());
             // Rows whose rule follows (late rules): a step computed in one go takes the rules
-            // in before it starts; a device step launches its forward first (below).
+            // in before it starts; a device step launches its forward first (below) where
+            // `MINIMAX_LATE_FORWARD=1`.
             let waiting = a.rows_waiting(req);
-            if !device && !rules_in && !waiting.is_empty() {
+            if !(device && late_rules::forward_first()) && !rules_in && !waiting.is_empty() {
                 drop(guard);
                 let rules = shared.late_rules.wait(req.step_id, &waiting, cfg.collective_timeout, &ready)?;
                 late_rules::apply(req, rules);

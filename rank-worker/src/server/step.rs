@@ -344,6 +344,8 @@ impl Engine {
             // Rows whose rule follows: the forward runs meanwhile; the reduction waits.
             let waiting = agreed.rows_waiting(req);
             if !waiting.is_empty() {
+                static FIRST: std::sync::Once = std::sync::Once::new();
+                FIRST.call_once(|| tracing::info!(rows = waiting.len(), "late rules: a step's forward launched before its rows' rules arrived (forward first)"));
                 return Launched::Rules(Box::new(AwaitRules { agreed, logits: out.detach(), ticket, waiting }));
             }
             return enqueue_reduce(self.rank, self.head, &mut self.replay, req, agreed, out, ticket, vocab);
