@@ -120,9 +120,10 @@ impl Constraint {
     }
 
     /// Whether the next step's rule depends on the token drawn now, so the step may not be
-    /// planned before that token is seen (overlapped decode). Free text around tool calls may
-    /// be: a block opened by the token in flight is then entered one token late, and a token
-    /// that does not fit it leaves that block unconstrained (as without constraints).
+    /// planned with its rule before that token is seen (overlapped decode with late rules
+    /// off; with them, every constrained step's rule follows). Free text around tool calls
+    /// may be: a block opened by the token in flight is then entered one token late, and a
+    /// token that does not fit it leaves that block unconstrained (as without constraints).
     pub fn needs_drawn_token(&self) -> bool {
         match self.spec.mode {
             Mode::Document => true,
