@@ -434,7 +434,9 @@ fn enqueue_reduce(rank: u32, head: bool, replay: &mut Option<crate::replay::Repl
             && s.logits == pb::LogitsMode::Last as i32
             && let Some(u) = s.sampling.as_ref().and_then(|sp| sp.draw)
         {
-            let dev = feeds_on_device(&jobs[ri].0, jobs[ri].1, vocab, device_draw_on());
+            // (A masked row's pick feeds the next step only with forward-first late rules
+            // on, until both have run on a GPU; otherwise that step waits for the read-back.)
+            let dev = feeds_on_device(&jobs[ri].0, jobs[ri].1, vocab, device_draw_on()) && (jobs[ri].0.allowed.is_none() || super::late_rules::forward_first());
             if dev && jobs[ri].0.temperature > 0.0 {
                 uniforms[ri] = Some(u);
             }
