@@ -349,7 +349,7 @@ async fn unix_socket_is_0600_and_grpcurl_sees_health_and_reflection() {
     };
     let mut c = connect(&procs[0].listen).await;
     let d = wait_state(&mut c, pb::RankState::Loaded).await;
-    assert_eq!(d.protocol_version, 3);
+    assert_eq!(d.protocol_version, 4);
     assert_eq!(d.pid, procs[0].child.id());
     assert_eq!((d.page_size, d.n_pages), (16, 8));
     assert_eq!(d.model.as_ref().unwrap().vocab_size, 1000);
