@@ -163,6 +163,47 @@ fn bad_patterns_and_impossible_strings_are_refused_at_their_place() {
     assert!(Grammar::from_schema(&json!({"type": "string", "format": "color"})).is_ok());
 }
 
+/// Bounded numbers: plain decimals of at most 15 digits, kept in range from the first byte (the
+/// bounds read exactly as the decimals JSON writes them, exclusive ones and draft 4's flags
+/// too); a number with bounds but no type is such a number.
+#[test]
+fn bounded_numbers_stay_in_range_from_the_first_digit() {
+    let check = |schema: Json, yes: &[&str], no: &[&str], dead: &[&str]| {
+        let gr = g(&schema);
+        for d in yes {
+            let mut s = State::start(&gr);
+            assert!(s.feed(&gr, d.as_bytes()) && s.can_end(&gr), "{schema}: {d} must be accepted");
+            // (The validator reads the newest draft, where draft 4's flags are not numbers.)
+            if !schema.to_string().contains("true") {
+                agrees(&schema, d);
+            }
+        }
+        for d in no {
+            let mut s = State::start(&gr);
+            assert!(!(s.feed(&gr, d.as_bytes()) && s.can_end(&gr)), "{schema}: {d} must be refused");
+        }
+        for d in dead {
+            let mut s = State::start(&gr);
+            assert!(!s.feed(&gr, d.as_bytes()), "{schema}: prefix {d} must die at once");
+        }
+    };
+    check(json!({"type": "number", "minimum": 0, "maximum": 1}), &["0", "1", "0.5", "0.999", "1.000", "-0", "0.00000000000001"], &["1.0000001", "-0.1", "2", "0."], &["-1", "2", "1.1", "1.01", "0.1e", "01", "00", "0.000000000000001"]);
+    check(json!({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}), &["0.5", "0.00000000000001", "0.99999999999999"], &["0", "1", "0.0", "-0"], &["1", "-", "0.00000000000000"]);
+    check(json!({"type": "number", "minimum": 0.1, "maximum": 0.1}), &["0.1", "0.10"], &["0.11", "0.09", "0"], &["0.2", "0.11", "0.09", "1"]);
+    check(json!({"type": "number", "minimum": -3.5, "maximum": 2.25}), &["-3.5", "-3", "0", "2.25", "-0.5"], &["-3.51", "2.26", "3"], &["-4", "-3.6", "2.3", "3", "-35"]);
+    check(json!({"type": "number", "minimum": 0, "exclusiveMinimum": true, "maximum": 10, "exclusiveMaximum": true}), &["5", "9.99"], &["0", "10", "10.0"], &["10", "-"]);
+    check(json!({"type": "number", "minimum": 100}), &["100", "123456789012345", "100.5"], &["99.9", "1234567890123456"], &["-", "99.9", "1234567890123456"]);
+    // No type: a bounded number (so integers, and decimals too).
+    check(json!({"minimum": 1.5, "maximum": 3}), &["2", "1.5", "3"], &["1", "3.5"], &["4", "1.4", "\""]);
+    // Inside a document the number ends at its parent's next byte.
+    check(json!({"type": "object", "properties": {"p": {"type": "number", "minimum": 0, "maximum": 1}}, "required": ["p"], "additionalProperties": false}), &["{\"p\": 0.75}", "{\"p\":1}"], &["{\"p\": 1.5}"], &["{\"p\": 2", "{\"p\": 1.5"]);
+    let e = Grammar::from_schema(&json!({"type": "number", "minimum": 1, "exclusiveMaximum": 1})).unwrap_err();
+    assert!(e.why.contains("no number"), "{}", e.why);
+    // Past what 15 digits can write.
+    assert!(Grammar::from_schema(&json!({"type": "number", "minimum": 1e15})).unwrap_err().why.contains("no number"));
+    assert_eq!(Grammar::from_schema(&json!({"properties": {"n": {"type": "number", "maximum": "1"}}})).unwrap_err().path, "#/properties/n/maximum");
+}
+
 /// Bounded integers: every prefix the matcher keeps can still end in range, and it ends only
 /// there; the bounds read like JSON Schema's (exclusive ones, fractional ones, draft 4's flags).
 #[test]

@@ -23,6 +23,10 @@ pub const MAX_DEPTH: u16 = 100;
 pub const MAX_WS: u8 = 48;
 /// Longest number, in bytes.
 pub const MAX_NUMBER: u8 = 32;
+/// Most digits of a bounded number (`Node::Decimal`, plain decimal notation): any such
+/// decimal reads as a distinct f64, so a bound that holds for the written digits holds for
+/// the float a client parses them to, exclusive bounds included.
+pub const DEC_DIGITS: u8 = 15;
 const NO_KEY: u32 = u32::MAX;
 
 /// Where inside a string's characters the matcher is.
@@ -114,6 +118,9 @@ enum Frame {
     /// A bounded integer (`Node::Int`): its sign, the digits' value and count so far (0: only
     /// the sign).
     Int { node: NodeId, neg: bool, v: u64, k: u8 },
+    /// A bounded number (`Node::Decimal`): its sign, its digits so far as one integer `m`
+    /// (`ki` before the point, `kf` after it), and whether the point was written.
+    Dec { node: NodeId, neg: bool, point: bool, ki: u8, kf: u8, m: u64 },
     Arr { node: NodeId, count: u32, st: Seq },
     /// `cur`: the property whose value is being written (index, or `NO_KEY` for an additional
     /// one).
@@ -473,6 +480,7 @@ fn can_end(g: &Grammar, t: &Thread) -> bool {
         Frame::End => true,
         Frame::Num { st, .. } if st.accepting() => t.pop(g, None).is_some_and(|p| can_end(g, &p)),
         Frame::Int { node, neg, v, k } if int_ends(g, node, neg, v, k) => t.pop(g, None).is_some_and(|p| can_end(g, &p)),
+        Frame::Dec { node, neg, point, ki, kf, m } if dec_ends(g, node, neg, point, ki, kf, m) => t.pop(g, None).is_some_and(|p| can_end(g, &p)),
         Frame::Lit { trie, at } if g.lits[trie as usize].nodes[at as usize].end.is_some() => {
             t.pop(g, None).is_some_and(|p| can_end(g, &p))
         }
@@ -767,6 +775,70 @@ fn int_ends(g: &Grammar, node: NodeId, neg: bool, v: u64, k: u8) -> bool {
     k >= 1 && lo as i128 <= x && x <= hi as i128
 }
 
+/// The bounds of decimal node `node`, in units of 10^-[`DEC_DIGITS`].
+fn dec_range(g: &Grammar, node: NodeId) -> (i128, i128) {
+    match g.nodes[node as usize] {
+        Node::Decimal { lo, hi } => (lo, hi),
+        _ => (i128::MIN, i128::MAX),
+    }
+}
+
+/// 10^e.
+fn p10(e: u32) -> i128 {
+    10i128.pow(e)
+}
+
+/// Whether a bounded number written so far (see `Frame::Dec`; `ki == 0`: only the sign) can
+/// still end in `lo..=hi` (units of 10^-15) with at most [`DEC_DIGITS`] digits in all.
+fn dec_feasible(lo: i128, hi: i128, neg: bool, point: bool, ki: u8, kf: u8, m: u64) -> bool {
+    let d = DEC_DIGITS as u32;
+    // The magnitudes that fit: for a negative number, -hi..=-lo.
+    let (mlo, mhi) = if neg { (hi.saturating_neg(), lo.saturating_neg()) } else { (lo, hi) };
+    let mlo = mlo.max(0);
+    if mhi < mlo {
+        return false;
+    }
+    // Some multiple of `step` in [a, b) (a is one) within [mlo, mhi].
+    let fits = |a: i128, b: i128, step: i128| {
+        let x = if mlo > a { a + (mlo - a + step - 1) / step * step } else { a };
+        x < b && x <= mhi
+    };
+    let (ki, kf) = (ki as u32, kf as u32);
+    let left = d - ki - kf;
+    if ki == 0 {
+        return (0..10).any(|digit| dec_feasible(lo, hi, neg, false, 1, 0, digit));
+    }
+    let unit = p10(d);
+    if point {
+        // m / 10^kf and any digits after it (at least one after a bare point).
+        if kf == 0 && left == 0 {
+            return false;
+        }
+        let a = m as i128 * p10(d - kf);
+        return fits(a, a + p10(d - kf), p10(ki));
+    }
+    if m == 0 {
+        // A leading zero: 0, or 0 and a fraction.
+        return fits(0, unit, p10(ki));
+    }
+    // m and j more integer digits, then a fraction of what digits are left.
+    (0..=left).any(|j| {
+        let a = m as i128 * p10(j) * unit;
+        a <= mhi && fits(a, a + p10(j) * unit, p10(ki + j))
+    })
+}
+
+/// Whether the bounded number written so far is a whole one within its node's bounds.
+fn dec_ends(g: &Grammar, node: NodeId, neg: bool, point: bool, ki: u8, kf: u8, m: u64) -> bool {
+    if ki == 0 || (point && kf == 0) {
+        return false;
+    }
+    let (lo, hi) = dec_range(g, node);
+    let mag = m as i128 * p10(DEC_DIGITS as u32 - kf as u32);
+    let x = if neg { -mag } else { mag };
+    lo <= x && x <= hi
+}
+
 /// Bytes still needed after a number state before it can end.
 fn num_need(st: NumSt) -> u8 {
     if st.accepting() { 0 } else { 1 }
@@ -818,6 +890,16 @@ fn enter(g: &Grammar, t: &Thread, node: NodeId, b: u8, out: &mut Vec<Thread>) {
             };
             if int_feasible(*lo, *hi, neg, v, k) {
                 out.push(t.with_top(Frame::Int { node, neg, v, k }));
+            }
+        }
+        Node::Decimal { lo, hi } => {
+            let (neg, ki, m) = match b {
+                b'-' => (true, 0, 0),
+                b'0'..=b'9' => (false, 1, (b - b'0') as u64),
+                _ => return,
+            };
+            if dec_feasible(*lo, *hi, neg, false, ki, 0, m) {
+                out.push(t.with_top(Frame::Dec { node, neg, point: false, ki, kf: 0, m }));
             }
         }
         Node::String { min, max } => {
@@ -978,6 +1060,28 @@ fn step_thread(g: &Grammar, t: &Thread, b: u8, out: &mut Vec<Thread>) {
                 }
             }
             if int_ends(g, node, neg, v, k)
+                && let Some(p) = t.pop(g, None)
+            {
+                step_thread(g, &p, b, out);
+            }
+        }
+        Frame::Dec { node, neg, point, ki, kf, m } => {
+            let (lo, hi) = dec_range(g, node);
+            let next = match b {
+                // No digit after a leading zero; at most DEC_DIGITS digits.
+                b'0'..=b'9' if ki + kf < DEC_DIGITS && (point || ki == 0 || m != 0) => {
+                    let m2 = m * 10 + (b - b'0') as u64;
+                    Some(if point { (true, ki, kf + 1, m2) } else { (false, ki + 1, 0, m2) })
+                }
+                b'.' if !point && ki >= 1 => Some((true, ki, 0, m)),
+                _ => None,
+            };
+            if let Some((point, ki, kf, m)) = next
+                && dec_feasible(lo, hi, neg, point, ki, kf, m)
+            {
+                out.push(t.with_top(Frame::Dec { node, neg, point, ki, kf, m }));
+            }
+            if dec_ends(g, node, neg, point, ki, kf, m)
                 && let Some(p) = t.pop(g, None)
             {
                 step_thread(g, &p, b, out);

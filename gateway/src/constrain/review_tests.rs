@@ -312,6 +312,14 @@ fn random_byte_walks_never_dead_end_and_validate() {
         json!({"type": "integer", "minimum": 1000000000000000000i64}),
         json!({"type": "integer", "maximum": -1000000000000000000i64}),
         json!({"type": "array", "items": {"type": "integer", "minimum": 0, "maximum": 0}, "maxItems": 3}),
+        json!({"type": "number", "minimum": 0, "maximum": 1}),
+        json!({"type": "number", "exclusiveMinimum": 0, "exclusiveMaximum": 1}),
+        json!({"type": "number", "minimum": -2.5, "exclusiveMaximum": -2.25}),
+        json!({"type": "number", "minimum": 0.1, "maximum": 0.1}),
+        json!({"type": "number", "exclusiveMinimum": 0.30000000000000004, "maximum": 0.31}),
+        json!({"type": "number", "minimum": 123456.789, "maximum": 1e14}),
+        json!({"type": "number", "maximum": -1e-10}),
+        json!({"type": "array", "items": {"type": "number", "minimum": 99.5, "maximum": 100.25}, "maxItems": 3}),
         json!({"type": "object", "properties": {"d": {"type": "string", "pattern": "^[0-9]{2}$"}, "n": {"type": "integer", "exclusiveMinimum": -2, "exclusiveMaximum": 2}}, "required": ["d", "n"], "additionalProperties": false}),
     ];
     let mut problems = Vec::new();

@@ -95,6 +95,9 @@ pub enum Node {
     Number { integer: bool },
     /// A JSON integer in `lo..=hi` (`minimum` / `maximum` / `exclusive*` on an integer).
     Int { lo: i64, hi: i64 },
+    /// A JSON number in `lo..=hi` units of 10^-15 (`minimum` / `maximum` / `exclusive*` on a
+    /// number), written as a plain decimal of at most `matcher::DEC_DIGITS` digits.
+    Decimal { lo: i128, hi: i128 },
     /// A JSON string of `min..=max` characters.
     String { min: u32, max: u32 },
     /// A JSON array: element `i` matches `prefix[i]`, later ones `items` (`None`: no more).
@@ -243,7 +246,7 @@ impl Grammar {
                     continue;
                 }
                 let sat = match &self.nodes[i] {
-                    Node::Lit(_) | Node::Number { .. } | Node::Int { .. } | Node::String { .. } | Node::Pattern(_) | Node::Raw(_) => true,
+                    Node::Lit(_) | Node::Number { .. } | Node::Int { .. } | Node::Decimal { .. } | Node::String { .. } | Node::Pattern(_) | Node::Raw(_) => true,
                     Node::Array { prefix, items, min, .. } => {
                         let need = *min as usize;
                         prefix.iter().take(need).all(|&p| ok[p as usize]) && (need <= prefix.len() || items.is_some_and(|it| ok[it as usize]))
@@ -480,7 +483,8 @@ impl<'a> Compiler<'a> {
                     // admits, so what is written always satisfies it).
                     vec!["string".into()]
                 } else if ["minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum"].iter().any(|k| obj.contains_key(*k)) {
-                    vec!["integer".into()]
+                    // Likewise bounds: only numbers.
+                    vec!["number".into()]
                 } else {
                     return Ok(self.any());
                 }
@@ -518,7 +522,10 @@ impl<'a> Compiler<'a> {
         Ok(match t {
             "null" => self.lit(&[b"null".to_vec()]),
             "boolean" => self.lit(&[b"true".to_vec(), b"false".to_vec()]),
-            "number" => self.push(Node::Number { integer: false }),
+            "number" => match dec_bounds(obj, path)? {
+                Some((lo, hi)) => self.push(Node::Decimal { lo, hi }),
+                None => self.push(Node::Number { integer: false }),
+            },
             "integer" => match int_bounds(obj, path)? {
                 Some((lo, hi)) => self.push(Node::Int { lo, hi }),
                 None => self.push(Node::Number { integer: true }),
@@ -800,6 +807,74 @@ fn int_bounds(obj: &serde_json::Map<String, Json>, path: &str) -> Result<Option<
         return Err(Compiler::err(path, "no integer satisfies these minimum / maximum bounds"));
     }
     Ok(Some((lo as i64, hi as i64)))
+}
+
+/// A number's bounds from `minimum` / `maximum` / `exclusive*` (draft 4's boolean flags too), as
+/// the inclusive range of multiples of 10^-15 they allow (`None`: unbounded). A bound is read
+/// as the decimal JSON writes it (the shortest text of its f64), exactly; an empty range
+/// (within what `DEC_DIGITS` digits can write) is an error.
+fn dec_bounds(obj: &serde_json::Map<String, Json>, path: &str) -> Result<Option<(i128, i128)>, SchemaError> {
+    let d = super::matcher::DEC_DIGITS as i32;
+    // Beyond what DEC_DIGITS digits can write (10^15 in units of 10^-15).
+    let far = 10i128.pow(2 * d as u32) * 10;
+    // A bound in units of 10^-15, rounded up (`up`) or down to a whole unit.
+    let edge = |v: &Json, up: bool, k: &str| -> Result<Option<i128>, SchemaError> {
+        let bad = || Compiler::err(&format!("{path}/{k}"), "must be a number");
+        let n = match v {
+            Json::Bool(_) => return Ok(None),
+            Json::Number(n) => n.to_string(),
+            _ => return Err(bad()),
+        };
+        let (neg, body) = match n.strip_prefix('-') {
+            Some(b) => (true, b),
+            None => (false, n.as_str()),
+        };
+        let (mant, exp) = match body.split_once(['e', 'E']) {
+            Some((m, e)) => (m, e.parse::<i32>().map_err(|_| bad())?),
+            None => (body, 0),
+        };
+        let (ip, fp) = mant.split_once('.').unwrap_or((mant, ""));
+        let digits: String = format!("{ip}{fp}").trim_start_matches('0').to_string();
+        if !digits.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(bad());
+        }
+        // |value| = digits × 10^p units.
+        let p = exp.saturating_sub(fp.len() as i32).saturating_add(d);
+        let mag = if digits.is_empty() {
+            0
+        } else if p >= 0 {
+            if digits.len() as i32 + p > 2 * d + 2 { far } else { digits.parse::<i128>().map_err(|_| bad())? * 10i128.pow(p as u32) }
+        } else {
+            let cut = (-p) as usize;
+            let (keep, rest) = if cut >= digits.len() { ("", digits.as_str()) } else { digits.split_at(digits.len() - cut) };
+            let q = if keep.is_empty() { 0 } else if keep.len() as i32 > 2 * d + 2 { far } else { keep.parse::<i128>().map_err(|_| bad())? };
+            // Rounded away from zero when digits were cut: up for a positive value.
+            let frac = rest.bytes().any(|b| b != b'0');
+            q + i128::from(frac && (up != neg))
+        };
+        Ok(Some(if neg { -mag } else { mag }))
+    };
+    let flag = |k: &str| obj.get(k) == Some(&Json::Bool(true));
+    // The smallest / largest multiple a bound lets through: an exclusive one moves one unit
+    // past the bound rounded the other way.
+    let lower = |k: &str, exclusive: bool| -> Result<Option<i128>, SchemaError> {
+        Ok(obj.get(k).map(|v| edge(v, !exclusive, k)).transpose()?.flatten().map(|m| if exclusive { m + 1 } else { m }))
+    };
+    let upper = |k: &str, exclusive: bool| -> Result<Option<i128>, SchemaError> {
+        Ok(obj.get(k).map(|v| edge(v, exclusive, k)).transpose()?.flatten().map(|m| if exclusive { m - 1 } else { m }))
+    };
+    let los = [lower("minimum", flag("exclusiveMinimum"))?, lower("exclusiveMinimum", true)?];
+    let his = [upper("maximum", flag("exclusiveMaximum"))?, upper("exclusiveMaximum", true)?];
+    if los.iter().chain(&his).all(Option::is_none) {
+        return Ok(None);
+    }
+    let reach = 10i128.pow(2 * d as u32) - 1;
+    let lo = los.into_iter().flatten().fold(-reach, i128::max);
+    let hi = his.into_iter().flatten().fold(reach, i128::min);
+    if lo > hi {
+        return Err(Compiler::err(path, format!("no number of at most {d} digits satisfies these minimum / maximum bounds")));
+    }
+    Ok(Some((lo, hi)))
 }
 
 /// The `enum` / `const` members that satisfy the other constraining keywords beside them.
