@@ -129,6 +129,28 @@ def test_sdk_parse_with_formats_and_patterns(client):
         assert re.fullmatch(r"[A-Z]{2}-\d{3}", v.code), v.code
 
 
+class Measured(pydantic.BaseModel):
+    confidence: float = pydantic.Field(ge=0, le=1)
+    celsius: float = pydantic.Field(gt=-273.15, lt=100)
+    share: float = pydantic.Field(gt=0, le=0.5)
+    count: int = pydantic.Field(ge=1, le=12)
+
+
+def test_sdk_parse_with_bounded_numbers(client):
+    # pydantic writes minimum / maximum / exclusive* on float and int fields; the random
+    # model can only write numbers inside them (parse() would raise otherwise).
+    for seed in (1, 2, 3):
+        r = client.chat.completions.parse(
+            model="m2-small", messages=[{"role": "user", "content": PROMPT}], response_format=Measured, seed=seed,
+            temperature=1.0, max_tokens=1500,
+        )
+        c = r.choices[0]
+        assert c.finish_reason == "stop", c
+        v = c.message.parsed
+        assert isinstance(v, Measured), c.message.content
+        assert 0 <= v.confidence <= 1 and -273.15 < v.celsius < 100 and 0 < v.share <= 0.5 and 1 <= v.count <= 12, v
+
+
 def test_json_object_mode(client):
     r = client.chat.completions.create(
         model="m2-small", messages=[{"role": "user", "content": PROMPT}], response_format={"type": "json_object"},
