@@ -90,6 +90,7 @@ impl FakeWorld {
             parallelism: cfg.parallelism.into(),
             device: "fake".into(),
             model: ModelSummary { name: "fake".into(), architecture: "fake".into(), n_layers: 1, vocab_size: cfg.vocab, context_length: cfg.context },
+            late_forward: true,
         }
     }
 

@@ -47,6 +47,9 @@ pub struct WorldInfo {
     pub parallelism: String,
     pub device: String,
     pub model: ModelSummary,
+    /// Every rank runs a step's forward before the rules of its late rows arrive
+    /// (`DescribeResponse.late_forward`), so the scheduler may plan structured outputs ahead.
+    pub late_forward: bool,
 }
 
 /// Where the world stands.

@@ -563,6 +563,7 @@ fn world_info(descs: &[DescribeResponse]) -> Result<WorldInfo, String> {
         parallelism: d0.parallelism.clone(),
         device: descs.iter().map(|d| d.device.clone()).collect::<Vec<_>>().join(", "),
         model: ModelSummary { name: m.name, architecture: m.architecture, n_layers: m.n_layers, vocab_size: m.vocab_size, context_length: m.context_length },
+        late_forward: descs.iter().all(|d| d.late_forward),
     })
 }
 

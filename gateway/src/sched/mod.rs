@@ -306,6 +306,9 @@ pub struct Scheduler {
     /// Overlapped decode (one-rank worlds): plan a sequence whose step in flight draws a token
     /// again, feeding that token.
     overlap: bool,
+    /// Late rules in use: configured on and the ranks run a step's forward before its rules
+    /// arrive.
+    late: bool,
     /// Rules owed to rows sent with `rule_follows`, for the next step sent.
     rules_out: Vec<LateRule>,
 }
@@ -331,6 +334,7 @@ impl Scheduler {
             draining: HashMap::new(),
             groups: 1,
             overlap: false,
+            late: false,
             rules_out: Vec::new(),
         }
     }
@@ -373,6 +377,13 @@ impl Scheduler {
     /// Overlapped decode on or off (the engine keeps two steps in flight when on).
     pub fn set_overlap(&mut self, on: bool) {
         self.overlap = on;
+    }
+
+    /// Late rules (overlapped decode of constrained sequences): only where the ranks run a
+    /// step's forward before its rules arrive; elsewhere a step would wait for the rule before
+    /// it computes and hold back every other sequence in it.
+    pub fn set_late_rules(&mut self, on: bool) {
+        self.late = on;
     }
 
     fn is_in_flight(&self, id: u64) -> bool {
@@ -611,7 +622,7 @@ impl Scheduler {
             && !s.out.closed()
             && s.generated + 1 < s.max_tokens
             && s.tokens.len() + 1 < self.context
-            && (self.cfg.late_rules || !s.sampler.as_ref().is_some_and(Sampler::needs_drawn_token))
+            && (self.late || !s.sampler.as_ref().is_some_and(Sampler::needs_drawn_token))
     }
 
     /// Picks the step's entries among the running sequences; `None` if none can run.
@@ -650,7 +661,7 @@ impl Scheduler {
                 let s = &mut self.running[idx];
                 let sampler = s.sampler.as_mut().expect("a generation");
                 // A constrained sequence's rule depends on the token in flight: it follows.
-                let late = self.cfg.late_rules && sampler.is_constrained();
+                let late = self.late && sampler.is_constrained();
                 let (spec, u) = if late { sampler.next_spec_late() } else { sampler.next_spec() };
                 if late {
                     debug_assert!(s.rule_owed.is_none(), "the step in flight had its rule already");

@@ -487,6 +487,7 @@ fn overlapped(n_pages: u32, context: u32, on: bool) -> (FakeWorld, Scheduler) {
     let w = FakeWorld::new(FakeConfig { page_size: 4, n_pages, context, world_size: 1, ..Default::default() });
     let mut s = sched(&w, SchedConfig::default());
     s.set_overlap(on);
+    s.set_late_rules(on);
     (w, s)
 }
 
@@ -656,7 +657,7 @@ async fn constrained_outputs_are_valid_and_fed_with_their_rules_following() {
     let mut runs = vec![];
     for (on, late) in [(false, false), (true, false), (true, true)] {
         let (w, mut s) = overlapped(256, 2048, on);
-        s.cfg.late_rules = late;
+        s.set_late_rules(late);
         let mut rxs: Vec<_> = (0..3).map(|seed| submit(&mut s, constrained_request(seed))).collect();
         let (fed, rules) = if on { drive_overlapped(&mut s, &w).await } else { drive(&mut s, &w).await; (0, 0) };
         runs.push(rxs.iter_mut().map(outcome).collect::<Vec<_>>());
@@ -679,4 +680,24 @@ async fn constrained_outputs_are_valid_and_fed_with_their_rules_following() {
         assert!(doc["a"] == "x" || doc["a"] == "yz", "{text}");
         assert!(doc["b"].is_boolean() && doc.as_object().unwrap().len() == 2, "{text}");
     }
+}
+
+/// A constrained sequence dropped while a step in flight waits for its rule (a rank reports
+/// the wrong cache length for every step that feeds the quote token, the second token of each
+/// document): the waiting row still gets a rule (an empty one, with nothing else to run: a
+/// step of rules alone), so the fake rank, which waits for it as a rank does, finishes that
+/// step and the scheduler drains. Without the rule the fake gives up after 10 s (a panic).
+#[tokio::test]
+async fn a_constrained_sequence_dropped_while_it_owes_a_rule_still_sends_it() {
+    let (w, mut s) = overlapped(256, 2048, true);
+    // Token 2 is the byte '"' (the fake vocabulary of `constrained_request`).
+    w.set_wrong_len_token(0, 2);
+    let mut rxs: Vec<_> = (0..3).map(|seed| submit(&mut s, constrained_request(seed))).collect();
+    let (fed, rules) = drive_overlapped(&mut s, &w).await;
+    assert!(fed > 0 && rules > 0, "fed {fed}, rules {rules}");
+    for rx in rxs.iter_mut() {
+        let (toks, _, _, err) = outcome(rx);
+        assert!(matches!(err, Some(EngineError::CacheMismatch(_))), "{toks:?} {err:?}");
+    }
+    assert_eq!(s.kv().used_pages(), 0);
 }

@@ -257,6 +257,7 @@ impl Rank for RankService {
             n_pages: cfg.kv.n_pages as u32,
             weight_bytes: s.weight_bytes,
             pid: std::process::id(),
+            late_forward: cfg.device == crate::backend::Device::Cpu || late_rules::forward_first(),
         }))
     }
 
@@ -708,11 +709,11 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
             };
             let a = agreed.as_mut().expect("taken only below");
             let device = alone && engine.device_feed_ok(a.n_tokens());
-            // Rows whose rule follows (late rules): a step computed in one go takes the rules
-            // in before it starts; a device step launches its forward first (below) where
-            // `MINIMAX_LATE_FORWARD=1`.
+            // Rows whose rule follows (late rules): the step runs its forward first and its
+            // reductions wait for the rules (below), except a CUDA fast step without
+            // `MINIMAX_LATE_FORWARD=1`, which takes the rules in before it launches.
             let waiting = a.rows_waiting(req);
-            if !(device && late_rules::forward_first()) && !rules_in && !waiting.is_empty() {
+            if device && !late_rules::forward_first() && !rules_in && !waiting.is_empty() {
                 drop(guard);
                 let rules = shared.late_rules.wait(req.step_id, &waiting, cfg.collective_timeout, &ready)?;
                 late_rules::apply(req, rules);
@@ -743,27 +744,31 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
             let idle = shared.last_compute_end.lock().unwrap().map(|e| start.saturating_duration_since(e));
             let agreed = agreed.take().expect("set above");
             let launched = if alone { engine.launch(req, agreed, ticket, device, &fed_dev) } else { step::Launched::Done(engine.compute(req, agreed)) };
-            // The forward runs; its rows wait for their rules without the engine lock (the
-            // step before is read back meanwhile, and its answer lets the gateway send them).
-            #[cfg(feature = "cuda")]
+            // The forward ran (or runs); its rows wait for their rules without the engine lock
+            // (the step before is read back meanwhile, and its answer lets the gateway send
+            // them). A wait that fails (no rule in time, or the world changed) fails this step
+            // alone: it breaks no world (a new one may have been joined meanwhile).
             let (launched, mut guard) = match launched {
                 step::Launched::Rules(w) => {
                     drop(guard);
-                    let rules = shared.late_rules.wait(req.step_id, &w.waiting, cfg.collective_timeout, &ready);
+                    let same_world = || ready() && shared.pipe.epoch() == epoch;
+                    let rules = shared.late_rules.wait(req.step_id, &w.waiting, cfg.collective_timeout, &same_world);
+                    let rules = match rules {
+                        Ok(r) => r,
+                        Err(e) => return Ok(step::Launched::Done(Err(e))),
+                    };
                     let mut guard = shared.engine.lock().unwrap();
-                    let launched = match (rules, guard.as_mut()) {
-                        (Ok(rules), Some(engine)) => {
+                    let launched = match guard.as_mut() {
+                        Some(engine) => {
                             late_rules::apply(req, rules);
                             engine.resume(req, *w)
                         }
-                        (Err(e), _) => step::Launched::Done(Err(e)),
-                        (_, None) => step::Launched::Done(Err(pipe_broken("the engine went away while a step waited for its rules"))),
+                        None => step::Launched::Done(Err(pipe_broken("the engine went away while a step waited for its rules"))),
                     };
                     (launched, guard)
                 }
                 other => (other, guard),
             };
-            #[cfg(feature = "cuda")]
             let Some(engine) = guard.as_mut() else {
                 return Err(pipe_broken("the engine went away while a step waited for its rules"));
             };
@@ -793,7 +798,6 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
                     step::Launched::Pending(p)
                 }
                 // (`resume` never waits again.)
-                #[cfg(feature = "cuda")]
                 step::Launched::Rules(_) => step::Launched::Done(Err(StepError::Invalid("a step still waited for rules after they arrived".into()))),
             };
             return Ok(launched);
@@ -805,7 +809,6 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
     let res = match launched {
         Err(e) => Err(e),
         Ok(step::Launched::Done(res)) => res,
-        #[cfg(feature = "cuda")]
         Ok(step::Launched::Rules(_)) => unreachable!("turned into an answer above"),
         #[cfg(feature = "cuda")]
         Ok(step::Launched::Pending(p)) => {

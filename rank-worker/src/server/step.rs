@@ -346,21 +346,53 @@ impl Engine {
             if !waiting.is_empty() {
                 static FIRST: std::sync::Once = std::sync::Once::new();
                 FIRST.call_once(|| tracing::info!(rows = waiting.len(), "late rules: a step's forward launched before its rows' rules arrived (forward first)"));
-                return Launched::Rules(Box::new(AwaitRules { agreed, logits: out.detach(), ticket, waiting }));
+                return Launched::Rules(Box::new(AwaitRules { agreed, logits: Awaiting::Device(out.detach()), ticket, waiting }));
             }
             return enqueue_reduce(self.rank, self.head, &mut self.replay, req, agreed, out, ticket, vocab);
         }
         let _ = (ticket, device, fed);
+        // Rows whose rule follows, on a host forward (the CPU backend): the forward now, the
+        // answer once the rules are in ([`Engine::resume`]).
+        let waiting = agreed.rows_waiting(req);
+        if !waiting.is_empty() {
+            static FIRST: std::sync::Once = std::sync::Once::new();
+            FIRST.call_once(|| tracing::info!(rows = waiting.len(), "late rules: a step's forward ran before its rows' rules arrived (forward first, host)"));
+            let mut agreed = agreed;
+            agreed.t0 = Instant::now();
+            let world = self.world.as_ref().map(|w| &*w.transport);
+            return match forward_agreed(&mut self.backend, &self.part, self.parallelism, world, self.head, &agreed) {
+                Ok(None) => Launched::Rules(Box::new(AwaitRules { agreed, logits: Awaiting::Nothing, ticket, waiting })),
+                Ok(Some(StepOut::Host(o))) => Launched::Rules(Box::new(AwaitRules { agreed, logits: Awaiting::Host(o), ticket, waiting })),
+                #[cfg(feature = "cuda")]
+                Ok(Some(StepOut::Cuda(l))) => Launched::Rules(Box::new(AwaitRules { agreed, logits: Awaiting::Lazy(l.detach()), ticket, waiting })),
+                #[cfg(not(feature = "cuda"))]
+                Ok(Some(StepOut::Never(n, _))) => match n {},
+                Err(e) => Launched::Done(Err(e)),
+            };
+        }
         Launched::Done(self.compute(req, agreed))
     }
 
     /// Continues a step [`Engine::launch`] left waiting for rules, once they are in `req`.
-    #[cfg(feature = "cuda")]
     pub(super) fn resume(&mut self, req: &pb::StepRequest, w: AwaitRules) -> Launched {
         let AwaitRules { agreed, logits, ticket, .. } = w;
-        let crate::backend::Backend::Cuda(m) = &self.backend else { unreachable!("only CUDA steps wait for rules") };
-        let vocab = m.config().vocab_size;
-        enqueue_reduce(self.rank, self.head, &mut self.replay, req, agreed, logits.attach(m), ticket, vocab)
+        let _ = ticket;
+        let out = match logits {
+            Awaiting::Nothing => None,
+            Awaiting::Host(o) => Some(StepOut::Host(o)),
+            #[cfg(feature = "cuda")]
+            Awaiting::Lazy(l) => {
+                let crate::backend::Backend::Cuda(m) = &self.backend else { unreachable!("device logits come from a CUDA model") };
+                Some(StepOut::Cuda(l.attach(m)))
+            }
+            #[cfg(feature = "cuda")]
+            Awaiting::Device(l) => {
+                let crate::backend::Backend::Cuda(m) = &self.backend else { unreachable!("device logits come from a CUDA model") };
+                let vocab = m.config().vocab_size;
+                return enqueue_reduce(self.rank, self.head, &mut self.replay, req, agreed, l.attach(m), ticket, vocab);
+            }
+        };
+        Launched::Done(answer(self.rank, self.head, &mut self.replay, req, agreed, out))
     }
 
     /// Reads back a step [`Engine::launch`] left pending and answers it; records its draws in
@@ -466,21 +498,33 @@ pub(super) enum Launched {
     /// Enqueued on the GPU; [`Engine::finish`] reads it back.
     #[cfg(feature = "cuda")]
     Pending(Box<PendingAnswer>),
-    /// The forward enqueued; rows wait for their late rules ([`Engine::resume`]).
-    #[cfg(feature = "cuda")]
+    /// The forward ran (or is enqueued); rows wait for their late rules ([`Engine::resume`]).
     Rules(Box<AwaitRules>),
 }
 
-/// A launched CUDA step whose forward is enqueued and some of whose rows wait for their rules
-/// (late rules). The engine lock may be released meanwhile: no other forward runs before it
-/// resumes (compute tickets), so its logits stay where the forward left them.
-#[cfg(feature = "cuda")]
+/// A launched step whose forward ran (or, on CUDA, is enqueued) and some of whose rows wait for
+/// their rules (late rules). The engine lock may be released meanwhile: no other forward runs
+/// before it resumes (compute tickets), so its logits stay where the forward left them.
 pub(super) struct AwaitRules {
     agreed: Agreed,
-    logits: crate::cuda::sampling::DetachedLogits,
+    logits: Awaiting,
     ticket: u64,
     /// The sequences whose rows wait.
     pub waiting: Vec<u64>,
+}
+
+/// Where a waiting step's logits are.
+enum Awaiting {
+    /// No forward (nothing agreed to compute).
+    Nothing,
+    /// On the host (the CPU backend, or a CUDA forward that downloaded them).
+    Host(ForwardOutput),
+    /// On the device, to be answered from there.
+    #[cfg(feature = "cuda")]
+    Lazy(crate::cuda::sampling::DetachedLogits),
+    /// On the device, a fast step whose reductions are then enqueued and read back later.
+    #[cfg(feature = "cuda")]
+    Device(crate::cuda::sampling::DetachedLogits),
 }
 
 /// A CUDA step whose row reductions are enqueued and not read back.
