@@ -74,10 +74,11 @@ impl LateRules {
     }
 }
 
-/// Whether a CUDA device step launches its forward before its rows' rules are in (the point
-/// of late rules: the forward overlaps the gateway's turn). Opt-in (`MINIMAX_LATE_FORWARD=1`)
-/// until its GPU test has run (it was written in a session lent no GPU); off, such a step
-/// waits for its rules first, as a CPU step does, and then runs as any other.
+/// Whether a CUDA rank runs a step's forward before its rows' rules are in (the point of late
+/// rules: the forward overlaps the gateway's turn), as a CPU rank always does. Opt-in
+/// (`MINIMAX_LATE_FORWARD=1`) until its GPU test has run (it was written in a session lent no
+/// GPU); off, the rank tells the gateway (`DescribeResponse.late_forward`), which then sends
+/// it no late rows.
 pub(super) fn forward_first() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *ON.get_or_init(|| std::env::var("MINIMAX_LATE_FORWARD").is_ok_and(|v| v == "1"))

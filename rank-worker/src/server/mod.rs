@@ -710,12 +710,14 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
             let a = agreed.as_mut().expect("taken only below");
             let device = alone && engine.device_feed_ok(a.n_tokens());
             // Rows whose rule follows (late rules): the step runs its forward first and its
-            // reductions wait for the rules (below), except a CUDA fast step without
-            // `MINIMAX_LATE_FORWARD=1`, which takes the rules in before it launches.
+            // reductions wait for the rules (below), except on a CUDA rank without
+            // `MINIMAX_LATE_FORWARD=1` (which the gateway sends no such rows), which takes the
+            // rules in before it launches.
             let waiting = a.rows_waiting(req);
-            if device && !late_rules::forward_first() && !rules_in && !waiting.is_empty() {
+            if engine.rules_before_forward() && !rules_in && !waiting.is_empty() {
                 drop(guard);
-                let rules = shared.late_rules.wait(req.step_id, &waiting, cfg.collective_timeout, &ready)?;
+                let same_world = || ready() && shared.pipe.epoch() == epoch;
+                let rules = shared.late_rules.wait(req.step_id, &waiting, cfg.collective_timeout, &same_world)?;
                 late_rules::apply(req, rules);
                 rules_in = true;
                 continue;
@@ -753,11 +755,21 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
                     drop(guard);
                     let same_world = || ready() && shared.pipe.epoch() == epoch;
                     let rules = shared.late_rules.wait(req.step_id, &w.waiting, cfg.collective_timeout, &same_world);
+                    let ended = |e: StepError| {
+                        *shared.step_started.lock().unwrap() = None;
+                        *shared.last_compute_end.lock().unwrap() = Some(Instant::now());
+                        Ok(step::Launched::Done(Err(e)))
+                    };
                     let rules = match rules {
                         Ok(r) => r,
-                        Err(e) => return Ok(step::Launched::Done(Err(e))),
+                        Err(e) => return ended(e),
                     };
                     let mut guard = shared.engine.lock().unwrap();
+                    // (A world joined while this step waited: its answer and draws are not
+                    // this world's.)
+                    if shared.pipe.epoch() != epoch {
+                        return ended(pipe_broken("the world changed while a step waited for its rules"));
+                    }
                     let launched = match guard.as_mut() {
                         Some(engine) => {
                             late_rules::apply(req, rules);

@@ -373,6 +373,17 @@ impl Engine {
         Launched::Done(self.compute(req, agreed))
     }
 
+    /// Whether this rank takes a step's late rules in before its forward: a CUDA rank without
+    /// `MINIMAX_LATE_FORWARD=1`, which says so (`DescribeResponse.late_forward`) and so gets
+    /// no such rows from the gateway; every other rank runs the forward first.
+    pub(super) fn rules_before_forward(&self) -> bool {
+        #[cfg(feature = "cuda")]
+        if matches!(self.backend, crate::backend::Backend::Cuda(_)) {
+            return !super::late_rules::forward_first();
+        }
+        false
+    }
+
     /// Continues a step [`Engine::launch`] left waiting for rules, once they are in `req`.
     pub(super) fn resume(&mut self, req: &pb::StepRequest, w: AwaitRules) -> Launched {
         let AwaitRules { agreed, logits, ticket, .. } = w;
