@@ -209,8 +209,10 @@ CALL_TOOLS = [
             "days": {"type": "array", "items": {"enum": ["mon", "tue"]}, "maxItems": 2},
             "loud": {"type": "boolean"},
             "mode": {"enum": ["fast", "slow"]},
+            "on": {"type": "string", "format": "date"},
+            "label": {"type": "string", "pattern": "^[a-z]{1,8}$"},
         },
-        "required": ["hour", "loud"],
+        "required": ["hour", "loud", "on"],
         "additionalProperties": False,
     }}},
     {"type": "function", "function": {"name": "ping", "parameters": {"type": "object", "properties": {}, "additionalProperties": False}}},
@@ -222,7 +224,10 @@ def check_call(name, args):
         assert args == {}
         return
     assert name == "set_alarm", name
-    assert set(args) <= {"hour", "days", "loud", "mode"} and {"hour", "loud"} <= set(args), args
+    assert set(args) <= {"hour", "days", "loud", "mode", "on", "label"} and {"hour", "loud", "on"} <= set(args), args
+    # String parameters are raw text in the call; their format and pattern hold it.
+    assert re.fullmatch(r"\d{4}-\d{2}-\d{2}", args["on"]) and datetime.date.fromisoformat(args["on"]), args
+    assert re.fullmatch(r"[a-z]{1,8}", args.get("label", "x")), args
     assert isinstance(args["hour"], int) and not isinstance(args["hour"], bool), args
     assert isinstance(args["loud"], bool), args
     assert all(d in ("mon", "tue") for d in args.get("days", [])) and len(args.get("days", [])) <= 2, args

@@ -111,6 +111,8 @@ enum Frame {
     Str { min: u32, max: u32, chars: u32, sub: StrSub },
     /// Inside a string value with an automaton (`Grammar::dfas[dfa]`, in state `ds`).
     PStr { dfa: u32, ds: u32, sub: PSub },
+    /// Inside raw text with an automaton (`Node::RawPattern`; `sub`: `Plain` or `Utf8`).
+    RawPStr { dfa: u32, ds: u32, sub: PSub },
     /// Inside an object key of object `obj`: the declared-key trie position (`NO_KEY` once the
     /// text left every declared key), and whether other keys are allowed.
     Key { obj: NodeId, at: u32, free: bool, sub: StrSub },
@@ -480,6 +482,7 @@ fn can_end(g: &Grammar, t: &Thread) -> bool {
         Frame::End => true,
         Frame::Num { st, .. } if st.accepting() => t.pop(g, None).is_some_and(|p| can_end(g, &p)),
         Frame::Int { node, neg, v, k } if int_ends(g, node, neg, v, k) => t.pop(g, None).is_some_and(|p| can_end(g, &p)),
+        Frame::RawPStr { dfa, ds, sub: PSub::Plain } if g.dfas[dfa as usize].accepts(ds) => t.pop(g, None).is_some_and(|p| can_end(g, &p)),
         Frame::Dec { node, neg, point, ki, kf, m } if dec_ends(g, node, neg, point, ki, kf, m) => t.pop(g, None).is_some_and(|p| can_end(g, &p)),
         Frame::Lit { trie, at } if g.lits[trie as usize].nodes[at as usize].end.is_some() => {
             t.pop(g, None).is_some_and(|p| can_end(g, &p))
@@ -930,8 +933,31 @@ fn enter(g: &Grammar, t: &Thread, node: NodeId, b: u8, out: &mut Vec<Thread>) {
             }
         }
         Node::Raw(close) => step_thread(g, &t.with_top(Frame::Raw { close: *close, k: 0 }), b, out),
+        Node::RawPattern(dfa) => raw_pattern_byte(g, t, *dfa, Dfa::START, PSub::Plain, b, out),
         Node::Calls { .. } => step_thread(g, &t.with_top(Frame::Calls { node, count: 0, st: Seq::Open }), b, out),
         Node::Params { .. } => step_thread(g, &t.with_top(Frame::Params { node, seen: 0, st: Seq::Open }), b, out),
+    }
+}
+
+/// One byte of patterned raw text in automaton state `ds` (the thread's top is the text or the
+/// value before it): the text goes on where the automaton takes the byte (raw UTF-8, no
+/// escapes), and ends before it where the automaton accepts (the parent then takes the byte).
+fn raw_pattern_byte(g: &Grammar, t: &Thread, dfa: u32, ds: u32, sub: PSub, b: u8, out: &mut Vec<Thread>) {
+    let d = &g.dfas[dfa as usize];
+    if sub == PSub::Plain
+        && d.accepts(ds)
+        && let Some(p) = t.pop(g, None)
+    {
+        step_thread(g, &p, b, out);
+    }
+    let next = match sub {
+        PSub::Plain if b < 0x80 => d.next(ds, b as u32).map(|n| (n, PSub::Plain)),
+        // A UTF-8 lead or continuation byte, as inside a JSON string.
+        PSub::Plain | PSub::Utf8 { .. } => pstr_byte(d, ds, sub, b),
+        _ => None,
+    };
+    if let Some((ds, sub)) = next {
+        out.push(t.with_top(Frame::RawPStr { dfa, ds, sub }));
     }
 }
 
@@ -1115,6 +1141,7 @@ fn step_thread(g: &Grammar, t: &Thread, b: u8, out: &mut Vec<Thread>) {
             }
             PatStep::Dead => {}
         },
+        Frame::RawPStr { dfa, ds, sub } => raw_pattern_byte(g, t, dfa, ds, sub, b, out),
         Frame::Key { obj, at, free, sub } => key_byte(g, t, obj, at, free, sub, b, out),
         Frame::Arr { node, count, st } => {
             let min = match &g.nodes[node as usize] {
@@ -1428,5 +1455,35 @@ pub(crate) mod tool_tests {
         assert!(accepts(&one, "<invoke name=\"ping\"></invoke></minimax:tool_call>"));
         let mut s = State::start(&one);
         assert!(!s.feed(&one, b"<invoke name=\"ping\"></invoke><invoke"));
+    }
+
+    /// A string parameter's `pattern` / `format` holds its raw text (no JSON quotes or escapes:
+    /// the template writes strings verbatim), which ends where the automaton accepts and the
+    /// closing tag begins; a pattern every string of which holds `<` leaves the text free.
+    #[test]
+    fn patterned_string_parameters_hold_their_raw_text() {
+        let params = json!({"type": "object", "properties": {
+            "day": {"type": "string", "format": "date"},
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{1,3}$"},
+            "name": {"type": "string", "pattern": "^é\\w*$", "maxLength": 3},
+            "tag": {"type": "string", "pattern": "^<b>$"},
+            "any": {"type": "string", "pattern": "^.*$"}
+        }, "required": ["day"]});
+        let g = Grammar::tool_calls(&[CallTool { name: "f", parameters: &params }], TAGS, 1).unwrap();
+        let call = |p: &str, v: &str| format!("<invoke name=\"f\"><parameter name=\"day\">2024-02-28</parameter><parameter name=\"{p}\">{v}</parameter></invoke></minimax:tool_call>");
+        for (p, v) in [("code", "AB-1"), ("code", "ZZ-999"), ("name", "é"), ("name", "éa_"), ("tag", "<b>"), ("tag", "x<y"), ("any", "a \"quoted\" \\ text")] {
+            assert!(accepts(&g, &call(p, v)), "{p} = {v:?}");
+        }
+        for (p, v) in [("code", "AB-1234"), ("code", "ab-1"), ("code", ""), ("name", "éab_"), ("name", "e"), ("any", "a<b"), ("any", "two\nlines")] {
+            assert!(!accepts(&g, &call(p, v)), "{p} = {v:?} must be refused");
+        }
+        for v in ["2024-13-01", "\"2024-01-01\"", "2024-1-01", ""] {
+            let t = format!("<invoke name=\"f\"><parameter name=\"day\">{v}</parameter></invoke></minimax:tool_call>");
+            assert!(!accepts(&g, &t), "day = {v:?} must be refused");
+        }
+        assert!(accepts(&g, "<invoke name=\"f\"><parameter name=\"day\">1999-12-31</parameter></invoke></minimax:tool_call>"));
+        // The first byte that leaves the pattern kills the thread at once.
+        let mut s = State::start(&g);
+        assert!(!s.feed(&g, b"<invoke name=\"f\"><parameter name=\"code\">A1"));
     }
 }

@@ -116,6 +116,10 @@ pub enum Node {
     /// Any text up to and including the first occurrence of [`Grammar::texts`]`[i]` (a tag whose
     /// first byte occurs nowhere else in it).
     Raw(u32),
+    /// Raw text (a tool-call parameter's string, written verbatim) whose characters step an
+    /// automaton ([`Grammar::dfas`]) that never takes `<`, so the closing tag after it is
+    /// never part of it: a string parameter's `pattern` / `format`.
+    RawPattern(u32),
     /// A tool-call block's body: invokes of the tools named in key trie `names` (bodies in name
     /// order), at most `max`, at least one; `tags` (a [`Grammar::tags`] index) holds the invoke's
     /// opening tag (string 0) and the block's closing tag (string 1).
@@ -246,7 +250,7 @@ impl Grammar {
                     continue;
                 }
                 let sat = match &self.nodes[i] {
-                    Node::Lit(_) | Node::Number { .. } | Node::Int { .. } | Node::Decimal { .. } | Node::String { .. } | Node::Pattern(_) | Node::Raw(_) => true,
+                    Node::Lit(_) | Node::Number { .. } | Node::Int { .. } | Node::Decimal { .. } | Node::String { .. } | Node::Pattern(_) | Node::Raw(_) | Node::RawPattern(_) => true,
                     Node::Array { prefix, items, min, .. } => {
                         let need = *min as usize;
                         prefix.iter().take(need).all(|&p| ok[p as usize]) && (need <= prefix.len() || items.is_some_and(|it| ok[it as usize]))
@@ -690,7 +694,14 @@ impl Grammar {
                         let lit = c.lit(&list);
                         c.push(Node::Chain { items: vec![lit, close_lit], tight: true })
                     }
-                    Some(None) => raw,
+                    Some(None) => match raw_automaton(ps) {
+                        Some(d) => {
+                            c.dfas.push(d);
+                            let text = c.push(Node::RawPattern((c.dfas.len() - 1) as u32));
+                            c.push(Node::Chain { items: vec![text, close_lit], tight: true })
+                        }
+                        None => raw,
+                    },
                     None => {
                         let n = c.compile(ps, "#").unwrap_or_else(|_| c.any());
                         c.push(Node::Chain { items: vec![n, close_lit], tight: false })
@@ -713,6 +724,18 @@ impl Grammar {
         g.normalize().ok()?;
         Some(g)
     }
+}
+
+/// The automaton of a string parameter's raw text: its `pattern` / `format` (and length
+/// bounds) without `<`. `None` (any text) when it has neither, when they do not compile, or
+/// when every string they admit holds a `<`.
+fn raw_automaton(schema: &Json) -> Option<Dfa> {
+    let o = schema.as_object().filter(|o| o.get("type") == Some(&Json::String("string".into())))?;
+    let count = |k: &str| o.get(k).and_then(Json::as_u64).map(|n| n.min(UNBOUNDED as u64 - 1) as u32);
+    let (min, max) = (count("minLength").unwrap_or(0), count("maxLength").unwrap_or(UNBOUNDED));
+    let d = Compiler::string_automaton(o, min, max.max(min), "#").ok()??;
+    let no_tag = Dfa::from_pattern("^[^<]*$").ok()?;
+    d.intersect(&no_tag).ok()??.prune()
 }
 
 /// How a parameter's raw text is read (as the tool-call parser's typing does): `Some(None)`:
