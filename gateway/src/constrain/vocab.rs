@@ -427,6 +427,33 @@ mod raw_tests {
             assert_eq!(idx.allowed(&g, &st), super::tests::brute(&idx, &g, &st), "after {prefix}");
         }
     }
+
+    /// Inside a patterned string parameter (raw text held to its automaton, no `<`): the
+    /// masks are what stepping every token alone gives, tokens that end the value and run into
+    /// the closing tag included, and some token always goes on.
+    #[test]
+    fn inside_a_patterned_string_parameter_the_masks_are_the_walk() {
+        let mut items: Vec<(u32, Vec<u8>)> = (0..=255u8).map(|b| (b as u32, vec![b])).collect();
+        let extra: [&[u8]; 10] = [b"ab", b"AB-", b"-12", b"1</parameter>", b"12</param", b"</parameter>", b"\xc3\xa9", b"\xc3", b"2024-", b"9</parameter></invoke>"];
+        for (i, t) in extra.iter().enumerate() {
+            items.push((256 + i as u32, t.to_vec()));
+        }
+        let idx = TokenIndex::from_tokens(300, items, vec![299]);
+        let params = json!({"type": "object", "properties": {
+            "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{1,3}$"},
+            "day": {"type": "string", "format": "date"},
+            "name": {"type": "string", "pattern": "^[a-zé]+$", "maxLength": 4}
+        }});
+        let g = Grammar::tool_calls(&[CallTool { name: "f", parameters: &params }], crate::constrain::matcher::tool_tests::TAGS, 2).unwrap();
+        let open = |p: &str, v: &str| format!("<invoke name=\"f\"><parameter name=\"{p}\">{v}");
+        for prefix in [open("code", ""), open("code", "AB-"), open("code", "AB-12"), open("code", "AB-123"), open("day", "2024-0"), open("name", ""), open("name", "ab"), open("name", "abé")] {
+            let mut st = State::start(&g);
+            assert!(st.feed(&g, prefix.as_bytes()), "{prefix}");
+            let m = idx.allowed(&g, &st);
+            assert_eq!(m, super::tests::brute(&idx, &g, &st), "after {prefix}");
+            assert!(m.iter().any(|w| *w != 0), "a way on after {prefix}");
+        }
+    }
 }
 
 #[cfg(test)]
