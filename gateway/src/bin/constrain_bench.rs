@@ -151,13 +151,18 @@ fn main() {
     mask_row(&index, &pat, "inside a permissive pattern (^[^<>]*$)", b"{\"note\": \"fn main() {");
 
     // Guided tool calls: inside a raw-text parameter value, and at the tags.
-    let params = json!({"type": "object", "properties": {"path": {"type": "string"}, "line": {"type": "integer"}}, "required": ["path"]});
+    let params = json!({"type": "object", "properties": {
+        "path": {"type": "string"}, "line": {"type": "integer"},
+        "since": {"type": "string", "format": "date"}, "note": {"type": "string", "pattern": "^[^{}]*$"}
+    }, "required": ["path"]});
     let tags = CallTags { invoke_open: "<invoke name=\"", invoke_close: "</invoke>", param_open: "<parameter name=\"", param_close: "</parameter>", block_close: "</minimax:tool_call>" };
     let tg = Grammar::tool_calls(&[CallTool { name: "edit", parameters: &params }], tags, 8).expect("a completable call");
-    let tool_cases: [(&str, &[u8]); 3] = [
+    let tool_cases: [(&str, &[u8]); 5] = [
         ("tool call: block start", b""),
         ("tool call: inside a raw-text value", b"\n<invoke name=\"edit\">\n<parameter name=\"path\">src/ma"),
         ("tool call: after a parameter", b"\n<invoke name=\"edit\">\n<parameter name=\"path\">a</parameter>"),
+        ("tool call: inside a date parameter (format)", b"\n<invoke name=\"edit\">\n<parameter name=\"since\">2024-0"),
+        ("tool call: inside a permissive patterned parameter", b"\n<invoke name=\"edit\">\n<parameter name=\"note\">fix the loop"),
     ];
     for (name, prefix) in tool_cases {
         mask_row(&index, &tg, name, prefix);

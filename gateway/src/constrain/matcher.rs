@@ -171,6 +171,17 @@ impl PatView {
     pub fn step(&self, g: &Grammar, ds: u32, sub: PSub, b: u8) -> PatStep {
         pstr_step(&g.dfas[self.dfa as usize], ds, sub, b)
     }
+
+    /// Byte `b` of patterned raw text from (`ds`, `sub`), staying inside it, as the matcher's
+    /// `RawPStr` frame takes it ([`State::in_raw_pattern`]).
+    pub fn step_raw(&self, g: &Grammar, ds: u32, sub: PSub, b: u8) -> Option<(u32, PSub)> {
+        raw_text_byte(&g.dfas[self.dfa as usize], ds, sub, b)
+    }
+
+    /// Whether the text may end at (`ds`, `sub`) (raw text: the next byte goes to `after`).
+    pub fn may_end(&self, g: &Grammar, ds: u32, sub: PSub) -> bool {
+        sub == PSub::Plain && g.dfas[self.dfa as usize].accepts(ds)
+    }
 }
 
 /// Byte `b` of a patterned string from (`ds`, `sub`): the one definition the matcher's `PStr`
@@ -303,6 +314,22 @@ impl State {
     pub fn in_pattern(&self, g: &Grammar) -> Option<PatView> {
         let [t] = self.threads.as_slice() else { return None };
         let Frame::PStr { dfa, ds, sub } = t.top else { return None };
+        Some(PatView { dfa, ds, sub, after: t.pop(g, None).map(|p| State { threads: vec![p] }) })
+    }
+
+    /// When the state is one thread inside a patterned string parameter's raw text (or just
+    /// before it): its view, `after` being the state once the text ended (the masks' fast
+    /// path: a token's bytes step only the automaton until the text may end).
+    pub fn in_raw_pattern(&self, g: &Grammar) -> Option<PatView> {
+        let [t] = self.threads.as_slice() else { return None };
+        let (dfa, ds, sub) = match t.top {
+            Frame::RawPStr { dfa, ds, sub } => (dfa, ds, sub),
+            Frame::Tight { node } => match g.nodes[node as usize] {
+                Node::RawPattern(dfa) => (dfa, Dfa::START, PSub::Plain),
+                _ => return None,
+            },
+            _ => return None,
+        };
         Some(PatView { dfa, ds, sub, after: t.pop(g, None).map(|p| State { threads: vec![p] }) })
     }
 
@@ -950,14 +977,19 @@ fn raw_pattern_byte(g: &Grammar, t: &Thread, dfa: u32, ds: u32, sub: PSub, b: u8
     {
         step_thread(g, &p, b, out);
     }
-    let next = match sub {
+    if let Some((ds, sub)) = raw_text_byte(d, ds, sub, b) {
+        out.push(t.with_top(Frame::RawPStr { dfa, ds, sub }));
+    }
+}
+
+/// Byte `b` of patterned raw text from (`ds`, `sub`), staying inside the text: raw UTF-8, no
+/// escapes (the one definition the matcher and the masks' fast path share).
+fn raw_text_byte(d: &Dfa, ds: u32, sub: PSub, b: u8) -> Option<(u32, PSub)> {
+    match sub {
         PSub::Plain if b < 0x80 => d.next(ds, b as u32).map(|n| (n, PSub::Plain)),
         // A UTF-8 lead or continuation byte, as inside a JSON string.
         PSub::Plain | PSub::Utf8 { .. } => pstr_byte(d, ds, sub, b),
         _ => None,
-    };
-    if let Some((ds, sub)) = next {
-        out.push(t.with_top(Frame::RawPStr { dfa, ds, sub }));
     }
 }
 

@@ -230,6 +230,54 @@ impl TokenIndex {
             }
             return mask;
         }
+        if let Some(view) = state.in_raw_pattern(g) {
+            // Inside a patterned string parameter's raw text: the bytes step the automaton
+            // only (shared across tokens by their common prefix); where the text may end, a
+            // token may also run on from the state after it (the closing tag), which takes
+            // few first bytes: only those are tried there.
+            let first: Vec<bool> = (0..=255u8).map(|b| view.after.as_ref().is_some_and(|a| !a.step(g, b).is_dead())).collect();
+            let mut stack: Vec<(u32, PSub)> = vec![(view.ds, view.sub)];
+            let mut i = 0;
+            while i < self.ids.len() {
+                let b = self.nth(i);
+                let keep = (self.lcp[i] as usize).min(stack.len() - 1);
+                stack.truncate(keep + 1);
+                // Whether the text may end before some byte so far that the state after it
+                // takes (then tokens sharing the prefix differ in whether they run on).
+                let exit_at = |d: usize, stack: &[(u32, PSub)]| view.may_end(g, stack[d].0, stack[d].1) && first[b[d] as usize];
+                let mut ok = false;
+                let mut dead_at = None;
+                let mut exits = false;
+                for d in 0..b.len() {
+                    if exit_at(d, &stack) {
+                        exits = true;
+                        if view.after.as_ref().is_some_and(|a| a.clone().feed(g, &b[d..])) {
+                            ok = true;
+                            break;
+                        }
+                    }
+                    if d < keep {
+                        continue;
+                    }
+                    let (ds, sub) = stack[d];
+                    match view.step_raw(g, ds, sub, b[d]) {
+                        Some(next) => stack.push(next),
+                        None => {
+                            dead_at = Some(d);
+                            break;
+                        }
+                    }
+                }
+                if ok || dead_at.is_none() {
+                    set(&mut mask, self.ids[i]);
+                }
+                i = match dead_at {
+                    Some(d) if !ok && !exits => self.past_prefix(i, d),
+                    _ => i + 1,
+                };
+            }
+            return mask;
+        }
         if let Some(key) = state.in_free_key() {
             // Inside an object key where other keys are allowed: nearly every token fits, and
             // a loop over a token's bytes says which, without stepping states.
@@ -449,6 +497,8 @@ mod raw_tests {
         for prefix in [open("code", ""), open("code", "AB-"), open("code", "AB-12"), open("code", "AB-123"), open("day", "2024-0"), open("name", ""), open("name", "ab"), open("name", "abé")] {
             let mut st = State::start(&g);
             assert!(st.feed(&g, prefix.as_bytes()), "{prefix}");
+            // (The fast path inside the text; before its first byte, the general walk.)
+            assert_eq!(st.in_raw_pattern(&g).is_some(), !prefix.ends_with('>'), "{prefix}");
             let m = idx.allowed(&g, &st);
             assert_eq!(m, super::tests::brute(&idx, &g, &st), "after {prefix}");
             assert!(m.iter().any(|w| *w != 0), "a way on after {prefix}");
