@@ -458,14 +458,19 @@ mod raw_tests {
     use crate::constrain::schema::CallTool;
     use serde_json::json;
 
-    #[test]
-    fn inside_raw_text_the_fast_path_is_the_walk() {
+    /// Every byte as a token, then `extra` (ids from 256), in a vocabulary of 300 whose last id
+    /// ends generation.
+    fn bytes_and(extra: &[&[u8]]) -> TokenIndex {
         let mut items: Vec<(u32, Vec<u8>)> = (0..=255u8).map(|b| (b as u32, vec![b])).collect();
-        let extra: [&[u8]; 10] = [b"<</parameter>x", b"</parameter>", b"</param", b"eter>\n<", b"x</parameter>x", b"</parameter><parameter name=\"", b"<</", b"a<", b"</parameter></invoke>", b">"];
         for (i, t) in extra.iter().enumerate() {
             items.push((256 + i as u32, t.to_vec()));
         }
-        let idx = TokenIndex::from_tokens(300, items, vec![299]);
+        TokenIndex::from_tokens(300, items, vec![299])
+    }
+
+    #[test]
+    fn inside_raw_text_the_fast_path_is_the_walk() {
+        let idx = bytes_and(&[b"<</parameter>x", b"</parameter>", b"</param", b"eter>\n<", b"x</parameter>x", b"</parameter><parameter name=\"", b"<</", b"a<", b"</parameter></invoke>", b">"]);
         let params = json!({"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}, "required": ["a"]});
         let g = Grammar::tool_calls(&[CallTool { name: "f", parameters: &params }], crate::constrain::matcher::tool_tests::TAGS, 2).unwrap();
         for prefix in ["<invoke name=\"f\"><parameter name=\"a\">", "<invoke name=\"f\"><parameter name=\"a\">x<", "<invoke name=\"f\"><parameter name=\"a\">x</param", "<invoke name=\"f\"><parameter name=\"b\">"] {
@@ -481,12 +486,7 @@ mod raw_tests {
     /// the closing tag included, and some token always goes on.
     #[test]
     fn inside_a_patterned_string_parameter_the_masks_are_the_walk() {
-        let mut items: Vec<(u32, Vec<u8>)> = (0..=255u8).map(|b| (b as u32, vec![b])).collect();
-        let extra: [&[u8]; 10] = [b"ab", b"AB-", b"-12", b"1</parameter>", b"12</param", b"</parameter>", b"\xc3\xa9", b"\xc3", b"2024-", b"9</parameter></invoke>"];
-        for (i, t) in extra.iter().enumerate() {
-            items.push((256 + i as u32, t.to_vec()));
-        }
-        let idx = TokenIndex::from_tokens(300, items, vec![299]);
+        let idx = bytes_and(&[b"ab", b"AB-", b"-12", b"1</parameter>", b"12</param", b"</parameter>", b"\xc3\xa9", b"\xc3", b"2024-", b"9</parameter></invoke>"]);
         let params = json!({"type": "object", "properties": {
             "code": {"type": "string", "pattern": "^[A-Z]{2}-[0-9]{1,3}$"},
             "day": {"type": "string", "format": "date"},
