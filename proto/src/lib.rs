@@ -18,5 +18,5 @@ pub mod v1 {
     pub const PROTOCOL_VERSION: u32 = 4;
 
     mod convert;
-    pub use convert::{count_in_history, draw_row, row_output, sampling_spec};
+    pub use convert::{apply_late_rule, count_in_history, draw_row, row_output, sampling_spec};
 }

@@ -810,26 +810,38 @@ fn int_bounds(obj: &serde_json::Map<String, Json>, path: &str) -> Result<Option<
             }
         }
     }
+    let Some((lo, hi)) = unit_range(obj, (i64::MIN as i128, i64::MAX as i128), |v, up, k| edge(v, up, k, path))? else { return Ok(None) };
+    if lo > hi {
+        return Err(Compiler::err(path, "no integer satisfies these minimum / maximum bounds"));
+    }
+    Ok(Some((lo as i64, hi as i64)))
+}
+
+/// The whole units `minimum` / `maximum` / `exclusiveMinimum` / `exclusiveMaximum` let through
+/// (draft 4's boolean `exclusive*` beside `minimum` / `maximum` too), within `reach`, as an
+/// inclusive range that may be empty; `None`: no bound at all. `edge(v, up, k)` reads bound
+/// `v` of keyword `k` as a number of units, rounded up (`up`) or down (`None`: a boolean). An
+/// exclusive bound moves one unit past the bound rounded the other way.
+fn unit_range(
+    obj: &serde_json::Map<String, Json>,
+    reach: (i128, i128),
+    edge: impl Fn(&Json, bool, &str) -> Result<Option<i128>, SchemaError>,
+) -> Result<Option<(i128, i128)>, SchemaError> {
     let flag = |k: &str| obj.get(k) == Some(&Json::Bool(true));
-    // The smallest / largest integer a bound lets through: an exclusive one (a number, or
-    // draft 4's `exclusive*: true` beside `minimum` / `maximum`) moves past floor / ceil.
     let lower = |k: &str, exclusive: bool| -> Result<Option<i128>, SchemaError> {
-        Ok(obj.get(k).map(|v| edge(v, !exclusive, k, path)).transpose()?.flatten().map(|m| if exclusive { m + 1 } else { m }))
+        Ok(obj.get(k).map(|v| edge(v, !exclusive, k)).transpose()?.flatten().map(|m| if exclusive { m + 1 } else { m }))
     };
     let upper = |k: &str, exclusive: bool| -> Result<Option<i128>, SchemaError> {
-        Ok(obj.get(k).map(|v| edge(v, exclusive, k, path)).transpose()?.flatten().map(|m| if exclusive { m - 1 } else { m }))
+        Ok(obj.get(k).map(|v| edge(v, exclusive, k)).transpose()?.flatten().map(|m| if exclusive { m - 1 } else { m }))
     };
     let los = [lower("minimum", flag("exclusiveMinimum"))?, lower("exclusiveMinimum", true)?];
     let his = [upper("maximum", flag("exclusiveMaximum"))?, upper("exclusiveMaximum", true)?];
     if los.iter().chain(&his).all(Option::is_none) {
         return Ok(None);
     }
-    let lo = los.into_iter().flatten().fold(i64::MIN as i128, i128::max);
-    let hi = his.into_iter().flatten().fold(i64::MAX as i128, i128::min);
-    if lo > hi {
-        return Err(Compiler::err(path, "no integer satisfies these minimum / maximum bounds"));
-    }
-    Ok(Some((lo as i64, hi as i64)))
+    let lo = los.into_iter().flatten().fold(reach.0, i128::max);
+    let hi = his.into_iter().flatten().fold(reach.1, i128::min);
+    Ok(Some((lo, hi)))
 }
 
 /// A number's bounds from `minimum` / `maximum` / `exclusive*` (draft 4's boolean flags too), as
@@ -877,23 +889,8 @@ fn dec_bounds(obj: &serde_json::Map<String, Json>, path: &str) -> Result<Option<
         };
         Ok(Some(if neg { -mag } else { mag }))
     };
-    let flag = |k: &str| obj.get(k) == Some(&Json::Bool(true));
-    // The smallest / largest multiple a bound lets through: an exclusive one moves one unit
-    // past the bound rounded the other way.
-    let lower = |k: &str, exclusive: bool| -> Result<Option<i128>, SchemaError> {
-        Ok(obj.get(k).map(|v| edge(v, !exclusive, k)).transpose()?.flatten().map(|m| if exclusive { m + 1 } else { m }))
-    };
-    let upper = |k: &str, exclusive: bool| -> Result<Option<i128>, SchemaError> {
-        Ok(obj.get(k).map(|v| edge(v, exclusive, k)).transpose()?.flatten().map(|m| if exclusive { m - 1 } else { m }))
-    };
-    let los = [lower("minimum", flag("exclusiveMinimum"))?, lower("exclusiveMinimum", true)?];
-    let his = [upper("maximum", flag("exclusiveMaximum"))?, upper("exclusiveMaximum", true)?];
-    if los.iter().chain(&his).all(Option::is_none) {
-        return Ok(None);
-    }
     let reach = 10i128.pow(2 * d as u32) - 1;
-    let lo = los.into_iter().flatten().fold(-reach, i128::max);
-    let hi = his.into_iter().flatten().fold(reach, i128::min);
+    let Some((lo, hi)) = unit_range(obj, (-reach, reach), edge)? else { return Ok(None) };
     if lo > hi {
         return Err(Compiler::err(path, format!("no number of at most {d} digits satisfies these minimum / maximum bounds")));
     }

@@ -309,8 +309,9 @@ async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::Unbo
         let overlap = cfg.overlaps(info.world_size as usize);
         s.set_steps_in_flight(if overlap { 1 } else { depth });
         s.set_overlap(overlap);
-        s.set_late_rules(overlap && cfg.late_rules && info.late_forward);
-        if overlap && cfg.late_rules && !info.late_forward {
+        let late_rules = overlap && cfg.late_rules;
+        s.set_late_rules(late_rules && info.late_forward);
+        if late_rules && !info.late_forward {
             tracing::info!(generation, "late rules off: the rank waits for a structured output's rule before its forward (MINIMAX_LATE_FORWARD=1 on a CUDA rank)");
         }
         if overlap {

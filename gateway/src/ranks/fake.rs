@@ -288,9 +288,7 @@ impl RankWorld for FakeWorld {
                 for s in req.seqs.iter_mut() {
                     if let Some(sp) = s.sampling.as_mut().filter(|sp| sp.rule_follows) {
                         let r = st.rules.remove(&(step_id, s.seq_id)).expect("waited for above");
-                        sp.logit_bias = r.logit_bias;
-                        sp.allowed_tokens = r.allowed_tokens;
-                        sp.rule_follows = false;
+                        minimax_proto::v1::apply_late_rule(sp, r);
                     }
                 }
             }

@@ -126,14 +126,22 @@ impl Sampler {
     /// The rule of the step [`Sampler::next_spec_late`] planned, for the rank's
     /// `LateRule`: the logit bias and the allowed tokens after every token sampled so far.
     pub fn late_rule(&mut self) -> (Vec<TokenBias>, Option<Vec<u8>>) {
-        self.rule().unwrap_or_else(|| (self.spec(0.0).logit_bias, None))
+        self.rule().unwrap_or_else(|| (self.base_bias(), None))
+    }
+
+    /// The request's own logit bias, by token.
+    fn base_bias(&self) -> Vec<TokenBias> {
+        let mut bias: Vec<TokenBias> = self.params.logit_bias.iter().map(|(&token, &bias)| TokenBias { token, bias }).collect();
+        bias.sort_by_key(|b| b.token);
+        bias
     }
 
     /// The request's logit bias with the constraint's next rule applied, and its mask; `None`
     /// without a constraint.
     fn rule(&mut self) -> Option<(Vec<TokenBias>, Option<Vec<u8>>)> {
+        self.constraint.as_ref()?;
+        let mut bias = self.base_bias();
         let c = self.constraint.as_mut()?;
-        let mut bias: Vec<TokenBias> = self.params.logit_bias.iter().map(|(&token, &bias)| TokenBias { token, bias }).collect();
         let mut allowed = None;
         match c.rule() {
             Rule::Free => {}
@@ -163,8 +171,7 @@ impl Sampler {
     /// step's rank adds the token it feeds.
     pub fn spec(&self, draw: f64) -> SamplingSpec {
         let p = &self.params;
-        let mut logit_bias: Vec<TokenBias> = p.logit_bias.iter().map(|(&token, &bias)| TokenBias { token, bias }).collect();
-        logit_bias.sort_by_key(|b| b.token);
+        let logit_bias = self.base_bias();
         let mut history: Vec<TokenCount> = self.history.iter().map(|(&token, &count)| TokenCount { token, count }).collect();
         history.sort_by_key(|c| c.token);
         SamplingSpec {

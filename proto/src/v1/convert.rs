@@ -4,7 +4,7 @@
 use minimax_shared::sampling::draw::{DrawError, draw};
 use minimax_shared::sampling::{RowReduction, SamplingSpec as Spec};
 
-use super::{RowOutput, SamplingSpec, TokenCount};
+use super::{LateRule, RowOutput, SamplingSpec, TokenCount};
 
 /// The gateway's sampling message as the reduction's spec. Proto3 defaults are mapped to "off":
 /// an unset message or `temperature = 0` is greedy, `top_p` outside (0, 1) and
@@ -49,6 +49,14 @@ pub fn draw_row(row: &mut RowOutput, temperature: f32, u: f64) -> Result<u32, Dr
     let k = draw(&row.candidate_ids, &row.candidate_logits, temperature, u)?;
     row.drawn_token = Some(row.candidate_ids[k]);
     Ok(row.candidate_ids[k])
+}
+
+/// Puts a row's late rule into the spec it was sent without (`rule_follows`): the fields the
+/// rule replaces, so the reduction sees the row as if the rule had come with it.
+pub fn apply_late_rule(spec: &mut SamplingSpec, rule: LateRule) {
+    spec.logit_bias = rule.logit_bias;
+    spec.allowed_tokens = rule.allowed_tokens;
+    spec.rule_follows = false;
 }
 
 /// Counts one more `token` in the penalties' history (a fed token the gateway could not list).

@@ -84,6 +84,12 @@ pub(super) fn forward_first() -> bool {
     *ON.get_or_init(|| std::env::var("MINIMAX_LATE_FORWARD").is_ok_and(|v| v == "1"))
 }
 
+/// Whether a rank runs a step's forward before its late rows' rules arrive (what it reports as
+/// `DescribeResponse.late_forward`): a CPU rank always, a CUDA rank with [`forward_first`].
+pub(super) fn late_forward(cuda: bool) -> bool {
+    !cuda || forward_first()
+}
+
 /// The sequences of `req`'s agreed rows (`batch_src`: their request indices) whose rule
 /// follows.
 pub(super) fn rows_waiting(req: &pb::StepRequest, batch_src: &[usize]) -> Vec<u64> {
@@ -95,9 +101,7 @@ pub(super) fn rows_waiting(req: &pb::StepRequest, batch_src: &[usize]) -> Vec<u6
 pub(super) fn apply(req: &mut pb::StepRequest, rules: Vec<pb::LateRule>) {
     for r in rules {
         if let Some(sp) = req.seqs.iter_mut().find(|s| s.seq_id == r.seq_id).and_then(|s| s.sampling.as_mut()) {
-            sp.logit_bias = r.logit_bias;
-            sp.allowed_tokens = r.allowed_tokens;
-            sp.rule_follows = false;
+            pb::apply_late_rule(sp, r);
         }
     }
 }

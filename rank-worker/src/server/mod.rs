@@ -257,7 +257,7 @@ impl Rank for RankService {
             n_pages: cfg.kv.n_pages as u32,
             weight_bytes: s.weight_bytes,
             pid: std::process::id(),
-            late_forward: cfg.device == crate::backend::Device::Cpu || late_rules::forward_first(),
+            late_forward: late_rules::late_forward(cfg.device != crate::backend::Device::Cpu),
         }))
     }
 
@@ -770,13 +770,11 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
                     if shared.pipe.epoch() != epoch {
                         return ended(pipe_broken("the world changed while a step waited for its rules"));
                     }
-                    let launched = match guard.as_mut() {
-                        Some(engine) => {
-                            late_rules::apply(req, rules);
-                            engine.resume(req, *w)
-                        }
-                        None => step::Launched::Done(Err(pipe_broken("the engine went away while a step waited for its rules"))),
+                    let Some(engine) = guard.as_mut() else {
+                        return Err(pipe_broken("the engine went away while a step waited for its rules"));
                     };
+                    late_rules::apply(req, rules);
+                    let launched = engine.resume(req, *w);
                     (launched, guard)
                 }
                 other => (other, guard),

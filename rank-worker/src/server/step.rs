@@ -378,10 +378,10 @@ impl Engine {
     /// no such rows from the gateway; every other rank runs the forward first.
     pub(super) fn rules_before_forward(&self) -> bool {
         #[cfg(feature = "cuda")]
-        if matches!(self.backend, crate::backend::Backend::Cuda(_)) {
-            return !super::late_rules::forward_first();
-        }
-        false
+        let cuda = matches!(self.backend, crate::backend::Backend::Cuda(_));
+        #[cfg(not(feature = "cuda"))]
+        let cuda = false;
+        !super::late_rules::late_forward(cuda)
     }
 
     /// Continues a step [`Engine::launch`] left waiting for rules, once they are in `req`.
