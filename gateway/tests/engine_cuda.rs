@@ -11,8 +11,9 @@
 //! feeding off (`MINIMAX_DEVICE_FEED=0`, overlap on); four greedy requests at once (device-fed
 //! rows 0-3) complete; and the rank's log (its stderr, appended to a file by a wrapper script)
 //! shows a step fed from the device, one fed a sampled token drawn there, and a structured
-//! output's forward launched before its rule arrived (late rules, `MINIMAX_LATE_FORWARD=1`),
-//! exactly in the run with device feeding on.
+//! output's forward launched before its rule arrived (late rules: the default,
+//! `MINIMAX_LATE_FORWARD=0` set in the runs without feeding), exactly in the run with device
+//! feeding on.
 
 mod common;
 
@@ -115,7 +116,7 @@ async fn cuda_overlapped_decode_with_device_fed_tokens_gives_the_tokens_of_one_s
             let sampling = SamplingParams { constraint: Some(json_spec()), ..sampling };
             all.push(run(&engine, GenerationRequest { request_id: id.into(), prompt: prompt(25, 11), max_tokens: 48, sampling, stop_token_ids: vec![EOG] }).await);
         }
-        // (Late rules only where the rank takes them: MINIMAX_LATE_FORWARD=1, set with feeding.)
+        // (Late rules only where the rank takes them: MINIMAX_LATE_FORWARD=0 in the runs without feeding.)
         let rules = engine.metrics().late_rules;
         assert_eq!(rules > 0, overlap && feed, "overlap {overlap}, device feed {feed}: late rules sent: {rules}");
         // Four greedy requests at once (steps of up to four tokens, device-fed rows 0-3).

@@ -312,7 +312,7 @@ async fn run(world: Arc<dyn RankWorld>, cfg: SchedConfig, mut cmd_rx: mpsc::Unbo
         let late_rules = overlap && cfg.late_rules;
         s.set_late_rules(late_rules && info.late_forward);
         if late_rules && !info.late_forward {
-            tracing::info!(generation, "late rules off: the rank waits for a structured output's rule before its forward (MINIMAX_LATE_FORWARD=1 on a CUDA rank)");
+            tracing::info!(generation, "late rules off: the rank waits for a structured output's rule before its forward (MINIMAX_LATE_FORWARD=0 on a CUDA rank)");
         }
         if overlap {
             tracing::info!(generation, "one-rank world: overlapped decode (the next step is sent while one computes)");

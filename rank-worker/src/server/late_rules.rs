@@ -75,13 +75,13 @@ impl LateRules {
 }
 
 /// Whether a CUDA rank runs a step's forward before its rows' rules are in (the point of late
-/// rules: the forward overlaps the gateway's turn), as a CPU rank always does. Opt-in
-/// (`MINIMAX_LATE_FORWARD=1`) until its GPU test has run (it was written in a session lent no
-/// GPU); off, the rank tells the gateway (`DescribeResponse.late_forward`), which then sends
-/// it no late rows.
+/// rules: the forward overlaps the gateway's turn), as a CPU rank always does. On by default
+/// (measured on an H100 in session 34); `MINIMAX_LATE_FORWARD=0` turns it off for an A/B, and
+/// the rank then tells the gateway (`DescribeResponse.late_forward`), which sends it no late
+/// rows.
 pub(super) fn forward_first() -> bool {
     static ON: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *ON.get_or_init(|| std::env::var("MINIMAX_LATE_FORWARD").is_ok_and(|v| v == "1"))
+    *ON.get_or_init(|| std::env::var("MINIMAX_LATE_FORWARD").map_or(true, |v| v != "0"))
 }
 
 /// Whether a rank runs a step's forward before its late rows' rules arrive (what it reports as

@@ -710,8 +710,8 @@ fn pipelined_step(shared: &Shared, req: &pb::StepRequest) -> Result<pb::StepResp
             let a = agreed.as_mut().expect("taken only below");
             let device = alone && engine.device_feed_ok(a.n_tokens());
             // Rows whose rule follows (late rules): the step runs its forward first and its
-            // reductions wait for the rules (below), except on a CUDA rank without
-            // `MINIMAX_LATE_FORWARD=1` (which the gateway sends no such rows), which takes the
+            // reductions wait for the rules (below), except on a CUDA rank with
+            // `MINIMAX_LATE_FORWARD=0` (which the gateway sends no such rows), which takes the
             // rules in before it launches.
             let waiting = a.rows_waiting(req);
             if engine.rules_before_forward() && !rules_in && !waiting.is_empty() {

@@ -373,8 +373,8 @@ impl Engine {
         Launched::Done(self.compute(req, agreed))
     }
 
-    /// Whether this rank takes a step's late rules in before its forward: a CUDA rank without
-    /// `MINIMAX_LATE_FORWARD=1`, which says so (`DescribeResponse.late_forward`) and so gets
+    /// Whether this rank takes a step's late rules in before its forward: a CUDA rank with
+    /// `MINIMAX_LATE_FORWARD=0`, which says so (`DescribeResponse.late_forward`) and so gets
     /// no such rows from the gateway; every other rank runs the forward first.
     pub(super) fn rules_before_forward(&self) -> bool {
         #[cfg(feature = "cuda")]
