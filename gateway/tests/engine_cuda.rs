@@ -7,9 +7,10 @@
 //! What must hold: the tokens are those of one step at a time (overlap off), for requests one
 //! by one (greedy, greedy with a repetition penalty, seeded sampling with penalties, seeded
 //! sampling with MiniMax's defaults and with min_p, which the merge kernel draws and feeds on
-//! the device, a stop token, structured outputs greedy and sampled), and the same with device
-//! feeding off (`MINIMAX_DEVICE_FEED=0`, overlap on); four greedy requests at once (device-fed
-//! rows 0-3) complete; and the rank's log (its stderr, appended to a file by a wrapper script)
+//! the device, a stop token, structured outputs greedy and sampled, each a whole document of
+//! its schema), and the same with device feeding off (`MINIMAX_DEVICE_FEED=0`, overlap on); a
+//! structured output beside a plain request gives a whole document; four greedy requests at
+//! once (device-fed rows 0-3) complete; and the rank's log (its stderr, appended to a file by a wrapper script)
 //! shows a step fed from the device, one fed a sampled token drawn there, and a structured
 //! output's forward launched before its rule arrived (late rules: the default,
 //! `MINIMAX_LATE_FORWARD=0` set in the runs without feeding), exactly in the run with device
@@ -71,6 +72,23 @@ fn json_spec() -> std::sync::Arc<minimax_gateway::constrain::ConstraintSpec> {
     std::sync::Arc::new(ConstraintSpec { grammar: Grammar::from_schema(&schema).unwrap(), index, reasoning_close: None, mode: Mode::Document })
 }
 
+/// A structured-output request of [`json_spec`] with a bias against the space token.
+fn json_req(id: &str, salt: u32, sampling: SamplingParams) -> GenerationRequest {
+    let sampling = SamplingParams { constraint: Some(json_spec()), logit_bias: [(0u32, -30.0f32)].into_iter().collect(), ..sampling };
+    GenerationRequest { request_id: id.into(), prompt: prompt(25, salt), max_tokens: 48, sampling, stop_token_ids: vec![EOG] }
+}
+
+/// The output is a whole document of [`json_spec`]'s schema that ended on its stop token.
+fn check_json(out: &(Vec<u32>, Option<FinishReason>), what: &str) {
+    let (toks, finish) = out;
+    let text: String = toks.iter().map(|&t| char::from(0x20 + t as u8)).collect();
+    eprintln!("structured output, {what} ({finish:?}): {text}");
+    assert!(toks.iter().all(|&t| t < 95), "{what}: {toks:?}");
+    assert_eq!(*finish, Some(FinishReason::Stop), "{what}: the document did not end: {text}");
+    let doc: serde_json::Value = serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{what}: {e}: {text}"));
+    assert!(doc["n"].as_u64().is_some_and(|n| n <= 999) && doc["id"].as_str().is_some_and(|s| (2..=5).contains(&s.len()) && s.bytes().all(|b| b.is_ascii_lowercase())), "{what}: {text}");
+}
+
 async fn run(engine: &Engine, req: GenerationRequest) -> (Vec<u32>, Option<FinishReason>) {
     let stream = engine.generate(req).expect("accepted");
     let events = tokio::time::timeout(Duration::from_secs(300), stream.collect_all()).await.expect("generation finished in time");
@@ -112,13 +130,20 @@ async fn cuda_overlapped_decode_with_device_fed_tokens_gives_the_tokens_of_one_s
         // 0x20 + t), greedy and with MiniMax's sampling: with overlap their next step goes out
         // before the token is known and the rule follows (late rules); the forward runs
         // meanwhile and the reduction, masked, waits for it.
+        // A bias against the space token keeps random weights from spending every step on
+        // whitespace (one mask again and again), so each step's mask differs from the last and
+        // a rule applied to the wrong step would show.
         for (id, sampling) in [("json-greedy", SamplingParams { temperature: 0.0, ..Default::default() }), ("json-sampled", SamplingParams { seed: Some(5), ..Default::default() })] {
-            let sampling = SamplingParams { constraint: Some(json_spec()), ..sampling };
-            all.push(run(&engine, GenerationRequest { request_id: id.into(), prompt: prompt(25, 11), max_tokens: 48, sampling, stop_token_ids: vec![EOG] }).await);
+            all.push(run(&engine, json_req(id, 11, sampling)).await);
         }
         // (Late rules only where the rank takes them: MINIMAX_LATE_FORWARD=0 in the runs without feeding.)
         let rules = engine.metrics().late_rules;
         assert_eq!(rules > 0, overlap && feed, "overlap {overlap}, device feed {feed}: late rules sent: {rules}");
+        // A structured output beside a plain one (two-token steps: one row masked, its rule
+        // following, the other not): the document is valid, the plain one completes.
+        let pair = futures_util::future::join_all([json_req("json-pair", 12, SamplingParams { temperature: 0.0, ..Default::default() }), greedy_req("plain-pair", prompt(19, 13), 32)].map(|r| run(&engine, r))).await;
+        check_json(&pair[0], &format!("overlap {overlap}, device feed {feed}, beside a plain request"));
+        assert_eq!((pair[1].0.len(), pair[1].1), (32, Some(FinishReason::Length)));
         // Four greedy requests at once (steps of up to four tokens, device-fed rows 0-3).
         let reqs: Vec<GenerationRequest> = (0..4).map(|i| greedy_req(&format!("g{i}"), prompt(9 + 5 * i as usize, 8 + i), 32)).collect();
         let outs = futures_util::future::join_all(reqs.into_iter().map(|r| run(&engine, r))).await;
@@ -150,15 +175,9 @@ async fn cuda_overlapped_decode_with_device_fed_tokens_gives_the_tokens_of_one_s
     assert_eq!(stop_run.1, Some(FinishReason::Stop));
     assert_eq!(stop_run.0.len(), stop_at[0], "the stop token ends the output before it");
     assert_eq!(runs[0][0].0.len(), 40);
-    // The structured outputs are valid prefixes (whole documents where they stopped).
-    for (toks, finish) in &runs[0][6..8] {
-        let text: String = toks.iter().map(|&t| char::from(0x20 + t as u8)).collect();
-        eprintln!("structured output ({finish:?}): {text}");
-        assert!(toks.iter().all(|&t| t < 95), "{toks:?}");
-        if *finish == Some(FinishReason::Stop) {
-            let doc: serde_json::Value = serde_json::from_str(text.trim()).unwrap_or_else(|e| panic!("{e}: {text}"));
-            assert!(doc["n"].as_u64().is_some_and(|n| n <= 999) && doc["id"].as_str().is_some_and(|s| (2..=5).contains(&s.len())), "{text}");
-        }
+    // The structured outputs are whole documents of the schema.
+    for out in &runs[0][6..8] {
+        check_json(out, "one step at a time");
     }
     for r in 1..runs.len() {
         for (i, (a, b)) in runs[0].iter().zip(&runs[r]).enumerate() {
