@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--x8-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--x8-ab] [--qkv-l2-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -1135,6 +1135,16 @@ fn main() -> anyhow::Result<()> {
             b1_ab(&mut m, &mut pages, "attention norm hand-over", &names, &|i| set_norm_x8(Some(i == 1)))?;
         }
         set_norm_x8(None);
+        return Ok(());
+    }
+    if flag("--qkv-l2-ab") {
+        // The q/k/v product's early blocks asking L2 for the late blocks' rows (MINIMAX_QKV_L2).
+        use minimax_rank::cuda::fast::set_qkv_l2;
+        let names = ["q/k/v rows from DRAM", "late blocks' rows asked of L2 (mvqs_q8_0_1s2p8l)"];
+        for _ in 0..3 {
+            b1_ab(&mut m, &mut pages, "q/k/v L2 hand-off", &names, &|i| set_qkv_l2(Some(i == 1)))?;
+        }
+        set_qkv_l2(None);
         return Ok(());
     }
     if flag("--attn-exit-ab") {
