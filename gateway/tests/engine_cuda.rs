@@ -10,8 +10,8 @@
 //! the device, a stop token, structured outputs greedy and sampled, each a whole document of
 //! its schema), and the same with device feeding off (`MINIMAX_DEVICE_FEED=0`, overlap on); a
 //! structured output beside a plain request gives a whole document; four greedy requests at
-//! once (device-fed rows 0-3) complete; and the rank's log (its stderr, appended to a file by a wrapper script)
-//! shows a step fed from the device, one fed a sampled token drawn there, and a structured
+//! once (device-fed rows 0-3) complete; and the rank's log (its stderr, appended to a file by a
+//! wrapper script) shows a step fed from the device, one fed a sampled token drawn there, and a structured
 //! output's forward launched before its rule arrived (late rules: the default,
 //! `MINIMAX_LATE_FORWARD=0` set in the runs without feeding), exactly in the run with device
 //! feeding on.
