@@ -75,22 +75,3 @@ __device__ __forceinline__ void bk_copy(void* dst, const void* src, u32 bytes, u
                  : "memory");
 #endif
 }
-// bk_copy whose lines L2 may drop first (policy from bk_evict_first_policy): rows read once
-// (the gate/up's), so that lines asked for by a later kernel stay (moe_gate_up_blkd).
-__device__ __forceinline__ void bk_copy_ef(void* dst, const void* src, u32 bytes, u64* b, u64 pol) {
-#if BK_PTX
-    asm volatile(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint [%0], [%1], %2, [%3], %4;" ::"r"(
-            smem_addr(dst)),
-        "l"(src), "r"(bytes), "r"(smem_addr(b)), "l"(pol)
-        : "memory");
-#endif
-}
-// An L2 cache policy: every line evict-first.
-__device__ __forceinline__ u64 bk_evict_first_policy() {
-    u64 pol = 0;
-#if BK_PTX
-    asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(pol));
-#endif
-    return pol;
-}

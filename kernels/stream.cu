@@ -204,10 +204,8 @@ __device__ __forceinline__ void bk_gu_init(const BkGu& g, int nst) {
 }
 // The gate/up's producer (lane 0 of the producer warp): the copies of tasks [t0, t1).
 template <int SR>
-// ef (moe_gate_up_blkd): the copies carry an evict-first L2 policy.
 __device__ __forceinline__ void gu_produce(const BkGu& g, u8* ring, const u8* G, const u8* U, i64 rb, i64 es,
-                                          const int* ids, int nrg, int t0, int t1, int nst, bool ef = false) {
-    const u64 pol = ef ? bk_evict_first_policy() : 0;
+                                          const int* ids, int nrg, int t0, int t1, int nst) {
     constexpr int NP = SR >= 16 ? SR / 8 : 1;  // parts a stage
     const i64 sb_bytes = 2 * SR * rb;
     int n = 0;
@@ -229,21 +227,12 @@ __device__ __forceinline__ void gu_produce(const BkGu& g, u8* ring, const u8* G,
                     u64* fb = &g.fullq[b * 4 + p];
                     const bool up = 16 * p >= SR;
                     bk_mb_expect(fb, (u32)(16 * rb));
-                    const u8* src = (up ? U : G) + o + (i64)(16 * p - (up ? SR : 0)) * rb;
-                    if (ef)
-                        bk_copy_ef(dst + 16 * p * rb, src, (u32)(16 * rb), fb, pol);
-                    else
-                        bk_copy(dst + 16 * p * rb, src, (u32)(16 * rb), fb);
+                    bk_copy(dst + 16 * p * rb, (up ? U : G) + o + (i64)(16 * p - (up ? SR : 0)) * rb, (u32)(16 * rb), fb);
                 }
             } else {
                 bk_mb_expect(&g.fullq[b * 4], (u32)sb_bytes);
-                if (ef) {
-                    bk_copy_ef(dst, G + o, (u32)(SR * rb), &g.fullq[b * 4], pol);
-                    bk_copy_ef(dst + SR * rb, U + o, (u32)(SR * rb), &g.fullq[b * 4], pol);
-                } else {
-                    bk_copy(dst, G + o, (u32)(SR * rb), &g.fullq[b * 4]);
-                    bk_copy(dst + SR * rb, U + o, (u32)(SR * rb), &g.fullq[b * 4]);
-                }
+                bk_copy(dst, G + o, (u32)(SR * rb), &g.fullq[b * 4]);
+                bk_copy(dst + SR * rb, U + o, (u32)(SR * rb), &g.fullq[b * 4]);
             }
         }
     }
@@ -261,53 +250,13 @@ __device__ __forceinline__ void gu_epilogue(const BkGu& g, int nrg, int t0, int 
         if (lane == 0) bk_mb_arrive(&g.aempty[a]);
     }
 }
-// The down's experts asked of L2 from the gate/up (moe_gate_up_blkd, host: stream::down_l2):
-// W the down's matrices (es apart, `bytes` each, 128-byte aligned), `at` the block's stage
-// before which each consumer warp asks, ef: the gate/up's own copies evict-first. Why: the
-// down's ring only starts once the gate/up block has left its SM, while the gate/up, bound
-// by its decode, leaves DRAM ~1/3 idle; plain per-lane prefetches (not the copy engine's
-// bulk prefetch, which queued ahead of the rings' copies in sessions 10 and 15) could fill L2
-// with the down's 20 MB in that time.
-struct GuDnPf {
-    const u8* W;
-    i64 es, bytes;
-    int at, ef;
-};
-// The experts of pairs [0, npairs) (npairs <= 8), read once by every consumer lane.
-struct GuDnIds {
-    int e[8];
-};
-__device__ __forceinline__ GuDnIds gu_down_ids(const int* ids, int npairs) {
-    GuDnIds r;
-#pragma unroll
-    for (int j = 0; j < 8; j++) r.e[j] = j < npairs ? ids[j] : 0;
-    return r;
-}
-// Consumer lane c of the launch's gridDim.x * BK_CW * 32 asks for lines c, c + L, ... of the
-// pairs' matrices taken line-interleaved (line l of pair j is item l * npairs + j), so every
-// expert's first rows come first.
-__device__ __forceinline__ void gu_down_l2(const GuDnPf& pf, const GuDnIds& id, int npairs, int warp, int lane) {
-    const i64 total = ((pf.bytes + 127) >> 7) * npairs;
-    const i64 L = (i64)gridDim.x * BK_CW * 32;
-    for (i64 i = ((i64)blockIdx.x * BK_CW + warp) * 32 + lane; i < total; i += L) {
-        const int j = (int)(i % npairs);
-        int e = id.e[0];
-#pragma unroll
-        for (int q = 1; q < 8; q++)
-            if (j == q) e = id.e[q];
-        const u8* a = pf.W + (i64)e * pf.es + ((i / npairs) << 7);
-        asm volatile("prefetch.global.L2::evict_normal [%0];" ::"l"(a));
-    }
-}
 // A gate/up consumer warp: its rows of every stage of tasks [t0, t1). ROUTE: the input's q8
 // scales are stored unscaled (router_f32n) and take the MoE norm's inv here, as
 // router_topk_f32n's last block would have stored them (same product, same bits).
-// PF: before its stage pf.at, the warp asks L2 for its share of the down's experts (gu_down_l2).
-template <int SR, int DEC, bool ROUTE, bool PF = false>
+template <int SR, int DEC, bool ROUTE>
 __device__ __forceinline__ void gu_consume(const BkGu& g, const u8* ring, i64 rb, int k, int nrg, int t0, int t1,
                                            int nst, const i8* xq, const float* xd, int ncol, float inv, int warp,
-                                           int lane, const GuDnPf& pf = GuDnPf{}, const int* ids = nullptr,
-                                           int npairs = 0) {
+                                           int lane) {
     constexpr int RPW = SR / 8;  // rows per consumer warp and stage
     const i64 sb_bytes = 2 * SR * rb;
     const int nu = ncol >> 5;
@@ -320,8 +269,6 @@ __device__ __forceinline__ void gu_consume(const BkGu& g, const u8* ring, i64 rb
 #pragma unroll
     for (int u = 0; u < GR_XU; u++) bk_unit_offsets(lane + 32 * u, oh[u], oq[u]);
     const u32 ring_s = smem_addr(ring);
-    GuDnIds pid;
-    if (PF) pid = gu_down_ids(ids, npairs);
     int t_x = -1, n = 0;
     for (int task = t0, it = 0; task < t1; task++, it++) {
         const int tok = (task / nrg) / k;
@@ -337,7 +284,6 @@ __device__ __forceinline__ void gu_consume(const BkGu& g, const u8* ring, i64 rb
         const int a = it % BK_NAB;
         bk_mb_wait(&g.aempty[a], ((it / BK_NAB) & 1) ^ 1);  // the epilogue is done with buffer a
         for (int s = 0; s < 32 / SR; s++, n++) {
-            if (PF && n == pf.at) gu_down_l2(pf, pid, npairs, warp, lane);
             const int b = n % nst;
             const u32 st = ring_s + (u32)(b * sb_bytes);
             float acc[RPW];
@@ -399,10 +345,10 @@ struct GuRoute {
 // weights and q8 scales the router's last block would have made, bit for bit, without its
 // arrival, scale stores and top-k in the chain. Block 0 also stores ids / w for the down, and
 // no block lets the down launch before that: the down reads ids before its own wait.
-template <int SR, int DEC, bool ROUTE, bool PF = false>
+template <int SR, int DEC, bool ROUTE>
 __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i64 es, const int* ids, int k, int npairs,
                                             int grows, int nst, const i8* xq, const float* xd, int ncol, i8* aq,
-                                            float* ad, int ld, GuRoute rt, GuDnPf pf = GuDnPf{}) {
+                                            float* ad, int ld, GuRoute rt) {
     static_assert(SR == 8 || SR == 16 || SR == 32, "stage rows");
     extern __shared__ __align__(128) u8 bk_sm[];
     const BkGu g = bk_gu_hdr(bk_sm);
@@ -438,12 +384,11 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
     int t0, t1;
     bk_range(npairs * nrg, t0, t1);
     if (warp == BK_PW) {
-        if (lane == 0) gu_produce<SR>(g, ring, G, U, rb, es, ids, nrg, t0, t1, nst, PF && pf.ef);
+        if (lane == 0) gu_produce<SR>(g, ring, G, U, rb, es, ids, nrg, t0, t1, nst);
     } else if (warp == BK_EW) {
         gu_epilogue(g, nrg, t0, t1, aq, ad, ld, lane);
     } else {
-        gu_consume<SR, DEC, ROUTE, PF>(g, ring, rb, k, nrg, t0, t1, nst, xq, xd, ncol, inv, warp, lane, pf, ids,
-                                       npairs);
+        gu_consume<SR, DEC, ROUTE>(g, ring, rb, k, nrg, t0, t1, nst, xq, xd, ncol, inv, warp, lane);
     }
 }
 #define BK_GU_ARGS                                                                                               \
@@ -460,17 +405,8 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
         gate_up_blk<sr, BK_SIGN, true>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld,          \
                                        GuRoute{lg, ss, bias, E, gating, eps, (int*)ids, w});                     \
     }
-// moe_gate_up_blkd: the sign decode, its consumers asking L2 for the down's experts (GuDnPf;
-// npairs <= 8). The same bits as blk.
-#define BK_GU_PF(sr)                                                                                             \
-    extern "C" __global__ void __launch_bounds__(BK_THREADS, 1) moe_gate_up_blkd##sr##_iq4_xs(                    \
-        BK_GU_ARGS, const u8* Wd, i64 esd, i64 dbytes, int at, int ef) {                                         \
-        gate_up_blk<sr, BK_SIGN, false, true>(G, U, rb, es, ids, k, npairs, grows, nst, xq, xd, ncol, aq, ad, ld,   \
-                                              GuRoute{}, GuDnPf{Wd, esd, dbytes, at, ef});                       \
-    }
-#define BK_GU_INST(sr)                                                                                          \
-    BK_GU_ONE(blk, sr, BK_SIGN) BK_GU_ONE(blkl, sr, BK_LOOKUP) BK_GU_ONE(blkp, sr, BK_PROBE) BK_GU_ROUTED(sr) \
-        BK_GU_PF(sr)
+#define BK_GU_INST(sr) \
+    BK_GU_ONE(blk, sr, BK_SIGN) BK_GU_ONE(blkl, sr, BK_LOOKUP) BK_GU_ONE(blkp, sr, BK_PROBE) BK_GU_ROUTED(sr)
 BK_GU_INST(8)
 BK_GU_INST(16)
 BK_GU_INST(32)

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use common::gpu::{Rng, bits, dot, gpu, launch_us, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
 use minimax_rank::cuda::fast::{self, GateUpKind};
-use minimax_rank::cuda::stream::{NextNorm, set_down_l2, set_stream_lookup, set_stream_rows_cap, set_stream_stage_cap};
+use minimax_rank::cuda::stream::{NextNorm, set_stream_lookup, set_stream_rows_cap, set_stream_stage_cap};
 use minimax_rank::cuda::{DevMat, Gpu};
 use minimax_shared::quant::{self, GgmlType};
 
@@ -82,32 +82,6 @@ fn streamed_gate_up_matches_psx() {
         set_stream_lookup(None);
         set_stream_stage_cap(None);
         set_stream_rows_cap(None);
-        // The gate/up whose consumers ask L2 for the down's experts (moe_gate_up_blkd): the
-        // same bits at every asking stage (0: before the first; past the block's last: never)
-        // and with the evict-first ring copies. The down matrices: e experts of h rows of ff.
-        let downw = random_rows(&mut rng, TY, e * h, ff);
-        let (_g3, dm) = upload_mat(&g, TY, &downw, h, ff, e);
-        for at in [0usize, 1, 2, 7] {
-            for ef in [false, true] {
-                set_down_l2(Some((Some(at), ef)));
-                for cap in [None, Some(2)] {
-                    set_stream_stage_cap(cap);
-                    let aq = g.zeros::<i8>(np * ld).unwrap();
-                    g.fill_u32(g.ptr(&aq), np * ld / 4, 0x7f7f_7f7f).unwrap();
-                    let ad = poisoned(&g, np * ld / 32);
-                    let ran = g.try_gate_up_stream_down_l2(&gm, &um, &dm, g.ptr(&ib), k, np, g.ptr(&qb), g.ptr(&db), g.ptr(&aq), g.ptr(&ad), ld).unwrap();
-                    assert!(ran, "{h} -> {ff}: moe_gate_up_blkd must take {np} pairs");
-                    g.sync().unwrap();
-                    let got = (g.download(&aq).unwrap(), g.download(&ad).unwrap());
-                    assert_eq!(got.0, want.0, "{h} -> {ff}, down asked of L2 before stage {at} (evict-first {ef}, stage cap {cap:?}): q8 codes differ from psx");
-                    assert_eq!(bits(&got.1), bits(&want.1), "{h} -> {ff}, down asked of L2 before stage {at} (evict-first {ef}, stage cap {cap:?}): q8 scales differ from psx");
-                }
-            }
-        }
-        set_down_l2(Some((None, false)));
-        assert!(!g.try_gate_up_stream_down_l2(&gm, &um, &dm, g.ptr(&ib), k, np, g.ptr(&qb), g.ptr(&db), g.ptr(&qb), g.ptr(&db), ld).unwrap(), "switched off: nothing launched");
-        set_down_l2(None);
-        set_stream_stage_cap(None);
         let (c, s) = &want;
         for p in 0..np {
             assert!(c[p * ld + ff..(p + 1) * ld].iter().all(|&q| q == 0x7f), "pair {p}: the pad was written");

@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--x8-ab] [--qkv-l2-ab] [--down-l2-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--x8-ab] [--qkv-l2-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -1146,18 +1146,6 @@ fn main() -> anyhow::Result<()> {
         // The q/k/v product's early blocks asking L2 for the late blocks' rows (MINIMAX_QKV_L2).
         use minimax_rank::cuda::fast::set_qkv_l2;
         return b1_switch_ab(&mut m, &mut pages, "q/k/v L2 hand-off", ["q/k/v rows from DRAM", "late blocks' rows asked of L2 (mvqs_q8_0_1s2p8l)"], set_qkv_l2);
-    }
-    if flag("--down-l2-ab") {
-        // The gate/up's consumers asking L2 for the down's experts (MINIMAX_DOWN_L2): before
-        // which of their block's stages, and with the gate/up's own copies evict-first or not.
-        use minimax_rank::cuda::stream::set_down_l2;
-        let cfg: [Option<(usize, bool)>; 6] = [None, Some((0, false)), Some((1, false)), Some((0, true)), Some((1, true)), Some((2, true))];
-        let names = ["down from DRAM", "asked before stage 0", "before stage 1", "before 0, evict-first copies", "before 1, evict-first", "before 2, evict-first"];
-        for _ in 0..2 {
-            b1_ab(&mut m, &mut pages, "down asked of L2 by the gate/up", &names, &|i| set_down_l2(Some((cfg[i].map(|c| c.0), cfg[i].is_some_and(|c| c.1)))))?;
-        }
-        set_down_l2(None);
-        return Ok(());
     }
     if flag("--attn-exit-ab") {
         // Blocks of empty splits of the one-token attention: through their wait (and writing

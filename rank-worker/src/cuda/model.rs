@@ -613,7 +613,7 @@ impl CudaModel {
             } else if grouped {
                 g.moe_group(ids, nt * k, e, grp)?;
                 g.moe_gate_up_grp_any(&l.gate, &l.up, grp, e, nslots, k, xq, xd, aq, ad, dn.cols)?;
-            } else if !(nt == 1 && super::stream::down_l2().is_some() && g.try_gate_up_stream_down_l2(&l.gate, &l.up, &dn, ids, k, k, xq, xd, aq, ad, dn.cols)?) {
+            } else {
                 g.moe_gate_up_q8_any(&l.gate, &l.up, ids, k, xq, xd, aq, ad, nt * k, dn.cols)?;
             }
             if tp && !lead {

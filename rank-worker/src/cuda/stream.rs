@@ -6,7 +6,7 @@
 //! IQ4_XS experts, inputs of at most 3072 columns, down rows of at most 1536, top-k of at most
 //! 8); `MINIMAX_STREAM=0` turns them off.
 
-use std::sync::atomic::{AtomicBool, AtomicI32, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use minimax_shared::quant::GgmlType;
 
@@ -43,46 +43,6 @@ pub fn stream_lookup() -> bool {
 /// captured graphs after a change.
 pub fn set_stream_lookup(on: Option<bool>) {
     LOOKUP.set(on);
-}
-
-/// `MINIMAX_DOWN_L2`: unread (-1), off (0), or 1 + the stage before which the gate/up's consumers
-/// ask L2 for the down's experts.
-static DOWN_L2: AtomicI32 = AtomicI32::new(-1);
-static DOWN_L2_EF: EnvFlag = EnvFlag::new("MINIMAX_DOWN_L2_EF", false);
-
-/// The batch-1 gate/up asking L2 for the down's experts (`moe_gate_up_blkd`, an experiment, off
-/// by default): `Some(s)` = each consumer warp asks for its share before its block's stage `s`
-/// (`MINIMAX_DOWN_L2=s+1`; unset or 0 = off). Why: the down's ring starts only when the gate/up
-/// block leaves its SM, while the gate/up, bound by its decode, uses ~2/3 of the DRAM
-/// bandwidth. The same bits either way.
-pub fn down_l2() -> Option<usize> {
-    let mut v = DOWN_L2.load(Ordering::Relaxed);
-    if v < 0 {
-        v = std::env::var("MINIMAX_DOWN_L2").ok().and_then(|s| s.trim().parse::<i32>().ok()).unwrap_or(0).clamp(0, 64);
-        DOWN_L2.store(v, Ordering::Relaxed);
-    }
-    (v > 0).then(|| v as usize - 1)
-}
-
-/// With [`down_l2`]: whether the gate/up's own ring copies carry an evict-first L2 policy, so
-/// that the down's lines outlive them (`MINIMAX_DOWN_L2_EF=1`).
-pub fn down_l2_evict_first() -> bool {
-    DOWN_L2_EF.get()
-}
-
-/// Overrides [`down_l2`] and [`down_l2_evict_first`] (A/B runs and tests; `None` = back to the
-/// environment). Drop captured graphs after a change.
-pub fn set_down_l2(v: Option<(Option<usize>, bool)>) {
-    match v {
-        None => {
-            DOWN_L2.store(-1, Ordering::Relaxed);
-            DOWN_L2_EF.set(None);
-        }
-        Some((at, ef)) => {
-            DOWN_L2.store(at.map_or(0, |s| s as i32 + 1), Ordering::Relaxed);
-            DOWN_L2_EF.set(Some(ef));
-        }
-    }
 }
 
 /// Kernel-name stem of the streamed kernels in force: probe, lookup or sign decode.
@@ -286,25 +246,6 @@ impl Gpu {
             return Ok(false);
         };
         self.launch_gate_up_stream(stem(), plan, gate, up, ids, k, npairs, xq, xd, aq, ad, ld, &[])?;
-        Ok(true)
-    }
-
-    /// [`Gpu::try_gate_up_stream`] whose consumers also ask L2 for `down`'s experts of the same
-    /// pairs ([`down_l2`]: `moe_gate_up_blkd`) where that is on and applies (sign decode, at most
-    /// 8 pairs, 128-byte aligned expert matrices); false (nothing launched) where it does not.
-    /// The same outputs as `try_gate_up_stream`.
-    #[allow(clippy::too_many_arguments)]
-    pub fn try_gate_up_stream_down_l2(&self, gate: &DevMat, up: &DevMat, down: &DevMat, ids: u64, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize) -> Result<bool, CudaError> {
-        let aligned = down.ptr % 128 == 0 && down.expert_stride % 128 == 0;
-        let Some(at) = down_l2().filter(|_| stream_on() && stem() == "blk" && (1..=8).contains(&npairs) && aligned) else {
-            return Ok(false);
-        };
-        let plan = self.gate_up_stream_plan(gate, up)?;
-        let Some(plan) = plan.filter(|_| ld >= gate.rows && ld % 32 == 0 && k > 0) else {
-            return Ok(false);
-        };
-        let extra = [Arg::P(down.ptr), Arg::L(down.expert_stride as i64), Arg::L((down.rows * down.row_bytes) as i64), Arg::I(at as i32), Arg::I(down_l2_evict_first() as i32)];
-        self.launch_gate_up_stream("blkd", plan, gate, up, ids, k, npairs, xq, xd, aq, ad, ld, &extra)?;
         Ok(true)
     }
 
