@@ -1100,15 +1100,11 @@ __device__ __forceinline__ void prefetch_l2_lines(const u8* p, i64 n, int t, int
 // X8 (NT 1): xd holds ncol / 8 scales (mvqs_dot's X8) of the unnormalized u = h nw, and xss the
 // ncol / 8 groups' sums of h^2 (ncol <= MAXCH 256); every warp adds them (lane j: groups j,
 // j + 32, ..., then the butterfly) into the same 1 / rms, which scales its sums: y = W (u / rms).
-// ahead > 0 (mvqs_q8_0_1s2p8l): before its wait, block b also asks L2 for the rows of block
-// b + ahead (prefetch.global.L2, one line a lane), so that blocks which only find an SM after the
-// previous kernel's blocks leave read their weights from L2; the arithmetic is unchanged.
 template <int NT, int WARPS, int MAXCH, int RPW, bool X8 = false>
 __device__ __forceinline__ void mvqs_q8_rows(const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1,
                                              i64 rb1, int rows1, float* y1, i64 ys1, const u8* W2, i64 rb2, int rows2,
                                              float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol,
-                                             int nv, int accumulate, const float* xss = nullptr, float eps = 0.f,
-                                             int ahead = 0) {
+                                             int nv, int accumulate, const float* xss = nullptr, float eps = 0.f) {
     static_assert(!X8 || NT == 1, "x8 activations: one token");
     __shared__ __align__(16) u8 sm_all[WARPS][RPW][MAXCH * CH];
     int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -1126,19 +1122,6 @@ __device__ __forceinline__ void mvqs_q8_rows(const u8* W0, i64 rb0, int rows0, f
                            rr[j], yr[j], ysr[j]);
         if (ok[j])
             for (int i = lane; i < n16; i += 32) cp_async16(sm_all[warp][j] + 16 * i, (const int4*)wr[j] + i);
-    }
-    if (ahead > 0 && blockIdx.x + ahead < gridDim.x) {
-        const int ra = ((blockIdx.x + ahead) * WARPS + warp) * RPW;
-#pragma unroll
-        for (int j = 0; j < RPW; j++) {
-            const u8* wa;
-            float* ya;
-            i64 ysa;
-            int rra;
-            if (mv_seg_row(ra + j, W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, wa, rra,
-                           ya, ysa))
-                prefetch_l2_lines(wa, 16 * n16, lane, 32);
-        }
     }
     if (!ok[0]) return;
     pdl_wait();
@@ -1194,15 +1177,6 @@ extern "C" __global__ void __launch_bounds__(128) mvqs_q8_0_1s2p8(
     int acc, const float* xss, float eps) {
     mvqs_q8_rows<1, 4, 12, 2, true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks,
                                     xq, xd, ncol, nv, acc, xss, eps);
-}
-// mvqs_q8_0_1s2p8 whose blocks also ask L2 for the rows of the block `ahead` of them (see
-// mvqs_q8_rows; host: fast::qkv_l2, MINIMAX_QKV_L2). Bit-identical to it.
-extern "C" __global__ void __launch_bounds__(128) mvqs_q8_0_1s2p8l(
-    const u8* W0, i64 rb0, int rows0, float* y0, i64 ys0, const u8* W1, i64 rb1, int rows1, float* y1, i64 ys1,
-    const u8* W2, i64 rb2, int rows2, float* y2, i64 ys2, int nchunks, const i8* xq, const float* xd, int ncol, int nv,
-    int acc, const float* xss, float eps, int ahead) {
-    mvqs_q8_rows<1, 4, 12, 2, true>(W0, rb0, rows0, y0, ys0, W1, rb1, rows1, y1, ys1, W2, rb2, rows2, y2, ys2, nchunks,
-                                    xq, xd, ncol, nv, acc, xss, eps, ahead);
 }
 
 __device__ __forceinline__ void mma_s8_16832(int (&c)[4], const u32 (&a)[4], u32 b0, u32 b1) {

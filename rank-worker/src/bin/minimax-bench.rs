@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--x8-ab] [--qkv-l2-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--x8-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -1141,11 +1141,6 @@ fn main() -> anyhow::Result<()> {
         // (no meeting of the down's blocks; the q/k/v takes the 1 / rms).
         use minimax_rank::cuda::fast::set_norm_x8;
         return b1_switch_ab(&mut m, &mut pages, "attention norm hand-over", ["norm in the down's last block", "x8 hand-over (mvqs_q8_0_1s2p8)"], set_norm_x8);
-    }
-    if flag("--qkv-l2-ab") {
-        // The q/k/v product's early blocks asking L2 for the late blocks' rows (MINIMAX_QKV_L2).
-        use minimax_rank::cuda::fast::set_qkv_l2;
-        return b1_switch_ab(&mut m, &mut pages, "q/k/v L2 hand-off", ["q/k/v rows from DRAM", "late blocks' rows asked of L2 (mvqs_q8_0_1s2p8l)"], set_qkv_l2);
     }
     if flag("--attn-exit-ab") {
         // Blocks of empty splits of the one-token attention: through their wait (and writing

@@ -750,22 +750,6 @@ pub fn set_norm_x8(on: Option<bool>) {
     NORM_X8.set(on);
 }
 
-static QKV_L2: super::env_flag::EnvFlag = super::env_flag::EnvFlag::new("MINIMAX_QKV_L2", false);
-
-/// With [`norm_x8`]: whether the q/k/v product's first half of blocks, resident beside the down
-/// before their wait, ask L2 for the second half's rows (`mvqs_q8_0_1s2p8l`), so that the blocks
-/// that only get an SM once the down's leave read from L2, not DRAM (`MINIMAX_QKV_L2=1`; an
-/// experiment, off by default until measured). Bit-identical either way.
-pub fn qkv_l2() -> bool {
-    QKV_L2.get()
-}
-
-/// Overrides [`qkv_l2`] (A/B runs and tests; `None` = back to the environment). Drop captured
-/// graphs after a change.
-pub fn set_qkv_l2(on: Option<bool>) {
-    QKV_L2.set(on);
-}
-
 /// With [`fuse_down_norm`]: whether the down lets the next kernel launch only after its loops
 /// (`MINIMAX_DOWN_TRIG_LATE=1`; off by default: slower) instead of at its start, so the q/k/v's
 /// weight copies would overlap the norm rather than the down's own weight stream.
@@ -1277,12 +1261,7 @@ impl Gpu {
         }
         let (mut args, rows) = mv_args(segs, segs[0].0.row_bytes / CH, xq, xd, ncol, 1, false);
         args.extend([Arg::P(ss8), Arg::F(eps)]);
-        let blocks = ceil_div(rows, 8);
-        if qkv_l2() {
-            args.push(Arg::I(blocks.div_ceil(2) as i32));
-            return self.launch_pdl("mvqs_q8_0_1s2p8l", (blocks, 1, 1), 128, 0, &args);
-        }
-        self.launch_pdl("mvqs_q8_0_1s2p8", (blocks, 1, 1), 128, 0, &args)
+        self.launch_pdl("mvqs_q8_0_1s2p8", (ceil_div(rows, 8), 1, 1), 128, 0, &args)
     }
 
     /// [`Gpu::matvec_q8`] with an explicit kernel choice (tests and A/B runs).
