@@ -1091,12 +1091,6 @@ MVQS_INST(8, l, 4, 24)
 // fits ~6 blocks of 8 rows an SM by registers, so a quarter of its blocks start after the
 // wait). Per row the same arithmetic as mvqs_q8 (bit-identical). grid
 // (ceil(total_rows / (WARPS RPW)), ceil(nv / NT)), block 32 WARPS.
-// Asks L2 for the bytes [p, p + n): its 128-byte lines, thread t of nt taking lines t, t + nt, ...
-__device__ __forceinline__ void prefetch_l2_lines(const u8* p, i64 n, int t, int nt) {
-    const u8* a = (const u8*)((u64)p & ~(u64)127);
-    for (i64 o = (i64)t * 128; o < n + (p - a); o += (i64)nt * 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
-}
-
 // X8 (NT 1): xd holds ncol / 8 scales (mvqs_dot's X8) of the unnormalized u = h nw, and xss the
 // ncol / 8 groups' sums of h^2 (ncol <= MAXCH 256); every warp adds them (lane j: groups j,
 // j + 32, ..., then the butterfly) into the same 1 / rms, which scales its sums: y = W (u / rms).
@@ -2248,11 +2242,13 @@ __device__ __forceinline__ int iq4_dot(const u32 (&lo)[4], const u32 (&hi)[4], i
 
 #define GG_MAXC 32  // pairs per expert (one per token of the step)
 
-// prefetch_l2_lines over the block's threads: the grouped kernels' warps then find their later
-// rows' weights in L2 instead of waiting for DRAM one row at a time (a block's weights are one
-// contiguous range per matrix).
+// Asks L2 for the bytes [p, p + n) (128-byte lines, the block's threads in turn): the grouped
+// kernels' warps then find their later rows' weights in L2 instead of waiting for DRAM one
+// row at a time (a block's weights are one contiguous range per matrix).
 __device__ __forceinline__ void prefetch_l2_range(const u8* p, i64 n) {
-    prefetch_l2_lines(p, n, threadIdx.x, blockDim.x);
+    const u8* a = (const u8*)((u64)p & ~(u64)127);
+    for (i64 o = (i64)threadIdx.x * 128; o < n + (p - a); o += (i64)blockDim.x * 128)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(a + o));
 }
 
 // The grouped IQ4_XS kernels (gate/up and down), one template each; the variants (host:

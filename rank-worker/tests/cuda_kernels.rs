@@ -1672,7 +1672,7 @@ fn fast_x8_product_matches_f64() {
             let b: Vec<Vec<u32>> = got.iter().map(|v| bits(v)).collect();
             match &first {
                 None => first = Some(b),
-                Some(f) => assert_eq!(&b, f, "cols {cols}: not deterministic, or the L2 hand-off changed the bits (rep {rep})"),
+                Some(f) => assert_eq!(&b, f, "cols {cols}: not deterministic (rep {rep})"),
             }
         }
     }

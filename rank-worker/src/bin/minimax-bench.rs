@@ -563,16 +563,6 @@ fn b1_ab(m: &mut CudaModel, pages: &mut Pages, what: &str, names: &[&str], set: 
     bn_ab(m, pages, 1, what, names, set)
 }
 
-/// Three rounds of [`b1_ab`] of an on/off switch (`set(Some(false))`, `set(Some(true))`), then
-/// the switch back to its environment value.
-fn b1_switch_ab(m: &mut CudaModel, pages: &mut Pages, what: &str, names: [&str; 2], set: fn(Option<bool>)) -> anyhow::Result<()> {
-    for _ in 0..3 {
-        b1_ab(m, pages, what, &names, &|i| set(Some(i == 1)))?;
-    }
-    set(None);
-    Ok(())
-}
-
 /// [`b1_ab`] with `b` streams (one token each a step).
 fn bn_ab(m: &mut CudaModel, pages: &mut Pages, b: usize, what: &str, names: &[&str], set: &dyn Fn(usize)) -> anyhow::Result<()> {
     let steps: usize = 20 * names.len() + 4;
@@ -1140,7 +1130,12 @@ fn main() -> anyhow::Result<()> {
         // The next layer's attention norm: the down's last block against the x8 hand-over
         // (no meeting of the down's blocks; the q/k/v takes the 1 / rms).
         use minimax_rank::cuda::fast::set_norm_x8;
-        return b1_switch_ab(&mut m, &mut pages, "attention norm hand-over", ["norm in the down's last block", "x8 hand-over (mvqs_q8_0_1s2p8)"], set_norm_x8);
+        let names = ["norm in the down's last block", "x8 hand-over (mvqs_q8_0_1s2p8)"];
+        for _ in 0..3 {
+            b1_ab(&mut m, &mut pages, "attention norm hand-over", &names, &|i| set_norm_x8(Some(i == 1)))?;
+        }
+        set_norm_x8(None);
+        return Ok(());
     }
     if flag("--attn-exit-ab") {
         // Blocks of empty splits of the one-token attention: through their wait (and writing
