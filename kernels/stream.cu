@@ -203,9 +203,19 @@ __device__ __forceinline__ void bk_gu_init(const BkGu& g, int nst) {
     bk_bars_init(g, nst);
 }
 // The gate/up's producer (lane 0 of the producer warp): the copies of tasks [t0, t1).
+// Pacing (pace > 0, below nst): part p of stage n is issued only once part p of stage n - pace
+// has landed, so at most `pace` stages of a block are in flight. With every stage of every
+// block in flight at once (pace 0) a block's first stage lands only when most of the second has:
+// the memory system serves all of them together, so the consumers start late.
+__device__ __forceinline__ void bk_pace_wait(u64* full, int stride, int part, int n, int pace, int nst) {
+    if (pace > 0 && pace < nst && n >= pace) {
+        const int m = n - pace;
+        bk_mb_wait(&full[(m % nst) * stride + part], (m / nst) & 1);
+    }
+}
 template <int SR>
 __device__ __forceinline__ void gu_produce(const BkGu& g, u8* ring, const u8* G, const u8* U, i64 rb, i64 es,
-                                          const int* ids, int nrg, int t0, int t1, int nst) {
+                                          const int* ids, int nrg, int t0, int t1, int nst, int pace) {
     constexpr int NP = SR >= 16 ? SR / 8 : 1;  // parts a stage
     const i64 sb_bytes = 2 * SR * rb;
     int n = 0;
@@ -226,10 +236,12 @@ __device__ __forceinline__ void gu_produce(const BkGu& g, u8* ring, const u8* G,
                 for (int p = 0; p < NP; p++) {
                     u64* fb = &g.fullq[b * 4 + p];
                     const bool up = 16 * p >= SR;
+                    bk_pace_wait(g.fullq, 4, p, n, pace, nst);
                     bk_mb_expect(fb, (u32)(16 * rb));
                     bk_copy(dst + 16 * p * rb, (up ? U : G) + o + (i64)(16 * p - (up ? SR : 0)) * rb, (u32)(16 * rb), fb);
                 }
             } else {
+                bk_pace_wait(g.fullq, 4, 0, n, pace, nst);
                 bk_mb_expect(&g.fullq[b * 4], (u32)sb_bytes);
                 bk_copy(dst, G + o, (u32)(SR * rb), &g.fullq[b * 4]);
                 bk_copy(dst + SR * rb, U + o, (u32)(SR * rb), &g.fullq[b * 4]);
@@ -351,6 +363,8 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
                                             float* ad, int ld, GuRoute rt) {
     static_assert(SR == 8 || SR == 16 || SR == 32, "stage rows");
     extern __shared__ __align__(128) u8 bk_sm[];
+    const int pace = nst >> 8;  // the host packs the pacing (bk_pace_wait) above the stages
+    nst &= 0xff;
     const BkGu g = bk_gu_hdr(bk_sm);
     u8* ring = bk_sm + BK_HDR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -384,7 +398,7 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
     int t0, t1;
     bk_range(npairs * nrg, t0, t1);
     if (warp == BK_PW) {
-        if (lane == 0) gu_produce<SR>(g, ring, G, U, rb, es, ids, nrg, t0, t1, nst);
+        if (lane == 0) gu_produce<SR>(g, ring, G, U, rb, es, ids, nrg, t0, t1, nst, pace);
     } else if (warp == BK_EW) {
         gu_epilogue(g, nrg, t0, t1, aq, ad, ld, lane);
     } else {
@@ -461,7 +475,7 @@ __device__ __forceinline__ void bk_dn_init(const BkDn& d, int nst) {
 // The down's producer (lane 0 of the producer warp): the copies of tasks [t0, t1).
 template <int RS>
 __device__ __forceinline__ void dn_produce(const BkDn& d, u8* ring, const u8* W, i64 rb, i64 es, int rows,
-                                           const int* ids, int k, int nrg, int t0, int t1, int nst) {
+                                           const int* ids, int k, int nrg, int t0, int t1, int nst, int pace) {
     const i64 sb_bytes = (i64)RS * k * rb;
     // The token's expert offsets, read once per token and all at once: read inside the copy
     // loop, each id waited for an L2 round trip before its copy could issue (the copies' memory
@@ -482,6 +496,7 @@ __device__ __forceinline__ void dn_produce(const BkDn& d, u8* ring, const u8* W,
         for (int j = 0; j < STREAM_MAXK; j++)
             if (j < k) {
                 u64* fb = &d.fullx[b * STREAM_MAXK + j];
+                bk_pace_wait(d.fullx, STREAM_MAXK, j, n, pace, nst);
                 bk_mb_expect(fb, (u32)(nr * rb));
                 bk_copy(dst + (i64)j * RS * rb, W + eo[j] + (i64)r0 * rb, (u32)(nr * rb), fb);
             }
@@ -672,6 +687,8 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
                                          float* nss) {
     static_assert(RS == 4 || RS == 8, "stage rows");
     extern __shared__ __align__(128) u8 bk_sm[];
+    const int pace = nst >> 8;  // as gate_up_blk's
+    nst &= 0xff;
     const BkDn d = bk_dn_hdr<RS>(bk_sm);
     u8* ring = bk_sm + BK_HDR;
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -681,7 +698,7 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
     int t0, t1;
     bk_range(nt * nrg, t0, t1);
     if (warp == BK_PW) {
-        if (lane == 0) dn_produce<RS>(d, ring, W, rb, es, rows, ids, k, nrg, t0, t1, nst);
+        if (lane == 0) dn_produce<RS>(d, ring, W, rb, es, rows, ids, k, nrg, t0, t1, nst, pace);
         return;
     }
     pdl_wait();

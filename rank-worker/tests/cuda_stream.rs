@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use common::gpu::{Rng, bits, dot, gpu, launch_us, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
 use minimax_rank::cuda::fast::{self, GateUpKind};
-use minimax_rank::cuda::stream::{NextNorm, set_stream_lookup, set_stream_rows_cap, set_stream_stage_cap};
+use minimax_rank::cuda::stream::{NextNorm, set_stream_lookup, set_stream_pace, set_stream_rows_cap, set_stream_stage_cap};
 use minimax_rank::cuda::{DevMat, Gpu};
 use minimax_shared::quant::{self, GgmlType};
 
@@ -71,11 +71,16 @@ fn streamed_gate_up_matches_psx() {
                 set_stream_rows_cap(Some((rows, 8)));
                 for cap in [None, Some(2)] {
                     set_stream_stage_cap(cap);
-                    for rep in 0..2 {
-                        let got = run(true);
-                        assert_eq!(got.0, want.0, "{h} -> {ff}, {dec}, {rows}-row stages, stage cap {cap:?}: q8 codes differ from psx (rep {rep})");
-                        assert_eq!(bits(&got.1), bits(&want.1), "{h} -> {ff}, {dec}, {rows}-row stages, stage cap {cap:?}: q8 scales differ from psx (rep {rep})");
+                    // Paced rings (at most 1 or 2 stages in flight): the same arithmetic.
+                    for pace in [None, Some((1, 1)), Some((2, 2))] {
+                        set_stream_pace(pace);
+                        for rep in 0..2 {
+                            let got = run(true);
+                            assert_eq!(got.0, want.0, "{h} -> {ff}, {dec}, {rows}-row stages, stage cap {cap:?}, pace {pace:?}: q8 codes differ from psx (rep {rep})");
+                            assert_eq!(bits(&got.1), bits(&want.1), "{h} -> {ff}, {dec}, {rows}-row stages, stage cap {cap:?}, pace {pace:?}: q8 scales differ from psx (rep {rep})");
+                        }
                     }
+                    set_stream_pace(None);
                 }
             }
         }
@@ -257,6 +262,12 @@ fn streamed_combine_down_matches_f64() {
             for rep in 0..2 {
                 assert_eq!(bits(&run(&dm)), bits(&got), "top-{k} {rows} rows, stage cap {cap:?}: not deterministic (rep {rep})");
             }
+            // Paced rings: the same sums in the same order.
+            for pace in [(1, 1), (2, 2), (3, 3)] {
+                set_stream_pace(Some(pace));
+                assert_eq!(bits(&run(&dm)), bits(&got), "top-{k} {rows} rows, stage cap {cap:?}, pace {pace:?}: differs from the unpaced ring");
+            }
+            set_stream_pace(None);
         }
         // 4-row stages: the same sums in the same order, so the same bits.
         set_stream_rows_cap(Some((32, 4)));
@@ -417,6 +428,11 @@ fn streamed_kernels_speed() {
             set_stream_probe(true);
             row(&format!("gate/up probe (no arithmetic), {} stages", cap.min(nmax)), time(&gu_st), gu_bytes);
             set_stream_probe(false);
+            for pace in 1..cap.min(nmax) {
+                set_stream_pace(Some((pace, 0)));
+                row(&format!("gate/up streamed, {} stages, <= {pace} in flight", cap.min(nmax)), time(&gu_st), gu_bytes);
+                set_stream_pace(None);
+            }
         }
     }
     row("down rx4", time(&dn_reg), dn_bytes);
@@ -433,6 +449,11 @@ fn streamed_kernels_speed() {
             set_stream_probe(true);
             row(&format!("down probe, {} stages", cap.min(nmax)), time(&dn_st), dn_bytes);
             set_stream_probe(false);
+            for pace in 1..cap.min(nmax) {
+                set_stream_pace(Some((0, pace)));
+                row(&format!("down streamed, {} stages, <= {pace} in flight", cap.min(nmax)), time(&dn_st), dn_bytes);
+                set_stream_pace(None);
+            }
         }
     }
     set_stream_stage_cap(None);

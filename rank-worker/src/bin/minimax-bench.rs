@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--x8-ab] [--router-warps-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--x8-ab] [--router-warps-ab] [--pace-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -1171,6 +1171,32 @@ fn main() -> anyhow::Result<()> {
             bn_ab(&mut m, &mut pages, b, "router_topk_f32n blocks", &["4 warps", "8 warps", "16 warps"], &|i| set_router_f32n_warps(Some([4, 8, 16][i])))?;
         }
         set_router_f32n_warps(None);
+        return Ok(());
+    }
+    if flag("--pace-ab") {
+        use minimax_rank::cuda::stream::{set_stream_pace, set_stream_rows_cap, set_stream_stage_cap};
+        // (gate rows a stage, stage cap, pacing (gate/up, down)); None = the default plan.
+        let cfgs: [(Option<(usize, usize)>, Option<usize>, (usize, usize)); 6] = [
+            (None, None, (0, 0)),
+            (None, None, (1, 1)),
+            (None, None, (1, 0)),
+            (Some((16, 8)), Some(4), (2, 2)),
+            (Some((16, 8)), Some(4), (1, 1)),
+            (Some((16, 8)), Some(4), (0, 0)),
+        ];
+        let names = ["default", "pace 1/1", "pace 1/0", "16-row x4, pace 2/2", "16-row x4, pace 1/1", "16-row x4, unpaced"];
+        for _ in 0..2 {
+            b1_ab(&mut m, &mut pages, "streamed rings' pacing", &names, &|i| {
+                let (rows, cap, pace) = cfgs[i];
+                set_stream_rows_cap(rows);
+                set_stream_stage_cap(cap);
+                set_stream_pace(Some(pace));
+            })?;
+        }
+        set_stream_rows_cap(None);
+        set_stream_stage_cap(None);
+        set_stream_pace(None);
+        m.clear_graphs();
         return Ok(());
     }
     if flag("--first-calls") {

@@ -98,6 +98,42 @@ fn rows_ok(which: usize, rows: usize) -> bool {
     c == 0 || rows <= c
 }
 
+/// Pacing of the gate/up's and the down's rings (0 = off; `usize::MAX` = not set: the
+/// environment's).
+static PACE: [AtomicUsize; 2] = [AtomicUsize::new(usize::MAX), AtomicUsize::new(usize::MAX)];
+
+/// Caps the stages a streamed block has in flight (`(gate/up, down)`, 0 = no cap): a stage's
+/// part is copied only once the same part of the stage `pace` before it has landed. `None` =
+/// back to `MINIMAX_STREAM_PACE` (`G,D`, read once; default `0,0`). A cap at or above the ring's
+/// stages changes nothing. The arithmetic is the same, so the same bits. Drop captured graphs
+/// after a change.
+pub fn set_stream_pace(pace: Option<(usize, usize)>) {
+    let (g, d) = pace.map_or((usize::MAX, usize::MAX), |(g, d)| (g, d));
+    PACE[0].store(g, Ordering::Relaxed);
+    PACE[1].store(d, Ordering::Relaxed);
+}
+
+/// The pacing in force for `which` (0 gate/up, 1 down): [`set_stream_pace`], else the environment.
+fn pace(which: usize) -> usize {
+    match PACE[which].load(Ordering::Relaxed) {
+        usize::MAX => {
+            static V: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
+            let (g, d) = *V.get_or_init(|| {
+                let v = std::env::var("MINIMAX_STREAM_PACE").unwrap_or_default();
+                let mut it = v.split(',').map(|x| x.trim().parse::<usize>().unwrap_or(0));
+                (it.next().unwrap_or(0), it.next().unwrap_or(0))
+            });
+            if which == 0 { g } else { d }
+        }
+        p => p,
+    }
+}
+
+/// The kernels' `nst` argument: the ring's stages, the pacing above them (bits 8..).
+fn nst_arg(nst: usize, which: usize) -> i32 {
+    (nst | pace(which).min(255) << 8) as i32
+}
+
 static PROBE: AtomicBool = AtomicBool::new(false);
 
 /// Timing probes only: the streamed launchers run the `blkp` kernels, whose consumers skip the
@@ -254,7 +290,7 @@ impl Gpu {
     #[allow(clippy::too_many_arguments)]
     fn launch_gate_up_stream(&self, stem: &str, (sr, nst): (usize, usize), gate: &DevMat, up: &DevMat, ids: u64, k: usize, npairs: usize, xq: u64, xd: u64, aq: u64, ad: u64, ld: usize, extra: &[Arg]) -> Result<(), CudaError> {
         let smem = HDR + nst * 2 * sr * gate.row_bytes;
-        let mid = [Arg::P(ids), Arg::I(k as i32), Arg::I(npairs as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32)];
+        let mid = [Arg::P(ids), Arg::I(k as i32), Arg::I(npairs as i32), Arg::I(gate.rows as i32), Arg::I(nst_arg(nst, 0))];
         let grid = self.stream_grid(npairs * (gate.rows / 32))?;
         let mut args = gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld);
         args.extend_from_slice(extra);
@@ -331,7 +367,7 @@ impl Gpu {
         }
         let smem = HDR + nst * rs * k * down.row_bytes;
         let grid = self.stream_grid(nt * down.rows.div_ceil(rs))?;
-        let mid = [Arg::P(ids), Arg::P(wts), Arg::I(k as i32), Arg::I(nt as i32), Arg::I(nst as i32)];
+        let mid = [Arg::P(ids), Arg::P(wts), Arg::I(k as i32), Arg::I(nt as i32), Arg::I(nst_arg(nst, 1))];
         let name = format!("moe_down_{}{rs}_iq4_xs", stem());
         let (nw, eps, nq, nd, cnt, late, ss8) = match next {
             Some(n) => (n.weight, n.eps, n.q, n.d, n.cnt, n.trig_late, n.ss8),
