@@ -1176,15 +1176,17 @@ fn main() -> anyhow::Result<()> {
     if flag("--pace-ab") {
         use minimax_rank::cuda::stream::{set_stream_pace, set_stream_rows_cap, set_stream_stage_cap};
         // (gate rows a stage, stage cap, pacing (gate/up, down)); None = the default plan.
-        let cfgs: [(Option<(usize, usize)>, Option<usize>, (usize, usize)); 6] = [
+        let cfgs: [(Option<(usize, usize)>, Option<usize>, (usize, usize)); 8] = [
             (None, None, (0, 0)),
             (None, None, (1, 1)),
             (None, None, (1, 0)),
+            (None, Some(3), (1, 1)),
             (Some((16, 8)), Some(4), (2, 2)),
             (Some((16, 8)), Some(4), (1, 1)),
+            (Some((16, 8)), Some(4), (3, 3)),
             (Some((16, 8)), Some(4), (0, 0)),
         ];
-        let names = ["default", "pace 1/1", "pace 1/0", "16-row x4, pace 2/2", "16-row x4, pace 1/1", "16-row x4, unpaced"];
+        let names = ["default", "pace 1/1", "pace 1/0", "down x3, pace 1/1", "16-row x4, pace 2/2", "16-row x4, pace 1/1", "16-row x4, pace 3/3", "16-row x4, unpaced"];
         for _ in 0..2 {
             b1_ab(&mut m, &mut pages, "streamed rings' pacing", &names, &|i| {
                 let (rows, cap, pace) = cfgs[i];
