@@ -71,8 +71,9 @@ fn streamed_gate_up_matches_psx() {
                 set_stream_rows_cap(Some((rows, 8)));
                 for cap in [None, Some(2)] {
                     set_stream_stage_cap(cap);
-                    // Paced rings (at most 1 or 2 stages in flight): the same arithmetic.
-                    for pace in [None, Some((1, 1)), Some((2, 2))] {
+                    // Paced rings (the default 1, and 2 stages in flight) and the unpaced one:
+                    // the same arithmetic.
+                    for pace in [None, Some((0, 0)), Some((2, 2))] {
                         set_stream_pace(pace);
                         for rep in 0..2 {
                             let got = run(true);
@@ -262,10 +263,11 @@ fn streamed_combine_down_matches_f64() {
             for rep in 0..2 {
                 assert_eq!(bits(&run(&dm)), bits(&got), "top-{k} {rows} rows, stage cap {cap:?}: not deterministic (rep {rep})");
             }
-            // Paced rings: the same sums in the same order.
-            for pace in [(1, 1), (2, 2), (3, 3)] {
+            // Unpaced and other paced rings (the default is 1 in flight): the same sums in the
+            // same order.
+            for pace in [(0, 0), (2, 2), (3, 3)] {
                 set_stream_pace(Some(pace));
-                assert_eq!(bits(&run(&dm)), bits(&got), "top-{k} {rows} rows, stage cap {cap:?}, pace {pace:?}: differs from the unpaced ring");
+                assert_eq!(bits(&run(&dm)), bits(&got), "top-{k} {rows} rows, stage cap {cap:?}, pace {pace:?}: differs from the default ring");
             }
             set_stream_pace(None);
         }
@@ -406,6 +408,8 @@ fn streamed_kernels_speed() {
     let wb = g.upload(&rng.vec(k, 0.5)).unwrap();
     let hid = g.zeros::<f32>(h).unwrap();
     let time = |f: &dyn Fn(usize)| launch_us(&g, 8, 64, f);
+    // The rows below are unpaced unless they say "in flight".
+    set_stream_pace(Some((0, 0)));
     let gu_bytes = (k * 2 * ff * gm.row_bytes) as f64;
     let dn_bytes = (k * h * dm.row_bytes) as f64;
     let mut lines = Vec::new();
@@ -431,7 +435,7 @@ fn streamed_kernels_speed() {
             for pace in 1..cap.min(nmax) {
                 set_stream_pace(Some((pace, 0)));
                 row(&format!("gate/up streamed, {} stages, <= {pace} in flight", cap.min(nmax)), time(&gu_st), gu_bytes);
-                set_stream_pace(None);
+                set_stream_pace(Some((0, 0)));
             }
         }
     }
@@ -452,12 +456,13 @@ fn streamed_kernels_speed() {
             for pace in 1..cap.min(nmax) {
                 set_stream_pace(Some((0, pace)));
                 row(&format!("down streamed, {} stages, <= {pace} in flight", cap.min(nmax)), time(&dn_st), dn_bytes);
-                set_stream_pace(None);
+                set_stream_pace(Some((0, 0)));
             }
         }
     }
     set_stream_stage_cap(None);
     set_stream_rows_cap(None);
+    set_stream_pace(None);
     eprintln!("streamed expert kernels, M2.7 shapes, 1 token x top-8 (per launch, weight bytes / time):\n{}", lines.join("\n"));
 }
 

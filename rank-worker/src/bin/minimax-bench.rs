@@ -1175,24 +1175,22 @@ fn main() -> anyhow::Result<()> {
     }
     if flag("--pace-ab") {
         use minimax_rank::cuda::stream::{set_stream_pace, set_stream_rows_cap, set_stream_stage_cap};
-        // (gate rows a stage, stage cap, pacing (gate/up, down)); None = the default plan.
-        let cfgs: [(Option<(usize, usize)>, Option<usize>, (usize, usize)); 8] = [
-            (None, None, (0, 0)),
-            (None, None, (1, 1)),
-            (None, None, (1, 0)),
-            (None, Some(3), (1, 1)),
-            (Some((16, 8)), Some(4), (2, 2)),
-            (Some((16, 8)), Some(4), (1, 1)),
-            (Some((16, 8)), Some(4), (3, 3)),
-            (Some((16, 8)), Some(4), (0, 0)),
+        // (gate rows cap, stage cap, pacing (gate/up, down)); None = the default.
+        let cfgs: [(Option<(usize, usize)>, Option<usize>, Option<(usize, usize)>); 6] = [
+            (Some((32, 8)), None, Some((0, 0))),
+            (None, None, None),
+            (None, Some(2), Some((1, 1))),
+            (None, Some(3), Some((1, 1))),
+            (Some((32, 8)), None, Some((1, 1))),
+            (None, None, Some((1, 0))),
         ];
-        let names = ["default", "pace 1/1", "pace 1/0", "down x3, pace 1/1", "16-row x4, pace 2/2", "16-row x4, pace 1/1", "16-row x4, pace 3/3", "16-row x4, unpaced"];
+        let names = ["32-row x2, unpaced (session 35)", "default (16-row x4, pace 1/1)", "16-row x2, pace 1/1", "16-row x3, pace 1/1", "32-row x2, pace 1/1", "16-row x4, pace 1/0"];
         for _ in 0..2 {
             b1_ab(&mut m, &mut pages, "streamed rings' pacing", &names, &|i| {
                 let (rows, cap, pace) = cfgs[i];
                 set_stream_rows_cap(rows);
                 set_stream_stage_cap(cap);
-                set_stream_pace(Some(pace));
+                set_stream_pace(pace);
             })?;
         }
         set_stream_rows_cap(None);

@@ -85,7 +85,9 @@ fn stage_cap() -> usize {
 static ROWS_CAP: [AtomicUsize; 2] = [AtomicUsize::new(0), AtomicUsize::new(0)];
 
 /// Caps the stage shapes (A/B runs: `gate_rows` of 32 / 16 / 8 gate rows per gate/up stage,
-/// `down_rows` of 8 / 4 output rows per down stage; `None` = the largest that gets 2 stages).
+/// the largest of them at most the cap that gets 2 stages; `down_rows` of 8 / 4 output rows per
+/// down stage; `None` = the default plans: 16 gate rows where 2 stages of them fit, else 32,
+/// else 8, and 8 down rows).
 /// Drop captured graphs after a change.
 pub fn set_stream_rows_cap(caps: Option<(usize, usize)>) {
     let (g, d) = caps.unwrap_or((0, 0));
@@ -104,9 +106,9 @@ static PACE: [AtomicUsize; 2] = [AtomicUsize::new(usize::MAX), AtomicUsize::new(
 
 /// Caps the stages a streamed block has in flight (`(gate/up, down)`, 0 = no cap): a stage's
 /// part is copied only once the same part of the stage `pace` before it has landed. `None` =
-/// back to `MINIMAX_STREAM_PACE` (`G,D`, read once; default `0,0`). A cap at or above the ring's
-/// stages changes nothing. The arithmetic is the same, so the same bits. Drop captured graphs
-/// after a change.
+/// back to `MINIMAX_STREAM_PACE` (`G,D`, read once; default `1,1`: one stage in flight, which
+/// measured fastest, docs/CUDA.md "Paced rings"). A cap at or above the ring's stages changes
+/// nothing. The arithmetic is the same, so the same bits. Drop captured graphs after a change.
 pub fn set_stream_pace(pace: Option<(usize, usize)>) {
     let (g, d) = pace.map_or((usize::MAX, usize::MAX), |(g, d)| (g, d));
     PACE[0].store(g, Ordering::Relaxed);
@@ -120,14 +122,17 @@ fn pace(which: usize) -> usize {
             static V: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
             let (g, d) = *V.get_or_init(|| {
                 let v = std::env::var("MINIMAX_STREAM_PACE").unwrap_or_default();
-                let mut it = v.split(',').map(|x| x.trim().parse::<usize>().unwrap_or(0));
-                (it.next().unwrap_or(0), it.next().unwrap_or(0))
+                let mut it = v.split(',').map(|x| x.trim().parse::<usize>().ok());
+                (it.next().flatten().unwrap_or(DEFAULT_PACE), it.next().flatten().unwrap_or(DEFAULT_PACE))
             });
             if which == 0 { g } else { d }
         }
         p => p,
     }
 }
+
+/// Stages in flight per streamed block unless set otherwise ([`set_stream_pace`]).
+const DEFAULT_PACE: usize = 1;
 
 /// The kernels' `nst` argument: the ring's stages, the pacing above them (bits 8..).
 fn nst_arg(nst: usize, which: usize) -> i32 {
@@ -217,15 +222,18 @@ impl Gpu {
         Ok(if n >= 2 { n.min(stage_cap()) } else { 0 })
     }
 
-    /// (gate rows per stage, ring stages) of the streamed gate/up for these matrices: the
-    /// largest stage (32, 16 or 8 gate rows and as many up rows) that gets 2 stages; None when
-    /// it does not fit (type, shape, arch, shared memory).
+    /// (gate rows per stage, ring stages) of the streamed gate/up for these matrices: 16 gate
+    /// rows (and as many up rows) where 2 stages of them fit, else 32, else 8 (with a rows cap
+    /// set: the largest at most the cap that gets 2 stages); None when it does not fit (type,
+    /// shape, arch, shared memory). 16-row stages, paced to one in flight, took the batch-1 step
+    /// 1.5 % below 32-row ones (docs/CUDA.md "Paced rings").
     pub fn gate_up_stream_plan(&self, gate: &DevMat, up: &DevMat) -> Result<Option<(usize, usize)>, CudaError> {
         let shapes = gate.ty == GgmlType::IQ4_XS && up.ty == gate.ty && fast_mat(gate) && fast_mat(up) && gate.row_bytes == up.row_bytes && gate.rows % 32 == 0 && gate.cols / 32 <= ROUND_UNITS;
         if !shapes {
             return Ok(None);
         }
-        for sr in [32usize, 16, 8].into_iter().filter(|&r| rows_ok(0, r) || r == 8) {
+        let order = if ROWS_CAP[0].load(Ordering::Relaxed) == 0 { [16usize, 32, 8] } else { [32, 16, 8] };
+        for sr in order.into_iter().filter(|&r| rows_ok(0, r) || r == 8) {
             let n = self.ring_stages(HDR, 2 * sr * gate.row_bytes)?;
             if n >= 2 {
                 return Ok(Some((sr, n)));
