@@ -363,7 +363,10 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
                                             float* ad, int ld, GuRoute rt) {
     static_assert(SR == 8 || SR == 16 || SR == 32, "stage rows");
     extern __shared__ __align__(128) u8 bk_sm[];
-    const int pace = nst >> 8;  // the host packs the pacing (bk_pace_wait) above the stages
+    // The host packs the pacing (bk_pace_wait, bits 8..15) and the late trigger (bit 16: the
+    // next kernel may launch once every block's producer has issued its last copy, not at the
+    // start, so that a down block beside this one starts its ring while this one computes).
+    const int pace = (nst >> 8) & 0xff, late = (nst >> 16) & 1;
     nst &= 0xff;
     const BkGu g = bk_gu_hdr(bk_sm);
     u8* ring = bk_sm + BK_HDR;
@@ -393,12 +396,15 @@ __device__ __forceinline__ void gate_up_blk(const u8* G, const u8* U, i64 rb, i6
         __syncthreads();
         ids = g.rids;
     }
-    pdl_trigger();
+    if (!late) pdl_trigger();
     const int nrg = grows >> 5;
     int t0, t1;
     bk_range(npairs * nrg, t0, t1);
     if (warp == BK_PW) {
-        if (lane == 0) gu_produce<SR>(g, ring, G, U, rb, es, ids, nrg, t0, t1, nst, pace);
+        if (lane == 0) {
+            gu_produce<SR>(g, ring, G, U, rb, es, ids, nrg, t0, t1, nst, pace);
+            if (late) pdl_trigger();  // one thread's trigger is the block's
+        }
     } else if (warp == BK_EW) {
         gu_epilogue(g, nrg, t0, t1, aq, ad, ld, lane);
     } else {

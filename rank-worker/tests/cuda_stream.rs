@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use common::gpu::{Rng, bits, dot, gpu, launch_us, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
 use minimax_rank::cuda::fast::{self, GateUpKind};
-use minimax_rank::cuda::stream::{NextNorm, set_stream_lookup, set_stream_pace, set_stream_rows_cap, set_stream_stage_cap};
+use minimax_rank::cuda::stream::{NextNorm, set_stream_gu_late, set_stream_lookup, set_stream_pace, set_stream_rows_cap, set_stream_stage_cap};
 use minimax_rank::cuda::{DevMat, Gpu};
 use minimax_shared::quant::{self, GgmlType};
 
@@ -73,15 +73,17 @@ fn streamed_gate_up_matches_psx() {
                     set_stream_stage_cap(cap);
                     // Paced rings (the default 1, and 2 stages in flight) and the unpaced one:
                     // the same arithmetic.
-                    for pace in [None, Some((0, 0)), Some((2, 2))] {
+                    for (pace, late) in [(None, false), (Some((0, 0)), false), (Some((2, 2)), false), (None, true)] {
                         set_stream_pace(pace);
+                        set_stream_gu_late(Some(late));
                         for rep in 0..2 {
                             let got = run(true);
-                            assert_eq!(got.0, want.0, "{h} -> {ff}, {dec}, {rows}-row stages, stage cap {cap:?}, pace {pace:?}: q8 codes differ from psx (rep {rep})");
-                            assert_eq!(bits(&got.1), bits(&want.1), "{h} -> {ff}, {dec}, {rows}-row stages, stage cap {cap:?}, pace {pace:?}: q8 scales differ from psx (rep {rep})");
+                            assert_eq!(got.0, want.0, "{h} -> {ff}, {dec}, {rows}-row stages, stage cap {cap:?}, pace {pace:?}, late trigger {late}: q8 codes differ from psx (rep {rep})");
+                            assert_eq!(bits(&got.1), bits(&want.1), "{h} -> {ff}, {dec}, {rows}-row stages, stage cap {cap:?}, pace {pace:?}, late trigger {late}: q8 scales differ from psx (rep {rep})");
                         }
                     }
                     set_stream_pace(None);
+                    set_stream_gu_late(None);
                 }
             }
         }

@@ -1174,28 +1174,31 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     if flag("--pace-ab") {
-        use minimax_rank::cuda::stream::{set_stream_pace, set_stream_rows_cap, set_stream_stage_cap};
-        // (gate rows cap, stage cap, pacing (gate/up, down)); None = the default.
-        let cfgs: [(Option<(usize, usize)>, Option<usize>, Option<(usize, usize)>); 6] = [
-            (Some((32, 8)), None, Some((0, 0))),
-            (None, None, None),
-            (None, Some(2), Some((1, 1))),
-            (None, Some(3), Some((1, 1))),
-            (Some((32, 8)), None, Some((1, 1))),
-            (None, None, Some((1, 0))),
+        use minimax_rank::cuda::stream::{set_stream_gu_late, set_stream_pace, set_stream_rows_cap, set_stream_stage_cap};
+        // (gate rows cap, stage cap, pacing (gate/up, down), gate/up's late trigger); None = the default.
+        let cfgs: [(Option<(usize, usize)>, Option<usize>, Option<(usize, usize)>, bool); 7] = [
+            (Some((32, 8)), None, Some((0, 0)), false),
+            (None, None, None, false),
+            (None, Some(2), Some((1, 1)), false),
+            (None, Some(2), Some((1, 1)), true),
+            (None, Some(3), Some((1, 1)), false),
+            (Some((32, 8)), None, Some((1, 1)), false),
+            (None, None, Some((1, 0)), false),
         ];
-        let names = ["32-row x2, unpaced (session 35)", "default (16-row x4, pace 1/1)", "16-row x2, pace 1/1", "16-row x3, pace 1/1", "32-row x2, pace 1/1", "16-row x4, pace 1/0"];
+        let names = ["32-row x2, unpaced (session 35)", "default (16-row x4, pace 1/1)", "16-row x2, pace 1/1", "16-row x2, pace 1/1, late trigger", "16-row x3, pace 1/1", "32-row x2, pace 1/1", "16-row x4, pace 1/0"];
         for _ in 0..2 {
             b1_ab(&mut m, &mut pages, "streamed rings' pacing", &names, &|i| {
-                let (rows, cap, pace) = cfgs[i];
+                let (rows, cap, pace, late) = cfgs[i];
                 set_stream_rows_cap(rows);
                 set_stream_stage_cap(cap);
                 set_stream_pace(pace);
+                set_stream_gu_late(Some(late));
             })?;
         }
         set_stream_rows_cap(None);
         set_stream_stage_cap(None);
         set_stream_pace(None);
+        set_stream_gu_late(None);
         m.clear_graphs();
         return Ok(());
     }

@@ -134,9 +134,22 @@ fn pace(which: usize) -> usize {
 /// Stages in flight per streamed block unless set otherwise ([`set_stream_pace`]).
 const DEFAULT_PACE: usize = 1;
 
-/// The kernels' `nst` argument: the ring's stages, the pacing above them (bits 8..).
+static GU_LATE: EnvFlag = EnvFlag::new("MINIMAX_STREAM_GU_LATE", false);
+
+/// Whether the streamed gate/up lets the next kernel (the down) launch only once every block's
+/// producer has issued its last copy (`MINIMAX_STREAM_GU_LATE`), instead of at its start. A
+/// down block fits beside a gate/up block only where their rings are small (2 stages of 16
+/// gate rows), and then starts its own ring while the gate/up computes. `None` = back to the
+/// environment. Drop captured graphs after a change.
+pub fn set_stream_gu_late(on: Option<bool>) {
+    GU_LATE.set(on);
+}
+
+/// The kernels' `nst` argument: the ring's stages, the pacing above them (bits 8..15), the
+/// gate/up's late trigger (bit 16).
 fn nst_arg(nst: usize, which: usize) -> i32 {
-    (nst | pace(which).min(255) << 8) as i32
+    let late = which == 0 && GU_LATE.get();
+    (nst | pace(which).min(255) << 8 | (late as usize) << 16) as i32
 }
 
 static PROBE: AtomicBool = AtomicBool::new(false);
