@@ -189,6 +189,8 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
     float* xdbuf = (float*)(xbuf + GS_PC * ncol);        // [GS_PC][nu] their scales
     u8* ring = (u8*)(xdbuf + GS_PC * nu);
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+    const int pace = (nst >> 8) & 0xff;  // bk_pace_wait's, packed above the stages by the host
+    nst &= 0xff;
     const i64 sbytes = (i64)SR * pitch;
     bk_init_n(full, empty, hfull, hempty, nst, GS_NH);  // the block barrier comes after the prefix
     // The chunk prefix of the slots, by warp 0 (after the PDL wait unless `early`).
@@ -225,6 +227,7 @@ __device__ __forceinline__ void gs_impl(const u8* W0, const u8* W1, i64 rb, i64 
             const int b = q.n % nst;
             u8* dst = ring + b * sbytes;
             if (lane == 0) {
+                bk_pace_wait(full, 1, 0, q.n, pace, nst);
                 bk_mb_sleep(&empty[b], ((q.n / nst) & 1) ^ 1);
                 bk_mb_expect(&full[b], (u32)(SR * rb));
             }

@@ -12,7 +12,7 @@ use std::sync::Mutex;
 
 use common::gpu::{Rng, bits, dot, gpu, launch_us, poisoned, q8_deq, q8_host, random_experts, random_rows, routed, upload_mat};
 use minimax_rank::cuda::fast::{self, GateUpKind};
-use minimax_rank::cuda::stream::{NextNorm, set_stream_gu_late, set_stream_lookup, set_stream_pace, set_stream_rows_cap, set_stream_stage_cap};
+use minimax_rank::cuda::stream::{NextNorm, set_gstream_pace, set_stream_gu_late, set_stream_lookup, set_stream_pace, set_stream_rows_cap, set_stream_stage_cap};
 use minimax_rank::cuda::{DevMat, Gpu};
 use minimax_shared::quant::{self, GgmlType};
 
@@ -545,8 +545,12 @@ fn grouped_streamed_moe_matches_f64() {
         }
         for cap in [None, Some(2)] {
             set_stream_stage_cap(cap);
-            let again = gate_up(true);
-            assert!(again.0 == c && bits(&again.1) == bits(&s), "{h} -> {ff}, stage cap {cap:?}: gate/up not deterministic");
+            for pace in [None, Some((1, 1)), Some((2, 2))] {
+                set_gstream_pace(pace);
+                let again = gate_up(true);
+                assert!(again.0 == c && bits(&again.1) == bits(&s), "{h} -> {ff}, stage cap {cap:?}, pace {pace:?}: gate/up not deterministic");
+            }
+            set_gstream_pace(None);
         }
         set_stream_stage_cap(None);
         // The down over `ld` columns (the forward's dn.cols: a tensor-parallel slice padded to
@@ -578,6 +582,12 @@ fn grouped_streamed_moe_matches_f64() {
             set_stream_stage_cap(cap);
             assert_eq!(bits(&down(false)), bits(&got), "{ff} -> {hrows}, stage cap {cap:?}: down not deterministic");
             assert_eq!(bits(&down(true)), bits(&got), "{ff} -> {hrows}, stage cap {cap:?}: the early start changed the down");
+            for pace in [(1, 1), (2, 2)] {
+                set_gstream_pace(Some(pace));
+                assert_eq!(bits(&down(false)), bits(&got), "{ff} -> {hrows}, stage cap {cap:?}, pace {pace:?}: the paced down differs");
+                assert_eq!(bits(&down(true)), bits(&got), "{ff} -> {hrows}, stage cap {cap:?}, pace {pace:?}: the paced early down differs");
+            }
+            set_gstream_pace(None);
         }
         set_stream_stage_cap(None);
         eprintln!("grouped streamed {nt} tokens x top-{k} of {e} ({h} -> {ff} -> {hrows}): gate/up within q8 rounding of f64, at most {worst_code} code from grpf; down within {worst:.2e} of f64; deterministic");

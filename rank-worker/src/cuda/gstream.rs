@@ -101,7 +101,7 @@ impl Gpu {
         let Some((nst, smem)) = self.gate_up_gstream_plan(gate, up)?.filter(|_| ld >= gate.rows && ld % 32 == 0 && k > 0 && e <= MAX_E && xq % 16 == 0 && xd % 16 == 0) else {
             return Ok(false);
         };
-        let mid = [Arg::P(grp), Arg::I(e as i32), Arg::I(k as i32), Arg::I(gate.rows as i32), Arg::I(nst as i32), Arg::I(pitch(gate.row_bytes) as i32)];
+        let mid = [Arg::P(grp), Arg::I(e as i32), Arg::I(k as i32), Arg::I(gate.rows as i32), Arg::I(super::stream::nst_arg(nst, 2)), Arg::I(pitch(gate.row_bytes) as i32)];
         // One block per SM: the task count is known on the device only (blocks without tasks exit).
         let name = format!("moe_gate_up_{}{}_iq4_xs", if probe() { "gstp" } else { "gst" }, gate.cols / 512);
         self.launch_pdl(&name, (self.stream_grid(usize::MAX)?, 1, 1), THREADS, smem as u32, &gate_up_args(gate, up, &mid, xq, xd, aq, ad, ld))?;
@@ -127,7 +127,7 @@ impl Gpu {
         let Some((nst, smem)) = self.down_gstream_plan(down)?.filter(|_| e <= MAX_E && aq % 16 == 0 && ad % 16 == 0) else {
             return Ok(false);
         };
-        let mid = [Arg::P(grp), Arg::I(e as i32), Arg::I(nst as i32), Arg::I(pitch(down.row_bytes) as i32), Arg::I(early as i32)];
+        let mid = [Arg::P(grp), Arg::I(e as i32), Arg::I(super::stream::nst_arg(nst, 3)), Arg::I(pitch(down.row_bytes) as i32), Arg::I(early as i32)];
         let name = format!("moe_down_{}{}_iq4_xs", if probe() { "gstp" } else { "gst" }, down.cols / 512);
         self.launch_pdl(&name, (self.stream_grid(usize::MAX)?, 1, 1), THREADS, smem as u32, &down_args(down, &mid, aq, ad, &[Arg::P(dpart)]))?;
         Ok(true)

@@ -100,9 +100,9 @@ fn rows_ok(which: usize, rows: usize) -> bool {
     c == 0 || rows <= c
 }
 
-/// Pacing of the gate/up's and the down's rings (0 = off; `usize::MAX` = not set: the
-/// environment's).
-static PACE: [AtomicUsize; 2] = [AtomicUsize::new(usize::MAX), AtomicUsize::new(usize::MAX)];
+/// Pacing of the rings (0 = off; `usize::MAX` = not set: the environment's): the streamed
+/// gate/up and down (batch 1), then the grouped ones (kernels/gstream.cu, 2-32 tokens).
+static PACE: [AtomicUsize; 4] = [const { AtomicUsize::new(usize::MAX) }; 4];
 
 /// Caps the stages a streamed block has in flight (`(gate/up, down)`, 0 = no cap): a stage's
 /// part is copied only once the same part of the stage `pace` before it has landed. `None` =
@@ -110,22 +110,40 @@ static PACE: [AtomicUsize; 2] = [AtomicUsize::new(usize::MAX), AtomicUsize::new(
 /// measured fastest, docs/CUDA.md "Paced rings"). A cap at or above the ring's stages changes
 /// nothing. The arithmetic is the same, so the same bits. Drop captured graphs after a change.
 pub fn set_stream_pace(pace: Option<(usize, usize)>) {
-    let (g, d) = pace.map_or((usize::MAX, usize::MAX), |(g, d)| (g, d));
-    PACE[0].store(g, Ordering::Relaxed);
-    PACE[1].store(d, Ordering::Relaxed);
+    store_pace(0, pace);
 }
 
-/// The pacing in force for `which` (0 gate/up, 1 down): [`set_stream_pace`], else the environment.
+/// [`set_stream_pace`] for the grouped streamed kernels (stage n is copied once stage n - pace
+/// has landed); `None` = back to `MINIMAX_GSTREAM_PACE` (default `0,0`: unpaced).
+pub fn set_gstream_pace(pace: Option<(usize, usize)>) {
+    store_pace(2, pace);
+}
+
+fn store_pace(at: usize, pace: Option<(usize, usize)>) {
+    let (g, d) = pace.unwrap_or((usize::MAX, usize::MAX));
+    PACE[at].store(g, Ordering::Relaxed);
+    PACE[at + 1].store(d, Ordering::Relaxed);
+}
+
+/// `(gate/up, down)` pacing of an environment variable `G,D`, a missing or bad half `default`.
+fn env_pace(var: &str, default: usize) -> (usize, usize) {
+    let v = std::env::var(var).unwrap_or_default();
+    let mut it = v.split(',').map(|x| x.trim().parse::<usize>().ok());
+    (it.next().flatten().unwrap_or(default), it.next().flatten().unwrap_or(default))
+}
+
+/// The pacing in force for `which` (0 gate/up, 1 down, 2 / 3 the grouped ones): the setter's,
+/// else the environment's.
 fn pace(which: usize) -> usize {
+    static ENV: [std::sync::OnceLock<(usize, usize)>; 2] = [std::sync::OnceLock::new(), std::sync::OnceLock::new()];
     match PACE[which].load(Ordering::Relaxed) {
         usize::MAX => {
-            static V: std::sync::OnceLock<(usize, usize)> = std::sync::OnceLock::new();
-            let (g, d) = *V.get_or_init(|| {
-                let v = std::env::var("MINIMAX_STREAM_PACE").unwrap_or_default();
-                let mut it = v.split(',').map(|x| x.trim().parse::<usize>().ok());
-                (it.next().flatten().unwrap_or(DEFAULT_PACE), it.next().flatten().unwrap_or(DEFAULT_PACE))
-            });
-            if which == 0 { g } else { d }
+            let (g, d) = if which < 2 {
+                *ENV[0].get_or_init(|| env_pace("MINIMAX_STREAM_PACE", DEFAULT_PACE))
+            } else {
+                *ENV[1].get_or_init(|| env_pace("MINIMAX_GSTREAM_PACE", 0))
+            };
+            if which % 2 == 0 { g } else { d }
         }
         p => p,
     }
@@ -145,9 +163,9 @@ pub fn set_stream_gu_late(on: Option<bool>) {
     GU_LATE.set(on);
 }
 
-/// The kernels' `nst` argument: the ring's stages, the pacing above them (bits 8..15), the
-/// gate/up's late trigger (bit 16).
-fn nst_arg(nst: usize, which: usize) -> i32 {
+/// The kernels' `nst` argument: the ring's stages, the pacing of `which` ([`pace`]) above them
+/// (bits 8..15), the gate/up's late trigger (bit 16).
+pub(super) fn nst_arg(nst: usize, which: usize) -> i32 {
     let late = which == 0 && GU_LATE.get();
     (nst | pace(which).min(255) << 8 | (late as usize) << 16) as i32
 }
