@@ -1202,7 +1202,7 @@ fn main() -> anyhow::Result<()> {
         // The grouped kernels (2-32 tokens a step).
         use minimax_rank::cuda::stream::set_gstream_pace;
         for b in [4usize, 8, 32] {
-            bn_ab(&mut m, &mut pages, b, "grouped rings' pacing", &["unpaced (default)", "pace 1/1", "pace 2/2", "pace 3/3"], &|i| set_gstream_pace(Some([(0, 0), (1, 1), (2, 2), (3, 3)][i])))?;
+            bn_ab(&mut m, &mut pages, b, "grouped rings' pacing", &["unpaced", "pace 1/1", "pace 2/2 (default)", "pace 3/3"], &|i| set_gstream_pace(Some([(0, 0), (1, 1), (2, 2), (3, 3)][i])))?;
         }
         set_gstream_pace(None);
         m.clear_graphs();
