@@ -1182,10 +1182,10 @@ fn main() -> anyhow::Result<()> {
             (None, Some(2), Some((1, 1)), false),
             (None, Some(2), Some((1, 1)), true),
             (None, Some(3), Some((1, 1)), false),
-            (Some((32, 8)), None, Some((1, 1)), false),
+            (None, None, Some((2, 2)), false),
             (None, None, Some((1, 0)), false),
         ];
-        let names = ["32-row x2, unpaced (session 35)", "default (16-row x4, pace 1/1)", "16-row x2, pace 1/1", "16-row x2, pace 1/1, late trigger", "16-row x3, pace 1/1", "32-row x2, pace 1/1", "16-row x4, pace 1/0"];
+        let names = ["32-row x2, unpaced (session 35)", "default (16-row x4, pace 1/1)", "16-row x2, pace 1/1", "16-row x2, pace 1/1, late trigger", "16-row x3, pace 1/1", "16-row x4, pace 2/2", "16-row x4, pace 1/0"];
         for _ in 0..2 {
             b1_ab(&mut m, &mut pages, "streamed rings' pacing", &names, &|i| {
                 let (rows, cap, pace, late) = cfgs[i];
