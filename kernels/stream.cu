@@ -202,17 +202,18 @@ __device__ __forceinline__ void bk_gu_init(const BkGu& g, int nst) {
     bk_init_extra(g.fullq, nst * 4);
     bk_bars_init(g, nst);
 }
-// The gate/up's producer (lane 0 of the producer warp): the copies of tasks [t0, t1).
 // Pacing (pace > 0, below nst): part p of stage n is issued only once part p of stage n - pace
-// has landed, so at most `pace` stages of a block are in flight. With every stage of every
-// block in flight at once (pace 0) a block's first stage lands only when most of the second has:
-// the memory system serves all of them together, so the consumers start late.
+// has landed (its barrier full[slot * stride + part]), so at most `pace` stages of a block are
+// in flight. With every stage of every block in flight at once (pace 0) a block's first stage
+// lands only when most of the second has: the memory system serves all of them together, so
+// the consumers start late (docs/CUDA.md "Paced rings"). Also the grouped kernels' (gstream.cu).
 __device__ __forceinline__ void bk_pace_wait(u64* full, int stride, int part, int n, int pace, int nst) {
     if (pace > 0 && pace < nst && n >= pace) {
         const int m = n - pace;
         bk_mb_wait(&full[(m % nst) * stride + part], (m / nst) & 1);
     }
 }
+// The gate/up's producer (lane 0 of the producer warp): the copies of tasks [t0, t1).
 template <int SR>
 __device__ __forceinline__ void gu_produce(const BkGu& g, u8* ring, const u8* G, const u8* U, i64 rb, i64 es,
                                           const int* ids, int nrg, int t0, int t1, int nst, int pace) {
@@ -693,7 +694,7 @@ __device__ __forceinline__ void down_blk(const u8* W, i64 rb, i64 es, int rows, 
                                          float* nss) {
     static_assert(RS == 4 || RS == 8, "stage rows");
     extern __shared__ __align__(128) u8 bk_sm[];
-    const int pace = nst >> 8;  // as gate_up_blk's
+    const int pace = (nst >> 8) & 0xff;  // as gate_up_blk's (the down has no late trigger)
     nst &= 0xff;
     const BkDn d = bk_dn_hdr<RS>(bk_sm);
     u8* ring = bk_sm + BK_HDR;
