@@ -420,3 +420,38 @@ impl Gpu {
         Ok(true)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pacing_env_halves_fall_back_to_the_default() {
+        // Variables of this test only (the real ones are read once per process).
+        let cases = [("MINIMAX_TEST_PACE_A", Some("2,3"), (2, 3)), ("MINIMAX_TEST_PACE_B", Some(" 0 , 5 "), (0, 5)), ("MINIMAX_TEST_PACE_C", Some("4"), (4, 7)), ("MINIMAX_TEST_PACE_D", Some("x,1"), (7, 1)), ("MINIMAX_TEST_PACE_E", None, (7, 7))];
+        for (var, val, want) in cases {
+            match val {
+                // SAFETY: each case has its own variable, which nothing else reads.
+                Some(v) => unsafe { std::env::set_var(var, v) },
+                None => unsafe { std::env::remove_var(var) },
+            }
+            assert_eq!(env_pace(var, 7), want, "{var}={val:?}");
+        }
+    }
+
+    #[test]
+    fn nst_argument_packs_the_pace_above_the_stages() {
+        set_stream_pace(Some((3, 0)));
+        set_gstream_pace(Some((0, 300)));
+        set_stream_gu_late(Some(false));
+        assert_eq!(nst_arg(4, 0), 4 | 3 << 8);
+        assert_eq!(nst_arg(2, 1), 2);
+        assert_eq!(nst_arg(8, 3), 8 | 255 << 8, "a pace above 255 is capped, not carried into the late bit");
+        set_stream_gu_late(Some(true));
+        assert_eq!(nst_arg(4, 0), 4 | 3 << 8 | 1 << 16);
+        assert_eq!(nst_arg(4, 2), 4, "the late trigger is the batch-1 gate/up's only");
+        set_stream_gu_late(None);
+        set_stream_pace(None);
+        set_gstream_pace(None);
+    }
+}
