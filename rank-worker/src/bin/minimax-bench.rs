@@ -4,7 +4,7 @@
 //! and the bandwidth bound. Results: docs/BENCHMARKS.md.
 //!
 //! minimax-bench [--synthetic m2.7:iq4xs[:LAYERS]] [--check-layers N] [--no-8k] [--no-prefill] [--prefill-only]
-//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--x8-ab] [--router-warps-ab] [--pace-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
+//!               [--decode-steps N] [--ab] [--greedy-streams] [--similar-prompts] [--batches 1,4,16,32] [--no-32k] [--pdl-ab] [--moe-ab] [--stream-ab] [--norm-ab] [--skip-ab] [--gstream-ab] [--mvmma-ab] [--router-ab] [--normless-ab] [--inline-ab] [--qkfuse-ab] [--attn-exit-ab] [--x8-ab] [--router-warps-ab] [--pace-ab] [--trig-ab] [--short-ab] [--pool-ab] [--tma-ab] [--first-calls] [--prompts N,P]
 //! (several GPUs: `--tp N` / `--pp N`, see bench/world.rs)
 
 use std::time::Instant;
@@ -1205,6 +1205,23 @@ fn main() -> anyhow::Result<()> {
             bn_ab(&mut m, &mut pages, b, "grouped rings' pacing", &["unpaced", "pace 1/1", "pace 2/2 (default)", "pace 3/3"], &|i| set_gstream_pace(Some([(0, 0), (1, 1), (2, 2), (3, 3)][i])))?;
         }
         set_gstream_pace(None);
+        m.clear_graphs();
+        return Ok(());
+    }
+    if flag("--trig-ab") {
+        // The down's trigger point under paced rings: at its start (the default: the next q/k/v's
+        // blocks copy their rows beside the down's stream) or after its loops.
+        use minimax_rank::cuda::fast::set_norm_fusion;
+        use minimax_rank::cuda::stream::set_stream_pace;
+        let cfgs = [(false, None), (true, None), (false, Some((1, 2))), (true, Some((1, 2)))];
+        for _ in 0..2 {
+            b1_ab(&mut m, &mut pages, "down trigger under paced rings", &["default", "down late trigger", "down pace 2", "down late trigger, pace 2"], &|i| {
+                set_norm_fusion(None, None, Some(cfgs[i].0));
+                set_stream_pace(cfgs[i].1);
+            })?;
+        }
+        set_norm_fusion(None, None, None);
+        set_stream_pace(None);
         m.clear_graphs();
         return Ok(());
     }
