@@ -217,6 +217,8 @@ fn bounded_integers_stay_in_range_from_the_first_digit() {
     check(json!({"type": "integer", "minimum": 0, "exclusiveMinimum": true}), &["1", "1000000"], &["0"], &["-", "0"]);
     check(json!({"type": "integer", "maximum": -100}), &["-100", "-9999999"], &["-99", "100"], &["0", "1", "-0"]);
     check(json!({"type": "integer", "minimum": 9223372036854775807u64}), &["9223372036854775807"], &[], &["1", "-", "92233720368547758080"]);
+    // No bounds: i64's range, so every integer a call carries reads back exactly.
+    check(json!({"type": "integer"}), &["0", "-0", "-9223372036854775808", "9223372036854775807", "42"], &["9223372036854775808", "-9223372036854775809"], &["01", "1.5", "1e3", "92233720368547758070", "13210321012332102123"]);
     // Inside a document, the number ends where its parent's next byte comes.
     check(json!({"type": "array", "items": {"type": "integer", "minimum": 1, "maximum": 12}}), &["[1, 12,7]"], &["[0]", "[13]"], &["[0", "[13"]);
     let e = Grammar::from_schema(&json!({"type": "integer", "minimum": 3, "maximum": 2.5})).unwrap_err();

@@ -116,8 +116,8 @@ enum Frame {
     /// Inside an object key of object `obj`: the declared-key trie position (`NO_KEY` once the
     /// text left every declared key), and whether other keys are allowed.
     Key { obj: NodeId, at: u32, free: bool, sub: StrSub },
-    Num { integer: bool, st: NumSt, len: u8 },
-    /// A bounded integer (`Node::Int`): its sign, the digits' value and count so far (0: only
+    Num { st: NumSt, len: u8 },
+    /// An integer (`Node::Int`): its sign, the digits' value and count so far (0: only
     /// the sign).
     Int { node: NodeId, neg: bool, v: u64, k: u8 },
     /// A bounded number (`Node::Decimal`): its sign, its digits so far as one integer `m`
@@ -874,14 +874,14 @@ fn num_need(st: NumSt) -> u8 {
     if st.accepting() { 0 } else { 1 }
 }
 
-fn num_byte(integer: bool, st: NumSt, b: u8) -> Option<NumSt> {
+fn num_byte(st: NumSt, b: u8) -> Option<NumSt> {
     use NumSt::*;
     Some(match (st, b) {
         (Minus, b'0') => Zero,
         (Minus, b'1'..=b'9') => Int,
         (Int, b'0'..=b'9') => Int,
-        (Zero | Int, b'.') if !integer => FracStart,
-        (Zero | Int | Frac, b'e' | b'E') if !integer => ExpStart,
+        (Zero | Int, b'.') => FracStart,
+        (Zero | Int | Frac, b'e' | b'E') => ExpStart,
         (FracStart | Frac, b'0'..=b'9') => Frac,
         (ExpStart, b'+' | b'-') => ExpSign,
         (ExpStart | ExpSign, b'0'..=b'9') => Exp,
@@ -903,14 +903,14 @@ fn enter(g: &Grammar, t: &Thread, node: NodeId, b: u8, out: &mut Vec<Thread>) {
                 out.push(t.with_top(Frame::Lit { trie: *trie, at }));
             }
         }
-        Node::Number { integer } => {
+        Node::Number => {
             let st = match b {
                 b'-' => NumSt::Minus,
                 b'0' => NumSt::Zero,
                 b'1'..=b'9' => NumSt::Int,
                 _ => return,
             };
-            out.push(t.with_top(Frame::Num { integer: *integer, st, len: 1 }));
+            out.push(t.with_top(Frame::Num { st, len: 1 }));
         }
         Node::Int { lo, hi } => {
             let (neg, v, k) = match b {
@@ -1097,11 +1097,11 @@ fn step_thread(g: &Grammar, t: &Thread, b: u8, out: &mut Vec<Thread>) {
                 step_thread(g, &p, b, out);
             }
         }
-        Frame::Num { integer, st, len } => {
-            if let Some(n) = num_byte(integer, st, b)
+        Frame::Num { st, len } => {
+            if let Some(n) = num_byte(st, b)
                 && len + 1 + num_need(n) <= MAX_NUMBER
             {
-                out.push(t.with_top(Frame::Num { integer, st: n, len: len + 1 }));
+                out.push(t.with_top(Frame::Num { st: n, len: len + 1 }));
             }
             if st.accepting()
                 && let Some(p) = t.pop(g, None)

@@ -91,9 +91,10 @@ pub enum Node {
     /// One of a fixed set of JSON texts (`enum`, `const`, `null`, `true` / `false`): a trie
     /// index into [`Grammar::lits`].
     Lit(u32),
-    /// A JSON number; `integer`: no fraction or exponent.
-    Number { integer: bool },
-    /// A JSON integer in `lo..=hi` (`minimum` / `maximum` / `exclusive*` on an integer).
+    /// A JSON number with no bounds.
+    Number,
+    /// A JSON integer in `lo..=hi` (`minimum` / `maximum` / `exclusive*` on an integer;
+    /// i64's range when it has none).
     Int { lo: i64, hi: i64 },
     /// A JSON number in `lo..=hi` units of 10^-15 (`minimum` / `maximum` / `exclusive*` on a
     /// number), written as a plain decimal of at most `matcher::DEC_DIGITS` digits.
@@ -250,7 +251,7 @@ impl Grammar {
                     continue;
                 }
                 let sat = match &self.nodes[i] {
-                    Node::Lit(_) | Node::Number { .. } | Node::Int { .. } | Node::Decimal { .. } | Node::String { .. } | Node::Pattern(_) | Node::Raw(_) | Node::RawPattern(_) => true,
+                    Node::Lit(_) | Node::Number | Node::Int { .. } | Node::Decimal { .. } | Node::String { .. } | Node::Pattern(_) | Node::Raw(_) | Node::RawPattern(_) => true,
                     Node::Array { prefix, items, min, .. } => {
                         let need = *min as usize;
                         prefix.iter().take(need).all(|&p| ok[p as usize]) && (need <= prefix.len() || items.is_some_and(|it| ok[it as usize]))
@@ -357,7 +358,7 @@ impl<'a> Compiler<'a> {
         let any = self.push(Node::AnyOf(Vec::new()));
         self.any = Some(any);
         let lit = self.lit(&[b"null".to_vec(), b"true".to_vec(), b"false".to_vec()]);
-        let num = self.push(Node::Number { integer: false });
+        let num = self.push(Node::Number);
         let s = self.push(Node::String { min: 0, max: UNBOUNDED });
         let arr = self.push(Node::Array { prefix: vec![], items: Some(any), min: 0, max: UNBOUNDED });
         let keys = self.key_trie(&[]);
@@ -528,12 +529,14 @@ impl<'a> Compiler<'a> {
             "boolean" => self.lit(&[b"true".to_vec(), b"false".to_vec()]),
             "number" => match dec_bounds(obj, path)? {
                 Some((lo, hi)) => self.push(Node::Decimal { lo, hi }),
-                None => self.push(Node::Number { integer: false }),
+                None => self.push(Node::Number),
             },
-            "integer" => match int_bounds(obj, path)? {
-                Some((lo, hi)) => self.push(Node::Int { lo, hi }),
-                None => self.push(Node::Number { integer: true }),
-            },
+            // An integer with no bounds still stays within i64: a longer run of digits is
+            // noise from the model, and clients would read it back as an inexact float.
+            "integer" => {
+                let (lo, hi) = int_bounds(obj, path)?.unwrap_or((i64::MIN, i64::MAX));
+                self.push(Node::Int { lo, hi })
+            }
             "string" => {
                 let (min, max) = (count("minLength")?.unwrap_or(0), count("maxLength")?.unwrap_or(UNBOUNDED));
                 if min > max {

@@ -87,13 +87,18 @@ fn json_type(v: &Json) -> &'static str {
     }
 }
 
+/// Largest magnitude below which every integer has an exact double (2^53).
+const MAX_EXACT_FLOAT_INT: f64 = 9_007_199_254_740_992.0;
+
 fn type_matches(v: &Json, allowed: &[&str]) -> bool {
     let t = json_type(v);
     allowed.contains(&t)
         || (t == "integer" && allowed.contains(&"number"))
+        // A whole float ("3.0") is an integer only while a double holds it exactly: digits
+        // past i64 parse as a rounded float, and passing that on would change the value.
         || (t == "number"
             && allowed.contains(&"integer")
-            && v.as_f64().is_some_and(|f| f.fract() == 0.0))
+            && v.as_f64().is_some_and(|f| f.fract() == 0.0 && f.abs() <= MAX_EXACT_FLOAT_INT))
 }
 
 /// Types `raw` by `schema`; the flag is false when the value did not fit its declared type.
@@ -129,6 +134,12 @@ mod tests {
         assert_eq!(t("42", json!({"type": "integer"})), (json!(42), true));
         assert_eq!(t("4.5", json!({"type": "number"})), (json!(4.5), true));
         assert_eq!(t("4.5", json!({"type": "integer"})), (json!("4.5"), false));
+        assert_eq!(t("3.0", json!({"type": "integer"})), (json!(3.0), true));
+        // Past 2^53 a double rounds: the digits stay as written, as text, and are reported.
+        let big = "1321032101233210212345";
+        assert_eq!(t(big, json!({"type": "integer"})), (json!(big), false));
+        assert_eq!(t(big, json!({"type": "number"})).1, true);
+        assert_eq!(t("9223372036854775807", json!({"type": "integer"})), (json!(i64::MAX), true));
         assert_eq!(t("true", json!({"type": "boolean"})), (json!(true), true));
         assert_eq!(t("yes", json!({"type": "boolean"})), (json!("yes"), false));
         assert_eq!(
