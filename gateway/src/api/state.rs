@@ -55,8 +55,9 @@ impl AppState {
     /// A structured output's constraint for a prompt that ends inside a reasoning block
     /// (`starts_in_reasoning`: the document starts after its closing tag) or not.
     pub fn constraint(&self, grammar: Grammar, starts_in_reasoning: bool, mode: Mode) -> Arc<ConstraintSpec> {
-        let close = self.text.format().reasoning.close.as_bytes().to_vec();
-        Arc::new(ConstraintSpec { grammar, index: self.token_index.clone(), reasoning_close: starts_in_reasoning.then_some(close), mode })
+        let tags = &self.text.format().reasoning;
+        let reasoning = (!tags.open.is_empty() && !tags.close.is_empty()).then(|| (tags.open.as_bytes().to_vec(), tags.close.as_bytes().to_vec()));
+        Arc::new(ConstraintSpec { grammar, index: self.token_index.clone(), reasoning, starts_in_reasoning, mode })
     }
 }
 

@@ -170,7 +170,7 @@ fn main() {
 
     // A whole document written token by token as a sampler would (a random allowed token each
     // step, the state's mask from the per-request cache when the state repeats).
-    let spec = Arc::new(ConstraintSpec { grammar: g, index: index.clone(), reasoning_close: None, mode: Mode::Document });
+    let spec = Arc::new(ConstraintSpec { grammar: g, index: index.clone(), reasoning: None, starts_in_reasoning: false, mode: Mode::Document });
     let mut c = Constraint::new(spec);
     let mut rng = ChaCha20Rng::seed_from_u64(9);
     let (mut steps, mut total) = (0usize, 0.0f64);

@@ -197,7 +197,7 @@ fn pstr_step(d: &Dfa, ds: u32, sub: PSub, b: u8) -> PatStep {
 }
 
 /// Longest tool or parameter name (the tool-call parser's limit).
-const MAX_NAME: u16 = 256;
+pub(crate) const MAX_NAME: u16 = 256;
 
 /// What a parent does next once its child completed.
 enum Next {
@@ -1491,7 +1491,7 @@ pub(crate) mod tool_tests {
 
     /// A string parameter's `pattern` / `format` holds its raw text (no JSON quotes or escapes:
     /// the template writes strings verbatim), which ends where the automaton accepts and the
-    /// closing tag begins; a pattern every string of which holds `<` leaves the text free.
+    /// closing tag begins; the text may hold `<`, never the closing tag.
     #[test]
     fn patterned_string_parameters_hold_their_raw_text() {
         let params = json!({"type": "object", "properties": {
@@ -1503,10 +1503,10 @@ pub(crate) mod tool_tests {
         }, "required": ["day"]});
         let g = Grammar::tool_calls(&[CallTool { name: "f", parameters: &params }], TAGS, 1).unwrap();
         let call = |p: &str, v: &str| format!("<invoke name=\"f\"><parameter name=\"day\">2024-02-28</parameter><parameter name=\"{p}\">{v}</parameter></invoke></minimax:tool_call>");
-        for (p, v) in [("code", "AB-1"), ("code", "ZZ-999"), ("name", "é"), ("name", "éa_"), ("tag", "<b>"), ("tag", "x<y"), ("any", "a \"quoted\" \\ text")] {
+        for (p, v) in [("code", "AB-1"), ("code", "ZZ-999"), ("name", "é"), ("name", "éa_"), ("tag", "<b>"), ("any", "a<b"), ("any", "a \"quoted\" \\ text")] {
             assert!(accepts(&g, &call(p, v)), "{p} = {v:?}");
         }
-        for (p, v) in [("code", "AB-1234"), ("code", "ab-1"), ("code", ""), ("name", "éab_"), ("name", "e"), ("any", "a<b"), ("any", "two\nlines")] {
+        for (p, v) in [("code", "AB-1234"), ("code", "ab-1"), ("code", ""), ("name", "éab_"), ("name", "e"), ("tag", "x<y"), ("any", "two\nlines")] {
             assert!(!accepts(&g, &call(p, v)), "{p} = {v:?} must be refused");
         }
         for v in ["2024-13-01", "\"2024-01-01\"", "2024-1-01", ""] {

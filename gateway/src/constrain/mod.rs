@@ -42,8 +42,11 @@ pub struct ConstraintSpec {
     pub grammar: Grammar,
     /// The vocabulary index the masks are computed over.
     pub index: Arc<TokenIndex>,
-    /// The reasoning block's closing tag when the output starts inside one.
-    pub reasoning_close: Option<Vec<u8>>,
+    /// The reasoning block's tags (opening, closing), where the model has one.
+    pub reasoning: Option<(Vec<u8>, Vec<u8>)>,
+    /// Whether the output starts inside the reasoning block (the prompt opened it). Where it
+    /// does not, tool-call answers may still open one first, as the output parser reads them.
+    pub starts_in_reasoning: bool,
     /// Which part of the answer the grammar holds.
     pub mode: Mode,
 }
@@ -61,7 +64,11 @@ pub enum Mode {
 impl PartialEq for ConstraintSpec {
     /// Same schema, same reasoning framing, same vocabulary index.
     fn eq(&self, o: &Self) -> bool {
-        self.grammar == o.grammar && self.reasoning_close == o.reasoning_close && self.mode == o.mode && Arc::ptr_eq(&self.index, &o.index)
+        self.grammar == o.grammar
+            && self.reasoning == o.reasoning
+            && self.starts_in_reasoning == o.starts_in_reasoning
+            && self.mode == o.mode
+            && Arc::ptr_eq(&self.index, &o.index)
     }
 }
 
@@ -93,6 +100,9 @@ enum Phase {
     Ended,
     /// Tool calls: free text; the last bytes, where a block's opening tag may be starting.
     Text(Vec<u8>),
+    /// Tool calls, at the start of an output that may open its reasoning block: the bytes so
+    /// far (whitespace, or the start of the opening tag).
+    Opening(Vec<u8>),
     /// Tool calls: inside a block.
     Block,
 }
@@ -111,10 +121,11 @@ pub struct Constraint {
 impl Constraint {
     pub fn new(spec: Arc<ConstraintSpec>) -> Self {
         let state = State::start(&spec.grammar);
-        let phase = match (&spec.reasoning_close, &spec.mode) {
-            (Some(_), _) => Phase::Reasoning(Vec::new()),
-            (None, Mode::Document) => Phase::Document,
-            (None, Mode::ToolCalls { .. }) => Phase::Text(Vec::new()),
+        let phase = match (&spec.reasoning, spec.starts_in_reasoning, &spec.mode) {
+            (Some(_), true, _) => Phase::Reasoning(Vec::new()),
+            (_, _, Mode::Document) => Phase::Document,
+            (Some(_), false, Mode::ToolCalls { .. }) => Phase::Opening(Vec::new()),
+            (None, _, Mode::ToolCalls { .. }) => Phase::Text(Vec::new()),
         };
         Constraint { spec, phase, state, cache: HashMap::new(), calls: 0 }
     }
@@ -135,7 +146,7 @@ impl Constraint {
     pub fn rule(&mut self) -> Rule {
         match self.phase {
             Phase::Reasoning(_) => Rule::NoEnd,
-            Phase::Text(_) => match self.spec.mode {
+            Phase::Text(_) | Phase::Opening(_) => match self.spec.mode {
                 Mode::ToolCalls { must_call: true, .. } if self.calls == 0 => Rule::NoEnd,
                 _ => Rule::Free,
             },
@@ -171,26 +182,22 @@ impl Constraint {
         let spec = self.spec.clone();
         let bytes = spec.index.token_bytes(token);
         match &mut self.phase {
-            Phase::Reasoning(tail) => {
-                let close = spec.reasoning_close.as_deref().expect("a reasoning phase has a tag");
-                tail.extend_from_slice(bytes);
-                match find(tail, close) {
-                    Some(at) => {
-                        let rest = tail[at + close.len()..].to_vec();
-                        match &spec.mode {
-                            Mode::Document => {
-                                self.phase = Phase::Document;
-                                if !self.state.feed(&spec.grammar, &rest) {
-                                    return Err(ConstraintError::AfterReasoning);
-                                }
-                            }
-                            Mode::ToolCalls { .. } => {
-                                self.phase = Phase::Text(Vec::new());
-                                self.text(&rest);
-                            }
-                        }
-                    }
-                    None => keep_tail(tail, close.len()),
+            Phase::Reasoning(_) => self.reasoning(bytes),
+            Phase::Opening(head) => {
+                let (open, _) = spec.reasoning.as_ref().expect("an opening phase has tags");
+                head.extend_from_slice(bytes);
+                let start = head.iter().position(|b| !b.is_ascii_whitespace()).unwrap_or(head.len());
+                let t = &head[start..];
+                if let Some(rest) = t.strip_prefix(open.as_slice()) {
+                    let rest = rest.to_vec();
+                    self.phase = Phase::Reasoning(Vec::new());
+                    return self.reasoning(&rest);
+                }
+                if !open.starts_with(t) {
+                    // The answer starts without reasoning (as the parser's splitter decides).
+                    let all = std::mem::take(head);
+                    self.phase = Phase::Text(Vec::new());
+                    self.text(&all);
                 }
                 Ok(())
             }
@@ -235,6 +242,34 @@ impl Constraint {
                 Ok(())
             }
         }
+    }
+
+    /// Inside the reasoning block: watches for its closing tag, after which the document or
+    /// the free text starts.
+    fn reasoning(&mut self, bytes: &[u8]) -> Result<(), ConstraintError> {
+        let spec = self.spec.clone();
+        let (_, close) = spec.reasoning.as_ref().expect("a reasoning phase has tags");
+        let Phase::Reasoning(tail) = &mut self.phase else { return Ok(()) };
+        tail.extend_from_slice(bytes);
+        match find(tail, close) {
+            Some(at) => {
+                let rest = tail[at + close.len()..].to_vec();
+                match &spec.mode {
+                    Mode::Document => {
+                        self.phase = Phase::Document;
+                        if !self.state.feed(&spec.grammar, &rest) {
+                            return Err(ConstraintError::AfterReasoning);
+                        }
+                    }
+                    Mode::ToolCalls { .. } => {
+                        self.phase = Phase::Text(Vec::new());
+                        self.text(&rest);
+                    }
+                }
+            }
+            None => keep_tail(tail, close.len()),
+        }
+        Ok(())
     }
 
     /// Free text around tool calls: watches for a block's opening tag.
@@ -302,6 +337,8 @@ mod edge_tests;
 mod walk_tests;
 #[cfg(test)]
 mod review_tests;
+#[cfg(test)]
+mod toolcall_params_tests;
 
 #[cfg(test)]
 mod tests {
@@ -317,7 +354,7 @@ mod tests {
         }
         let index = Arc::new(TokenIndex::from_tokens(262, items, vec![EOG]));
         let grammar = Grammar::from_schema(&json!({"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"], "additionalProperties": false})).unwrap();
-        Arc::new(ConstraintSpec { grammar, index, reasoning_close: reasoning.then(|| b"</think>".to_vec()), mode: Mode::Document })
+        Arc::new(ConstraintSpec { grammar, index, reasoning: Some((b"<think>".to_vec(), b"</think>".to_vec())), starts_in_reasoning: reasoning, mode: Mode::Document })
     }
 
     fn allowed(c: &mut Constraint, t: u32) -> bool {
@@ -380,7 +417,7 @@ mod tool_mode_tests {
         let index = Arc::new(TokenIndex::from_tokens(301, items, vec![EOG]));
         let params = json!({"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]});
         let grammar = Grammar::tool_calls(&[CallTool { name: "f", parameters: &params }], crate::constrain::matcher::tool_tests::TAGS, 4).unwrap();
-        Arc::new(ConstraintSpec { grammar, index, reasoning_close: Some(b"</think>".to_vec()), mode: Mode::ToolCalls { open: b"<minimax:tool_call>".to_vec(), must_call } })
+        Arc::new(ConstraintSpec { grammar, index, reasoning: Some((b"<think>".to_vec(), b"</think>".to_vec())), starts_in_reasoning: true, mode: Mode::ToolCalls { open: b"<minimax:tool_call>".to_vec(), must_call } })
     }
 
     fn feed(c: &mut Constraint, text: &str) {

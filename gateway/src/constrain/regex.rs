@@ -62,6 +62,42 @@ impl Dfa {
         nfa.determinize(start, end)?.prune().ok_or_else(|| "no string matches this pattern".to_string())
     }
 
+    /// Strings that never hold `tag` (ASCII, its first character nowhere else in it): a raw
+    /// tool-call value, which ends at the first closing tag. State `k`: the last `k`
+    /// characters are the tag's first `k`.
+    pub fn without(tag: &str) -> Dfa {
+        let t: Vec<u32> = tag.chars().map(|c| c as u32).collect();
+        debug_assert!(!t.is_empty() && !t[1..].contains(&t[0]), "the tag's first character recurs");
+        let states = (0..t.len())
+            .map(|k| {
+                // Characters with their own target, sorted: the tag's next one and its first.
+                let mut special: Vec<(u32, Option<u32>)> = vec![(t[0], Some(1))];
+                if k > 0 {
+                    special.push((t[k], (k + 1 < t.len()).then_some(k as u32 + 1)));
+                } else if t.len() == 1 {
+                    special[0].1 = None;
+                }
+                special.sort_unstable();
+                let mut trans = Vec::new();
+                let mut lo = 0u32;
+                for (c, to) in special {
+                    if c > lo {
+                        trans.push((lo, c - 1, 0));
+                    }
+                    if let Some(to) = to {
+                        trans.push((c, c, to));
+                    }
+                    lo = c + 1;
+                }
+                if lo <= MAX_CHAR {
+                    trans.push((lo, MAX_CHAR, 0));
+                }
+                DState { accept: true, trans }
+            })
+            .collect();
+        Dfa { states }
+    }
+
     /// Strings of `min..=max` characters (`max` [`u32::MAX`]: unbounded), any characters.
     pub fn length(min: u32, max: u32) -> Result<Dfa, String> {
         let top = if max == u32::MAX { min } else { max };
@@ -896,6 +932,19 @@ mod tests {
         assert!(Dfa::from_pattern(r"^a{5}$").unwrap().intersect(&Dfa::length(0, 3).unwrap()).unwrap().is_none());
         let unb = p.intersect(&Dfa::length(3, u32::MAX).unwrap()).unwrap().unwrap();
         assert!(unb.matches("aaaaaaaaab") && !unb.matches("ab"));
+    }
+
+    #[test]
+    fn without_refuses_only_the_whole_tag() {
+        let d = Dfa::without("</p>");
+        for ok in ["", "a<b", "</", "</p", "<</p", "</x></p", "é</p", "x<"] {
+            assert!(d.matches(ok), "{ok:?}");
+        }
+        for bad in ["</p>", "a</p>b", "<</p>", "</</p>"] {
+            assert!(!d.matches(bad), "{bad:?}");
+        }
+        let both = d.intersect(&Dfa::length(1, 3).unwrap()).unwrap().unwrap();
+        assert!(both.matches("a<b") && !both.matches("") && !both.matches("abcd"));
     }
 
     #[test]

@@ -19,6 +19,7 @@ use std::collections::HashMap;
 use serde_json::Value as Json;
 
 use super::regex::{self, Dfa};
+use crate::text::toolcall::param_schema::{ParamForm, TextForm, resolve};
 
 /// Index of a node in [`Grammar::nodes`].
 pub type NodeId = u32;
@@ -684,43 +685,37 @@ impl Grammar {
         c.tags.push(ByteTrie::build(&[tags.invoke_open.as_bytes().to_vec(), tags.block_close.as_bytes().to_vec()]));
         let call_tags = (c.tags.len() - 1) as u32;
         let mut bodies = Vec::new();
-        for t in tools {
+        let mut callable = Vec::new();
+        'tools: for t in tools {
             c.doc = t.parameters;
             c.refs.clear();
             let props = t.parameters.get("properties").and_then(Json::as_object);
             let mut names = Vec::new();
             let mut values = Vec::new();
             for (k, ps) in props.into_iter().flatten().take(MAX_PROPERTIES) {
+                if !writable_name(k) {
+                    // The name cannot be written between the tag's quotes: a tool that
+                    // requires it cannot be called, and an optional one is left out.
+                    if required_names(t.parameters).any(|r| r == k) {
+                        continue 'tools;
+                    }
+                    continue;
+                }
                 names.push(k.as_bytes().to_vec());
-                let v = match raw_strings(ps) {
-                    Some(Some(list)) => {
-                        let lit = c.lit(&list);
-                        c.push(Node::Chain { items: vec![lit, close_lit], tight: true })
-                    }
-                    Some(None) => match raw_automaton(ps) {
-                        Some(d) => {
-                            c.dfas.push(d);
-                            let text = c.push(Node::RawPattern((c.dfas.len() - 1) as u32));
-                            c.push(Node::Chain { items: vec![text, close_lit], tight: true })
-                        }
-                        None => raw,
-                    },
-                    None => {
-                        let n = c.compile(ps, "#").unwrap_or_else(|_| c.any());
-                        c.push(Node::Chain { items: vec![n, close_lit], tight: false })
-                    }
-                };
-                values.push(v);
+                let form = ParamForm::of(&resolve(ps, t.parameters), t.parameters);
+                values.push(c.param_value(&form, raw, close_lit, tags.param_close));
             }
-            let required = t.parameters.get("required").and_then(Json::as_array).map_or(0, |r| {
-                r.iter().filter_map(Json::as_str).filter_map(|k| names.iter().position(|n| n == k.as_bytes())).fold(0u64, |m, i| m | (1 << i))
-            });
+            let required = required_names(t.parameters).filter_map(|k| names.iter().position(|n| n == k.as_bytes())).fold(0u64, |m, i| m | (1 << i));
             let closed = t.parameters.get("additionalProperties") == Some(&Json::Bool(false));
             let free = (names.is_empty() && !closed).then_some(raw);
             let keys = c.key_trie(&names);
             bodies.push(c.push(Node::Params { keys, values, required, free, tags: param_tags }));
+            callable.push(t.name.as_bytes().to_vec());
         }
-        let names: Vec<Vec<u8>> = tools.iter().map(|t| t.name.as_bytes().to_vec()).collect();
+        if callable.is_empty() {
+            return None;
+        }
+        let names = callable;
         let names = c.key_trie(&names);
         let root = c.push(Node::Calls { names, bodies, tags: call_tags, max: max.max(1) });
         let mut g = c.finish(root);
@@ -729,45 +724,63 @@ impl Grammar {
     }
 }
 
-/// The automaton of a string parameter's raw text: its `pattern` / `format` (and length
-/// bounds) without `<`. `None` (any text) when it has neither, when they do not compile, or
-/// when every string they admit holds a `<`.
-fn raw_automaton(schema: &Json) -> Option<Dfa> {
-    let o = schema.as_object().filter(|o| o.get("type") == Some(&Json::String("string".into())))?;
-    let count = |k: &str| o.get(k).and_then(Json::as_u64).map(|n| n.min(UNBOUNDED as u64 - 1) as u32);
-    let (min, max) = (count("minLength").unwrap_or(0), count("maxLength").unwrap_or(UNBOUNDED));
-    let d = Compiler::string_automaton(o, min, max.max(min), "#").ok()??;
-    let no_tag = Dfa::from_pattern("^[^<]*$").ok()?;
-    d.intersect(&no_tag).ok()??.prune()
+impl Compiler<'_> {
+    /// A parameter's value and its closing tag (`raw`: any text and the tag; `close`: the
+    /// tag alone): the union of its form's text and JSON halves.
+    fn param_value(&mut self, form: &ParamForm, raw: NodeId, close: NodeId, close_tag: &str) -> NodeId {
+        let text = match &form.text {
+            None => None,
+            Some(TextForm::Any) => return raw,
+            Some(TextForm::Literals(list)) => {
+                let list: Vec<Vec<u8>> = list.iter().map(|t| t.as_bytes().to_vec()).collect();
+                let lit = self.lit(&list);
+                Some(self.push(Node::Chain { items: vec![lit, close], tight: true }))
+            }
+            Some(TextForm::String(o)) => match raw_automaton(o, close_tag) {
+                Some(d) => {
+                    self.dfas.push(d);
+                    let t = self.push(Node::RawPattern((self.dfas.len() - 1) as u32));
+                    Some(self.push(Node::Chain { items: vec![t, close], tight: true }))
+                }
+                None if form.json.is_none() => return raw,
+                None => Some(raw),
+            },
+        };
+        let json = form.json.as_ref().map(|j| {
+            let n = self.compile(j, "#").unwrap_or_else(|_| self.any());
+            self.push(Node::Chain { items: vec![n, close], tight: false })
+        });
+        match (text, json) {
+            (Some(a), Some(b)) => self.push(Node::AnyOf(vec![a, b])),
+            (Some(a), None) | (None, Some(a)) => a,
+            (None, None) => raw,
+        }
+    }
 }
 
-/// How a parameter's raw text is read (as the tool-call parser's typing does): `Some(None)`:
-/// any text (the schema admits a string, or says nothing); `Some(Some(list))`: one of these
-/// strings (an enum or const of strings only); `None`: JSON.
-fn raw_strings(schema: &Json) -> Option<Option<Vec<Vec<u8>>>> {
-    let Some(o) = schema.as_object() else { return Some(None) };
-    let members: Option<Vec<&Json>> = match (o.get("enum"), o.get("const")) {
-        (Some(Json::Array(a)), _) => Some(a.iter().collect()),
-        (None, Some(v)) => Some(vec![v]),
-        _ => None,
+/// The automaton of a string parameter's raw text: its `pattern` / `format` / length bounds,
+/// never holding the closing tag (the value ends at the first one). `None` (any text) when
+/// it has none of them, when they do not compile, or when no string satisfies them.
+fn raw_automaton(o: &serde_json::Map<String, Json>, close_tag: &str) -> Option<Dfa> {
+    let count = |k: &str| o.get(k).and_then(Json::as_u64).map(|n| n.min(UNBOUNDED as u64 - 1) as u32);
+    let (min, max) = (count("minLength").unwrap_or(0), count("maxLength").unwrap_or(UNBOUNDED));
+    let d = match Compiler::string_automaton(o, min, max.max(min), "#").ok()? {
+        Some(d) => d,
+        None if min > 0 || max != UNBOUNDED => Dfa::length(min, if max == UNBOUNDED { u32::MAX } else { max.max(min) }).ok()?,
+        None => return None,
     };
-    if let Some(m) = members {
-        let strings: Option<Vec<Vec<u8>>> = m.iter().map(|v| v.as_str().map(|s| s.as_bytes().to_vec())).collect();
-        return match strings {
-            Some(list) if !list.is_empty() => Some(Some(list)),
-            _ => None,
-        };
-    }
-    match o.get("type") {
-        Some(Json::String(t)) => (t == "string").then_some(None),
-        Some(Json::Array(ts)) => ts.iter().any(|t| t == "string").then_some(None),
-        Some(_) => None,
-        None if o.contains_key("properties") || o.contains_key("items") => None,
-        None => match o.get("anyOf").or_else(|| o.get("oneOf")).and_then(Json::as_array) {
-            Some(alts) => alts.iter().any(|a| matches!(raw_strings(a), Some(None))).then_some(None),
-            None => Some(None),
-        },
-    }
+    d.intersect(&Dfa::without(close_tag)).ok()??.prune()
+}
+
+/// Whether a parameter name can stand between the quotes of a parameter tag (the matcher's
+/// and the parser's name rules).
+fn writable_name(name: &str) -> bool {
+    name.len() <= usize::from(super::matcher::MAX_NAME) && !name.contains(['"', '<', '>', '\n'])
+}
+
+/// The names a tool's `parameters` lists as required.
+fn required_names(parameters: &Json) -> impl Iterator<Item = &str> {
+    parameters.get("required").and_then(Json::as_array).into_iter().flatten().filter_map(Json::as_str)
 }
 
 /// `alt` with the constraining keywords of `outer` (an `anyOf` / `allOf` schema) added; a

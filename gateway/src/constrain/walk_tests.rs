@@ -50,7 +50,7 @@ fn walk(spec: &Arc<ConstraintSpec>, seed: u64, eog_bias: f64) -> String {
 }
 
 fn check(schema: &Json, seeds: u64, eog_bias: f64) {
-    let spec = Arc::new(ConstraintSpec { grammar: Grammar::from_schema(schema).unwrap(), index: index(), reasoning_close: None, mode: super::Mode::Document });
+    let spec = Arc::new(ConstraintSpec { grammar: Grammar::from_schema(schema).unwrap(), index: index(), reasoning: None, starts_in_reasoning: false, mode: super::Mode::Document });
     let validator = jsonschema::validator_for(schema).unwrap();
     for seed in 0..seeds {
         let text = walk(&spec, seed, eog_bias);
@@ -118,7 +118,7 @@ fn random_tool_call_blocks_parse_into_valid_calls() {
     let tags = CallTags { invoke_open: t.invoke_open, invoke_close: t.invoke_close, param_open: t.param_open, param_close: t.param_close, block_close: t.block_close };
     let g = Grammar::tool_calls(&tools, tags, 3).unwrap();
     let idx = index();
-    let spec = Arc::new(ConstraintSpec { grammar: g, index: idx.clone(), reasoning_close: None, mode: super::Mode::Document });
+    let spec = Arc::new(ConstraintSpec { grammar: g, index: idx.clone(), reasoning: None, starts_in_reasoning: false, mode: super::Mode::Document });
     let mut calls = 0;
     for seed in 0..30 {
         let mut c = Constraint::new(spec.clone());
@@ -171,7 +171,7 @@ fn patterned_and_formatted_strings_match_in_random_walks() {
         "required": ["id", "when", "day", "mail", "code", "word", "ip", "age", "neg"],
         "additionalProperties": false
     });
-    let spec = Arc::new(ConstraintSpec { grammar: Grammar::from_schema(&schema).unwrap(), index: index(), reasoning_close: None, mode: super::Mode::Document });
+    let spec = Arc::new(ConstraintSpec { grammar: Grammar::from_schema(&schema).unwrap(), index: index(), reasoning: None, starts_in_reasoning: false, mode: super::Mode::Document });
     let validator = jsonschema::options().should_validate_formats(true).build(&schema).unwrap();
     for seed in 0..25 {
         let text = walk(&spec, seed, 50.0);

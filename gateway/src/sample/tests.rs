@@ -123,7 +123,7 @@ fn constrained_specs_ban_the_end_in_reasoning_then_carry_the_mask() {
     let mut items: Vec<(u32, Vec<u8>)> = (0..10u32).map(|t| (t, vec![b'0' + t as u8])).collect();
     items.push((10, b"</think>".to_vec()));
     let index = Arc::new(TokenIndex::from_tokens(12, items, vec![11]));
-    let spec = ConstraintSpec { grammar: Grammar::from_schema(&serde_json::json!({"enum": [42]})).unwrap(), index, reasoning_close: Some(b"</think>".to_vec()), mode: crate::constrain::Mode::Document };
+    let spec = ConstraintSpec { grammar: Grammar::from_schema(&serde_json::json!({"enum": [42]})).unwrap(), index, reasoning: Some((b"<think>".to_vec(), b"</think>".to_vec())), starts_in_reasoning: true, mode: crate::constrain::Mode::Document };
     let mut p = params(1.0, 3);
     p.logit_bias.insert(11, 5.0);
     p.constraint = Some(Arc::new(spec));

@@ -644,7 +644,7 @@ fn constrained_request(seed: u64) -> GenerationRequest {
     let items = (0..95u32).map(|t| (t, vec![0x20 + t as u8])).collect();
     let index = Arc::new(TokenIndex::from_tokens(97, items, vec![96]));
     let schema = serde_json::json!({"type": "object", "properties": {"a": {"enum": ["x", "yz"]}, "b": {"type": "boolean"}}, "required": ["a", "b"], "additionalProperties": false});
-    let spec = ConstraintSpec { grammar: Grammar::from_schema(&schema).unwrap(), index, reasoning_close: None, mode: crate::constrain::Mode::Document };
+    let spec = ConstraintSpec { grammar: Grammar::from_schema(&schema).unwrap(), index, reasoning: None, starts_in_reasoning: false, mode: crate::constrain::Mode::Document };
     let sampling = SamplingParams { temperature: 0.9, top_k: 20, seed: Some(seed), constraint: Some(Arc::new(spec)), ..Default::default() };
     GenerationRequest { stop_token_ids: vec![96], ..req("json", vec![3, 1, 4], 1000, sampling) }
 }

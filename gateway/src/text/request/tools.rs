@@ -3,16 +3,20 @@
 use serde_json::Value as Json;
 
 use super::error::{InvalidRequest, type_name};
+use crate::text::toolcall::param_schema::{fold_nullable, resolve};
 
 /// One function tool the model may call.
 #[derive(Debug)]
 pub struct ToolSpec {
     /// Function name.
     pub name: String,
-    /// The `parameters` JSON schema (an empty object when absent).
+    /// The `parameters` JSON schema (an empty object when absent), OpenAPI's `nullable`
+    /// folded into JSON Schema so the validator reads it as the grammar does.
     pub parameters: Json,
     /// The tool object exactly as the client sent it, for the template.
     pub raw: Json,
+    /// Each declared parameter's schema with its `$ref` / `allOf` resolved.
+    params: serde_json::Map<String, Json>,
     validator: Option<jsonschema::Validator>,
 }
 
@@ -34,9 +38,9 @@ impl ToolSpec {
         }
     }
 
-    /// The schema of one parameter, if the tool declares it.
+    /// The schema of one parameter (its `$ref` / `allOf` resolved), if the tool declares it.
     pub fn param_schema(&self, key: &str) -> Option<&Json> {
-        self.parameters.get("properties").and_then(|p| p.get(key))
+        self.params.get(key)
     }
 }
 
@@ -138,7 +142,7 @@ pub fn parse_tools(v: Option<&Json>) -> Result<ToolSet, InvalidRequest> {
                 format!("duplicate tool name `{name}`"),
             ));
         }
-        let parameters = match f.get("parameters") {
+        let mut parameters = match f.get("parameters") {
             None | Some(Json::Null) => Json::Object(Default::default()),
             Some(p @ Json::Object(_)) => p.clone(),
             Some(other) => {
@@ -148,6 +152,12 @@ pub fn parse_tools(v: Option<&Json>) -> Result<ToolSet, InvalidRequest> {
                 ));
             }
         };
+        fold_nullable(&mut parameters);
+        let params = parameters
+            .get("properties")
+            .and_then(Json::as_object)
+            .map(|p| p.iter().map(|(k, v)| (k.clone(), resolve(v, &parameters))).collect())
+            .unwrap_or_default();
         let validator = jsonschema::validator_for(&parameters).map_err(|e| {
             InvalidRequest::new(
                 format!("{base}.function.parameters"),
@@ -158,6 +168,7 @@ pub fn parse_tools(v: Option<&Json>) -> Result<ToolSet, InvalidRequest> {
             name,
             parameters,
             raw: t.clone(),
+            params,
             validator: Some(validator),
         });
     }

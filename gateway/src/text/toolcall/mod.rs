@@ -1,6 +1,7 @@
 //! Tool calls in model output: streaming XML parsing, schema typing and call ids.
 
 mod ids;
+pub mod param_schema;
 mod parser;
 mod typing;
 

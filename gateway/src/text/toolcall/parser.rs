@@ -11,6 +11,7 @@ use std::sync::Arc;
 use serde_json::{Map, Value as Json};
 
 use super::ids::CallIds;
+use super::param_schema::{ParamForm, ends_inside_json_string};
 use super::typing::type_value;
 use crate::text::format::ToolCallTags;
 use crate::text::request::{ToolChoice, ToolSet};
@@ -243,7 +244,7 @@ impl ToolCallParser {
                 NameRead::Bad => return Step::Bad("malformed parameter tag"),
             };
             let value_start = after + name_len;
-            let Some(vlen) = self.buf[value_start..].find(self.tags.param_close) else {
+            let Some(vlen) = self.value_len(&key, &self.buf[value_start..]) else {
                 return Step::Wait;
             };
             let raw = self.buf[value_start..value_start + vlen].to_string();
@@ -257,6 +258,27 @@ impl ToolCallParser {
             return Step::Wait;
         }
         Step::Bad("unexpected text inside an invoke")
+    }
+
+    /// Where parameter `key`'s value ends in `text`: at the first closing tag, except that a
+    /// value written only as JSON goes on past a tag inside one of its strings (the guided
+    /// grammar lets a JSON string hold the tag).
+    fn value_len(&self, key: &str, text: &str) -> Option<usize> {
+        let json_only = self
+            .open
+            .as_ref()
+            .and_then(|c| self.tools.get(&c.name))
+            .and_then(|t| Some(ParamForm::of(t.param_schema(key)?, &t.parameters)))
+            .is_some_and(|f| f.json_only());
+        let close = self.tags.param_close;
+        let mut from = 0;
+        loop {
+            let at = from + text[from..].find(close)?;
+            if !(json_only && ends_inside_json_string(&text[..at])) {
+                return Some(at);
+            }
+            from = at + close.len();
+        }
     }
 
     fn start_call(&mut self, out: &mut Vec<ToolEvent>, name: String) {

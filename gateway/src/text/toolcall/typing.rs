@@ -101,6 +101,18 @@ fn type_matches(v: &Json, allowed: &[&str]) -> bool {
             && v.as_f64().is_some_and(|f| f.fract() == 0.0 && f.abs() <= MAX_EXACT_FLOAT_INT))
 }
 
+/// A whole float (`3.0`, `-0`) where only integers are allowed, written as the integer, so
+/// strict clients (Go's `int`, serde's `i64`) read it.
+fn whole_as_integer(v: Json, allowed: &[&str]) -> Json {
+    match v.as_f64() {
+        Some(f) if !v.is_i64() && !v.is_u64() && allowed.contains(&"integer") && !allowed.contains(&"number") => {
+            // type_matches let it through only when it is whole and within 2^53.
+            Json::from(f as i64)
+        }
+        _ => v,
+    }
+}
+
 /// Types `raw` by `schema`; the flag is false when the value did not fit its declared type.
 pub fn type_value(raw: &str, schema: Option<&Json>) -> (Json, bool) {
     let parsed = serde_json::from_str::<Json>(raw).ok();
@@ -115,7 +127,7 @@ pub fn type_value(raw: &str, schema: Option<&Json>) -> (Json, bool) {
                 return (Json::String(raw.to_string()), true);
             }
             if let Some(v) = parsed.filter(|v| !v.is_string() && type_matches(v, &allowed)) {
-                return (v, true);
+                return (whole_as_integer(v, &allowed), true);
             }
             (Json::String(raw.to_string()), allowed.contains(&"string"))
         }
@@ -134,7 +146,9 @@ mod tests {
         assert_eq!(t("42", json!({"type": "integer"})), (json!(42), true));
         assert_eq!(t("4.5", json!({"type": "number"})), (json!(4.5), true));
         assert_eq!(t("4.5", json!({"type": "integer"})), (json!("4.5"), false));
-        assert_eq!(t("3.0", json!({"type": "integer"})), (json!(3.0), true));
+        assert_eq!(t("3.0", json!({"type": "integer"})), (json!(3), true));
+        assert_eq!(t("-0", json!({"type": "integer"})).0.to_string(), "0");
+        assert_eq!(t("3.0", json!({"type": ["integer", "number"]})), (json!(3.0), true));
         // Past 2^53 a double rounds: the digits stay as written, as text, and are reported.
         let big = "1321032101233210212345";
         assert_eq!(t(big, json!({"type": "integer"})), (json!(big), false));
