@@ -69,7 +69,7 @@ fn json_spec() -> std::sync::Arc<minimax_gateway::constrain::ConstraintSpec> {
     let items = (0..95u32).map(|t| (t, vec![0x20 + t as u8])).collect();
     let index = std::sync::Arc::new(TokenIndex::from_tokens(200_064, items, vec![EOG]));
     let schema = serde_json::json!({"type": "object", "properties": {"id": {"type": "string", "pattern": "^[a-z]{2,5}$"}, "n": {"type": "integer", "minimum": 0, "maximum": 999}}, "required": ["id", "n"], "additionalProperties": false});
-    std::sync::Arc::new(ConstraintSpec { grammar: Grammar::from_schema(&schema).unwrap(), index, reasoning_close: None, mode: Mode::Document })
+    std::sync::Arc::new(ConstraintSpec { grammar: Grammar::from_schema(&schema).unwrap(), index, reasoning: None, starts_in_reasoning: false, mode: Mode::Document })
 }
 
 /// A structured-output request of [`json_spec`] with a bias against the space token.

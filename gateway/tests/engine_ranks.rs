@@ -195,7 +195,7 @@ async fn one_rank_structured_outputs_with_late_rules_give_the_tokens_of_one_step
         "minItems": 2,
         "maxItems": 4
     });
-    let spec = Arc::new(ConstraintSpec { grammar: Grammar::from_schema(&schema).unwrap(), index: index.clone(), reasoning_close: None, mode: Mode::Document });
+    let spec = Arc::new(ConstraintSpec { grammar: Grammar::from_schema(&schema).unwrap(), index: index.clone(), reasoning: None, starts_in_reasoning: false, mode: Mode::Document });
     // And a request's own logit bias against whitespace tokens, which each rule is merged with.
     let blank: std::collections::HashMap<u32, f32> = (0..index.vocab() as u32).filter(|&t| !index.token_bytes(t).is_empty() && index.token_bytes(t).iter().all(u8::is_ascii_whitespace)).map(|t| (t, -30.0)).collect();
     assert!(!blank.is_empty());

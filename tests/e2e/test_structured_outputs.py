@@ -5,8 +5,10 @@ only because the gateway masks every token that would leave the schema. The repl
 `REPLAY:json` ends the reasoning block (`ok</think>\\n\\n`) and then lets the model sample."""
 
 import datetime
+import enum
 import json
 import re
+import typing
 import uuid
 
 import anthropic
@@ -271,6 +273,41 @@ def test_anthropic_tool_choice_any_and_responses_required_give_valid_calls(serve
     assert calls, r
     for c in calls:
         check_call(c.name, json.loads(c.arguments))
+
+
+class Color(str, enum.Enum):
+    red = "red"
+    green = "green"
+
+
+class Order(pydantic.BaseModel):
+    """A pydantic tool as the SDK writes it: an enum behind `$ref`, an optional literal (an
+    `anyOf` of strings and null), a nullable integer, a bounded string and a list of strings."""
+    color: Color
+    size: typing.Optional[typing.Literal["s", "m"]]
+    count: typing.Optional[int]
+    title: str = pydantic.Field(min_length=1, max_length=5)
+    notes: typing.List[str] = pydantic.Field(max_length=2)
+
+
+def test_pydantic_function_tool_calls_validate_as_the_model(client):
+    # `openai.pydantic_function_tool` writes the strict schema; the call block the script opens
+    # is held to it, and every call's arguments validate back into the pydantic model: strings
+    # verbatim (no JSON quotes around the enum members), null where null is allowed, lengths.
+    tool = openai.pydantic_function_tool(Order)
+    assert "$ref" in json.dumps(tool)
+    for seed in range(3):
+        r = client.chat.completions.create(
+            model="m2-small", messages=[{"role": "user", "content": "REPLAY:call order"}], tools=[tool],
+            tool_choice="required", seed=seed, max_tokens=2000,
+        )
+        assert r.choices[0].finish_reason == "tool_calls", r
+        calls = r.choices[0].message.tool_calls
+        assert calls, r
+        for c in calls:
+            assert c.function.name == "Order"
+            order = Order.model_validate_json(c.function.arguments)
+            assert 1 <= len(order.title) <= 5 and len(order.notes) <= 2, c.function.arguments
 
 
 def test_completions_response_format_starts_the_document_at_the_first_token(client):

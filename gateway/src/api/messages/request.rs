@@ -230,6 +230,10 @@ fn turn_messages(turn: &Json, i: usize, last: bool, out: &mut Vec<Json>) -> Resu
         None => return Err(ApiError::invalid(format!("{at}.role"), "is required")),
     };
     let blocks = match o.get("content") {
+        Some(Json::String(s)) if role == "assistant" => {
+            push_assistant(out, json!({"role": role, "content": s}));
+            return Ok(());
+        }
         Some(Json::String(s)) => {
             out.push(json!({"role": role, "content": s}));
             return Ok(());
@@ -239,7 +243,7 @@ fn turn_messages(turn: &Json, i: usize, last: bool, out: &mut Vec<Json>) -> Resu
         None => return Err(ApiError::invalid(format!("{at}.content"), "is required")),
     };
     if role == "assistant" {
-        out.push(assistant_message(blocks, &at)?);
+        push_assistant(out, assistant_message(blocks, &at)?);
         return Ok(());
     }
     // A user turn: its tool results first (they answer the assistant turn before; Anthropic
@@ -272,6 +276,30 @@ fn turn_messages(turn: &Json, i: usize, last: bool, out: &mut Vec<Json>) -> Resu
         out.push(json!({"role": "user", "content": text.join("\n")}));
     }
     Ok(())
+}
+
+/// Appends an assistant message; consecutive assistant turns are one turn (Anthropic combines
+/// consecutive turns of a role), so their tool calls answer the tool results that follow.
+fn push_assistant(out: &mut Vec<Json>, m: Json) {
+    let Some(prev) = out.last_mut().filter(|p| p["role"] == "assistant") else {
+        out.push(m);
+        return;
+    };
+    let content = format!("{}{}", prev["content"].as_str().unwrap_or(""), m["content"].as_str().unwrap_or(""));
+    prev["content"] = Json::String(content);
+    if let Some(r) = m.get("reasoning_content").and_then(Json::as_str) {
+        let joined = match prev.get("reasoning_content").and_then(Json::as_str) {
+            Some(p) => format!("{p}\n{r}"),
+            None => r.to_string(),
+        };
+        prev["reasoning_content"] = Json::String(joined);
+    }
+    if let Some(Json::Array(calls)) = m.get("tool_calls") {
+        match prev.get_mut("tool_calls") {
+            Some(Json::Array(p)) => p.extend(calls.iter().cloned()),
+            _ => prev["tool_calls"] = Json::Array(calls.clone()),
+        }
+    }
 }
 
 fn assistant_message(blocks: &[Json], at: &str) -> Result<Json, ApiError> {
@@ -399,6 +427,28 @@ mod tests {
         assert_eq!(chat.tools.as_ref().unwrap()[0]["function"]["parameters"]["properties"]["city"]["type"], "string");
         assert_eq!(chat.tool_choice, Some(json!("required")));
         assert_eq!(chat.parallel_tool_calls, Some(false));
+    }
+
+    /// Anthropic combines consecutive turns of one role; a history that sends a parallel call
+    /// as two assistant turns (one `tool_use` each) answered by one user turn must be accepted.
+    #[test]
+    fn consecutive_assistant_turns_with_calls_are_one_turn() {
+        let (chat, _) = read_json(json!({
+            "model": "m", "max_tokens": 64,
+            "tools": [{"name": "f", "input_schema": {"type": "object", "properties": {}}}],
+            "messages": [
+                {"role": "user", "content": "Do two things."},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_a", "name": "f", "input": {}}]},
+                {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_b", "name": "f", "input": {}}]},
+                {"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_a", "content": "A"},
+                    {"type": "tool_result", "tool_use_id": "toolu_b", "content": "B"}]},
+            ]
+        }))
+        .unwrap();
+        let v = chat.validate();
+        assert!(v.is_ok(), "a valid Anthropic history is refused: {:?}", v.err());
+        assert_eq!(chat.messages[1]["tool_calls"].as_array().map(Vec::len), Some(2));
     }
 
     #[test]

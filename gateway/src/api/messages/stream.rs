@@ -307,6 +307,72 @@ mod tests {
         assert_eq!(assemble(&all), [json!({"type": "text", "text": " \nHi"})]);
     }
 
+    /// The real tool-call parser's events through the encoder: per call, the streamed
+    /// `partial_json` pieces are exactly the parser's final arguments, blocks are numbered in
+    /// order and each is stopped once.
+    #[test]
+    fn parser_events_stream_each_calls_final_arguments() {
+        use std::sync::Arc;
+        use crate::text::format::ModelFormat;
+        use crate::text::request::{ToolChoice, parse_tools};
+        use crate::text::toolcall::{CallIds, ToolCallParser, ToolEvent};
+        let tools = Arc::new(parse_tools(Some(&json!([
+            {"type": "function", "function": {"name": "f", "parameters": {"type": "object", "properties": {"x": {"type": "integer"}, "s": {"type": "string"}}, "required": ["x"]}}},
+            {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "properties": {}}}},
+        ]))).unwrap());
+        let b = |inner: &str| format!("<minimax:tool_call>\n{inner}</minimax:tool_call>");
+        let inv_f = "<invoke name=\"f\">\n<parameter name=\"x\">1</parameter>\n<parameter name=\"s\">a \"q\" \\ b</parameter>\n</invoke>\n";
+        let inv_g = "<invoke name=\"g\">\n</invoke>\n";
+        let inv_bad = "<invoke name=\"nope\">\n<parameter name=\"y\">[1,2]</parameter>\n</invoke>\n";
+        let inv_missing = "<invoke name=\"f\">\n<parameter name=\"s\">no x</parameter>\n</invoke>\n";
+        let cases: Vec<(String, bool)> = vec![
+            (format!("Before.\n{}\nAfter.", b(&format!("{inv_f}{inv_g}{inv_bad}"))), true),
+            (format!("{}\n{}", b(inv_f), b(&format!("{inv_g}{inv_missing}"))), true),
+            (format!("{}\n{}", b(inv_f), b(inv_g)), false),
+            (format!("Cut {}", &b(inv_f)[..60]), true),
+        ];
+        for (text, parallel) in cases {
+            for step in [1usize, 3, 7, 1000] {
+                let mut p = ToolCallParser::new(ModelFormat::minimax_m2().tool_calls, tools.clone(), ToolChoice::Auto, parallel, CallIds::Sequential { prefix: "call_".into(), next: 0 });
+                let mut evs = Vec::new();
+                let chars: Vec<char> = text.chars().collect();
+                for c in chars.chunks(step) {
+                    evs.extend(p.push(&c.iter().collect::<String>()));
+                }
+                evs.extend(p.finish());
+                let deltas: Vec<Delta> = evs
+                    .into_iter()
+                    .map(|e| match e {
+                        ToolEvent::Content(c) => Delta::Content(c),
+                        ToolEvent::Start { index, id, name } => Delta::ToolCallStart { index, id, name },
+                        ToolEvent::Args { index, chunk } => Delta::ToolCallArguments { index, chunk },
+                    })
+                    .collect();
+                let mut e = MessageEncoder::new("m".into(), "m".into(), 1);
+                let mut all = e.update(update(deltas, None)).unwrap();
+                all.extend(e.update(update(vec![], Some(ChoiceEnd { reason: "tool_calls", usage: Usage::default(), chat: None, stop_sequence: None }))).unwrap());
+                let starts: Vec<u64> = all.iter().filter(|v| v["type"] == "content_block_start").map(|v| v["index"].as_u64().unwrap()).collect();
+                let stops: Vec<u64> = all.iter().filter(|v| v["type"] == "content_block_stop").map(|v| v["index"].as_u64().unwrap()).collect();
+                assert_eq!(starts, (0..starts.len() as u64).collect::<Vec<_>>());
+                assert_eq!(starts, stops);
+                let blocks = assemble(&all);
+                let uses: Vec<&Json> = blocks.iter().filter(|b| b["type"] == "tool_use").collect();
+                assert_eq!(uses.len(), p.calls().len(), "{text}");
+                for (u, c) in uses.iter().zip(p.calls()) {
+                    let bi = blocks.iter().position(|b| std::ptr::eq(b, *u)).unwrap() as u64;
+                    let streamed: String = all
+                        .iter()
+                        .filter(|v| v["type"] == "content_block_delta" && v["index"] == bi)
+                        .map(|v| v["delta"]["partial_json"].as_str().unwrap())
+                        .collect();
+                    assert_eq!(streamed, c.arguments, "{text}");
+                    assert_eq!(u["input"], serde_json::from_str::<Json>(&c.arguments).unwrap());
+                    assert_eq!((u["id"].as_str(), u["name"].as_str()), (Some(c.id.as_str()), Some(c.name.as_str())));
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_stop_sequence_is_reported() {
         let mut e = MessageEncoder::new("msg-2".into(), "m".into(), 3);

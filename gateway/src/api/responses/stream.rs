@@ -139,7 +139,9 @@ impl ResponseEncoder {
                 out.push(self.event("response.content_part.done", json!({"item_id": id, "output_index": oi, "content_index": 0, "part": text_part(&o.text)})));
             }
             Kind::Call(_) => {
-                out.push(self.event("response.function_call_arguments.done", json!({"item_id": id, "output_index": oi, "name": o.name, "arguments": o.text})));
+                // The name the item carries (a namespace's function by its own name).
+                let name = self.params.namespaced.iter().find(|n| n.0 == o.name).map_or(o.name.as_str(), |n| n.2.as_str());
+                out.push(self.event("response.function_call_arguments.done", json!({"item_id": id, "output_index": oi, "name": name, "arguments": o.text})));
             }
             Kind::Custom(_) => {
                 let input = custom_input(&o.text);
@@ -439,6 +441,21 @@ mod tests {
         let done = out.iter().find(|v| v["type"] == "response.output_item.done").unwrap();
         assert_eq!((done["item"]["name"].as_str(), done["item"]["namespace"].as_str()), (Some("search"), Some("mcp__docs")));
         assert_eq!(out[0]["item"]["namespace"], "mcp__docs");
+    }
+
+    /// Every event about a namespace's call names the function as its item does.
+    #[test]
+    fn a_namespace_call_is_named_alike_in_every_event() {
+        let mut e = ResponseEncoder::new("resp-n".into(), 7, "m".into(), params());
+        let out = e
+            .update(update(
+                vec![Delta::ToolCallStart { index: 0, id: "c".into(), name: "mcp__docs__search".into() }, Delta::ToolCallArguments { index: 0, chunk: "{}".into() }],
+                Some(ChoiceEnd { reason: "tool_calls", usage: Usage::default(), chat: None, stop_sequence: None }),
+            ))
+            .unwrap();
+        let item = &out.iter().find(|v| v["type"] == "response.output_item.done").unwrap()["item"];
+        let args_done = out.iter().find(|v| v["type"] == "response.function_call_arguments.done").unwrap();
+        assert_eq!(args_done["name"], item["name"], "{args_done}");
     }
 
     #[test]
