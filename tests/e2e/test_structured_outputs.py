@@ -282,12 +282,13 @@ class Color(str, enum.Enum):
 
 class Order(pydantic.BaseModel):
     """A pydantic tool as the SDK writes it: an enum behind `$ref`, an optional literal (an
-    `anyOf` of strings and null), a nullable integer, a bounded string and a list of strings."""
+    `anyOf` of strings and null), a nullable integer, a bounded string and a list of bounded
+    strings (bounded so the random model's call fits `max_tokens`)."""
     color: Color
     size: typing.Optional[typing.Literal["s", "m"]]
     count: typing.Optional[int]
     title: str = pydantic.Field(min_length=1, max_length=5)
-    notes: typing.List[str] = pydantic.Field(max_length=2)
+    notes: typing.List[typing.Annotated[str, pydantic.Field(max_length=8)]] = pydantic.Field(max_length=2)
 
 
 def test_pydantic_function_tool_calls_validate_as_the_model(client):
@@ -308,6 +309,7 @@ def test_pydantic_function_tool_calls_validate_as_the_model(client):
             assert c.function.name == "Order"
             order = Order.model_validate_json(c.function.arguments)
             assert 1 <= len(order.title) <= 5 and len(order.notes) <= 2, c.function.arguments
+            assert all(len(n) <= 8 for n in order.notes), c.function.arguments
 
 
 def test_completions_response_format_starts_the_document_at_the_first_token(client):

@@ -751,7 +751,11 @@ impl Compiler<'_> {
             self.push(Node::Chain { items: vec![n, close], tight: false })
         });
         match (text, json) {
-            (Some(a), Some(b)) => self.push(Node::AnyOf(vec![a, b])),
+            // Tight: verbatim text starts at the tag, so no whitespace before either half.
+            (Some(a), Some(b)) => {
+                let either = self.push(Node::AnyOf(vec![a, b]));
+                self.push(Node::Chain { items: vec![either], tight: true })
+            }
             (Some(a), None) | (None, Some(a)) => a,
             (None, None) => raw,
         }

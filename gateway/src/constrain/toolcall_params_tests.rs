@@ -74,6 +74,8 @@ fn optional_string_enum_is_written_verbatim() {
     c.check("a", json!("a"));
     c.check("null", json!(null));
     assert!(!c.admits(&body("\"a\"")) && !c.admits(&body("c")));
+    // Verbatim text starts at the tag: whitespace first would be part of the string.
+    assert!(!c.admits(&body(" a")) && !c.admits(&body("\na")) && !c.admits(&body(" null")));
 }
 
 #[test]
@@ -82,7 +84,7 @@ fn mixed_enum_members_are_written_as_the_template_writes_them() {
     c.check("1", json!(1));
     c.check("auto", json!("auto"));
     c.check("null", json!(null));
-    assert!(!c.admits(&body("\"auto\"")) && !c.admits(&body("2")));
+    assert!(!c.admits(&body("\"auto\"")) && !c.admits(&body("2")) && !c.admits(&body(" auto")));
 }
 
 // 2. `-0` for an integer: the grammar admits it (it is JSON), and the client gets the integer
