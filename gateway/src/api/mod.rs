@@ -20,6 +20,8 @@ pub mod misc;
 pub mod params;
 pub mod perplexity;
 pub mod responses;
+#[cfg(test)]
+mod hostile_input_tests;
 pub mod run;
 pub mod sse;
 pub mod state;

@@ -158,9 +158,15 @@ pub fn parse_messages(values: &[Json]) -> Result<Vec<Message>, InvalidRequest> {
         ));
     }
     let mut out: Vec<Message> = Vec::with_capacity(values.len());
+    // The last message that is not a tool result (what tool results answer), kept as we go so
+    // a long run of tool results is not a scan back each (quadratic).
+    let mut caller: Option<usize> = None;
     for (i, v) in values.iter().enumerate() {
         let msg = parse_message(i, v)?;
-        check_sequence(i, &msg, &out)?;
+        check_sequence(i, &msg, caller.map(|c| &out[c]))?;
+        if msg.role != Role::Tool {
+            caller = Some(out.len());
+        }
         out.push(msg);
     }
     Ok(out)
@@ -404,14 +410,14 @@ fn parse_tool_call(i: usize, j: usize, v: &Json) -> Result<HistoryToolCall, Inva
 }
 
 /// Conversation-shape rules: system only first; tool results answer an earlier call.
-fn check_sequence(i: usize, msg: &Message, before: &[Message]) -> Result<(), InvalidRequest> {
+/// `caller`: the last earlier message that is not a tool result.
+fn check_sequence(i: usize, msg: &Message, caller: Option<&Message>) -> Result<(), InvalidRequest> {
     match msg.role {
         Role::System if i > 0 => Err(InvalidRequest::new(
             format!("messages[{i}].role"),
             "a system or developer message is only supported as the first message",
         )),
         Role::Tool => {
-            let caller = before.iter().rev().find(|m| m.role != Role::Tool);
             let Some(caller) =
                 caller.filter(|m| m.role == Role::Assistant && !m.tool_calls.is_empty())
             else {
@@ -421,12 +427,8 @@ fn check_sequence(i: usize, msg: &Message, before: &[Message]) -> Result<(), Inv
                 ));
             };
             if let Some(id) = &msg.tool_call_id {
-                let known: Vec<&str> = caller
-                    .tool_calls
-                    .iter()
-                    .filter_map(|c| c.id.as_deref())
-                    .collect();
-                if !known.is_empty() && !known.contains(&id.as_str()) {
+                let mut known = caller.tool_calls.iter().filter_map(|c| c.id.as_deref()).peekable();
+                if known.peek().is_some() && !known.any(|k| k == id) {
                     return Err(InvalidRequest::new(
                         format!("messages[{i}].tool_call_id"),
                         format!(

@@ -3,7 +3,7 @@
 use serde_json::Value as Json;
 
 use super::error::{InvalidRequest, type_name};
-use crate::text::toolcall::param_schema::{fold_nullable, resolve};
+use crate::text::toolcall::param_schema::{ParamForm, fold_nullable, resolve};
 
 /// One function tool the model may call.
 #[derive(Debug)]
@@ -17,6 +17,9 @@ pub struct ToolSpec {
     pub raw: Json,
     /// Each declared parameter's schema with its `$ref` / `allOf` resolved.
     params: serde_json::Map<String, Json>,
+    /// The parameters written only as JSON (no verbatim text half), where a closing tag
+    /// inside a JSON string is part of the value.
+    json_only: std::collections::HashSet<String>,
     validator: Option<jsonschema::Validator>,
 }
 
@@ -41,6 +44,11 @@ impl ToolSpec {
     /// The schema of one parameter (its `$ref` / `allOf` resolved), if the tool declares it.
     pub fn param_schema(&self, key: &str) -> Option<&Json> {
         self.params.get(key)
+    }
+
+    /// Whether parameter `key` is written only as JSON ([`ParamForm::json_only`]).
+    pub fn param_json_only(&self, key: &str) -> bool {
+        self.json_only.contains(key)
     }
 }
 
@@ -90,6 +98,19 @@ pub enum ToolChoice {
     Function(String),
 }
 
+/// Most JSON nodes the `$ref`s / single-schema `allOf`s of one request's tool parameters may
+/// resolve to in all (each parameter's resolved schema is kept: unbounded, a few hundred KB of
+/// parameters that each refer to one large definition held gigabytes).
+const MAX_RESOLVED_NODES: usize = 1 << 20;
+
+fn nodes(v: &Json) -> usize {
+    1 + match v {
+        Json::Array(a) => a.iter().map(nodes).sum(),
+        Json::Object(o) => o.values().map(nodes).sum(),
+        _ => 0,
+    }
+}
+
 /// Validates `tools`: function tools with unique, XML-safe names and compilable schemas.
 pub fn parse_tools(v: Option<&Json>) -> Result<ToolSet, InvalidRequest> {
     let items = match v {
@@ -103,6 +124,9 @@ pub fn parse_tools(v: Option<&Json>) -> Result<ToolSet, InvalidRequest> {
         }
     };
     let mut tools: Vec<ToolSpec> = Vec::with_capacity(items.len());
+    // Names seen so far: a set, so a request with many tools is not quadratic to read.
+    let mut names = std::collections::HashSet::with_capacity(items.len());
+    let mut expanded = 0usize;
     for (i, t) in items.iter().enumerate() {
         let base = format!("tools[{i}]");
         let obj = t
@@ -136,7 +160,7 @@ pub fn parse_tools(v: Option<&Json>) -> Result<ToolSet, InvalidRequest> {
                 "must not contain quotes, angle brackets, `&` or whitespace",
             ));
         }
-        if tools.iter().any(|t| t.name == name) {
+        if !names.insert(name.clone()) {
             return Err(InvalidRequest::new(
                 format!("{base}.function.name"),
                 format!("duplicate tool name `{name}`"),
@@ -153,11 +177,22 @@ pub fn parse_tools(v: Option<&Json>) -> Result<ToolSet, InvalidRequest> {
             }
         };
         fold_nullable(&mut parameters);
-        let params = parameters
-            .get("properties")
-            .and_then(Json::as_object)
-            .map(|p| p.iter().map(|(k, v)| (k.clone(), resolve(v, &parameters))).collect())
-            .unwrap_or_default();
+        let mut params = serde_json::Map::new();
+        for (k, v) in parameters.get("properties").and_then(Json::as_object).into_iter().flatten() {
+            let r = resolve(v, &parameters);
+            // Each parameter keeps its own resolved copy: bound what references expand to.
+            if v.get("$ref").is_some() || v.get("allOf").is_some() {
+                expanded += nodes(&r);
+                if expanded > MAX_RESOLVED_NODES {
+                    return Err(InvalidRequest::new(
+                        format!("{base}.function.parameters.properties.{k}"),
+                        format!("the tools' parameter `$ref`s and `allOf`s expand to more than {MAX_RESOLVED_NODES} schema nodes"),
+                    ));
+                }
+            }
+            params.insert(k.clone(), r);
+        }
+        let json_only = params.iter().filter(|(_, r)| ParamForm::of(r, &parameters).json_only()).map(|(k, _)| k.clone()).collect();
         let validator = jsonschema::validator_for(&parameters).map_err(|e| {
             InvalidRequest::new(
                 format!("{base}.function.parameters"),
@@ -169,6 +204,7 @@ pub fn parse_tools(v: Option<&Json>) -> Result<ToolSet, InvalidRequest> {
             parameters,
             raw: t.clone(),
             params,
+            json_only,
             validator: Some(validator),
         });
     }

@@ -12,6 +12,9 @@ use serde_json::{Map, Value as Json};
 /// Deepest chain of `$ref` / `allOf` a parameter's schema is followed through.
 const MAX_RESOLVE: usize = 16;
 
+/// Most schemas [`ParamForm::of`] reads for one parameter (its `anyOf` alternatives, nested).
+const MAX_FORM_SCHEMAS: usize = 256;
+
 /// Rewrites OpenAPI's `nullable: true` everywhere in `schema` as the JSON Schema it means
 /// (`null` added to `type`, or to `enum`), so validators and the grammar agree on it.
 pub fn fold_nullable(schema: &mut Json) {
@@ -44,8 +47,16 @@ pub fn fold_nullable(schema: &mut Json) {
 /// one-schema `allOf` replaced by what it stands for (the keywords beside an `allOf` kept).
 /// Left as it is where a reference does not resolve.
 pub fn resolve(schema: &Json, root: &Json) -> Json {
+    let mut budget = MAX_RESOLVE;
+    resolve_within(schema, root, &mut budget)
+}
+
+/// [`resolve`] with the steps left to take, shared with the `allOf`s it resolves inside (a
+/// fresh budget for each would let `{"allOf": [{"$ref": <itself>}]}` recurse for ever).
+fn resolve_within(schema: &Json, root: &Json, budget: &mut usize) -> Json {
     let mut s = schema.clone();
-    for _ in 0..MAX_RESOLVE {
+    while *budget > 0 {
+        *budget -= 1;
         let Some(o) = s.as_object() else { return s };
         if let Some(r) = o.get("$ref").and_then(Json::as_str) {
             match r.strip_prefix('#').and_then(|p| if p.is_empty() { Some(root) } else { root.pointer(p) }) {
@@ -56,7 +67,7 @@ pub fn resolve(schema: &Json, root: &Json) -> Json {
             && all.len() == 1
         {
             let mut merged: Map<String, Json> = o.iter().filter(|(k, _)| *k != "allOf").map(|(k, v)| (k.clone(), v.clone())).collect();
-            let inner = resolve(&all[0], root);
+            let inner = resolve_within(&all[0], root, budget);
             if let Json::Object(i) = inner {
                 for (k, v) in i {
                     merged.entry(k).or_insert(v);
@@ -95,7 +106,18 @@ impl ParamForm {
     /// Reads a resolved parameter schema (see [`resolve`]; `root` resolves the alternatives
     /// of an `anyOf`).
     pub fn of(schema: &Json, root: &Json) -> ParamForm {
+        let mut budget = MAX_FORM_SCHEMAS;
+        Self::of_within(schema, root, &mut budget)
+    }
+
+    /// [`ParamForm::of`] reading at most `budget` schemas in all: an `anyOf` may refer back to
+    /// itself (`{"anyOf": [{"$ref": <itself>}]}`) or fan out; past the budget, any text.
+    fn of_within(schema: &Json, root: &Json, budget: &mut usize) -> ParamForm {
         let any = ParamForm { text: Some(TextForm::Any), json: None };
+        if *budget == 0 {
+            return any;
+        }
+        *budget -= 1;
         let Some(o) = schema.as_object() else { return any };
         let members: Option<Vec<&Json>> = match (o.get("enum"), o.get("const")) {
             (Some(Json::Array(a)), _) => Some(a.iter().collect()),
@@ -120,7 +142,7 @@ impl ParamForm {
             Some(_) => ParamForm { text: None, json: Some(schema.clone()) },
             None if o.contains_key("properties") || o.contains_key("items") => ParamForm { text: None, json: Some(schema.clone()) },
             None => match o.get("anyOf").or_else(|| o.get("oneOf")).and_then(Json::as_array) {
-                Some(alts) => Self::union(alts.iter().map(|a| Self::of(&resolve(a, root), root))),
+                Some(alts) => Self::union(alts.iter().map(|a| Self::of_within(&resolve(a, root), root, budget))),
                 None => any,
             },
         }
@@ -210,6 +232,17 @@ mod tests {
         assert_eq!(resolve(&json!({"$ref": "#/$defs/Nope"}), &root), json!({"$ref": "#/$defs/Nope"}));
         let looped = json!({"$defs": {"a": {"$ref": "#/$defs/a"}}});
         assert_eq!(resolve(&json!({"$ref": "#/$defs/a"}), &looped), json!({"$ref": "#/$defs/a"}));
+    }
+
+    /// A one-schema `allOf` that refers back to itself, and an `anyOf` that does: both stop
+    /// (they recursed until the stack overflowed, aborting the server, on a client's tool).
+    #[test]
+    fn self_referring_all_of_and_any_of_stop() {
+        let root = json!({"type": "object", "properties": {"x": {"allOf": [{"$ref": "#/properties/x"}]}}});
+        let _ = resolve(&root["properties"]["x"], &root);
+        let root = json!({"type": "object", "properties": {"x": {"anyOf": [{"$ref": "#/properties/x"}, {"$ref": "#/properties/x"}]}}});
+        let form = ParamForm::of(&resolve(&root["properties"]["x"], &root), &root);
+        assert_eq!(form.text, Some(TextForm::Any));
     }
 
     #[test]

@@ -11,7 +11,7 @@ use std::sync::Arc;
 use serde_json::{Map, Value as Json};
 
 use super::ids::CallIds;
-use super::param_schema::{ParamForm, ends_inside_json_string};
+use super::param_schema::ends_inside_json_string;
 use super::typing::type_value;
 use crate::text::format::ToolCallTags;
 use crate::text::request::{ToolChoice, ToolSet};
@@ -268,8 +268,7 @@ impl ToolCallParser {
             .open
             .as_ref()
             .and_then(|c| self.tools.get(&c.name))
-            .and_then(|t| Some(ParamForm::of(t.param_schema(key)?, &t.parameters)))
-            .is_some_and(|f| f.json_only());
+            .is_some_and(|t| t.param_json_only(key));
         let close = self.tags.param_close;
         let mut from = 0;
         loop {
