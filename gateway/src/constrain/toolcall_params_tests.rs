@@ -7,7 +7,8 @@ use std::sync::Arc;
 use serde_json::{Value as Json, json};
 
 use super::matcher::State;
-use super::schema::{CallTags, CallTool, Grammar};
+use super::matcher::tool_tests::TAGS;
+use super::schema::{CallTool, Grammar};
 use crate::text::format::ModelFormat;
 use crate::text::request::{ToolChoice, ToolSet, parse_tools};
 use crate::text::toolcall::{CallIds, ParsedCall, ToolCallParser, ToolEvent};
@@ -20,11 +21,8 @@ struct Case {
 fn case(params: Json) -> Case {
     let tools_json = json!([{"type": "function", "function": {"name": "f", "parameters": params}}]);
     let tools = Arc::new(parse_tools(Some(&tools_json)).unwrap());
-    let fmt = ModelFormat::minimax_m2();
-    let t = &fmt.tool_calls;
     let specs: Vec<CallTool<'_>> = tools.iter().map(|s| CallTool { name: &s.name, parameters: &s.parameters }).collect();
-    let tags = CallTags { invoke_open: t.invoke_open, invoke_close: t.invoke_close, param_open: t.param_open, param_close: t.param_close, block_close: t.block_close };
-    let g = Grammar::tool_calls(&specs, tags, 1).unwrap();
+    let g = Grammar::tool_calls(&specs, TAGS, 1).unwrap();
     Case { g, tools }
 }
 
@@ -161,9 +159,7 @@ fn string_parameter_length_is_enforced() {
 
 #[test]
 fn unwritable_parameter_names_leave_no_dead_end() {
-    let fmt = ModelFormat::minimax_m2();
-    let t = &fmt.tool_calls;
-    let tags = CallTags { invoke_open: t.invoke_open, invoke_close: t.invoke_close, param_open: t.param_open, param_close: t.param_close, block_close: t.block_close };
+    let tags = TAGS;
     let required = json!({"type": "object", "properties": {"a\"b": {"type": "integer"}}, "required": ["a\"b"]});
     assert!(Grammar::tool_calls(&[CallTool { name: "f", parameters: &required }], tags, 1).is_none());
     let g = Grammar::tool_calls(&[CallTool { name: "f", parameters: &required }, CallTool { name: "h", parameters: &json!({}) }], tags, 1).unwrap();
@@ -190,7 +186,7 @@ fn a_block_inside_a_self_opened_think_is_seen_by_both_or_neither() {
     let index = Arc::new(TokenIndex::from_tokens(257, items, vec![EOG]));
     let params = json!({"type": "object", "properties": {}});
     let fmt = ModelFormat::minimax_m2();
-    let grammar = Grammar::tool_calls(&[CallTool { name: "f", parameters: &params }], super::matcher::tool_tests::TAGS, 1).unwrap();
+    let grammar = Grammar::tool_calls(&[CallTool { name: "f", parameters: &params }], TAGS, 1).unwrap();
     let open = fmt.tool_calls.block_open;
     let reasoning = Some((fmt.reasoning.open.as_bytes().to_vec(), fmt.reasoning.close.as_bytes().to_vec()));
     let spec = Arc::new(ConstraintSpec { grammar, index, reasoning, starts_in_reasoning: false, mode: Mode::ToolCalls { open: open.as_bytes().to_vec(), must_call: false } });
