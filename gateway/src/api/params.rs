@@ -94,6 +94,18 @@ impl<'a> Fields<'a> {
     }
 }
 
+/// `seed`: any 64-bit integer, signed or not (a negative one wraps; both read as the same
+/// 64 bits the sampler seeds from).
+fn seed(f: &mut Fields<'_>) -> Result<Option<u64>, ApiError> {
+    if let Some(Json::Number(n)) = f.obj.get("seed")
+        && let Some(u) = n.as_u64()
+    {
+        f.get("seed");
+        return Ok(Some(u));
+    }
+    Ok(f.integer("seed", i64::MIN, i64::MAX)?.map(|x| x as u64))
+}
+
 /// Which endpoint reads the fields (they differ in `logprobs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Endpoint {
@@ -180,9 +192,7 @@ pub fn common(f: &mut Fields<'_>, ep: Endpoint, defaults: &SamplingParams, max_n
         }
         s.repetition_penalty = p as f32;
     }
-    if let Some(seed) = f.integer("seed", i64::MIN, i64::MAX)? {
-        s.seed = Some(seed as u64);
-    }
+    s.seed = seed(f)?;
     s.logit_bias = logit_bias(f.get("logit_bias"), vocab)?;
     match ep {
         Endpoint::Chat => {
@@ -364,6 +374,10 @@ mod tests {
         assert_eq!(p.sampling.top_k, 0);
         assert_eq!(p.sampling.top_p, 0.95);
         assert_eq!(p.sampling.seed, Some(u64::MAX));
+        let big = parse(json!({"seed": u64::MAX - 1}), Endpoint::Chat).unwrap();
+        assert_eq!(big.sampling.seed, Some(u64::MAX - 1));
+        let e = parse(json!({"seed": 18446744073709551616.0f64}), Endpoint::Chat).unwrap_err();
+        assert_eq!(e.param.as_deref(), Some("seed"));
         assert_eq!(p.stop, vec!["x"]);
         assert_eq!(p.max_tokens, Some(7));
         assert!(p.include_usage && p.stream);
