@@ -585,15 +585,21 @@ fn scaling() {
         let t = Instant::now();
         let (chat, _) = super::messages::request::read(body.as_object().unwrap(), &SamplingParams::default(), false).unwrap();
         let d1 = t.elapsed();
-        let t = Instant::now();
-        let v = chat.validate().map(|v| v.messages.len());
-        let d2 = t.elapsed();
-        let t = Instant::now();
-        let p = state().text.prepare(&chat).map(|p| p.prompt_ids.len());
-        let d3 = t.elapsed();
-        eprintln!("messages turns {n}: body {} KB, http {:.2}s {s} {}, read {:.2}s, validate {:.2}s {:?}, prepare {:.2}s {:?}",
-            body.to_string().len() / 1024, d.as_secs_f64(), b.chars().take(120).collect::<String>(), d1.as_secs_f64(), d2.as_secs_f64(), v.is_ok(), d3.as_secs_f64(), p.as_ref().map_err(|e| e.to_string()));
+        let (d2, ok, d3, p) = validate_and_prepare(&chat);
+        eprintln!("messages turns {n}: body {} KB, http {:.2}s {s} {}, read {:.2}s, validate {:.2}s {ok}, prepare {:.2}s {p:?}",
+            body.to_string().len() / 1024, d.as_secs_f64(), b.chars().take(120).collect::<String>(), d1.as_secs_f64(), d2.as_secs_f64(), d3.as_secs_f64());
     }
+}
+
+/// How long `chat` takes to validate (and whether it passes) and to render into a prompt (its
+/// token count, or the error): the measurement tests' two timed steps.
+fn validate_and_prepare(chat: &ChatText) -> (Duration, bool, Duration, Result<usize, String>) {
+    let t = Instant::now();
+    let ok = chat.validate().is_ok();
+    let dv = t.elapsed();
+    let t = Instant::now();
+    let p = state().text.prepare(chat).map(|p| p.prompt_ids.len()).map_err(|e| e.to_string());
+    (dv, ok, t.elapsed(), p)
 }
 
 /// Parameters that each `$ref` one large definition (334 KB body): refused with a 400 naming
@@ -627,13 +633,8 @@ fn tool_results_scaling() {
             {"role": "assistant", "content": [{"type": "tool_use", "id": "call_1", "name": "get_weather", "input": {"city": "Paris"}}]},
             {"role": "user", "content": results}]});
         let (chat, _) = super::messages::request::read(body.as_object().unwrap(), &SamplingParams::default(), false).unwrap();
-        let t = Instant::now();
-        let v = chat.validate().map(|v| v.messages.len());
-        let d2 = t.elapsed();
-        let t = Instant::now();
-        let p = state().text.prepare(&chat).map(|p| p.prompt_ids.len());
-        let d3 = t.elapsed();
-        eprintln!("tool results {n}: body {} KB, validate {:.3}s {:?}, prepare {:.3}s {:?}", body.to_string().len() / 1024, d2.as_secs_f64(), v.is_ok(), d3.as_secs_f64(), p.as_ref().map_err(|e| e.to_string()));
+        let (d2, ok, d3, p) = validate_and_prepare(&chat);
+        eprintln!("tool results {n}: body {} KB, validate {:.3}s {ok}, prepare {:.3}s {p:?}", body.to_string().len() / 1024, d2.as_secs_f64(), d3.as_secs_f64());
     }
 }
 

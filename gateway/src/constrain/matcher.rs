@@ -197,7 +197,7 @@ fn pstr_step(d: &Dfa, ds: u32, sub: PSub, b: u8) -> PatStep {
 }
 
 /// Longest tool or parameter name (the tool-call parser's limit).
-pub(crate) const MAX_NAME: u16 = 256;
+const MAX_NAME: u16 = 256;
 
 /// What a parent does next once its child completed.
 enum Next {

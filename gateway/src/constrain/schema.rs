@@ -20,6 +20,7 @@ use serde_json::Value as Json;
 
 use super::regex::{self, Dfa};
 use crate::text::toolcall::param_schema::{ParamForm, TextForm, resolve};
+use crate::text::toolcall::writable_name;
 
 /// Index of a node in [`Grammar::nodes`].
 pub type NodeId = u32;
@@ -715,8 +716,7 @@ impl Grammar {
         if callable.is_empty() {
             return None;
         }
-        let names = callable;
-        let names = c.key_trie(&names);
+        let names = c.key_trie(&callable);
         let root = c.push(Node::Calls { names, bodies, tags: call_tags, max: max.max(1) });
         let mut g = c.finish(root);
         g.normalize().ok()?;
@@ -774,12 +774,6 @@ fn raw_automaton(o: &serde_json::Map<String, Json>, close_tag: &str) -> Option<D
         None => return None,
     };
     d.intersect(&Dfa::without(close_tag)).ok()??.prune()
-}
-
-/// Whether a parameter name can stand between the quotes of a parameter tag (the matcher's
-/// and the parser's name rules).
-fn writable_name(name: &str) -> bool {
-    name.len() <= usize::from(super::matcher::MAX_NAME) && !name.contains(['"', '<', '>', '\n'])
 }
 
 /// The names a tool's `parameters` lists as required.

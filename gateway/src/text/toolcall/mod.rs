@@ -6,5 +6,5 @@ mod parser;
 mod typing;
 
 pub use ids::CallIds;
-pub use parser::{ParsedCall, ToolCallParser, ToolEvent};
+pub use parser::{ParsedCall, ToolCallParser, ToolEvent, writable_name};
 pub use typing::type_value;

@@ -404,16 +404,22 @@ enum NameRead {
     Bad,
 }
 
+/// Whether `name` can stand between the quotes of a name tag as this parser reads them (the
+/// guided call grammar leaves out the parameters whose names cannot).
+pub fn writable_name(name: &str) -> bool {
+    name.len() <= MAX_NAME_LEN && !name.contains(['"', '<', '>', '\n'])
+}
+
 /// Reads `NAME">` after an opening `... name="`.
 fn read_name(s: &str) -> NameRead {
     match s.find('"') {
-        Some(q) if q > MAX_NAME_LEN || s[..q].contains(['<', '>', '\n']) => NameRead::Bad,
+        Some(q) if !writable_name(&s[..q]) => NameRead::Bad,
         Some(q) => match s[q + 1..].chars().next() {
             Some('>') => NameRead::Done(s[..q].to_string(), q + 2),
             Some(_) => NameRead::Bad,
             None => NameRead::Wait,
         },
-        None if s.len() > MAX_NAME_LEN || s.contains(['<', '>', '\n']) => NameRead::Bad,
+        None if !writable_name(s) => NameRead::Bad,
         None => NameRead::Wait,
     }
 }
